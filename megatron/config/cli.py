@@ -1,0 +1,294 @@
+"""Flags generated from the schema, YAML loading, ``-o`` overrides, and the YAML dump.
+
+Precedence: built-in default < YAML file (``-c``) < ``-o Section.key=value`` < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import yaml
+
+from megatron.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One configurable value: its YAML path (section keys then the leaf name) and type."""
+
+    path: tuple[str, ...]  # YAML keys, e.g. ("Optimizer", "lr", "max_lr")
+    attrs: tuple[str, ...]  # dataclass attributes, e.g. ("optimizer", "lr", "max_lr")
+    type: Any
+    help: str
+    choices: Optional[tuple]
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+
+# Short and Megatron-LM names -> leaf name.
+ALIASES: dict[str, str] = {
+    "--tp": "mp_degree",
+    "--tensor-model-parallel-size": "mp_degree",
+    "--pp": "pp_degree",
+    "--pipeline-model-parallel-size": "pp_degree",
+    "--dp": "dp_degree",
+    "--data-parallel-size": "dp_degree",
+    "--vpp": "virtual_pp_degree",
+    "--virtual-pipeline-model-parallel-size": "virtual_pp_degree",
+    "--lr": "max_lr",
+    "--lr-decay-iters": "decay_steps",
+    "--lr-warmup-fraction": "warmup_rate",
+    "--lr-warmup-iters": "warmup_steps",
+    "--train-iters": "max_steps",
+    "--seq-length": "max_seq_len",
+    "--data-path": "input_dir",
+    "--save": "output_dir",
+    "--load": "ckpt_dir",
+    "--save-interval": "save_steps",
+    "--log-interval": "logging_freq",
+    "--eval-interval": "eval_freq",
+    "--clip-grad": "grad_clip",
+    "--fp16": "use_pure_fp16",
+    "--adam-eps": "adam_epsilon",
+    "--hidden-dropout": "hidden_dropout_prob",
+    "--attention-dropout": "attention_probs_dropout_prob",
+    "--init-method-std": "initializer_range",
+    "--initial-loss-scale": "scale_loss",
+    "--sharding": "sharding_degree",
+}
+
+
+def iter_leaves(cls: type = Config, path: tuple = (), attrs: tuple = ()) -> Iterator[Leaf]:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "section" in f.metadata:
+            yield from iter_leaves(hints[f.name], path + (f.metadata["section"],), attrs + (f.name,))
+        else:
+            yield Leaf(path + (f.name,), attrs + (f.name,), hints[f.name], f.metadata["help"],
+                       f.metadata.get("choices"))
+
+
+LEAVES: dict[str, Leaf] = {leaf.name: leaf for leaf in iter_leaves()}
+SECTIONS: set[str] = {key for leaf in LEAVES.values() for key in leaf.path[:-1]}
+
+
+def _closest(word: str, candidates: Sequence[str]) -> str:
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def coerce(leaf: Leaf, value: Any) -> Any:
+    """Convert a YAML or command-line value to the leaf's type, or raise ConfigError."""
+    tp, optional = _strip_optional(leaf.type)
+    where = leaf.dotted
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise ConfigError(f"{where} cannot be empty; give a {getattr(tp, '__name__', tp)}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{where} must be true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value))
+        except ValueError:
+            raise ConfigError(f"{where} must be an integer, got {value!r}.") from None
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(str(value))
+        except ValueError:
+            raise ConfigError(f"{where} must be a number, got {value!r}.") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where} must be a string, got {value!r}.")
+        text = str(value)
+        if leaf.choices and text not in leaf.choices:
+            raise ConfigError(f"{where} must be one of {', '.join(leaf.choices)}, got {text!r}.")
+        return text
+    if typing.get_origin(tp) is list:
+        items = value if isinstance(value, list) else [v for v in str(value).replace(",", " ").split()]
+        try:
+            return [int(v) for v in items]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a list of integers, got {value!r}.") from None
+    raise TypeError(f"unsupported config type {tp} for {where}")
+
+
+def _set(config: Config, leaf: Leaf, value: Any) -> None:
+    obj = config
+    for attr in leaf.attrs[:-1]:
+        obj = getattr(obj, attr)
+    setattr(obj, leaf.attrs[-1], coerce(leaf, value))
+
+
+def get(config: Config, name: str) -> Any:
+    obj = config
+    for attr in LEAVES[name].attrs:
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _flatten_yaml(tree: dict, path: tuple[str, ...], source: str) -> Iterator[tuple[Leaf, Any]]:
+    for key, value in tree.items():
+        key = str(key)
+        if key in LEAVES:
+            leaf = LEAVES[key]
+            if leaf.path[:-1] != path:
+                want = ".".join(leaf.path[:-1]) or "the top level"
+                got = ".".join(path) or "the top level"
+                raise ConfigError(f"{source}: '{key}' belongs under {want}, found under {got}.")
+            yield leaf, value
+        elif key in SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{key}' is a section and needs nested keys, got {value!r}.")
+            yield from _flatten_yaml(value, path + (key,), source)
+        else:
+            raise ConfigError(f"{source}: unknown key '{key}'{_closest(key, list(LEAVES) + list(SECTIONS))}")
+
+
+def load_yaml(path: str) -> list[tuple[Leaf, Any]]:
+    """Read a FleetX-style YAML file (with or without the PreTraining: wrapper)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist; check the path given to -c.")
+    with open(path) as f:
+        try:
+            tree = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(tree).__name__}.")
+    if set(tree) == {"PreTraining"}:
+        tree = tree["PreTraining"] or {}
+    return list(_flatten_yaml(tree, (), path))
+
+
+def parse_override(text: str) -> tuple[Leaf, Any]:
+    """``Section.key=value`` (the section path may be shortened to just the key)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like Section.key=value.")
+    dotted, raw = text.split("=", 1)
+    keys = [k for k in dotted.strip().split(".") if k]
+    if keys and keys[0] == "PreTraining":
+        keys = keys[1:]
+    name = keys[-1] if keys else ""
+    if name not in LEAVES:
+        raise ConfigError(f"override '{text}': unknown key '{name}'{_closest(name, list(LEAVES))}")
+    leaf = LEAVES[name]
+    if len(keys) > 1 and tuple(keys) != leaf.path:
+        raise ConfigError(f"override '{text}': the key is {leaf.dotted}.")
+    return leaf, yaml.safe_load(raw) if raw.strip() else None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, no usage dump
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pretrain_gpt.py", allow_abbrev=False, argument_default=argparse.SUPPRESS,
+        description="Pretrain a GPT. Every YAML leaf key is a flag; precedence: default < -c YAML < -o < flags.")
+    parser.add_argument("-c", "--config", help="YAML config file (FleetX structure).")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="Section.key=value",
+                        help="Override one YAML value; may repeat.")
+    aliases: dict[str, list[str]] = {}
+    for alias, name in ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    for leaf in LEAVES.values():
+        names = [leaf.flag] + aliases.get(leaf.name, [])
+        tp, _ = _strip_optional(leaf.type)
+        help_text = f"{leaf.help} [{leaf.dotted}]"
+        if tp is bool:
+            parser.add_argument(*names, dest=leaf.name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(tp) is list:
+            parser.add_argument(*names, dest=leaf.name, nargs="*", help=help_text)
+        elif leaf.name == "input_dir":  # Megatron's --data-path takes 'w1 p1 w2 p2'
+            parser.add_argument(*names, dest=leaf.name, nargs="+", help=help_text)
+        else:
+            parser.add_argument(*names, dest=leaf.name, choices=leaf.choices, help=help_text)
+    return parser
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
+    """Build the (not yet validated) Config from a command line."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [s for a in parser._actions for s in a.option_strings]
+        bad = unknown[0].split("=")[0]
+        hint = _closest(bad, flags) if bad.startswith("-") else ""
+        raise ConfigError(f"unknown argument '{bad}'{hint or '; see --help for the flags.'}")
+    given = vars(args)
+    config = Config()
+    if "config" in given:
+        for leaf, value in load_yaml(given.pop("config")):
+            _set(config, leaf, value)
+    for text in given.pop("override", []):
+        _set(config, *parse_override(text))
+    for name, value in given.items():
+        if name == "input_dir" and isinstance(value, list):
+            value = " ".join(value)
+        _set(config, LEAVES[name], value)
+    return config
+
+
+def to_dict(config: Config) -> dict:
+    """The nested YAML structure of a config (the inverse of load_yaml)."""
+    tree: dict = {}
+    for leaf in LEAVES.values():
+        node = tree
+        for key in leaf.path[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf.name] = get(config, leaf.name)
+    return tree
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None)
+
+
+def save_yaml(config: Config, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_yaml(config))
+    os.replace(tmp, path)

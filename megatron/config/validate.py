@@ -1,0 +1,157 @@
+"""Cross-field checks with clear errors, and the derived values, filled in once.
+
+``validate(config, world_size)`` fills every ``None`` that has a derived value (batch sizes,
+ffn_hidden_size, dp_degree, decay/warm-up steps, recompute granularity, device) and raises
+ConfigError on the first inconsistency. It returns the warnings it found (never fatal).
+"""
+
+from __future__ import annotations
+
+from megatron.config.cli import ConfigError
+from megatron.config.schema import Config
+
+# Parallel features not built yet: refused, never silently ignored.
+_NOT_BUILT = {
+    "mp_degree": "tensor parallelism",
+    "pp_degree": "pipeline parallelism",
+    "virtual_pp_degree": "interleaved pipeline parallelism",
+    "sharding_degree": "group-sharded (ZeRO) parallelism",
+}
+
+
+def _fail(message: str) -> None:
+    raise ConfigError(message)
+
+
+def _check_model(config: Config) -> None:
+    m = config.model
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings"):
+        if getattr(m, name) < 1:
+            _fail(f"Model.{name} must be at least 1, got {getattr(m, name)}.")
+    if m.hidden_size % m.num_attention_heads:
+        _fail(f"Model.num_attention_heads ({m.num_attention_heads}) must divide Model.hidden_size "
+              f"({m.hidden_size}).")
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            _fail(f"Model.{name} must be in [0, 1), got {getattr(m, name)}.")
+    if config.dataset.max_seq_len > m.max_position_embeddings:
+        _fail(f"dataset.max_seq_len ({config.dataset.max_seq_len}) exceeds Model.max_position_embeddings "
+              f"({m.max_position_embeddings}); raise max_position_embeddings or shorten the sequences.")
+
+
+def _check_distributed(config: Config, world_size: int) -> None:
+    d = config.distributed
+    for name in ("mp_degree", "pp_degree", "virtual_pp_degree"):
+        if getattr(d, name) < 1:
+            _fail(f"Distributed.{name} must be at least 1, got {getattr(d, name)}.")
+    if d.sharding.sharding_degree < 1:
+        _fail(f"sharding_degree must be at least 1, got {d.sharding.sharding_degree}.")
+    for name, what in _NOT_BUILT.items():
+        value = d.sharding.sharding_degree if name == "sharding_degree" else getattr(d, name)
+        if value > 1:
+            _fail(f"{name}={value} asks for {what}, which this version does not support yet; "
+                  f"set {name} to 1.")
+    if d.sequence_parallel:
+        _fail("sequence_parallel needs tensor parallelism, which this version does not support yet.")
+    model_parallel = d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+    if d.dp_degree is None:
+        if world_size % model_parallel:
+            _fail(f"world size {world_size} is not divisible by mp_degree x pp_degree x sharding_degree "
+                  f"= {model_parallel}.")
+        d.dp_degree = world_size // model_parallel
+    if d.dp_degree < 1 or d.dp_degree * model_parallel != world_size:
+        _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * model_parallel} "
+              f"but {world_size} process(es) were launched; make them equal.")
+    if d.dp_degree > 1:
+        _fail(f"dp_degree={d.dp_degree} asks for data parallelism, which this version does not support "
+              f"yet; launch one process.")
+
+
+def _check_batch(config: Config) -> None:
+    b, dp = config.batch_size, config.data_parallel_size
+    for name in ("global_batch_size", "local_batch_size", "micro_batch_size"):
+        value = getattr(b, name)
+        if value is not None and value < 1:
+            _fail(f"batch_size.{name} must be at least 1, got {value}.")
+    if b.global_batch_size is None and b.local_batch_size is None:
+        b.local_batch_size = b.micro_batch_size or 8
+    if b.local_batch_size is None:
+        if b.global_batch_size % dp:
+            _fail(f"global_batch_size ({b.global_batch_size}) must be divisible by the data-parallel size "
+                  f"dp_degree x sharding_degree = {dp}.")
+        b.local_batch_size = b.global_batch_size // dp
+    if b.global_batch_size is None:
+        b.global_batch_size = b.local_batch_size * dp
+    if b.global_batch_size != b.local_batch_size * dp:
+        _fail(f"global_batch_size ({b.global_batch_size}) must equal local_batch_size ({b.local_batch_size}) "
+              f"x data-parallel size ({dp}).")
+    if b.micro_batch_size is None:
+        b.micro_batch_size = b.local_batch_size
+    if b.local_batch_size % b.micro_batch_size:
+        _fail(f"local_batch_size ({b.local_batch_size}) must be a multiple of micro_batch_size "
+              f"({b.micro_batch_size}).")
+
+
+def _check_optimizer(config: Config, warnings: list[str]) -> None:
+    o, lr = config.optimizer, config.optimizer.lr
+    if lr.max_lr < lr.min_lr:
+        warnings.append(f"max_lr ({lr.max_lr:g}) is below min_lr ({lr.min_lr:g}): the 'decay' will raise the "
+                        f"learning rate. The FleetX example had this bug; swap them unless you mean it.")
+    if lr.decay_steps is None:
+        lr.decay_steps = config.max_steps
+    if lr.warmup_steps is None:
+        if not 0.0 <= lr.warmup_rate <= 1.0:
+            _fail(f"warmup_rate must be in [0, 1], got {lr.warmup_rate}.")
+        lr.warmup_steps = int(lr.warmup_rate * lr.decay_steps)
+    if lr.warmup_steps < 0 or lr.decay_steps < 1:
+        _fail(f"warmup_steps ({lr.warmup_steps}) must be >= 0 and decay_steps ({lr.decay_steps}) >= 1.")
+    if o.grad_clip < 0:
+        _fail(f"grad_clip must be >= 0 (0 disables clipping), got {o.grad_clip}.")
+    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
+        _fail(f"adam_beta1 and adam_beta2 must be in [0, 1), got {o.adam_beta1} and {o.adam_beta2}.")
+
+
+def _check_training(config: Config, cuda_available: bool) -> None:
+    if config.device is None:
+        config.device = "gpu" if cuda_available else "cpu"
+    if config.device == "gpu" and not cuda_available:
+        _fail("device is gpu but no CUDA device is visible; pass --device cpu or run on a GPU machine.")
+    for name in ("max_steps", "logging_freq", "eval_freq", "num_train_epochs"):
+        if getattr(config, name) < 1:
+            _fail(f"{name} must be at least 1, got {getattr(config, name)}.")
+    if config.eval_iters < 0:
+        _fail(f"eval_iters must be >= 0, got {config.eval_iters}.")
+    mp = config.mix_precision
+    if mp.bf16 and mp.use_pure_fp16:
+        _fail("bf16 and use_pure_fp16 are both set; choose one precision.")
+    if mp.scale_loss <= 0:
+        _fail(f"scale_loss must be positive, got {mp.scale_loss}.")
+    if config.use_recompute and config.recompute_granularity is None:
+        config.recompute_granularity = "full"
+    for layer in config.no_recompute_layers or []:
+        if not 0 <= layer < config.model.num_layers:
+            _fail(f"no_recompute_layers holds {layer}, but layers are numbered 0..{config.model.num_layers - 1}.")
+    if config.save_load.save_steps is not None and config.save_load.save_steps < 1:
+        _fail(f"save_steps must be at least 1, got {config.save_load.save_steps}.")
+    if config.save_load.ckpt_dir:
+        _fail("ckpt_dir is set, but loading checkpoints is not supported by this version yet; remove it.")
+    if not config.dataset.mock_data:
+        if config.dataset.input_dir:
+            _fail("input_dir is set, but reading indexed datasets is not supported by this version yet; "
+                  "use --mock-data.")
+        _fail("no training data: pass --mock-data for synthetic data.")
+    if config.peak_tflops is not None and config.peak_tflops <= 0:
+        _fail(f"peak_tflops must be positive, got {config.peak_tflops}.")
+
+
+def validate(config: Config, world_size: int = 1, cuda_available: bool = False) -> list[str]:
+    """Check ``config`` in place and fill its derived values; return warnings."""
+    warnings: list[str] = []
+    _check_model(config)
+    _check_distributed(config, world_size)
+    _check_batch(config)
+    _check_optimizer(config, warnings)
+    _check_training(config, cuda_available)
+    return warnings

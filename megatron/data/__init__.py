@@ -1,0 +1,1 @@
+"""Datasets, sampling and batching."""

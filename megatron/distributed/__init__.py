@@ -1,0 +1,1 @@
+"""Gradient buffers and (later) data-parallel gradient synchronisation."""

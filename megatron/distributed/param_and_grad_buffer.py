@@ -1,0 +1,67 @@
+"""Contiguous parameter and gradient buffers.
+
+All trainable parameters are re-pointed into one flat tensor in the model's dtype, and their
+fp32 gradients ("main grads") live in one flat fp32 tensor with the same layout. Parameters
+are laid out in groups (e.g. weight-decay / no-decay) so that each group is one contiguous
+range: the optimizer then steps a handful of flat tensors instead of hundreds of small ones,
+and gradient reductions and sharding (later) operate on ranges of one buffer.
+
+Gradient flow: for fp32 parameters ``param.grad`` *is* the main-grad view, and autograd
+accumulates into it in place. For bf16/fp16 parameters a post-accumulate hook adds
+``param.grad`` into the fp32 ``param.main_grad`` and frees it, so accumulation over
+micro-batches happens in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamRange:
+    name: str
+    start: int
+    end: int
+    shape: torch.Size
+
+
+class ParamAndGradBuffer:
+    """``groups``: lists of (name, parameter); each group becomes one contiguous range."""
+
+    def __init__(self, groups: list[list[tuple[str, nn.Parameter]]], grad_dtype: torch.dtype = torch.float32):
+        params = [p for group in groups for _, p in group]
+        if not params:
+            raise ValueError("no trainable parameters")
+        dtype, device = params[0].dtype, params[0].device
+        numel = sum(p.numel() for p in params)
+        self.param_data = torch.empty(numel, dtype=dtype, device=device)
+        self.grad_data = torch.zeros(numel, dtype=grad_dtype, device=device)
+        self.ranges: list[ParamRange] = []
+        self.group_bounds: list[tuple[int, int]] = []
+        self._hooks = []
+        offset = 0
+        for group in groups:
+            group_start = offset
+            for name, p in group:
+                end = offset + p.numel()
+                self.param_data[offset:end].copy_(p.detach().reshape(-1))
+                p.data = self.param_data[offset:end].view_as(p)
+                p.main_grad = self.grad_data[offset:end].view_as(p)
+                if p.dtype == grad_dtype:
+                    p.grad = p.main_grad  # autograd accumulates in place
+                else:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+                self.ranges.append(ParamRange(name, offset, end, p.shape))
+                offset = end
+            self.group_bounds.append((group_start, offset))
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+
+
+def _accumulate_main_grad(param: torch.Tensor) -> None:
+    param.main_grad.add_(param.grad)
+    param.grad = None

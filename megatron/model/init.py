@@ -1,0 +1,54 @@
+"""Layout-invariant initialisation.
+
+Every parameter is drawn at its full (global) shape from a generator seeded by
+``(seed, global parameter name)``, so the same name always holds the same values whatever
+the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatron-LM):
+
+- LayerNorm: weight 1, bias 0; every other bias 0.
+- Embeddings and linear weights: N(0, initializer_range).
+- Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``):
+  N(0, initializer_range / sqrt(2 x num_layers)).
+- Padded vocabulary rows of the word embedding: 0 (they are never looked up, and the loss
+  masks them out of the softmax).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from megatron.config.schema import ModelConfig
+
+_SCALED_OUTPUTS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed for (seed, parameter name), equal on every rank and run."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
+    """The fp32 initial value of the parameter called ``name`` at its full ``shape``."""
+    if name.endswith("layernorm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    std = cfg.initializer_range
+    if name.endswith(_SCALED_OUTPUTS):
+        std /= math.sqrt(2.0 * cfg.num_layers)
+    generator = torch.Generator().manual_seed(name_seed(seed, name))
+    if name.endswith("word_embeddings.weight"):
+        value = torch.zeros(shape)
+        value[: cfg.vocab_size].normal_(0.0, std, generator=generator)
+        return value
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
+    for name, param in model.named_parameters():
+        param.copy_(init_value(name, param.shape, seed, cfg))

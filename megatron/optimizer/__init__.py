@@ -1,0 +1,36 @@
+"""AdamW with fp32 master weights, loss scaling, clipping and the LR schedule."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from megatron.config.schema import Config
+from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.optimizer.lr_schedule import CosineWithWarmup
+from megatron.optimizer.optimizer import MixedPrecisionOptimizer, StepResult
+
+
+def build_grad_scaler(config: Config) -> Optional[ConstantGradScaler]:
+    """A loss scaler for fp16 (dynamic unless disabled); None for fp32 and bf16."""
+    mp = config.mix_precision
+    if not mp.use_pure_fp16:
+        return None
+    if not mp.dynamic_loss_scale:
+        return ConstantGradScaler(mp.scale_loss)
+    return DynamicGradScaler(mp.scale_loss, min_scale=mp.min_loss_scale,
+                             growth_interval=mp.loss_scale_window, hysteresis=mp.hysteresis)
+
+
+def build_optimizer(model: nn.Module, config: Config) -> MixedPrecisionOptimizer:
+    return MixedPrecisionOptimizer(model, config.optimizer, build_grad_scaler(config))
+
+
+def build_lr_schedule(config: Config) -> CosineWithWarmup:
+    lr = config.optimizer.lr
+    return CosineWithWarmup(lr.max_lr, lr.min_lr, lr.warmup_steps, lr.decay_steps)
+
+
+__all__ = ["ConstantGradScaler", "CosineWithWarmup", "DynamicGradScaler", "MixedPrecisionOptimizer",
+           "StepResult", "build_grad_scaler", "build_lr_schedule", "build_optimizer"]

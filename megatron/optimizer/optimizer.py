@@ -1,0 +1,95 @@
+"""The mixed-precision optimizer: fp32 master weights and main grads around AdamW.
+
+Composition, not inheritance: this wrapper owns the flat parameter/gradient buffer, the fp32
+master copy of the parameters (the model's own buffer when training in fp32), the loss
+scaler and clipping; the inner ``torch.optim.AdamW`` sees one flat fp32 tensor per
+weight-decay group and steps it with the fused kernel where available.
+
+One step: unscale the fp32 gradients (fp16) and check them for inf/nan (skip the step and
+back the scale off if found) -> global norm -> clip -> AdamW on the masters -> copy the
+masters back into the low-precision parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron.config.schema import OptimizerConfig
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.optimizer.clip_grads import clip_grads, global_grad_norm
+from megatron.optimizer.grad_scaler import ConstantGradScaler
+
+
+def weight_decay_groups(model: nn.Module) -> tuple[list, list]:
+    """(decay, no_decay) lists of (name, param): biases and norm weights (1-D) get no decay."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append((name, p))
+    return decay, no_decay
+
+
+@dataclass
+class StepResult:
+    applied: bool  # False when skipped for inf/nan gradients
+    grad_norm: Optional[float]  # before clipping; None when skipped
+
+
+def _supports_fused(device: torch.device) -> bool:
+    return device.type in ("cpu", "cuda")
+
+
+class MixedPrecisionOptimizer:
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: Optional[ConstantGradScaler] = None):
+        decay, no_decay = weight_decay_groups(model)
+        groups = [g for g in (decay, no_decay) if g]
+        self.buffer = ParamAndGradBuffer(groups)
+        self.grad_scaler = grad_scaler
+        self.max_norm = cfg.grad_clip
+        low_precision = self.buffer.param_data.dtype != torch.float32
+        param_groups = []
+        self.masters: list[nn.Parameter] = []
+        for (start, end), group in zip(self.buffer.group_bounds, groups):
+            view = self.buffer.param_data[start:end]
+            master = nn.Parameter(view.detach().float() if low_precision else view, requires_grad=False)
+            master.grad = self.buffer.grad_data[start:end]
+            self.masters.append(master)
+            param_groups.append({"params": [master], "weight_decay": cfg.weight_decay if group is decay else 0.0})
+        device = self.buffer.param_data.device
+        self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                       eps=cfg.adam_epsilon, fused=_supports_fused(device))
+        self._low_precision = low_precision
+
+    @property
+    def loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def zero_grad(self) -> None:
+        self.buffer.zero_grad()
+
+    def main_grads(self) -> list[torch.Tensor]:
+        return [self.buffer.grad_data]
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        grads = self.main_grads()
+        if self.grad_scaler is not None:
+            for g in grads:
+                g.mul_(1.0 / self.grad_scaler.scale)
+            found_inf = not all(bool(torch.isfinite(g).all()) for g in grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return StepResult(False, None)
+        norm = global_grad_norm(grads)
+        clip_grads(grads, self.max_norm, norm)
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        if self._low_precision:
+            for master, (start, end) in zip(self.masters, self.buffer.group_bounds):
+                self.buffer.param_data[start:end].copy_(master)
+        return StepResult(True, float(norm))

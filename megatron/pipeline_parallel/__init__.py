@@ -1,0 +1,1 @@
+"""Pipeline schedules (and, later, stage partitioning and p2p communication)."""

@@ -1,0 +1,192 @@
+"""The training loop: train step, evaluation, the log line and metrics. No model code here.
+
+``pretrain()`` is the whole run; ``pretrain_gpt.py`` supplies what is GPT-specific (the model
+provider, the datasets provider and ``forward_step``), as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from megatron import device as dev
+from megatron.config import Config, save_yaml, to_yaml
+from megatron.data.loader import build_loader, split_micro_batches
+from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
+from megatron.model import num_parameters
+from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule, build_optimizer
+from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
+
+ModelProvider = Callable[[Config, torch.device], torch.nn.Module]
+DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each has __len__, __getitem__, eod_id
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (applied or skipped)
+    consumed_samples: int = 0
+    skipped_steps: int = 0
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, optimizer: MixedPrecisionOptimizer,
+               lr: float, micro_batch_size: int) -> tuple[float, StepResult]:
+    """One optimizer step over a local batch; returns (token-mean loss, step result)."""
+    num_tokens = max(float(batch["loss_mask"].sum()), 1.0)
+    optimizer.zero_grad()
+    model.train()
+    loss_sum = forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size), model,
+                                              num_tokens, optimizer.loss_scale)
+    result = optimizer.step(lr)
+    return float(loss_sum) / num_tokens, result
+
+
+@torch.no_grad()
+def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_batch_size: int,
+             max_batches: int, device: torch.device) -> Optional[float]:
+    """Token-mean loss over the first ``max_batches`` batches of ``loader`` (None if empty)."""
+    model.eval()
+    total, tokens = 0.0, 0.0
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        batch = _to_device(batch, device)
+        n = float(batch["loss_mask"].sum())
+        total += float(forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size),
+                                                      model, max(n, 1.0), forward_only=True))
+        tokens += n
+    model.train()
+    return total / tokens if tokens else None
+
+
+class Trainer:
+    """Holds what the loop needs; ``run()`` trains, evaluates and tests."""
+
+    def __init__(self, config: Config, model: torch.nn.Module, forward_step: ForwardStep, datasets: tuple,
+                 device: torch.device, world_size: int = 1, is_logging_rank: bool = True):
+        self.config, self.model, self.forward_step, self.device = config, model, forward_step, device
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.world_size = world_size
+        self.optimizer = build_optimizer(model, config)
+        self.schedule: CosineWithWarmup = build_lr_schedule(config)
+        self.state = TrainState()
+        self.log = get_logger()
+        self.writer = MetricsWriter(config.save_load.output_dir, config.save_load.tensorboard_dir, is_logging_rank)
+        self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
+        self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
+        self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
+
+    def _loader(self, dataset, consumed: int = 0):
+        b = self.config.batch_size
+        return build_loader(dataset, consumed, b.global_batch_size, dataset.eod_id, self.config.dataset.eod_mask_loss)
+
+    def _extras(self, result: StepResult, batch_cost: float) -> dict:
+        tflops = self.flops_per_step / batch_cost / self.world_size / 1e12
+        return {
+            "loss_scale": self.optimizer.loss_scale if self.optimizer.grad_scaler else None,
+            "grad_norm": result.grad_norm,
+            "tflops": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "max_memory_gb": dev.peak_memory_bytes(self.device) / 2**30,
+            "skipped_steps": self.state.skipped_steps,
+        }
+
+    def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float) -> None:
+        c, s = self.config, self.state
+        per_epoch = max(len(self.train_ds) // c.batch_size.global_batch_size, 1)
+        epoch, batch_in_epoch = divmod(s.step - 1, per_epoch)
+        extras = self._extras(result, batch_cost)
+        shown = {"loss scale": extras["loss_scale"],
+                 "grad norm": None if result.grad_norm is None else f"{result.grad_norm:.5f}",
+                 "TFLOP/s": f"{extras['tflops']:.2f}",
+                 "MFU": None if extras["mfu"] is None else f"{100 * extras['mfu']:.2f}%",
+                 "max memory": f"{extras['max_memory_gb']:.2f} GB",
+                 "skipped steps": s.skipped_steps or None}
+        self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, self.tokens_per_step,
+                                      self.world_size, lr, shown))
+        ips_total = self.tokens_per_step / batch_cost
+        self.writer.write({"split": "train", "step": s.step, "epoch": epoch, "batch": batch_in_epoch, "loss": loss,
+                           "learning_rate": lr, "ips_total": ips_total, "ips": ips_total / self.world_size,
+                           "avg_reader_cost": reader, "avg_batch_cost": batch_cost,
+                           "consumed_samples": s.consumed_samples, **extras})
+
+    def _evaluate(self, split: str, dataset) -> None:
+        c = self.config
+        if dataset is None or len(dataset) < c.batch_size.global_batch_size or c.eval_iters == 0:
+            return
+        loss = evaluate(self.forward_step, self._loader(dataset), self.model, c.batch_size.micro_batch_size,
+                        c.eval_iters, self.device)
+        if loss is None:
+            return
+        ppl = math.exp(min(loss, 50.0))
+        name = "validation" if split == "valid" else "test"
+        self.log.info(f"{name} results at global step {self.state.step} | loss: {loss:.9f} | ppl: {ppl:.5f}")
+        self.writer.write({"split": split, "step": self.state.step, "loss": loss, "perplexity": ppl})
+
+    def run(self) -> TrainState:
+        c, s = self.config, self.state
+        train_steps = min(c.max_steps, c.num_train_epochs * (len(self.train_ds) // c.batch_size.global_batch_size))
+        loader = iter(self._loader(self.train_ds, s.consumed_samples))
+        reader_time = batch_time = 0.0
+        window = 0
+        dev.reset_peak_memory(self.device)
+        while s.step < train_steps:
+            start = time.perf_counter()
+            batch = _to_device(next(loader), self.device)
+            reader_time += time.perf_counter() - start
+            s.step += 1
+            lr = self.schedule(s.step)
+            loss, result = train_step(self.forward_step, batch, self.model, self.optimizer, lr,
+                                      c.batch_size.micro_batch_size)
+            s.consumed_samples += c.batch_size.global_batch_size
+            s.skipped_steps += 0 if result.applied else 1
+            dev.synchronize(self.device)
+            batch_time += time.perf_counter() - start
+            window += 1
+            if s.step % c.logging_freq == 0 or s.step == train_steps:
+                self._log_step(loss, lr, result, reader_time / window, batch_time / window)
+                reader_time = batch_time = 0.0
+                window = 0
+            if s.step % c.eval_freq == 0 and s.step < train_steps:
+                self._evaluate("valid", self.valid_ds)
+        self._evaluate("valid", self.valid_ds)
+        self._evaluate("test", self.test_ds)
+        self.writer.close()
+        return s
+
+
+def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
+             forward_step: ForwardStep, warnings: tuple[str, ...] = ()) -> TrainState:
+    """Build everything from ``config`` and train. Single process for now."""
+    log = get_logger()
+    for warning in warnings:
+        log.warning(warning)
+    log.info("resolved configuration:\n" + to_yaml(config))
+    os.makedirs(c_out := config.save_load.output_dir, exist_ok=True)
+    save_yaml(config, os.path.join(c_out, "config.yaml"))
+    if config.save_load.save_steps:
+        log.warning("save_steps is set, but saving checkpoints is not supported by this version yet; "
+                    "no checkpoint will be written.")
+    set_seed(config.seed)
+    device = dev.get_device(config.device)
+    model = model_provider(config, device)
+    log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
+             f"device {dev.device_name(device)}")
+    trainer = Trainer(config, model, forward_step, datasets_provider(config), device)
+    return trainer.run()
