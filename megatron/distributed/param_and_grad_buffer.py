@@ -7,7 +7,7 @@ range: the optimizer then steps a handful of flat tensors instead of hundreds of
 and gradient reductions and sharding (later) operate on ranges of one buffer.
 
 Gradient flow: for fp32 parameters ``param.grad`` *is* the main-grad view, and autograd
-accumulates into it in place. For bf16/fp16 parameters a post-accumulate hook adds
+accumulates into it in place (a hook repairs the link if ``param.grad`` was reset). For bf16/fp16 parameters a post-accumulate hook adds
 ``param.grad`` into the fp32 ``param.main_grad`` and frees it, so accumulation over
 micro-batches happens in fp32.
 """
@@ -52,8 +52,7 @@ class ParamAndGradBuffer:
                 p.main_grad = self.grad_data[offset:end].view_as(p)
                 if p.dtype == grad_dtype:
                     p.grad = p.main_grad  # autograd accumulates in place
-                else:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
                 self.ranges.append(ParamRange(name, offset, end, p.shape))
                 offset = end
             self.group_bounds.append((group_start, offset))
@@ -63,5 +62,14 @@ class ParamAndGradBuffer:
 
 
 def _accumulate_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None
+    """Move a freshly accumulated ``param.grad`` into the fp32 main grad.
+
+    For fp32 parameters ``param.grad`` normally already is the main grad (nothing to do);
+    if something reset it to None (``model.zero_grad()``), autograd stored a new tensor,
+    which is folded back here so that no gradient is lost.
+    """
+    grad = param.grad
+    if grad is param.main_grad:
+        return
+    param.main_grad.add_(grad)
+    param.grad = param.main_grad if grad.dtype == param.main_grad.dtype else None

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import Config, ModelConfig
+from megatron.model.cross_entropy import token_cross_entropy
 from megatron.model.init import init_parameters
 from megatron.model.transformer import TransformerDecoderLayer
 
@@ -37,19 +38,6 @@ class GPTEmbedding(nn.Module):
         # Transposing the (small) index tensors gives [s, b, h] without copying activations.
         x = self.word_embeddings(tokens.t()) + self.position_embeddings(position_ids.t())
         return F.dropout(x, self.dropout, self.training)
-
-
-def vocab_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Per-token cross entropy in fp32. logits [s, b, V_padded], labels [s, b] -> [s, b].
-
-    Padded vocabulary entries (ids >= vocab_size) are excluded from the softmax, so the loss
-    does not depend on how much padding the layout needed.
-    """
-    logits = logits.float()
-    if logits.shape[-1] > vocab_size:
-        logits[..., vocab_size:] = float("-inf")
-    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    return loss.view(labels.shape)
 
 
 class GPTModel(nn.Module):
@@ -80,7 +68,7 @@ class GPTModel(nn.Module):
         logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied head: [s, b, V]
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
+        return token_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
 
 
 def build_model(config: Config, device: torch.device | str = "cpu") -> GPTModel:

@@ -1,0 +1,215 @@
+"""Training-step throughput of pretrain_gpt.py's step against a plain single-file PyTorch GPT.
+
+    python benchmarks/throughput.py                      # the default shape, fp32 and bf16
+    python benchmarks/throughput.py --steps 8 --write    # also update docs/benchmarks.md
+
+Both sides train the same shape on the same batches with AdamW and grad clipping 1.0:
+- project: megatron's GPTModel + MixedPrecisionOptimizer + train_step (bf16 = bf16 parameters
+  and compute with fp32 master weights and fp32 main grads);
+- reference: a nanoGPT-style model written below (fp32 parameters; bf16 = torch.autocast),
+  with torch.optim.AdamW at its defaults.
+Steps alternate between the two in rounds and the median step time of each is reported, so
+background load affects both alike. MFU is against the measured peak of a large matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.config import parse_config, validate  # noqa: E402
+from megatron.data.loader import build_batch  # noqa: E402
+from megatron.data.mock_dataset import MockGPTDataset  # noqa: E402
+from megatron.metrics import model_flops_per_token  # noqa: E402
+from megatron.model import build_model  # noqa: E402
+from megatron.optimizer import build_optimizer  # noqa: E402
+from megatron.training import train_step  # noqa: E402
+
+import pretrain_gpt  # noqa: E402
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
+BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"
+
+
+# ----------------------------------------------------------------------------- reference
+class RefAttention(nn.Module):
+    def __init__(self, h: int, nh: int):
+        super().__init__()
+        self.c_attn, self.c_proj, self.nh = nn.Linear(h, 3 * h), nn.Linear(h, h), nh
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.nh, C // self.nh).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class RefBlock(nn.Module):
+    def __init__(self, h: int, nh: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(h), RefAttention(h, nh), nn.LayerNorm(h)
+        self.c_fc, self.c_proj = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class RefGPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, h: int, nh: int, layers: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
+        self.h = nn.ModuleList(RefBlock(h, nh) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(h), nn.Linear(h, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def reference_step(model, opt, batch, ctx):
+    with ctx:
+        loss = model(batch["tokens"], batch["labels"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------- measurement
+def measured_peak_tflops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def project_config(args, precision: str):
+    flags = ["--mock-data", "--device", "cpu", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
+             "--num-attention-heads", str(args.heads), "--max-seq-len", str(args.seq), "--max-position-embeddings",
+             str(args.seq), "--vocab-size", str(args.vocab), "--micro-batch-size", str(args.micro_batch),
+             "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0", "--max-steps", "1000",
+             "--grad-clip", "1.0", "--weight-decay", "0.01", "--save", "/tmp/throughput_bench"]
+    if precision == "bf16":
+        flags.append("--bf16")
+    config = parse_config(flags)
+    validate(config)
+    return config
+
+
+def bench_precision(args, precision: str) -> dict:
+    config = project_config(args, precision)
+    data = MockGPTDataset(1000, args.seq, args.vocab, seed=1)
+    batches = [build_batch([data[i * args.micro_batch + j] for j in range(args.micro_batch)], data.eod_id)
+               for i in range(4)]
+    torch.manual_seed(0)
+    model = build_model(config)
+    opt = build_optimizer(model, config)
+    ref = RefGPT(config.padded_vocab_size, args.seq, args.hidden, args.heads, args.layers)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    def run_project(i):
+        train_step(pretrain_gpt.forward_step, batches[i % 4], model, opt, 1e-4, args.micro_batch)
+
+    def run_reference(i):
+        reference_step(ref, ref_opt, batches[i % 4], ctx)
+
+    times = {"project": [], "reference": []}
+    for i in range(args.warmup):
+        run_project(i)
+        run_reference(i)
+    for i in range(args.steps):
+        for name, fn in (("project", run_project), ("reference", run_reference)):
+            start = time.perf_counter()
+            fn(i)
+            times[name].append(time.perf_counter() - start)
+    tokens = args.micro_batch * args.seq
+    flops = model_flops_per_token(config) * tokens
+    peak = measured_peak_tflops(torch.bfloat16 if precision == "bf16" else torch.float32)
+    out = {"precision": precision, "peak": peak}
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        out[name] = {"step_s": t, "tokens_s": tokens / t, "mfu": flops / t / 1e12 / peak}
+    out["ratio"] = out["project"]["tokens_s"] / out["reference"]["tokens_s"]
+    return out
+
+
+def render(args, results: list[dict]) -> str:
+    lines = [f"Shape: layers {args.layers}, hidden {args.hidden}, heads {args.heads}, seq {args.seq}, "
+             f"micro batch {args.micro_batch}, vocab {args.vocab}; {torch.get_num_threads()} CPU threads, "
+             f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up steps.",
+             "",
+             "| precision | project tokens/s | project MFU | reference tokens/s | reference MFU | ratio | peak TFLOP/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        p, ref = r["project"], r["reference"]
+        lines.append(f"| {r['precision']} | {p['tokens_s']:.0f} | {100 * p['mfu']:.1f}% | {ref['tokens_s']:.0f} | "
+                     f"{100 * ref['mfu']:.1f}% | {r['ratio']:.2f}x | {r['peak']:.3f} |")
+    return "\n".join(lines)
+
+
+def write_docs(table: str, command: str) -> None:
+    text = open(DOCS).read() if os.path.exists(DOCS) else "# Benchmarks\n"
+    block = f"{BEGIN}\nCommand: `{command}`\n\n{table}\n{END}"
+    if BEGIN in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text += f"\n## Training-step throughput vs a plain PyTorch GPT (CPU)\n\n{block}\n"
+    with open(DOCS, "w") as f:
+        f.write(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args()
+    results = []
+    for precision in args.precisions:
+        r = bench_precision(args, precision)
+        results.append(r)
+        print(f"{precision}: project {r['project']['tokens_s']:.0f} tok/s (MFU {100 * r['project']['mfu']:.1f}%), "
+              f"reference {r['reference']['tokens_s']:.0f} tok/s (MFU {100 * r['reference']['mfu']:.1f}%), "
+              f"ratio {r['ratio']:.2f}x", flush=True)
+    table = render(args, results)
+    print(table)
+    if args.write:
+        write_docs(table, "python benchmarks/throughput.py " + " ".join(sys.argv[1:]))
+    if any(math.isnan(r["ratio"]) for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

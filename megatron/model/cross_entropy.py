@@ -1,0 +1,55 @@
+"""Cross entropy over the vocabulary, fused and chunked.
+
+``token_cross_entropy(logits [n, V], labels [n], vocab_size) -> losses [n]`` (fp32), equal to
+``F.cross_entropy(logits.float(), labels, reduction='none')`` with the padded vocabulary
+entries (ids >= vocab_size) excluded from the softmax, so the loss does not depend on how much
+padding a layout needs.
+
+Why not F.cross_entropy: it needs an fp32 copy of the whole logits tensor (for a 32k vocab
+and 2k tokens, 256 MiB) and separate passes for log-softmax, its backward and the dtype
+casts. Here the logits are processed in row chunks that stay in cache: each chunk is
+converted to fp32 once, and the gradient ``softmax - onehot`` is computed in the same pass
+and stored in the logits' dtype. The backward only scales it by the incoming per-token
+gradient (in place: the graph must not be backpropagated twice).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK_ELEMENTS = 1 << 20  # fp32 elements per chunk (4 MiB)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        n, padded = logits.shape
+        rows = max(1, _CHUNK_ELEMENTS // padded)
+        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        for start in range(0, n, rows):
+            x = logits[start:start + rows].float()
+            target = labels[start:start + rows, None]
+            if padded > vocab_size:
+                x[:, vocab_size:] = float("-inf")
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            losses[start:start + rows] = (lse - x.gather(1, target)).squeeze(1)
+            if grad is not None:
+                x.sub_(lse).exp_()  # softmax
+                x.scatter_add_(1, target, torch.full(target.shape, -1.0, device=x.device))
+                grad[start:start + rows].copy_(x)
+        ctx.save_for_backward(grad)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        grad.mul_(grad_losses.unsqueeze(1))  # computed in fp32, stored in the logits' dtype
+        return grad, None, None
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token losses (fp32) of ``logits [..., V_padded]`` against ``labels [...]``."""
+    shape = labels.shape
+    losses = _FusedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), vocab_size)
+    return losses.view(shape)

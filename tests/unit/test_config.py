@@ -1,0 +1,368 @@
+"""The configuration: schema, generated flags, YAML loading/dumping, precedence and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron.config import Config, ConfigError, parse_config, save_yaml, to_dict, to_yaml, validate
+from megatron.config.cli import LEAVES, build_parser, iter_leaves
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The seeds' (FleetX) structure: Model / Optimizer (with lr:) / Distributed (with sharding:)
+# sections, plus top-level keys and the batch_size / mix_precision / dataset / save_load sections.
+SEED_BODY = """\
+device: cpu
+max_steps: 200
+seed: 7
+logging_freq: 5
+batch_size:
+  global_batch_size: 16
+  micro_batch_size: 4
+mix_precision:
+  use_pure_fp16: false
+  scale_loss: 1024.0
+dataset:
+  mock_data: true
+  max_seq_len: 128
+save_load:
+  save_steps: 50
+  output_dir: ./out_seed
+Model:
+  vocab_size: 1000
+  hidden_size: 64
+  num_layers: 2
+  num_attention_heads: 4
+  max_position_embeddings: 256
+Optimizer:
+  weight_decay: 0.05
+  grad_clip: 0.5
+  lr:
+    decay_steps: 180
+    warmup_steps: 10
+    max_lr: 3.0e-4
+    min_lr: 3.0e-5
+Distributed:
+  dp_degree: 1
+  sharding:
+    sharding_degree: 1
+    sharding_stage: 2
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def valid_config(*argv: str) -> Config:
+    """A config that passes validation on one CPU process (mock data), plus the given flags."""
+    return parse_config(["--mock-data", "--device", "cpu", *argv])
+
+
+def check(config: Config) -> list[str]:
+    return validate(config, world_size=1, cuda_available=False)
+
+
+# ---------------------------------------------------------------- YAML form
+
+
+def test_yaml_round_trip(tmp_path):
+    config = valid_config("--hidden-size", "256", "--num-attention-heads", "8", "--num-layers", "3",
+                          "--lr", "6e-4", "--min-lr", "6e-5", "--train-iters", "1234",
+                          "--global-batch-size", "32", "--micro-batch-size", "4", "--bf16",
+                          "--use-recompute", "--no-recompute-layers", "0", "2", "--peak-tflops", "312.5",
+                          "--save", str(tmp_path / "run"), "--no-eod-mask-loss", "--scale-loss", "65536")
+    assert check(config) == []
+    path = tmp_path / "saved" / "config.yaml"
+    save_yaml(config, str(path))
+    assert path.read_text() == to_yaml(config)
+    loaded = parse_config(["-c", str(path)])
+    assert to_dict(loaded) == to_dict(config)  # the derived values came back too
+    assert check(loaded) == []
+    assert to_dict(loaded) == to_dict(config)
+    assert loaded == config
+    assert loaded.model.ffn_hidden_size == 1024 and loaded.num_micro_batches == 8
+    assert loaded.no_recompute_layers == [0, 2] and loaded.recompute_granularity == "full"
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["PreTraining", "unwrapped"])
+def test_seed_structure_loads(tmp_path, wrapped):
+    body = SEED_BODY
+    if wrapped:
+        body = "PreTraining:\n" + textwrap.indent(SEED_BODY, "  ")
+    config = parse_config(["-c", write(tmp_path, body)])
+    assert check(config) == []
+    assert config.device == "cpu" and config.max_steps == 200 and config.seed == 7 and config.logging_freq == 5
+    assert (config.model.hidden_size, config.model.num_layers, config.model.num_attention_heads) == (64, 2, 4)
+    assert config.model.ffn_hidden_size == 256
+    assert config.optimizer.weight_decay == 0.05 and config.optimizer.grad_clip == 0.5
+    lr = config.optimizer.lr
+    assert (lr.decay_steps, lr.warmup_steps, lr.max_lr, lr.min_lr) == (180, 10, 3.0e-4, 3.0e-5)
+    assert config.distributed.sharding.sharding_stage == 2 and config.distributed.dp_degree == 1
+    b = config.batch_size
+    assert (b.global_batch_size, b.local_batch_size, b.micro_batch_size) == (16, 16, 4)
+    assert config.mix_precision.scale_loss == 1024.0 and config.dataset.max_seq_len == 128
+    assert config.save_load.save_steps == 50 and config.save_load.output_dir == "./out_seed"
+
+
+def test_both_forms_give_the_same_config(tmp_path):
+    wrapped = parse_config(["-c", write(tmp_path, "PreTraining:\n" + textwrap.indent(SEED_BODY, "  "), "a.yaml")])
+    plain = parse_config(["-c", write(tmp_path, SEED_BODY, "b.yaml")])
+    assert to_dict(wrapped) == to_dict(plain)
+
+
+# ---------------------------------------------------------------- schema <-> flags
+
+
+def _sections(cls: type = Config) -> typing.Iterator[type]:
+    yield cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "section" in f.metadata:
+            yield from _sections(hints[f.name])
+
+
+def test_every_field_has_help():
+    classes = list(_sections())
+    assert len(classes) == 10  # Config + 9 sections
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            text = f.metadata.get("help")
+            assert isinstance(text, str) and text.strip(), f"{cls.__name__}.{f.name} has no help text"
+    assert "--hidden-size" in build_parser().format_help()  # and every help formats (no stray '%')
+
+
+def test_leaf_names_are_unique():
+    names = [leaf.name for leaf in iter_leaves()]
+    assert len(names) == len(set(names)) == len(LEAVES)
+
+
+def test_flags_equal_schema_leaves():
+    parser = build_parser()
+    options = {s: a.dest for a in parser._actions for s in a.option_strings}
+    for leaf in LEAVES.values():
+        assert options.get(leaf.flag) == leaf.name, f"{leaf.dotted} has no {leaf.flag}"
+    # argparse's own -h/--help is the only other action
+    extra = {a.dest for a in parser._actions} - set(LEAVES) - {"config", "override", "help"}
+    assert extra == set()
+    assert {a.dest for a in parser._actions} >= {"config", "override"}
+
+
+def test_to_dict_covers_every_leaf():
+    def count(tree):
+        return sum(count(v) if isinstance(v, dict) else 1 for v in tree.values())
+    assert count(to_dict(Config())) == len(LEAVES)
+
+
+# ---------------------------------------------------------------- precedence and flags
+
+
+def test_precedence_default_yaml_override_flag(tmp_path):
+    path = write(tmp_path, """\
+        Model:
+          hidden_size: 256
+          num_layers: 4
+          vocab_size: 2000
+        Optimizer:
+          lr:
+            max_lr: 1.0e-3
+    """)
+    config = parse_config(["-c", path, "-o", "Model.hidden_size=512", "-o", "num_layers=6",
+                           "-o", "Optimizer.lr.max_lr=2.0e-3", "--hidden-size", "768"])
+    assert config.model.hidden_size == 768      # default < YAML < -o < flag
+    assert config.model.num_layers == 6         # YAML < -o (shortened path)
+    assert config.optimizer.lr.max_lr == 2.0e-3  # YAML < -o (full path)
+    assert config.model.vocab_size == 2000      # YAML only
+    assert config.model.num_attention_heads == Config().model.num_attention_heads  # default
+    # flag order relative to -c / -o on the command line does not matter
+    again = parse_config(["--hidden-size", "768", "-o", "Model.hidden_size=512", "-c", path])
+    assert again.model.hidden_size == 768
+
+
+def test_override_with_wrong_section_path_is_refused():
+    with pytest.raises(ConfigError, match="Model.hidden_size"):
+        parse_config(["-o", "Optimizer.hidden_size=5"])
+
+
+@pytest.mark.parametrize("argv, attrs, expected", [
+    (["--tp", "2"], ("distributed", "mp_degree"), 2),
+    (["--pp", "3"], ("distributed", "pp_degree"), 3),
+    (["--dp", "4"], ("distributed", "dp_degree"), 4),
+    (["--vpp", "2"], ("distributed", "virtual_pp_degree"), 2),
+    (["--lr", "6e-4"], ("optimizer", "lr", "max_lr"), 6e-4),
+    (["--train-iters", "77"], ("max_steps",), 77),
+    (["--seq-length", "512"], ("dataset", "max_seq_len"), 512),
+    (["--fp16"], ("mix_precision", "use_pure_fp16"), True),
+    (["--clip-grad", "0.3"], ("optimizer", "grad_clip"), 0.3),
+    (["--data-path", "0.3", "/d/a_text", "0.7", "/d/b_text"], ("dataset", "input_dir"),
+     "0.3 /d/a_text 0.7 /d/b_text"),
+    (["--data-path", "/d/only_text"], ("dataset", "input_dir"), "/d/only_text"),
+    (["--save", "/tmp/run1"], ("save_load", "output_dir"), "/tmp/run1"),
+    (["--load", "/tmp/ckpt"], ("save_load", "ckpt_dir"), "/tmp/ckpt"),
+])
+def test_aliases(argv, attrs, expected):
+    obj = parse_config(argv)
+    for attr in attrs:
+        obj = getattr(obj, attr)
+    assert obj == expected and type(obj) is type(expected)
+
+
+def test_boolean_flags():
+    assert parse_config([]).dataset.mock_data is False
+    assert parse_config(["--mock-data"]).dataset.mock_data is True
+    assert parse_config(["--use-recompute"]).use_recompute is True
+    assert parse_config(["--no-eod-mask-loss"]).dataset.eod_mask_loss is False
+    assert parse_config(["--no-dynamic-loss-scale"]).mix_precision.dynamic_loss_scale is False
+    assert parse_config(["--no-fp16"]).mix_precision.use_pure_fp16 is False
+    assert parse_config(["--fp16", "--no-fp16"]).mix_precision.use_pure_fp16 is False  # last wins
+
+
+def test_boolean_flag_beats_yaml(tmp_path):
+    path = write(tmp_path, "dataset:\n  eod_mask_loss: true\n  mock_data: false\n")
+    config = parse_config(["-c", path, "--no-eod-mask-loss", "--mock-data"])
+    assert config.dataset.eod_mask_loss is False and config.dataset.mock_data is True
+
+
+# ---------------------------------------------------------------- user mistakes
+
+
+def test_unknown_flag_suggests_closest():
+    with pytest.raises(ConfigError, match="--hiden-size.*did you mean '--hidden-size'"):
+        parse_config(["--hiden-size", "128"])
+    with pytest.raises(ConfigError, match="did you mean '--num-layers'"):
+        parse_config(["--num-layer=4"])
+
+
+def test_unknown_yaml_key_suggests_closest(tmp_path):
+    path = write(tmp_path, "Model:\n  hiden_size: 128\n")
+    with pytest.raises(ConfigError, match="hiden_size.*did you mean 'hidden_size'"):
+        parse_config(["-c", path])
+
+
+def test_key_under_wrong_section(tmp_path):
+    path = write(tmp_path, "Optimizer:\n  hidden_size: 128\n")
+    with pytest.raises(ConfigError, match="'hidden_size' belongs under Model, found under Optimizer"):
+        parse_config(["-c", path])
+    path = write(tmp_path, "Optimizer:\n  max_lr: 1.0e-3\n", "b.yaml")  # belongs under Optimizer.lr
+    with pytest.raises(ConfigError, match="Optimizer.lr"):
+        parse_config(["-c", path])
+    path = write(tmp_path, "max_steps: 3\nModel:\n  max_steps: 3\n", "c.yaml")
+    with pytest.raises(ConfigError, match="the top level"):
+        parse_config(["-c", path])
+
+
+def test_wrong_types(tmp_path):
+    with pytest.raises(ConfigError, match="Model.hidden_size must be an integer, got 'abc'"):
+        parse_config(["-c", write(tmp_path, "Model:\n  hidden_size: abc\n")])
+    with pytest.raises(ConfigError, match="Model.hidden_size must be an integer"):
+        parse_config(["--hidden-size", "abc"])
+    with pytest.raises(ConfigError, match="max_lr must be a number"):
+        parse_config(["--lr", "fast"])
+    with pytest.raises(ConfigError, match="mock_data must be true or false"):
+        parse_config(["-c", write(tmp_path, "dataset:\n  mock_data: maybe\n", "b.yaml")])
+    with pytest.raises(ConfigError, match="device"):
+        parse_config(["--device", "tpu"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(["-c", str(tmp_path / "nope.yaml")])
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("argv, sizes", [
+    ([], (8, 8, 8)),
+    (["--global-batch-size", "16"], (16, 16, 16)),
+    (["--local-batch-size", "12"], (12, 12, 12)),
+    (["--micro-batch-size", "2"], (2, 2, 2)),
+    (["--global-batch-size", "16", "--micro-batch-size", "4"], (16, 16, 4)),
+    (["--local-batch-size", "16", "--micro-batch-size", "2"], (16, 16, 2)),
+    (["--global-batch-size", "8", "--local-batch-size", "8", "--micro-batch-size", "1"], (8, 8, 1)),
+])
+def test_batch_sizes_derived(argv, sizes):
+    config = valid_config(*argv)
+    check(config)
+    b = config.batch_size
+    assert (b.global_batch_size, b.local_batch_size, b.micro_batch_size) == sizes
+    assert config.num_micro_batches == sizes[1] // sizes[2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global-batch-size", "16", "--local-batch-size", "8"], "must equal local_batch_size"),
+    (["--global-batch-size", "16", "--micro-batch-size", "5"], "multiple of micro_batch_size"),
+    (["--local-batch-size", "10", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
+    (["--micro-batch-size", "0"], "at least 1"),
+])
+def test_inconsistent_batch_sizes_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        check(valid_config(*argv))
+
+
+def test_heads_must_divide_hidden():
+    with pytest.raises(ConfigError, match="num_attention_heads.*must divide"):
+        check(valid_config("--hidden-size", "100", "--num-attention-heads", "16"))
+
+
+def test_seq_len_longer_than_positions_refused():
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        check(valid_config("--seq-length", "2048", "--max-position-embeddings", "1024"))
+    check(valid_config("--seq-length", "1024", "--max-position-embeddings", "1024"))  # equal is fine
+
+
+def test_max_lr_below_min_lr_is_a_warning():
+    config = valid_config("--max-lr", "1e-5", "--min-lr", "1e-4")
+    warnings = check(config)
+    assert len(warnings) == 1 and "max_lr" in warnings[0] and "min_lr" in warnings[0]
+    assert config.optimizer.lr.max_lr == 1e-5  # kept as given
+
+
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--pp", "2"], ["--sharding", "2"], ["--vpp", "2"]])
+def test_unbuilt_parallelism_refused(argv):
+    with pytest.raises(ConfigError, match="not support"):
+        check(valid_config(*argv))
+
+
+def test_bf16_and_fp16_refused():
+    with pytest.raises(ConfigError, match="bf16 and use_pure_fp16"):
+        check(valid_config("--bf16", "--fp16"))
+
+
+def test_derived_defaults():
+    config = valid_config("--train-iters", "1000", "--lr-warmup-fraction", "0.05")
+    check(config)
+    lr = config.optimizer.lr
+    assert (lr.decay_steps, lr.warmup_steps) == (1000, 50)
+    assert config.distributed.dp_degree == 1 and config.device == "cpu"
+    assert config.model.ffn_hidden_size == 4 * config.model.hidden_size
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--hiden-size", "128"], "--hidden-size"),
+    (["--mock-data", "--device", "cpu", "--hidden-size", "abc"], "hidden_size must be an integer"),
+    (["--mock-data", "--device", "cpu", "--global-batch-size", "16", "--local-batch-size", "8"],
+     "global_batch_size"),
+    (["--mock-data", "--device", "cpu", "--hidden-size", "100", "--num-attention-heads", "16"],
+     "must divide"),
+    (["-c", "/nonexistent/dir/config.yaml"], "does not exist"),
+], ids=["flag", "type", "batch", "heads", "missing-file"])
+def test_pretrain_gpt_reports_one_line(argv, needle):
+    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0] and "Traceback" not in proc.stderr
