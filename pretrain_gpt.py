@@ -10,8 +10,8 @@ precedence: built-in default < ``-c`` YAML < ``-o Section.key=value`` < flags.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import pretrain_gpt  # noqa: E402
 from megatron.config import parse_config, validate  # noqa: E402
 from megatron.data.loader import build_batch  # noqa: E402
 from megatron.data.mock_dataset import MockGPTDataset  # noqa: E402
@@ -35,8 +36,6 @@ from megatron.metrics import model_flops_per_token  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.optimizer import build_optimizer  # noqa: E402
 from megatron.training import train_step  # noqa: E402
-
-import pretrain_gpt  # noqa: E402
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
 BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"
@@ -162,7 +161,8 @@ def render(args, results: list[dict]) -> str:
              f"micro batch {args.micro_batch}, vocab {args.vocab}; {torch.get_num_threads()} CPU threads, "
              f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up steps.",
              "",
-             "| precision | project tokens/s | project MFU | reference tokens/s | reference MFU | ratio | peak TFLOP/s |",
+             "| precision | project tokens/s | project MFU | reference tokens/s | reference MFU | ratio "
+             "| peak TFLOP/s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
         p, ref = r["project"], r["reference"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def peak_tflops(device: torch.device) -> Optional[float]:
+def peak_tflops(device: torch.device) -> float | None:
     """Table value for known GPUs (16-bit dense peak); None for the CPU and unknown devices."""
     name = device_name(device)
     for key, value in _PEAK_TFLOPS_16BIT.items():

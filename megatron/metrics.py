@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-from typing import Optional
 
 from megatron.config.schema import Config
 
@@ -61,7 +60,7 @@ def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost:
 class MetricsWriter:
     """One JSON object per line in ``output_dir/metrics.jsonl``, mirrored to TensorBoard."""
 
-    def __init__(self, output_dir: str, tensorboard_dir: Optional[str], enabled: bool = True):
+    def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool = True):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None

@@ -10,8 +10,8 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -59,7 +59,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, o
 
 @torch.no_grad()
 def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_batch_size: int,
-             max_batches: int, device: torch.device) -> Optional[float]:
+             max_batches: int, device: torch.device) -> float | None:
     """Token-mean loss over the first ``max_batches`` batches of ``loader`` (None if empty)."""
     model.eval()
     total, tokens = 0.0, 0.0

@@ -11,8 +11,9 @@ import difflib
 import os
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import yaml
 
@@ -31,7 +32,7 @@ class Leaf:
     attrs: tuple[str, ...]  # dataclass attributes, e.g. ("optimizer", "lr", "max_lr")
     type: Any
     help: str
-    choices: Optional[tuple]
+    choices: tuple | None
 
     @property
     def name(self) -> str:
@@ -60,6 +61,7 @@ ALIASES: dict[str, str] = {
     "--lr-decay-iters": "decay_steps",
     "--lr-warmup-fraction": "warmup_rate",
     "--lr-warmup-iters": "warmup_steps",
+    "--lr-decay-style": "decay_style",
     "--train-iters": "max_steps",
     "--seq-length": "max_seq_len",
     "--data-path": "input_dir",
@@ -248,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Optional[Sequence[str]] = None) -> Config:
+def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Build the (not yet validated) Config from a command line."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -36,7 +36,8 @@ def render_markdown() -> str:
         where = ".".join(leaf.path[:-1]) or "(top level)"
         if where != section:
             section = where
-            lines += ["", f"## {where}", "", "| key | flag | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
+            lines += ["", f"## {where}", "", "| key | flag | type | default | meaning |",
+                      "| --- | --- | --- | --- | --- |"]
         value = defaults
         for attr in leaf.attrs:
             value = getattr(value, attr)

@@ -15,7 +15,7 @@ validation (see ``validate.py``) unless the user sets them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -37,7 +37,7 @@ class ModelConfig:
     hidden_size: int = opt(1024, "Width of the residual stream.")
     num_layers: int = opt(24, "Number of transformer decoder layers.")
     num_attention_heads: int = opt(16, "Attention heads per layer; must divide hidden_size.")
-    ffn_hidden_size: Optional[int] = opt(None, "Width of the MLP; default 4 x hidden_size.")
+    ffn_hidden_size: int | None = opt(None, "Width of the MLP; default 4 x hidden_size.")
     hidden_dropout_prob: float = opt(0.1, "Dropout on embeddings and on each residual branch.")
     attention_probs_dropout_prob: float = opt(0.1, "Dropout on the attention probabilities.")
     max_position_embeddings: int = opt(1024, "Rows of the learned position embedding.")
@@ -48,11 +48,13 @@ class ModelConfig:
 
 @dataclass
 class LRConfig:
-    decay_steps: Optional[int] = opt(None, "Step at which cosine decay reaches min_lr; default max_steps.")
+    decay_steps: int | None = opt(None, "Step at which cosine decay reaches min_lr; default max_steps.")
     warmup_rate: float = opt(0.01, "Fraction of decay_steps spent in linear warm-up.")
-    warmup_steps: Optional[int] = opt(None, "Warm-up steps; when set, overrides warmup_rate.")
+    warmup_steps: int | None = opt(None, "Warm-up steps; when set, overrides warmup_rate.")
     max_lr: float = opt(1.0e-4, "Peak learning rate, reached at the end of warm-up.")
     min_lr: float = opt(1.0e-5, "Learning rate at and after decay_steps.")
+    decay_style: str = opt("cosine", "Shape of the decay from max_lr to min_lr after warm-up.",
+                           ("cosine", "linear", "constant"))
 
 
 @dataclass
@@ -74,7 +76,7 @@ class ShardingConfig:
 
 @dataclass
 class DistributedConfig:
-    dp_degree: Optional[int] = opt(None, "Data-parallel replicas; default world / (mp x pp x sharding).")
+    dp_degree: int | None = opt(None, "Data-parallel replicas; default world / (mp x pp x sharding).")
     mp_degree: int = opt(1, "Tensor (model) parallel size.")
     pp_degree: int = opt(1, "Pipeline parallel stages.")
     virtual_pp_degree: int = opt(1, "Model chunks per pipeline stage (interleaved 1F1B).")
@@ -84,9 +86,9 @@ class DistributedConfig:
 
 @dataclass
 class BatchSizeConfig:
-    global_batch_size: Optional[int] = opt(None, "Samples per optimizer step over all data-parallel ranks.")
-    local_batch_size: Optional[int] = opt(None, "Samples per optimizer step on one data-parallel rank.")
-    micro_batch_size: Optional[int] = opt(None, "Samples per forward/backward; local / micro = accumulation steps.")
+    global_batch_size: int | None = opt(None, "Samples per optimizer step over all data-parallel ranks.")
+    local_batch_size: int | None = opt(None, "Samples per optimizer step on one data-parallel rank.")
+    micro_batch_size: int | None = opt(None, "Samples per forward/backward; local / micro = accumulation steps.")
 
 
 @dataclass
@@ -94,7 +96,8 @@ class MixPrecisionConfig:
     use_pure_fp16: bool = opt(False, "fp16 parameters and compute, fp32 master weights, loss scaling.")
     bf16: bool = opt(False, "bf16 parameters and compute, fp32 master weights and gradients.")
     scale_loss: float = opt(32768.0, "Initial (or static) loss scale for fp16.")
-    dynamic_loss_scale: bool = opt(True, "Adjust the fp16 loss scale on overflow; --no-dynamic-loss-scale keeps it static.")
+    dynamic_loss_scale: bool = opt(
+        True, "Adjust the fp16 loss scale on overflow; --no-dynamic-loss-scale keeps it static.")
     loss_scale_window: int = opt(1000, "Clean steps before the dynamic loss scale doubles.")
     hysteresis: int = opt(2, "Overflows tolerated before the dynamic loss scale halves.")
     min_loss_scale: float = opt(1.0, "Floor of the dynamic loss scale.")
@@ -102,40 +105,42 @@ class MixPrecisionConfig:
 
 @dataclass
 class DatasetConfig:
-    input_dir: Optional[str] = opt(None, "Data prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2 ...'.")
+    input_dir: str | None = opt(None, "Data prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2 ...'.")
     split: str = opt("949,50,1", "Train, validation and test proportions.")
     max_seq_len: int = opt(1024, "Tokens per sample.")
     mock_data: bool = opt(False, "Train on deterministic synthetic data (a fixed random bigram language).")
-    eod_mask_loss: bool = opt(True, "Mask the loss where the input token is end-of-document; --no-eod-mask-loss keeps it.")
+    eod_mask_loss: bool = opt(
+        True, "Mask the loss where the input token is end-of-document; --no-eod-mask-loss keeps it.")
 
 
 @dataclass
 class SaveLoadConfig:
-    save_steps: Optional[int] = opt(None, "Save a checkpoint every this many steps.")
+    save_steps: int | None = opt(None, "Save a checkpoint every this many steps.")
     output_dir: str = opt("./output", "Where config.yaml, metrics.jsonl, TensorBoard events and checkpoints go.")
-    ckpt_dir: Optional[str] = opt(None, "Checkpoint to load at start.")
-    tensorboard_dir: Optional[str] = opt(None, "TensorBoard event folder; default output_dir/tensorboard.")
+    ckpt_dir: str | None = opt(None, "Checkpoint to load at start.")
+    tensorboard_dir: str | None = opt(None, "TensorBoard event folder; default output_dir/tensorboard.")
 
 
 @dataclass
 class Config:
     """The whole run. Unsectioned YAML keys (device, max_steps, ...) live here."""
 
-    device: Optional[str] = opt(None, "gpu or cpu; default gpu when one is present.", ("gpu", "cpu"))
+    device: str | None = opt(None, "gpu or cpu; default gpu when one is present.", ("gpu", "cpu"))
     max_steps: int = opt(500000, "Optimizer steps to train.")
     num_train_epochs: int = opt(1, "Stop after this many passes over the training set, if sooner than max_steps.")
     seed: int = opt(1024, "Seed of the weights, dropout and data order.")
     use_recompute: bool = opt(False, "Recompute activations in the backward instead of storing them.")
-    recompute_granularity: Optional[str] = opt(
+    recompute_granularity: str | None = opt(
         None, "full (whole layer), only_attn / full_attn (attention block) or core_attn (softmax(QK^T)V).",
         ("full", "only_attn", "full_attn", "core_attn"))
-    no_recompute_layers: Optional[list[int]] = opt(None, "Layer indices excluded from recompute.")
+    no_recompute_layers: list[int] | None = opt(None, "Layer indices excluded from recompute.")
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")
     eval_iters: int = opt(10, "Batches per evaluation (and for the final test pass).")
     fused_linear: bool = opt(False, "Accepted for FleetX compatibility: F.linear already fuses the bias add.")
-    tensor_fusion: bool = opt(False, "Accepted for FleetX compatibility: gradients always live in one contiguous buffer.")
-    peak_tflops: Optional[float] = opt(None, "Peak TFLOP/s of one device for MFU; default from a table of known GPUs.")
+    tensor_fusion: bool = opt(
+        False, "Accepted for FleetX compatibility: gradients always live in one contiguous buffer.")
+    peak_tflops: float | None = opt(None, "Peak TFLOP/s of one device for MFU; default from a table of known GPUs.")
     batch_size: BatchSizeConfig = section(BatchSizeConfig, "batch_size", "Global, local and micro batch sizes.")
     mix_precision: MixPrecisionConfig = section(MixPrecisionConfig, "mix_precision", "fp16 / bf16 training.")
     dataset: DatasetConfig = section(DatasetConfig, "dataset", "Training data.")

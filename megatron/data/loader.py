@@ -7,8 +7,8 @@ contiguous ``local_batch`` slice of that range. Resuming only needs ``c``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

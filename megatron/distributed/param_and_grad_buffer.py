@@ -7,9 +7,9 @@ range: the optimizer then steps a handful of flat tensors instead of hundreds of
 and gradient reductions and sharding (later) operate on ranges of one buffer.
 
 Gradient flow: for fp32 parameters ``param.grad`` *is* the main-grad view, and autograd
-accumulates into it in place (a hook repairs the link if ``param.grad`` was reset). For bf16/fp16 parameters a post-accumulate hook adds
-``param.grad`` into the fp32 ``param.main_grad`` and frees it, so accumulation over
-micro-batches happens in fp32.
+accumulates into it in place (a hook repairs the link if ``param.grad`` was reset). For
+bf16/fp16 parameters a post-accumulate hook adds ``param.grad`` into the fp32
+``param.main_grad`` and frees it, so accumulation over micro-batches happens in fp32.
 """
 
 from __future__ import annotations

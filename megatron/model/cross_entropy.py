@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 20  # fp32 elements per chunk (4 MiB)
+# fp32 elements per chunk: cache-sized on the CPU; large on GPUs, where each chunk costs kernel launches.
+_CHUNK_ELEMENTS = 1 << 20
+_CHUNK_ELEMENTS_GPU = 1 << 25
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
         n, padded = logits.shape
-        rows = max(1, _CHUNK_ELEMENTS // padded)
+        budget = _CHUNK_ELEMENTS if logits.device.type == "cpu" else _CHUNK_ELEMENTS_GPU
+        rows = max(1, budget // padded)
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         for start in range(0, n, rows):

@@ -6,8 +6,6 @@ so that pipeline parallelism can cut it into stages; layers keep their global in
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,8 +45,8 @@ class GPTModel(nn.Module):
     per-token losses [b, s] (fp32) when labels are given, else logits [b, s, V_padded].
     """
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: Optional[str] = None,
-                 no_recompute_layers: Optional[list[int]] = None):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
+                 no_recompute_layers: list[int] | None = None):
         super().__init__()
         self.cfg = cfg
         skip = set(no_recompute_layers or [])
@@ -57,8 +55,8 @@ class GPTModel(nn.Module):
             TransformerDecoderLayer(cfg, i, None if i in skip else recompute) for i in range(cfg.num_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
-    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.embedding(tokens, position_ids)

@@ -6,7 +6,7 @@ Megatron-LM, so that later sequence and pipeline parallelism split and send alon
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,7 @@ class TransformerDecoderLayer(nn.Module):
     attention block) or ``core_attn`` (softmax(QK^T)V only).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: Optional[str] = None):
+    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: str | None = None):
         super().__init__()
         if recompute is not None and recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"unknown recompute granularity {recompute!r}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import nn
 
 from megatron.config.schema import Config
@@ -12,7 +10,7 @@ from megatron.optimizer.lr_schedule import CosineWithWarmup
 from megatron.optimizer.optimizer import MixedPrecisionOptimizer, StepResult
 
 
-def build_grad_scaler(config: Config) -> Optional[ConstantGradScaler]:
+def build_grad_scaler(config: Config) -> ConstantGradScaler | None:
     """A loss scaler for fp16 (dynamic unless disabled); None for fp32 and bf16."""
     mp = config.mix_precision
     if not mp.use_pure_fp16:
@@ -29,7 +27,7 @@ def build_optimizer(model: nn.Module, config: Config) -> MixedPrecisionOptimizer
 
 def build_lr_schedule(config: Config) -> CosineWithWarmup:
     lr = config.optimizer.lr
-    return CosineWithWarmup(lr.max_lr, lr.min_lr, lr.warmup_steps, lr.decay_steps)
+    return CosineWithWarmup(lr.max_lr, lr.min_lr, lr.warmup_steps, lr.decay_steps, lr.decay_style)
 
 
 __all__ = ["ConstantGradScaler", "CosineWithWarmup", "DynamicGradScaler", "MixedPrecisionOptimizer",

@@ -13,7 +13,6 @@ masters back into the low-precision parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -36,7 +35,7 @@ def weight_decay_groups(model: nn.Module) -> tuple[list, list]:
 @dataclass
 class StepResult:
     applied: bool  # False when skipped for inf/nan gradients
-    grad_norm: Optional[float]  # before clipping; None when skipped
+    grad_norm: float | None  # before clipping; None when skipped
 
 
 def _supports_fused(device: torch.device) -> bool:
@@ -44,7 +43,7 @@ def _supports_fused(device: torch.device) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: Optional[ConstantGradScaler] = None):
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None):
         decay, no_decay = weight_decay_groups(model)
         groups = [g for g in (decay, no_decay) if g]
         self.buffer = ParamAndGradBuffer(groups)

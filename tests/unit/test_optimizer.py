@@ -50,6 +50,19 @@ def test_warmup_equal_to_decay():
 # ---------------------------------------------------------------- loss scalers
 
 
+def test_linear_and_constant_decay_styles():
+    linear = CosineWithWarmup(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="linear")
+    assert linear(10) == pytest.approx(1.0)
+    assert linear(35) == pytest.approx(0.2 + 0.8 * 0.75)  # a quarter of the way through the decay
+    assert linear(60) == pytest.approx(0.6)
+    assert linear(110) == linear(500) == pytest.approx(0.2)
+    constant = CosineWithWarmup(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="constant")
+    assert constant(5) == pytest.approx(0.5)
+    assert constant(11) == constant(500) == 1.0
+    with pytest.raises(ValueError):
+        CosineWithWarmup(1.0, 0.1, 0, 10, decay_style="step")
+
+
 def test_dynamic_scaler_backoff_hysteresis_1():
     scaler = DynamicGradScaler(1024.0, hysteresis=1, growth_interval=1000)
     scaler.update(True)
