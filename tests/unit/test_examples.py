@@ -28,7 +28,8 @@ def test_example_script_is_valid_bash_and_names_existing_configs(path):
         assert (ROOT / config).is_file(), f"{path.name} refers to missing {config}"
 
 
-@pytest.mark.parametrize("name, millions", [("gpt_345m_single_card.yaml", 354.87), ("gpt_1.3b_single_card.yaml", 1313.72)])
+@pytest.mark.parametrize("name, millions", [("gpt_345m_single_card.yaml", 354.87),
+                                            ("gpt_1.3b_single_card.yaml", 1313.72)])
 def test_seed_model_sizes(name, millions):
     """The seed configs build the model sizes their names promise (GPT-2 medium: 354.9M with
     vocab 50304; the 1.3B: 24 layers of width 2048). Built on the meta device: no memory."""

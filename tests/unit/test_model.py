@@ -291,7 +291,7 @@ def test_init_std():
     # relative standard error 0.55%, so a 4% tolerance is a > 7 sigma margin
     model = build_model(make_config("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
                                     "--vocab-size", "128", "--max-seq-len", "16"))
-    params = dict(model.named_parameters())
+    params = {n: p.detach() for n, p in model.named_parameters()}
     for i in range(4):
         w = params[f"layers.{i}.mlp.dense_4h_to_h.weight"]
         assert float(w.std()) == pytest.approx(std / math.sqrt(8), rel=0.04)
