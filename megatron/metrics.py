@@ -32,9 +32,9 @@ def model_flops_per_token(config: Config) -> float:
         L * (2*h*3h  [QKV]  + 2*h*h [attention out] + 2*2*h*f [MLP]
              + 2*s*h [Q K^T] + 2*s*h [attention x V])  +  2*h*V [LM head]
 
-    Attention is counted over the full s x s square (as torch's FLOP counter and
-    Megatron-LM do), not the causal half. Recompute is not counted: these are model FLOPs,
-    the basis of MFU.
+    Attention is counted over the full s x s square, not the causal half, as Megatron-LM does
+    and as torch's FLOP counter does for the math attention backend. Recompute is not counted:
+    these are model FLOPs, the basis of MFU.
     """
     m, s, v = config.model, config.dataset.max_seq_len, config.padded_vocab_size
     h, f = m.hidden_size, m.ffn_hidden_size

@@ -1,0 +1,109 @@
+"""End to end: ``python pretrain_gpt.py --mock-data --device cpu ...`` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.config import parse_config, to_dict, validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = ["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--vocab-size", "128", "--max-seq-len", "32", "--max-position-embeddings", "32", "--global-batch-size", "16",
+        "--eval-iters", "2"]
+
+# The seeds' train log line, field for field, then optional extra ", key: value" fields.
+LOG_LINE = re.compile(
+    r"\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}\] \[    INFO\] - "
+    r"global step (?P<step>\d+), epoch: (?P<epoch>\d+), batch: (?P<batch>\d+), loss: (?P<loss>\d+\.\d{9}), "
+    r"avg_reader_cost: \d+\.\d{5} sec, avg_batch_cost: \d+\.\d{5} sec, speed: \d+\.\d{2} step/s, "
+    r"ips_total: \d+ tokens/s, ips: \d+ tokens/s, learning rate: \d\.\d{5}e[+-]\d{2}"
+    r"(?P<extras>(?:, [^,:]+: [^,]+)*)")
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_pretrain_cli_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    # lr 1e-2 decaying to 1e-3 over 50 steps: the loss falls from ~ln(128) = 4.85 to ~2.2 (ratio ~0.45)
+    flags = TINY + ["--max-steps", "50", "--logging-freq", "1", "--lr", "1e-2", "--min-lr", "1e-3",
+                    "--save", str(out)]
+    proc = run_cli(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+
+    # train lines (validation/test lines read "... results at global step N | ...")
+    train_lines = [line for line in lines if re.search(r" - global step \d+,", line)]
+    assert len(train_lines) == 50
+    parsed = []
+    for line in train_lines:
+        match = LOG_LINE.fullmatch(line)
+        assert match, f"log line does not match the seed's format: {line!r}"
+        parsed.append(match)
+    steps = [int(m["step"]) for m in parsed]
+    assert steps == list(range(1, 51))
+    # the train set holds exactly max_steps global batches: one epoch, batch = step - 1
+    assert all(int(m["epoch"]) == 0 and int(m["batch"]) == int(m["step"]) - 1 for m in parsed)
+    losses = [float(m["loss"]) for m in parsed]
+    # observed ratio ~0.45; 0.75 leaves a wide margin while demanding real learning
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert any("grad norm: " in m["extras"] for m in parsed)
+    assert any("validation results at global step 50" in line for line in lines)
+    assert any("test results at global step 50" in line for line in lines)
+
+    # metrics.jsonl: one train record per step plus the final valid and test records
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 51))
+    for r, logged in zip(train, losses):
+        assert {"step", "loss", "learning_rate", "grad_norm", "ips_total", "ips", "loss_scale", "tflops",
+                "split"} <= r.keys()
+        assert f"{r['loss']:.9f}" == f"{logged:.9f}"  # the log shows the recorded loss
+        assert r["learning_rate"] > 0 and r["grad_norm"] > 0 and r["ips_total"] > 0 and r["tflops"] > 0
+        assert r["ips"] == r["ips_total"]  # one process
+        assert r["loss_scale"] is None  # fp32: no loss scaling
+    assert train[0]["learning_rate"] > train[-1]["learning_rate"] == pytest.approx(1e-3)
+    for split in ("valid", "test"):
+        evals = [r for r in records if r["split"] == split]
+        assert len(evals) == 1 and evals[0]["step"] == 50
+        assert evals[0]["perplexity"] == pytest.approx(math.exp(evals[0]["loss"]), rel=1e-12)
+        assert evals[0]["loss"] < losses[0]
+
+    # config.yaml is the run's resolved configuration
+    saved = parse_config(["-c", str(out / "config.yaml")])
+    validate(saved, world_size=1, cuda_available=False)
+    expected = parse_config(flags)
+    validate(expected, world_size=1, cuda_available=False)
+    assert to_dict(saved) == to_dict(expected)
+
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--use-recompute", "--recompute-granularity", "core_attn"], ["--bf16"]],
+                         ids=["recompute-core-attn", "bf16"])
+def test_pretrain_cli_variants(tmp_path, extra):
+    proc = run_cli(*TINY, "--max-steps", "4", "--save", str(tmp_path), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert len(re.findall(r"global step \d+,", output)) == 4
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    saved = parse_config(["-c", str(tmp_path / "config.yaml")])  # the run used what was asked
+    if "--bf16" in extra:
+        assert saved.mix_precision.bf16 and saved.params_dtype_name == "bfloat16"
+    else:
+        assert saved.use_recompute and saved.recompute_granularity == "core_attn"
