@@ -178,8 +178,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
     for warning in warnings:
         log.warning(warning)
     log.info("resolved configuration:\n" + to_yaml(config))
-    os.makedirs(c_out := config.save_load.output_dir, exist_ok=True)
-    save_yaml(config, os.path.join(c_out, "config.yaml"))
+    save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
     if config.save_load.save_steps:
         log.warning("save_steps is set, but saving checkpoints is not supported by this version yet; "
                     "no checkpoint will be written.")
