@@ -1,6 +1,8 @@
 """Pretrain a GPT.
 
     python pretrain_gpt.py -c examples/configs/gpt_345m_single_card.yaml
+    python pretrain_gpt.py --input-dir data/corpus_text_document --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --num-layers 12 ...
     python pretrain_gpt.py --mock-data --device cpu --num-layers 2 --hidden-size 128 ...
 
 Every YAML leaf key is also a flag (``--hidden-size``, ``--max-lr``, ``--use-recompute``);
@@ -17,8 +19,11 @@ import torch
 
 from megatron import device as dev
 from megatron.config import Config, ConfigError, parse_config, validate
+from megatron.data.blended_dataset import build_datasets
+from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.model import build_model
+from megatron.tokenizer import build_tokenizer
 from megatron.training import pretrain
 
 
@@ -27,11 +32,16 @@ def model_provider(config: Config, device: torch.device) -> torch.nn.Module:
 
 
 def datasets_provider(config: Config) -> tuple:
-    """(train, valid, test) datasets. Synthetic for now: sized for the run."""
-    gbs, seq = config.batch_size.global_batch_size, config.dataset.max_seq_len
-    num_eval = config.eval_iters * gbs
-    make = partial(MockGPTDataset, seq_len=seq, vocab_size=config.model.vocab_size, seed=config.seed)
-    return (make(config.max_steps * gbs, split="train"), make(num_eval, split="valid"), make(num_eval, split="test"))
+    """(train, valid, test): samples for max_steps global batches, and eval_iters batches each for
+    validation (the same batches at every evaluation) and test."""
+    gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
+    num_samples = (config.max_steps * gbs, config.eval_iters * gbs, config.eval_iters * gbs)
+    if d.mock_data:
+        make = partial(MockGPTDataset, seq_len=seq, vocab_size=config.model.vocab_size, seed=config.seed)
+        return tuple(make(n, split=name) for n, name in zip(num_samples, ("train", "valid", "test")))
+    t = config.tokenizer
+    tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file, t.tokenizer_model, t.eod_token)
+    return build_datasets(d.input_dir, d.split, num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path)
 
 
 def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
-    pretrain(config, model_provider, datasets_provider, forward_step, tuple(warnings))
+    try:
+        pretrain(config, model_provider, datasets_provider, forward_step, tuple(warnings))
+    except DatasetError as err:  # data that cannot serve the run: one line, not a traceback
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

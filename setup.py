@@ -5,7 +5,23 @@ registry (several GB of CUDA wheels on a CPU machine). Install the torch build y
 first (``pip install torch==2.13.0``), then this package.
 """
 
+import sys
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+# -ffp-contract=off: no fused multiply-adds, so build_blending_indices matches its float64 Python
+# reference bit for bit (GCC contracts by default where the target has FMA, e.g. aarch64).
+_EXTRA_COMPILE_ARGS = ["/O2"] if sys.platform == "win32" else ["-O3", "-ffp-contract=off"]
+
+ext_modules = [
+    Pybind11Extension(
+        "megatron.data._helpers",
+        ["csrc/helpers.cpp"],
+        cxx_std=17,
+        extra_compile_args=_EXTRA_COMPILE_ARGS,
+    ),
+]
 
 setup(
     name="megatron-gpt",
@@ -14,6 +30,9 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     py_modules=["pretrain_gpt"],
     python_requires=">=3.10",
-    install_requires=["numpy", "pyyaml", "tensorboard"],
-    extras_require={"test": ["pytest>=7", "ruff"]},
+    install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece"],
+    extras_require={"test": ["pytest>=7", "ruff", "hypothesis"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    zip_safe=False,
 )

@@ -92,9 +92,13 @@ class Trainer:
         self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
         self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
 
-    def _loader(self, dataset, consumed: int = 0):
+    def _loader(self, dataset, consumed: int = 0, num_workers: int = 0):
         b = self.config.batch_size
-        return build_loader(dataset, consumed, b.global_batch_size, dataset.eod_id, self.config.dataset.eod_mask_loss)
+        return build_loader(dataset, consumed, b.global_batch_size, dataset.eod_id, self.config.dataset.eod_mask_loss,
+                            num_workers=num_workers)
+
+    def _samples_per_epoch(self) -> int:
+        return getattr(self.train_ds, "samples_per_epoch", len(self.train_ds))
 
     def _extras(self, result: StepResult, batch_cost: float) -> dict:
         tflops = self.flops_per_step / batch_cost / self.world_size / 1e12
@@ -109,7 +113,7 @@ class Trainer:
 
     def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float) -> None:
         c, s = self.config, self.state
-        per_epoch = max(len(self.train_ds) // c.batch_size.global_batch_size, 1)
+        per_epoch = max(self._samples_per_epoch() // c.batch_size.global_batch_size, 1)
         epoch, batch_in_epoch = divmod(s.step - 1, per_epoch)
         extras = self._extras(result, batch_cost)
         shown = {"loss scale": extras["loss_scale"],
@@ -141,8 +145,9 @@ class Trainer:
 
     def run(self) -> TrainState:
         c, s = self.config, self.state
-        train_steps = min(c.max_steps, c.num_train_epochs * (len(self.train_ds) // c.batch_size.global_batch_size))
-        loader = iter(self._loader(self.train_ds, s.consumed_samples))
+        gbs = c.batch_size.global_batch_size
+        train_steps = min(c.max_steps, c.num_train_epochs * self._samples_per_epoch() // gbs, len(self.train_ds) // gbs)
+        loader = iter(self._loader(self.train_ds, s.consumed_samples, c.dataset.num_workers))
         reader_time = batch_time = 0.0
         window = 0
         dev.reset_peak_memory(self.device)

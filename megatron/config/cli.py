@@ -78,6 +78,7 @@ ALIASES: dict[str, str] = {
     "--init-method-std": "initializer_range",
     "--initial-loss-scale": "scale_loss",
     "--sharding": "sharding_degree",
+    "--data-cache-path": "data_cache_path",
 }
 
 

@@ -33,7 +33,8 @@ def section(cls: type, key: str, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = opt(50304, "Vocabulary size; padded up to a multiple of 128 x mp_degree.")
+    vocab_size: int | None = opt(
+        None, "Vocabulary size; default the tokenizer's (50304 for mock data); padded to a multiple of 128 x tp.")
     hidden_size: int = opt(1024, "Width of the residual stream.")
     num_layers: int = opt(24, "Number of transformer decoder layers.")
     num_attention_heads: int = opt(16, "Attention heads per layer; must divide hidden_size.")
@@ -109,8 +110,20 @@ class DatasetConfig:
     split: str = opt("949,50,1", "Train, validation and test proportions.")
     max_seq_len: int = opt(1024, "Tokens per sample.")
     mock_data: bool = opt(False, "Train on deterministic synthetic data (a fixed random bigram language).")
+    data_cache_path: str | None = opt(None, "Folder for the cached sample indices; default beside each dataset.")
+    num_workers: int = opt(1, "DataLoader worker processes that prefetch batches (0: load in the main process).")
     eod_mask_loss: bool = opt(
         True, "Mask the loss where the input token is end-of-document; --no-eod-mask-loss keeps it.")
+
+
+@dataclass
+class TokenizerConfig:
+    tokenizer_type: str | None = opt(None, "Tokenizer for real data.",
+                                     ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"))
+    vocab_file: str | None = opt(None, "GPT-2 BPE vocab.json.")
+    merge_file: str | None = opt(None, "GPT-2 BPE merges.txt.")
+    tokenizer_model: str | None = opt(None, "SentencePiece .model, or a Hugging Face tokenizer.json (or its folder).")
+    eod_token: str | None = opt(None, "End-of-document token of a Hugging Face tokenizer, when not a usual name.")
 
 
 @dataclass
@@ -144,6 +157,7 @@ class Config:
     batch_size: BatchSizeConfig = section(BatchSizeConfig, "batch_size", "Global, local and micro batch sizes.")
     mix_precision: MixPrecisionConfig = section(MixPrecisionConfig, "mix_precision", "fp16 / bf16 training.")
     dataset: DatasetConfig = section(DatasetConfig, "dataset", "Training data.")
+    tokenizer: TokenizerConfig = section(TokenizerConfig, "tokenizer", "The tokenizer of the data.")
     save_load: SaveLoadConfig = section(SaveLoadConfig, "save_load", "Outputs and checkpoints.")
     model: ModelConfig = section(ModelConfig, "Model", "Model shape.")
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer", "AdamW and its schedule.")

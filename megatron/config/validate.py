@@ -23,6 +23,40 @@ def _fail(message: str) -> None:
     raise ConfigError(message)
 
 
+def _check_data(config: Config) -> None:
+    """The data source, and the vocabulary size it implies (the tokenizer's, when one is given)."""
+    d, t = config.dataset, config.tokenizer
+    if d.mock_data and d.input_dir:
+        _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
+    if not d.mock_data and not d.input_dir:
+        _fail("no training data: give --input-dir (a dataset prefix from tools/preprocess_data.py) or --mock-data.")
+    from megatron.data.gpt_dataset import parse_split
+
+    try:
+        parse_split(d.split)
+    except ValueError as err:
+        _fail(str(err) + ".")
+    if d.num_workers < 0:
+        _fail(f"num_workers must be >= 0, got {d.num_workers}.")
+    if d.input_dir and t.tokenizer_type is None:
+        _fail("input_dir needs the tokenizer the data was made with: give --tokenizer-type with --vocab-file and "
+              "--merge-file, or --tokenizer-model.")
+    if t.tokenizer_type is not None:
+        from megatron.tokenizer import TokenizerError, build_tokenizer
+
+        try:
+            tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file, t.tokenizer_model, t.eod_token)
+        except TokenizerError as err:
+            _fail(str(err))
+        if config.model.vocab_size is None:
+            config.model.vocab_size = tokenizer.vocab_size
+        elif config.model.vocab_size < tokenizer.vocab_size:
+            _fail(f"Model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                  f"({tokenizer.vocab_size}); raise it or leave it unset.")
+    if config.model.vocab_size is None:
+        config.model.vocab_size = 50304
+
+
 def _check_model(config: Config) -> None:
     m = config.model
     for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings"):
@@ -137,11 +171,6 @@ def _check_training(config: Config, cuda_available: bool) -> None:
         _fail(f"save_steps must be at least 1, got {config.save_load.save_steps}.")
     if config.save_load.ckpt_dir:
         _fail("ckpt_dir is set, but loading checkpoints is not supported by this version yet; remove it.")
-    if not config.dataset.mock_data:
-        if config.dataset.input_dir:
-            _fail("input_dir is set, but reading indexed datasets is not supported by this version yet; "
-                  "use --mock-data.")
-        _fail("no training data: pass --mock-data for synthetic data.")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         _fail(f"peak_tflops must be positive, got {config.peak_tflops}.")
 
@@ -149,6 +178,7 @@ def _check_training(config: Config, cuda_available: bool) -> None:
 def validate(config: Config, world_size: int = 1, cuda_available: bool = False) -> list[str]:
     """Check ``config`` in place and fill its derived values; return warnings."""
     warnings: list[str] = []
+    _check_data(config)
     _check_model(config)
     _check_distributed(config, world_size)
     _check_batch(config)

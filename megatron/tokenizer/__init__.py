@@ -1,0 +1,57 @@
+"""Tokenizers for real data: GPT-2 byte-level BPE, SentencePiece and Hugging Face tokenizer.json.
+
+``build_tokenizer`` takes Megatron-LM's ``--tokenizer-type`` names and the files of the ``tokenizer:`` config
+section; ``pad_vocab_size`` gives the embedding's padded row count. Every problem with the arguments or the
+files is a :class:`TokenizerError` (a ``ValueError``) whose message names the flag and the path.
+tools/train_tokenizer.py trains tokenizers that these classes load.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.tokenizer.base import Tokenizer, TokenizerError, pad_vocab_size
+from megatron.tokenizer.hf import EOD_CANDIDATES, GPT2_EOD_TOKEN, GPT2BPETokenizer, HuggingFaceTokenizer
+from megatron.tokenizer.sp import SentencePieceTokenizer
+
+__all__ = [
+    "EOD_CANDIDATES",
+    "GPT2_EOD_TOKEN",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "TOKENIZER_TYPES",
+    "Tokenizer",
+    "TokenizerError",
+    "build_tokenizer",
+    "pad_vocab_size",
+]
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+PathArg = str | os.PathLike[str] | None
+
+
+def _require(value: PathArg, flag: str, tokenizer_type: str) -> PathArg:
+    if value is None or str(value) == "":
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}, which was not given.")
+    return value
+
+
+def build_tokenizer(tokenizer_type: str, vocab_file: PathArg = None, merge_file: PathArg = None,
+                    tokenizer_model: PathArg = None, eod_token: str | None = None) -> Tokenizer:
+    """The tokenizer named by ``tokenizer_type`` (one of :data:`TOKENIZER_TYPES`), loaded from its files.
+
+    - ``GPT2BPETokenizer``: ``vocab_file`` (vocab.json) and ``merge_file`` (merges.txt).
+    - ``SentencePieceTokenizer``: ``tokenizer_model`` (a SentencePiece .model).
+    - ``HuggingFaceTokenizer``: ``tokenizer_model`` (a tokenizer.json, or a folder holding one); ``eod_token``
+      overrides the end-of-document token it would otherwise look up.
+    """
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_require(vocab_file, "--vocab-file", tokenizer_type),
+                                _require(merge_file, "--merge-file", tokenizer_type))
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(_require(tokenizer_model, "--tokenizer-model", tokenizer_type))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(_require(tokenizer_model, "--tokenizer-model", tokenizer_type), eod_token)
+    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}.")

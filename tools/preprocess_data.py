@@ -1,0 +1,248 @@
+"""Tokenize a corpus into Megatron-LM's mmap indexed format.
+
+    python tools/preprocess_data.py --input corpus/*.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 4
+
+writes ``data/corpus_text_document.bin`` / ``.idx`` (one pair per ``--json-keys`` key).
+
+Input: JSONL files (one JSON object per line; ``.gz`` too), a folder or glob of them, or
+plain ``.txt`` files (one document per file, or per blank-line-separated block with
+``--txt-mode paragraph``). Memory stays flat: lines are streamed in, tokenized by worker
+processes in batches with a bounded number in flight, and streamed out in input order.
+Output is written under temporary names and renamed when complete. Bad lines (invalid JSON,
+a missing or non-string key, undecodable bytes) are counted and reported; ``--fail-on-error``
+stops at the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.data.indexed_dataset import IndexedDatasetWriter, best_dtype  # noqa: E402
+from megatron.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
+
+INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt", ".txt.gz")
+
+
+class PreprocessError(Exception):
+    pass
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    files: list[str] = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            found = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
+                           if p.endswith(INPUT_SUFFIXES) and os.path.isfile(p))
+        else:
+            found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not found or not all(os.path.isfile(p) for p in found):
+            raise PreprocessError(f"--input '{pattern}' matches no file; give JSONL/.txt files, a folder or a glob.")
+        files.extend(found)
+    return files
+
+
+def _open(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def read_records(files: list[str], txt_mode: str) -> Iterator[tuple[str, int, bytes]]:
+    """Yield (where, kind, raw) per document candidate: kind 0 = a JSON line, 1 = plain text."""
+    for path in files:
+        is_txt = path.endswith((".txt", ".txt.gz"))
+        with _open(path) as f:
+            if is_txt and txt_mode == "file":
+                yield path, 1, f.read()
+                continue
+            block: list[bytes] = []
+            for number, line in enumerate(f, 1):
+                if not is_txt:
+                    if line.strip():
+                        yield f"{path}:{number}", 0, line
+                elif line.strip():
+                    block.append(line)
+                elif block:
+                    yield f"{path}:{number}", 1, b"".join(block)
+                    block = []
+            if block:
+                yield f"{path}:end", 1, b"".join(block)
+
+
+class Encoder:
+    """Turns raw records into token arrays per key. One instance per worker process."""
+
+    tokenizer = None
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+
+    def initialize(self) -> None:
+        a = self.args
+        Encoder.tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model,
+                                            a.eod_token)
+
+    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[np.ndarray]], int, list[str]]:
+        """-> (per key, the token arrays of the batch's good documents; bytes read; error messages)."""
+        keys, tokenizer, errors = self.args.json_keys, Encoder.tokenizer, []
+        texts: list[list[str]] = [[] for _ in keys]
+        size = 0
+        for where, kind, raw in batch:
+            size += len(raw)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                errors.append(f"{where}: undecodable UTF-8 ({err.reason} at byte {err.start})")
+                continue
+            if kind == 1:
+                fields = [text] * len(keys)
+            else:
+                try:
+                    doc = json.loads(text)
+                except json.JSONDecodeError as err:
+                    errors.append(f"{where}: invalid JSON ({err.msg})")
+                    continue
+                missing = [k for k in keys if not isinstance(doc, dict) or not isinstance(doc.get(k), str)]
+                if missing:
+                    errors.append(f"{where}: no string value for key '{missing[0]}'")
+                    continue
+                fields = [doc[k] for k in keys]
+            for column, field in zip(texts, fields):
+                column.append(field)
+        dtype = best_dtype(tokenizer.vocab_size)
+        out = []
+        for column in texts:
+            encoded = tokenizer.tokenize_batch(column) if column else []
+            if self.args.append_eod:
+                encoded = [ids + [tokenizer.eod] for ids in encoded]
+            out.append([np.asarray(ids, dtype=dtype) for ids in encoded])
+        return out, size, errors
+
+
+def _batches(records: Iterator, batch_size: int) -> Iterator[list]:
+    batch = []
+    for record in records:
+        batch.append(record)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _results(encoder: Encoder, batches: Iterator[list], workers: int) -> Iterator[tuple]:
+    """Encoded batches in input order, with at most 2 x workers batches in flight."""
+    if workers <= 1:
+        encoder.initialize()
+        for batch in batches:
+            yield encoder.encode(batch)
+        return
+    with multiprocessing.get_context("fork").Pool(workers, initializer=encoder.initialize) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.apply_async(encoder.encode, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class Progress:
+    def __init__(self, interval: int):
+        self.interval, self.start, self.next = interval, time.time(), interval
+        self.docs = self.bytes = self.bad = 0
+
+    def update(self, docs: int, size: int, final: bool = False) -> None:
+        self.docs += docs
+        self.bytes += size
+        if self.docs >= self.next or final:
+            elapsed = max(time.time() - self.start, 1e-9)
+            print(f"processed {self.docs} documents ({self.docs / elapsed:.0f} docs/s, "
+                  f"{self.bytes / elapsed / 2**20:.2f} MB/s)", file=sys.stderr, flush=True)
+            self.next = self.docs + self.interval
+
+
+def preprocess(args: argparse.Namespace) -> dict:
+    files = expand_inputs(args.input)
+    encoder = Encoder(args)
+    probe = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
+                            args.eod_token)
+    dtype = best_dtype(probe.vocab_size)
+    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
+    progress, bad = Progress(args.log_interval), []
+    try:
+        records = read_records(files, args.txt_mode)
+        for encoded, size, errors in _results(encoder, _batches(records, args.batch_size), args.workers):
+            if errors and args.fail_on_error:
+                raise PreprocessError(f"bad input at {errors[0]} (--fail-on-error is set).")
+            bad.extend(errors[: max(0, 5 - len(bad))])
+            progress.bad += len(errors)
+            for writer, docs in zip(writers, encoded):
+                for doc in docs:
+                    writer.add_document(doc)
+            progress.update(len(encoded[0]), size)
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    for writer in writers:
+        writer.finalize()
+    progress.update(0, 0, final=True)
+    if progress.bad:
+        print(f"skipped {progress.bad} bad record(s); the first: " + "; ".join(bad), file=sys.stderr)
+    for prefix in prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
+    return {"documents": progress.docs, "bad": progress.bad, "bytes": progress.bytes, "prefixes": prefixes}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help="JSONL/.txt files, folders or globs.")
+    p.add_argument("--output-prefix", required=True, help="Output path prefix; _{key}_document.bin/.idx is added.")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="Keys of the JSON objects to tokenize.")
+    p.add_argument("--tokenizer-type", required=True,
+                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
+    p.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, or Hugging Face tokenizer.json (or its folder).")
+    p.add_argument("--eod-token", help="End-of-document token of a Hugging Face tokenizer, when not a usual name.")
+    p.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
+    p.add_argument("--workers", type=int, default=1, help="Tokenizer worker processes.")
+    p.add_argument("--batch-size", type=int, default=256, help="Documents per worker task.")
+    p.add_argument("--log-interval", type=int, default=10000, help="Report progress every this many documents.")
+    p.add_argument("--txt-mode", choices=["file", "paragraph"], default="file",
+                   help=".txt input: one document per file, or per blank-line-separated block.")
+    p.add_argument("--fail-on-error", action="store_true", help="Stop at the first bad record.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1 or args.batch_size < 1 or args.log_interval < 1:
+        print("preprocess_data.py: error: --workers, --batch-size and --log-interval must be at least 1.",
+              file=sys.stderr)
+        return 2
+    try:
+        preprocess(args)
+    except (PreprocessError, TokenizerError) as err:
+        print(f"preprocess_data.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
