@@ -92,6 +92,8 @@ class Encoder:
 
     def initialize(self) -> None:
         a = self.args
+        if a.workers > 1:  # the processes are the parallelism: no tokenizer thread pools on top
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         Encoder.tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model,
                                             a.eod_token)
 

@@ -38,6 +38,13 @@ def _check_data(config: Config) -> None:
         _fail(str(err) + ".")
     if d.num_workers < 0:
         _fail(f"num_workers must be >= 0, got {d.num_workers}.")
+    if d.input_dir:
+        from megatron.data.blended_dataset import parse_input_dir
+
+        try:
+            parse_input_dir(d.input_dir)
+        except ValueError as err:
+            _fail(str(err) + ".")
     if d.input_dir and t.tokenizer_type is None:
         _fail("input_dir needs the tokenizer the data was made with: give --tokenizer-type with --vocab-file and "
               "--merge-file, or --tokenizer-model.")

@@ -1,0 +1,116 @@
+"""tools/preprocess_data.py: outputs, bad records, workers, input forms."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = ("the model reads tokens and predicts the next one while the optimizer updates weights "
+         "data flows through layers of attention and feed forward blocks").split()
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # worker processes find the tool's functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _texts(n: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(300)))
+    assert _tool("train_tokenizer").main(["--input", str(corpus), "--type", "bpe", "--vocab-size", "300",
+                                          "--output-dir", str(folder)]) == 0
+    return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+def _run(tokenizer_files, inputs, prefix, *extra) -> int:
+    vocab, merges = tokenizer_files
+    return _tool("preprocess_data").main(["--input", *map(str, inputs), "--output-prefix", str(prefix),
+                                          "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                                          "--merge-file", merges, *extra])
+
+
+def test_documents_bad_records_and_progress(tmp_path, tokenizer_files, capsys):
+    texts = _texts(20, seed=1)
+    lines = [json.dumps({"text": t}).encode() for t in texts]
+    lines[3] = b'{"text": "unterminated'
+    lines[7] = json.dumps({"body": "no text key"}).encode()
+    lines[11] = json.dumps({"text": 42}).encode()
+    lines[15] = b'{"text": "bad \xff bytes"}'
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c", "--append-eod",
+                "--log-interval", "5") == 0
+    err = capsys.readouterr().err
+    assert "docs/s" in err and "MB/s" in err and "skipped 4 bad record(s)" in err
+    assert "in.jsonl:4: invalid JSON" in err and "in.jsonl:8: no string value for key 'text'" in err
+    ds = IndexedDataset(str(tmp_path / "out" / "c_text_document"))
+    tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)
+    good = [t for i, t in enumerate(texts) if i not in (3, 7, 11, 15)]
+    assert [d.tolist() for d in ds] == [tok.tokenize(t) + [tok.eod] for t in good]
+    assert sorted(os.listdir(tmp_path / "out")) == ["c_text_document.bin", "c_text_document.idx"]
+
+
+def test_fail_on_error_stops_and_leaves_no_files(tmp_path, tokenizer_files, capsys):
+    (tmp_path / "in.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c", "--fail-on-error") == 2
+    assert "in.jsonl:2: invalid JSON" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_two_workers_write_the_same_bytes_as_one(tmp_path, tokenizer_files):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(500, seed=2)))
+    for workers in ("1", "2"):
+        assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / f"w{workers}" / "c", "--workers", workers,
+                    "--batch-size", "16", "--append-eod") == 0
+    for suffix in (".bin", ".idx"):
+        one = (tmp_path / "w1" / f"c_text_document{suffix}").read_bytes()
+        assert one == (tmp_path / "w2" / f"c_text_document{suffix}").read_bytes()
+
+
+def test_several_keys_folder_glob_gzip_and_txt(tmp_path, tokenizer_files):
+    tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)
+    docs = [{"title": f"title {i}", "text": t} for i, t in enumerate(_texts(6, seed=3))]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs[:3]))
+    with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(d) + "\n" for d in docs[3:]))
+    assert _run(tokenizer_files, [tmp_path / "in"], tmp_path / "o" / "k", "--json-keys", "text", "title") == 0
+    for key in ("text", "title"):
+        ds = IndexedDataset(str(tmp_path / "o" / f"k_{key}_document"))
+        assert [d.tolist() for d in ds] == [tok.tokenize(d[key]) for d in docs]
+    assert _run(tokenizer_files, [str(tmp_path / "in" / "*.jsonl")], tmp_path / "g" / "k") == 0
+    assert len(IndexedDataset(str(tmp_path / "g" / "k_text_document"))) == 3
+
+    (tmp_path / "t.txt").write_text("first block line\nsame block\n\nsecond block\n\n\nthird\n")
+    assert _run(tokenizer_files, [tmp_path / "t.txt"], tmp_path / "tf" / "x") == 0
+    assert len(IndexedDataset(str(tmp_path / "tf" / "x_text_document"))) == 1
+    assert _run(tokenizer_files, [tmp_path / "t.txt"], tmp_path / "tp" / "x", "--txt-mode", "paragraph") == 0
+    ds = IndexedDataset(str(tmp_path / "tp" / "x_text_document"))
+    assert [tok.detokenize(d) for d in ds] == ["first block line\nsame block\n", "second block\n", "third\n"]
+
+
+def test_missing_input_is_one_line_error(tmp_path, tokenizer_files, capsys):
+    assert _run(tokenizer_files, [tmp_path / "nope.jsonl"], tmp_path / "o" / "x") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.jsonl" in err[0]
