@@ -16,7 +16,8 @@ python tools/preprocess_data.py --input "$work/corpus.jsonl" --output-prefix "$w
     --merge-file "$work/tokenizer/merges.txt" --append-eod --workers 2 --log-interval 1000
 rm -f "$work/train/metrics.jsonl"
 python pretrain_gpt.py -c examples/configs/gpt_quickstart.yaml --input-dir "$work/data/stdlib_text_document" \
-    --vocab-file "$work/tokenizer/vocab.json" --merge-file "$work/tokenizer/merges.txt" --save "$work/train" "$@"
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$work/tokenizer/vocab.json" \
+    --merge-file "$work/tokenizer/merges.txt" --save "$work/train" "$@"
 python - "$work/train/metrics.jsonl" <<'PY'
 import json, math, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
