@@ -1,0 +1,58 @@
+"""The rank grid against hand-written tables."""
+
+import pytest
+
+from megatron import parallel_state
+from megatron.parallel_state import coordinates, rank_grid
+
+
+def test_tp2_pp2_dp2():
+    grid = rank_grid(8, tp=2, pp=2, dp=2)
+    assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid["data_parallel"] == grid["dp"]
+    assert grid["sharding"] == [[r] for r in range(8)]
+    assert grid["model_parallel"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert grid["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_tp2_sharding2_dp2():
+    grid = rank_grid(8, tp=2, dp=2, sharding=2)
+    assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid["sharding"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid["data_parallel"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid["model_parallel"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid["embedding"] == [[r] for r in range(8)]
+
+
+def test_tp8_pp16_is_the_seed_layout():
+    grid = rank_grid(128, tp=8, pp=16)
+    assert grid["tp"][0] == list(range(8))  # one node
+    assert grid["pp"][0] == list(range(0, 128, 8))
+    assert grid["embedding"][0] == [0, 120]
+    assert len(grid["model_parallel"]) == 1
+
+
+def test_coordinates_and_partitions():
+    for sizes in [(2, 2, 2, 1), (4, 1, 2, 1), (1, 3, 2, 2), (2, 2, 1, 3)]:
+        tp, pp, dp, sh = sizes
+        world = tp * pp * dp * sh
+        grid = rank_grid(world, tp, pp, dp, sh)
+        for name in ("tp", "pp", "dp", "sharding", "data_parallel", "model_parallel"):
+            assert sorted(r for g in grid[name] for r in g) == list(range(world)), name  # a partition
+        for r in range(world):
+            c = coordinates(r, tp, pp, dp, sh)
+            assert r == c["tp"] + tp * (c["sharding"] + sh * (c["dp"] + dp * c["pp"]))
+
+
+def test_wrong_world_size():
+    with pytest.raises(ValueError):
+        rank_grid(6, tp=4)
+
+
+def test_single_process_state():
+    state = parallel_state.get()
+    assert state.world_size == 1 and state.tp_size == 1 and state.is_first_stage and state.is_last_stage
+    assert state.group("tp") is None and state.data_parallel_size == 1
