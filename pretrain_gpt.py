@@ -22,6 +22,7 @@ from megatron.config import Config, ConfigError, parse_config, validate
 from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import MockGPTDataset
+from megatron.initialize import launch_env
 from megatron.model import build_model
 from megatron.tokenizer import build_tokenizer
 from megatron.training import pretrain
@@ -57,7 +58,8 @@ def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Cal
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv)
-        warnings = validate(config, world_size=1, cuda_available=dev.cuda_available())
+        world_size, _, _ = launch_env()
+        warnings = validate(config, world_size=world_size, cuda_available=dev.cuda_available())
     except ConfigError as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2

@@ -11,14 +11,18 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron import device as dev
+from megatron import parallel_state
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
+from megatron.distributed.data_parallel import DataParallel
+from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
 from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule, build_optimizer
@@ -33,6 +37,7 @@ class TrainState:
     step: int = 0  # optimizer steps taken (applied or skipped)
     consumed_samples: int = 0
     skipped_steps: int = 0
+    losses: list = field(default_factory=list)  # every step's global-batch loss
 
 
 def set_seed(seed: int) -> None:
@@ -45,33 +50,42 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def _all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(value, group=group)
+    return value
+
+
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, optimizer: MixedPrecisionOptimizer,
-               lr: float, micro_batch_size: int) -> tuple[float, StepResult]:
-    """One optimizer step over a local batch; returns (token-mean loss, step result)."""
-    num_tokens = max(float(batch["loss_mask"].sum()), 1.0)
+               lr: float, micro_batch_size: int, dp_group=None) -> tuple[float, StepResult]:
+    """One optimizer step over this rank's share of the global batch; returns (token-mean loss of
+    the global batch, step result). ``dp_group``: the data-parallel group (None: one replica)."""
+    num_tokens = float(_all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
     optimizer.zero_grad()
     model.train()
     loss_sum = forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size), model,
                                               num_tokens, optimizer.loss_scale)
+    if isinstance(model, DataParallel):
+        model.finish_grad_sync()
     result = optimizer.step(lr)
-    return float(loss_sum) / num_tokens, result
+    return float(_all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
 
 @torch.no_grad()
 def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_batch_size: int,
-             max_batches: int, device: torch.device) -> float | None:
-    """Token-mean loss over the first ``max_batches`` batches of ``loader`` (None if empty)."""
+             max_batches: int, device: torch.device, dp_group=None) -> float | None:
+    """Token-mean loss over the first ``max_batches`` global batches (None if there are none)."""
     model.eval()
-    total, tokens = 0.0, 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
         batch = _to_device(batch, device)
-        n = float(batch["loss_mask"].sum())
-        total += float(forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size),
-                                                      model, max(n, 1.0), forward_only=True))
-        tokens += n
+        loss = forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size), model,
+                                              1.0, forward_only=True)
+        sums += torch.stack([loss.double(), batch["loss_mask"].sum().double()])
     model.train()
+    total, tokens = _all_reduce_sum(sums, dp_group).tolist()
     return total / tokens if tokens else None
 
 
@@ -79,15 +93,24 @@ class Trainer:
     """Holds what the loop needs; ``run()`` trains, evaluates and tests."""
 
     def __init__(self, config: Config, model: torch.nn.Module, forward_step: ForwardStep, datasets: tuple,
-                 device: torch.device, world_size: int = 1, is_logging_rank: bool = True):
-        self.config, self.model, self.forward_step, self.device = config, model, forward_step, device
+                 device: torch.device):
+        self.config, self.forward_step, self.device = config, forward_step, device
         self.train_ds, self.valid_ds, self.test_ds = datasets
-        self.world_size = world_size
+        self.ps = parallel_state.get()
+        self.world_size = self.ps.world_size
         self.optimizer = build_optimizer(model, config)
+        self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
+        if self.dp_group is not None:
+            d = config.distributed
+            model = DataParallel(model, self.optimizer.buffer, self.dp_group,
+                                 bucket_size=int(d.bucket_size_mb * 2**20 / 4), overlap=d.overlap_grad_reduce)
+        self.model = model
         self.schedule: CosineWithWarmup = build_lr_schedule(config)
         self.state = TrainState()
         self.log = get_logger()
-        self.writer = MetricsWriter(config.save_load.output_dir, config.save_load.tensorboard_dir, is_logging_rank)
+        self.is_logging_rank = self.ps.rank == self.ps.world_size - 1  # last stage, last replica, as Megatron
+        self.writer = MetricsWriter(config.save_load.output_dir, config.save_load.tensorboard_dir,
+                                    self.is_logging_rank)
         self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
         self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
         self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
@@ -95,7 +118,7 @@ class Trainer:
     def _loader(self, dataset, consumed: int = 0, num_workers: int = 0):
         b = self.config.batch_size
         return build_loader(dataset, consumed, b.global_batch_size, dataset.eod_id, self.config.dataset.eod_mask_loss,
-                            num_workers=num_workers)
+                            self.ps.data_parallel_rank, self.ps.data_parallel_size, num_workers=num_workers)
 
     def _samples_per_epoch(self) -> int:
         return getattr(self.train_ds, "samples_per_epoch", len(self.train_ds))
@@ -112,6 +135,8 @@ class Trainer:
         }
 
     def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float) -> None:
+        if not self.is_logging_rank:
+            return
         c, s = self.config, self.state
         per_epoch = max(self._samples_per_epoch() // c.batch_size.global_batch_size, 1)
         epoch, batch_in_epoch = divmod(s.step - 1, per_epoch)
@@ -135,8 +160,8 @@ class Trainer:
         if dataset is None or len(dataset) < c.batch_size.global_batch_size or c.eval_iters == 0:
             return
         loss = evaluate(self.forward_step, self._loader(dataset), self.model, c.batch_size.micro_batch_size,
-                        c.eval_iters, self.device)
-        if loss is None:
+                        c.eval_iters, self.device, self.dp_group)
+        if loss is None or not self.is_logging_rank:
             return
         ppl = math.exp(min(loss, 50.0))
         name = "validation" if split == "valid" else "test"
@@ -158,12 +183,13 @@ class Trainer:
             s.step += 1
             lr = self.schedule(s.step)
             loss, result = train_step(self.forward_step, batch, self.model, self.optimizer, lr,
-                                      c.batch_size.micro_batch_size)
-            s.consumed_samples += c.batch_size.global_batch_size
+                                      c.batch_size.micro_batch_size, self.dp_group)
+            s.consumed_samples += gbs
             s.skipped_steps += 0 if result.applied else 1
             dev.synchronize(self.device)
             batch_time += time.perf_counter() - start
             window += 1
+            s.losses.append(loss)
             if s.step % c.logging_freq == 0 or s.step == train_steps:
                 self._log_step(loss, lr, result, reader_time / window, batch_time / window)
                 reader_time = batch_time = 0.0
@@ -178,19 +204,24 @@ class Trainer:
 
 def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
              forward_step: ForwardStep, warnings: tuple[str, ...] = ()) -> TrainState:
-    """Build everything from ``config`` and train. Single process for now."""
+    """Build everything from ``config`` and train, on every rank of a torchrun launch."""
+    _, rank, local_rank = launch_env()
+    ps = initialize_distributed(config)
     log = get_logger()
-    for warning in warnings:
-        log.warning(warning)
-    log.info("resolved configuration:\n" + to_yaml(config))
-    save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
-    if config.save_load.save_steps:
-        log.warning("save_steps is set, but saving checkpoints is not supported by this version yet; "
-                    "no checkpoint will be written.")
+    if ps.rank == 0:
+        for warning in warnings:
+            log.warning(warning)
+        log.info("resolved configuration:\n" + to_yaml(config))
+        save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
+        if config.save_load.save_steps:
+            log.warning("save_steps is set, but saving checkpoints is not supported by this version yet; "
+                        "no checkpoint will be written.")
     set_seed(config.seed)
-    device = dev.get_device(config.device)
+    device = dev.get_device(config.device, local_rank)
     model = model_provider(config, device)
-    log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
-             f"device {dev.device_name(device)}")
+    if ps.rank == 0:
+        log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
+                 f"device {dev.device_name(device)}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
+                 f"pp {ps.pp_size}, sharding {ps.sharding_size})")
     trainer = Trainer(config, model, forward_step, datasets_provider(config), device)
     return trainer.run()

@@ -82,6 +82,8 @@ class DistributedConfig:
     pp_degree: int = opt(1, "Pipeline parallel stages.")
     virtual_pp_degree: int = opt(1, "Model chunks per pipeline stage (interleaved 1F1B).")
     sequence_parallel: bool = opt(False, "Split LayerNorm/dropout regions along the sequence across TP ranks.")
+    bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (fp32 MB).")
+    overlap_grad_reduce: bool = opt(True, "Start each bucket's all-reduce as soon as its gradients are ready.")
     sharding: ShardingConfig = section(ShardingConfig, "sharding", "Group-sharded (ZeRO) optimizer.")
 
 

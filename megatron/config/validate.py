@@ -105,9 +105,8 @@ def _check_distributed(config: Config, world_size: int) -> None:
     if d.dp_degree < 1 or d.dp_degree * model_parallel != world_size:
         _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * model_parallel} "
               f"but {world_size} process(es) were launched; make them equal.")
-    if d.dp_degree > 1:
-        _fail(f"dp_degree={d.dp_degree} asks for data parallelism, which this version does not support "
-              f"yet; launch one process.")
+    if d.bucket_size_mb <= 0:
+        _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
 
 
 def _check_batch(config: Config) -> None:

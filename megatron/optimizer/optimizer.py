@@ -45,19 +45,22 @@ def _supports_fused(device: torch.device) -> bool:
 class MixedPrecisionOptimizer:
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None):
         decay, no_decay = weight_decay_groups(model)
-        groups = [g for g in (decay, no_decay) if g]
+        # Reverse parameter order: the backward produces the last layers' gradients first, so
+        # data-parallel buckets at the front of the buffer fill first.
+        groups = [g[::-1] for g in (decay, no_decay) if g]
+        decay_rates = [rate for g, rate in ((decay, cfg.weight_decay), (no_decay, 0.0)) if g]
         self.buffer = ParamAndGradBuffer(groups)
         self.grad_scaler = grad_scaler
         self.max_norm = cfg.grad_clip
         low_precision = self.buffer.param_data.dtype != torch.float32
         param_groups = []
         self.masters: list[nn.Parameter] = []
-        for (start, end), group in zip(self.buffer.group_bounds, groups):
+        for (start, end), rate in zip(self.buffer.group_bounds, decay_rates):
             view = self.buffer.param_data[start:end]
             master = nn.Parameter(view.detach().float() if low_precision else view, requires_grad=False)
             master.grad = self.buffer.grad_data[start:end]
             self.masters.append(master)
-            param_groups.append({"params": [master], "weight_decay": cfg.weight_decay if group is decay else 0.0})
+            param_groups.append({"params": [master], "weight_decay": rate})
         device = self.buffer.param_data.device
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_epsilon, fused=_supports_fused(device))

@@ -1,0 +1,259 @@
+"""Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al. 2019).
+
+With ``t`` ranks in the tensor-parallel group and activations ``[s, b, h]``:
+
+- ``ColumnParallelLinear``: ``Y = X A + b`` with ``A = [A_1 .. A_t]`` split by output
+  columns; rank ``i`` holds ``A_i`` (weight ``[out/t, in]``) and ``b_i``, and computes
+  ``Y_i = X A_i + b_i``. Input through ``copy_to_tp_region`` (backward all-reduces dX, the
+  sum of every shard's contribution), or ``gather_from_sequence_region`` under sequence
+  parallelism (forward all-gathers the sequence, backward reduce-scatters dX).
+  ``gather_output`` all-gathers ``Y`` along the last dim.
+- ``RowParallelLinear``: ``Y = X A + b`` with ``A`` split by input rows; rank ``i`` holds
+  ``A_i`` (weight ``[out, in/t]``) and computes the partial ``X_i A_i``; the partials are
+  summed by ``reduce_from_tp_region`` (all-reduce; backward identity), or
+  ``reduce_scatter_to_sequence_region`` under sequence parallelism (backward all-gather).
+  The bias is replicated and added once, after the reduction.
+- ``VocabParallelEmbedding``: rows split over the ranks; each rank looks up the ids in its
+  range ``[i V/t, (i+1) V/t)``, writes zeros for the others, and ``reduce_from_tp_region``
+  sums the partial embeddings (exactly one rank contributes each row).
+
+Parameter attributes (read by the initialiser and checkpointing): sharded ones carry
+``tensor_model_parallel=True``, ``partition_dim``, ``full_shape``, ``partition_rank`` and
+``partition_size``; replicated ones ``tensor_model_parallel=False``. Under sequence
+parallelism, replicated parameters that see only a sequence shard (LayerNorm, row-parallel
+bias) carry ``sequence_parallel=True``: their gradients are partial sums over the sequence
+and ``allreduce_sequence_parallel_grads`` must sum them over the group after the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron import parallel_state
+from megatron.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    group_size_and_rank,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    resolve_group,
+    scatter_to_tp_region,
+)
+
+
+def _divide(n: int, world: int, what: str) -> int:
+    if n % world:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({world})")
+    return n // world
+
+
+def set_tensor_parallel_attributes(param: nn.Parameter, partition_dim: int, full_shape, rank: int, size: int) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.full_shape = torch.Size(full_shape)
+    param.partition_rank = rank
+    param.partition_size = size
+
+
+def set_replicated_attributes(param: nn.Parameter) -> None:
+    param.tensor_model_parallel = False
+    param.partition_dim = -1
+    param.full_shape = param.shape
+
+
+def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """This rank's slice of ``full`` (the unsharded value) for ``param``: chunk ``rank`` of ``t``
+    along ``param.partition_dim``; ``full`` itself for a replicated parameter.
+
+    ``rank`` defaults to the rank the parameter was built for (its tensor-parallel rank).
+    """
+    if not getattr(param, "tensor_model_parallel", False):
+        if full.shape != param.shape:
+            raise ValueError(f"replicated parameter of shape {tuple(param.shape)} given {tuple(full.shape)}")
+        return full
+    dim = param.partition_dim
+    size = param.shape[dim]
+    if full.shape[dim] % size or full.dim() != param.dim():
+        raise ValueError(f"cannot shard {tuple(full.shape)} into {tuple(param.shape)} along dim {dim}")
+    if rank is None:
+        rank = getattr(param, "partition_rank", None)
+        rank = parallel_state.get().tp_rank if rank is None else rank
+    return full.narrow(dim, rank * size, size)
+
+
+def mark_sequence_parallel(module: nn.Module) -> nn.Module:
+    """Flag every parameter of ``module`` (e.g. a LayerNorm) as replicated over the tensor-parallel
+    group but fed only a sequence shard, so its gradient needs a sum over the group."""
+    for param in module.parameters():
+        param.sequence_parallel = True
+    return module
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
+    """All-reduce (sum) over ``group`` the gradients (``.main_grad`` if present, else ``.grad``) of the
+    parameters flagged ``sequence_parallel``: one coalesced all-reduce per dtype. Call after the backward."""
+    group = resolve_group(group)
+    if group is None:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in params:
+        if not getattr(param, "sequence_parallel", False):
+            continue
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+
+def _init_sharded(param: nn.Parameter, init) -> None:
+    """Draw the full tensor (same on every rank given the same seed) and keep this rank's slice,
+    so the values do not depend on the tensor-parallel size."""
+    with torch.no_grad():
+        full = torch.empty(param.full_shape, dtype=torch.float32)
+        init(full)
+        param.copy_(shard_full_tensor(full, param))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b``, ``A`` split by output columns: weight ``[out/t, in]``, bias ``[out/t]``.
+
+    Input ``[s, b, in]`` (``[s/t, b, in]`` under sequence parallelism); output
+    ``[s, b, out/t]``, or ``[s, b, out]`` with ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False, group=None):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output is not supported with sequence parallelism")
+        self.group = group
+        world, rank = group_size_and_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.output_size_per_partition = _divide(out_features, world, "out_features")
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
+        set_tensor_parallel_attributes(self.weight, 0, (out_features, in_features), rank, world)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition))
+            set_tensor_parallel_attributes(self.bias, 0, (out_features,), rank, world)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default, drawn at the full shape (layout-invariant)."""
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features else 0.0
+        _init_sharded(self.weight, lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
+        if self.bias is not None:
+            _init_sharded(self.bias, lambda b: nn.init.uniform_(b, -bound, bound))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(per rank {self.output_size_per_partition}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b``, ``A`` split by input rows: weight ``[out, in/t]``, bias ``[out]`` replicated.
+
+    Input ``[s, b, in/t]`` (``input_is_parallel``) or ``[s, b, in]`` (scattered here); output
+    ``[s, b, out]``, or ``[s/t, b, out]`` under sequence parallelism.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, group=None):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs input_is_parallel=True")
+        self.group = group
+        world, rank = group_size_and_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.input_size_per_partition = _divide(in_features, world, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition))
+        set_tensor_parallel_attributes(self.weight, 1, (out_features, in_features), rank, world)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features))
+            set_replicated_attributes(self.bias)
+            if sequence_parallel:
+                self.bias.sequence_parallel = True
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features else 0.0
+        _init_sharded(self.weight, lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(partial, self.group)
+        else:
+            y = reduce_from_tp_region(partial, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (per rank {self.input_size_per_partition}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the rows (vocabulary) split over the ranks: weight ``[V/t, h]``.
+
+    ``forward(ids [...]) -> [..., h]``: masked local lookup, then all-reduce (sum).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None):
+        super().__init__()
+        self.group = group
+        world, rank = group_size_and_rank(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = _divide(num_embeddings, world, "num_embeddings")
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
+        set_tensor_parallel_attributes(self.weight, 0, (num_embeddings, embedding_dim), rank, world)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_sharded(self.weight, nn.init.normal_)  # nn.Embedding's default N(0, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.num_embeddings_per_partition == self.num_embeddings:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(partial, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start_index}:"
+                f"{self.vocab_end_index} on this rank)")

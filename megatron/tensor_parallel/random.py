@@ -1,0 +1,156 @@
+"""Random streams for tensor-parallel regions, and activation recompute that replays them.
+
+Dropout on a *replicated* activation (e.g. after the row-parallel reduction) must draw the
+same mask on every tensor-parallel rank, so it uses the default generator, seeded with the
+same ``seed`` on all of them. Dropout on a *sharded* activation (attention probabilities of
+this rank's heads) must draw independent masks per rank, or the shards' masks would be
+copies of each other; it runs inside ``get_rng_tracker().fork("model-parallel")``, a stream
+seeded with ``seed + 2718 + tp_rank`` (Megatron-LM's offset).
+
+``fork`` swaps the tracked state into the default generator of the tracker's device (the
+CPU generator, or the current CUDA device's), runs the block, stores the advanced state back
+and restores the default one, so the default stream is unaffected by forked draws.
+
+``checkpoint(function, *args)`` recomputes ``function`` in the backward (non-reentrant
+``torch.utils.checkpoint``) with the default generator *and* every tracked stream reset to
+their states at the forward, so both kinds of dropout masks replay exactly; both are put back
+afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+MODEL_PARALLEL_RNG = "model-parallel"
+MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _get_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _fresh_state(seed: int, device: torch.device) -> torch.Tensor:
+    """The state of a default generator of ``device`` just seeded with ``seed`` (without touching it)."""
+    if device.type == "cuda":
+        saved = torch.cuda.get_rng_state(device)
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+        state = torch.cuda.get_rng_state(device)
+        torch.cuda.set_rng_state(saved, device)
+        return state
+    return torch.Generator().manual_seed(seed).get_state()
+
+
+class RNGStatesTracker:
+    """Named generator states for one device, swapped into its default generator by ``fork``."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+
+    def reset(self, device: torch.device | str | None = None) -> None:
+        if device is not None:
+            self.device = torch.device(device)
+        self._states.clear()
+        self._seeds.clear()
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self._seeds:
+            raise ValueError(f"seed {seed} already tracked")
+        if name in self._states:
+            raise ValueError(f"RNG state {name!r} already tracked")
+        self._seeds.add(seed)
+        self._states[name] = _fresh_state(seed, self.device)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of every tracked state (to save, or to restore with ``set_states``)."""
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {name: state.clone() for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the block with the default generator in the tracked state ``name``."""
+        if name not in self._states:
+            raise KeyError(f"RNG state {name!r} is not tracked (call model_parallel_seed first)")
+        outside = _get_rng_state(self.device)
+        _set_rng_state(self._states[name], self.device)
+        try:
+            yield
+        finally:
+            self._states[name] = _get_rng_state(self.device)
+            _set_rng_state(outside, self.device)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (Megatron-LM's ``get_cuda_rng_tracker``)."""
+    return _TRACKER
+
+
+get_cuda_rng_tracker = get_rng_tracker
+
+
+def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None) -> None:
+    """Seed the default generators with ``seed`` (equal on the tensor-parallel ranks) and track
+    ``"model-parallel"`` seeded with ``seed + 2718 + tp_rank`` (distinct per rank) on ``device``
+    (default: torch's default device)."""
+    device = torch.get_default_device() if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(seed)
+    _TRACKER.reset(device)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, its activations recomputed in the backward instead of stored.
+
+    The recompute runs with the default generator of the tracker's device and all tracked
+    states reset to their values when this was called (torch's checkpoint also restores the
+    CPU generator and those of the inputs' devices), then puts the states of the backward
+    back, so dropout inside and outside ``fork`` replays the forward's masks exactly.
+    """
+    if not torch.is_grad_enabled():
+        return function(*args)
+    replay = _ReplayRNG(get_rng_tracker())
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=lambda: (contextlib.nullcontext(), replay))
+
+
+class _ReplayRNG:
+    """Context manager (re-enterable: one entry per recompute) that swaps in the RNG states
+    captured at construction and restores the current ones on exit."""
+
+    def __init__(self, tracker: RNGStatesTracker):
+        self.tracker = tracker
+        self.forward = (tracker.get_states(), _get_rng_state(tracker.device))
+        self._outer: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self._outer.append((self.tracker.get_states(), _get_rng_state(self.tracker.device)))
+        self.tracker.set_states(self.forward[0])
+        _set_rng_state(self.forward[1], self.tracker.device)
+
+    def __exit__(self, *exc: object) -> None:
+        states, default = self._outer.pop()
+        self.tracker.set_states(states)
+        _set_rng_state(default, self.tracker.device)
