@@ -122,7 +122,7 @@ def test_shard_full_tensor():
     layer = ColumnParallelLinear(4, 6)
     full = torch.randn(6, 4)
     assert torch.equal(shard_full_tensor(full, layer.weight), full)
-    # what rank 1 of a tp=3 layout holds: rows 2:4 (partition_dim 0), columns ... (partition_dim 1)
+    # what rank 1 of a tp=3 layout holds: rows 2:4 (partition_dim 0), columns 2:4 (partition_dim 1)
     param = nn.Parameter(torch.empty(2, 4))
     param.tensor_model_parallel, param.partition_dim = True, 0
     assert torch.equal(shard_full_tensor(full, param, rank=1), full[2:4])
@@ -130,7 +130,8 @@ def test_shard_full_tensor():
     param.tensor_model_parallel, param.partition_dim = True, 1
     assert torch.equal(shard_full_tensor(full, param, rank=1), full[:, 2:4])
     bias = RowParallelLinear(4, 6).bias
-    assert shard_full_tensor(full[0], bias) is full[0]  # replicated: the full tensor
+    column = full[:, 0]
+    assert shard_full_tensor(column, bias) is column  # replicated: the full tensor itself
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,217 @@
+"""megatron.tensor_parallel over gloo: every sharded computation equals the unsharded torch one.
+
+One spawned job per layout runs every check (spawning costs seconds). Each rank builds the
+same full reference (same seed), builds its sharded layer from slices of the full weights
+(``shard_full_tensor``), feeds the same inputs and compares outputs and gradients with the
+matching slices of the reference.
+
+Tolerance: fp32 round-off only. A sharded layer computes the same products as the full one
+but sums them in a different order (partial matmuls added by an all-reduce, the softmax
+normaliser summed per shard then across ranks), which changes the last bits, nothing more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron import parallel_state
+from megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    allreduce_sequence_parallel_grads,
+    checkpoint,
+    gather_from_sequence_region,
+    get_rng_tracker,
+    mark_sequence_parallel,
+    model_parallel_seed,
+    shard_full_tensor,
+    vocab_parallel_cross_entropy,
+)
+from megatron.tensor_parallel.mappings import _reduce_scatter, reduce_scatter_fallback
+from tests.distributed.harness import run_distributed
+
+RTOL, ATOL = 1e-5, 1e-6  # fp32 round-off (see the module docstring)
+S, B, H = 8, 2, 8  # sequence (divisible by tp for sequence parallelism), batch, hidden
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    assert torch.allclose(actual, expected, rtol=RTOL, atol=ATOL), f"{what}: max abs diff {diff}"
+
+
+def _load_shards(layer: nn.Module, ref: nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param.copy_(shard_full_tensor(getattr(ref, name), param))
+
+
+def _forward_backward(module, x, dy):
+    x = x.detach().clone().requires_grad_(x.is_floating_point())
+    y = module(x)
+    y.backward(dy)
+    return y, x.grad
+
+
+def _check_linear_layers(tp: int, rank: int) -> None:
+    def chunk(t, dim=-1):
+        return t.chunk(tp, dim)[rank]
+
+    for gather_output in (False, True):
+        ref = nn.Linear(H, 4 * H)
+        layer = ColumnParallelLinear(H, 4 * H, gather_output=gather_output)
+        _load_shards(layer, ref)
+        x, dy = torch.randn(S, B, H), torch.randn(S, B, 4 * H)
+        y_ref, dx_ref = _forward_backward(ref, x, dy)
+        y, dx = _forward_backward(layer, x, dy if gather_output else chunk(dy))
+        what = f"column(gather_output={gather_output})"
+        _close(y, y_ref if gather_output else chunk(y_ref), f"{what} output")
+        _close(dx, dx_ref, f"{what} input grad")  # all-reduced by copy_to_tp_region
+        for name in ("weight", "bias"):
+            param = getattr(layer, name)
+            _close(param.grad, shard_full_tensor(getattr(ref, name).grad, param), f"{what} {name} grad")
+
+    for input_is_parallel in (True, False):
+        ref = nn.Linear(4 * H, H)
+        layer = RowParallelLinear(4 * H, H, input_is_parallel=input_is_parallel)
+        _load_shards(layer, ref)
+        x, dy = torch.randn(S, B, 4 * H), torch.randn(S, B, H)
+        y_ref, dx_ref = _forward_backward(ref, x, dy)
+        y, dx = _forward_backward(layer, chunk(x) if input_is_parallel else x, dy)
+        what = f"row(input_is_parallel={input_is_parallel})"
+        _close(y, y_ref, f"{what} output")
+        _close(dx, chunk(dx_ref) if input_is_parallel else dx_ref, f"{what} input grad")
+        _close(layer.weight.grad, chunk(ref.weight.grad), f"{what} weight grad")
+        _close(layer.bias.grad, ref.bias.grad, f"{what} bias grad")
+
+    ref = nn.Embedding(16 * tp, H)
+    layer = VocabParallelEmbedding(16 * tp, H)
+    _load_shards(layer, ref)
+    ids, dy = torch.randint(0, 16 * tp, (S, B)), torch.randn(S, B, H)
+    y_ref, _ = _forward_backward(ref, ids, dy)
+    y, _ = _forward_backward(layer, ids, dy)
+    _close(y, y_ref, "embedding output")
+    _close(layer.weight.grad, chunk(ref.weight.grad, 0), "embedding weight grad")
+
+
+def _check_sequence_parallel(tp: int, rank: int) -> None:
+    """LayerNorm -> column -> GELU -> row with sequence parallelism equals the same pair without."""
+
+    def block(sp: bool):
+        torch.manual_seed(1)  # same values for both blocks
+        ln = nn.LayerNorm(H)
+        col = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp)
+        row = RowParallelLinear(4 * H, H, sequence_parallel=sp)
+        if sp:
+            mark_sequence_parallel(ln)
+        return nn.Sequential(ln, col, nn.GELU(), row)
+
+    x, dy = torch.randn(S, B, H), torch.randn(S, B, H)
+    ref = block(False)
+    y_ref, dx_ref = _forward_backward(ref, x, dy)
+    sp = block(True)
+    x_shard = x.chunk(tp, 0)[rank].clone().requires_grad_()
+    y = gather_from_sequence_region(sp(x_shard), tensor_parallel_output_grad=False)
+    y.backward(dy)
+    flagged = [name for name, p in sp.named_parameters() if getattr(p, "sequence_parallel", False)]
+    assert flagged == ["0.weight", "0.bias", "3.bias"], flagged
+    allreduce_sequence_parallel_grads(sp.parameters())
+    _close(y, y_ref, "sequence-parallel output")
+    _close(x_shard.grad, dx_ref.chunk(tp, 0)[rank], "sequence-parallel input grad")
+    for (name, p), p_ref in zip(sp.named_parameters(), ref.parameters()):
+        _close(p.grad, p_ref.grad, f"sequence-parallel {name} grad")
+
+
+def _check_cross_entropy(tp: int, rank: int) -> None:
+    n, padded = 12, 4 * tp
+    # a full vocabulary, a padded one, and one whose last shard is padding only (tp > 2)
+    for vocab_size in (padded, padded - 3, padded - 4 - 1):
+        logits, labels = torch.randn(n, padded) * 3, torch.randint(0, vocab_size, (n,))
+        labels[0] = vocab_size - 1
+        g = torch.rand(n)
+        ref = logits[:, :vocab_size].clone().requires_grad_()
+        losses_ref = F.cross_entropy(ref, labels, reduction="none")
+        losses_ref.backward(g)
+        shard = logits.chunk(tp, -1)[rank].clone().requires_grad_()
+        losses = vocab_parallel_cross_entropy(shard, labels, vocab_size)
+        losses.backward(g)
+        grad_ref = F.pad(ref.grad, (0, padded - vocab_size))  # padded columns get no gradient
+        _close(losses, losses_ref, f"cross entropy (vocab {vocab_size}/{padded})")
+        _close(shard.grad, grad_ref.chunk(tp, -1)[rank], f"cross entropy grad (vocab {vocab_size}/{padded})")
+    shard = logits.chunk(tp, -1)[rank].to(torch.bfloat16).requires_grad_()
+    vocab_parallel_cross_entropy(shard, labels, vocab_size).sum().backward()
+    assert shard.grad.dtype == torch.bfloat16
+
+
+def _check_rng(group) -> None:
+    def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x, group=group)
+        return out
+
+    state = parallel_state.get()
+    model_parallel_seed(1234, state.tp_rank)
+    with get_rng_tracker().fork():
+        inside = F.dropout(torch.ones(256), 0.5, training=True)
+    outside = F.dropout(torch.ones(256), 0.5, training=True)
+    masks_in, masks_out = gathered(inside), gathered(outside)
+    assert all(not torch.equal(masks_in[0], m) for m in masks_in[1:]), "fork: same mask on two TP ranks"
+    assert all(torch.equal(masks_out[0], m) for m in masks_out[1:]), "default stream: masks differ across TP"
+
+
+def _check_checkpoint() -> None:
+    """Dropout inside and outside fork in a recomputed TP region: gradients equal no recompute."""
+    torch.manual_seed(2)
+    col, row = ColumnParallelLinear(H, 4 * H), RowParallelLinear(4 * H, H)
+    params = [*col.parameters(), *row.parameters()]
+    x = torch.randn(S, B, H)
+
+    def region(inp):
+        h = col(inp)
+        with get_rng_tracker().fork():
+            h = F.dropout(h, 0.5, training=True)  # sharded activation: per-rank mask
+        return F.dropout(row(h), 0.3, training=True)  # replicated activation: common mask
+
+    def run(recompute):
+        model_parallel_seed(5, parallel_state.get().tp_rank)
+        for p in params:
+            p.grad = None
+        xx = x.clone().requires_grad_()
+        y = recompute(region, xx)
+        torch.rand(4)  # move both streams on before the backward
+        with get_rng_tracker().fork():
+            torch.rand(4)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        return [y.detach(), xx.grad] + [p.grad.clone() for p in params]
+
+    plain, replayed = run(lambda f, a: f(a)), run(checkpoint)
+    for i, (a, b) in enumerate(zip(plain, replayed)):
+        assert torch.equal(a, b), f"checkpointed tensor {i} differs"  # same ops, same order: exact
+
+
+def _check_reduce_scatter(group) -> None:
+    world = dist.get_world_size(group)
+    x = torch.randn(2 * world, 3) + dist.get_rank()
+    _close(_reduce_scatter(x, group), reduce_scatter_fallback(x, group), "reduce-scatter vs fallback")
+
+
+def _all_checks(rank: int, world_size: int, tp: int) -> str:
+    state = parallel_state.initialize(tp=tp)
+    torch.manual_seed(0)  # every rank draws the same references and inputs
+    _check_linear_layers(tp, state.tp_rank)
+    _check_sequence_parallel(tp, state.tp_rank)
+    _check_cross_entropy(tp, state.tp_rank)
+    _check_rng(state.group("tp"))
+    _check_checkpoint()
+    _check_reduce_scatter(state.group("tp"))
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size,tp", [(2, 2), (4, 4), (4, 2)])  # (4, 2): two TP groups side by side
+def test_tensor_parallel(world_size, tp):
+    assert run_distributed(_all_checks, world_size, tp) == ["ok"] * world_size

@@ -1,0 +1,29 @@
+"""Run pretrain_gpt.py in one process or under torchrun and read back its per-step losses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# fp32, no dropout, mock data: any layout must reproduce the single-process losses.
+TINY = ["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--vocab-size", "256", "--max-seq-len", "32", "--max-position-embeddings", "32", "--global-batch-size", "16",
+        "--micro-batch-size", "4", "--max-steps", "10", "--lr", "3e-3", "--hidden-dropout-prob", "0",
+        "--attention-probs-dropout-prob", "0", "--eval-freq", "5", "--eval-iters", "2", "--logging-freq", "1",
+        "--num-workers", "0"]
+
+
+def run(out: Path, *args: str, nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]
+    return subprocess.run([*launcher, str(ROOT / "pretrain_gpt.py"), *args, "--save", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def losses(out: Path, split: str = "train") -> list[float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["split"] == split]
