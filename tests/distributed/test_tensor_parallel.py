@@ -27,6 +27,7 @@ from megatron.tensor_parallel import (
     checkpoint,
     gather_from_sequence_region,
     get_rng_tracker,
+    mappings,
     mark_sequence_parallel,
     model_parallel_seed,
     shard_full_tensor,
@@ -197,7 +198,23 @@ def _check_checkpoint() -> None:
 def _check_reduce_scatter(group) -> None:
     world = dist.get_world_size(group)
     x = torch.randn(2 * world, 3) + dist.get_rank()
-    _close(_reduce_scatter(x, group), reduce_scatter_fallback(x, group), "reduce-scatter vs fallback")
+    expected = x.chunk(world, 0)[dist.get_rank(group)].clone()
+    dist.all_reduce(expected, group=group)
+    _close(_reduce_scatter(x, group), expected, "reduce-scatter")
+    _close(reduce_scatter_fallback(x, group), expected, "reduce-scatter fallback")
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("reduce_scatter is not supported by this backend")
+
+    native = mappings._reduce_scatter_flat
+    mappings._reduce_scatter_flat, mappings._NATIVE_REDUCE_SCATTER["gloo"] = unsupported, True
+    try:  # a gloo without reduce_scatter: the first call detects it, the later ones go straight to the fallback
+        _close(_reduce_scatter(x, group), expected, "reduce-scatter (detecting the fallback)")
+        assert mappings._NATIVE_REDUCE_SCATTER["gloo"] is False
+        _close(_reduce_scatter(x, group), expected, "reduce-scatter (fallback)")
+    finally:
+        mappings._reduce_scatter_flat = native
+        mappings._NATIVE_REDUCE_SCATTER.clear()
 
 
 def _all_checks(rank: int, world_size: int, tp: int) -> str:

@@ -21,7 +21,9 @@ def test_example_config_validates(path):
     config = parse_config(["-c", str(path), "--device", "cpu"])
     if not config.dataset.input_dir and not config.dataset.mock_data:
         config = parse_config(["-c", str(path), "--device", "cpu", "--mock-data"])
-    assert validate(config) == []  # no warnings either: the seeds' max_lr < min_lr bug is fixed
+    d = config.distributed
+    world_size = (d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree  # as launched
+    assert validate(config, world_size=world_size) == []  # no warnings either: the seeds' max_lr < min_lr bug is fixed
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
