@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -88,11 +87,11 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+    def group(self, name: str) -> dist.ProcessGroup | None:
         return self.groups.get(name)
 
 
-_STATE: Optional[ParallelState] = None
+_STATE: ParallelState | None = None
 
 
 def single_process_state() -> ParallelState:
@@ -100,7 +99,7 @@ def single_process_state() -> ParallelState:
                          {name: [0] for name in GROUP_NAMES})
 
 
-def initialize(tp: int = 1, pp: int = 1, dp: Optional[int] = None, sharding: int = 1,
+def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 1,
                timeout_minutes: float = 10.0) -> ParallelState:
     """Create every group once (all ranks call this with the same sizes) and store the state."""
     global _STATE

@@ -27,6 +27,7 @@ from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_f
 from megatron.model import num_parameters
 from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule, build_optimizer
 from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
+from megatron.tensor_parallel import model_parallel_seed
 
 ModelProvider = Callable[[Config, torch.device], torch.nn.Module]
 DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each has __len__, __getitem__, eod_id
@@ -98,7 +99,7 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
-        self.optimizer = build_optimizer(model, config)
+        self.optimizer = build_optimizer(model, config, self.ps.group("tp") if self.ps.tp_size > 1 else None)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
         if self.dp_group is not None:
             d = config.distributed
@@ -218,6 +219,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
                         "no checkpoint will be written.")
     set_seed(config.seed)
     device = dev.get_device(config.device, local_rank)
+    model_parallel_seed(config.seed, ps.tp_rank, device)
     model = model_provider(config, device)
     if ps.rank == 0:
         log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "

@@ -12,7 +12,6 @@ from megatron.config.schema import Config
 
 # Parallel features not built yet: refused, never silently ignored.
 _NOT_BUILT = {
-    "mp_degree": "tensor parallelism",
     "pp_degree": "pipeline parallelism",
     "virtual_pp_degree": "interleaved pipeline parallelism",
     "sharding_degree": "group-sharded (ZeRO) parallelism",
@@ -94,8 +93,15 @@ def _check_distributed(config: Config, world_size: int) -> None:
         if value > 1:
             _fail(f"{name}={value} asks for {what}, which this version does not support yet; "
                   f"set {name} to 1.")
-    if d.sequence_parallel:
-        _fail("sequence_parallel needs tensor parallelism, which this version does not support yet.")
+    tp, m = d.mp_degree, config.model
+    if m.num_attention_heads % tp:
+        _fail(f"mp_degree ({tp}) must divide Model.num_attention_heads ({m.num_attention_heads}): each tensor-"
+              f"parallel rank holds whole heads.")
+    if m.ffn_hidden_size % tp:
+        _fail(f"mp_degree ({tp}) must divide Model.ffn_hidden_size ({m.ffn_hidden_size}).")
+    if d.sequence_parallel and config.dataset.max_seq_len % tp:
+        _fail(f"sequence_parallel splits the sequence over mp_degree ({tp}) ranks: max_seq_len "
+              f"({config.dataset.max_seq_len}) must be divisible by it.")
     model_parallel = d.mp_degree * d.pp_degree * d.sharding.sharding_degree
     if d.dp_degree is None:
         if world_size % model_parallel:

@@ -14,9 +14,9 @@ global batch (token-exact normalisation), so the sum is the global gradient.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,14 +31,14 @@ class Bucket:
     end: int
     params: set = field(default_factory=set)
     ready: set = field(default_factory=set)
-    handle: Optional[dist.Work] = None
+    handle: dist.Work | None = None
 
 
 class DataParallel(nn.Module):
     """Wraps the model; forward is the module's. ``overlap=False`` reduces the whole buffer
     after the backward instead (for comparison and debugging)."""
 
-    def __init__(self, module: nn.Module, buffer: ParamAndGradBuffer, group: Optional[dist.ProcessGroup],
+    def __init__(self, module: nn.Module, buffer: ParamAndGradBuffer, group: dist.ProcessGroup | None,
                  bucket_size: int = 40_000_000, overlap: bool = True):
         super().__init__()
         self.module = module

@@ -31,7 +31,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         losses = torch.empty(n, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
         for start in range(0, n, rows):
-            x = logits[start:start + rows].float()
+            x = logits[start:start + rows].to(torch.float32, copy=True)  # never write into the caller's logits
             target = labels[start:start + rows, None]
             if padded > vocab_size:
                 x[:, vocab_size:] = float("-inf")

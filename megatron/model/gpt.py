@@ -10,18 +10,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import tensor_parallel as tp
 from megatron.config.schema import Config, ModelConfig
-from megatron.model.cross_entropy import token_cross_entropy
 from megatron.model.init import init_parameters
-from megatron.model.transformer import TransformerDecoderLayer
+from megatron.model.transformer import TransformerDecoderLayer, parallel_dropout
 
 
 class GPTEmbedding(nn.Module):
-    """``drop(word[tokens] + position[position_ids])``: tokens [b, s] -> [s, b, h]."""
+    """``drop(word[tokens] + position[position_ids])``: tokens [b, s] -> [s, b, h].
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
+    The word embedding is vocabulary-parallel (rows split over the tensor-parallel group, looked
+    up and summed across it); under sequence parallelism the output is this rank's ``s / tp``
+    positions."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, sequence_parallel: bool = False):
         super().__init__()
-        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        self.sequence_parallel = sequence_parallel
+        self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.dropout = cfg.hidden_dropout_prob
         self._desc = (f"vocab_size={padded_vocab_size}, hidden_size={cfg.hidden_size}, "
@@ -35,7 +40,9 @@ class GPTEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # Transposing the (small) index tensors gives [s, b, h] without copying activations.
         x = self.word_embeddings(tokens.t()) + self.position_embeddings(position_ids.t())
-        return F.dropout(x, self.dropout, self.training)
+        if self.sequence_parallel:
+            x = tp.scatter_to_sequence_region(x)
+        return parallel_dropout(x, self.dropout, self.training, self.sequence_parallel)
 
 
 class GPTModel(nn.Module):
@@ -43,17 +50,22 @@ class GPTModel(nn.Module):
 
     ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None)`` returns
     per-token losses [b, s] (fp32) when labels are given, else logits [b, s, V_padded].
+    The LM head is a column-parallel matmul against this rank's shard of the tied word
+    embedding; the loss is the vocabulary-parallel cross entropy (full logits never exist on
+    one rank).
     """
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
-                 no_recompute_layers: list[int] | None = None):
+                 no_recompute_layers: list[int] | None = None, sequence_parallel: bool = False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.sequence_parallel = cfg, sequence_parallel
         skip = set(no_recompute_layers or [])
-        self.embedding = GPTEmbedding(cfg, padded_vocab_size)
-        self.layers = nn.ModuleList(
-            TransformerDecoderLayer(cfg, i, None if i in skip else recompute) for i in range(cfg.num_layers))
+        self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
+        self.layers = nn.ModuleList(TransformerDecoderLayer(cfg, i, None if i in skip else recompute, sequence_parallel)
+                                    for i in range(cfg.num_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        if sequence_parallel:
+            tp.mark_sequence_parallel(self.final_layernorm)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,16 +75,18 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             x = layer(x)
         x = self.final_layernorm(x)
-        logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied head: [s, b, V]
+        x = tp.gather_from_sequence_region(x) if self.sequence_parallel else tp.copy_to_tp_region(x)
+        logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied head: [s, b, V/tp]
         if labels is None:
-            return logits.transpose(0, 1)
-        return token_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
+            return tp.gather_from_tp_region(logits).transpose(0, 1)
+        return tp.vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
 
 
 def build_model(config: Config, device: torch.device | str = "cpu") -> GPTModel:
     """The GPT of ``config``, initialised layout-invariantly, in the training dtype."""
     recompute = config.recompute_granularity if config.use_recompute else None
-    model = GPTModel(config.model, config.padded_vocab_size, recompute, config.no_recompute_layers)
+    model = GPTModel(config.model, config.padded_vocab_size, recompute, config.no_recompute_layers,
+                     config.distributed.sequence_parallel)
     init_parameters(model, config.seed, config.model)
     dtype = getattr(torch, config.params_dtype_name)
     return model.to(device=device, dtype=dtype)

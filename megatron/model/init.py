@@ -50,5 +50,10 @@ def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> tor
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
+    """Give every parameter its layout-invariant value; a tensor-parallel shard (a parameter with
+    ``full_shape``) gets its slice of the full tensor."""
+    from megatron.tensor_parallel import shard_full_tensor
+
     for name, param in model.named_parameters():
-        param.copy_(init_value(name, param.shape, seed, cfg))
+        full = init_value(name, getattr(param, "full_shape", param.shape), seed, cfg)
+        param.copy_(shard_full_tensor(full, param) if getattr(param, "tensor_model_parallel", False) else full)

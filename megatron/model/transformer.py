@@ -1,7 +1,15 @@
 """The GPT-2 decoder layer: pre-LayerNorm causal self-attention and a GELU MLP.
 
 Activation layout everywhere in the model: ``[s, b, h]`` (sequence, batch, hidden), as in
-Megatron-LM, so that later sequence and pipeline parallelism split and send along dim 0.
+Megatron-LM, so that sequence and pipeline parallelism split and send along dim 0.
+
+Tensor parallelism (Megatron-LM's): QKV and the MLP's first matmul are column-parallel (each
+rank holds whole heads / a slice of the MLP width), the attention output projection and the
+MLP's second matmul are row-parallel (their outputs are summed across the group). With
+sequence parallelism the LayerNorm and dropout regions hold ``s / tp`` positions per rank;
+the column-parallel layers all-gather the sequence and the row-parallel ones reduce-scatter it.
+Dropout inside tensor-parallel regions (and on sequence shards) draws from the tracker's
+per-rank "model-parallel" stream; dropout on replicated activations from the shared default one.
 """
 
 from __future__ import annotations
@@ -11,8 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from megatron import parallel_state
+from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 
 RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
@@ -22,8 +31,19 @@ def _maybe_checkpoint(enabled: bool, fn: Callable, *args: torch.Tensor) -> torch
     """Run ``fn`` and, when enabled, recompute it in the backward instead of storing its
     activations. The RNG state is saved and restored, so dropout masks are identical."""
     if enabled and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
+        return tp.checkpoint(fn, *args)  # restores the tracker's streams too
     return fn(*args)
+
+
+def parallel_dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) -> torch.Tensor:
+    """Dropout drawing from the per-rank model-parallel stream when ``per_rank`` (tensor-parallel
+    regions, sequence shards) and from the default stream (replicated activations) otherwise."""
+    if not training or p == 0.0:
+        return x
+    if per_rank and parallel_state.get().tp_size > 1:
+        with tp.get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
 
 
 class SelfAttention(nn.Module):
@@ -34,36 +54,44 @@ class SelfAttention(nn.Module):
     ``out = dense(softmax(Q K^T / sqrt(d) + causal_mask) V)``.
     """
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool = False):
+    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        tp_size = parallel_state.get().tp_size
+        self.num_heads = cfg.num_attention_heads // tp_size  # heads on this rank
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.query_key_value = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.query_key_value = tp.ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size,
+                                                       sequence_parallel=sequence_parallel)
+        self.dense = tp.RowParallelLinear(cfg.hidden_size, cfg.hidden_size, sequence_parallel=sequence_parallel)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q, k, v: [b, nh, s, hd] -> [b, nh, s, hd]
+        # q, k, v: [b, nh, s, hd] -> [b, nh, s, hd] (nh: this rank's heads)
         dropout = self.attn_dropout if self.training else 0.0
+        if dropout and parallel_state.get().tp_size > 1:
+            with tp.get_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, b, h = x.shape
-        qkv = self.query_key_value(x).view(s, b, self.num_heads, 3, self.head_dim)
+        qkv = self.query_key_value(x)  # [s, b, 3h/tp] (the sequence gathered under sequence parallel)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.num_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)  # each [b, nh, s, hd]
         ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, h)  # [s, b, h]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # [s, b, h/tp]
         return self.dense(ctx)
 
 
 class MLP(nn.Module):
     """``fc2(gelu_tanh(fc1(x)))``: h -> ffn_hidden_size -> h."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.dense_4h_to_h = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size,
+                                                     sequence_parallel=sequence_parallel)
+        self.dense_4h_to_h = tp.RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
+                                                  sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
@@ -76,16 +104,21 @@ class TransformerDecoderLayer(nn.Module):
     attention block) or ``core_attn`` (softmax(QK^T)V only).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: str | None = None):
+    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: str | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         if recompute is not None and recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"unknown recompute granularity {recompute!r}")
         self.layer_number = layer_number
         self.recompute = recompute
+        self.sequence_parallel = sequence_parallel
         self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.self_attention = SelfAttention(cfg, recompute_core=recompute == "core_attn")
+        self.self_attention = SelfAttention(cfg, recompute == "core_attn", sequence_parallel)
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, sequence_parallel)
+        if sequence_parallel:
+            tp.mark_sequence_parallel(self.input_layernorm)
+            tp.mark_sequence_parallel(self.post_attention_layernorm)
         self.hidden_dropout = cfg.hidden_dropout_prob
         self._desc = (f"d_model={cfg.hidden_size}, nhead={cfg.num_attention_heads}, "
                       f"dim_feedforward={cfg.ffn_hidden_size}, dropout={cfg.hidden_dropout_prob}, "
@@ -96,13 +129,13 @@ class TransformerDecoderLayer(nn.Module):
 
     def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
         out = self.self_attention(self.input_layernorm(x))
-        return F.dropout(out, self.hidden_dropout, self.training)
+        return parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
     def _layer(self, x: torch.Tensor) -> torch.Tensor:
         x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x)
         out = self.mlp(self.post_attention_layernorm(x))
-        return x + F.dropout(out, self.hidden_dropout, self.training)
+        return x + parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s, b, h] -> [s, b, h]."""
+        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel)."""
         return _maybe_checkpoint(self.recompute == "full", self._layer, x)

@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.config.schema import OptimizerConfig
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
-from megatron.optimizer.clip_grads import clip_grads, global_grad_norm
+from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
+from megatron.tensor_parallel import allreduce_sequence_parallel_grads
 
 
 def weight_decay_groups(model: nn.Module) -> tuple[list, list]:
@@ -43,7 +45,8 @@ def _supports_fused(device: torch.device) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None):
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None,
+                 model_parallel_group: dist.ProcessGroup | None = None):
         decay, no_decay = weight_decay_groups(model)
         # Reverse parameter order: the backward produces the last layers' gradients first, so
         # data-parallel buckets at the front of the buffer fill first.
@@ -65,6 +68,13 @@ class MixedPrecisionOptimizer:
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_epsilon, fused=_supports_fused(device))
         self._low_precision = low_precision
+        # Tensor parallelism: which gradients are shards (summed over the group in the norm) and
+        # which parameters saw only a sequence shard (their gradients are summed before the step).
+        self.model_parallel_group = model_parallel_group
+        params = [p for _, p in decay + no_decay]
+        self._sharded = [p.main_grad for p in params if getattr(p, "tensor_model_parallel", False)]
+        self._replicated = [p.main_grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+        self._sequence_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
 
     @property
     def loss_scale(self) -> float:
@@ -76,17 +86,30 @@ class MixedPrecisionOptimizer:
     def main_grads(self) -> list[torch.Tensor]:
         return [self.buffer.grad_data]
 
+    def _found_inf(self, grads: list[torch.Tensor]) -> bool:
+        found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
+        if self.model_parallel_group is not None:  # every rank skips the step if any shard overflowed
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        return bool(found)
+
+    def grad_norm(self) -> torch.Tensor:
+        if self.model_parallel_group is None:
+            return global_grad_norm(self.main_grads())
+        return model_parallel_grad_norm(self._sharded, self._replicated, self.model_parallel_group)
+
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         grads = self.main_grads()
+        if self._sequence_parallel and self.model_parallel_group is not None:
+            allreduce_sequence_parallel_grads(self._sequence_parallel, self.model_parallel_group)
         if self.grad_scaler is not None:
             for g in grads:
                 g.mul_(1.0 / self.grad_scaler.scale)
-            found_inf = not all(bool(torch.isfinite(g).all()) for g in grads)
+            found_inf = self._found_inf(grads)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(False, None)
-        norm = global_grad_norm(grads)
+        norm = self.grad_norm()
         clip_grads(grads, self.max_norm, norm)
         for group in self.inner.param_groups:
             group["lr"] = lr

@@ -197,9 +197,9 @@ def _check_checkpoint() -> None:
 
 def _check_reduce_scatter(group) -> None:
     world = dist.get_world_size(group)
-    x = torch.randn(2 * world, 3) + dist.get_rank()
-    expected = x.chunk(world, 0)[dist.get_rank(group)].clone()
-    dist.all_reduce(expected, group=group)
+    base = torch.randn(2 * world, 3, generator=torch.Generator().manual_seed(3))  # equal on every rank
+    x = base + dist.get_rank(group)  # sum over the ranks: world * base + world (world - 1) / 2
+    expected = (world * base + world * (world - 1) / 2).chunk(world, 0)[dist.get_rank(group)]
     _close(_reduce_scatter(x, group), expected, "reduce-scatter")
     _close(reduce_scatter_fallback(x, group), expected, "reduce-scatter fallback")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -327,10 +328,23 @@ def test_max_lr_below_min_lr_is_a_warning():
     assert config.optimizer.lr.max_lr == 1e-5  # kept as given
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"], ["--pp", "2"], ["--sharding", "2"], ["--vpp", "2"]])
+@pytest.mark.parametrize("argv", [["--pp", "2"], ["--sharding", "2"], ["--vpp", "2"]])
 def test_unbuilt_parallelism_refused(argv):
     with pytest.raises(ConfigError, match="not support"):
         check(valid_config(*argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "2"], "world size 1 is not divisible by mp_degree x pp_degree x sharding_degree = 2"),
+    (["--tp", "3", "--hidden-size", "96", "--num-attention-heads", "4"], "must divide Model.num_attention_heads"),
+    (["--tp", "2", "--ffn-hidden-size", "33"], "must divide Model.ffn_hidden_size"),
+    (["--tp", "2", "--sequence-parallel", "--seq-length", "33", "--max-position-embeddings", "64"],
+     "must be divisible"),
+])
+def test_tensor_parallel_checks(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config = valid_config(*argv)
+        validate(config, world_size=1 if "must" not in message else config.distributed.mp_degree)
 
 
 def test_bf16_and_fp16_refused():
