@@ -39,7 +39,8 @@ def test_dropout_runs_are_reproducible(tmp_path):
     """With dropout on, two runs of one layout give identical losses (seeded per-rank streams)."""
     dropout_flags = {"--hidden-dropout-prob", "--attention-probs-dropout-prob"}
     args = [a for i, a in enumerate(TINY) if a not in dropout_flags and TINY[i - 1] not in dropout_flags]
-    args += ["--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1", "--attention-probs-dropout-prob", "0.1"]
+    args += ["--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1",
+             "--attention-probs-dropout-prob", "0.1"]
     curves = []
     for name in ("a", "b"):
         result = run(tmp_path / name, *args, nproc=2)
