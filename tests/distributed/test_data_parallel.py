@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
@@ -57,7 +56,7 @@ def _compare(rank, world_size, bucket_size, overlap):
                          ids=["bucket-smaller-than-a-parameter", "one-bucket", "several-buckets", "no-overlap"])
 def test_bucketed_gradients_equal_single_process(bucket_size, overlap):
     results = run_distributed(_compare, 2, bucket_size, overlap)
-    for num_buckets, diff, scale in results:
+    for _num_buckets, diff, scale in results:
         # fp32 round-off only: the two halves' gradients are summed in another order.
         assert diff <= 1e-6 * scale
     if bucket_size == 1:

@@ -14,7 +14,7 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     result = run(out, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    return losses(out), losses(out, "valid")
+    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
 
 
 @pytest.mark.parametrize("nproc, extra", [
@@ -26,11 +26,12 @@ def reference(tmp_path_factory):
 def test_dp_losses_equal_single_process(tmp_path, reference, nproc, extra):
     result = run(tmp_path, *TINY, *extra, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
-    train, valid = reference
+    train, valid, grad_norms = reference
     # Relative 1e-5: the replicas' gradients are summed in another order than one process
     # sums its micro-batches (fp32 round-off, ~1e-7 observed), which Adam carries forward.
     assert losses(tmp_path) == pytest.approx(train, rel=1e-5)
     assert losses(tmp_path, "valid") == pytest.approx(valid, rel=1e-5)
+    assert losses(tmp_path, key="grad_norm") == pytest.approx(grad_norms, rel=1e-5)
     assert len(losses(tmp_path)) == 10
 
 

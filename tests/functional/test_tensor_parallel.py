@@ -14,7 +14,7 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     result = run(out, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    return losses(out), losses(out, "valid")
+    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
 
 
 @pytest.mark.parametrize("nproc, extra", [
@@ -27,11 +27,13 @@ def reference(tmp_path_factory):
 def test_tp_losses_equal_single_process(tmp_path, reference, nproc, extra):
     result = run(tmp_path, *TINY, *extra, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
-    train, valid = reference
+    train, valid, grad_norms = reference
     # Relative 1e-5: tensor-parallel matmuls sum partial products in another order (fp32
     # round-off, ~1e-7 observed), which Adam carries forward.
     assert losses(tmp_path) == pytest.approx(train, rel=1e-5)
     assert losses(tmp_path, "valid") == pytest.approx(valid, rel=1e-5)
+    # The global norm counts every element once (shards summed over TP, replicas once).
+    assert losses(tmp_path, key="grad_norm") == pytest.approx(grad_norms, rel=1e-5)
     assert len(losses(tmp_path)) == 10
 
 
@@ -47,6 +49,12 @@ def test_dropout_runs_are_reproducible(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         curves.append(losses(tmp_path / name))
     assert curves[0] == curves[1]
+
+
+def test_three_processes_with_tp2_fail_with_a_message(tmp_path):
+    result = run(tmp_path, *TINY, "--tp", "2", nproc=3, timeout=120)
+    assert result.returncode != 0
+    assert "world size 3 is not divisible by mp_degree x pp_degree x sharding_degree = 2" in result.stderr
 
 
 def test_heads_not_divisible_by_tp_fails_on_every_rank(tmp_path):
