@@ -83,7 +83,9 @@ class DistributedConfig:
     virtual_pp_degree: int = opt(1, "Model chunks per pipeline stage (interleaved 1F1B).")
     sequence_parallel: bool = opt(False, "Split LayerNorm/dropout regions along the sequence across TP ranks.")
     bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (fp32 MB).")
-    overlap_grad_reduce: bool = opt(True, "Start each bucket's all-reduce as soon as its gradients are ready.")
+    overlap_grad_reduce: bool | None = opt(
+        None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
+              "CPU, where gloo's thread competes with the compute for the cores (docs/benchmarks.md).")
     sharding: ShardingConfig = section(ShardingConfig, "sharding", "Group-sharded (ZeRO) optimizer.")
 
 

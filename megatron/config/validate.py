@@ -162,6 +162,8 @@ def _check_optimizer(config: Config, warnings: list[str]) -> None:
 def _check_training(config: Config, cuda_available: bool) -> None:
     if config.device is None:
         config.device = "gpu" if cuda_available else "cpu"
+    if config.distributed.overlap_grad_reduce is None:
+        config.distributed.overlap_grad_reduce = config.device == "gpu"
     if config.device == "gpu" and not cuda_available:
         _fail("device is gpu but no CUDA device is visible; pass --device cpu or run on a GPU machine.")
     for name in ("max_steps", "logging_freq", "eval_freq", "num_train_epochs"):
