@@ -18,10 +18,11 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc, extra", [
-    (2, []),                                           # 2 replicas x 2 micro-batches each
-    (2, ["--bucket-size-mb", "0.001"]),                # a bucket smaller than one parameter
-    (2, ["--no-overlap-grad-reduce"]),                 # one all-reduce after the backward
-    (4, ["--micro-batch-size", "2"]),                  # 4 replicas x 2 micro-batches
+    (2, []),                                           # 2 replicas x 2 micro-batches; on the CPU one
+                                                       # all-reduce after the backward by default
+    (2, ["--overlap-grad-reduce", "--bucket-size-mb", "0.001"]),  # overlapped, a bucket per parameter
+    (2, ["--overlap-grad-reduce"]),                    # overlapped, one bucket
+    (4, ["--micro-batch-size", "2", "--overlap-grad-reduce", "--bucket-size-mb", "0.05"]),  # 4 replicas
 ])
 def test_dp_losses_equal_single_process(tmp_path, reference, nproc, extra):
     result = run(tmp_path, *TINY, *extra, nproc=nproc)
