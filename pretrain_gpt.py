@@ -22,7 +22,7 @@ from megatron.config import Config, ConfigError, parse_config, validate
 from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import MockGPTDataset
-from megatron.initialize import launch_env
+from megatron.initialize import launch_env, shutdown
 from megatron.model import build_model
 from megatron.tokenizer import build_tokenizer
 from megatron.training import pretrain
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except DatasetError as err:  # data that cannot serve the run: one line, not a traceback
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        shutdown()  # tear the process groups down before exit (gloo's threads must not outlive them)
     return 0
 
 

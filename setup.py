@@ -31,7 +31,7 @@ setup(
     py_modules=["pretrain_gpt"],
     python_requires=">=3.10",
     install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece"],
-    extras_require={"test": ["pytest>=7", "ruff", "hypothesis"]},
+    extras_require={"test": ["pytest>=7", "ruff", "hypothesis", "regex"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,
