@@ -62,14 +62,13 @@ sys.path.insert(0, TOOLS)
 
 import preprocess_data  # noqa: E402  (tools/preprocess_data.py: its reader and Encoder, for the stage profile)
 
+from benchmarks.report import write_section  # noqa: E402
 from megatron.data.gpt_dataset import GPTDataset, build_indices  # noqa: E402
 from megatron.data.helpers import build_sample_idx, helpers_compiled  # noqa: E402
 from megatron.data.helpers_reference import build_sample_idx_reference  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, best_dtype  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
-DOCS = os.path.join(REPO, "docs", "benchmarks.md")
-BEGIN, END = "<!-- data:begin -->", "<!-- data:end -->"
 MB = 2**20
 AIM = 0.8
 INTRO = """`benchmarks/data.py` measures the data pipeline on this machine: `tools/preprocess_data.py` on a
@@ -388,18 +387,6 @@ def render(args, pre: dict | None, sidx: dict | None, acc: dict | None) -> str:
     return "\n".join(out).rstrip()
 
 
-def write_docs(body: str, command: str) -> None:
-    text = open(DOCS).read() if os.path.exists(DOCS) else "# Benchmarks\n"
-    block = f"{BEGIN}\nCommand: `{command}`\n\n{body}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## Data pipeline\n\n{INTRO}\n\n{block}\n"
-    with open(DOCS, "w") as f:
-        f.write(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus-mb", type=float, default=16.0, help="Size of the preprocessing corpus.")
@@ -441,7 +428,7 @@ def main() -> None:
     body = render(args, pre, sidx, acc)
     print(body)
     if args.write:
-        write_docs(body, "python benchmarks/data.py " + " ".join(sys.argv[1:]))
+        write_section("data", "Data pipeline", "python benchmarks/data.py " + " ".join(sys.argv[1:]), body, INTRO)
 
 
 if __name__ == "__main__":

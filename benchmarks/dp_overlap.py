@@ -26,9 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
-BEGIN, END = "<!-- dp_overlap:begin -->", "<!-- dp_overlap:end -->"
+from benchmarks.report import write_section  # noqa: E402
 
 
 def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, queue) -> None:
@@ -121,16 +119,8 @@ def main() -> None:
     ])
     print(table)
     if args.write:
-        text = open(DOCS).read()
-        block = f"{BEGIN}\nCommand: `python benchmarks/dp_overlap.py {' '.join(sys.argv[1:])}`\n\n{table}\n{END}"
-        if BEGIN in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text += f"\n## Data-parallel gradient sync: overlapped vs after the backward\n\n{block}\n"
-        with open(DOCS, "w") as f:
-            f.write(text)
-
+        write_section("dp_overlap", "Data-parallel gradient sync: overlapped vs after the backward",
+                      "python benchmarks/dp_overlap.py " + " ".join(sys.argv[1:]), table)
 
 if __name__ == "__main__":
     main()

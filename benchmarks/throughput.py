@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
+from benchmarks.report import write_section  # noqa: E402
 from megatron.config import parse_config, validate  # noqa: E402
 from megatron.data.loader import build_batch  # noqa: E402
 from megatron.data.mock_dataset import MockGPTDataset  # noqa: E402
@@ -36,9 +37,6 @@ from megatron.metrics import model_flops_per_token  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.optimizer import build_optimizer  # noqa: E402
 from megatron.training import train_step  # noqa: E402
-
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
-BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"
 
 
 # ----------------------------------------------------------------------------- reference
@@ -171,18 +169,6 @@ def render(args, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(table: str, command: str) -> None:
-    text = open(DOCS).read() if os.path.exists(DOCS) else "# Benchmarks\n"
-    block = f"{BEGIN}\nCommand: `{command}`\n\n{table}\n{END}"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text += f"\n## Training-step throughput vs a plain PyTorch GPT (CPU)\n\n{block}\n"
-    with open(DOCS, "w") as f:
-        f.write(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
@@ -206,7 +192,8 @@ def main() -> None:
     table = render(args, results)
     print(table)
     if args.write:
-        write_docs(table, "python benchmarks/throughput.py " + " ".join(sys.argv[1:]))
+        write_section("throughput", "Training-step throughput vs a plain PyTorch GPT (CPU)",
+                      "python benchmarks/throughput.py " + " ".join(sys.argv[1:]), table)
     if any(math.isnan(r["ratio"]) for r in results):
         sys.exit(1)
 

@@ -9,14 +9,6 @@ from tests.functional.launch import TINY, losses, run
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    result = run(out, *TINY)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
-
-
 @pytest.mark.parametrize("nproc, extra", [
     (2, ["--tp", "2"]),
     (4, ["--tp", "4"]),
