@@ -22,6 +22,7 @@ from megatron import parallel_state
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
+from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
@@ -68,6 +69,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, o
                                               num_tokens, optimizer.loss_scale)
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
+    finalize_model_grads(model, parallel_state.get())
     result = optimizer.step(lr)
     return float(_all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
@@ -99,7 +101,8 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
-        self.optimizer = build_optimizer(model, config, self.ps.group("tp") if self.ps.tp_size > 1 else None)
+        model_parallel = self.ps.tp_size * self.ps.pp_size > 1
+        self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
         if self.dp_group is not None:
             d = config.distributed

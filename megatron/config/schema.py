@@ -81,6 +81,10 @@ class DistributedConfig:
     mp_degree: int = opt(1, "Tensor (model) parallel size.")
     pp_degree: int = opt(1, "Pipeline parallel stages.")
     virtual_pp_degree: int = opt(1, "Model chunks per pipeline stage (interleaved 1F1B).")
+    pipeline_schedule: str = opt("1f1b", "Pipeline schedule with pp_degree > 1 (interleaved 1F1B when "
+                                 "virtual_pp_degree > 1).", ("1f1b", "gpipe"))
+    pipeline_partition: str = opt("layer:TransformerDecoderLayer", "How layers are cut into stages: "
+                                  "'layer:TransformerDecoderLayer' (even), 'uniform', or counts per stage '4,6,6'.")
     sequence_parallel: bool = opt(False, "Split LayerNorm/dropout regions along the sequence across TP ranks.")
     bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (fp32 MB).")
     overlap_grad_reduce: bool | None = opt(

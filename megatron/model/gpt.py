@@ -56,24 +56,42 @@ class GPTModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
-                 no_recompute_layers: list[int] | None = None, sequence_parallel: bool = False):
+                 no_recompute_layers: list[int] | None = None, sequence_parallel: bool = False,
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.cfg, self.sequence_parallel = cfg, sequence_parallel
+        self.pre_process, self.post_process = pre_process, post_process
         skip = set(no_recompute_layers or [])
-        self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
-        self.layers = nn.ModuleList(TransformerDecoderLayer(cfg, i, None if i in skip else recompute, sequence_parallel)
-                                    for i in range(cfg.num_layers))
-        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        if sequence_parallel:
-            tp.mark_sequence_parallel(self.final_layernorm)
+        layers = range(cfg.num_layers) if layers is None else layers
+        if pre_process:
+            self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
+        elif post_process:  # a later pipeline stage holding the head: its own copy of the tied weight
+            self.embedding = TiedHeadWeight(padded_vocab_size, cfg.hidden_size)
+        # Keyed by global layer index, so parameter names are those of the whole model on every stage.
+        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i, None if i in skip else recompute,
+                                                                     sequence_parallel) for i in layers})
+        if post_process:
+            self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+            if sequence_parallel:
+                tp.mark_sequence_parallel(self.final_layernorm)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """The activation received from the previous pipeline stage (used instead of the embedding)."""
+        self.input_tensor = tensor
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        x = self.embedding(tokens, position_ids)
-        for layer in self.layers:
+        if self.pre_process:
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            x = self.embedding(tokens, position_ids)
+        else:
+            x = self.input_tensor
+        for layer in self.layers.values():
             x = layer(x)
+        if not self.post_process:
+            return x  # [s, b, h] for the next stage
         x = self.final_layernorm(x)
         x = tp.gather_from_sequence_region(x) if self.sequence_parallel else tp.copy_to_tp_region(x)
         logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied head: [s, b, V/tp]
@@ -82,14 +100,42 @@ class GPTModel(nn.Module):
         return tp.vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
 
 
-def build_model(config: Config, device: torch.device | str = "cpu") -> GPTModel:
-    """The GPT of ``config``, initialised layout-invariantly, in the training dtype."""
+class TiedHeadWeight(nn.Module):
+    """The last pipeline stage's copy of the word embedding, named like the first stage's
+    (``embedding.word_embeddings.weight``) so it is initialised identically; the two copies'
+    gradients are summed over the embedding group before every optimizer step."""
+
+    def __init__(self, padded_vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, hidden_size)
+        self.word_embeddings.weight.tied_copy = True  # counted once (on the first stage) in the grad norm
+
+
+def build_model(config: Config, device: torch.device | str = "cpu") -> nn.Module:
+    """This rank's part of the GPT of ``config``, initialised layout-invariantly, in the training
+    dtype: the whole model, a pipeline stage, or (interleaved schedule) a ModuleList of chunks."""
+    from megatron import parallel_state
+    from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+
     recompute = config.recompute_granularity if config.use_recompute else None
-    model = GPTModel(config.model, config.padded_vocab_size, recompute, config.no_recompute_layers,
-                     config.distributed.sequence_parallel)
-    init_parameters(model, config.seed, config.model)
+    ps, d, m = parallel_state.get(), config.distributed, config.model
+    if ps.pp_size == 1:
+        specs = [(range(m.num_layers), True, True)]
+    elif d.virtual_pp_degree == 1:
+        bounds = segment(m.num_layers, ps.pp_size, d.pipeline_partition)
+        specs = [(stage_layers(bounds, ps.pp_rank), ps.is_first_stage, ps.is_last_stage)]
+    else:
+        vpp = d.virtual_pp_degree
+        specs = [(chunk_layers(m.num_layers, ps.pp_size, vpp, ps.pp_rank, c), ps.is_first_stage and c == 0,
+                  ps.is_last_stage and c == vpp - 1) for c in range(vpp)]
     dtype = getattr(torch, config.params_dtype_name)
-    return model.to(device=device, dtype=dtype)
+    chunks = []
+    for layers, pre, post in specs:
+        chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
+                         layers, pre, post)
+        init_parameters(chunk, config.seed, m)
+        chunks.append(chunk.to(device=device, dtype=dtype))
+    return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
 
 
 def num_parameters(model: nn.Module) -> int:

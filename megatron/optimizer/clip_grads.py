@@ -11,17 +11,12 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-def model_parallel_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor], group) -> torch.Tensor:
-    """Global norm when the model is split over ``group``: every element counted once.
-
-    ``sharded``: gradients of tensor-parallel shards (distinct on each rank), whose squares are
-    summed over the group; ``replicated``: gradients equal on every rank, counted once."""
-    device = (sharded or replicated)[0].device
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    sq_sharded = global_grad_norm(sharded) ** 2 if sharded else zero
-    torch.distributed.all_reduce(sq_sharded, group=group)
-    sq_replicated = global_grad_norm(replicated) ** 2 if replicated else zero
-    return (sq_sharded + sq_replicated).sqrt()
+def model_parallel_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
+    """Global norm of a model split over ``group``: each rank passes the gradients it counts
+    (every element of the model counted on exactly one rank); the squares are summed over the group."""
+    sq = global_grad_norm(counted) ** 2 if counted else torch.zeros((), dtype=torch.float32, device=device)
+    torch.distributed.all_reduce(sq, group=group)
+    return sq.sqrt()
 
 
 def clip_grads(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
 from megatron.config.schema import OptimizerConfig
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
-from megatron.tensor_parallel import allreduce_sequence_parallel_grads
 
 
 def weight_decay_groups(model: nn.Module) -> tuple[list, list]:
@@ -68,13 +68,14 @@ class MixedPrecisionOptimizer:
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_epsilon, fused=_supports_fused(device))
         self._low_precision = low_precision
-        # Tensor parallelism: which gradients are shards (summed over the group in the norm) and
-        # which parameters saw only a sequence shard (their gradients are summed before the step).
+        # Model parallelism (tp x pp): the global norm counts every element once. A rank counts its
+        # tensor-parallel shards, its TP-replicated parameters only on tp rank 0, and never the last
+        # pipeline stage's copy of the tied embedding; the squares are then summed over the group.
         self.model_parallel_group = model_parallel_group
-        params = [p for _, p in decay + no_decay]
-        self._sharded = [p.main_grad for p in params if getattr(p, "tensor_model_parallel", False)]
-        self._replicated = [p.main_grad for p in params if not getattr(p, "tensor_model_parallel", False)]
-        self._sequence_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
+        tp_rank = parallel_state.get().tp_rank
+        self._counted = [p.main_grad for _, p in decay + no_decay
+                         if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+                         and not getattr(p, "tied_copy", False)]
 
     @property
     def loss_scale(self) -> float:
@@ -95,13 +96,11 @@ class MixedPrecisionOptimizer:
     def grad_norm(self) -> torch.Tensor:
         if self.model_parallel_group is None:
             return global_grad_norm(self.main_grads())
-        return model_parallel_grad_norm(self._sharded, self._replicated, self.model_parallel_group)
+        return model_parallel_grad_norm(self._counted, self.model_parallel_group, self.buffer.grad_data.device)
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         grads = self.main_grads()
-        if self._sequence_parallel and self.model_parallel_group is not None:
-            allreduce_sequence_parallel_grads(self._sequence_parallel, self.model_parallel_group)
         if self.grad_scaler is not None:
             for g in grads:
                 g.mul_(1.0 / self.grad_scaler.scale)

@@ -167,7 +167,7 @@ def _loss_and_grads(config: Config, tokens: torch.Tensor, labels: torch.Tensor, 
     model = build_model(config)
     model.train()
     calls = {"sdpa": [0] * config.model.num_layers, "mlp": [0] * config.model.num_layers}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers.values()):
         attn = layer.self_attention
         core = attn.core_attention
 

@@ -1,0 +1,268 @@
+"""Pipeline schedules as data: one list of :class:`Action` per pipeline rank, plus a pure simulator.
+
+A table says, in order, what one rank does in one training step: compute a forward (``F``) or a
+backward (``B``) of one micro-batch on one model chunk, or exchange a tensor with a neighbour.
+Virtual stage ``v = chunk * pp + rank`` (``pp`` ranks, ``vpp`` chunks per rank, ``V = pp * vpp``
+virtual stages): a micro-batch's forward runs through virtual stages ``0 .. V-1``, its backward
+back from ``V-1`` to ``0``. ``SEND_F``/``SEND_B`` carry an action's *output* (activation to ``v+1``,
+input-gradient to ``v-1``) and are labelled with the sender's chunk; ``RECV_F``/``RECV_B`` carry an
+action's *input* and are labelled with the receiver's chunk. Every ``RECV`` comes right before the
+compute that consumes it and every ``SEND`` right after the compute that produces it, so a run of
+consecutive communication actions (e.g. ``SEND_F`` + ``RECV_B``) is exactly what an executor posts
+as one ``batch_isend_irecv`` (see :mod:`megatron.pipeline_parallel.p2p`). Neighbouring chunks on
+the same rank (only when ``pp == 1``) pass tensors locally, without communication actions.
+
+:func:`simulate` checks tables without processes: deadlock freedom, send/receive matching, data
+dependencies, exactly-once compute, and measures the makespan, bubble and activation memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPUTE = ("F", "B")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_HOPS = {"SEND_F": (0, 1), "RECV_F": (-1, 0), "SEND_B": (0, -1), "RECV_B": (1, 0)}  # (src, dst) - virtual stage
+
+
+class DeadlockError(RuntimeError):
+    """No rank can make progress although some tables are unfinished."""
+
+
+class ScheduleError(ValueError):
+    """A table is inconsistent: unmatched or duplicate message, violated dependency, bad chunk..."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # one of COMPUTE + COMM
+    micro_batch: int
+    chunk: int = 0  # model chunk on this rank (interleaved schedule); virtual stage = chunk * pp + rank
+
+
+def _with_comm(pp: int, rank: int, vpp: int, order: list[tuple[str, int, int]]) -> list[Action]:
+    """Turn a compute order ``[(kind, micro_batch, chunk)]`` into a table: each compute is preceded by
+    the receive of its input and followed by the send of its output, unless its neighbouring virtual
+    stage is on this rank (pp == 1) or does not exist (first/last virtual stage)."""
+    last = pp * vpp - 1
+    table = []
+    for kind, k, c in order:
+        v = c * pp + rank
+        has_prev, has_next = v > 0 and pp > 1, v < last and pp > 1
+        if kind == "F":
+            table += [Action("RECV_F", k, c)] * has_prev + [Action("F", k, c)] + [Action("SEND_F", k, c)] * has_next
+        else:
+            table += [Action("RECV_B", k, c)] * has_next + [Action("B", k, c)] + [Action("SEND_B", k, c)] * has_prev
+    return table
+
+
+def _check(pp: int, rank: int, m: int, vpp: int = 1) -> None:
+    if pp < 1 or vpp < 1 or m < 1 or not 0 <= rank < pp:
+        raise ValueError(f"need pp >= 1, vpp >= 1, m >= 1 and 0 <= rank < pp; got {pp=}, {rank=}, {m=}, {vpp=}")
+
+
+def no_pipelining(m: int) -> list[Action]:
+    """One stage (pp = 1): forward then backward of each micro-batch in turn; 1 micro-batch in flight."""
+    _check(1, 0, m)
+    return [Action(kind, k) for k in range(m) for kind in COMPUTE]
+
+
+def gpipe(pp: int, rank: int, m: int) -> list[Action]:
+    """GPipe: the forwards of micro-batches 0..m-1, then their backwards in the same order 0..m-1
+    (FIFO, like Megatron's all-warm-up case; reverse order gives the same makespan). Every rank holds
+    the activations of all ``m`` micro-batches at the peak. Bubble fraction (pp-1)/(m+pp-1)."""
+    _check(pp, rank, m)
+    return _with_comm(pp, rank, 1, [("F", k, 0) for k in range(m)] + [("B", k, 0) for k in range(m)])
+
+
+def one_f_one_b(pp: int, rank: int, m: int) -> list[Action]:
+    """Megatron-LM's non-interleaved 1F1B (PipeDream-flush): ``w = min(pp - rank - 1, m)`` warm-up
+    forwards, then ``m - w`` steady steps of one forward and one backward, then ``w`` cool-down
+    backwards. Same bubble as GPipe, (pp-1)/(m+pp-1), but rank ``r`` holds at most
+    ``min(pp - r, m)`` micro-batches' activations instead of ``m``."""
+    _check(pp, rank, m)
+    w = min(pp - rank - 1, m)
+    order = [("F", k, 0) for k in range(w)]
+    for i in range(m - w):
+        order += [("F", w + i, 0), ("B", i, 0)]
+    order += [("B", k, 0) for k in range(m - w, m)]
+    return _with_comm(pp, rank, 1, order)
+
+
+def interleaved_one_f_one_b(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: each rank holds ``vpp`` model chunks (virtual stage
+    ``chunk * pp + rank``), so a micro-batch visits every rank ``vpp`` times.
+
+    The ``m * vpp`` forwards of a rank go in groups of ``pp`` micro-batches per chunk: forward number
+    ``j`` is chunk ``(j % (pp*vpp)) // pp`` of micro-batch ``(j // (pp*vpp)) * pp + j % pp``; backward
+    number ``j`` is the same with chunks in reverse order. Warm-up ``(pp - rank - 1) * 2 +
+    (vpp - 1) * pp`` forwards (capped at ``m * vpp``), then one forward and one backward per step, then
+    the remaining backwards. The bubble shrinks to about (pp-1)/(vpp*m + pp-1) while the peak memory
+    is ``warm-up + 1`` chunk activations (each 1/vpp of a stage's), about ``pp - rank + (vpp-1)*pp/2``
+    stages' worth on rank 0 -- a little more than 1F1B. Needs ``m % pp == 0``."""
+    _check(pp, rank, m, vpp)
+    if m % pp:
+        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple "
+                         f"of the pipeline size ({pp}): m % pp == 0")
+    group, total = pp * vpp, m * vpp
+
+    def unit(j: int, forward: bool) -> tuple[int, int]:
+        chunk = (j % group) // pp
+        return (j // group) * pp + j % pp, chunk if forward else vpp - 1 - chunk
+
+    w = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    order = [("F", *unit(j, True)) for j in range(w)]
+    for i in range(total - w):
+        order += [("F", *unit(w + i, True)), ("B", *unit(i, False))]
+    order += [("B", *unit(j, False)) for j in range(total - w, total)]
+    return _with_comm(pp, rank, vpp, order)
+
+
+def simulate(tables: list[list[Action]], pp: int, vpp: int = 1, backward_cost: float = 2.0,
+             rendezvous: bool = False) -> dict:
+    """Run every rank's table and check it; raise :class:`ScheduleError` or :class:`DeadlockError`.
+
+    Semantics: a rank executes its table in order. ``F`` costs 1 and ``B`` costs ``backward_cost``;
+    communication costs 0. With ``rendezvous=False`` a ``SEND`` is buffered (never blocks, like an
+    ``isend`` whose handle is waited later) and a ``RECV`` blocks until the matching ``SEND`` has been
+    executed. With ``rendezvous=True`` each maximal run of consecutive communication actions is posted
+    as one batch (``batch_isend_irecv`` on NCCL) and the rank waits until every message of the batch has
+    met its partner in the peer's posted batch -- the stricter semantics of unbuffered sends.
+
+    Checks: each message is sent exactly once and received exactly once by the neighbouring virtual
+    stage (same micro-batch); a ``SEND`` follows the compute that produced it; ``F`` of ``(k, v)`` runs
+    after ``F`` of ``(k, v-1)`` and after receiving it; ``B`` of ``(k, v)`` after ``F`` of ``(k, v)`` on
+    this rank and after ``B`` of ``(k, v+1)``; each micro-batch seen is forwarded and backwarded
+    exactly once at every virtual stage.
+
+    Returns ``makespan`` (time when the last rank finishes), ``busy`` (compute time per rank),
+    ``bubble_fraction`` (``1 - sum(busy) / (pp * makespan)``), ``peak_in_flight`` (per rank, the most
+    (micro-batch, chunk) activations held at once: forwarded, not yet backwarded), ``micro_batches``
+    (sorted ids) and ``timeline`` (per rank, ``(action, start, end)`` of each compute).
+    """
+    if len(tables) != pp:
+        raise ScheduleError(f"{len(tables)} tables for pp={pp}")
+    last = pp * vpp - 1
+    msg: dict[tuple[int, int], tuple] = {}  # (rank, index) -> message of a communication action
+    where: dict[tuple, tuple[int, int]] = {}  # ("SEND"/"RECV", *message) -> (rank, index) of the action
+    channels: dict[tuple, list] = {}  # ("SEND"/"RECV", src rank, dst rank) -> messages in table order
+    for r, table in enumerate(tables):
+        for i, a in enumerate(table):
+            if a.kind not in COMPUTE + COMM or not 0 <= a.chunk < vpp:
+                raise ScheduleError(f"rank {r}: bad action {a}")
+            v = a.chunk * pp + r
+            if a.kind in COMM:
+                src, dst = (v + hop for hop in _HOPS[a.kind])
+                if not (0 <= src <= last and 0 <= dst <= last):
+                    raise ScheduleError(f"rank {r}: {a} has no neighbouring virtual stage")
+                message = (a.kind[-1], a.micro_batch, dst)  # direction, micro-batch, receiving virtual stage
+                key = (a.kind[:4], *message)
+                if key in where:
+                    raise ScheduleError(f"rank {r}: {a} duplicates the message at rank/index {where[key]}")
+                where[key], msg[(r, i)] = (r, i), message
+                channels.setdefault((a.kind[:4], src % pp, dst % pp), []).append(message)
+    for key in where:
+        if key[0] == "SEND" and ("RECV", *key[1:]) not in where:
+            raise ScheduleError(f"message {key[1:]} sent but never received")
+        if key[0] == "RECV" and ("SEND", *key[1:]) not in where:
+            raise ScheduleError(f"message {key[1:]} received but never sent")
+    for (what, src, dst), messages in channels.items():  # p2p matches messages between two ranks in order
+        if what == "SEND" and messages != channels[("RECV", src, dst)]:
+            raise ScheduleError(f"rank {src} sends to rank {dst} in another order than rank {dst} receives")
+
+    pc, t, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    held: list[set] = [set() for _ in range(pp)]
+    peak = [0] * pp
+    done: dict[tuple, float] = {}  # (kind, k, v) -> finish time of the compute
+    sent: dict[tuple, float] = {}  # message key[1:] -> time its SEND was posted
+    got: set[tuple] = set()  # message key[1:] received
+    posted: list[tuple[int, int, float] | None] = [None] * pp  # rendezvous: (start, end, time) of a batch
+    matched: dict[tuple, float] = {}  # rendezvous: (rank, index) -> completion time
+    timeline: list[list] = [[] for _ in range(pp)]
+
+    def compute(r: int, a: Action) -> None:
+        v = a.chunk * pp + r
+        me = (a.kind, a.micro_batch, v)
+        if me in done:
+            raise ScheduleError(f"rank {r}: {a} computed twice")
+        step = -1 if a.kind == "F" else 1
+        dep = (a.kind, a.micro_batch, v + step)
+        ready = t[r]
+        if 0 <= v + step <= last:
+            if dep not in done:
+                raise ScheduleError(f"rank {r}: {a} runs before its input {dep}")
+            if (v + step) % pp != r and (a.kind, a.micro_batch, v) not in got:
+                raise ScheduleError(f"rank {r}: {a} without receiving its input")
+            ready = max(ready, done[dep])
+        if a.kind == "B":
+            if ("F", a.micro_batch, v) not in done:
+                raise ScheduleError(f"rank {r}: {a} before its forward")
+            held[r].discard((a.micro_batch, a.chunk))
+        else:
+            held[r].add((a.micro_batch, a.chunk))
+            peak[r] = max(peak[r], len(held[r]))
+        cost = 1.0 if a.kind == "F" else backward_cost
+        t[r] = done[me] = ready + cost
+        busy[r] += cost
+        timeline[r].append((a, ready, t[r]))
+
+    def post(r: int, i: int) -> tuple:
+        """The message of communication action i of rank r; a SEND must follow what it sends."""
+        a = tables[r][i]
+        if a.kind.startswith("SEND") and (a.kind[-1], a.micro_batch, a.chunk * pp + r) not in done:
+            raise ScheduleError(f"rank {r}: {a} before computing what it sends")
+        return msg[(r, i)]
+
+    def step(r: int) -> bool:
+        """Advance rank r as far as it can; return whether it moved."""
+        moved, table = False, tables[r]
+        while pc[r] < len(table):
+            a = table[pc[r]]
+            if a.kind in COMPUTE:
+                compute(r, a)
+            elif not rendezvous:
+                key = post(r, pc[r])
+                if a.kind.startswith("SEND"):
+                    sent[key] = t[r]
+                elif key in sent:
+                    got.add(key)
+                    t[r] = max(t[r], sent[key])
+                else:
+                    return moved
+            else:
+                if posted[r] is None:  # post the whole run of communication actions
+                    end = pc[r]
+                    while end < len(table) and table[end].kind in COMM:
+                        post(r, end)
+                        end += 1
+                    posted[r], moved = (pc[r], end, t[r]), True
+                start, end, when = posted[r]
+                for i in range(start, end):
+                    peer_r, peer_i = where[("RECV" if table[i].kind.startswith("SEND") else "SEND", *msg[(r, i)])]
+                    peer = posted[peer_r]
+                    if (r, i) not in matched and peer is not None and peer[0] <= peer_i < peer[1]:
+                        matched[(r, i)] = matched[(peer_r, peer_i)] = max(when, peer[2])
+                        moved = True
+                if any((r, i) not in matched for i in range(start, end)):
+                    return moved
+                got.update(msg[(r, i)] for i in range(start, end) if table[i].kind.startswith("RECV"))
+                t[r] = max([when] + [matched[(r, i)] for i in range(start, end)])
+                pc[r], posted[r] = end - 1, None
+            pc[r] += 1
+            moved = True
+        return moved
+
+    while any(pc[r] < len(tables[r]) for r in range(pp)):
+        if not any([step(r) for r in range(pp)]):
+            stuck = ", ".join(f"rank {r} at {tables[r][pc[r]]}" for r in range(pp) if pc[r] < len(tables[r]))
+            raise DeadlockError(f"no rank can progress: {stuck}")
+
+    micro_batches = sorted({k for (_, k, _) in done})
+    for k in micro_batches:
+        for v in range(last + 1):
+            for kind in COMPUTE:
+                if (kind, k, v) not in done:
+                    raise ScheduleError(f"micro-batch {k} never ran {kind} at virtual stage {v}")
+    makespan = max(t)
+    return {"makespan": makespan, "busy": busy, "peak_in_flight": peak, "micro_batches": micro_batches,
+            "bubble_fraction": 1.0 - sum(busy) / (pp * makespan) if makespan else 0.0, "timeline": timeline}
