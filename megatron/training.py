@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -27,7 +28,11 @@ from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
 from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule, build_optimizer
-from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
+from megatron.pipeline_parallel.schedules import (
+    ForwardStep,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining,
+)
 from megatron.tensor_parallel import model_parallel_seed
 
 ModelProvider = Callable[[Config, torch.device], torch.nn.Module]
@@ -59,14 +64,19 @@ def _all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
 
 
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, optimizer: MixedPrecisionOptimizer,
-               lr: float, micro_batch_size: int, dp_group=None) -> tuple[float, StepResult]:
+               lr: float, micro_batch_size: int, dp_group=None, forward_backward: Callable = None,
+               pp_group=None) -> tuple[float, StepResult]:
     """One optimizer step over this rank's share of the global batch; returns (token-mean loss of
-    the global batch, step result). ``dp_group``: the data-parallel group (None: one replica)."""
+    the global batch, step result). ``dp_group``: the data-parallel group (None: one replica);
+    ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group,
+    over which the last stage's loss is shared."""
+    forward_backward = forward_backward or forward_backward_no_pipelining
     num_tokens = float(_all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
     optimizer.zero_grad()
     model.train()
-    loss_sum = forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size), model,
-                                              num_tokens, optimizer.loss_scale)
+    loss_sum = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, num_tokens,
+                                optimizer.loss_scale)
+    loss_sum = _all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
     finalize_model_grads(model, parallel_state.get())
@@ -76,17 +86,19 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, o
 
 @torch.no_grad()
 def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_batch_size: int,
-             max_batches: int, device: torch.device, dp_group=None) -> float | None:
+             max_batches: int, device: torch.device, dp_group=None, forward_backward: Callable = None,
+             pp_group=None) -> float | None:
     """Token-mean loss over the first ``max_batches`` global batches (None if there are none)."""
+    forward_backward = forward_backward or forward_backward_no_pipelining
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
         batch = _to_device(batch, device)
-        loss = forward_backward_no_pipelining(forward_step, split_micro_batches(batch, micro_batch_size), model,
-                                              1.0, forward_only=True)
-        sums += torch.stack([loss.double(), batch["loss_mask"].sum().double()])
+        loss = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, 1.0,
+                                forward_only=True)
+        sums += torch.stack([_all_reduce_sum(loss, pp_group).double(), batch["loss_mask"].sum().double()])
     model.train()
     total, tokens = _all_reduce_sum(sums, dp_group).tolist()
     return total / tokens if tokens else None
@@ -109,6 +121,15 @@ class Trainer:
             model = DataParallel(model, self.optimizer.buffer, self.dp_group,
                                  bucket_size=int(d.bucket_size_mb * 2**20 / 4), overlap=d.overlap_grad_reduce)
         self.model = model
+        self.pp_group, self.forward_backward = None, forward_backward_no_pipelining
+        if self.ps.pp_size > 1:
+            d, b = config.distributed, config.batch_size
+            seq = config.dataset.max_seq_len // (self.ps.tp_size if d.sequence_parallel else 1)
+            self.pp_group = self.ps.group("pp")
+            self.forward_backward = partial(
+                forward_backward_pipelining, ps=self.ps, schedule=d.pipeline_schedule,
+                shape=(seq, b.micro_batch_size, config.model.hidden_size),
+                dtype=getattr(torch, config.params_dtype_name), device=device)
         self.schedule: CosineWithWarmup = build_lr_schedule(config)
         self.state = TrainState()
         self.log = get_logger()
@@ -164,7 +185,7 @@ class Trainer:
         if dataset is None or len(dataset) < c.batch_size.global_batch_size or c.eval_iters == 0:
             return
         loss = evaluate(self.forward_step, self._loader(dataset), self.model, c.batch_size.micro_batch_size,
-                        c.eval_iters, self.device, self.dp_group)
+                        c.eval_iters, self.device, self.dp_group, self.forward_backward, self.pp_group)
         if loss is None or not self.is_logging_rank:
             return
         ppl = math.exp(min(loss, 50.0))
@@ -187,7 +208,8 @@ class Trainer:
             s.step += 1
             lr = self.schedule(s.step)
             loss, result = train_step(self.forward_step, batch, self.model, self.optimizer, lr,
-                                      c.batch_size.micro_batch_size, self.dp_group)
+                                      c.batch_size.micro_batch_size, self.dp_group, self.forward_backward,
+                                      self.pp_group)
             s.consumed_samples += gbs
             s.skipped_steps += 0 if result.applied else 1
             dev.synchronize(self.device)
@@ -204,6 +226,16 @@ class Trainer:
         self._evaluate("test", self.test_ds)
         self.writer.close()
         return s
+
+
+def _log_segmentation(config: Config, ps, log) -> None:
+    """The seed's "start segment network.. / segment result:0, 3, 7 / stage=..." lines."""
+    from megatron.pipeline_parallel.partition import item_descriptions, segment, segmentation_log
+
+    bounds = segment(config.model.num_layers, ps.pp_size, config.distributed.pipeline_partition)
+    owners = [ps.ranks["pp"][stage] for stage in range(ps.pp_size)]  # rank 0's pipeline: tp = dp = 0
+    for line in segmentation_log(bounds, item_descriptions(config.model, config.padded_vocab_size), owners):
+        log.info(line)
 
 
 def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
@@ -228,5 +260,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
                  f"device {dev.device_name(device)}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
                  f"pp {ps.pp_size}, sharding {ps.sharding_size})")
+    if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
+        _log_segmentation(config, ps, log)
     trainer = Trainer(config, model, forward_step, datasets_provider(config), device)
     return trainer.run()

@@ -12,8 +12,6 @@ from megatron.config.schema import Config
 
 # Parallel features not built yet: refused, never silently ignored.
 _NOT_BUILT = {
-    "pp_degree": "pipeline parallelism",
-    "virtual_pp_degree": "interleaved pipeline parallelism",
     "sharding_degree": "group-sharded (ZeRO) parallelism",
 }
 
@@ -111,8 +109,34 @@ def _check_distributed(config: Config, world_size: int) -> None:
     if d.dp_degree < 1 or d.dp_degree * model_parallel != world_size:
         _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * model_parallel} "
               f"but {world_size} process(es) were launched; make them equal.")
+    _check_pipeline(config)
     if d.bucket_size_mb <= 0:
         _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
+
+
+def _check_pipeline(config: Config) -> None:
+    from megatron.pipeline_parallel.partition import chunk_layers, segment
+
+    d, layers = config.distributed, config.model.num_layers
+    if d.virtual_pp_degree > 1:
+        if d.pp_degree == 1:
+            _fail("virtual_pp_degree > 1 interleaves model chunks over pipeline stages: it needs pp_degree > 1.")
+        try:
+            chunk_layers(layers, d.pp_degree, d.virtual_pp_degree, 0, 0)
+        except ValueError as err:
+            _fail(str(err))
+    elif d.pp_degree > 1:
+        try:
+            segment(layers, d.pp_degree, d.pipeline_partition)
+        except ValueError as err:
+            _fail(str(err))
+
+
+def _check_micro_batches(config: Config) -> None:
+    d = config.distributed
+    if d.virtual_pp_degree > 1 and config.num_micro_batches % d.pp_degree:
+        _fail(f"the interleaved schedule needs the number of micro-batches per step (local_batch_size / "
+              f"micro_batch_size = {config.num_micro_batches}) to be a multiple of pp_degree ({d.pp_degree}).")
 
 
 def _check_batch(config: Config) -> None:
@@ -196,6 +220,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False) 
     _check_model(config)
     _check_distributed(config, world_size)
     _check_batch(config)
+    _check_micro_batches(config)
     _check_optimizer(config, warnings)
     _check_training(config, cuda_available)
     return warnings

@@ -7,12 +7,13 @@ handshake: the receiver allocates the buffer. Messages between the same two rank
 order they are posted (all use tag 0), so both sides must post them in the same order -- the tables of
 :mod:`megatron.pipeline_parallel.schedule_tables` do (``simulate`` checks it).
 
-Every exchange goes through ``dist.batch_isend_irecv``. The combined calls post a send and a receive
-together, so two neighbours that each send to the other and receive from the other at the same moment
-(the steady state of 1F1B) do not deadlock even if a send only completes once its receive is posted
-(NCCL). With ``async_op=True`` the sending calls return the pending work handles instead of waiting:
-the caller must keep the tensor unchanged and ``wait()`` them later (e.g. at the end of the step);
-that gives buffered-send semantics, which the interleaved tables need.
+Every exchange goes through ``dist.batch_isend_irecv``. A send completes only once the peer has posted
+the matching receive (on gloo as on NCCL), so the combined calls post a send and a receive together:
+two neighbours that each send to the other and receive from the other at the same moment (the steady
+state of 1F1B) do not deadlock. :func:`communicate` posts any such batch (the interleaved schedule's
+batches hold up to two sends and two receives). With ``async_op=True`` the sending calls return the
+pending work handles instead of waiting: the caller must keep the tensor unchanged and ``wait()`` them
+later (e.g. at the end of the step), which gives buffered sends.
 
 With NCCL, the first p2p call on a group must involve all of its ranks (a torch requirement of
 ``batch_isend_irecv``), and the current CUDA device must be set.
@@ -74,7 +75,7 @@ def send_forward_recv_backward(tensor: torch.Tensor, group: dist.ProcessGroup | 
                                shape: Shape | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Send an activation to the next stage and receive, from it, the gradient of an output, in one
     batch. The gradient has the activation's shape, dtype and device unless ``shape``/``dtype`` say."""
-    recv = (tensor.shape if shape is None else shape, dtype or tensor.dtype, next_rank)
+    recv = (tensor.shape if shape is None else shape, tensor.dtype if dtype is None else dtype, next_rank)
     return communicate([(tensor, next_rank)], [recv], tensor.device, group)[0][0]
 
 
@@ -82,5 +83,5 @@ def send_backward_recv_forward(tensor_grad: torch.Tensor, group: dist.ProcessGro
                                shape: Shape | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Send an input gradient to the previous stage and receive, from it, the next activation, in one
     batch. The activation has the gradient's shape, dtype and device unless ``shape``/``dtype`` say."""
-    recv = (tensor_grad.shape if shape is None else shape, dtype or tensor_grad.dtype, prev_rank)
+    recv = (tensor_grad.shape if shape is None else shape, tensor_grad.dtype if dtype is None else dtype, prev_rank)
     return communicate([(tensor_grad, prev_rank)], [recv], tensor_grad.device, group)[0][0]

@@ -2,15 +2,16 @@
 
 A table says, in order, what one rank does in one training step: compute a forward (``F``) or a
 backward (``B``) of one micro-batch on one model chunk, or exchange a tensor with a neighbour.
-Virtual stage ``v = chunk * pp + rank`` (``pp`` ranks, ``vpp`` chunks per rank, ``V = pp * vpp``
-virtual stages): a micro-batch's forward runs through virtual stages ``0 .. V-1``, its backward
-back from ``V-1`` to ``0``. ``SEND_F``/``SEND_B`` carry an action's *output* (activation to ``v+1``,
-input-gradient to ``v-1``) and are labelled with the sender's chunk; ``RECV_F``/``RECV_B`` carry an
-action's *input* and are labelled with the receiver's chunk. Every ``RECV`` comes right before the
-compute that consumes it and every ``SEND`` right after the compute that produces it, so a run of
-consecutive communication actions (e.g. ``SEND_F`` + ``RECV_B``) is exactly what an executor posts
-as one ``batch_isend_irecv`` (see :mod:`megatron.pipeline_parallel.p2p`). Neighbouring chunks on
-the same rank (only when ``pp == 1``) pass tensors locally, without communication actions.
+Virtual stage ``v = chunk * pp + rank`` (``pp`` ranks, ``vpp`` chunks per rank): a micro-batch's
+forward runs through virtual stages ``0 .. pp*vpp-1``, its backward back down to ``0``. ``SEND_F`` /
+``SEND_B`` carry a compute's *output* (activation to ``v+1``, input gradient to ``v-1``), labelled with
+the sender's chunk; ``RECV_F`` / ``RECV_B`` carry a compute's *input*, labelled with the receiver's
+chunk. Chunks of one rank pass tensors locally (only when ``pp == 1``), without actions.
+
+Executing a table: post each run of consecutive communication actions as one ``batch_isend_irecv``
+(:func:`megatron.pipeline_parallel.p2p.communicate`) and wait for it. Every table here is free of
+deadlock under those blocking semantics as well as with buffered sends (``simulate`` checks both),
+and posts the messages between two ranks in the same order on both sides (p2p matches them in order).
 
 :func:`simulate` checks tables without processes: deadlock freedom, send/receive matching, data
 dependencies, exactly-once compute, and measures the makespan, bubble and activation memory.
@@ -18,6 +19,7 @@ dependencies, exactly-once compute, and measures the makespan, bubble and activa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 COMPUTE = ("F", "B")
@@ -40,19 +42,13 @@ class Action:
     chunk: int = 0  # model chunk on this rank (interleaved schedule); virtual stage = chunk * pp + rank
 
 
-def _with_comm(pp: int, rank: int, vpp: int, order: list[tuple[str, int, int]]) -> list[Action]:
-    """Turn a compute order ``[(kind, micro_batch, chunk)]`` into a table: each compute is preceded by
-    the receive of its input and followed by the send of its output, unless its neighbouring virtual
-    stage is on this rank (pp == 1) or does not exist (first/last virtual stage)."""
-    last = pp * vpp - 1
+def _with_comm(pp: int, rank: int, order: list[tuple[str, int]]) -> list[Action]:
+    """Turn a compute order ``[(kind, micro_batch)]`` (one chunk) into a table: each compute is right
+    after the receive of its input and right before the send of its output (when that stage exists)."""
     table = []
-    for kind, k, c in order:
-        v = c * pp + rank
-        has_prev, has_next = v > 0 and pp > 1, v < last and pp > 1
-        if kind == "F":
-            table += [Action("RECV_F", k, c)] * has_prev + [Action("F", k, c)] + [Action("SEND_F", k, c)] * has_next
-        else:
-            table += [Action("RECV_B", k, c)] * has_next + [Action("B", k, c)] + [Action("SEND_B", k, c)] * has_prev
+    for kind, k in order:
+        recv, send = (rank > 0, rank < pp - 1) if kind == "F" else (rank < pp - 1, rank > 0)
+        table += [Action("RECV_" + kind, k)] * recv + [Action(kind, k)] + [Action("SEND_" + kind, k)] * send
     return table
 
 
@@ -72,21 +68,23 @@ def gpipe(pp: int, rank: int, m: int) -> list[Action]:
     (FIFO, like Megatron's all-warm-up case; reverse order gives the same makespan). Every rank holds
     the activations of all ``m`` micro-batches at the peak. Bubble fraction (pp-1)/(m+pp-1)."""
     _check(pp, rank, m)
-    return _with_comm(pp, rank, 1, [("F", k, 0) for k in range(m)] + [("B", k, 0) for k in range(m)])
+    return _with_comm(pp, rank, [("F", k) for k in range(m)] + [("B", k) for k in range(m)])
 
 
 def one_f_one_b(pp: int, rank: int, m: int) -> list[Action]:
     """Megatron-LM's non-interleaved 1F1B (PipeDream-flush): ``w = min(pp - rank - 1, m)`` warm-up
     forwards, then ``m - w`` steady steps of one forward and one backward, then ``w`` cool-down
     backwards. Same bubble as GPipe, (pp-1)/(m+pp-1), but rank ``r`` holds at most
-    ``min(pp - r, m)`` micro-batches' activations instead of ``m``."""
+    ``min(pp - r, m)`` micro-batches' activations instead of ``m``. Each compute is right after the
+    receive of its input and right before the send of its output, so the steady state's runs
+    ``SEND_F, RECV_B`` and ``SEND_B, RECV_F`` are the two combined calls of ``p2p``."""
     _check(pp, rank, m)
     w = min(pp - rank - 1, m)
-    order = [("F", k, 0) for k in range(w)]
+    order = [("F", k) for k in range(w)]
     for i in range(m - w):
-        order += [("F", w + i, 0), ("B", i, 0)]
-    order += [("B", k, 0) for k in range(m - w, m)]
-    return _with_comm(pp, rank, 1, order)
+        order += [("F", w + i), ("B", i)]
+    order += [("B", k) for k in range(m - w, m)]
+    return _with_comm(pp, rank, order)
 
 
 def interleaved_one_f_one_b(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
@@ -97,25 +95,77 @@ def interleaved_one_f_one_b(pp: int, rank: int, m: int, vpp: int) -> list[Action
     ``j`` is chunk ``(j % (pp*vpp)) // pp`` of micro-batch ``(j // (pp*vpp)) * pp + j % pp``; backward
     number ``j`` is the same with chunks in reverse order. Warm-up ``(pp - rank - 1) * 2 +
     (vpp - 1) * pp`` forwards (capped at ``m * vpp``), then one forward and one backward per step, then
-    the remaining backwards. The bubble shrinks to about (pp-1)/(vpp*m + pp-1) while the peak memory
-    is ``warm-up + 1`` chunk activations (each 1/vpp of a stage's), about ``pp - rank + (vpp-1)*pp/2``
-    stages' worth on rank 0 -- a little more than 1F1B. Needs ``m % pp == 0``."""
+    the remaining backwards. The bubble shrinks to (pp-1)/(vpp*m + pp-1) while the peak memory is
+    ``warm-up + 1`` chunk activations (each 1/vpp of a stage's): on rank 0 ``pp * (1 + 1/vpp) - 1/vpp``
+    stages' worth, against ``pp`` for 1F1B. Needs ``m % pp == 0``.
+
+    Communication is placed as Megatron-LM does: after each step's computes (F, or F then B) one batch
+    sends the outputs and *prefetches* the next inputs: ``[SEND_F] [SEND_B] [RECV_F] [RECV_B]``. A
+    received tensor is always the input of the next compute of its kind, but another compute may run in
+    between (``RECV_B`` of the next B before the next F). Receiving each input right before its use
+    instead (as 1F1B does) deadlocks when sends block until received (gloo, NCCL): the receives are
+    labelled by matching, in order, the neighbours' sends, as Megatron's flags ``recv_prev``/``recv_next``
+    do, and ``simulate(..., rendezvous=True)`` checks the result.
+    """
     _check(pp, rank, m, vpp)
     if m % pp:
         raise ValueError(f"the interleaved schedule needs the number of micro-batches ({m}) to be a multiple "
                          f"of the pipeline size ({pp}): m % pp == 0")
-    group, total = pp * vpp, m * vpp
+    return list(_interleaved_tables(pp, m, vpp)[rank])
 
-    def unit(j: int, forward: bool) -> tuple[int, int]:
+
+@functools.lru_cache(maxsize=32)
+def _interleaved_tables(pp: int, m: int, vpp: int) -> tuple[tuple[Action, ...], ...]:
+    group, total, last = pp * vpp, m * vpp, pp * vpp - 1
+
+    def unit(j: int, forward: bool) -> tuple[int, int]:  # Python's % also gives j < 0 a chunk, as in Megatron
         chunk = (j % group) // pp
         return (j // group) * pp + j % pp, chunk if forward else vpp - 1 - chunk
 
-    w = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
-    order = [("F", *unit(j, True)) for j in range(w)]
-    for i in range(total - w):
-        order += [("F", *unit(w + i, True)), ("B", *unit(i, False))]
-    order += [("B", *unit(j, False)) for j in range(total - w, total)]
-    return _with_comm(pp, rank, vpp, order)
+    plans = []  # per rank, per step: (computes, receive from previous rank?, receive from next rank?)
+    for rank in range(pp):
+        first, final = rank == 0, rank == pp - 1
+        w = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+        plan = [((), not first, False)]  # the input of the first forward
+        for j in range(w):
+            plan.append(((("F", j),), j + 1 < total and not (first and unit(j + 1, True)[1] == 0),
+                         j == w - 1 and not final))
+        for i in range(total - w):
+            plan.append(((("F", w + i), ("B", i)),
+                         i < total - w - 1 and not (first and unit(w + i - pp + 1, True)[1] == vpp - 1),
+                         not (final and unit(i - pp + 1, False)[1] == 0)))
+        for j in range(total - w, total):
+            plan.append(((("B", j),), False, j + 1 < total and not (final and unit(j + 1, False)[1] == vpp - 1)))
+        plans.append(plan)
+
+    sends: list[list[list[Action]]] = []  # per rank, per step: the sends after the step's computes
+    for rank, plan in enumerate(plans):
+        sends.append([])
+        for computes, _, _ in plan:
+            step = []
+            for kind, j in computes:
+                k, c = unit(j, kind == "F")
+                v = c * pp + rank
+                if pp > 1 and (v < last if kind == "F" else v > 0):
+                    step.append(Action("SEND_" + kind, k, c))
+            sends[-1].append(step)
+    tables = []
+    for rank, plan in enumerate(plans):  # a receive gets the neighbour's next send of that kind (FIFO)
+        from_prev = (a for step in sends[rank - 1] for a in step if a.kind == "SEND_F")
+        from_next = (a for step in sends[(rank + 1) % pp] for a in step if a.kind == "SEND_B")
+        table = []
+        for (computes, recv_prev, recv_next), step in zip(plan, sends[rank]):
+            for kind, j in computes:
+                table.append(Action(kind, *unit(j, kind == "F")))
+            table += step
+            if pp > 1 and recv_prev:
+                a = next(from_prev)
+                table.append(Action("RECV_F", a.micro_batch, (a.chunk * pp + (rank - 1) % pp + 1) // pp))
+            if pp > 1 and recv_next:
+                a = next(from_next)
+                table.append(Action("RECV_B", a.micro_batch, (a.chunk * pp + (rank + 1) % pp - 1) // pp))
+        tables.append(tuple(table))
+    return tuple(tables)
 
 
 def simulate(tables: list[list[Action]], pp: int, vpp: int = 1, backward_cost: float = 2.0,
@@ -258,11 +308,9 @@ def simulate(tables: list[list[Action]], pp: int, vpp: int = 1, backward_cost: f
             raise DeadlockError(f"no rank can progress: {stuck}")
 
     micro_batches = sorted({k for (_, k, _) in done})
-    for k in micro_batches:
-        for v in range(last + 1):
-            for kind in COMPUTE:
-                if (kind, k, v) not in done:
-                    raise ScheduleError(f"micro-batch {k} never ran {kind} at virtual stage {v}")
+    missing = [(c, k, v) for k in micro_batches for v in range(last + 1) for c in COMPUTE if (c, k, v) not in done]
+    if missing:
+        raise ScheduleError(f"never computed (kind, micro-batch, virtual stage): {missing[:4]}")
     makespan = max(t)
     return {"makespan": makespan, "busy": busy, "peak_in_flight": peak, "micro_batches": micro_batches,
             "bubble_fraction": 1.0 - sum(busy) / (pp * makespan) if makespan else 0.0, "timeline": timeline}

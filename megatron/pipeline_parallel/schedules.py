@@ -40,3 +40,101 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, micro_batches: Seq
         loss_sum = loss_sum.detach().float()
         total = loss_sum if total is None else total + loss_sum
     return total
+
+
+def _pipeline_peers(ps) -> tuple[int, int]:
+    """Global ranks of the previous and next pipeline stage (wrapping, for interleaved chunks)."""
+    ranks = ps.ranks["pp"]
+    return ranks[(ps.pp_rank - 1) % ps.pp_size], ranks[(ps.pp_rank + 1) % ps.pp_size]
+
+
+def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list,
+                       num_tokens: float, loss_scale: float, ps, shape: Sequence[int], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """Execute one rank's schedule table (see ``schedule_tables``) with real model chunks.
+
+    Runs of consecutive communication actions are posted as one ``batch_isend_irecv``; sends are
+    asynchronous (kept alive until the step ends), receives are waited for, which is exactly the
+    buffered-send model under which the tables are checked deadlock-free. The last virtual stage
+    returns the summed token losses; other stages return 0.
+    """
+    from megatron.pipeline_parallel.p2p import communicate
+    from megatron.pipeline_parallel.schedule_tables import COMM
+
+    prev_rank, next_rank = _pipeline_peers(ps)
+    last_virtual = ps.pp_size * len(chunks) - 1
+    inputs, outputs, output_grads, pending = {}, {}, {}, []
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    i = 0
+    while i < len(table):
+        if table[i].kind in COMM:
+            j = i
+            while j < len(table) and table[j].kind in COMM:
+                j += 1
+            sends, recvs, slots = [], [], []
+            for a in table[i:j]:
+                key = (a.micro_batch, a.chunk)
+                if a.kind == "SEND_F":
+                    sends.append((outputs[key].detach(), next_rank))
+                elif a.kind == "SEND_B":
+                    sends.append((inputs.pop(key).grad, prev_rank))
+                else:
+                    recvs.append((shape, dtype, prev_rank if a.kind == "RECV_F" else next_rank))
+                    slots.append((a.kind, key))
+            buffers, works = communicate(sends, recvs, device, async_op=True)
+            pending.append((works[:len(sends)], sends))  # each work is waited for exactly once
+            for work in works[len(sends):]:
+                work.wait()
+            for (kind, key), buf in zip(slots, buffers):
+                (inputs if kind == "RECV_F" else output_grads)[key] = buf.requires_grad_(kind == "RECV_F")
+            i = j
+            continue
+        a = table[i]
+        key, chunk = (a.micro_batch, a.chunk), chunks[a.chunk]
+        virtual = a.chunk * ps.pp_size + ps.pp_rank
+        if a.kind == "F":
+            chunk.set_input_tensor(inputs.get(key))
+            output, loss_fn = forward_step(micro_batches[a.micro_batch], chunk)
+            if virtual == last_virtual:
+                loss_sum, _ = loss_fn(output)
+                total = total + loss_sum.detach().float()
+                output = loss_sum * (loss_scale / num_tokens)
+            outputs[key] = output
+        else:  # "B"
+            output = outputs.pop(key)
+            torch.autograd.backward(output, None if virtual == last_virtual else output_grads.pop(key))
+        i += 1
+    for works, _ in pending:  # the sent tensors stay referenced until here
+        for work in works:
+            work.wait()
+    return total
+
+
+def forward_backward_pipelining(forward_step: ForwardStep, micro_batches: Sequence[Any], model: torch.nn.Module,
+                                num_tokens: float, loss_scale: float = 1.0, forward_only: bool = False, *,
+                                ps, schedule: str, shape: Sequence[int], dtype: torch.dtype,
+                                device: torch.device) -> torch.Tensor:
+    """The pipelined counterpart of ``forward_backward_no_pipelining`` (same contract).
+
+    ``schedule``: "1f1b" or "gpipe"; a model of several chunks (a ModuleList) runs the interleaved
+    1F1B. Gradients are only accumulated here (``no_sync``); the data-parallel reduction happens
+    once after the step's last backward (``finish_grad_sync``).
+    """
+    from megatron.pipeline_parallel import schedule_tables as tables
+
+    module = model.module if hasattr(model, "no_sync") else model
+    chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+    m, pp, rank = len(micro_batches), ps.pp_size, ps.pp_rank
+    if forward_only or schedule == "gpipe" and len(chunks) == 1:
+        table = tables.gpipe(pp, rank, m) if len(chunks) == 1 else tables.interleaved_one_f_one_b(pp, rank, m,
+                                                                                                   len(chunks))
+    elif len(chunks) > 1:
+        table = tables.interleaved_one_f_one_b(pp, rank, m, len(chunks))
+    else:
+        table = tables.one_f_one_b(pp, rank, m)
+    if forward_only:
+        table = [a for a in table if a.kind in ("F", "SEND_F", "RECV_F")]
+    no_sync = getattr(model, "no_sync", nullcontext)
+    with no_sync(), (torch.no_grad() if forward_only else nullcontext()):
+        return run_pipeline_table(table, forward_step, micro_batches, chunks, num_tokens, loss_scale, ps, shape,
+                                  dtype, device)

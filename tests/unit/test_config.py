@@ -328,7 +328,7 @@ def test_max_lr_below_min_lr_is_a_warning():
     assert config.optimizer.lr.max_lr == 1e-5  # kept as given
 
 
-@pytest.mark.parametrize("argv", [["--pp", "2"], ["--sharding", "2"], ["--vpp", "2"]])
+@pytest.mark.parametrize("argv", [["--sharding", "2"]])
 def test_unbuilt_parallelism_refused(argv):
     with pytest.raises(ConfigError, match="not support"):
         check(valid_config(*argv))

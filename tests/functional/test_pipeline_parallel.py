@@ -1,0 +1,63 @@
+"""Pipeline parallelism (alone and with tp and dp) reproduces the single-process loss curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import TINY, losses, run
+
+pytestmark = pytest.mark.slow
+
+FOUR_LAYERS = [*TINY, "--num-layers", "4"]  # enough layers for pp 4 and for pp 2 x vpp 2
+
+
+@pytest.fixture(scope="module")
+def reference4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single4")
+    result = run(out, *FOUR_LAYERS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, ["--pp", "2"]),
+    (4, ["--pp", "4"]),
+    (2, ["--pp", "2", "--pipeline-schedule", "gpipe"]),
+    (2, ["--pp", "2", "--vpp", "2"]),
+    (2, ["--pp", "2", "--use-recompute"]),
+    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel"]),
+    (4, ["--pp", "2", "--dp", "2"]),
+    (8, ["--pp", "2", "--dp", "2", "--tp", "2"]),
+], ids=["pp2", "pp4", "pp2-gpipe", "pp2-vpp2", "pp2-recompute", "tp2-pp2-sp", "dp2-pp2", "dp2-tp2-pp2"])
+def test_pp_losses_equal_single_process(tmp_path, reference4, nproc, extra):
+    result = run(tmp_path, *FOUR_LAYERS, *extra, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train, valid, grad_norms = reference4
+    # Relative 1e-5: fp32 round-off of reductions in another order (~1e-7 observed), carried by Adam.
+    assert losses(tmp_path) == pytest.approx(train, rel=1e-5)
+    assert losses(tmp_path, "valid") == pytest.approx(valid, rel=1e-5)
+    assert losses(tmp_path, key="grad_norm") == pytest.approx(grad_norms, rel=1e-5)
+
+
+def test_segmentation_log_is_the_seeds(tmp_path):
+    result = run(tmp_path, *FOUR_LAYERS, "--pp", "2", "--max-steps", "1", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(" - ", 1)[1] for line in result.stderr.splitlines() if " - " in line]
+    start = lines.index("start segment network..")
+    assert lines[start + 1] == "segment result:0, 3, 7"
+    assert lines[start + 2] == "stage=0, global_rank=0 ,layer_number=3"
+    assert lines[start + 3].startswith("0: EmbeddingPipe(vocab_size=256, hidden_size=64")
+    assert "stage=1, global_rank=1 ,layer_number=4" in lines
+    assert "loss: GPTPretrainingCriterionPipe" in lines
+
+
+@pytest.mark.parametrize("nproc, extra, message", [
+    (4, ["--pp", "4", "--num-layers", "2"], "Cannot cut 2 decoder layers into 4 pipeline stages"),
+    (2, ["--pp", "2", "--vpp", "2", "--num-layers", "2"], "num_layers (2) divisible by pp x vpp (2 x 2 = 4)"),
+    (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "6", "--micro-batch-size", "2"],
+     "micro_batch_size = 3) to be a multiple of pp_degree (2)"),
+])
+def test_bad_pipeline_settings_fail_on_every_rank(tmp_path, nproc, extra, message):
+    result = run(tmp_path, *TINY, *extra, nproc=nproc, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr
