@@ -50,13 +50,15 @@ def _pipeline_peers(ps) -> tuple[int, int]:
 
 def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list,
                        num_tokens: float, loss_scale: float, ps, shape: Sequence[int], dtype: torch.dtype,
-                       device: torch.device) -> torch.Tensor:
+                       device: torch.device, stats: dict | None = None) -> torch.Tensor:
     """Execute one rank's schedule table (see ``schedule_tables``) with real model chunks.
 
     Runs of consecutive communication actions are posted as one ``batch_isend_irecv``; sends are
     asynchronous (kept alive until the step ends), receives are waited for, which is exactly the
     buffered-send model under which the tables are checked deadlock-free. The last virtual stage
-    returns the summed token losses; other stages return 0.
+    returns the summed token losses; other stages return 0. ``stats``, if given, receives
+    ``peak_in_flight``: the most micro-batch activations held at once (forwarded, not yet
+    backwarded), the activation-memory measure of a schedule.
     """
     from megatron.pipeline_parallel.p2p import communicate
     from megatron.pipeline_parallel.schedule_tables import COMM
@@ -100,6 +102,8 @@ def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Se
                 total = total + loss_sum.detach().float()
                 output = loss_sum * (loss_scale / num_tokens)
             outputs[key] = output
+            if stats is not None:
+                stats["peak_in_flight"] = max(stats.get("peak_in_flight", 0), len(outputs))
         else:  # "B"
             output = outputs.pop(key)
             torch.autograd.backward(output, None if virtual == last_virtual else output_grads.pop(key))
