@@ -1,0 +1,299 @@
+"""Pipeline bubble of 1F1B and interleaved 1F1B: measured on real processes, and simulated.
+
+    python benchmarks/pipeline.py                    # pp = 2 gloo ranks on the CPU, then the simulator
+    python benchmarks/pipeline.py --write            # also update docs/benchmarks.md
+
+**Measured** (pp = 2 processes, gloo, CPU, one compute thread each: this machine has 2 cores, so more
+ranks would time-share cores and measure the OS scheduler rather than the pipeline). Each rank builds
+its stage of the same GPT with ``build_model`` twice: one stage (1F1B, vpp 1) and two model chunks
+(interleaved 1F1B, vpp 2), and runs ``forward_backward_pipelining`` (the real table executor with p2p)
+on ``m`` micro-batches; steps alternate over every (m, schedule), so background load hits all alike.
+
+* busy time of a rank: the sum of the wall times of its F and B computes. F is timed around the model
+  call in this script's ``forward_step``; B around ``torch.autograd.backward``, which this process
+  (only) wraps with a timer -- the executor calls it once per backward action.
+* step wall time: ``dist.barrier()``, start the clock, the schedule, ``dist.barrier()``, stop the clock
+  (the optimizer step is not part of the pipeline and not timed).
+* bubble = 1 - busy / wall on each rank, averaged over the ranks and over the steps after warm-up.
+
+Beside it: the formula (pp-1)/(m+pp-1), or (pp-1)/(vpp*m+pp-1) for interleaved, which assumes equal
+stages and free communication; and a *replay* of the same tables with the per-action compute times
+measured in that step and zero-cost communication (buffered sends, receives wait for the matching send,
+as ``schedule_tables.simulate`` models them). Theory -> replay is the cost of unequal stages (the first
+holds the embedding, the last the LM head and the loss) and of jitter; replay -> measured is what the
+computes do not account for: p2p latency, waiting inside receives beyond the data dependency, Python
+between actions, and the barrier.
+
+**Simulated** (no processes): ``schedule_tables.simulate`` with F = 1, B = 2 and free communication, for
+pp 4, 8, 16; plus, per schedule, the simulator's peak number of micro-batches in flight per rank
+(forwarded, not yet backwarded: the bound on stored activations): GPipe m, 1F1B min(pp - rank, m),
+interleaved counted in model chunks (each 1/vpp of a stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.report import write_section  # noqa: E402
+from megatron.pipeline_parallel import schedule_tables as st  # noqa: E402
+
+SCHEDULES = (("1F1B", 1), ("interleaved", 2))  # (name, vpp) measured on processes
+
+
+def theory(pp: int, m: int, vpp: int = 1) -> float:
+    return (pp - 1) / (vpp * m + pp - 1)
+
+
+def tables_for(pp: int, m: int, vpp: int, gpipe: bool = False) -> list[list[st.Action]] | None:
+    """Every rank's table, or None where the schedule does not apply (interleaved needs m % pp == 0)."""
+    if gpipe:
+        return [st.gpipe(pp, r, m) for r in range(pp)]
+    if vpp == 1:
+        return [st.one_f_one_b(pp, r, m) for r in range(pp)]
+    return None if m % pp else [st.interleaved_one_f_one_b(pp, r, m, vpp) for r in range(pp)]
+
+
+def replay(tables: list[list[st.Action]], durations: list[list[float]], pp: int, vpp: int) -> float:
+    """Bubble of the tables executed with the given compute times (per rank, in table order) and free
+    communication: a send never blocks, a receive waits for its matching send (``simulate``'s model)."""
+    last = pp * vpp - 1
+    pc, ci, t, busy = [0] * pp, [0] * pp, [0.0] * pp, [0.0] * pp
+    done, sent = {}, {}
+    while any(pc[r] < len(tables[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pc[r] < len(tables[r]):
+                a = tables[r][pc[r]]
+                v = a.chunk * pp + r
+                if a.kind in st.COMPUTE:
+                    dep = (a.kind, a.micro_batch, v - 1 if a.kind == "F" else v + 1)
+                    if 0 <= dep[2] <= last and dep not in done:
+                        break
+                    cost = durations[r][ci[r]]
+                    ci[r] += 1
+                    t[r] = done[(a.kind, a.micro_batch, v)] = max(t[r], done.get(dep, 0.0)) + cost
+                    busy[r] += cost
+                elif a.kind.startswith("SEND"):
+                    sent[(a.kind[-1], a.micro_batch, v)] = t[r]
+                else:
+                    key = (a.kind[-1], a.micro_batch, v - 1 if a.kind == "RECV_F" else v + 1)
+                    if key not in sent:
+                        break
+                    t[r] = max(t[r], sent[key])
+                pc[r] += 1
+                moved = True
+        if not moved:
+            raise st.DeadlockError("replay: no rank can progress")
+    return 1.0 - sum(busy) / (pp * max(t))
+
+
+def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, queue) -> None:
+    from megatron import parallel_state
+    from megatron.config import parse_config, validate
+    from megatron.data.loader import build_batch, split_micro_batches
+    from megatron.data.mock_dataset import MockGPTDataset
+    from megatron.model import build_model
+    from megatron.pipeline_parallel.schedules import forward_backward_pipelining
+    from pretrain_gpt import loss_fn
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(1)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,
+                            world_size=world)
+    ps = parallel_state.initialize(pp=world)
+    models = {}
+    for name, vpp in SCHEDULES:
+        flags = ["--mock-data", "--device", "cpu", "--num-layers", str(args.layers), "--hidden-size",
+                 str(args.hidden), "--num-attention-heads", "8", "--max-seq-len", str(args.seq),
+                 "--max-position-embeddings", str(args.seq), "--vocab-size", str(args.vocab), "--micro-batch-size",
+                 str(args.micro_batch), "--global-batch-size", str(args.micro_batch * world), "--pp", str(world),
+                 "--vpp", str(vpp), "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0",
+                 "--save", os.path.join(store_dir, "out")]
+        config = parse_config(flags)
+        validate(config, world_size=world)
+        models[name] = build_model(config)
+    data = MockGPTDataset(max(args.m) * args.micro_batch, args.seq, args.vocab, seed=1)
+    batch = build_batch([data[i] for i in range(max(args.m) * args.micro_batch)], data.eod_id)
+    micro_batches = split_micro_batches(batch, args.micro_batch)
+
+    actions: list[float] = []  # durations of this step's computes, in execution (= table) order
+
+    def forward_step(micro_batch: dict, model: torch.nn.Module):
+        start = time.perf_counter()
+        output = model(micro_batch["tokens"], micro_batch["position_ids"], labels=micro_batch["labels"])
+        actions.append(time.perf_counter() - start)
+        return output, partial(loss_fn, micro_batch["loss_mask"])
+
+    backward = torch.autograd.backward
+
+    def timed_backward(*a, **k):
+        start = time.perf_counter()
+        backward(*a, **k)
+        actions.append(time.perf_counter() - start)
+
+    torch.autograd.backward = timed_backward  # this benchmark process only
+    shape = (args.seq, args.micro_batch, args.hidden)
+    runs = {(m, name): [] for m in args.m for name, _ in SCHEDULES}
+    for step in range(args.warmup + args.steps):
+        for m in args.m:
+            mbs = micro_batches[:m]
+            num_tokens = float(sum(mb["loss_mask"].sum() for mb in mbs))
+            for name, _ in SCHEDULES:
+                model = models[name]
+                model.zero_grad(set_to_none=False)
+                actions.clear()
+                dist.barrier()
+                start = time.perf_counter()
+                forward_backward_pipelining(forward_step, mbs, model, num_tokens, ps=ps, schedule="1f1b",
+                                            shape=shape, dtype=torch.float32, device=torch.device("cpu"))
+                dist.barrier()
+                wall = time.perf_counter() - start
+                if step >= args.warmup:
+                    runs[(m, name)].append({"wall": wall, "busy": sum(actions), "actions": list(actions)})
+    torch.autograd.backward = backward
+    queue.put((rank, runs))
+    dist.destroy_process_group()
+
+
+def measure(args: argparse.Namespace) -> tuple[str, dict]:
+    queue = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as store_dir:
+        mp.start_processes(_rank_main, args=(args.world, store_dir, args, queue), nprocs=args.world,
+                           start_method="spawn")
+    per_rank = dict(queue.get() for _ in range(args.world))
+    pp = args.world
+    rows, summary = [], {}
+    f_ms = {r: [] for r in range(pp)}
+    b_ms = {r: [] for r in range(pp)}
+    for m in args.m:
+        for name, vpp in SCHEDULES:
+            tables = tables_for(pp, m, vpp)
+            computes = [[a for a in tables[r] if a.kind in st.COMPUTE] for r in range(pp)]
+            steps = [[per_rank[r][(m, name)][i] for r in range(pp)] for i in range(args.steps)]
+            bubbles = [statistics.mean(1 - s["busy"] / s["wall"] for s in ranks) for ranks in steps]
+            replays = [replay(tables, [s["actions"] for s in ranks], pp, vpp) for ranks in steps]
+            for ranks in steps if vpp == 1 else ():
+                for r, s in enumerate(ranks):
+                    for a, d in zip(computes[r], s["actions"]):
+                        (f_ms if a.kind == "F" else b_ms)[r].append(1e3 * d)
+            wall = statistics.mean(ranks[0]["wall"] for ranks in steps)
+            busy = " / ".join(f"{statistics.mean(ranks[r]['busy'] for ranks in steps):.3f}" for r in range(pp))
+            measured, predicted, formula = statistics.mean(bubbles), statistics.mean(replays), theory(pp, m, vpp)
+            summary[(m, name)] = (measured, predicted, formula)
+            label = name if vpp == 1 else f"{name} (vpp {vpp})"
+            rows.append(f"| {m} | {label} | {wall:.3f} | {busy} | **{measured:.3f}** (±{statistics.pstdev(bubbles):.3f})"
+                        f" | {predicted:.3f} | {formula:.3f} |")
+    per_stage = ", ".join(f"rank {r} F {statistics.median(f_ms[r]):.1f} ms / B {statistics.median(b_ms[r]):.1f} ms"
+                          for r in range(pp))
+    text = "\n".join([
+        f"**Measured**: pp = {pp} processes (gloo, CPU, {args.threads} compute thread each; this machine has 2 "
+        f"cores, so more ranks would measure the CPU scheduler, not the pipeline); GPT {args.layers} layers, hidden "
+        f"{args.hidden}, seq {args.seq}, vocab {args.vocab}, micro batch {args.micro_batch}, fp32; mean over "
+        f"{args.steps} steps after {args.warmup} warm-up steps and over the ranks (± : standard deviation over "
+        f"steps); every (m, schedule) alternates within each step. 1F1B compute per micro-batch "
+        f"(median, whole stage): {per_stage}.",
+        "",
+        "| m | schedule | step s | busy s per rank | measured bubble | replay (measured computes, free comm) | "
+        "formula |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        "busy = sum of the rank's F and B compute times; step = wall time between a barrier before and one after "
+        "the schedule; measured bubble = 1 - busy / step; formula = (pp-1)/(m+pp-1), interleaved "
+        "(pp-1)/(vpp*m+pp-1).",
+    ])
+    return text, summary
+
+
+def simulated(ms: list[int]) -> str:
+    rows = []
+    for pp in (4, 8, 16):
+        for m in ms:
+            cells = []
+            for vpp in (1, 2, 4):
+                tables = tables_for(pp, m, vpp)
+                if tables is None:
+                    cells += ["—", "—"]
+                    continue
+                bubble = st.simulate(tables, pp, vpp, backward_cost=2.0)["bubble_fraction"]
+                cells += [f"{bubble:.3f}", f"{theory(pp, m, vpp):.3f}"]
+            rows.append(f"| {pp} | {m} | " + " | ".join(cells) + " |")
+    memory = []
+    for pp, m in ((2, 16), (4, 16), (8, 16)):
+        for name, vpp, gpipe in (("GPipe", 1, True), ("1F1B", 1, False), ("interleaved", 2, False),
+                                 ("interleaved", 4, False)):
+            tables = tables_for(pp, m, vpp, gpipe)
+            result = st.simulate(tables, pp, vpp, backward_cost=2.0)
+            peak = result["peak_in_flight"]
+            if gpipe:
+                assert peak == [m] * pp
+            elif vpp == 1:
+                assert peak == [min(pp - r, m) for r in range(pp)]
+            label = name if vpp == 1 else f"{name} vpp {vpp}"
+            unit = "micro-batches" if vpp == 1 else "chunks"
+            memory.append(f"| {pp} | {m} | {label} | {result['bubble_fraction']:.3f} | {', '.join(map(str, peak))} "
+                          f"{unit} | {peak[0] / vpp:g} |")
+    return "\n".join([
+        "**Simulated** (`schedule_tables.simulate`, no processes: F = 1, B = 2, free communication, equal stages). "
+        "Bubble = 1 - sum(busy) / (pp x makespan); — : the interleaved schedule needs m % pp == 0.",
+        "",
+        "| pp | m | 1F1B sim | (pp-1)/(m+pp-1) | vpp 2 sim | (pp-1)/(2m+pp-1) | vpp 4 sim | (pp-1)/(4m+pp-1) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        "**Activation memory** (simulated): peak number of micro-batches in flight (forwarded, not yet backwarded) "
+        "per rank, rank 0 first: GPipe m, 1F1B min(pp - rank, m); interleaved counts model chunks, each 1/vpp of a "
+        "stage's activations.",
+        "",
+        "| pp | m | schedule | bubble (sim) | peak in flight per rank | rank 0 peak, in whole-stage activations |",
+        "| ---: | ---: | --- | ---: | --- | ---: |",
+        *memory,
+    ])
+
+
+INTRO = """`benchmarks/pipeline.py` measures the pipeline bubble (the share of a step a rank spends not
+computing) of the 1F1B and interleaved 1F1B schedules, executed by `run_pipeline_table` with real model
+chunks and gloo p2p, and sets it beside the textbook formula and beside `schedule_tables.simulate`.
+Only pp = 2 is measured on processes: this machine has 2 CPU cores, one compute thread per rank, and
+more ranks than cores would time-share them, so the figures would measure the OS scheduler rather than
+the pipeline. Larger pipelines (pp 4, 8, 16) are simulated only, and labelled so. The script's
+docstring says how busy time and step time are taken."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2, help="pipeline ranks (keep <= CPU cores)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8, 16], help="micro-batches per step")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    measured, _ = measure(args)
+    text = measured + "\n\n" + simulated(args.m)
+    print(text)
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+    if args.write:
+        write_section("pipeline", "Pipeline bubble: 1F1B and interleaved 1F1B",
+                      "python benchmarks/pipeline.py " + " ".join(sys.argv[1:]), text, INTRO)
+
+
+if __name__ == "__main__":
+    main()
