@@ -48,6 +48,24 @@ def _pipeline_peers(ps) -> tuple[int, int]:
     return ranks[(ps.pp_rank - 1) % ps.pp_size], ranks[(ps.pp_rank + 1) % ps.pp_size]
 
 
+def _free_storage(tensor: torch.Tensor) -> None:
+    """Drop an activation's storage once it has been sent: the backward needs only its graph
+    (the residual add that produced it saves no output), not its values (Megatron-LM's
+    ``deallocate_output_tensor``). The in-flight send keeps its own reference until it completes."""
+    tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``torch.autograd.backward(output, grad)``, also for an output whose storage was freed: the
+    engine is called directly, skipping the root shape check the freed placeholder would fail."""
+    if grad is None or output.shape == grad.shape:
+        torch.autograd.backward(output, grad)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs, allow_unreachable,
+    # accumulate_grad
+
+
 def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list,
                        num_tokens: float, loss_scale: float, ps, shape: Sequence[int], dtype: torch.dtype,
                        device: torch.device, stats: dict | None = None) -> torch.Tensor:
@@ -89,6 +107,10 @@ def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Se
                 work.wait()
             for (kind, key), buf in zip(slots, buffers):
                 (inputs if kind == "RECV_F" else output_grads)[key] = buf.requires_grad_(kind == "RECV_F")
+            for a in table[i:j]:
+                if a.kind == "SEND_F":
+                    _free_storage(outputs[(a.micro_batch, a.chunk)])
+            pending = [(w, t) for w, t in pending if not all(work.is_completed() for work in w)]
             i = j
             continue
         a = table[i]
@@ -106,7 +128,7 @@ def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Se
                 stats["peak_in_flight"] = max(stats.get("peak_in_flight", 0), len(outputs))
         else:  # "B"
             output = outputs.pop(key)
-            torch.autograd.backward(output, None if virtual == last_virtual else output_grads.pop(key))
+            _backward(output, None if virtual == last_virtual else output_grads.pop(key))
         i += 1
     for works, _ in pending:  # the sent tensors stay referenced until here
         for work in works:
