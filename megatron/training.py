@@ -114,7 +114,9 @@ class Trainer:
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
         model_parallel = self.ps.tp_size * self.ps.pp_size > 1
-        self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None)
+        sharding = self.ps.group("sharding") if self.ps.sharding_size > 1 else None
+        self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None,
+                                         sharding)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
         if self.dp_group is not None:
             d = config.distributed

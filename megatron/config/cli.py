@@ -124,13 +124,17 @@ def coerce(leaf: Leaf, value: Any) -> Any:
         raise ConfigError(f"{where} must be true or false, got {value!r}.")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        try:
-            return int(str(value))
-        except ValueError:
-            raise ConfigError(f"{where} must be an integer, got {value!r}.") from None
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        else:
+            try:
+                number = int(str(value))
+            except ValueError:
+                raise ConfigError(f"{where} must be an integer, got {value!r}.") from None
+        if leaf.choices and number not in leaf.choices:
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, leaf.choices))}, got {number}.")
+        return number
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -246,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(*names, dest=leaf.name, nargs="*", help=help_text)
         elif leaf.name == "input_dir":  # Megatron's --data-path takes 'w1 p1 w2 p2'
             parser.add_argument(*names, dest=leaf.name, nargs="+", help=help_text)
-        else:
-            parser.add_argument(*names, dest=leaf.name, choices=leaf.choices, help=help_text)
+        else:  # values are coerced (and their choices checked) by coerce(), so argparse takes strings
+            choices = f" Choices: {', '.join(map(str, leaf.choices))}." if leaf.choices else ""
+            parser.add_argument(*names, dest=leaf.name, help=help_text + choices)
     return parser
 
 

@@ -11,9 +11,7 @@ from megatron.config.cli import ConfigError
 from megatron.config.schema import Config
 
 # Parallel features not built yet: refused, never silently ignored.
-_NOT_BUILT = {
-    "sharding_degree": "group-sharded (ZeRO) parallelism",
-}
+_NOT_BUILT: dict[str, str] = {}
 
 
 def _fail(message: str) -> None:
@@ -110,6 +108,12 @@ def _check_distributed(config: Config, world_size: int) -> None:
         _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * model_parallel} "
               f"but {world_size} process(es) were launched; make them equal.")
     _check_pipeline(config)
+    s = d.sharding
+    if s.sharding_degree > 1 and s.sharding_stage != 1:
+        _fail(f"sharding_stage {s.sharding_stage} is not supported by this version yet (stage 1, sharded optimizer "
+              f"states and master weights, is); use --sharding-stage 1.")
+    if s.sharding_offload:
+        _fail("sharding_offload is not supported by this version yet; remove it.")
     if d.bucket_size_mb <= 0:
         _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
 

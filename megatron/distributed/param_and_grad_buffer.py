@@ -29,15 +29,18 @@ class ParamRange:
 
 
 class ParamAndGradBuffer:
-    """``groups``: lists of (name, parameter); each group becomes one contiguous range."""
+    """``groups``: lists of (name, parameter); each group becomes one contiguous range, padded with
+    zeros to a multiple of ``pad_multiple`` (the sharding degree, so every shard has one size)."""
 
-    def __init__(self, groups: list[list[tuple[str, nn.Parameter]]], grad_dtype: torch.dtype = torch.float32):
+    def __init__(self, groups: list[list[tuple[str, nn.Parameter]]], grad_dtype: torch.dtype = torch.float32,
+                 pad_multiple: int = 1):
         params = [p for group in groups for _, p in group]
         if not params:
             raise ValueError("no trainable parameters")
         dtype, device = params[0].dtype, params[0].device
-        numel = sum(p.numel() for p in params)
-        self.param_data = torch.empty(numel, dtype=dtype, device=device)
+        sizes = [sum(p.numel() for _, p in group) for group in groups]
+        numel = sum(-(-n // pad_multiple) * pad_multiple for n in sizes)
+        self.param_data = torch.zeros(numel, dtype=dtype, device=device)
         self.grad_data = torch.zeros(numel, dtype=grad_dtype, device=device)
         self.ranges: list[ParamRange] = []
         self.group_bounds: list[tuple[int, int]] = []
@@ -55,6 +58,7 @@ class ParamAndGradBuffer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
                 self.ranges.append(ParamRange(name, offset, end, p.shape))
                 offset = end
+            offset = group_start + -(-(offset - group_start) // pad_multiple) * pad_multiple
             self.group_bounds.append((group_start, offset))
 
     def zero_grad(self) -> None:

@@ -21,8 +21,10 @@ def build_grad_scaler(config: Config) -> ConstantGradScaler | None:
                              growth_interval=mp.loss_scale_window, hysteresis=mp.hysteresis)
 
 
-def build_optimizer(model: nn.Module, config: Config, model_parallel_group=None) -> MixedPrecisionOptimizer:
-    return MixedPrecisionOptimizer(model, config.optimizer, build_grad_scaler(config), model_parallel_group)
+def build_optimizer(model: nn.Module, config: Config, model_parallel_group=None,
+                    sharding_group=None) -> MixedPrecisionOptimizer:
+    return MixedPrecisionOptimizer(model, config.optimizer, build_grad_scaler(config), model_parallel_group,
+                                   sharding_group)
 
 
 def build_lr_schedule(config: Config) -> CosineWithWarmup:

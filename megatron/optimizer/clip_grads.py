@@ -11,11 +11,12 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-def model_parallel_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
-    """Global norm of a model split over ``group``: each rank passes the gradients it counts
-    (every element of the model counted on exactly one rank); the squares are summed over the group."""
+def model_parallel_grad_norm(counted: list[torch.Tensor], groups: list, device: torch.device) -> torch.Tensor:
+    """Global norm of a model split over ``groups`` (sharding, model-parallel): each rank passes the
+    gradients it counts (every element counted on exactly one rank); squares are summed over the groups."""
     sq = global_grad_norm(counted) ** 2 if counted else torch.zeros((), dtype=torch.float32, device=device)
-    torch.distributed.all_reduce(sq, group=group)
+    for group in groups:
+        torch.distributed.all_reduce(sq, group=group)
     return sq.sqrt()
 
 

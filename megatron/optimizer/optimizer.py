@@ -45,20 +45,30 @@ def _supports_fused(device: torch.device) -> bool:
 
 
 class MixedPrecisionOptimizer:
+    """``sharding_group`` (ZeRO stage 1): each of its N ranks keeps fp32 master weights and AdamW
+    states for only its 1/N of every buffer group, steps that slice, and all-gathers the updated
+    parameters; gradients arrive already reduced over the whole data-parallel group."""
+
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None,
-                 model_parallel_group: dist.ProcessGroup | None = None):
+                 model_parallel_group: dist.ProcessGroup | None = None,
+                 sharding_group: dist.ProcessGroup | None = None):
         decay, no_decay = weight_decay_groups(model)
         # Reverse parameter order: the backward produces the last layers' gradients first, so
         # data-parallel buckets at the front of the buffer fill first.
         groups = [g[::-1] for g in (decay, no_decay) if g]
         decay_rates = [rate for g, rate in ((decay, cfg.weight_decay), (no_decay, 0.0)) if g]
-        self.buffer = ParamAndGradBuffer(groups)
+        self.sharding_group = sharding_group
+        n = dist.get_world_size(sharding_group) if sharding_group is not None else 1
+        r = dist.get_rank(sharding_group) if sharding_group is not None else 0
+        self.buffer = ParamAndGradBuffer(groups, pad_multiple=n)
         self.grad_scaler = grad_scaler
         self.max_norm = cfg.grad_clip
         low_precision = self.buffer.param_data.dtype != torch.float32
+        self.shards = [(start + r * (end - start) // n, start + (r + 1) * (end - start) // n)
+                       for start, end in self.buffer.group_bounds]
         param_groups = []
         self.masters: list[nn.Parameter] = []
-        for (start, end), rate in zip(self.buffer.group_bounds, decay_rates):
+        for (start, end), rate in zip(self.shards, decay_rates):
             view = self.buffer.param_data[start:end]
             master = nn.Parameter(view.detach().float() if low_precision else view, requires_grad=False)
             master.grad = self.buffer.grad_data[start:end]
@@ -70,12 +80,17 @@ class MixedPrecisionOptimizer:
         self._low_precision = low_precision
         # Model parallelism (tp x pp): the global norm counts every element once. A rank counts its
         # tensor-parallel shards, its TP-replicated parameters only on tp rank 0, and never the last
-        # pipeline stage's copy of the tied embedding; the squares are then summed over the group.
+        # pipeline stage's copy of the tied embedding, each within its optimizer shard; the squares
+        # are summed over the sharding and model-parallel groups.
         self.model_parallel_group = model_parallel_group
+        self._reduce_groups = [g for g in (sharding_group, model_parallel_group) if g is not None]
         tp_rank = parallel_state.get().tp_rank
-        self._counted = [p.main_grad for _, p in decay + no_decay
-                         if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
-                         and not getattr(p, "tied_copy", False)]
+        counted = {name for name, p in decay + no_decay
+                   if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+                   and not getattr(p, "tied_copy", False)}
+        self._counted = [self.buffer.grad_data[max(rg.start, a):min(rg.end, b)]
+                         for rg in self.buffer.ranges if rg.name in counted
+                         for a, b in self.shards if max(rg.start, a) < min(rg.end, b)]
 
     @property
     def loss_scale(self) -> float:
@@ -85,18 +100,21 @@ class MixedPrecisionOptimizer:
         self.buffer.zero_grad()
 
     def main_grads(self) -> list[torch.Tensor]:
-        return [self.buffer.grad_data]
+        """The gradients this rank steps: its shard of each group (the whole buffer unsharded)."""
+        if self.sharding_group is None:
+            return [self.buffer.grad_data]
+        return [self.buffer.grad_data[a:b] for a, b in self.shards]
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
         found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
-        if self.model_parallel_group is not None:  # every rank skips the step if any shard overflowed
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        for group in self._reduce_groups:  # every rank skips the step if any shard overflowed
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found)
 
     def grad_norm(self) -> torch.Tensor:
-        if self.model_parallel_group is None:
+        if not self._reduce_groups:
             return global_grad_norm(self.main_grads())
-        return model_parallel_grad_norm(self._counted, self.model_parallel_group, self.buffer.grad_data.device)
+        return model_parallel_grad_norm(self._counted, self._reduce_groups, self.buffer.grad_data.device)
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -113,7 +131,11 @@ class MixedPrecisionOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
-        if self._low_precision:
-            for master, (start, end) in zip(self.masters, self.buffer.group_bounds):
+        for master, (start, end), bounds in zip(self.masters, self.shards, self.buffer.group_bounds):
+            if self._low_precision:
                 self.buffer.param_data[start:end].copy_(master)
+            if self.sharding_group is not None:  # every rank gets every shard's update
+                size = dist.get_world_size(self.sharding_group)
+                pieces = list(self.buffer.param_data[bounds[0]:bounds[1]].chunk(size))
+                dist.all_gather(pieces, self.buffer.param_data[start:end].clone(), group=self.sharding_group)
         return StepResult(True, float(norm))
