@@ -43,3 +43,16 @@ def test_seed_model_sizes(name, millions):
     with torch.device("meta"):
         model = GPTModel(config.model, config.padded_vocab_size)
     assert num_parameters(model) / 1e6 == pytest.approx(millions, abs=0.01)
+
+
+def test_estimate_memory_tool(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "tools" / "estimate_memory.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["-c", str(ROOT / "examples" / "configs" / "gpt_175b_mp8_pp16.yaml"), "--device", "cpu"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == list(range(16))
+    params = sum(float(r[1]) for r in rows) * 1e6 * 8  # x tp 8: the whole model
+    assert params == pytest.approx(175e9, rel=0.01)  # GPT-3 175B (tied embedding counted on two stages)

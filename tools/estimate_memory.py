@@ -1,0 +1,47 @@
+"""Per-rank model-state memory of a configuration, before launching it.
+
+    python tools/estimate_memory.py -c examples/configs/gpt_175b_mp8_pp16.yaml
+    python tools/estimate_memory.py --num-layers 24 --hidden-size 2048 --bf16 --sharding 8
+
+Takes the same configuration as pretrain_gpt.py. Prints, for each pipeline stage, the bytes of
+parameters, fp32 gradients, fp32 master weights and AdamW states one rank holds (see
+megatron/optimizer/memory.py for the rules). Activations are not included.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.config import ConfigError, parse_config, validate  # noqa: E402
+from megatron.optimizer.memory import model_state_bytes, parameters_per_rank  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+        d = config.distributed
+        world = (d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+        validate(config, world_size=world, cuda_available=config.device == "gpu")
+    except ConfigError as err:
+        print(f"estimate_memory.py: error: {err}", file=sys.stderr)
+        return 2
+    precision = "bf16" if config.mix_precision.bf16 else "fp16" if config.mix_precision.use_pure_fp16 else "fp32"
+    sharding = d.sharding.sharding_degree
+    print(f"tp {d.mp_degree} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
+          f"{d.sharding.sharding_stage}), {precision}; GiB per rank:")
+    print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
+          f"{'total':>8}")
+    for stage in range(d.pp_degree):
+        n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
+        b = model_state_bytes(n, precision, sharding, d.sharding.sharding_stage, d.sharding.sharding_offload)
+        gib = [x / 2**30 for x in (b.parameters, b.gradients, b.master_weights, b.optimizer_states, b.total)]
+        print(f"{stage:>5} {n / 1e6:>11.1f} {gib[0]:>11.2f} {gib[1]:>10.2f} {gib[2]:>8.2f} {gib[3]:>8.2f} "
+              f"{gib[4]:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
