@@ -118,9 +118,13 @@ class Trainer:
         self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None,
                                          sharding)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
-        if self.dp_group is not None:
+        # Gradients are all-reduced over every data-parallel rank, except under sharding stage 2,
+        # where the replicas (dp) all-reduce and the optimizer reduce-scatters over the shards.
+        stage2 = sharding is not None and config.distributed.sharding.sharding_stage >= 2
+        grad_group = (self.ps.group("dp") if self.ps.dp_size > 1 else None) if stage2 else self.dp_group
+        if grad_group is not None:
             d = config.distributed
-            model = DataParallel(model, self.optimizer.buffer, self.dp_group,
+            model = DataParallel(model, self.optimizer.buffer, grad_group,
                                  bucket_size=int(d.bucket_size_mb * 2**20 / 4), overlap=d.overlap_grad_reduce)
         self.model = model
         self.pp_group, self.forward_backward = None, forward_backward_no_pipelining

@@ -109,9 +109,9 @@ def _check_distributed(config: Config, world_size: int) -> None:
               f"but {world_size} process(es) were launched; make them equal.")
     _check_pipeline(config)
     s = d.sharding
-    if s.sharding_degree > 1 and s.sharding_stage != 1:
-        _fail(f"sharding_stage {s.sharding_stage} is not supported by this version yet (stage 1, sharded optimizer "
-              f"states and master weights, is); use --sharding-stage 1.")
+    if s.sharding_degree > 1 and s.sharding_stage == 3:
+        _fail(f"sharding_stage {s.sharding_stage} is not supported by this version yet (stages 1 and 2, sharded "
+              f"optimizer states, master weights and gradients, are); use --sharding-stage 2.")
     if s.sharding_offload:
         _fail("sharding_offload is not supported by this version yet; remove it.")
     if d.bucket_size_mb <= 0:

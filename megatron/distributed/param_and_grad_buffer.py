@@ -45,6 +45,7 @@ class ParamAndGradBuffer:
         self.ranges: list[ParamRange] = []
         self.group_bounds: list[tuple[int, int]] = []
         self._hooks = []
+        self._params: list[tuple[nn.Parameter, int, int]] = []
         offset = 0
         for group in groups:
             group_start = offset
@@ -57,12 +58,32 @@ class ParamAndGradBuffer:
                     p.grad = p.main_grad  # autograd accumulates in place
                 self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
                 self.ranges.append(ParamRange(name, offset, end, p.shape))
+                self._params.append((p, offset, end))
                 offset = end
             offset = group_start + -(-(offset - group_start) // pad_multiple) * pad_multiple
             self.group_bounds.append((group_start, offset))
 
     def zero_grad(self) -> None:
-        self.grad_data.zero_()
+        if self.grad_data.numel() == 0:
+            self.allocate_grads()
+        else:
+            self.grad_data.zero_()
+
+    def release_grads(self) -> None:
+        """Free the full gradient buffer (ZeRO stage 2, once its shards have been reduced out)."""
+        for p, _, _ in self._params:
+            p.main_grad = None
+            p.grad = None
+        self.grad_data = torch.zeros(0, dtype=self.grad_data.dtype, device=self.grad_data.device)
+
+    def allocate_grads(self) -> None:
+        """A fresh zeroed gradient buffer, the parameters' main grads pointed back into it."""
+        numel = self.param_data.numel()
+        self.grad_data = torch.zeros(numel, dtype=self.grad_data.dtype, device=self.grad_data.device)
+        for p, start, end in self._params:
+            p.main_grad = self.grad_data[start:end].view_as(p)
+            if p.dtype == self.grad_data.dtype:
+                p.grad = p.main_grad
 
 
 def _accumulate_main_grad(param: torch.Tensor) -> None:

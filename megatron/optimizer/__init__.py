@@ -24,7 +24,7 @@ def build_grad_scaler(config: Config) -> ConstantGradScaler | None:
 def build_optimizer(model: nn.Module, config: Config, model_parallel_group=None,
                     sharding_group=None) -> MixedPrecisionOptimizer:
     return MixedPrecisionOptimizer(model, config.optimizer, build_grad_scaler(config), model_parallel_group,
-                                   sharding_group)
+                                   sharding_group, config.distributed.sharding.sharding_stage)
 
 
 def build_lr_schedule(config: Config) -> CosineWithWarmup:

@@ -37,13 +37,14 @@ class ModelStateBytes:
 def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 1, stage: int = 1,
                       offload: bool = False) -> ModelStateBytes:
     """Bytes one rank holds for ``num_params`` parameters (its share after tp/pp)."""
-    if stage != 1 or offload:
-        raise ValueError("only sharding stage 1 without offload is built; stages 2, 3 and offload are not yet")
+    if stage not in (1, 2) or offload:
+        raise ValueError("sharding stages 1 and 2 without offload are built; stage 3 and offload are not yet")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown precision {precision!r}")
     shard = -(-num_params // sharding)  # shards are padded to equal size
     low = precision != "fp32"
-    return ModelStateBytes(parameters=num_params * (2 if low else 4), gradients=4 * num_params,
+    gradients = 4 * (shard if stage >= 2 and sharding > 1 else num_params)  # stage 2: between backwards
+    return ModelStateBytes(parameters=num_params * (2 if low else 4), gradients=gradients,
                            master_weights=4 * shard if low else 0, optimizer_states=8 * shard)
 
 

@@ -23,6 +23,7 @@ from megatron.config.schema import OptimizerConfig
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
+from megatron.tensor_parallel.mappings import _reduce_scatter
 
 
 def weight_decay_groups(model: nn.Module) -> tuple[list, list]:
@@ -45,13 +46,16 @@ def _supports_fused(device: torch.device) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    """``sharding_group`` (ZeRO stage 1): each of its N ranks keeps fp32 master weights and AdamW
-    states for only its 1/N of every buffer group, steps that slice, and all-gathers the updated
-    parameters; gradients arrive already reduced over the whole data-parallel group."""
+    """``sharding_group``: each of its N ranks keeps fp32 master weights and AdamW states for only
+    its 1/N of every buffer group, steps that slice, and all-gathers the updated parameters.
+    Stage 1: gradients arrive already reduced over the whole data-parallel group. Stage 2:
+    they arrive reduced over the replicas (dp) only; the step reduce-scatters each group over
+    the sharding group into a persistent 1/N gradient shard and frees the full buffer, which
+    is allocated again for the next backward."""
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None,
                  model_parallel_group: dist.ProcessGroup | None = None,
-                 sharding_group: dist.ProcessGroup | None = None):
+                 sharding_group: dist.ProcessGroup | None = None, stage: int = 1):
         decay, no_decay = weight_decay_groups(model)
         # Reverse parameter order: the backward produces the last layers' gradients first, so
         # data-parallel buckets at the front of the buffer fill first.
@@ -66,15 +70,20 @@ class MixedPrecisionOptimizer:
         low_precision = self.buffer.param_data.dtype != torch.float32
         self.shards = [(start + r * (end - start) // n, start + (r + 1) * (end - start) // n)
                        for start, end in self.buffer.group_bounds]
+        self.stage = stage if sharding_group is not None else 1
+        device = self.buffer.param_data.device
+        shard_sizes = [b - a for a, b in self.shards]
+        self.shard_grad = torch.zeros(sum(shard_sizes) if self.stage >= 2 else 0, device=device)
+        self._shard_grads = list(self.shard_grad.split(shard_sizes)) if self.stage >= 2 else \
+            [self.buffer.grad_data[a:b] for a, b in self.shards]
         param_groups = []
         self.masters: list[nn.Parameter] = []
-        for (start, end), rate in zip(self.shards, decay_rates):
+        for (start, end), rate, grad in zip(self.shards, decay_rates, self._shard_grads):
             view = self.buffer.param_data[start:end]
             master = nn.Parameter(view.detach().float() if low_precision else view, requires_grad=False)
-            master.grad = self.buffer.grad_data[start:end]
+            master.grad = grad
             self.masters.append(master)
             param_groups.append({"params": [master], "weight_decay": rate})
-        device = self.buffer.param_data.device
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_epsilon, fused=_supports_fused(device))
         self._low_precision = low_precision
@@ -88,9 +97,9 @@ class MixedPrecisionOptimizer:
         counted = {name for name, p in decay + no_decay
                    if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
                    and not getattr(p, "tied_copy", False)}
-        self._counted = [self.buffer.grad_data[max(rg.start, a):min(rg.end, b)]
+        self._counted = [grad[max(rg.start, a) - a:min(rg.end, b) - a]
                          for rg in self.buffer.ranges if rg.name in counted
-                         for a, b in self.shards if max(rg.start, a) < min(rg.end, b)]
+                         for (a, b), grad in zip(self.shards, self._shard_grads) if max(rg.start, a) < min(rg.end, b)]
 
     @property
     def loss_scale(self) -> float:
@@ -103,7 +112,7 @@ class MixedPrecisionOptimizer:
         """The gradients this rank steps: its shard of each group (the whole buffer unsharded)."""
         if self.sharding_group is None:
             return [self.buffer.grad_data]
-        return [self.buffer.grad_data[a:b] for a, b in self.shards]
+        return self._shard_grads
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
         found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
@@ -116,8 +125,17 @@ class MixedPrecisionOptimizer:
             return global_grad_norm(self.main_grads())
         return model_parallel_grad_norm(self._counted, self._reduce_groups, self.buffer.grad_data.device)
 
+    def _reduce_scatter_grads(self) -> None:
+        """Stage 2: sum each group's gradients over the sharding group into this rank's shard,
+        then free the full buffer."""
+        for (start, end), shard in zip(self.buffer.group_bounds, self._shard_grads):
+            shard.copy_(_reduce_scatter(self.buffer.grad_data[start:end], self.sharding_group))
+        self.buffer.release_grads()
+
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        if self.stage >= 2:
+            self._reduce_scatter_grads()
         grads = self.main_grads()
         if self.grad_scaler is not None:
             for g in grads:

@@ -328,8 +328,7 @@ def test_max_lr_below_min_lr_is_a_warning():
     assert config.optimizer.lr.max_lr == 1e-5  # kept as given
 
 
-@pytest.mark.parametrize("argv", [["--sharding", "2", "--sharding-stage", "2"],
-                                  ["--sharding", "2", "--sharding-stage", "3"],
+@pytest.mark.parametrize("argv", [["--sharding", "2", "--sharding-stage", "3"],
                                   ["--sharding", "2", "--sharding-offload"]])
 def test_unbuilt_parallelism_refused(argv):
     with pytest.raises(ConfigError, match="not supported by this version yet"):
