@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPT 6.7B with the group-sharded (ZeRO stage 1) optimizer over 8 GPUs (seed 000).
+# GPT 6.7B with the group-sharded (ZeRO stage 2) optimizer over 8 GPUs (seed 000); --sharding-stage 1
+# for optimizer states and master weights only.
 # Per-rank model-state memory: python tools/estimate_memory.py -c examples/configs/gpt_6.7b_sharding8.yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -11,8 +11,9 @@ With P parameters on a rank (its tensor/pipeline share of the model), N = shardi
 
 ZeRO's 2Psi + 2Psi + K Psi with K = 12 (Adam, mixed precision) is this table with fp32 gradients
 (4P rather than 2P: main grads are accumulated in fp32 here, as Megatron-LM does). Stage 1 shards
-the master weights and optimizer states (the /N above); stages 2 and 3 (also gradients, then
-parameters) and CPU offload are not built yet, so they are refused rather than estimated.
+the master weights and optimizer states (the /N above); stage 2 also the gradients between
+backwards (4P/N; the full 4P buffer exists during the backward). Stage 3 and CPU offload are not
+built yet, so they are refused rather than estimated.
 """
 
 from __future__ import annotations
