@@ -1,11 +1,12 @@
-"""ZeRO stage 1 vs plain data parallel: per-rank bytes of model states and step time.
+"""ZeRO stages 1 and 2 vs plain data parallel: per-rank bytes of model states and step time.
 
     python benchmarks/zero.py                  # 2 and 4 ranks, gloo on the CPU
     python benchmarks/zero.py --write          # also update docs/benchmarks.md
 
 Stage 0 is plain data parallelism (sharding 1, dp = world): every rank holds every fp32 master
 weight and AdamW state. Stage 1 (sharding = world) gives each rank 1/N of the masters and AdamW
-states; it steps its slice and all-gathers the updated parameters. Each rank measures what it
+states; it steps its slice and all-gathers the updated parameters. Stage 2 also keeps only 1/N of
+the gradients between backwards (reduce-scattered, the full buffer freed). Each rank measures what it
 actually allocates (the parameter and gradient buffers, the master copies that are not views of
 the parameters, the AdamW state tensors after one step), the median ``train_step`` time, and
 compares the total with ``model_state_bytes`` and with the ZeRO paper's mixed-precision formula.
@@ -40,7 +41,8 @@ def _measure(optimizer) -> dict[str, int]:
     masters = sum(_nbytes(m) for m in optimizer.masters if m.untyped_storage().data_ptr() != storage)
     adamw = sum(_nbytes(t) for state in optimizer.inner.state.values() for t in state.values()
                 if torch.is_tensor(t))
-    return {"params": _nbytes(buffer.param_data), "grads": _nbytes(buffer.grad_data), "master": masters,
+    grads = _nbytes(buffer.grad_data) + _nbytes(optimizer.shard_grad)  # stage 2: shard kept, full buffer freed
+    return {"params": _nbytes(buffer.param_data), "grads": grads, "master": masters,
             "adamw": adamw}
 
 
@@ -61,8 +63,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     data = MockGPTDataset(1000, args.seq, args.vocab, seed=1)
     batch = build_batch([data[rank * args.micro_batch + j] for j in range(args.micro_batch)], data.eod_id)
     results = []
-    for stage in (0, 1):
-        sharding = world if stage == 1 else 1
+    for stage in (0, 1, 2):
+        sharding = world if stage >= 1 else 1
         ps = parallel_state.initialize(sharding=sharding)
         for precision in args.precisions:
             flags = ["--mock-data", "--device", "cpu", "--num-layers", str(args.layers), "--hidden-size",
@@ -70,7 +72,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
                      "--max-position-embeddings", str(args.seq), "--vocab-size", str(args.vocab),
                      "--micro-batch-size", str(args.micro_batch), "--global-batch-size",
                      str(args.micro_batch * world), "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob",
-                     "0", "--sharding", str(sharding), "--save", os.path.join(store_dir, "out")]
+                     "0", "--sharding", str(sharding), "--sharding-stage", str(max(stage, 1)),
+                     "--save", os.path.join(store_dir, "out")]
             if precision == "bf16":
                 flags.append("--bf16")
             config = parse_config(flags)
@@ -80,8 +83,9 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
             num_params = sum(p.numel() for p in model.parameters())
             optimizer = build_optimizer(model, config, None, ps.group("sharding") if sharding > 1 else None)
             d = config.distributed
-            model = DataParallel(model, optimizer.buffer, ps.group("data_parallel"),
-                                 bucket_size=int(d.bucket_size_mb * 2**20 / 4), overlap=d.overlap_grad_reduce)
+            if stage < 2:  # stage 2 with no replicas: the optimizer's reduce-scatter is the whole reduction
+                model = DataParallel(model, optimizer.buffer, ps.group("data_parallel"),
+                                     bucket_size=int(d.bucket_size_mb * 2**20 / 4), overlap=d.overlap_grad_reduce)
             times = []
             for step in range(args.warmup + args.steps):
                 dist.barrier()
@@ -114,10 +118,10 @@ def _table(rows: list[dict], precision: str) -> str:
     for r in rows:
         if r["precision"] != precision:
             continue
-        n = r["ranks"] if r["stage"] == 1 else 1
+        n = r["ranks"] if r["stage"] >= 1 else 1
         psi = r["num_params"]
-        predicted = model_state_bytes(psi, precision, sharding=n).total
-        paper = 2 * psi + 2 * psi + 12 * psi / n
+        predicted = model_state_bytes(psi, precision, sharding=n, stage=max(r["stage"], 1)).total
+        paper = 2 * psi + (2 * psi / n if r["stage"] >= 2 else 2 * psi) + 12 * psi / n
         total = r["params"] + r["grads"] + r["master"] + r["adamw"]
         lines.append(f"| {r['stage']} | {r['ranks']} | {r['params'] / MB:.1f} | {r['grads'] / MB:.1f} | "
                      f"{r['master'] / MB:.1f} | {r['adamw'] / MB:.1f} | {total / MB:.1f} | {predicted / MB:.1f} | "
@@ -160,22 +164,19 @@ def main() -> None:
         intro = (
             "`benchmarks/zero.py` compares plain data parallelism (stage 0: sharding 1, dp = world) with ZeRO "
             "stage 1 (sharding = world: each rank keeps fp32 master weights and AdamW states for 1/N of the "
-            "buffer, steps that slice and all-gathers the updated parameters) on 2 and 4 gloo ranks, and counts "
-            "what each rank actually allocates. The measured totals match `model_state_bytes` (up to the "
-            "padding of the buffer to a multiple of N and AdamW's step counters). Next to them is the ZeRO "
-            "paper's mixed-precision formula, 2Psi + 2Psi + 12Psi/N: this project keeps fp32 main gradients "
-            "(4Psi, as Megatron-LM does) where the paper counts fp16 gradients (2Psi), so for bf16 ours is "
-            "2Psi above the paper at every N; in fp32 there is no separate master copy (the parameters are "
-            "the masters), so stage 1 shards only the AdamW states. Only stage 1 is built: stage 2 (also "
-            "sharding the gradients), stage 3 (also the parameters) and CPU offload are not yet, so they are "
-            "not measured. 4 ranks on this 2-core machine oversubscribe the cores, so the step times at 4 "
-            "ranks are indicative only, and even at 2 ranks they vary by tens of percent from run to run. Stage 1 "
-            "is not expected to be faster: it still all-reduces every gradient (the reduce-scatter of stage 2 "
-            "is not built) and adds an all-gather of the updated parameters in exchange for a 1/N AdamW step; "
-            "its gain is memory. "
-            "(In the fp32 table the paper's mixed-precision formula is only a reference; it equals stage 0 "
-            "there because 4Psi + 4Psi + 8Psi = 2Psi + 2Psi + 12Psi.)")
-        write_section("zero", "ZeRO stage 1: per-rank model-state memory", "python benchmarks/zero.py "
+            "buffer, steps that slice and all-gathers the updated parameters) and stage 2 (also the gradients: "
+            "reduce-scattered into a 1/N shard, the full buffer freed until the next backward) on 2 and 4 gloo "
+            "ranks, counting what each rank actually allocates after a step. The measured totals match "
+            "`model_state_bytes` (up to the padding of the buffer to a multiple of N and AdamW's step counters). "
+            "Next to them is the ZeRO paper's mixed-precision formula (2Psi + 2Psi + 12Psi/N for stage 1, "
+            "2Psi + 2Psi/N + 12Psi/N for stage 2): this project keeps fp32 main gradients (4Psi, as Megatron-LM "
+            "does) where the paper counts fp16 ones (2Psi); in fp32 there is no separate master copy (the "
+            "parameters are the masters). Stage 2's gradient figure is between backwards: during the backward "
+            "the full buffer exists, as micro-batches accumulate into it. Stage 3 and CPU offload are not built "
+            "yet. 4 ranks on this 2-core machine oversubscribe the cores, so step times at 4 ranks are "
+            "indicative only, and even at 2 ranks they vary by tens of percent from run to run; the gain of "
+            "sharding is memory.")
+        write_section("zero", "ZeRO stages 1 and 2: per-rank model-state memory", "python benchmarks/zero.py "
                       + " ".join(sys.argv[1:]), body, intro)
 
 
