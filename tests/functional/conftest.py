@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, losses, run
+from tests.functional.launch import TINY, curves, run
 
 
 @pytest.fixture(scope="session")
@@ -13,4 +13,4 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     result = run(out, *TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
+    return curves(out)

@@ -27,3 +27,22 @@ def run(out: Path, *args: str, nproc: int = 1, timeout: float = 300) -> subproce
 def losses(out: Path, split: str = "train", key: str = "loss") -> list[float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in records if r["split"] == split]
+
+
+def curves(out: Path) -> tuple[list[float], list[float], list[float]]:
+    """(train losses, validation losses, gradient norms) of a finished run."""
+    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
+
+
+def assert_matches_reference(out: Path, reference: tuple, *args: str, nproc: int) -> None:
+    """Run ``args`` on ``nproc`` processes and compare every step with the single-process reference.
+
+    Relative 1e-5: a parallel layout sums the same products in another order (fp32 round-off,
+    ~1e-7 observed), which Adam carries forward over the steps."""
+    import pytest
+
+    result = run(out, *args, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for got, want in zip(curves(out), reference):
+        assert len(got) == len(want)
+        assert got == pytest.approx(want, rel=1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, losses, run
+from tests.functional.launch import TINY, assert_matches_reference, run
 
 pytestmark = pytest.mark.slow
 
@@ -17,15 +17,7 @@ pytestmark = pytest.mark.slow
     (4, ["--micro-batch-size", "2", "--overlap-grad-reduce", "--bucket-size-mb", "0.05"]),  # 4 replicas
 ])
 def test_dp_losses_equal_single_process(tmp_path, reference, nproc, extra):
-    result = run(tmp_path, *TINY, *extra, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    train, valid, grad_norms = reference
-    # Relative 1e-5: the replicas' gradients are summed in another order than one process
-    # sums its micro-batches (fp32 round-off, ~1e-7 observed), which Adam carries forward.
-    assert losses(tmp_path) == pytest.approx(train, rel=1e-5)
-    assert losses(tmp_path, "valid") == pytest.approx(valid, rel=1e-5)
-    assert losses(tmp_path, key="grad_norm") == pytest.approx(grad_norms, rel=1e-5)
-    assert len(losses(tmp_path)) == 10
+    assert_matches_reference(tmp_path, reference, *TINY, *extra, nproc=nproc)
 
 
 def test_world_size_mismatch_fails_on_every_rank(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, losses, run
+from tests.functional.launch import TINY, assert_matches_reference, curves, run
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ def reference4(tmp_path_factory):
     out = tmp_path_factory.mktemp("single4")
     result = run(out, *FOUR_LAYERS)
     assert result.returncode == 0, result.stderr[-3000:]
-    return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
+    return curves(out)
 
 
 @pytest.mark.parametrize("nproc, extra", [
@@ -30,14 +30,7 @@ def reference4(tmp_path_factory):
     (8, ["--pp", "2", "--dp", "2", "--tp", "2"]),
 ], ids=["pp2", "pp4", "pp2-gpipe", "pp2-vpp2", "pp2-recompute", "tp2-pp2-sp", "dp2-pp2", "dp2-tp2-pp2"])
 def test_pp_losses_equal_single_process(tmp_path, reference4, nproc, extra):
-    result = run(tmp_path, *FOUR_LAYERS, *extra, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    train, valid, grad_norms = reference4
-    # Relative 1e-5: fp32 round-off of reductions in another order (~1e-7 observed), carried by Adam.
-    assert losses(tmp_path) == pytest.approx(train, rel=1e-5)
-    assert losses(tmp_path, "valid") == pytest.approx(valid, rel=1e-5)
-    assert losses(tmp_path, key="grad_norm") == pytest.approx(grad_norms, rel=1e-5)
-
+    assert_matches_reference(tmp_path, reference4, *FOUR_LAYERS, *extra, nproc=nproc)
 
 def test_segmentation_log_is_the_seeds(tmp_path):
     result = run(tmp_path, *FOUR_LAYERS, "--pp", "2", "--max-steps", "1", nproc=2)

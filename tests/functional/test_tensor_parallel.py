@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, losses, run
+from tests.functional.launch import TINY, assert_matches_reference, losses, run
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +17,7 @@ pytestmark = pytest.mark.slow
     (2, ["--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
 ], ids=["tp2", "tp4", "tp2-dp2", "tp2-sp", "tp2-recompute"])
 def test_tp_losses_equal_single_process(tmp_path, reference, nproc, extra):
-    result = run(tmp_path, *TINY, *extra, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    train, valid, grad_norms = reference
-    # Relative 1e-5: tensor-parallel matmuls sum partial products in another order (fp32
-    # round-off, ~1e-7 observed), which Adam carries forward.
-    assert losses(tmp_path) == pytest.approx(train, rel=1e-5)
-    assert losses(tmp_path, "valid") == pytest.approx(valid, rel=1e-5)
-    # The global norm counts every element once (shards summed over TP, replicas once).
-    assert losses(tmp_path, key="grad_norm") == pytest.approx(grad_norms, rel=1e-5)
-    assert len(losses(tmp_path)) == 10
-
+    assert_matches_reference(tmp_path, reference, *TINY, *extra, nproc=nproc)
 
 def test_dropout_runs_are_reproducible(tmp_path):
     """With dropout on, two runs of one layout give identical losses (seeded per-rank streams)."""
