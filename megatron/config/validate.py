@@ -10,9 +10,6 @@ from __future__ import annotations
 from megatron.config.cli import ConfigError
 from megatron.config.schema import Config
 
-# Parallel features not built yet: refused, never silently ignored.
-_NOT_BUILT: dict[str, str] = {}
-
 
 def _fail(message: str) -> None:
     raise ConfigError(message)
@@ -84,11 +81,6 @@ def _check_distributed(config: Config, world_size: int) -> None:
             _fail(f"Distributed.{name} must be at least 1, got {getattr(d, name)}.")
     if d.sharding.sharding_degree < 1:
         _fail(f"sharding_degree must be at least 1, got {d.sharding.sharding_degree}.")
-    for name, what in _NOT_BUILT.items():
-        value = d.sharding.sharding_degree if name == "sharding_degree" else getattr(d, name)
-        if value > 1:
-            _fail(f"{name}={value} asks for {what}, which this version does not support yet; "
-                  f"set {name} to 1.")
     tp, m = d.mp_degree, config.model
     if m.num_attention_heads % tp:
         _fail(f"mp_degree ({tp}) must divide Model.num_attention_heads ({m.num_attention_heads}): each tensor-"

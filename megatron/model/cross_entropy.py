@@ -46,9 +46,14 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        grad.mul_(grad_losses.unsqueeze(1))  # computed in fp32, stored in the logits' dtype
-        return grad, None, None
+        return scale_saved_logit_grad(ctx, grad_losses), None, None
+
+
+def scale_saved_logit_grad(ctx, grad_losses: torch.Tensor) -> torch.Tensor:
+    """The backward of a fused cross entropy: the forward saved ``softmax - onehot`` per row; scale it
+    by the incoming per-token gradient, in place (computed in fp32, stored in the logits' dtype)."""
+    (grad,) = ctx.saved_tensors
+    return grad.mul_(grad_losses.unsqueeze(1))
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -151,14 +151,13 @@ def forward_backward_pipelining(forward_step: ForwardStep, micro_batches: Sequen
     module = model.module if hasattr(model, "no_sync") else model
     chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
     m, pp, rank = len(micro_batches), ps.pp_size, ps.pp_rank
-    if forward_only or schedule == "gpipe" and len(chunks) == 1:
-        table = tables.gpipe(pp, rank, m) if len(chunks) == 1 else tables.interleaved_one_f_one_b(pp, rank, m,
-                                                                                                   len(chunks))
-    elif len(chunks) > 1:
+    if len(chunks) > 1:
         table = tables.interleaved_one_f_one_b(pp, rank, m, len(chunks))
+    elif forward_only or schedule == "gpipe":
+        table = tables.gpipe(pp, rank, m)
     else:
         table = tables.one_f_one_b(pp, rank, m)
-    if forward_only:
+    if forward_only:  # the forwards (and their sends) of any valid table form a valid schedule
         table = [a for a in table if a.kind in ("F", "SEND_F", "RECV_F")]
     no_sync = getattr(model, "no_sync", nullcontext)
     with no_sync(), (torch.no_grad() if forward_only else nullcontext()):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.model.cross_entropy import token_cross_entropy
+from megatron.model.cross_entropy import scale_saved_logit_grad, token_cross_entropy
 from megatron.tensor_parallel.mappings import resolve_group
 
 _CHUNK_ELEMENTS = 1 << 20  # fp32 elements per chunk on the CPU (cache-sized)
@@ -90,9 +90,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        grad.mul_(grad_losses.unsqueeze(1))  # computed in fp32, stored in the logits' dtype
-        return grad, None, None, None
+        return scale_saved_logit_grad(ctx, grad_losses), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_parallel: torch.Tensor, labels: torch.Tensor, vocab_size: int,
