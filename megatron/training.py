@@ -24,6 +24,7 @@ from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
+from megatron.distributed.fully_sharded import FullyShardedParameters
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
@@ -79,7 +80,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, o
     loss_sum = _all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
-    finalize_model_grads(model, parallel_state.get())
+    finalize_model_grads(model, parallel_state.get(), optimizer.buffer)
     result = optimizer.step(lr)
     return float(_all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
@@ -114,18 +115,24 @@ class Trainer:
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
         model_parallel = self.ps.tp_size * self.ps.pp_size > 1
+        d = config.distributed
         sharding = self.ps.group("sharding") if self.ps.sharding_size > 1 else None
+        stage = d.sharding.sharding_stage if sharding is not None else 1
         self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None,
                                          sharding)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
-        # Gradients are all-reduced over every data-parallel rank, except under sharding stage 2,
-        # where the replicas (dp) all-reduce and the optimizer reduce-scatters over the shards.
-        stage2 = sharding is not None and config.distributed.sharding.sharding_stage >= 2
-        grad_group = (self.ps.group("dp") if self.ps.dp_size > 1 else None) if stage2 else self.dp_group
-        if grad_group is not None:
-            d = config.distributed
-            model = DataParallel(model, self.optimizer.buffer, grad_group,
-                                 bucket_size=int(d.bucket_size_mb * 2**20 / 4), overlap=d.overlap_grad_reduce)
+        self.fully_sharded = None
+        if stage == 3:
+            chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+            self.fully_sharded = FullyShardedParameters(chunks, self.optimizer.buffer, sharding,
+                                                        keep_gathered=self.ps.pp_size > 1)
+        if stage >= 2:  # reduce-scatter over the shards, then all-reduce the shards over the replicas (HSDP)
+            model = DataParallel(model, self.optimizer.buffer, sharding, overlap=d.overlap_grad_reduce,
+                                 reduce_scatter=True, replica_group=self.ps.group("dp") if self.ps.dp_size > 1 else None,
+                                 every_micro_batch=stage == 3 and self.ps.pp_size == 1,
+                                 on_grads_done=self.fully_sharded.on_grads_done if self.fully_sharded else None)
+        elif self.dp_group is not None:
+            model = DataParallel(model, self.optimizer.buffer, self.dp_group, overlap=d.overlap_grad_reduce)
         self.model = model
         self.pp_group, self.forward_backward = None, forward_backward_no_pipelining
         if self.ps.pp_size > 1:

@@ -100,12 +100,6 @@ def _check_distributed(config: Config, world_size: int) -> None:
         _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * model_parallel} "
               f"but {world_size} process(es) were launched; make them equal.")
     _check_pipeline(config)
-    s = d.sharding
-    if s.sharding_degree > 1 and s.sharding_stage == 3:
-        _fail(f"sharding_stage {s.sharding_stage} is not supported by this version yet (stages 1 and 2, sharded "
-              f"optimizer states, master weights and gradients, are); use --sharding-stage 2.")
-    if s.sharding_offload:
-        _fail("sharding_offload is not supported by this version yet; remove it.")
     if d.bucket_size_mb <= 0:
         _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
 

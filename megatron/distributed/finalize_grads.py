@@ -6,7 +6,10 @@
   on the last (LM head); the two copies' gradients are summed over the embedding group so
   both take the same step and stay identical.
 
-(Data-parallel reduction is the DataParallel wrapper's, overlapped with the backward.)
+(Data-parallel reduction is the DataParallel wrapper's, overlapped with the backward.) Under
+ZeRO stage 2/3 the gradients are already reduce-scattered here, so each rank reduces the part of
+these gradients its shard holds: the layouts agree across the TP group (same shapes) and across
+the embedding group (the tied embedding is a bucket of its own).
 """
 
 from __future__ import annotations
@@ -15,21 +18,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.parallel_state import ParallelState
-from megatron.tensor_parallel import allreduce_sequence_parallel_grads
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    return param.main_grad if hasattr(param, "main_grad") else param.grad
-
-
-def finalize_model_grads(model: nn.Module, ps: ParallelState) -> None:
-    params = list(model.parameters())
+def finalize_model_grads(model: nn.Module, ps: ParallelState, buffer: ParamAndGradBuffer) -> None:
     if ps.tp_size > 1:
-        allreduce_sequence_parallel_grads(params, ps.group("tp"))
+        sp = [g for p in model.parameters() if getattr(p, "sequence_parallel", False)
+              if (g := buffer.reduced_grad(p)) is not None]
+        _all_reduce_coalesced(sp, ps.group("tp"))
     if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):
-        for name, param in model.named_parameters():
-            if name.endswith(TIED_EMBEDDING):
-                dist.all_reduce(_grad(param), group=ps.group("embedding"))
+        tied = [g for name, p in model.named_parameters() if name.endswith(TIED_EMBEDDING)
+                if (g := buffer.reduced_grad(p)) is not None]
+        _all_reduce_coalesced(tied, ps.group("embedding"))
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))

@@ -23,8 +23,10 @@ def build_grad_scaler(config: Config) -> ConstantGradScaler | None:
 
 def build_optimizer(model: nn.Module, config: Config, model_parallel_group=None,
                     sharding_group=None) -> MixedPrecisionOptimizer:
+    d = config.distributed
     return MixedPrecisionOptimizer(model, config.optimizer, build_grad_scaler(config), model_parallel_group,
-                                   sharding_group, config.distributed.sharding.sharding_stage)
+                                   sharding_group, d.sharding.sharding_stage, d.sharding.sharding_offload,
+                                   bucket_size=int(d.bucket_size_mb * 2**20 / 4))
 
 
 def build_lr_schedule(config: Config) -> CosineWithWarmup:

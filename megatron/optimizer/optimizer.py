@@ -8,6 +8,16 @@ weight-decay group and steps it with the fused kernel where available.
 One step: unscale the fp32 gradients (fp16) and check them for inf/nan (skip the step and
 back the scale off if found) -> global norm -> clip -> AdamW on the masters -> copy the
 masters back into the low-precision parameters.
+
+Sharding (ZeRO, over the ``sharding_group`` of N ranks): the buffer is cut into buckets and each
+rank owns a contiguous 1/N slice of every bucket; it keeps fp32 master weights and AdamW states
+for that slice only, and steps it. Stage 1: the gradients arrive all-reduced; after the step the
+updated slices are all-gathered into every rank's full parameters. Stage 2: the gradients
+arrive reduce-scattered into a persistent 1/N shard. Stage 3: the parameters too are stored as a
+1/N shard only (``FullyShardedParameters`` gathers them around their use), so nothing is
+gathered after the step. Offload: the masters and AdamW states live on the CPU and the step runs
+there (torch's fused CPU AdamW); the clipped gradient shard goes down, the updated low-precision
+parameters come back.
 """
 
 from __future__ import annotations
@@ -20,19 +30,14 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config.schema import OptimizerConfig
-from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer, layer_buckets, split_into_buckets
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
-from megatron.tensor_parallel.mappings import _reduce_scatter
+from megatron.tensor_parallel.mappings import _all_gather_flat
 
 
-def weight_decay_groups(model: nn.Module) -> tuple[list, list]:
-    """(decay, no_decay) lists of (name, param): biases and norm weights (1-D) get no decay."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append((name, p))
-    return decay, no_decay
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
 
 @dataclass
@@ -46,47 +51,55 @@ def _supports_fused(device: torch.device) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    """``sharding_group``: each of its N ranks keeps fp32 master weights and AdamW states for only
-    its 1/N of every buffer group, steps that slice, and all-gathers the updated parameters.
-    Stage 1: gradients arrive already reduced over the whole data-parallel group. Stage 2:
-    they arrive reduced over the replicas (dp) only; the step reduce-scatters each group over
-    the sharding group into a persistent 1/N gradient shard and frees the full buffer, which
-    is allocated again for the next backward."""
+    """AdamW over this rank's slice of the parameter buffer (the whole buffer unsharded).
+
+    ``sharding_group``/``stage``: ZeRO over that group (see the module doc). ``bucket_size``:
+    elements per communication bucket (stage 3: one bucket per decoder layer instead).
+    ``offload``: masters and AdamW states on the CPU."""
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None,
                  model_parallel_group: dist.ProcessGroup | None = None,
-                 sharding_group: dist.ProcessGroup | None = None, stage: int = 1):
-        decay, no_decay = weight_decay_groups(model)
+                 sharding_group: dist.ProcessGroup | None = None, stage: int = 1, offload: bool = False,
+                 bucket_size: int = DEFAULT_BUCKET_SIZE):
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         # Reverse parameter order: the backward produces the last layers' gradients first, so
-        # data-parallel buckets at the front of the buffer fill first.
-        groups = [g[::-1] for g in (decay, no_decay) if g]
-        decay_rates = [rate for g, rate in ((decay, cfg.weight_decay), (no_decay, 0.0)) if g]
+        # the buckets at the front of the buffer fill first.
+        named = named[::-1]
         self.sharding_group = sharding_group
         n = dist.get_world_size(sharding_group) if sharding_group is not None else 1
         r = dist.get_rank(sharding_group) if sharding_group is not None else 0
-        self.buffer = ParamAndGradBuffer(groups, pad_multiple=n)
-        self.grad_scaler = grad_scaler
-        self.max_norm = cfg.grad_clip
-        low_precision = self.buffer.param_data.dtype != torch.float32
-        self.shards = [(start + r * (end - start) // n, start + (r + 1) * (end - start) // n)
-                       for start, end in self.buffer.group_bounds]
         self.stage = stage if sharding_group is not None else 1
-        device = self.buffer.param_data.device
-        shard_sizes = [b - a for a, b in self.shards]
-        self.shard_grad = torch.zeros(sum(shard_sizes) if self.stage >= 2 else 0, device=device)
-        self._shard_grads = list(self.shard_grad.split(shard_sizes)) if self.stage >= 2 else \
-            [self.buffer.grad_data[a:b] for a, b in self.shards]
-        param_groups = []
+        # The tied embedding is a bucket of its own, so that its slices line up on the first and last
+        # pipeline stages, whose copies' (sharded) gradients are summed.
+        buckets = layer_buckets(named) if self.stage == 3 else split_into_buckets(named, bucket_size,
+                                                                                  (TIED_EMBEDDING,))
+        self.buffer = buf = ParamAndGradBuffer(buckets, n, r, shard_grads=self.stage >= 2,
+                                               shard_params=self.stage == 3)
+        self.grad_scaler, self.max_norm, self.offload = grad_scaler, cfg.grad_clip, offload
+        self._low_precision = buf.dtype != torch.float32
+        pieces = buf.pieces()
+        self._params = [buf.shard_param(b, lo, hi) for b, lo, hi, _ in pieces]  # what this rank updates
+        self._grads = [buf.shard_grad(b, lo, hi) for b, lo, hi, _ in pieces]  # and its reduced gradients
+        master_device = torch.device("cpu") if offload else buf.device
+        sizes = [hi - lo for _, lo, hi, _ in pieces]
+        if self._low_precision or offload:  # a separate fp32 copy (on the CPU when offloading)
+            self.master_data = torch.cat([p.detach().float() for p in self._params]).to(master_device)
+            master_views = list(self.master_data.split(sizes))
+        else:  # fp32 on the device: the parameters are the masters
+            self.master_data, master_views = None, self._params
+        self.cpu_grad = torch.zeros(sum(sizes) if offload else 0)
+        step_grads = list(self.cpu_grad.split(sizes)) if offload else self._grads
         self.masters: list[nn.Parameter] = []
-        for (start, end), rate, grad in zip(self.shards, decay_rates, self._shard_grads):
-            view = self.buffer.param_data[start:end]
-            master = nn.Parameter(view.detach().float() if low_precision else view, requires_grad=False)
+        groups: dict[bool, list] = {True: [], False: []}
+        for view, grad, (_, _, _, decay) in zip(master_views, step_grads, pieces):
+            master = nn.Parameter(view, requires_grad=False)
             master.grad = grad
             self.masters.append(master)
-            param_groups.append({"params": [master], "weight_decay": rate})
+            groups[decay].append(master)
+        param_groups = [{"params": ps, "weight_decay": rate} for ps, rate in
+                        ((groups[True], cfg.weight_decay), (groups[False], 0.0)) if ps]
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                       eps=cfg.adam_epsilon, fused=_supports_fused(device))
-        self._low_precision = low_precision
+                                       eps=cfg.adam_epsilon, fused=_supports_fused(master_device))
         # Model parallelism (tp x pp): the global norm counts every element once. A rank counts its
         # tensor-parallel shards, its TP-replicated parameters only on tp rank 0, and never the last
         # pipeline stage's copy of the tied embedding, each within its optimizer shard; the squares
@@ -94,12 +107,11 @@ class MixedPrecisionOptimizer:
         self.model_parallel_group = model_parallel_group
         self._reduce_groups = [g for g in (sharding_group, model_parallel_group) if g is not None]
         tp_rank = parallel_state.get().tp_rank
-        counted = {name for name, p in decay + no_decay
-                   if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+        counted = {id(p) for _, p in named if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
                    and not getattr(p, "tied_copy", False)}
-        self._counted = [grad[max(rg.start, a) - a:min(rg.end, b) - a]
-                         for rg in self.buffer.ranges if rg.name in counted
-                         for (a, b), grad in zip(self.shards, self._shard_grads) if max(rg.start, a) < min(rg.end, b)]
+        self._counted = [buf.shard_grad(b, max(s, b.shard[0]), min(e, b.shard[1]))
+                         for b in buf.buckets for p, s, e in b.params
+                         if id(p) in counted and max(s, b.shard[0]) < min(e, b.shard[1])]
 
     @property
     def loss_scale(self) -> float:
@@ -109,10 +121,8 @@ class MixedPrecisionOptimizer:
         self.buffer.zero_grad()
 
     def main_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank steps: its shard of each group (the whole buffer unsharded)."""
-        if self.sharding_group is None:
-            return [self.buffer.grad_data]
-        return self._shard_grads
+        """The reduced gradients this rank steps: its slice of every bucket (all of them unsharded)."""
+        return self._grads
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
         found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
@@ -123,37 +133,28 @@ class MixedPrecisionOptimizer:
     def grad_norm(self) -> torch.Tensor:
         if not self._reduce_groups:
             return global_grad_norm(self.main_grads())
-        return model_parallel_grad_norm(self._counted, self._reduce_groups, self.buffer.grad_data.device)
-
-    def _reduce_scatter_grads(self) -> None:
-        """Stage 2: sum each group's gradients over the sharding group into this rank's shard,
-        then free the full buffer."""
-        for (start, end), shard in zip(self.buffer.group_bounds, self._shard_grads):
-            shard.copy_(_reduce_scatter(self.buffer.grad_data[start:end], self.sharding_group))
-        self.buffer.release_grads()
+        return model_parallel_grad_norm(self._counted, self._reduce_groups, self.buffer.device)
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        if self.stage >= 2:
-            self._reduce_scatter_grads()
         grads = self.main_grads()
         if self.grad_scaler is not None:
-            for g in grads:
-                g.mul_(1.0 / self.grad_scaler.scale)
+            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
             found_inf = self._found_inf(grads)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return StepResult(False, None)
         norm = self.grad_norm()
         clip_grads(grads, self.max_norm, norm)
+        if self.offload:
+            self.cpu_grad.copy_(torch.cat(grads) if len(grads) > 1 else grads[0], non_blocking=False)
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
-        for master, (start, end), bounds in zip(self.masters, self.shards, self.buffer.group_bounds):
-            if self._low_precision:
-                self.buffer.param_data[start:end].copy_(master)
-            if self.sharding_group is not None:  # every rank gets every shard's update
-                size = dist.get_world_size(self.sharding_group)
-                pieces = list(self.buffer.param_data[bounds[0]:bounds[1]].chunk(size))
-                dist.all_gather(pieces, self.buffer.param_data[start:end].clone(), group=self.sharding_group)
+        if self.master_data is not None:  # the updated masters back into the (low-precision) parameters
+            updated = self.master_data.to(self.buffer.device, non_blocking=True)
+            torch._foreach_copy_(self._params, list(updated.split([p.numel() for p in self._params])))
+        if self.sharding_group is not None and self.stage < 3:  # every rank gets every slice's update
+            for bucket in self.buffer.buckets:
+                _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket).clone(), group=self.sharding_group)
         return StepResult(True, float(norm))

@@ -1,0 +1,146 @@
+"""ZeRO stage 3: parameters stored as a 1/N shard, gathered around their use.
+
+Each decoder layer is one bucket of the parameter buffer; the word embedding is another, and a
+model chunk's remaining parameters (position embedding, final LayerNorm) a third. Rank r keeps
+only the r-th slice of every bucket. Around each use:
+
+- **forward**: a layer's bucket is all-gathered just before its forward (waiting for the
+  prefetch started by the previous layer), the next layer's gather is started, and the layer's
+  parameters are freed after its forward;
+- **backward**: a hook on the layer's output gathers the bucket again when its gradient arrives
+  (and prefetches the previous layer's); once every parameter's gradient is in, the data-parallel
+  wrapper reduce-scatters the bucket's gradients into the owner's shard and the parameters and
+  full gradients are freed (``on_grads_done``).
+
+The embedding and the other non-layer buckets (the *root*, as in FSDP) are used at both ends of
+the model (the LM head is tied to the word embedding), so they are gathered at the start of the
+chunk's forward and freed when their gradients are done, at the end of the backward. At any
+moment a rank therefore holds the root plus at most two layers' full parameters: the one in use
+and the prefetched one.
+
+**With pipeline parallelism** (``keep_gathered``): a stage's forward and backward of different
+micro-batches interleave, so the stage's buckets are gathered at its first forward of a step and
+kept, with their full gradients, across the micro-batches; the gradients are reduce-scattered
+after the last backward (as stage 2) and the parameters freed then. Per step and stage, one
+gather; between steps, only the shards exist.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megatron.tensor_parallel.mappings import _all_gather_flat
+
+
+class FullyShardedParameters:
+    """Installs the gather/free hooks on ``chunks`` (this rank's model chunks, in forward order)."""
+
+    def __init__(self, chunks: list[nn.Module], buffer: ParamAndGradBuffer, group: dist.ProcessGroup,
+                 keep_gathered: bool = False, prefetch: bool = True):
+        self.buffer, self.group, self.keep_gathered, self.prefetch = buffer, group, keep_gathered, prefetch
+        self._inflight: dict[int, dist.Work] = {}
+        self.peak_gathered_layers = 0  # the most layer buckets gathered (or in flight) at once
+        bucket_of = {id(p): b for b in buffer.buckets for p, _, _ in b.params}
+        self._layer_buckets: set[int] = set()
+        for chunk in chunks:
+            layers = [(module, bucket_of[id(next(module.parameters()))]) for module in chunk.layers.values()]
+            self._layer_buckets |= {b.index for _, b in layers}
+            layer_params = {id(p) for module, _ in layers for p in module.parameters()}
+            root = list({bucket_of[id(p)].index: bucket_of[id(p)] for p in chunk.parameters()
+                         if id(p) not in layer_params}.values())
+            chunk.register_forward_pre_hook(lambda *_, root=root, layers=layers: self._chunk_pre_forward(root, layers))
+            chunk.register_forward_hook(lambda *_, root=root: self._chunk_post_forward(root))
+            for i, (module, bucket) in enumerate(layers):
+                following = layers[i + 1][1] if i + 1 < len(layers) else None
+                previous = layers[i - 1][1] if i > 0 else None
+                module.register_forward_pre_hook(lambda *_, b=bucket, n=following: self._pre_forward(b, n))
+                module.register_forward_hook(
+                    lambda _m, _i, out, b=bucket, p=previous: self._post_forward(b, p, out))
+
+    # Gathering -----------------------------------------------------------------------------------
+
+    def _gather(self, bucket: Bucket, async_op: bool) -> None:
+        if bucket.index in self._inflight or self.buffer.is_gathered(bucket):
+            return
+        self.buffer.materialize_params(bucket)
+        # Writing into the gathered storage must not bump the version autograd saw in the forward.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(bucket.param_data):
+            work = _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket), group=self.group,
+                                    async_op=async_op)
+        if async_op:
+            self._inflight[bucket.index] = work
+        self._count()
+
+    def _wait(self, bucket: Bucket) -> None:
+        work = self._inflight.pop(bucket.index, None)
+        if work is not None:
+            work.wait()
+        else:
+            self._gather(bucket, async_op=False)
+
+    def _free(self, bucket: Bucket) -> None:
+        if self.keep_gathered:
+            return
+        work = self._inflight.pop(bucket.index, None)
+        if work is not None:
+            work.wait()
+        self.buffer.free_params(bucket)
+
+    def _count(self) -> None:
+        gathered = sum(1 for b in self.buffer.buckets if b.index in self._layer_buckets and
+                       (b.index in self._inflight or self.buffer.is_gathered(b)))
+        self.peak_gathered_layers = max(self.peak_gathered_layers, gathered)
+
+    def gather_all(self) -> None:
+        for bucket in self.buffer.buckets:
+            self._gather(bucket, async_op=False)
+
+    def free_all(self) -> None:
+        for bucket in self.buffer.buckets:
+            self._free(bucket)
+
+    # Hooks ---------------------------------------------------------------------------------------
+
+    def _chunk_pre_forward(self, root: list[Bucket], layers: list) -> None:
+        if self.keep_gathered:
+            self.gather_all()
+            return
+        for bucket in root:
+            self._gather(bucket, async_op=False)
+        if layers and self.prefetch:
+            self._gather(layers[0][1], async_op=True)
+
+    def _chunk_post_forward(self, root: list[Bucket]) -> None:
+        if not torch.is_grad_enabled():  # evaluation: no backward will come
+            for bucket in root:
+                self._free(bucket)
+
+    def _pre_forward(self, bucket: Bucket, following: Bucket | None) -> None:
+        self._wait(bucket)
+        if following is not None and self.prefetch:
+            self._gather(following, async_op=True)
+
+    def _post_forward(self, bucket: Bucket, previous: Bucket | None, output: torch.Tensor) -> torch.Tensor:
+        self._free(bucket)
+        if torch.is_grad_enabled() and output.requires_grad and not self.keep_gathered:
+            output.register_hook(lambda grad: self._pre_backward(bucket, previous))
+        return output
+
+    def _pre_backward(self, bucket: Bucket, previous: Bucket | None) -> None:
+        self._wait(bucket)
+        if previous is not None and self.prefetch:
+            self._gather(previous, async_op=True)
+
+    def on_grads_done(self, bucket: Bucket) -> None:
+        """The bucket's gradients are all in and their reduction launched: free its parameters
+        (under ``keep_gathered`` this happens after the step's last backward)."""
+        if self.keep_gathered:
+            work = self._inflight.pop(bucket.index, None)
+            if work is not None:
+                work.wait()
+            self.buffer.free_params(bucket)
+        else:
+            self._free(bucket)
