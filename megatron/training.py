@@ -24,7 +24,7 @@ from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
-from megatron.distributed.fully_sharded import FullyShardedParameters
+from megatron.distributed.wrapping import wrap_data_parallel
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
@@ -115,24 +115,11 @@ class Trainer:
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
         model_parallel = self.ps.tp_size * self.ps.pp_size > 1
-        d = config.distributed
         sharding = self.ps.group("sharding") if self.ps.sharding_size > 1 else None
-        stage = d.sharding.sharding_stage if sharding is not None else 1
         self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None,
                                          sharding)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
-        self.fully_sharded = None
-        if stage == 3:
-            chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
-            self.fully_sharded = FullyShardedParameters(chunks, self.optimizer.buffer, sharding,
-                                                        keep_gathered=self.ps.pp_size > 1)
-        if stage >= 2:  # reduce-scatter over the shards, then all-reduce the shards over the replicas (HSDP)
-            model = DataParallel(model, self.optimizer.buffer, sharding, overlap=d.overlap_grad_reduce,
-                                 reduce_scatter=True, replica_group=self.ps.group("dp") if self.ps.dp_size > 1 else None,
-                                 every_micro_batch=stage == 3 and self.ps.pp_size == 1,
-                                 on_grads_done=self.fully_sharded.on_grads_done if self.fully_sharded else None)
-        elif self.dp_group is not None:
-            model = DataParallel(model, self.optimizer.buffer, self.dp_group, overlap=d.overlap_grad_reduce)
+        model, self.fully_sharded = wrap_data_parallel(model, self.optimizer, config, self.ps)
         self.model = model
         self.pp_group, self.forward_backward = None, forward_backward_no_pipelining
         if self.ps.pp_size > 1:

@@ -2,23 +2,28 @@
 
 With P parameters on a rank (its tensor/pipeline share of the model), N = sharding degree:
 
-| state | fp32 training | bf16 / fp16 training |
-| --- | --- | --- |
-| parameters | 4P | 2P |
-| gradients (fp32 main grads) | 4P | 4P |
-| master weights (fp32) | 0 (the parameters are the masters) | 4P / N |
-| AdamW exp_avg + exp_avg_sq (fp32) | 8P / N | 8P / N |
+| state | fp32 training | bf16 / fp16 training | sharded from stage |
+| --- | --- | --- | --- |
+| parameters | 4P | 2P | 3 |
+| gradients (fp32 main grads) | 4P | 4P | 2 |
+| master weights (fp32) | 0 (the parameters are the masters) | 4P | 1 |
+| AdamW exp_avg + exp_avg_sq (fp32) | 8P | 8P | 1 |
 
-ZeRO's 2Psi + 2Psi + K Psi with K = 12 (Adam, mixed precision) is this table with fp32 gradients
-(4P rather than 2P: main grads are accumulated in fp32 here, as Megatron-LM does). Stage 1 shards
-the master weights and optimizer states (the /N above); stage 2 also the gradients between
-backwards (4P/N; the full 4P buffer exists during the backward). Stage 3 and CPU offload are not
-built yet, so they are refused rather than estimated.
+A sharded state is 1/N of the table per rank. ZeRO's 2Psi + 2Psi + K Psi with K = 12 (Adam, mixed
+precision) is this table with fp32 gradients (4P rather than 2P: main grads are accumulated in
+fp32 here, as Megatron-LM does). The figures are those held between steps: under stage 2 the full
+4P gradient buffer also exists during the backward, and under stage 3 the full parameters (and
+gradients) of the layers being used: at most the non-layer parameters plus two layers at once.
+
+Offload (``sharding_offload``): the master weights (fp32 even when training in fp32) and the AdamW
+states live on the CPU, with a CPU copy of the gradient shard (4P/N) that the step reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from megatron.config.schema import Config
 
@@ -29,24 +34,38 @@ class ModelStateBytes:
     gradients: int
     master_weights: int
     optimizer_states: int
+    cpu_gradients: int = 0  # offload: the CPU copy of the gradient shard
+    offload: bool = False  # master weights and optimizer states on the CPU
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+        return self.device_total + self.cpu_total
+
+    @property
+    def device_total(self) -> int:
+        on_device = self.parameters + self.gradients
+        return on_device if self.offload else on_device + self.master_weights + self.optimizer_states
+
+    @property
+    def cpu_total(self) -> int:
+        return self.master_weights + self.optimizer_states + self.cpu_gradients if self.offload else 0
 
 
 def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 1, stage: int = 1,
                       offload: bool = False) -> ModelStateBytes:
-    """Bytes one rank holds for ``num_params`` parameters (its share after tp/pp)."""
-    if stage not in (1, 2) or offload:
-        raise ValueError("sharding stages 1 and 2 without offload are built; stage 3 and offload are not yet")
+    """Bytes one rank holds between steps for ``num_params`` parameters (its share after tp/pp)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"sharding stage must be 1, 2 or 3, got {stage}")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown precision {precision!r}")
     shard = -(-num_params // sharding)  # shards are padded to equal size
     low = precision != "fp32"
-    gradients = 4 * (shard if stage >= 2 and sharding > 1 else num_params)  # stage 2: between backwards
-    return ModelStateBytes(parameters=num_params * (2 if low else 4), gradients=gradients,
-                           master_weights=4 * shard if low else 0, optimizer_states=8 * shard)
+    sharded = sharding > 1
+    params = shard if stage >= 3 and sharded else num_params
+    grads = shard if stage >= 2 and sharded else num_params
+    return ModelStateBytes(parameters=params * (2 if low else 4), gradients=4 * grads,
+                           master_weights=4 * shard if low or offload else 0, optimizer_states=8 * shard,
+                           cpu_gradients=4 * shard if offload else 0, offload=offload)
 
 
 def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> int:
@@ -65,3 +84,18 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
     if pp_rank == pp - 1:
         total += 2 * h + (vocab // tp * h if pp > 1 else 0)  # final LayerNorm, tied head copy
     return total
+
+
+def measured_model_state_bytes(optimizer) -> ModelStateBytes:
+    """What a ``MixedPrecisionOptimizer`` and its buffer hold now, by the same headings (AdamW's
+    scalar step counters left out)."""
+    def nbytes(t) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    buf = optimizer.buffer
+    states = sum(nbytes(t) for state in optimizer.inner.state.values() for t in state.values()
+                 if torch.is_tensor(t) and t.numel() > 1)
+    return ModelStateBytes(parameters=nbytes(buf.param_data) + nbytes(buf.param_shard),
+                           gradients=nbytes(buf.grad_data) + nbytes(buf.grad_shard),
+                           master_weights=nbytes(optimizer.master_data), optimizer_states=states,
+                           cpu_gradients=nbytes(optimizer.cpu_grad), offload=optimizer.offload)

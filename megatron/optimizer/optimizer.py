@@ -30,13 +30,12 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config.schema import OptimizerConfig
+from megatron.distributed.finalize_grads import TIED_EMBEDDING
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer, layer_buckets, split_into_buckets
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
 from megatron.tensor_parallel.mappings import _all_gather_flat
 
-
-TIED_EMBEDDING = "embedding.word_embeddings.weight"
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
 
@@ -71,8 +70,8 @@ class MixedPrecisionOptimizer:
         self.stage = stage if sharding_group is not None else 1
         # The tied embedding is a bucket of its own, so that its slices line up on the first and last
         # pipeline stages, whose copies' (sharded) gradients are summed.
-        buckets = layer_buckets(named) if self.stage == 3 else split_into_buckets(named, bucket_size,
-                                                                                  (TIED_EMBEDDING,))
+        own = (TIED_EMBEDDING,) if self.stage >= 2 and parallel_state.get().pp_size > 1 else ()
+        buckets = layer_buckets(named) if self.stage == 3 else split_into_buckets(named, bucket_size, own)
         self.buffer = buf = ParamAndGradBuffer(buckets, n, r, shard_grads=self.stage >= 2,
                                                shard_params=self.stage == 3)
         self.grad_scaler, self.max_norm, self.offload = grad_scaler, cfg.grad_clip, offload

@@ -1,4 +1,5 @@
-"""Measured per-rank model-state bytes match the accounting function (ZeRO stage 1)."""
+"""Measured per-rank model-state bytes match the accounting function (ZeRO stages 1-3, offload),
+and stage 3 never holds more than two decoder layers' full parameters at once."""
 
 from __future__ import annotations
 
@@ -8,48 +9,93 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.config import parse_config, validate
+from megatron.data.loader import build_batch
+from megatron.data.mock_dataset import MockGPTDataset
+from megatron.distributed.wrapping import wrap_data_parallel
 from megatron.model import build_model, num_parameters
 from megatron.optimizer import build_optimizer
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank
+from megatron.optimizer.memory import measured_model_state_bytes, model_state_bytes, parameters_per_rank
+from megatron.tensor_parallel import model_parallel_seed
+from megatron.training import train_step
+from pretrain_gpt import forward_step
 from tests.distributed.harness import run_distributed
 
+FIELDS = ("parameters", "gradients", "master_weights", "optimizer_states", "cpu_gradients")
 
-def _measure(rank, world, precision, tp, stage=1):
+
+def _measure(rank, world, precision, tp, stage, offload, layers=2):
     ps = parallel_state.initialize(tp=tp, sharding=world // tp)
-    flags = ["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
-             "4", "--vocab-size", "1000", "--max-seq-len", "32", "--max-position-embeddings", "32",
-             "--tp", str(tp), "--sharding", str(world // tp), "--sharding-stage", str(stage)]
-    if precision == "bf16":
-        flags.append("--bf16")
+    flags = ["--mock-data", "--device", "cpu", "--num-layers", str(layers), "--hidden-size", "64",
+             "--num-attention-heads", "4", "--vocab-size", "1000", "--max-seq-len", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tp", str(tp),
+             "--sharding", str(world // tp), "--sharding-stage", str(stage)]
+    flags += ["--bf16"] if precision == "bf16" else []
+    flags += ["--sharding-offload"] if offload else []
     config = parse_config(flags)
     validate(config, world_size=world)
+    model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
     model = build_model(config)
+    num_params = num_parameters(model)
     optimizer = build_optimizer(model, config, ps.group("tp") if tp > 1 else None, ps.group("sharding"))
-    buf = optimizer.buffer
-    masters = 0 if precision == "fp32" else sum(m.numel() * m.element_size() for m in optimizer.masters)
-    torch.manual_seed(0)
-    for p in model.parameters():  # one step creates the AdamW states
-        p.main_grad.copy_(torch.randn_like(p.main_grad))
-    optimizer.step(1e-3)
-    states = sum(t.numel() * t.element_size() for s in optimizer.inner.state.values() for t in s.values()
-                 if torch.is_tensor(t) and t.numel() > 1)
-    predicted = model_state_bytes(num_parameters(model), precision, ps.sharding_size, stage)
+    model, fully_sharded = wrap_data_parallel(model, optimizer, config, ps)
+    data = MockGPTDataset(64, 32, 1000, seed=rank // tp)
+    batch = build_batch([data[i] for i in range(4)], data.eod_id)
+    train_step(forward_step, batch, model, optimizer, 1e-3, 2)  # creates the AdamW states
+    measured = measured_model_state_bytes(optimizer)
+    predicted = model_state_bytes(num_params, precision, ps.sharding_size, stage, offload)
+    on_cpu = [t.device.type == "cpu" for t in [optimizer.master_data, *(
+        t for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t))] if t is not None]
+    result = {"params": num_params, "accounted_params": parameters_per_rank(config, tp),
+              "measured": [getattr(measured, f) for f in FIELDS], "predicted": [getattr(predicted, f) for f in FIELDS],
+              "offloaded_on_cpu": all(on_cpu)}
+    if fully_sharded is not None:
+        buf = optimizer.buffer
+        layer_sizes = [b.numel for b in buf.buckets if b.index in fully_sharded._layer_buckets]
+        result.update(peak_layers=fully_sharded.peak_gathered_layers, num_layer_buckets=len(layer_sizes),
+                      gathered_after_step=buf.gathered_numel())
     dist.barrier()
-    return {"params": num_parameters(model), "accounted_params": parameters_per_rank(config, tp),
-            "measured": (buf.param_data.numel() * buf.param_data.element_size(),
-                         (buf.grad_data.numel() + optimizer.shard_grad.numel()) * 4, masters, states),
-            "predicted": (predicted.parameters, predicted.gradients, predicted.master_weights,
-                          predicted.optimizer_states)}
+    return result
 
 
-@pytest.mark.parametrize("world, precision, tp, stage", [(2, "fp32", 1, 1), (2, "bf16", 1, 1), (4, "bf16", 1, 1),
-                                                         (4, "fp32", 2, 1), (2, "bf16", 1, 2), (4, "fp32", 1, 2)])
-def test_measured_bytes_match_accounting(world, precision, tp, stage):
-    """Measured after a step: under stage 2 the full gradient buffer has been freed, only the shard stays."""
-    for result in run_distributed(_measure, world, precision, tp, stage):
+CASES = [(2, "fp32", 1, 1, False), (2, "bf16", 1, 1, False), (4, "bf16", 1, 1, False), (4, "fp32", 2, 1, False),
+         (2, "bf16", 1, 2, False), (4, "fp32", 1, 2, False), (2, "bf16", 1, 3, False), (4, "bf16", 1, 3, False),
+         (4, "fp32", 2, 3, False), (2, "bf16", 1, 2, True), (4, "fp32", 1, 3, True), (4, "bf16", 1, 3, True)]
+
+
+@pytest.mark.parametrize("world, precision, tp, stage, offload", CASES,
+                         ids=[f"w{w}-{p}-tp{t}-stage{s}{'-offload' if o else ''}" for w, p, t, s, o in CASES])
+def test_measured_bytes_match_accounting(world, precision, tp, stage, offload):
+    """Measured after a train step: the full gradients (stage 2, 3) and parameters (stage 3) are freed."""
+    for result in run_distributed(_measure, world, precision, tp, stage, offload):
         assert result["accounted_params"] == result["params"]  # the analytic count is exact
-        for measured, predicted in zip(result["measured"], result["predicted"]):
-            # Within 5%: shards are padded to equal size, a few elements per group.
-            assert measured == pytest.approx(predicted, rel=0.05, abs=0)
-        sharded = result["predicted"][3]
-        assert sharded == pytest.approx(8 * result["params"] / (world // tp), rel=0.05)  # states are 1/N
+        for name, measured, predicted in zip(FIELDS, result["measured"], result["predicted"]):
+            # Within 5%: every bucket is padded to a multiple of N, a few elements each.
+            assert measured == pytest.approx(predicted, rel=0.05, abs=0), name
+        states = result["predicted"][3]
+        assert states == pytest.approx(8 * result["params"] / (world // tp), rel=0.05)  # states are 1/N
+        if offload:
+            assert result["offloaded_on_cpu"]
+        if stage == 3:
+            assert result["gathered_after_step"] == 0  # between steps only the shards exist
+
+
+def test_stage3_holds_at_most_two_layers():
+    """Over a forward and backward of six layers, at most the layer in use and the prefetched one
+    are gathered (plus the embedding and final norm, used at both ends)."""
+    for result in run_distributed(_measure, 2, "fp32", 1, 3, False, 6):
+        assert result["num_layer_buckets"] == 6
+        assert result["peak_layers"] == 2
+
+
+def test_accounting_follows_the_zero_paper():
+    """2 + 2 + 12 bytes per parameter, sharded 1/N from the stage that shards each state (bf16
+    parameters; the gradients are fp32 here, 4 bytes rather than ZeRO's 2)."""
+    p, n = 1_000_000, 4
+    full = model_state_bytes(p, "bf16")
+    assert (full.parameters, full.gradients, full.master_weights + full.optimizer_states) == (2 * p, 4 * p, 12 * p)
+    stages = [model_state_bytes(p, "bf16", n, stage) for stage in (1, 2, 3)]
+    assert [s.total for s in stages] == [6 * p + 12 * p // n, 2 * p + 16 * p // n, 18 * p // n]
+    offloaded = model_state_bytes(p, "bf16", n, 2, offload=True)
+    assert offloaded.device_total == 2 * p + 4 * p // n
+    assert offloaded.cpu_total == 16 * p // n
+    assert model_state_bytes(p, "bf16", n, 2).device_total - offloaded.device_total == 12 * p // n

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, assert_matches_reference, curves, run
+from tests.functional.launch import TINY, assert_matches_reference, run
 
 pytestmark = pytest.mark.slow
 
 FOUR_LAYERS = [*TINY, "--num-layers", "4"]  # enough layers for pp 4 and for pp 2 x vpp 2
-
-
-@pytest.fixture(scope="module")
-def reference4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single4")
-    result = run(out, *FOUR_LAYERS)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return curves(out)
 
 
 @pytest.mark.parametrize("nproc, extra", [

@@ -1,4 +1,4 @@
-"""Group-sharded optimizer (ZeRO stage 1) alone and composed reproduces the single-process losses."""
+"""Group-sharded optimizer (ZeRO stages 1-3, offload) alone and composed reproduces the single-process losses."""
 
 from __future__ import annotations
 
@@ -9,30 +9,49 @@ from tests.functional.launch import TINY, assert_matches_reference, losses, run
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, ["--sharding", "2"]),
-    (4, ["--sharding", "4", "--micro-batch-size", "2"]),
-    (4, ["--sharding", "2", "--dp", "2"]),
-    (4, ["--sharding", "2", "--tp", "2"]),
-    (4, ["--sharding", "2", "--pp", "2"]),
-    (2, ["--sharding", "2", "--sharding-stage", "2"]),
-    (4, ["--sharding", "4", "--sharding-stage", "2", "--micro-batch-size", "2"]),
-    (4, ["--sharding", "2", "--sharding-stage", "2", "--dp", "2"]),
-    (4, ["--sharding", "2", "--sharding-stage", "2", "--tp", "2"]),
-    (4, ["--sharding", "2", "--sharding-stage", "2", "--pp", "2"]),
-], ids=["sharding2", "sharding4", "dp2-sharding2", "tp2-sharding2", "pp2-sharding2", "stage2-sharding2",
-        "stage2-sharding4", "stage2-dp2-sharding2", "stage2-tp2-sharding2", "stage2-pp2-sharding2"])
-def test_sharded_losses_equal_single_process(tmp_path, reference, nproc, extra):
-    assert_matches_reference(tmp_path, reference, *TINY, *extra, nproc=nproc)
+CASES = {
+    "sharding2": (2, ["--sharding", "2"]),
+    "sharding4": (4, ["--sharding", "4", "--micro-batch-size", "2"]),
+    "dp2-sharding2": (4, ["--sharding", "2", "--dp", "2"]),
+    "tp2-sharding2": (4, ["--sharding", "2", "--tp", "2"]),
+    "pp2-sharding2": (4, ["--sharding", "2", "--pp", "2"]),
+    "stage2-sharding2": (2, ["--sharding", "2", "--sharding-stage", "2"]),
+    "stage2-sharding4": (4, ["--sharding", "4", "--sharding-stage", "2", "--micro-batch-size", "2"]),
+    "stage2-dp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--dp", "2"]),
+    "stage2-tp2-sp-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--tp", "2", "--sequence-parallel"]),
+    "stage2-pp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--pp", "2"]),
+    "stage2-offload": (2, ["--sharding", "2", "--sharding-stage", "2", "--sharding-offload"]),
+    "stage3-sharding2": (2, ["--sharding", "2", "--sharding-stage", "3"]),
+    "stage3-sharding4": (4, ["--sharding", "4", "--sharding-stage", "3", "--micro-batch-size", "2"]),
+    "stage3-dp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--dp", "2"]),
+    "stage3-tp2-sp-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--tp", "2", "--sequence-parallel"]),
+    "stage3-pp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--pp", "2"]),
+    "stage3-pp2-vpp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--pp", "2", "--vpp", "2",
+                                      "--num-layers", "4"]),
+    "stage3-offload": (2, ["--sharding", "2", "--sharding-stage", "3", "--sharding-offload"]),
+    "stage3-recompute": (2, ["--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
+}
 
 
-def test_unsupported_stage_fails_on_every_rank(tmp_path):
-    result = run(tmp_path, *TINY, "--sharding", "2", "--sharding-stage", "3", nproc=2, timeout=120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_losses_equal_single_process(tmp_path, reference, reference4, case):
+    nproc, extra = CASES[case]
+    expected = reference4 if "--num-layers" in extra else reference
+    assert_matches_reference(tmp_path, expected, *TINY, *extra, nproc=nproc)
+
+
+@pytest.mark.parametrize("extra, nproc, message", [
+    (["--sharding-stage", "4"], 2, "sharding_stage must be one of 1, 2, 3, got 4"),
+    (["--sharding", "4"], 2, "world size 2 is not divisible by mp_degree x pp_degree x sharding_degree = 4"),
+], ids=["stage-4", "degree-does-not-divide"])
+def test_bad_sharding_fails_on_every_rank(tmp_path, extra, nproc, message):
+    result = run(tmp_path, *TINY, "--sharding", "2", *extra, nproc=nproc, timeout=120)
     assert result.returncode != 0
-    assert "sharding_stage 3 is not supported by this version yet" in result.stderr
+    assert result.stderr.count(message) == nproc  # each rank says why, none waits in a collective
 
 
-@pytest.mark.parametrize("precision, stage", [("--bf16", "1"), ("--fp16", "1"), ("--bf16", "2"), ("--fp16", "2")])
+@pytest.mark.parametrize("precision, stage", [("--bf16", "1"), ("--fp16", "1"), ("--bf16", "2"), ("--fp16", "2"),
+                                              ("--bf16", "3"), ("--fp16", "3")])
 def test_low_precision_sharded_run_tracks_unsharded(tmp_path, precision, stage):
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     for out, extra, nproc in ((single, [], 1), (sharded, ["--sharding", "2", "--sharding-stage", stage], 2)):

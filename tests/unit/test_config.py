@@ -328,11 +328,16 @@ def test_max_lr_below_min_lr_is_a_warning():
     assert config.optimizer.lr.max_lr == 1e-5  # kept as given
 
 
-@pytest.mark.parametrize("argv", [["--sharding", "2", "--sharding-stage", "3"],
-                                  ["--sharding", "2", "--sharding-offload"]])
-def test_unbuilt_parallelism_refused(argv):
-    with pytest.raises(ConfigError, match="not supported by this version yet"):
-        validate(valid_config(*argv), world_size=2)  # two processes, as sharding 2 needs
+@pytest.mark.parametrize("stage", ["0", "4"])
+def test_sharding_stage_outside_1_to_3_refused(stage):
+    with pytest.raises(ConfigError, match=f"sharding_stage must be one of 1, 2, 3, got {stage}"):
+        valid_config("--sharding", "2", "--sharding-stage", stage)
+
+
+def test_sharding_degree_must_divide_the_data_parallel_ranks():
+    message = "world size 6 is not divisible by mp_degree x pp_degree x sharding_degree = 4"
+    with pytest.raises(ConfigError, match=message):
+        validate(valid_config("--sharding", "4"), world_size=6)
 
 
 @pytest.mark.parametrize("argv, message", [
