@@ -66,8 +66,9 @@ class FullyShardedParameters:
         if bucket.index in self._inflight or self.buffer.is_gathered(bucket):
             return
         self.buffer.materialize_params(bucket)
-        # Writing into the gathered storage must not bump the version autograd saw in the forward.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(bucket.param_data):
+        # The parameters are attached to the bucket storage with ``.data =``, so they keep version
+        # counters of their own: gathering into it is not an in-place change to what autograd saved.
+        with torch.no_grad():
             work = _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket), group=self.group,
                                     async_op=async_op)
         if async_op:

@@ -87,7 +87,9 @@ class ParamAndGradBuffer:
         params = [p for bucket in buckets for _, p in bucket]
         if not params:
             raise ValueError("no trainable parameters")
-        self.dtype, self.device = params[0].dtype, params[0].device
+        first = params[0]
+        self.dtype = first.dtype
+        self.device = first.deferred_init.device if first.is_meta else first.device
         self.grad_dtype, self.pad_multiple = grad_dtype, pad_multiple
         self.shard_grads, self.shard_params = shard_grads or shard_params, shard_params
         self.ranges: list[ParamRange] = []
@@ -127,8 +129,13 @@ class ParamAndGradBuffer:
                 bucket.param_data = self.param_data[bucket.start:bucket.end]
             for p, start, end in bucket.params:
                 local = slice(start - bucket.start, end - bucket.start)
-                bucket.param_data[local].copy_(p.detach().reshape(-1))
-                p.data = bucket.param_data[local].view_as(p)
+                view = bucket.param_data[local].view_as(p)
+                if p.is_meta:  # built on the meta device: initialise now, into the bucket
+                    view.copy_(p.deferred_init())
+                    _swap_in(p, view)
+                else:
+                    view.copy_(p.detach())
+                    p.data = view
                 p.register_post_accumulate_grad_hook(partial(self._accumulate_main_grad, bucket))
             if shard_params:  # keep this rank's slice, free the rest
                 a, b = bucket.shard
@@ -254,6 +261,17 @@ class ParamAndGradBuffer:
         if not self.shard_params:
             return self.numel
         return sum(b.numel for b in self.buckets if self.is_gathered(b))
+
+
+def _swap_in(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Turn a meta parameter into one over ``data`` in place (same object, same attributes). Attached
+    with ``.data =``, the parameter keeps a version counter of its own: gathering into the bucket
+    storage later does not look like an in-place change to what autograd saved."""
+    attrs = {k: v for k, v in param.__dict__.items() if k != "deferred_init"}
+    real = nn.Parameter(torch.empty(0, dtype=data.dtype, device=data.device), requires_grad=param.requires_grad)
+    real.data = data
+    real.__dict__.update(attrs)
+    torch.utils.swap_tensors(param, real)
 
 
 def split_into_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_size: int,

@@ -6,13 +6,15 @@ so that pipeline parallelism can cut it into stages; layers keep their global in
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron import tensor_parallel as tp
 from megatron.config.schema import Config, ModelConfig
-from megatron.model.init import init_parameters
+from megatron.model.init import defer_initialization, init_parameters
 from megatron.model.transformer import TransformerDecoderLayer, parallel_dropout
 
 
@@ -129,12 +131,19 @@ def build_model(config: Config, device: torch.device | str = "cpu") -> nn.Module
         specs = [(chunk_layers(m.num_layers, ps.pp_size, vpp, ps.pp_rank, c), ps.is_first_stage and c == 0,
                   ps.is_last_stage and c == vpp - 1) for c in range(vpp)]
     dtype = getattr(torch, config.params_dtype_name)
+    # ZeRO stage 3: built on the meta device, each parameter initialised by the buffer, bucket by bucket.
+    deferred = d.sharding.sharding_degree > 1 and d.sharding.sharding_stage == 3
     chunks = []
     for layers, pre, post in specs:
-        chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
-                         layers, pre, post)
-        init_parameters(chunk, config.seed, m)
-        chunks.append(chunk.to(device=device, dtype=dtype))
+        with torch.device("meta") if deferred else nullcontext():
+            chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
+                             layers, pre, post)
+        if deferred:
+            defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
+            chunks.append(chunk)
+        else:
+            init_parameters(chunk, config.seed, m)
+            chunks.append(chunk.to(device=device, dtype=dtype))
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -57,3 +58,33 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
     for name, param in model.named_parameters():
         full = init_value(name, getattr(param, "full_shape", param.shape), seed, cfg)
         param.copy_(shard_full_tensor(full, param) if getattr(param, "tensor_model_parallel", False) else full)
+
+
+@dataclass
+class DeferredInit:
+    """For a parameter created on the meta device (ZeRO stage 3: the full model never exists on one
+    rank): ``deferred_init()`` returns its initial value, this rank's tensor-parallel slice, on
+    ``device`` in ``dtype``. The parameter buffer calls it one bucket at a time and keeps its shard."""
+
+    name: str
+    param: nn.Parameter
+    seed: int
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+    @torch.no_grad()
+    def __call__(self) -> torch.Tensor:
+        from megatron.tensor_parallel import shard_full_tensor
+
+        p = self.param
+        full = init_value(self.name, getattr(p, "full_shape", p.shape), self.seed, self.cfg)
+        value = shard_full_tensor(full, p) if getattr(p, "tensor_model_parallel", False) else full
+        return value.to(device=self.device, dtype=self.dtype)
+
+
+def defer_initialization(model: nn.Module, seed: int, cfg: ModelConfig, device: torch.device,
+                         dtype: torch.dtype) -> None:
+    """Attach a ``DeferredInit`` to every (meta) parameter of ``model``, named as ``init_parameters`` names them."""
+    for name, param in model.named_parameters():
+        param.deferred_init = DeferredInit(name, param, seed, cfg, torch.device(device), dtype)

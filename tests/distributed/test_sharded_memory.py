@@ -36,6 +36,7 @@ def _measure(rank, world, precision, tp, stage, offload, layers=2):
     model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
     model = build_model(config)
     num_params = num_parameters(model)
+    built_on_meta = all(p.is_meta for p in model.parameters())
     optimizer = build_optimizer(model, config, ps.group("tp") if tp > 1 else None, ps.group("sharding"))
     model, fully_sharded = wrap_data_parallel(model, optimizer, config, ps)
     data = MockGPTDataset(64, 32, 1000, seed=rank // tp)
@@ -47,7 +48,7 @@ def _measure(rank, world, precision, tp, stage, offload, layers=2):
         t for s in optimizer.inner.state.values() for t in s.values() if torch.is_tensor(t))] if t is not None]
     result = {"params": num_params, "accounted_params": parameters_per_rank(config, tp),
               "measured": [getattr(measured, f) for f in FIELDS], "predicted": [getattr(predicted, f) for f in FIELDS],
-              "offloaded_on_cpu": all(on_cpu)}
+              "offloaded_on_cpu": all(on_cpu), "built_on_meta": built_on_meta}
     if fully_sharded is not None:
         buf = optimizer.buffer
         layer_sizes = [b.numel for b in buf.buckets if b.index in fully_sharded._layer_buckets]
@@ -75,6 +76,8 @@ def test_measured_bytes_match_accounting(world, precision, tp, stage, offload):
         assert states == pytest.approx(8 * result["params"] / (world // tp), rel=0.05)  # states are 1/N
         if offload:
             assert result["offloaded_on_cpu"]
+        # Stage 3 builds the model on the meta device and initialises it bucket by bucket into the shards.
+        assert result["built_on_meta"] == (stage == 3)
         if stage == 3:
             assert result["gathered_after_step"] == 0  # between steps only the shards exist
 
