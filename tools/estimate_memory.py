@@ -4,8 +4,9 @@
     python tools/estimate_memory.py --num-layers 24 --hidden-size 2048 --bf16 --sharding 8
 
 Takes the same configuration as pretrain_gpt.py. Prints, for each pipeline stage, the bytes of
-parameters, fp32 gradients, fp32 master weights and AdamW states one rank holds (see
-megatron/optimizer/memory.py for the rules). Activations are not included.
+parameters, fp32 gradients, fp32 master weights and AdamW states one rank holds between steps,
+and how much of it is on the device and on the CPU (offload); see megatron/optimizer/memory.py
+for the rules. Activations are not included.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tp {d.mp_degree} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
           f"{d.sharding.sharding_stage}), {precision}; GiB per rank:")
     print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
-          f"{'total':>8}")
+          f"{'device':>8} {'CPU':>8}")
     for stage in range(d.pp_degree):
         n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
         b = model_state_bytes(n, precision, sharding, d.sharding.sharding_stage, d.sharding.sharding_offload)
-        gib = [x / 2**30 for x in (b.parameters, b.gradients, b.master_weights, b.optimizer_states, b.total)]
+        gib = [x / 2**30 for x in (b.parameters, b.gradients, b.master_weights, b.optimizer_states, b.device_total,
+                                   b.cpu_total)]
         print(f"{stage:>5} {n / 1e6:>11.1f} {gib[0]:>11.2f} {gib[1]:>10.2f} {gib[2]:>8.2f} {gib[3]:>8.2f} "
-              f"{gib[4]:>8.2f}")
+              f"{gib[4]:>8.2f} {gib[5]:>8.2f}")
+    if d.sharding.sharding_offload:
+        print("master weights and AdamW states (and a copy of the gradient shard) are on the CPU")
     return 0
 
 
