@@ -86,7 +86,11 @@ class MixedPrecisionOptimizer:
             master_views = list(self.master_data.split(sizes))
         else:  # fp32 on the device: the parameters are the masters
             self.master_data, master_views = None, self._params
-        self.cpu_grad = torch.zeros(sum(sizes) if offload else 0)
+        pin = offload and buf.device.type == "cuda"  # page-locked: the copies down and up run at full speed
+        self.cpu_grad = torch.zeros(sum(sizes) if offload else 0, pin_memory=pin)
+        if pin:
+            self.master_data = self.master_data.pin_memory()
+            master_views = list(self.master_data.split(sizes))
         step_grads = list(self.cpu_grad.split(sizes)) if offload else self._grads
         self.masters: list[nn.Parameter] = []
         groups: dict[bool, list] = {True: [], False: []}
@@ -146,7 +150,10 @@ class MixedPrecisionOptimizer:
         norm = self.grad_norm()
         clip_grads(grads, self.max_norm, norm)
         if self.offload:
-            self.cpu_grad.copy_(torch.cat(grads) if len(grads) > 1 else grads[0], non_blocking=False)
+            for cpu, grad in zip(self.cpu_grad.split([g.numel() for g in grads]), grads):
+                cpu.copy_(grad, non_blocking=True)
+            if self.buffer.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
