@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from megatron import device as dev
 from megatron import parallel_state
+from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
@@ -132,6 +134,7 @@ class Trainer:
                 dtype=getattr(torch, config.params_dtype_name), device=device)
         self.schedule: CosineWithWarmup = build_lr_schedule(config)
         self.state = TrainState()
+        self._stop_signal = False
         self.log = get_logger()
         self.is_logging_rank = self.ps.rank == self.ps.world_size - 1  # last stage, last replica, as Megatron
         self.writer = MetricsWriter(config.save_load.output_dir, config.save_load.tensorboard_dir,
@@ -139,6 +142,40 @@ class Trainer:
         self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
         self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
         self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
+        if config.save_load.ckpt_dir:
+            self._load(config.save_load.ckpt_dir)
+
+    def _load(self, path: str) -> None:
+        sl = self.config.save_load
+        loaded = load_checkpoint(path, self.model, self.optimizer, self.ps, self.config,
+                                 load_optim=sl.load_optim and not sl.finetune, load_rng=sl.load_rng and not sl.finetune)
+        if not sl.finetune:
+            self.state.step = loaded["step"]
+            self.state.consumed_samples = loaded["consumed_samples"]
+            self.state.skipped_steps = loaded["skipped_steps"]
+        if self.ps.rank == 0:
+            how = "weights only (finetune)" if sl.finetune else f"resuming at step {self.state.step}"
+            layout = "" if loaded["same_layout"] else ", resharded from another parallel layout"
+            self.log.info(f"loaded checkpoint {loaded['path']}: {how}{layout}")
+
+    def save(self) -> None:
+        s = self.state
+        path = save_checkpoint(self.config.save_load.output_dir, s.step, self.model, self.optimizer, self.ps,
+                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps},
+                               self.config.save_load.keep_last_checkpoints)
+        if self.ps.rank == 0:
+            self.log.info(f"saved checkpoint {path}")
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = True
+
+    def _stop_requested(self) -> bool:
+        """True on every rank once any rank has received SIGTERM or SIGUSR1 (agreed by an all-reduce,
+        so that all ranks save at the same step)."""
+        flag = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _loader(self, dataset, consumed: int = 0, num_workers: int = 0):
         b = self.config.batch_size
@@ -201,6 +238,9 @@ class Trainer:
         reader_time = batch_time = 0.0
         window = 0
         dev.reset_peak_memory(self.device)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        save_steps = c.save_load.save_steps
+        saved_at = s.step
         while s.step < train_steps:
             start = time.perf_counter()
             batch = _to_device(next(loader), self.device)
@@ -220,10 +260,24 @@ class Trainer:
                 self._log_step(loss, lr, result, reader_time / window, batch_time / window)
                 reader_time = batch_time = 0.0
                 window = 0
+            if save_steps and s.step % save_steps == 0:
+                self.save()
+                saved_at = s.step
+            if self._stop_requested():
+                if self.ps.rank == 0:
+                    self.log.warning(f"stop signal received: saving at step {s.step} and exiting")
+                if saved_at != s.step:
+                    self.save()
+                break
             if s.step % c.eval_freq == 0 and s.step < train_steps:
                 self._evaluate("valid", self.valid_ds)
-        self._evaluate("valid", self.valid_ds)
-        self._evaluate("test", self.test_ds)
+        else:
+            if save_steps and saved_at != s.step:
+                self.save()
+            self._evaluate("valid", self.valid_ds)
+            self._evaluate("test", self.test_ds)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         self.writer.close()
         return s
 
@@ -249,9 +303,6 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
             log.warning(warning)
         log.info("resolved configuration:\n" + to_yaml(config))
         save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
-        if config.save_load.save_steps:
-            log.warning("save_steps is set, but saving checkpoints is not supported by this version yet; "
-                        "no checkpoint will be written.")
     set_seed(config.seed)
     device = dev.get_device(config.device, local_rank)
     model_parallel_seed(config.seed, ps.tp_rank, device)

@@ -138,7 +138,12 @@ class TokenizerConfig:
 class SaveLoadConfig:
     save_steps: int | None = opt(None, "Save a checkpoint every this many steps.")
     output_dir: str = opt("./output", "Where config.yaml, metrics.jsonl, TensorBoard events and checkpoints go.")
-    ckpt_dir: str | None = opt(None, "Checkpoint to load at start.")
+    ckpt_dir: str | None = opt(None, "Checkpoint to load at start: a run's output_dir (its latest step) or a "
+                                     "step_N folder; any parallel layout.")
+    keep_last_checkpoints: int | None = opt(None, "Keep only this many most recent checkpoints.")
+    load_optim: bool = opt(True, "Load the optimizer states and loss scaler; --no-load-optim starts them afresh.")
+    load_rng: bool = opt(True, "Restore the RNG streams (same layout only); --no-load-rng reseeds.")
+    finetune: bool = opt(False, "Load the weights only: step, data position and optimizer start from zero.")
     tensorboard_dir: str | None = opt(None, "TensorBoard event folder; default output_dir/tensorboard.")
 
 

@@ -197,8 +197,9 @@ def _check_training(config: Config, cuda_available: bool) -> None:
             _fail(f"no_recompute_layers holds {layer}, but layers are numbered 0..{config.model.num_layers - 1}.")
     if config.save_load.save_steps is not None and config.save_load.save_steps < 1:
         _fail(f"save_steps must be at least 1, got {config.save_load.save_steps}.")
-    if config.save_load.ckpt_dir:
-        _fail("ckpt_dir is set, but loading checkpoints is not supported by this version yet; remove it.")
+    keep = config.save_load.keep_last_checkpoints
+    if keep is not None and keep < 1:
+        _fail(f"keep_last_checkpoints must be at least 1, got {keep}.")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         _fail(f"peak_tflops must be positive, got {config.peak_tflops}.")
 

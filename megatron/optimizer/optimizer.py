@@ -157,10 +157,29 @@ class MixedPrecisionOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
-        if self.master_data is not None:  # the updated masters back into the (low-precision) parameters
+        self.publish_params()
+        return StepResult(True, float(norm))
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """The masters into the parameters: cast (and moved up from the CPU) into this rank's slices,
+        which are then all-gathered over the sharding group (stages 1, 2; stage 3 keeps them sharded)."""
+        if self.master_data is not None:
             updated = self.master_data.to(self.buffer.device, non_blocking=True)
             torch._foreach_copy_(self._params, list(updated.split([p.numel() for p in self._params])))
         if self.sharding_group is not None and self.stage < 3:  # every rank gets every slice's update
             for bucket in self.buffer.buckets:
                 _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket).clone(), group=self.sharding_group)
-        return StepResult(True, float(norm))
+
+    def adam_state(self, master: nn.Parameter, step: int = 0) -> dict:
+        """AdamW's state for one master view, created (zeroed, at ``step``) if it does not exist yet."""
+        state = self.inner.state[master]
+        if not state:
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=master.device)
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        return state
+
+    def pieces(self) -> list[tuple]:
+        """(bucket, start, end, master) for every slice this rank steps."""
+        return [(b, lo, hi, m) for (b, lo, hi, _), m in zip(self.buffer.pieces(), self.masters)]
