@@ -49,7 +49,7 @@ class CheckpointError(RuntimeError):
 
 def global_name(name: str, model: nn.Module) -> str:
     """The parameter's name in the whole model, whatever the pipeline chunking."""
-    return _CHUNK_PREFIX.sub("", name) if isinstance(model, nn.ModuleList) else name
+    return _CHUNK_PREFIX.sub("", name) if isinstance(_unwrap(model), nn.ModuleList) else name
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
