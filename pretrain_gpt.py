@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from megatron import device as dev
+from megatron.checkpointing import CheckpointError
 from megatron.config import Config, ConfigError, parse_config, validate
 from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         pretrain(config, model_provider, datasets_provider, forward_step, tuple(warnings))
-    except DatasetError as err:  # data that cannot serve the run: one line, not a traceback
+    except (DatasetError, CheckpointError) as err:  # data or checkpoint that cannot serve the run: one line
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -137,13 +137,13 @@ class Trainer:
         self._stop_signal = False
         self.log = get_logger()
         self.is_logging_rank = self.ps.rank == self.ps.world_size - 1  # last stage, last replica, as Megatron
+        if config.save_load.ckpt_dir:  # before anything is written: a checkpoint that fails leaves no trace
+            self._load(config.save_load.ckpt_dir)
         self.writer = MetricsWriter(config.save_load.output_dir, config.save_load.tensorboard_dir,
                                     self.is_logging_rank)
         self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
         self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
         self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
-        if config.save_load.ckpt_dir:
-            self._load(config.save_load.ckpt_dir)
 
     def _load(self, path: str) -> None:
         sl = self.config.save_load
@@ -302,7 +302,6 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         for warning in warnings:
             log.warning(warning)
         log.info("resolved configuration:\n" + to_yaml(config))
-        save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
     set_seed(config.seed)
     device = dev.get_device(config.device, local_rank)
     model_parallel_seed(config.seed, ps.tp_rank, device)
@@ -314,4 +313,6 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
         _log_segmentation(config, ps, log)
     trainer = Trainer(config, model, forward_step, datasets_provider(config), device)
+    if ps.rank == 0:  # once the checkpoint (if any) has loaded: a failed start overwrites nothing
+        save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
     return trainer.run()

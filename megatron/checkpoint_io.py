@@ -1,0 +1,212 @@
+"""Offline checkpoint reading and writing, without a training process (used by ``tools/``).
+
+``write_checkpoint`` produces what ``megatron.checkpointing.save_checkpoint`` produces (the same
+``metadata.json``, ``rank{r}.pt`` and ``common.pt``, read by the same ``CheckpointReader`` and
+``load_checkpoint``) from full tensors held by one process: one file per tensor-parallel rank,
+each tensor-parallel parameter cut along its ``partition_dim`` (its slice ``r`` in
+``rank{r}.pt``), each replicated parameter whole in ``rank0.pt``, as a tp-T, pp-1, dp-1 run
+saves. The rank files hold no RNG streams, and the layout records ``converted_by``, so a run
+loading the checkpoint never mistakes it for one of its own saves: it seeds its RNG afresh (as it
+does after loading under another layout).
+
+``reshard`` rewrites a checkpoint for another tensor-parallel size, every kind (masters and AdamW
+states) included, one tensor at a time; the word embedding is re-padded to the new size's
+``padded_vocab_size`` (a multiple of 128 x tp), the padding rows being zeros.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+
+import torch
+import yaml
+
+from megatron.checkpointing import FORMAT_VERSION, KINDS, CheckpointError, CheckpointReader, resolve_checkpoint
+from megatron.config import Config, ConfigError, to_yaml
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def config_from_yaml(text: str) -> Config:
+    """The ``Config`` of a YAML text (a checkpoint's ``common.pt["config"]``: the resolved config)."""
+    from megatron.config.cli import _flatten_yaml, _set
+
+    tree = yaml.safe_load(text) or {}
+    if set(tree) == {"PreTraining"}:
+        tree = tree["PreTraining"] or {}
+    config = Config()
+    for leaf, value in _flatten_yaml(tree, (), "the checkpoint's config"):
+        _set(config, leaf, value)
+    return config
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = 128 * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def tensor_layout(config: Config, padded_vocab: int | None = None) -> dict[str, tuple[tuple, int | None]]:
+    """Every parameter's global name -> (global shape, partition_dim or None when replicated), read
+    off the model itself (built on the meta device: no memory, no initialisation)."""
+    from megatron import parallel_state
+    from megatron.model.gpt import GPTModel
+
+    if parallel_state.get().tp_size != 1:
+        raise RuntimeError("tensor_layout builds the unsharded model: call it outside a tensor-parallel run.")
+    padded = config.padded_vocab_size if padded_vocab is None else padded_vocab
+    with torch.device("meta"):
+        model = GPTModel(config.model, padded)
+    return {name: (tuple(getattr(p, "full_shape", p.shape)),
+                   p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for name, p in model.named_parameters()}
+
+
+def open_checkpoint(path: str) -> tuple[CheckpointReader, dict, Config]:
+    """(reader, common.pt, config) of a run folder (its latest step) or a step folder; CheckpointError
+    with a one-line message when it is missing or damaged."""
+    reader = CheckpointReader(resolve_checkpoint(path))
+    common = reader.common()
+    try:
+        pieces = reader.metadata["pieces"]
+        if not isinstance(pieces, list) or not all({"key", "rank", "kind", "name"} <= set(p) for p in pieces):
+            raise KeyError("pieces")
+        config = config_from_yaml(common["config"])
+    except (KeyError, TypeError, yaml.YAMLError, ConfigError) as err:
+        raise CheckpointError(f"{reader.step_dir} is damaged: {type(err).__name__}: {err}") from err
+    if config.model.vocab_size is None:
+        raise CheckpointError(f"{reader.step_dir}: the saved config has no vocab_size; it is not a resolved config.")
+    return reader, common, config
+
+
+def read_tensors(reader: CheckpointReader, kind: str = "param") -> dict[str, torch.Tensor]:
+    """Every global tensor of ``kind`` (fp32)."""
+    return {name: reader.full(kind, name) for name in reader.names if reader.has(kind, name)}
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _repad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    if t.shape[0] > rows:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, str]],
+                     load: Callable[[str, str], torch.Tensor], *, tp: int = 1, step: int = 0,
+                     adam_step: float = 0.0, grad_scaler: dict | None = None, train_state: dict | None = None,
+                     converted_by: str = "checkpoint_io", force: bool = False,
+                     forbidden: str | None = None) -> str:
+    """Write ``run_dir/step_{step}`` (into ``step_{step}.tmp``, renamed when complete) and point
+    ``run_dir/latest`` at it; returns the step folder.
+
+    ``entries``: the (kind, global name) pairs to write, kind in ``KINDS``; ``load(kind, name)`` returns
+    the full fp32 tensor (called once per tensor-parallel rank, so the writer holds one rank's file at
+    a time). Tensor-parallel parameters (those with a ``partition_dim`` in the model of ``config``)
+    are cut into ``tp`` slices; the others are written whole by rank 0. ``config`` is stored as the
+    checkpoint's resolved config; its ``padded_vocab_size`` must be the word embedding's rows.
+    ``forbidden``: a step folder that must not be replaced (the checkpoint being read).
+    """
+    entries = list(entries)
+    for kind, name in entries:
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r} for {name!r}; expected one of {KINDS}")
+    layout = tensor_layout(config)
+    unknown = sorted({name for _, name in entries} - set(layout))
+    if unknown:
+        raise CheckpointError(f"tensor {unknown[0]!r} is not a parameter of the configured model.")
+    missing = sorted(set(layout) - {name for kind, name in entries if kind == "param"})
+    if missing:
+        raise CheckpointError(f"no 'param' tensor for {missing[0]!r}, which the model has.")
+    final = os.path.join(run_dir, f"step_{step}")
+    if forbidden and os.path.realpath(final) == os.path.realpath(forbidden):
+        raise CheckpointError(f"{final} is the checkpoint being read; write to another folder.")
+    if os.path.exists(final) and not force:
+        raise CheckpointError(f"{final} already exists; choose another output folder or pass --force.")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    pieces = []
+    for rank in range(tp):
+        tensors = {}
+        for kind, name in entries:
+            shape, dim = layout[name]
+            if dim is None and rank > 0:
+                continue
+            full = load(kind, name).to(torch.float32)
+            if tuple(full.shape) != shape:
+                raise CheckpointError(f"{kind} {name!r} has shape {list(full.shape)}, but the configured model's is "
+                                      f"{list(shape)}.")
+            if dim is None:
+                local, tp_rank, tp_size = full, 0, 1
+            else:
+                if shape[dim] % tp:
+                    raise CheckpointError(f"{name!r} (dim {dim} of {list(shape)}) cannot be cut into {tp} slices.")
+                local, tp_rank, tp_size = full.chunk(tp, dim=dim)[rank], rank, tp
+            key = f"{kind}/{name}/{tp_rank}/0"
+            tensors[key] = local.contiguous().clone()  # its own storage: torch.save writes whole storages
+            pieces.append({"key": key, "rank": rank, "kind": kind, "name": name, "lo": 0, "hi": local.numel(),
+                           "global_shape": list(shape), "partition_dim": dim, "tp_rank": tp_rank,
+                           "tp_size": tp_size, "local_shape": list(local.shape)})
+            del full
+        torch.save({"tensors": tensors, "rng": None, "rank": rank}, os.path.join(tmp, f"rank{rank}.pt"))
+        del tensors
+    s = config.distributed.sharding
+    common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": float(adam_step),
+              "grad_scaler": grad_scaler,
+              "train_state": train_state if train_state is not None else {"consumed_samples": 0, "skipped_steps": 0},
+              "config": to_yaml(config)}
+    torch.save(common, os.path.join(tmp, "common.pt"))
+    layout_info = {"world_size": tp, "tp": tp, "pp": 1, "dp": 1, "sharding": 1, "vpp": 1,
+                   "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload,
+                   "converted_by": converted_by}
+    metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info, "pieces": pieces}
+    _write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
+    return final
+
+
+def write_params(run_dir: str, config: Config, params: dict[str, torch.Tensor], **kwargs) -> str:
+    """``write_checkpoint`` of full parameters only (kind "param"; step 0, no optimizer state by default)."""
+    return write_checkpoint(run_dir, config, [("param", name) for name in params],
+                            lambda kind, name: params[name], **kwargs)
+
+
+def reshard(path: str, out_dir: str, tp: int, force: bool = False) -> str:
+    """Rewrite the checkpoint at ``path`` into ``out_dir`` with ``tp`` rank files (every kind, the step,
+    AdamW step, loss scaler and train state kept); returns the new step folder."""
+    if tp < 1:
+        raise CheckpointError(f"--tp must be at least 1, got {tp}.")
+    reader, common, config = open_checkpoint(path)
+    m = config.model
+    heads_ok = m.num_attention_heads % tp == 0 and (m.ffn_hidden_size or 4 * m.hidden_size) % tp == 0
+    if not heads_ok:
+        raise CheckpointError(f"tp {tp} must divide num_attention_heads ({m.num_attention_heads}) and "
+                              f"ffn_hidden_size ({m.ffn_hidden_size}).")
+    config.distributed.mp_degree = tp  # the stored config describes the new files (its padded vocabulary)
+    rows = config.padded_vocab_size
+    saved_rows = reader.global_shape(WORD_EMBEDDING)[0] if reader.has("param", WORD_EMBEDDING) else None
+    if saved_rows is not None and saved_rows < m.vocab_size:
+        raise CheckpointError(f"{WORD_EMBEDDING} has {saved_rows} rows, fewer than vocab_size {m.vocab_size}.")
+
+    def load(kind: str, name: str) -> torch.Tensor:
+        t = reader.full(kind, name)
+        return _repad(t, rows) if name == WORD_EMBEDDING else t
+
+    entries = [(kind, name) for kind in KINDS for name in reader.names if reader.has(kind, name)]
+    return write_checkpoint(out_dir, config, entries, load, tp=tp, step=common["step"],
+                            adam_step=common.get("adam_step", 0.0), grad_scaler=common.get("grad_scaler"),
+                            train_state=common.get("train_state"), converted_by="reshard", force=force,
+                            forbidden=reader.step_dir)

@@ -1,0 +1,219 @@
+"""Our GPT parameters <-> Hugging Face GPT-2 (``transformers.GPT2LMHeadModel``).
+
+Both are the same network (pre-LayerNorm decoder, learned positions, tanh-approximated GELU, LM
+head tied to the word embedding, attention scaled by ``1 / sqrt(head_dim)``); only names and
+layouts differ:
+
+==============================================  ==========================================  ===============
+ours (global name, ``[out, in]`` Linear)         Hugging Face                                layout change
+==============================================  ==========================================  ===============
+``embedding.word_embeddings.weight [Vp, h]``     ``transformer.wte.weight [V, h]``           padding rows
+``embedding.position_embeddings.weight``         ``transformer.wpe.weight``                  none
+``layers.{i}.input_layernorm.*``                 ``transformer.h.{i}.ln_1.*``                none
+``layers.{i}.self_attention.query_key_value.*``  ``transformer.h.{i}.attn.c_attn.*``         QKV order, T
+``layers.{i}.self_attention.dense.*``            ``transformer.h.{i}.attn.c_proj.*``         T
+``layers.{i}.post_attention_layernorm.*``        ``transformer.h.{i}.ln_2.*``                none
+``layers.{i}.mlp.dense_h_to_4h.*``               ``transformer.h.{i}.mlp.c_fc.*``            T
+``layers.{i}.mlp.dense_4h_to_h.*``               ``transformer.h.{i}.mlp.c_proj.*``          T
+``final_layernorm.*``                            ``transformer.ln_f.*``                      none
+==============================================  ==========================================  ===============
+
+- T: Hugging Face's ``Conv1D`` stores its weight ``[in, out]``, the transpose of a Linear's.
+- QKV order: our fused projection's output rows are ordered ``[head, (q, k, v), head_dim]``
+  (``SelfAttention.forward`` views them as ``(heads, 3, head_dim)``), so a contiguous block of rows
+  holds whole heads for tensor parallelism; ``c_attn``'s output columns are ``[q | k | v]``, each
+  ``[head, head_dim]``.
+- Padding: our word embedding has ``padded_vocab_size`` rows (a multiple of 128 x tp), the rows past
+  ``vocab_size`` zero and never used; they are dropped on export and added back (zeros) on import.
+- The LM head: ours is the word embedding itself; Hugging Face's ``lm_head.weight`` is tied to
+  ``wte`` (``tie_word_embeddings``), so the export does not write it and the import checks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# our name (after "layers.{i}.") -> Hugging Face name (after "transformer.h.{i}.")
+_LAYER_NAMES = {
+    "input_layernorm": "ln_1",
+    "self_attention.query_key_value": "attn.c_attn",
+    "self_attention.dense": "attn.c_proj",
+    "post_attention_layernorm": "ln_2",
+    "mlp.dense_h_to_4h": "mlp.c_fc",
+    "mlp.dense_4h_to_h": "mlp.c_proj",
+}
+_TRANSPOSED = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+# Our activation: F.gelu(approximate="tanh"). Hugging Face's names for the same function.
+ACTIVATION = "gelu_new"
+_SAME_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+# Buffers some Hugging Face GPT-2 checkpoints carry (the causal mask), which are not weights.
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+class ConversionError(ValueError):
+    """A state dict or configuration that does not describe our GPT (the message says what differs)."""
+
+
+def name_map(num_layers: int) -> dict[str, str]:
+    """Our global parameter name -> the Hugging Face name, for every parameter of the model."""
+    names = {"embedding.word_embeddings.weight": "transformer.wte.weight",
+             "embedding.position_embeddings.weight": "transformer.wpe.weight"}
+    for i in range(num_layers):
+        for ours, theirs in _LAYER_NAMES.items():
+            for suffix in ("weight", "bias"):
+                names[f"layers.{i}.{ours}.{suffix}"] = f"transformer.h.{i}.{theirs}.{suffix}"
+    names["final_layernorm.weight"] = "transformer.ln_f.weight"
+    names["final_layernorm.bias"] = "transformer.ln_f.bias"
+    return names
+
+
+def _qkv_to_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows ``[head, (q, k, v), head_dim]`` -> ``[(q, k, v), head, head_dim]`` (any trailing dims)."""
+    rest = t.shape[1:]
+    return t.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def _qkv_from_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    rest = t.shape[1:]
+    return t.reshape(3, num_heads, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def _check_names(got: set[str], want: set[str], what: str) -> None:
+    missing, extra = sorted(want - got), sorted(got - want)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} (first {missing[0]!r})")
+        if extra:
+            parts.append(f"unexpected {len(extra)} (first {extra[0]!r})")
+        raise ConversionError(f"{what} does not match the model configuration: {', '.join(parts)}; check num_layers.")
+
+
+def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
+    """Our global tensors (``{name: full tensor}``, e.g. a checkpoint's masters) -> a ``GPT2LMHeadModel``
+    state dict (without the tied ``lm_head.weight``), every tensor contiguous and in its own storage.
+
+    ``model_cfg``: our ``ModelConfig`` (num_layers, num_attention_heads and vocab_size are read)."""
+    names = name_map(model_cfg.num_layers)
+    _check_names(set(tensors), set(names), "the checkpoint's tensors")
+    heads, vocab = model_cfg.num_attention_heads, model_cfg.vocab_size
+    out = {}
+    for ours, theirs in names.items():
+        t = tensors[ours]
+        if ours == "embedding.word_embeddings.weight":
+            if t.shape[0] < vocab:
+                raise ConversionError(f"{ours} has {t.shape[0]} rows, fewer than vocab_size {vocab}.")
+            t = t[:vocab]
+        elif ours.endswith("query_key_value.weight") or ours.endswith("query_key_value.bias"):
+            t = _qkv_to_hf(t, heads)
+        if t.dim() == 2 and ours.rsplit(".", 1)[0].endswith(_TRANSPOSED):
+            t = t.t()
+        out[theirs] = t.contiguous().clone()
+    return out
+
+
+def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Normalise a Hugging Face GPT-2 state dict: ``GPT2Model`` keys (``h.0...``, as in the original
+    ``gpt2`` repository) get the ``transformer.`` prefix; the causal-mask buffers are dropped."""
+    out = {}
+    for key, value in hf.items():
+        if key.endswith(_BUFFERS):
+            continue
+        if not key.startswith(("transformer.", "lm_head.")):
+            key = "transformer." + key
+        out[key] = value
+    return out
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """A ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict -> our global tensors (fp32, the word
+    embedding zero-padded to ``padded_vocab`` rows). An untied ``lm_head.weight`` is refused: our LM
+    head is the word embedding."""
+    hf = strip_hf_prefix(hf)
+    names = {theirs: ours for ours, theirs in name_map(model_cfg.num_layers).items()}
+    head = hf.pop("lm_head.weight", None)
+    _check_names(set(hf), set(names), "the Hugging Face state dict")
+    heads, vocab, hidden = model_cfg.num_attention_heads, model_cfg.vocab_size, model_cfg.hidden_size
+    wte = hf["transformer.wte.weight"]
+    if tuple(wte.shape) != (vocab, hidden):
+        raise ConversionError(f"transformer.wte.weight has shape {list(wte.shape)}, expected [{vocab}, {hidden}] "
+                              f"(vocab_size, hidden_size).")
+    if padded_vocab < vocab:
+        raise ConversionError(f"padded_vocab ({padded_vocab}) is smaller than vocab_size ({vocab}).")
+    if head is not None and not torch.equal(head, wte):
+        raise ConversionError("lm_head.weight differs from transformer.wte.weight: the model does not tie its LM "
+                              "head to the word embedding, which this GPT always does.")
+    out = {}
+    for theirs, ours in names.items():
+        t = hf[theirs].to(torch.float32)
+        if t.dim() == 2 and ours.rsplit(".", 1)[0].endswith(_TRANSPOSED):
+            t = t.t()
+        if ours.endswith("query_key_value.weight") or ours.endswith("query_key_value.bias"):
+            t = _qkv_from_hf(t, heads)
+        if ours == "embedding.word_embeddings.weight":
+            t = torch.cat([t, t.new_zeros(padded_vocab - vocab, hidden)])
+        out[ours] = t.contiguous().clone()
+    return out
+
+
+def hf_config(model_cfg, dtype: str = "float32") -> dict:
+    """``config.json`` of the equivalent ``GPT2LMHeadModel``."""
+    m = model_cfg
+    eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": m.vocab_size,
+        "n_positions": m.max_position_embeddings,
+        "n_embd": m.hidden_size,
+        "n_layer": m.num_layers,
+        "n_head": m.num_attention_heads,
+        "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
+        "activation_function": ACTIVATION,
+        "resid_pdrop": m.hidden_dropout_prob,
+        "embd_pdrop": m.hidden_dropout_prob,
+        "attn_pdrop": m.attention_probs_dropout_prob,
+        "layer_norm_epsilon": m.layernorm_epsilon,
+        "initializer_range": m.initializer_range,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": eod,
+        "eos_token_id": eod,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def model_flags(config: dict) -> list[str]:
+    """Our command-line flags for the model of a Hugging Face GPT-2 ``config.json`` (refuses what our
+    GPT cannot represent)."""
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not gpt2.")
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in _SAME_ACTIVATIONS:
+        raise ConversionError(f"activation_function {activation!r} is not this GPT's tanh-approximated GELU "
+                              f"({' or '.join(_SAME_ACTIVATIONS)}).")
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("add_cross_attention", False), ("tie_word_embeddings", True)):
+        if config.get(key, want) != want:
+            raise ConversionError(f"config.json sets {key}={config[key]}; this GPT supports only {want}.")
+    hidden = config.get("n_embd", config.get("hidden_size"))
+    values = {
+        "hidden_size": hidden,
+        "num_layers": config.get("n_layer", config.get("num_hidden_layers")),
+        "num_attention_heads": config.get("n_head", config.get("num_attention_heads")),
+        "vocab_size": config.get("vocab_size"),
+        "max_position_embeddings": config.get("n_positions", config.get("max_position_embeddings")),
+        "ffn_hidden_size": config.get("n_inner") or (4 * hidden if hidden else None),
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "hidden_dropout_prob": config.get("resid_pdrop", 0.1),
+        "attention_probs_dropout_prob": config.get("attn_pdrop", 0.1),
+        "initializer_range": config.get("initializer_range", 0.02),
+    }
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        raise ConversionError(f"config.json lacks {', '.join(missing)} (n_embd, n_layer, n_head, vocab_size, "
+                              f"n_positions).")
+    return [item for key, value in values.items() for item in ("--" + key.replace("_", "-"), str(value))]
