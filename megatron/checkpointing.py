@@ -12,7 +12,8 @@ tp rank 0; the last pipeline stage's copy of the tied embedding is not written.
 
 Files in ``step_{N}/``: ``rank{r}.pt`` (that rank's pieces, its RNG streams), ``metadata.json``
 (every piece of every rank, the global shapes, the layout), ``common.pt`` (step, consumed
-samples, loss scaler, the resolved configuration). A save is written into
+samples, loss scaler, the resolved configuration), ``config.yaml`` (the same configuration: a
+run started with ``ckpt_dir`` takes it as its base, under the YAML file and flags given now). A save is written into
 ``step_{N}.tmp`` and renamed when every rank has finished; ``latest`` (the step folder's name) is
 replaced last, so a save killed half-way never touches the previous checkpoint.
 
@@ -164,6 +165,7 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
                   "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
                   "train_state": train_state, "config": to_yaml(config)}
         torch.save(common, os.path.join(tmp, "common.pt"))
+        _write_text(os.path.join(tmp, "config.yaml"), common["config"])  # the base of a resumed run's config
         metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(ps, config),
                     "pieces": [piece for rank_pieces in gathered for piece in rank_pieces]}
         _write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))

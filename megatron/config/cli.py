@@ -266,7 +266,20 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         hint = _closest(bad, flags) if bad.startswith("-") else ""
         raise ConfigError(f"unknown argument '{bad}'{hint or '; see --help for the flags.'}")
     given = vars(args)
-    config = Config()
+    config = _layered(Config(), given)
+    saved = _saved_config(config.save_load.ckpt_dir)
+    if saved is not None:  # resuming: the saved run's configuration, under what is given now; the
+        base = Config()  # parallel layout (the Distributed section) is the launch's, not the run's
+        for leaf, value in load_yaml(saved):
+            if leaf.path[0] != "Distributed" and leaf.name != "ckpt_dir":
+                _set(base, leaf, value)
+        config = _layered(base, given)
+    return config
+
+
+def _layered(config: Config, given: dict) -> Config:
+    """``config`` with the YAML file (-c), then the -o overrides, then the flags applied."""
+    given = dict(given)
     if "config" in given:
         for leaf, value in load_yaml(given.pop("config")):
             _set(config, leaf, value)
@@ -277,6 +290,20 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
             value = " ".join(value)
         _set(config, LEAVES[name], value)
     return config
+
+
+def _saved_config(ckpt_dir: str | None) -> str | None:
+    """The config.yaml saved in the checkpoint ``ckpt_dir`` resolves to, if there is one (a missing
+    or damaged checkpoint is reported by the loader, on every rank)."""
+    if not ckpt_dir:
+        return None
+    from megatron.checkpointing import CheckpointError, resolve_checkpoint
+
+    try:
+        path = os.path.join(resolve_checkpoint(ckpt_dir), "config.yaml")
+    except CheckpointError:
+        return None
+    return path if os.path.isfile(path) else None
 
 
 def to_dict(config: Config) -> dict:

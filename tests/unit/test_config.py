@@ -386,3 +386,19 @@ def test_pretrain_gpt_reports_one_line(argv, needle):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_resumed_run_starts_from_the_saved_configuration(tmp_path):
+    """Flags given now win; the layout (Distributed) is the launch's; everything else is the saved run's."""
+    step = tmp_path / "run" / "step_5"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (tmp_path / "run" / "latest").write_text("step_5")
+    saved = parse_config(["--hidden-size", "96", "--num-attention-heads", "4", "--max-steps", "50", "--tp", "2",
+                          "--lr", "1e-3"])
+    (step / "config.yaml").write_text(to_yaml(saved))
+    config = parse_config(["--load", str(tmp_path / "run"), "--max-steps", "80"])
+    assert config.model.hidden_size == 96 and config.optimizer.lr.max_lr == 1e-3  # from the saved run
+    assert config.max_steps == 80  # given now
+    assert config.distributed.mp_degree == 1  # the layout is not carried over
+    assert config.save_load.ckpt_dir == str(tmp_path / "run")
