@@ -268,10 +268,10 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     given = vars(args)
     config = _layered(Config(), given)
     saved = _saved_config(config.save_load.ckpt_dir)
-    if saved is not None:  # resuming: the saved run's configuration, under what is given now; the
-        base = Config()  # parallel layout (the Distributed section) is the launch's, not the run's
-        for leaf, value in load_yaml(saved):
-            if leaf.path[0] != "Distributed" and leaf.name != "ckpt_dir":
+    if saved is not None:  # resuming: the saved run's configuration, under what is given now. The
+        base = Config()  # parallel layout (the Distributed section) is the launch's, not the run's, and
+        for leaf, value in load_yaml(saved):  # the per-replica batch follows from it
+            if leaf.path[0] != "Distributed" and leaf.name not in ("ckpt_dir", "local_batch_size"):
                 _set(base, leaf, value)
         config = _layered(base, given)
     return config

@@ -116,3 +116,18 @@ def test_a_bad_checkpoint_is_refused_before_anything_is_written(tmp_path, damage
     assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()  # the run did not start
     assert {p: p.stat().st_mtime_ns for p in saved.rglob("*")} == before  # nothing overwritten
     assert not os.path.exists(out / "step_2")
+
+
+def test_keep_last_checkpoints_and_finetune_from_weights_only(tmp_path):
+    saved = tmp_path / "saved"
+    result = run(saved, *TINY, "--save-interval", "2", "--keep-last-checkpoints", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in saved.glob("step_*")) == ["step_10", "step_8"]
+    fresh = losses(saved)
+    tuned = tmp_path / "tuned"
+    result = run(tuned, *TINY, "--load", str(saved), "--finetune")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "weights only (finetune)" in result.stderr
+    tuned_losses = losses(tuned)
+    assert len(tuned_losses) == 10  # the step count starts again from zero, with a new optimizer
+    assert tuned_losses[0] < fresh[0] - 0.1  # but from the trained weights
