@@ -20,6 +20,7 @@ CASES = {
     "stage2-dp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--dp", "2"]),
     "stage2-tp2-sp-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--tp", "2", "--sequence-parallel"]),
     "stage2-pp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--pp", "2"]),
+    "stage2-overlap": (2, ["--sharding", "2", "--sharding-stage", "2", "--overlap-grad-reduce"]),
     "stage2-offload": (2, ["--sharding", "2", "--sharding-stage", "2", "--sharding-offload"]),
     "stage3-sharding2": (2, ["--sharding", "2", "--sharding-stage", "3"]),
     "stage3-sharding4": (4, ["--sharding", "4", "--sharding-stage", "3", "--micro-batch-size", "2"]),
