@@ -30,8 +30,10 @@ setup(
     packages=find_packages(include=["megatron", "megatron.*"]),
     py_modules=["pretrain_gpt"],
     python_requires=">=3.10",
-    install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece"],
-    extras_require={"test": ["pytest>=7", "ruff", "hypothesis", "regex"]},
+    # safetensors: tools/convert_checkpoint.py's Hugging Face files (no torch dependency of its own).
+    install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors"],
+    # transformers: only the tests that load converted checkpoints into GPT2LMHeadModel.
+    extras_require={"test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

@@ -1,13 +1,13 @@
 """Offline checkpoint reading and writing, without a training process (used by ``tools/``).
 
 ``write_checkpoint`` produces what ``megatron.checkpointing.save_checkpoint`` produces (the same
-``metadata.json``, ``rank{r}.pt`` and ``common.pt``, read by the same ``CheckpointReader`` and
-``load_checkpoint``) from full tensors held by one process: one file per tensor-parallel rank,
-each tensor-parallel parameter cut along its ``partition_dim`` (its slice ``r`` in
-``rank{r}.pt``), each replicated parameter whole in ``rank0.pt``, as a tp-T, pp-1, dp-1 run
-saves. The rank files hold no RNG streams, and the layout records ``converted_by``, so a run
-loading the checkpoint never mistakes it for one of its own saves: it seeds its RNG afresh (as it
-does after loading under another layout).
+``metadata.json``, ``rank{r}.pt``, ``common.pt`` and ``config.yaml``, read by the same
+``CheckpointReader`` and ``load_checkpoint``) from full tensors held by one process: one file per
+tensor-parallel rank, each tensor-parallel parameter cut along its ``partition_dim`` (its slice
+``r`` in ``rank{r}.pt``), each replicated parameter whole in ``rank0.pt``, as a tp-T, pp-1, dp-1 run
+saves. The rank files hold no RNG streams, and the layout records ``converted_by``, so a run loading
+the checkpoint never mistakes it for one of its own saves: it seeds its RNG afresh (as it does after
+loading under another layout).
 
 ``reshard`` rewrites a checkpoint for another tensor-parallel size, every kind (masters and AdamW
 states) included, one tensor at a time; the word embedding is re-padded to the new size's
@@ -28,6 +28,8 @@ from megatron.checkpointing import FORMAT_VERSION, KINDS, CheckpointError, Check
 from megatron.config import Config, ConfigError, to_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+_PIECE_FIELDS = ("key", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
+                 "local_shape")
 
 
 def config_from_yaml(text: str) -> Config:
@@ -41,11 +43,6 @@ def config_from_yaml(text: str) -> Config:
     for leaf, value in _flatten_yaml(tree, (), "the checkpoint's config"):
         _set(config, leaf, value)
     return config
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    multiple = 128 * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def tensor_layout(config: Config, padded_vocab: int | None = None) -> dict[str, tuple[tuple, int | None]]:
@@ -67,23 +64,39 @@ def tensor_layout(config: Config, padded_vocab: int | None = None) -> dict[str, 
 def open_checkpoint(path: str) -> tuple[CheckpointReader, dict, Config]:
     """(reader, common.pt, config) of a run folder (its latest step) or a step folder; CheckpointError
     with a one-line message when it is missing or damaged."""
-    reader = CheckpointReader(resolve_checkpoint(path))
-    common = reader.common()
+    step_dir = resolve_checkpoint(path)
     try:
-        pieces = reader.metadata["pieces"]
-        if not isinstance(pieces, list) or not all({"key", "rank", "kind", "name"} <= set(p) for p in pieces):
-            raise KeyError("pieces")
+        reader = CheckpointReader(step_dir)
+        for piece in reader.metadata["pieces"]:
+            lacking = [field for field in _PIECE_FIELDS if field not in piece]
+            if lacking:
+                raise KeyError(f"a piece in metadata.json lacks {lacking[0]!r}")
+        common = reader.common()
+        if "step" not in common:
+            raise KeyError("common.pt lacks 'step'")
         config = config_from_yaml(common["config"])
-    except (KeyError, TypeError, yaml.YAMLError, ConfigError) as err:
-        raise CheckpointError(f"{reader.step_dir} is damaged: {type(err).__name__}: {err}") from err
+    except (KeyError, TypeError, AttributeError, yaml.YAMLError, ConfigError) as err:
+        raise CheckpointError(f"{step_dir} is damaged ({type(err).__name__}: {err}).") from err
     if config.model.vocab_size is None:
         raise CheckpointError(f"{reader.step_dir}: the saved config has no vocab_size; it is not a resolved config.")
     return reader, common, config
 
 
+def read_full(reader: CheckpointReader, kind: str, name: str) -> torch.Tensor:
+    """``reader.full``, a damaged file (a piece missing from its rank file, a wrong size) reported as a
+    CheckpointError."""
+    try:
+        return reader.full(kind, name)
+    except (KeyError, RuntimeError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot read {kind} {name!r} from {reader.step_dir} ({type(err).__name__}: {err}); "
+                              f"the checkpoint is damaged.") from err
+
+
 def read_tensors(reader: CheckpointReader, kind: str = "param") -> dict[str, torch.Tensor]:
     """Every global tensor of ``kind`` (fp32)."""
-    return {name: reader.full(kind, name) for name in reader.names if reader.has(kind, name)}
+    return {name: read_full(reader, kind, name) for name in reader.names if reader.has(kind, name)}
 
 
 def _write_text(path: str, text: str) -> None:
@@ -105,8 +118,8 @@ def _repad(t: torch.Tensor, rows: int) -> torch.Tensor:
 def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, str]],
                      load: Callable[[str, str], torch.Tensor], *, tp: int = 1, step: int = 0,
                      adam_step: float = 0.0, grad_scaler: dict | None = None, train_state: dict | None = None,
-                     converted_by: str = "checkpoint_io", force: bool = False,
-                     forbidden: str | None = None) -> str:
+                     converted_by: str = "checkpoint_io", force: bool = False, forbidden: str | None = None,
+                     resume_config: str | None = None) -> str:
     """Write ``run_dir/step_{step}`` (into ``step_{step}.tmp``, renamed when complete) and point
     ``run_dir/latest`` at it; returns the step folder.
 
@@ -116,6 +129,8 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
     are cut into ``tp`` slices; the others are written whole by rank 0. ``config`` is stored as the
     checkpoint's resolved config; its ``padded_vocab_size`` must be the word embedding's rows.
     ``forbidden``: a step folder that must not be replaced (the checkpoint being read).
+    ``resume_config``: the text of ``config.yaml``, the base configuration of a run that loads the
+    checkpoint (under its own YAML and flags); default the whole of ``config``, as training saves.
     """
     entries = list(entries)
     for kind, name in entries:
@@ -136,6 +151,20 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        _write_files(tmp, config, entries, load, layout, tp, step, adam_step, grad_scaler, train_state, converted_by)
+        _write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None else resume_config)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
+    return final
+
+
+def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout: dict, tp: int, step: int,
+                 adam_step: float, grad_scaler: dict | None, train_state: dict | None, converted_by: str) -> None:
     pieces = []
     for rank in range(tp):
         tensors = {}
@@ -154,7 +183,8 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
                     raise CheckpointError(f"{name!r} (dim {dim} of {list(shape)}) cannot be cut into {tp} slices.")
                 local, tp_rank, tp_size = full.chunk(tp, dim=dim)[rank], rank, tp
             key = f"{kind}/{name}/{tp_rank}/0"
-            tensors[key] = local.contiguous().clone()  # its own storage: torch.save writes whole storages
+            tensors[key] = local.reshape(-1).clone()  # flat, as saved by training; its own storage (torch.save
+            # writes whole storages)
             pieces.append({"key": key, "rank": rank, "kind": kind, "name": name, "lo": 0, "hi": local.numel(),
                            "global_shape": list(shape), "partition_dim": dim, "tp_rank": tp_rank,
                            "tp_size": tp_size, "local_shape": list(local.shape)})
@@ -172,10 +202,6 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
                    "converted_by": converted_by}
     metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info, "pieces": pieces}
     _write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
-    return final
 
 
 def write_params(run_dir: str, config: Config, params: dict[str, torch.Tensor], **kwargs) -> str:
@@ -202,7 +228,7 @@ def reshard(path: str, out_dir: str, tp: int, force: bool = False) -> str:
         raise CheckpointError(f"{WORD_EMBEDDING} has {saved_rows} rows, fewer than vocab_size {m.vocab_size}.")
 
     def load(kind: str, name: str) -> torch.Tensor:
-        t = reader.full(kind, name)
+        t = read_full(reader, kind, name)
         return _repad(t, rows) if name == WORD_EMBEDDING else t
 
     entries = [(kind, name) for kind in KINDS for name in reader.names if reader.has(kind, name)]

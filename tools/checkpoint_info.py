@@ -1,0 +1,118 @@
+"""Describe a checkpoint: step, the layout it was saved under, the model, its tensors and their sizes.
+
+    python tools/checkpoint_info.py CKPT [--tensors]
+
+CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``--tensors`` lists every
+tensor with its global shape, tensor-parallel split and the kinds saved for it. Exit status 2, with a
+one-line message, for a missing or damaged checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.checkpoint_io import open_checkpoint, tensor_layout  # noqa: E402
+from megatron.checkpointing import KINDS, CheckpointError  # noqa: E402
+
+PROG = "checkpoint_info.py"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _precision(config) -> str:
+    mp = config.mix_precision
+    if mp.bf16:
+        return "bf16 (fp32 master weights)"
+    if mp.use_pure_fp16:
+        scaling = "dynamic" if mp.dynamic_loss_scale else "static"
+        return f"fp16 (fp32 master weights, {scaling} loss scaling)"
+    return "fp32"
+
+
+def describe(path: str, tensors: bool = False) -> list[str]:
+    reader, common, config = open_checkpoint(path)
+    meta = reader.metadata
+    pieces = meta["pieces"]
+    layout = meta.get("layout", {})
+    m, d = config.model, config.distributed
+    state = common.get("train_state") or {}
+    lines = [
+        f"checkpoint: {reader.step_dir}",
+        f"step: {common['step']} (consumed samples {state.get('consumed_samples', '?')}, skipped steps "
+        f"{state.get('skipped_steps', '?')}, AdamW step {common.get('adam_step', 0):g}), "
+        f"format version {meta.get('format_version', '?')}",
+        "saved under: " + ", ".join(f"{k} {v}" for k, v in layout.items()),
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, ffn "
+        f"{m.ffn_hidden_size}, vocab {m.vocab_size}, positions {m.max_position_embeddings}, layernorm eps "
+        f"{m.layernorm_epsilon:g}",
+        f"training config: precision {_precision(config)}, seq len {config.dataset.max_seq_len}, global batch "
+        f"{config.batch_size.global_batch_size}, tp {d.mp_degree}, pp {d.pp_degree}, dp {d.dp_degree}, "
+        f"sharding {d.sharding.sharding_degree} (stage {d.sharding.sharding_stage})",
+    ]
+    if common.get("grad_scaler"):
+        lines.append(f"loss scaler: {common['grad_scaler']}")
+    order = {name: i for i, name in enumerate(tensor_layout(config))}  # the model's order
+    names = sorted(reader.names, key=lambda n: (order.get(n, len(order)), n))
+    n_params = 0
+    for name in names:
+        count = 1
+        for size in reader.global_shape(name):
+            count *= size
+        n_params += count
+    lines.append(f"tensors: {len(names)}, parameters: {n_params:,} ({n_params / 1e6:.2f}M, padded vocabulary "
+                 f"included)")
+    elements: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    dtypes: dict[str, set] = {}
+    for piece in pieces:  # the rank files are memory-mapped: only their pickled headers are read
+        data = reader._file(piece["rank"]).get(piece["key"])
+        if data is None or data.dim() != 1 or data.numel() != piece["hi"] - piece["lo"]:
+            raise CheckpointError(f"rank{piece['rank']}.pt lacks {piece['key']!r} or holds the wrong size; the "
+                                  f"checkpoint is damaged.")
+        kind = piece["kind"]
+        elements[kind] = elements.get(kind, 0) + data.numel()
+        nbytes[kind] = nbytes.get(kind, 0) + data.numel() * data.element_size()
+        dtypes.setdefault(kind, set()).add(str(data.dtype).replace("torch.", ""))
+    for kind in sorted(elements, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+        lines.append(f"  {kind}: {elements[kind]:,} elements, {_bytes(nbytes[kind])} "
+                     f"({', '.join(sorted(dtypes[kind]))})")
+    ranks = sorted({piece["rank"] for piece in pieces})
+    on_disk = sum(os.path.getsize(os.path.join(reader.step_dir, f)) for f in os.listdir(reader.step_dir)
+                  if os.path.isfile(os.path.join(reader.step_dir, f)))
+    lines.append(f"files: {len(ranks)} rank file(s) with tensors, {_bytes(on_disk)} on disk")
+    if tensors:
+        for name in names:
+            kinds = [kind for kind in KINDS if reader.has(kind, name)]
+            first = reader.index[("param", name)][0]
+            split = "replicated" if first["partition_dim"] is None else (
+                f"split along dim {first['partition_dim']} into {first['tp_size']}")
+            lines.append(f"  {name}: {list(reader.global_shape(name))} {split} [{', '.join(kinds)}]")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
+    parser.add_argument("--tensors", action="store_true", help="List every tensor's global shape.")
+    args = parser.parse_args(argv)
+    try:
+        lines = describe(args.ckpt, args.tensors)
+    except (CheckpointError, OSError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Convert checkpoints: to and from Hugging Face GPT-2, and to another tensor-parallel size (offline, CPU).
+
+    python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16]
+    python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
+    python tools/convert_checkpoint.py reshard CKPT OUT --tp T
+
+CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
+``config.json`` and ``model.safetensors``, loadable with ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``.
+``from-hf`` reads ``config.json`` and ``model.safetensors`` (or sharded safetensors, or
+``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0,
+for ``pretrain_gpt.py --load OUT_DIR``. ``reshard`` writes ``OUT/step_N`` with one file per
+tensor-parallel rank, every kind (masters and AdamW states) kept. Exit status 2, with a one-line
+message, for a missing or damaged checkpoint or a model that cannot be converted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from megatron.checkpoint_io import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
+from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
+from megatron.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, model_flags, to_hf_state_dict  # noqa: E402
+
+PROG = "convert_checkpoint.py"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Model shape: from config.json, never overridden by a flag (the weights have these shapes).
+_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
+
+
+class ToolError(Exception):
+    """A one-line message for the user (exit status 2)."""
+
+
+def _write_atomic(path: str, write) -> None:
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def to_hf(ckpt: str, out_dir: str, dtype: str = "float32") -> None:
+    from safetensors.torch import save_file
+
+    reader, common, config = open_checkpoint(ckpt)
+    state = {name: t.to(DTYPES[dtype]) for name, t in to_hf_state_dict(read_tensors(reader), config.model).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    _write_atomic(os.path.join(out_dir, "model.safetensors"),
+                  lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    text = json.dumps(hf_config(config.model, dtype), indent=2) + "\n"
+    _write_atomic(os.path.join(out_dir, "config.json"), lambda tmp: open(tmp, "w").write(text))
+    print(f"wrote {out_dir}/config.json and model.safetensors from {reader.step_dir} (step {common['step']}, "
+          f"{sum(t.numel() for t in state.values()):,} parameters, {dtype})")
+
+
+def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face model folder: model.safetensors, sharded safetensors, or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(hf_dir, "model.safetensors")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    legacy = os.path.join(hf_dir, "pytorch_model.bin")
+    try:
+        if os.path.isfile(single):
+            return load_file(single)
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            state = {}
+            for name in files:
+                state.update(load_file(os.path.join(hf_dir, name)))
+            return state
+        if os.path.isfile(legacy):
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ToolError(f"cannot read the weights in {hf_dir} ({type(err).__name__}: {err}).") from err
+    raise ToolError(f"no weights in {hf_dir}: expected model.safetensors, model.safetensors.index.json or "
+                    f"pytorch_model.bin.")
+
+
+def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
+    """Our resolved config for a Hugging Face GPT-2 config.json, with pretrain_gpt.py ``flags`` on top
+    (any flag but the model's shape; vocab_size may only grow)."""
+    derived = model_flags(hf_cfg)
+    n_positions = int(derived[derived.index("--max-position-embeddings") + 1])
+    config = parse_config([*derived, "--max-seq-len", str(min(1024, n_positions)), *flags])
+    want = parse_config(derived).model
+    for name in _SHAPE_FIELDS:
+        if getattr(config.model, name) != getattr(want, name):
+            raise ToolError(f"{name} is {getattr(want, name)} in config.json; it cannot be changed "
+                            f"(got {getattr(config.model, name)}).")
+    if config.model.vocab_size < want.vocab_size:
+        raise ToolError(f"vocab_size {config.model.vocab_size} is smaller than the model's ({want.vocab_size}).")
+    d = config.distributed
+    no_data = not config.dataset.mock_data and not config.dataset.input_dir
+    config.dataset.mock_data = config.dataset.mock_data or no_data  # validation needs a data source
+    world_size = d.mp_degree * d.pp_degree * d.sharding.sharding_degree * (d.dp_degree or 1)
+    validate(config, world_size=world_size, cuda_available=config.device == "gpu" or torch.cuda.is_available())
+    if no_data:
+        config.dataset.mock_data = False  # the run that loads the checkpoint names its data
+    return config
+
+
+def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) -> None:
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            hf_cfg = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ToolError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
+    config = hf_to_config(hf_cfg, flags)
+    state = read_hf_state_dict(hf_dir)
+    # A vocab_size above the model's (flag) adds rows that start at zero, like the padding rows.
+    as_saved = dataclasses.replace(config.model, vocab_size=int(hf_cfg["vocab_size"]))
+    params = from_hf_state_dict(state, as_saved, config.padded_vocab_size)
+    # A run loading the checkpoint takes its config.yaml as its base: only the model, which config.json
+    # fixes; the schedule, batch sizes and data are that run's own (derived from its flags, not pinned here).
+    model_only = yaml.safe_dump({"Model": to_dict(config)["Model"]}, sort_keys=False)
+    step_dir = write_params(out_dir, config, params, converted_by="from-hf", force=force, resume_config=model_only)
+    print(f"wrote {step_dir} ({sum(t.numel() for t in params.values()):,} parameters, padded vocabulary "
+          f"{config.padded_vocab_size}); continue pretraining with: pretrain_gpt.py ... --load {out_dir}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-hf", allow_abbrev=False,
+                       help="Write a Hugging Face GPT-2 folder (config.json + model.safetensors).")
+    p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="Dtype of the written weights.")
+    p = sub.add_parser("from-hf", allow_abbrev=False,
+                       help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2 folder; "
+                            "further arguments are pretrain_gpt.py flags.")
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
+    p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")
+    p = sub.add_parser("reshard", allow_abbrev=False,
+                       help="Rewrite a checkpoint with one file per tensor-parallel rank.")
+    p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
+    p.add_argument("out", help="Run folder to write: OUT/step_N (the same step) and OUT/latest.")
+    p.add_argument("--tp", type=int, required=True, help="Tensor-parallel size of the written checkpoint.")
+    p.add_argument("--force", action="store_true", help="Replace OUT/step_N if it exists.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "from-hf":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "to-hf":
+            to_hf(args.ckpt, args.out_dir, args.dtype)
+        elif args.command == "from-hf":
+            from_hf(args.hf_dir, args.out_dir, rest, args.force)
+        else:
+            step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
+            print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")
+    except (ToolError, CheckpointError, ConversionError, ConfigError, OSError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
