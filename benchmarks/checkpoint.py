@@ -219,7 +219,7 @@ def _rank_main(rank: int, world: int, store_dir: str, ckpt_root: str, args: argp
             row = _measure(f"save sharding {world} stage {stage}", save, ps)
             row.update(kind="save", saved=stage, shard=_shard_bytes(optimizer),
                        checksum=_checksum(model, optimizer, ps),
-                       io=os.path.getsize(os.path.join(out, "step_1", f"rank{rank}.pt")))
+                       io=os.path.getsize(os.path.join(out, "step_1", f"rank{rank}.bin")))
             rows.append(row)
             del model, optimizer, fully_sharded
     for saved, load_world, tp, sharding, stage in LOADS:

@@ -24,11 +24,19 @@ from collections.abc import Callable, Iterable
 import torch
 import yaml
 
-from megatron.checkpointing import FORMAT_VERSION, KINDS, CheckpointError, CheckpointReader, resolve_checkpoint
+from megatron.checkpoint_format import (
+    FORMAT_VERSION,
+    KINDS,
+    CheckpointError,
+    CheckpointReader,
+    RankFileWriter,
+    resolve_checkpoint,
+    write_text,
+)
 from megatron.config import Config, ConfigError, to_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
-_PIECE_FIELDS = ("key", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
+_PIECE_FIELDS = ("offset", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
                  "local_shape")
 
 
@@ -99,14 +107,6 @@ def read_tensors(reader: CheckpointReader, kind: str = "param") -> dict[str, tor
     return {name: read_full(reader, kind, name) for name in reader.names if reader.has(kind, name)}
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def _repad(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
@@ -153,13 +153,13 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
     os.makedirs(tmp)
     try:
         _write_files(tmp, config, entries, load, layout, tp, step, adam_step, grad_scaler, train_state, converted_by)
-        _write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None else resume_config)
+        write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None else resume_config)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
+    write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
     return final
 
 
@@ -167,7 +167,7 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
                  adam_step: float, grad_scaler: dict | None, train_state: dict | None, converted_by: str) -> None:
     pieces = []
     for rank in range(tp):
-        tensors = {}
+        writer = RankFileWriter(tmp, rank)
         for kind, name in entries:
             shape, dim = layout[name]
             if dim is None and rank > 0:
@@ -182,15 +182,11 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
                 if shape[dim] % tp:
                     raise CheckpointError(f"{name!r} (dim {dim} of {list(shape)}) cannot be cut into {tp} slices.")
                 local, tp_rank, tp_size = full.chunk(tp, dim=dim)[rank], rank, tp
-            key = f"{kind}/{name}/{tp_rank}/0"
-            tensors[key] = local.reshape(-1).clone()  # flat, as saved by training; its own storage (torch.save
-            # writes whole storages)
-            pieces.append({"key": key, "rank": rank, "kind": kind, "name": name, "lo": 0, "hi": local.numel(),
+            pieces.append({**writer.add(local), "kind": kind, "name": name, "lo": 0, "hi": local.numel(),
                            "global_shape": list(shape), "partition_dim": dim, "tp_rank": tp_rank,
                            "tp_size": tp_size, "local_shape": list(local.shape)})
             del full
-        torch.save({"tensors": tensors, "rng": None, "rank": rank}, os.path.join(tmp, f"rank{rank}.pt"))
-        del tensors
+        writer.close()
     s = config.distributed.sharding
     common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": float(adam_step),
               "grad_scaler": grad_scaler,
@@ -201,7 +197,7 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
                    "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload,
                    "converted_by": converted_by}
     metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info, "pieces": pieces}
-    _write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
+    write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
 
 
 def write_params(run_dir: str, config: Config, params: dict[str, torch.Tensor], **kwargs) -> str:

@@ -10,17 +10,18 @@ tensor-parallel slice it belongs to (``tp_rank`` of ``tp_size`` along ``partitio
 global shape) and its flat range in that slice. Tensor-parallel replicated parameters come from
 tp rank 0; the last pipeline stage's copy of the tied embedding is not written.
 
-Files in ``step_{N}/``: ``rank{r}.pt`` (that rank's pieces, its RNG streams), ``metadata.json``
-(every piece of every rank, the global shapes, the layout), ``common.pt`` (step, consumed
-samples, loss scaler, the resolved configuration), ``config.yaml`` (the same configuration: a
-run started with ``ckpt_dir`` takes it as its base, under the YAML file and flags given now). A save is written into
+Files in ``step_{N}/`` (``megatron/checkpoint_format.py``): ``rank{r}.bin`` (that rank's pieces,
+raw fp32), ``rank{r}.rng.pt`` (its RNG streams), ``metadata.json`` (every piece of every rank,
+the global shapes, the layout), ``common.pt`` (step, consumed samples, loss scaler, the resolved
+configuration), ``config.yaml`` (the same configuration: a run resumed with ``ckpt_dir`` takes it
+as its base, under the YAML file and flags given now). A save is written into
 ``step_{N}.tmp`` and renamed when every rank has finished; ``latest`` (the step folder's name) is
 replaced last, so a save killed half-way never touches the previous checkpoint.
 
 **Loading** reads, for each of this rank's pieces, the saved pieces of the same tensor: the
-saved tensor-parallel slices are reassembled into the global tensor, one parameter at a time
-(never the whole model), sliced for the current layout, and the flat range copied in. Files are
-memory-mapped, so a rank reads only the pages it needs.
+saved pieces overlapping it are read (a seek and a read each); only when the tensor-parallel cut
+differs is the global tensor reassembled, one parameter at a time (never the whole model), and
+sliced for the current layout.
 """
 
 from __future__ import annotations
@@ -37,15 +38,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpoint_format import (
+    FORMAT_VERSION,
+    KINDS,
+    CheckpointError,
+    CheckpointReader,
+    RankFileWriter,
+    resolve_checkpoint,
+    write_text,
+)
 from megatron.parallel_state import ParallelState
 
-FORMAT_VERSION = 1
-KINDS = ("param", "exp_avg", "exp_avg_sq")  # param: the fp32 master weight
+__all__ = ["CheckpointError", "CheckpointReader", "KINDS", "check_compatible", "global_name", "load_checkpoint",
+           "resolve_checkpoint", "save_checkpoint"]
+
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, truncated, or from another model."""
 
 
 def global_name(name: str, model: nn.Module) -> str:
@@ -138,7 +145,7 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way earlier
         os.makedirs(tmp, exist_ok=True)
     _barrier()
-    tensors, pieces = {}, []
+    writer, pieces = RankFileWriter(tmp, rank), []
     if ps.dp_rank == 0:  # replicas hold the same shard
         for name, p, lo, hi, master, offset in _owned(model, optimizer, ps):
             if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0):
@@ -149,13 +156,12 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
                 source = master if kind == "param" else state.get(kind)
                 if source is None:
                     continue
-                key = f"{kind}/{name}/{where.tp_rank}/{lo}"
-                tensors[key] = source[offset:offset + hi - lo].detach().to("cpu", copy=True)
-                pieces.append({"key": key, "rank": rank, "kind": kind, "name": name, "lo": lo, "hi": hi,
-                               "global_shape": list(where.global_shape), "partition_dim": where.partition_dim,
-                               "tp_rank": where.tp_rank, "tp_size": where.tp_size, "local_shape": list(p.shape)})
-    torch.save({"tensors": tensors, "rng": _rng_state(), "rank": rank}, os.path.join(tmp, f"rank{rank}.pt"))
-    del tensors
+                pieces.append({**writer.add(source[offset:offset + hi - lo]), "kind": kind, "name": name, "lo": lo,
+                               "hi": hi, "global_shape": list(where.global_shape),
+                               "partition_dim": where.partition_dim, "tp_rank": where.tp_rank,
+                               "tp_size": where.tp_size, "local_shape": list(p.shape)})
+    writer.close()
+    torch.save(_rng_state(), os.path.join(tmp, f"rank{rank}.rng.pt"))
     gathered = [None] * ps.world_size if dist.is_initialized() else [pieces]
     if dist.is_initialized():
         dist.all_gather_object(gathered, pieces)
@@ -165,15 +171,19 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
                   "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
                   "train_state": train_state, "config": to_yaml(config)}
         torch.save(common, os.path.join(tmp, "common.pt"))
-        _write_text(os.path.join(tmp, "config.yaml"), common["config"])  # the base of a resumed run's config
+        write_text(os.path.join(tmp, "config.yaml"), common["config"])  # the base of a resumed run's config
         metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(ps, config),
                     "pieces": [piece for rank_pieces in gathered for piece in rank_pieces]}
-        _write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
+        write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
     _barrier()  # every rank has written its file
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        old = final + ".old"
+        if os.path.exists(final):  # saving a step again (a resumed run): the old one stays until replaced
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
-        _write_text(os.path.join(output_dir, "latest"), os.path.basename(final))
+        write_text(os.path.join(output_dir, "latest"), os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
         if keep_last:
             _remove_old(output_dir, keep_last)
     _barrier()
@@ -185,14 +195,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def _remove_old(output_dir: str, keep_last: int) -> None:
     steps = sorted(int(m.group(1)) for d in os.listdir(output_dir) if (m := re.fullmatch(r"step_(\d+)", d)))
     for old in steps[:-keep_last]:
@@ -202,104 +204,36 @@ def _remove_old(output_dir: str, keep_last: int) -> None:
 # Loading ----------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A step folder from ``path``: a run's output folder (its ``latest``) or a step folder."""
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            step_dir = os.path.join(path, f.read().strip())
-        if os.path.isfile(os.path.join(step_dir, "metadata.json")):
-            return step_dir
-        raise CheckpointError(f"{latest} names {step_dir}, which holds no checkpoint (metadata.json is missing).")
-    raise CheckpointError(f"no checkpoint at {path}: expected a step folder with metadata.json or a run folder "
-                          f"with a 'latest' file.")
-
-
-class CheckpointReader:
-    """Global tensors (or any tensor-parallel slice of them) out of a saved step folder."""
-
-    def __init__(self, step_dir: str):
-        self.step_dir = step_dir
-        try:
-            with open(os.path.join(step_dir, "metadata.json")) as f:
-                self.metadata = json.load(f)
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"cannot read {step_dir}/metadata.json: {err}") from err
-        self.index: dict[tuple[str, str], list[dict]] = {}
-        for piece in self.metadata["pieces"]:
-            self.index.setdefault((piece["kind"], piece["name"]), []).append(piece)
-        self._files: dict[int, dict] = {}
-
-    @property
-    def names(self) -> list[str]:
-        return sorted({name for kind, name in self.index if kind == "param"})
-
-    def global_shape(self, name: str) -> tuple:
-        return tuple(self.index[("param", name)][0]["global_shape"])
-
-    def _file(self, rank: int) -> dict:
-        if rank not in self._files:
-            path = os.path.join(self.step_dir, f"rank{rank}.pt")
-            try:
-                self._files[rank] = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["tensors"]
-            except Exception as err:  # truncated or missing: say which file
-                raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {err}); the checkpoint is "
-                                      f"incomplete or damaged.") from err
-        return self._files[rank]
-
-    def has(self, kind: str, name: str) -> bool:
-        return (kind, name) in self.index
-
-    def full(self, kind: str, name: str) -> torch.Tensor:
-        """The whole global tensor (fp32)."""
-        pieces = self.index[(kind, name)]
-        first = pieces[0]
-        tp_size, dim = first["tp_size"], first["partition_dim"]
-        local_numel = int(np.prod(first["local_shape"]))
-        locals_ = [torch.zeros(local_numel) for _ in range(tp_size)]
-        filled = [0] * tp_size
-        for piece in pieces:
-            data = self._file(piece["rank"])[piece["key"]]
-            locals_[piece["tp_rank"]][piece["lo"]:piece["hi"]] = data
-            filled[piece["tp_rank"]] += piece["hi"] - piece["lo"]
-        if any(n != local_numel for n in filled):
-            raise CheckpointError(f"the checkpoint holds only part of {kind} {name!r}; it is incomplete.")
-        shaped = [t.view(first["local_shape"]) for t in locals_]
-        return torch.cat(shaped, dim=dim) if dim is not None and tp_size > 1 else shaped[0]
-
-    def local(self, kind: str, name: str, where: _Slice) -> torch.Tensor:
-        """This layout's tensor-parallel slice of the global tensor."""
-        full = self.full(kind, name)
-        if where.partition_dim is None:
-            return full
-        return full.chunk(where.tp_size, dim=where.partition_dim)[where.tp_rank]
-
-    def common(self) -> dict:
-        path = os.path.join(self.step_dir, "common.pt")
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:
-            raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
-
-    def rng_state(self, rank: int) -> dict:
-        path = os.path.join(self.step_dir, f"rank{rank}.pt")
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)["rng"]
-
-
-def check_compatible(reader: CheckpointReader, model: nn.Module, ps: ParallelState) -> str | None:
-    """A sentence naming the first tensor whose shape differs (or that is missing), or None."""
+def check_compatible(reader: CheckpointReader, model: nn.Module, ps: ParallelState, vocab_size: int,
+                     model_names: set[str] | None = None) -> str | None:
+    """A sentence naming the first tensor whose shape differs, that is missing, or that the model
+    lacks (``model_names``: the global names of the whole model, all ranks together), or None. The
+    word embedding may differ in its padding rows (the padding depends on tp)."""
     for name, p in _unwrap(model).named_parameters():
         name = global_name(name, model)
         if not reader.has("param", name):
             return (f"the checkpoint has no tensor {name!r}, which the model has; it is from another model "
                     f"(checkpoint tensors: {len(reader.names)}).")
-        want, got = _slice_of(p, ps).global_shape, reader.global_shape(name)
-        if tuple(want) != tuple(got):
+        want, got = tuple(_slice_of(p, ps).global_shape), reader.global_shape(name)
+        repadded = (name.endswith("word_embeddings.weight") and want[1:] == got[1:] and got[0] >= vocab_size)
+        if want != got and not repadded:
             return (f"tensor {name!r} has shape {list(got)} in the checkpoint but {list(want)} in the model; "
                     f"the checkpoint is from another model (check hidden_size, num_layers, vocab_size).")
+    extra = sorted(set(reader.names) - model_names) if model_names is not None else []
+    if extra:
+        return (f"the checkpoint has {len(extra)} tensor(s) the model lacks, e.g. {extra[0]!r}; it is from another "
+                f"model (check num_layers).")
     return None
+
+
+def _model_names(model: nn.Module) -> set[str]:
+    """The global parameter names of the whole model (every pipeline stage's)."""
+    names = {global_name(n, model) for n, _ in _unwrap(model).named_parameters()}
+    if not dist.is_initialized():
+        return names
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return set().union(*gathered)
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, config, load_optim: bool = True,
@@ -307,11 +241,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
     """Fill the masters (and AdamW states), publish the parameters, restore the scaler and the RNG;
     returns the saved train state (step, consumed samples, ...). Collective: call on every rank."""
     device = optimizer.buffer.device
+    model_names = _model_names(model)
     error, reader = None, None
     try:
         reader = CheckpointReader(resolve_checkpoint(path))
-        error = check_compatible(reader, model, ps)
-        common = reader.common()
+        error = check_compatible(reader, model, ps, config.model.vocab_size, model_names)
+        if error is None:
+            reader.verify()
+            common = reader.common()
     except CheckpointError as err:
         error = str(err)
     _all_ranks_ok(error, device)
@@ -321,30 +258,35 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
         _fill(reader, model, optimizer, ps, load_optim, adam_step)
     except CheckpointError as err:
         error = str(err)
+    finally:
+        reader.close()
     _all_ranks_ok(error, device)
     optimizer.publish_params()
     if load_optim and optimizer.grad_scaler is not None and common["grad_scaler"] is not None:
         optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
-    if load_rng and reader.metadata["layout"] == _layout(ps, config):
-        _set_rng_state(reader.rng_state(ps.rank))
-    return {**common["train_state"], "step": common["step"], "path": reader.step_dir,
-            "same_layout": reader.metadata["layout"] == _layout(ps, config)}
+    same_layout = reader.metadata["layout"] == _layout(ps, config)
+    rng = reader.rng_state(ps.rank) if load_rng and same_layout else None
+    if rng is not None:
+        _set_rng_state(rng)
+    return {**common["train_state"], "step": common["step"], "path": reader.step_dir, "same_layout": same_layout}
 
 
 @torch.no_grad()
 def _fill(reader: CheckpointReader, model: nn.Module, optimizer, ps: ParallelState, load_optim: bool,
           adam_step: float) -> None:
-    by_param: dict[int, list] = {}
+    """Each owned piece's master weights (and AdamW moments) from the checkpoint."""
+    with_states = load_optim and adam_step > 0
     for name, p, lo, hi, master, offset in _owned(model, optimizer, ps):
-        by_param.setdefault(id(p), []).append((name, p, lo, hi, master, offset))
-    for pieces in by_param.values():  # one parameter's global tensors at a time
-        name, p = pieces[0][0], pieces[0][1]
         where = _slice_of(p, ps)
-        kinds = KINDS if load_optim and adam_step > 0 else ("param",)
-        values = {kind: reader.local(kind, name, where).reshape(-1) for kind in kinds if reader.has(kind, name)}
-        for _, _, lo, hi, master, offset in pieces:
-            master[offset:offset + hi - lo].copy_(values["param"][lo:hi])
-            if len(values) > 1:
-                state = optimizer.adam_state(master, int(adam_step))
-                for kind in KINDS[1:]:
-                    state[kind][offset:offset + hi - lo].copy_(values[kind][lo:hi])
+        shape = tuple(where.global_shape)
+        dim = where.partition_dim
+        master[offset:offset + hi - lo].copy_(
+            reader.local_range("param", name, shape, dim, where.tp_rank, where.tp_size, lo, hi))
+        if not with_states:
+            continue
+        if not all(reader.has(kind, name) for kind in KINDS[1:]):
+            raise CheckpointError(f"the checkpoint lacks the AdamW states of {name!r}; load it with --no-load-optim.")
+        state = optimizer.adam_state(master, int(adam_step))
+        for kind in KINDS[1:]:
+            state[kind][offset:offset + hi - lo].copy_(
+                reader.local_range(kind, name, shape, dim, where.tp_rank, where.tp_size, lo, hi))

@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.checkpoint_format import KINDS, CheckpointError  # noqa: E402
 from megatron.checkpoint_io import open_checkpoint, tensor_layout  # noqa: E402
-from megatron.checkpointing import KINDS, CheckpointError  # noqa: E402
 
 PROG = "checkpoint_info.py"
 
@@ -71,21 +71,12 @@ def describe(path: str, tensors: bool = False) -> list[str]:
         n_params += count
     lines.append(f"tensors: {len(names)}, parameters: {n_params:,} ({n_params / 1e6:.2f}M, padded vocabulary "
                  f"included)")
+    reader.verify()  # every rank file holds every byte its pieces need
     elements: dict[str, int] = {}
-    nbytes: dict[str, int] = {}
-    dtypes: dict[str, set] = {}
-    for piece in pieces:  # the rank files are memory-mapped: only their pickled headers are read
-        data = reader._file(piece["rank"]).get(piece["key"])
-        if data is None or data.dim() != 1 or data.numel() != piece["hi"] - piece["lo"]:
-            raise CheckpointError(f"rank{piece['rank']}.pt lacks {piece['key']!r} or holds the wrong size; the "
-                                  f"checkpoint is damaged.")
-        kind = piece["kind"]
-        elements[kind] = elements.get(kind, 0) + data.numel()
-        nbytes[kind] = nbytes.get(kind, 0) + data.numel() * data.element_size()
-        dtypes.setdefault(kind, set()).add(str(data.dtype).replace("torch.", ""))
+    for piece in pieces:
+        elements[piece["kind"]] = elements.get(piece["kind"], 0) + piece["hi"] - piece["lo"]
     for kind in sorted(elements, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
-        lines.append(f"  {kind}: {elements[kind]:,} elements, {_bytes(nbytes[kind])} "
-                     f"({', '.join(sorted(dtypes[kind]))})")
+        lines.append(f"  {kind}: {elements[kind]:,} elements, {_bytes(4 * elements[kind])} (float32)")
     ranks = sorted({piece["rank"] for piece in pieces})
     on_disk = sum(os.path.getsize(os.path.join(reader.step_dir, f)) for f in os.listdir(reader.step_dir)
                   if os.path.isfile(os.path.join(reader.step_dir, f)))

@@ -267,14 +267,17 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         raise ConfigError(f"unknown argument '{bad}'{hint or '; see --help for the flags.'}")
     given = vars(args)
     config = _layered(Config(), given)
-    saved = _saved_config(config.save_load.ckpt_dir)
+    saved = None if config.save_load.finetune else _saved_config(config.save_load.ckpt_dir)
     if saved is not None:  # resuming: the saved run's configuration, under what is given now. The
-        base = Config()  # parallel layout (the Distributed section) is the launch's, not the run's, and
-        for leaf, value in load_yaml(saved):  # the per-replica batch follows from it
-            if leaf.path[0] != "Distributed" and leaf.name not in ("ckpt_dir", "local_batch_size"):
+        base = Config()  # parallel layout (the Distributed section) is the launch's, not the run's, the
+        for leaf, value in load_yaml(saved):  # per-replica batch follows from it, and how to load is asked now
+            if leaf.path[0] != "Distributed" and leaf.name not in _NOT_INHERITED:
                 _set(base, leaf, value)
         config = _layered(base, given)
     return config
+
+
+_NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng")
 
 
 def _layered(config: Config, given: dict) -> Config:

@@ -106,7 +106,7 @@ def test_a_bad_checkpoint_is_refused_before_anything_is_written(tmp_path, damage
     if damage == "missing":
         checkpoint = tmp_path / "nowhere"
     if damage == "truncated":
-        rank_file = checkpoint / "rank0.pt"
+        rank_file = checkpoint / "rank0.bin"
         rank_file.write_bytes(rank_file.read_bytes()[:1000])
     before = {p: p.stat().st_mtime_ns for p in saved.rglob("*")}
     out = tmp_path / "out"
@@ -131,3 +131,11 @@ def test_keep_last_checkpoints_and_finetune_from_weights_only(tmp_path):
     tuned_losses = losses(tuned)
     assert len(tuned_losses) == 10  # the step count starts again from zero, with a new optimizer
     assert tuned_losses[0] < fresh[0] - 0.1  # but from the trained weights
+
+
+def test_resume_under_another_tp_repads_the_vocabulary(tmp_path):
+    """Vocabulary 300 pads to 384 rows at tp 1 and to 512 at tp 2: the rows past 300 are padding."""
+    vocab = ["--vocab-size", "300"]
+    full = _train_saving(tmp_path / "tp1", *vocab, nproc=1)
+    resumed = _resume(tmp_path / "tp2", tmp_path / "tp1" / "step_5", *vocab, "--tp", "2", nproc=2)
+    assert resumed == pytest.approx(full[5:], rel=1e-5)

@@ -359,7 +359,7 @@ def test_a_missing_checkpoint_is_exit_2_with_one_line(tmp_path, tool, args):
 def test_a_damaged_checkpoint_is_exit_2(tmp_path, capsys):
     config = make_config()
     write_params(str(tmp_path / "run"), config, random_params(config))
-    rank_file = tmp_path / "run" / "step_0" / "rank0.pt"
+    rank_file = tmp_path / "run" / "step_0" / "rank0.bin"
     rank_file.write_bytes(rank_file.read_bytes()[:1000])
     assert convert.main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
     assert info.main([str(tmp_path / "run")]) == 2

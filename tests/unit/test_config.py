@@ -402,3 +402,16 @@ def test_a_resumed_run_starts_from_the_saved_configuration(tmp_path):
     assert config.max_steps == 80  # given now
     assert config.distributed.mp_degree == 1  # the layout is not carried over
     assert config.save_load.ckpt_dir == str(tmp_path / "run")
+
+
+def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
+    step = tmp_path / "run" / "step_5"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    saved = parse_config(["--hidden-size", "96", "--num-attention-heads", "4", "--finetune", "--no-load-optim"])
+    (step / "config.yaml").write_text(to_yaml(saved))
+    resumed = parse_config(["--load", str(step)])
+    assert not resumed.save_load.finetune and resumed.save_load.load_optim
+    assert resumed.model.hidden_size == 96
+    tuned = parse_config(["--load", str(step), "--finetune"])
+    assert tuned.model.hidden_size == Config().model.hidden_size  # only what is given now
