@@ -167,13 +167,8 @@ def _checksum(model, optimizer, ps) -> list[float]:
     return sums.tolist()
 
 
-def _read_bytes(model, optimizer, ps) -> int:
-    """What a load reads from the checkpoint files: every kind of the global tensor of each parameter
-    this rank owns a piece of (``CheckpointReader.full`` reads all its saved pieces)."""
-    from megatron.checkpointing import _owned, _slice_of
-
-    shapes = {id(p): _slice_of(p, ps).global_shape for _, p, *_ in _owned(model, optimizer, ps)}
-    return 12 * sum(math.prod(shape) for shape in shapes.values())
+def _into(result: dict, fn) -> None:
+    result.update(fn())
 
 
 def _shard_bytes(optimizer) -> int:
@@ -229,9 +224,11 @@ def _rank_main(rank: int, world: int, store_dir: str, ckpt_root: str, args: argp
         where = f"{world} rank{'s' if world > 1 else ''}" + (f", tp {tp} x sharding {sharding}" if world > 1 else "")
         label = f"load stage-{saved} save on {where}" + (f", stage {stage}" if sharding > 1 else "")
         path = os.path.join(ckpt_root, f"stage{saved}")
-        row = _measure(label, partial(load_checkpoint, path, model, optimizer, ps, config), ps)
+        loaded: dict = {}
+        load = partial(load_checkpoint, path, model, optimizer, ps, config)
+        row = _measure(label, partial(_into, loaded, load), ps)
         row.update(kind="load", saved=saved, shard=_shard_bytes(optimizer), checksum=_checksum(model, optimizer, ps),
-                   io=_read_bytes(model, optimizer, ps))
+                   io=loaded["bytes_read"])
         rows.append(row)
         del model, optimizer, fully_sharded
     gathered = [None] * world
@@ -307,22 +304,19 @@ INTRO = (
     "the files go to a local disk and are read back while still in the page cache, and 4 ranks share 2 cores. "
     "*Checksum*: the sum and sum of squares of the masters and both AdamW states over the whole model, each "
     "element counted once, after the load against the saved run's.\n\n"
-    "**Save.** Each rank copies the pieces it writes (its shard, cut at parameter boundaries) into one "
-    "dictionary and `torch.save`s it: the extra memory is the shard, to the megabyte, under stage 1 and stage 3 "
-    "alike, and no rank ever holds the whole model; the rank files add up to the full model (each element "
-    "written once, no view saved with its whole storage).\n\n"
-    "**Load.** The tensors (*anon*) stay between 1.5 and 2 shards on 4 ranks: the AdamW states the load creates "
-    "(two thirds of the shard), the global master and AdamW states of the parameter being filled (the largest "
-    "is the word embedding) and freed tensors the allocator keeps (glibc's heap; `malloc_trim` returns them). "
-    "VmHWM is higher, about the size of the whole model: `CheckpointReader` keeps every rank file it has "
-    "opened memory-mapped for the whole load (`self._files`), and `full()` reads every saved piece of the "
-    "global tensor of each parameter the rank owns a piece of, so the file pages read accumulate in the "
-    "process's resident set until the load returns (*file-mapped*, close to *read*). Those are clean "
-    "page-cache pages, shared by the ranks of a node and dropped by the kernel under memory pressure, but they "
-    "count in VmRSS and in a container's memory usage; dropping the mapping after each parameter would bound "
-    "the load at the shard plus one parameter's global tensors. A rank reads more than its shard (*read*) "
-    "because a shard boundary falls inside many parameters and the load reassembles each such parameter "
-    "whole. A single rank's shard is the whole model, so there the load holds it all, as it must.")
+    "**Save.** Each rank streams the pieces it writes (its shard, cut at parameter boundaries) into its raw "
+    "fp32 rank file one piece at a time, so the extra memory is a few MB (the largest piece), under stage 1 and "
+    "stage 3 alike; no rank ever holds the whole model, and the rank files add up to the full model (each "
+    "element written once).\n\n"
+    "**Load.** The load creates the AdamW states (two thirds of the shard) and fills them piece by piece: a "
+    "piece is read with a seek and a read of its bytes, nothing is memory-mapped, so no file pages stay "
+    "resident (*file-mapped* is 0). When the tensor-parallel cut is the same (every load from tp 1 here, "
+    "whatever the sharding degree or stage), a rank reads only the saved pieces overlapping its own: *read* is "
+    "about its shard. When the cut differs (tp 1 -> tp 2), each parameter's global tensor is reassembled, one "
+    "at a time, and sliced; a rank then reads the whole tensor of each parameter it owns a piece of (*read* "
+    "above its shard). Peak extra memory stays between about 1.4 and 2 shards (the new AdamW states, the "
+    "temporaries of one parameter and freed memory glibc keeps), never near the full model; on a single rank "
+    "the shard is the whole model, as it must be.")
 
 
 def main() -> None:
@@ -358,8 +352,8 @@ def main() -> None:
         f"{12 * largest_numel / MB:.0f} MB with its AdamW states. On disk: {on_disk}. gloo ranks on the CPU, "
         f"{args.threads} compute thread each, torch {torch.__version__}; run took "
         f"{time.perf_counter() - started:.0f} s. MB = 2^20 bytes. *Shard*: the rank's fp32 masters and AdamW "
-        f"states; *written / read*: the rank's file (save) or the checkpoint bytes the load reads (every kind of "
-        f"the global tensor of each parameter the rank owns a piece of); *peak extra* (VmHWM), *anon* and "
+        f"states; *written / read*: the rank's file (save) or the checkpoint bytes the load read (counted by "
+        f"the reader); *peak extra* (VmHWM), *anon* and "
         f"*file-mapped* (peak RssAnon and RssFile + RssShmem over the baseline, sampled every 5 ms): per rank, "
         f"rank 0 / 1 / 2 / 3; shard, written / read and the ratios: the largest rank; s: the slowest rank.",
         "", table])

@@ -97,6 +97,7 @@ class CheckpointReader:
         for piece in self.metadata["pieces"]:
             self.index.setdefault((piece["kind"], piece["name"]), []).append(piece)
         self._handles: dict[int, object] = {}
+        self.bytes_read = 0
 
     @property
     def names(self) -> list[str]:
@@ -137,6 +138,7 @@ class CheckpointReader:
                 raise CheckpointError(f"cannot read {self._path(piece['rank'])} ({err}); the checkpoint is "
                                       f"incomplete or damaged.") from err
         handle.seek(piece["offset"] + 4 * (lo - piece["lo"]))
+        self.bytes_read += 4 * (hi - lo)
         if handle.readinto(out.numpy().view(np.uint8)) != 4 * (hi - lo):
             raise CheckpointError(f"{self._path(piece['rank'])} is shorter than its metadata says; the checkpoint "
                                   f"is incomplete or damaged.")

@@ -268,7 +268,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
     rng = reader.rng_state(ps.rank) if load_rng and same_layout else None
     if rng is not None:
         _set_rng_state(rng)
-    return {**common["train_state"], "step": common["step"], "path": reader.step_dir, "same_layout": same_layout}
+    return {**common["train_state"], "step": common["step"], "path": reader.step_dir, "same_layout": same_layout,
+            "bytes_read": reader.bytes_read}
 
 
 @torch.no_grad()
