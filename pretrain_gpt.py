@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from megatron import device as dev
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint import CheckpointError
 from megatron.config import Config, ConfigError, parse_config, validate
 from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError

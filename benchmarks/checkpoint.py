@@ -148,11 +148,11 @@ def _build(args, world: int, tp: int, sharding: int, stage: int, out: str):
 def _checksum(model, optimizer, ps) -> list[float]:
     """(sum, sum of squares) of the masters and of both AdamW states over the whole model, each
     element counted once (the pieces a save writes), summed over the ranks."""
-    from megatron.checkpointing import KINDS, _owned
+    from megatron.checkpoint import KINDS, owned_pieces
 
     sums = torch.zeros(2 * len(KINDS), dtype=torch.float64)
     if ps.dp_rank == 0:
-        for _, p, lo, hi, master, offset in _owned(model, optimizer, ps):
+        for _, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
             if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0):
                 continue
             state = optimizer.inner.state.get(master, {})
@@ -191,7 +191,7 @@ def _measure(label: str, fn, ps) -> dict:
 
 
 def _rank_main(rank: int, world: int, store_dir: str, ckpt_root: str, args: argparse.Namespace, queue) -> None:
-    from megatron.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.checkpoint import load_checkpoint, save_checkpoint
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.training import train_step
@@ -252,7 +252,7 @@ def _disk_bytes(step_dir: str) -> int:
 
 def _sizes(step_dir: str) -> tuple[int, str, int]:
     """(parameters in the model, the largest parameter's name and size) from a checkpoint's metadata."""
-    from megatron.checkpointing import CheckpointReader
+    from megatron.checkpoint import CheckpointReader
 
     reader = CheckpointReader(step_dir)
     sizes = {name: math.prod(reader.global_shape(name)) for name in reader.names}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron import device as dev
 from megatron import parallel_state
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpoint import load_checkpoint, save_checkpoint
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel

@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.checkpoint_format import KINDS, CheckpointError  # noqa: E402
-from megatron.checkpoint_io import open_checkpoint, tensor_layout  # noqa: E402
+from megatron.checkpoint.convert import open_checkpoint, tensor_layout  # noqa: E402
+from megatron.checkpoint.format import KINDS, CheckpointError  # noqa: E402
 
 PROG = "checkpoint_info.py"
 

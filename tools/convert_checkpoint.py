@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from megatron.checkpoint_io import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
-from megatron.checkpointing import CheckpointError  # noqa: E402
+from megatron.checkpoint import CheckpointError  # noqa: E402
+from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
+from megatron.checkpoint.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, model_flags, to_hf_state_dict  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
-from megatron.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, model_flags, to_hf_state_dict  # noqa: E402
 
 PROG = "convert_checkpoint.py"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -300,7 +300,7 @@ def _saved_config(ckpt_dir: str | None) -> str | None:
     or damaged checkpoint is reported by the loader, on every rank)."""
     if not ckpt_dir:
         return None
-    from megatron.checkpointing import CheckpointError, resolve_checkpoint
+    from megatron.checkpoint import CheckpointError, resolve_checkpoint
 
     try:
         path = os.path.join(resolve_checkpoint(ckpt_dir), "config.yaml")

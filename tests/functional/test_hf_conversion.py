@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.checkpointing import CheckpointReader, resolve_checkpoint
+from megatron.checkpoint import CheckpointReader, resolve_checkpoint
 from megatron.config import parse_config, validate
 from megatron.model import build_model
 from megatron.tensor_parallel import model_parallel_seed

@@ -15,11 +15,11 @@ import torch
 
 import pretrain_gpt
 from megatron import parallel_state
-from megatron.checkpoint_io import open_checkpoint, tensor_layout, write_params
-from megatron.checkpointing import KINDS, CheckpointReader, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron.checkpoint import KINDS, CheckpointReader, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron.checkpoint.convert import open_checkpoint, tensor_layout, write_params
+from megatron.checkpoint.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, name_map, to_hf_state_dict
 from megatron.config import Config, parse_config, validate
 from megatron.data.loader import build_batch
-from megatron.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, name_map, to_hf_state_dict
 from megatron.model import build_model
 from megatron.optimizer import build_optimizer
 from megatron.tensor_parallel import model_parallel_seed

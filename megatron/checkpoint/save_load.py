@@ -10,7 +10,7 @@ tensor-parallel slice it belongs to (``tp_rank`` of ``tp_size`` along ``partitio
 global shape) and its flat range in that slice. Tensor-parallel replicated parameters come from
 tp rank 0; the last pipeline stage's copy of the tied embedding is not written.
 
-Files in ``step_{N}/`` (``megatron/checkpoint_format.py``): ``rank{r}.bin`` (that rank's pieces,
+Files in ``step_{N}/`` (``megatron/checkpoint/format.py``): ``rank{r}.bin`` (that rank's pieces,
 raw fp32), ``rank{r}.rng.pt`` (its RNG streams), ``metadata.json`` (every piece of every rank,
 the global shapes, the layout), ``common.pt`` (step, consumed samples, loss scaler, the resolved
 configuration), ``config.yaml`` (the same configuration: a run resumed with ``ckpt_dir`` takes it
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint_format import (
+from megatron.checkpoint.format import (
     FORMAT_VERSION,
     KINDS,
     CheckpointError,
@@ -48,9 +48,6 @@ from megatron.checkpoint_format import (
     write_text,
 )
 from megatron.parallel_state import ParallelState
-
-__all__ = ["CheckpointError", "CheckpointReader", "KINDS", "check_compatible", "global_name", "load_checkpoint",
-           "resolve_checkpoint", "save_checkpoint"]
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
 
@@ -80,7 +77,7 @@ def _slice_of(param: nn.Parameter, ps: ParallelState) -> _Slice:
     return _Slice(tuple(param.shape), None, 0, 1)
 
 
-def _owned(model: nn.Module, optimizer, ps: ParallelState):
+def owned_pieces(model: nn.Module, optimizer, ps: ParallelState):
     """(global name, parameter, local flat [lo, hi), master view, master offset) for every piece of
     this rank's optimizer shard, cut at parameter boundaries."""
     names = {id(p): global_name(n, model) for n, p in _unwrap(model).named_parameters()}
@@ -147,7 +144,7 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
     _barrier()
     writer, pieces = RankFileWriter(tmp, rank), []
     if ps.dp_rank == 0:  # replicas hold the same shard
-        for name, p, lo, hi, master, offset in _owned(model, optimizer, ps):
+        for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
             if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0):
                 continue
             where = _slice_of(p, ps)
@@ -277,7 +274,7 @@ def _fill(reader: CheckpointReader, model: nn.Module, optimizer, ps: ParallelSta
           adam_step: float) -> None:
     """Each owned piece's master weights (and AdamW moments) from the checkpoint."""
     with_states = load_optim and adam_step > 0
-    for name, p, lo, hi, master, offset in _owned(model, optimizer, ps):
+    for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
         where = _slice_of(p, ps)
         shape = tuple(where.global_shape)
         dim = where.partition_dim

@@ -1,6 +1,6 @@
 """Offline checkpoint reading and writing, without a training process (used by ``tools/``).
 
-``write_checkpoint`` produces what ``megatron.checkpointing.save_checkpoint`` produces (the same
+``write_checkpoint`` produces what ``megatron.checkpoint.save_checkpoint`` produces (the same
 ``metadata.json``, ``rank{r}.pt``, ``common.pt`` and ``config.yaml``, read by the same
 ``CheckpointReader`` and ``load_checkpoint``) from full tensors held by one process: one file per
 tensor-parallel rank, each tensor-parallel parameter cut along its ``partition_dim`` (its slice
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 import yaml
 
-from megatron.checkpoint_format import (
+from megatron.checkpoint.format import (
     FORMAT_VERSION,
     KINDS,
     CheckpointError,
