@@ -1,10 +1,10 @@
 """Offline checkpoint reading and writing, without a training process (used by ``tools/``).
 
 ``write_checkpoint`` produces what ``megatron.checkpoint.save_checkpoint`` produces (the same
-``metadata.json``, ``rank{r}.pt``, ``common.pt`` and ``config.yaml``, read by the same
+``metadata.json``, ``rank{r}.bin``, ``common.pt`` and ``config.yaml``, read by the same
 ``CheckpointReader`` and ``load_checkpoint``) from full tensors held by one process: one file per
 tensor-parallel rank, each tensor-parallel parameter cut along its ``partition_dim`` (its slice
-``r`` in ``rank{r}.pt``), each replicated parameter whole in ``rank0.pt``, as a tp-T, pp-1, dp-1 run
+``r`` in ``rank{r}.bin``), each replicated parameter whole in ``rank0.bin``, as a tp-T, pp-1, dp-1 run
 saves. The rank files hold no RNG streams, and the layout records ``converted_by``, so a run loading
 the checkpoint never mistakes it for one of its own saves: it seeds its RNG afresh (as it does after
 loading under another layout).

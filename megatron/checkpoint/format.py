@@ -71,6 +71,8 @@ def resolve_checkpoint(path: str) -> str:
             step_dir = os.path.join(path, f.read().strip())
         if os.path.isfile(os.path.join(step_dir, "metadata.json")):
             return step_dir
+        if os.path.isfile(os.path.join(step_dir + ".old", "metadata.json")):  # killed while re-saving that step
+            return step_dir + ".old"
         raise CheckpointError(f"{latest} names {step_dir}, which holds no checkpoint (metadata.json is missing).")
     raise CheckpointError(f"no checkpoint at {path}: expected a step folder with metadata.json or a run folder "
                           f"with a 'latest' file.")

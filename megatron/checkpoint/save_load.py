@@ -47,6 +47,7 @@ from megatron.checkpoint.format import (
     resolve_checkpoint,
     write_text,
 )
+from megatron.metrics import get_logger
 from megatron.parallel_state import ParallelState
 
 _CHUNK_PREFIX = re.compile(r"^\d+\.")
@@ -159,9 +160,11 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
                                "tp_size": where.tp_size, "local_shape": list(p.shape)})
     writer.close()
     torch.save(_rng_state(), os.path.join(tmp, f"rank{rank}.rng.pt"))
-    gathered = [None] * ps.world_size if dist.is_initialized() else [pieces]
+    gathered = [None] * ps.world_size if rank == 0 else None  # every rank's piece list, on rank 0 only
     if dist.is_initialized():
-        dist.all_gather_object(gathered, pieces)
+        dist.gather_object(pieces, gathered, dst=0)
+    elif rank == 0:
+        gathered = [pieces]
     if rank == 0:
         adam_steps = [float(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
         common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
@@ -182,7 +185,7 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
         write_text(os.path.join(output_dir, "latest"), os.path.basename(final))
         shutil.rmtree(old, ignore_errors=True)
         if keep_last:
-            _remove_old(output_dir, keep_last)
+            _remove_old(output_dir, step, keep_last)
     _barrier()
     return final
 
@@ -192,9 +195,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _remove_old(output_dir: str, keep_last: int) -> None:
+def _remove_old(output_dir: str, step: int, keep_last: int) -> None:
+    """Keep the ``keep_last`` most recent saves of this run: the one just written and the steps below
+    it. Higher-numbered folders (another attempt's, before a resume from an earlier step) are not
+    this run's to delete."""
     steps = sorted(int(m.group(1)) for d in os.listdir(output_dir) if (m := re.fullmatch(r"step_(\d+)", d)))
-    for old in steps[:-keep_last]:
+    for old in [s for s in steps if s < step][:-(keep_last - 1) or None]:
         shutil.rmtree(os.path.join(output_dir, f"step_{old}"), ignore_errors=True)
 
 
@@ -246,21 +252,26 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
         if error is None:
             reader.verify()
             common = reader.common()
-    except CheckpointError as err:
-        error = str(err)
+    except Exception as err:  # any failure, on any rank, stops every rank (none waits in a collective)
+        error = str(err) if isinstance(err, CheckpointError) else f"cannot load {path}: {type(err).__name__}: {err}"
     _all_ranks_ok(error, device)
     adam_step = common["adam_step"]
     error = None
     try:
         _fill(reader, model, optimizer, ps, load_optim, adam_step)
-    except CheckpointError as err:
-        error = str(err)
+    except Exception as err:
+        error = str(err) if isinstance(err, CheckpointError) else f"cannot load {path}: {type(err).__name__}: {err}"
     finally:
         reader.close()
     _all_ranks_ok(error, device)
     optimizer.publish_params()
-    if load_optim and optimizer.grad_scaler is not None and common["grad_scaler"] is not None:
-        optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
+    scaler, saved_scaler = optimizer.grad_scaler, common["grad_scaler"]
+    if load_optim and scaler is not None and saved_scaler is not None:
+        if set(saved_scaler) == set(scaler.state_dict()):  # the same kind of scaler (dynamic or static)
+            scaler.load_state_dict(saved_scaler)
+        elif ps.rank == 0:
+            get_logger().warning("the checkpoint's loss scaler is of another kind (dynamic vs static); the one "
+                                 "configured now starts afresh.")
     same_layout = reader.metadata["layout"] == _layout(ps, config)
     rng = reader.rng_state(ps.rank) if load_rng and same_layout else None
     if rng is not None:

@@ -52,8 +52,10 @@ def build_loader(dataset, consumed_samples: int, global_batch_size: int, eod_id:
                  dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0) -> DataLoader:
     sampler = GlobalBatchSampler(len(dataset), consumed_samples, global_batch_size, dp_rank, dp_size)
     collate = partial(build_batch, eod_id=eod_id, eod_mask_loss=eod_mask_loss)
+    # Its own generator: starting an iteration must not draw from the global RNG, which dropout uses
+    # (a resumed run would otherwise be one draw off the uninterrupted one).
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, generator=torch.Generator())
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:

@@ -1,5 +1,8 @@
 """Data parallelism: per-bucket gradient reduction, overlapped with the backward.
 
+(Under pipeline parallelism the whole schedule runs in ``no_sync()`` and the buckets are reduced
+by ``finish_grad_sync()`` after it.)
+
 The fp32 main grads live in one flat buffer (``ParamAndGradBuffer``) cut into buckets in the
 order the backward produces them. During the backward of the last micro-batch, a hook on each
 parameter counts it in; when a bucket's last parameter is in, its reduction starts

@@ -6,7 +6,7 @@
   on the last (LM head); the two copies' gradients are summed over the embedding group so
   both take the same step and stay identical.
 
-(Data-parallel reduction is the DataParallel wrapper's, overlapped with the backward.) Under
+(Data-parallel reduction is the DataParallel wrapper's, done before this.) Under
 ZeRO stage 2/3 the gradients are already reduce-scattered here, so each rank reduces the part of
 these gradients its shard holds: the layouts agree across the TP group (same shapes) and across
 the embedding group (the tied embedding is a bucket of its own).

@@ -115,9 +115,22 @@ class FullyShardedParameters:
             self._gather(layers[0][1], async_op=True)
 
     def _chunk_post_forward(self, root: list[Bucket]) -> None:
-        if not torch.is_grad_enabled():  # evaluation: no backward will come
+        if torch.is_grad_enabled():
+            return
+        if self.keep_gathered:  # evaluation: no backward will come to free them
+            self.release()
+        else:
             for bucket in root:
                 self._free(bucket)
+
+    def release(self) -> None:
+        """Free every gathered bucket, whatever the mode (after evaluation; after the optimizer step,
+        which leaves any bucket still gathered stale)."""
+        for bucket in self.buffer.buckets:
+            work = self._inflight.pop(bucket.index, None)
+            if work is not None:
+                work.wait()
+            self.buffer.free_params(bucket)
 
     def _pre_forward(self, bucket: Bucket, following: Bucket | None) -> None:
         self._wait(bucket)

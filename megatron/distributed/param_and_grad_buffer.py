@@ -144,6 +144,8 @@ class ParamAndGradBuffer:
                 self._point_grads(bucket, None)
             elif not self.shard_grads:
                 self._point_grads(bucket, self.grad_data[bucket.start:bucket.end])
+            else:  # stage 2: the full buffer comes with zero_grad (or bucket by bucket, lazily)
+                self._point_grads(bucket, None)
 
     # Views of this rank's shard ---------------------------------------------------------------
 

@@ -71,12 +71,18 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
 def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> int:
     """Parameters held by a rank at (tp, pp): its stage's layers with the tensor-parallel matrices
     split over tp, the word embedding (split over tp) on the first stage and its tied copy on the last."""
-    from megatron.pipeline_parallel.partition import segment, stage_layers
+    from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
 
-    m = config.model
+    m, d = config.model, config.distributed
     h, f = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
     per_layer = (3 * h * h + 3 * h + h * f + f) // tp + (h * h + f * h) // tp + h + h + 4 * h  # split + replicated
-    layers = len(stage_layers(segment(m.num_layers, pp), pp_rank)) if pp > 1 else m.num_layers
+    if pp == 1:
+        layers = m.num_layers
+    elif d.virtual_pp_degree > 1:  # interleaved: this rank's chunks
+        layers = sum(len(chunk_layers(m.num_layers, pp, d.virtual_pp_degree, pp_rank, c))
+                     for c in range(d.virtual_pp_degree))
+    else:
+        layers = len(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
     vocab = -(-m.vocab_size // (128 * tp)) * 128 * tp
     total = layers * per_layer
     if pp_rank == 0:

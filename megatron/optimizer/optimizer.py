@@ -81,16 +81,15 @@ class MixedPrecisionOptimizer:
         self._grads = [buf.shard_grad(b, lo, hi) for b, lo, hi, _ in pieces]  # and its reduced gradients
         master_device = torch.device("cpu") if offload else buf.device
         sizes = [hi - lo for _, lo, hi, _ in pieces]
-        if self._low_precision or offload:  # a separate fp32 copy (on the CPU when offloading)
-            self.master_data = torch.cat([p.detach().float() for p in self._params]).to(master_device)
+        pin = offload and buf.device.type == "cuda"  # page-locked: the copies down and up run at full speed
+        if self._low_precision or offload:  # a separate fp32 copy (on the CPU when offloading), piece by piece
+            self.master_data = torch.empty(sum(sizes), dtype=torch.float32, device=master_device, pin_memory=pin)
             master_views = list(self.master_data.split(sizes))
+            for master, param in zip(master_views, self._params):
+                master.copy_(param.detach())
         else:  # fp32 on the device: the parameters are the masters
             self.master_data, master_views = None, self._params
-        pin = offload and buf.device.type == "cuda"  # page-locked: the copies down and up run at full speed
         self.cpu_grad = torch.zeros(sum(sizes) if offload else 0, pin_memory=pin)
-        if pin:
-            self.master_data = self.master_data.pin_memory()
-            master_views = list(self.master_data.split(sizes))
         step_grads = list(self.cpu_grad.split(sizes)) if offload else self._grads
         self.masters: list[nn.Parameter] = []
         groups: dict[bool, list] = {True: [], False: []}
@@ -170,6 +169,9 @@ class MixedPrecisionOptimizer:
         if self.sharding_group is not None and self.stage < 3:  # every rank gets every slice's update
             for bucket in self.buffer.buckets:
                 _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket).clone(), group=self.sharding_group)
+        if self.stage == 3:  # a bucket still gathered (one that got no gradient) would now be stale
+            for bucket in self.buffer.buckets:
+                self.buffer.free_params(bucket)
 
     def adam_state(self, master: nn.Parameter, step: int = 0) -> dict:
         """AdamW's state for one master view, created (zeroed, at ``step``) if it does not exist yet."""

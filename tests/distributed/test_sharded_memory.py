@@ -102,3 +102,21 @@ def test_accounting_follows_the_zero_paper():
     assert offloaded.device_total == 2 * p + 4 * p // n
     assert offloaded.cpu_total == 16 * p // n
     assert model_state_bytes(p, "bf16", n, 2).device_total - offloaded.device_total == 12 * p // n
+
+
+def _count(rank, world, extra):
+    ps = parallel_state.initialize(pp=world)
+    config = parse_config(["--mock-data", "--device", "cpu", "--num-layers", "4", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--vocab-size", "1000", "--pp", str(world), *extra])
+    validate(config, world_size=world)
+    model = build_model(config)
+    return num_parameters(model), parameters_per_rank(config, 1, world, ps.pp_rank)
+
+
+PIPELINE_CUTS = [["--pipeline-partition", "1,3"], ["--vpp", "2", "--global-batch-size", "4", "--micro-batch-size", "2"]]
+
+
+@pytest.mark.parametrize("extra", PIPELINE_CUTS, ids=["partition", "vpp"])
+def test_parameters_per_rank_follows_the_pipeline_cut(extra):
+    for built, accounted in run_distributed(_count, 2, extra):
+        assert accounted == built
