@@ -169,10 +169,18 @@ class Trainer:
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = True
 
+    def _stop_reason(self) -> str | None:
+        if self._stop_signal:
+            return "stop signal received"
+        limit = self.config.save_load.exit_duration_in_mins
+        if limit is not None and time.perf_counter() - self._started >= 60 * limit:
+            return f"exit_duration_in_mins ({limit:g}) reached"
+        return None
+
     def _stop_requested(self) -> bool:
-        """True on every rank once any rank has received SIGTERM or SIGUSR1 (agreed by an all-reduce,
-        so that all ranks save at the same step)."""
-        flag = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
+        """True on every rank once any rank has received SIGTERM or SIGUSR1 or run out of time (agreed by
+        an all-reduce, so that all ranks save at the same step)."""
+        flag = torch.tensor([0.0 if self._stop_reason() is None else 1.0], device=self.device)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -239,6 +247,7 @@ class Trainer:
         window = 0
         dev.reset_peak_memory(self.device)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        self._started = time.perf_counter()
         save_steps = c.save_load.save_steps
         saved_at = s.step
         while s.step < train_steps:
@@ -265,7 +274,8 @@ class Trainer:
                 saved_at = s.step
             if self._stop_requested():
                 if self.ps.rank == 0:
-                    self.log.warning(f"stop signal received: saving at step {s.step} and exiting")
+                    reason = self._stop_reason() or "another rank received a stop signal"
+                    self.log.warning(f"{reason}: saving at step {s.step} and exiting")
                 if saved_at != s.step:
                     self.save()
                 break

@@ -277,7 +277,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return config
 
 
-_NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng")
+_NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins")
 
 
 def _layered(config: Config, given: dict) -> Config:

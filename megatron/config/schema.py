@@ -144,6 +144,8 @@ class SaveLoadConfig:
     load_optim: bool = opt(True, "Load the optimizer states and loss scaler; --no-load-optim starts them afresh.")
     load_rng: bool = opt(True, "Restore the RNG streams (same layout only); --no-load-rng reseeds.")
     finetune: bool = opt(False, "Load the weights only: step, data position and optimizer start from zero.")
+    exit_duration_in_mins: float | None = opt(
+        None, "Save and exit (status 0) once the run has trained this many minutes (a job's time limit).")
     tensorboard_dir: str | None = opt(None, "TensorBoard event folder; default output_dir/tensorboard.")
 
 

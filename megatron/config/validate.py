@@ -197,6 +197,9 @@ def _check_training(config: Config, cuda_available: bool) -> None:
             _fail(f"no_recompute_layers holds {layer}, but layers are numbered 0..{config.model.num_layers - 1}.")
     if config.save_load.save_steps is not None and config.save_load.save_steps < 1:
         _fail(f"save_steps must be at least 1, got {config.save_load.save_steps}.")
+    minutes = config.save_load.exit_duration_in_mins
+    if minutes is not None and minutes <= 0:
+        _fail(f"exit_duration_in_mins must be positive, got {minutes}.")
     keep = config.save_load.keep_last_checkpoints
     if keep is not None and keep < 1:
         _fail(f"keep_last_checkpoints must be at least 1, got {keep}.")

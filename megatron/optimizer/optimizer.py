@@ -6,8 +6,9 @@ scaler and clipping; the inner ``torch.optim.AdamW`` sees one flat fp32 tensor p
 weight-decay group and steps it with the fused kernel where available.
 
 One step: unscale the fp32 gradients (fp16) and check them for inf/nan (skip the step and
-back the scale off if found) -> global norm -> clip -> AdamW on the masters -> copy the
-masters back into the low-precision parameters.
+back the scale off if found) -> global norm (skip the step if it is not finite, in every
+precision) -> clip -> AdamW on the masters -> copy the masters back into the low-precision
+parameters.
 
 Sharding (ZeRO, over the ``sharding_group`` of N ranks): the buffer is cut into buckets and each
 rank owns a contiguous 1/N slice of every bucket; it keeps fp32 master weights and AdamW states
@@ -22,6 +23,7 @@ parameters come back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +149,8 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return StepResult(False, None)
         norm = self.grad_norm()
+        if not math.isfinite(float(norm)):  # bf16 / fp32: no scaler, but an inf or nan must not reach the
+            return StepResult(False, None)  # weights either; the norm is global, so every rank skips
         clip_grads(grads, self.max_norm, norm)
         if self.offload:
             for cpu, grad in zip(self.cpu_grad.split([g.numel() for g in grads]), grads):

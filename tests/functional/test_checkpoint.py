@@ -144,3 +144,11 @@ def test_resume_under_another_tp_repads_the_vocabulary(tmp_path):
     full = _train_saving(tmp_path / "tp1", *vocab, nproc=1)
     resumed = _resume(tmp_path / "tp2", tmp_path / "tp1" / "step_5", *vocab, "--tp", "2", nproc=2)
     assert resumed == pytest.approx(full[5:], rel=1e-5)
+
+
+def test_exit_duration_saves_and_exits_0(tmp_path):
+    out = tmp_path / "run"
+    result = run(out, *TINY, "--max-steps", "100000", "--exit-duration-in-mins", "0.0001")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exit_duration_in_mins (0.0001) reached: saving at step 1 and exiting" in result.stderr
+    assert (out / "latest").read_text() == "step_1"

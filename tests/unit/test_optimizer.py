@@ -317,3 +317,16 @@ def test_bf16_main_grads_accumulate_in_fp32():
         assert err <= 2.0**-6 * q.grad.abs().max(), name
     opt.zero_grad()
     assert all(not p.main_grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_gradient_norm_skips_the_step_without_a_scaler(dtype):
+    model = _model(dtype)
+    opt = MixedPrecisionOptimizer(model, OptimizerConfig(grad_clip=1.0))
+    masters_before = [m.detach().clone() for m in opt.masters]
+    x, y = _inputs(1)[0]
+    _loss(model, x, y).backward()
+    next(model.parameters()).main_grad[0] = float("nan")
+    result = opt.step(1e-2)
+    assert result.applied is False and result.grad_norm is None
+    assert all(torch.equal(m, b) for m, b in zip(opt.masters, masters_before))
