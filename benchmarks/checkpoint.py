@@ -3,8 +3,8 @@
     python benchmarks/checkpoint.py            # 4 gloo ranks on the CPU, then 1 rank
     python benchmarks/checkpoint.py --write    # also update docs/benchmarks.md
 
-A GPT of about 110M parameters is built as ``pretrain_gpt.py`` builds it (``build_optimizer``,
-then ``wrap_data_parallel``) on 4 gloo ranks with sharding 4, stage 1 and then stage 3, stepped
+A GPT of about 110M parameters is built as ``pretrain_gpt.py`` builds it (``setup_optimizer``,
+as the Trainer does) on 4 gloo ranks with sharding 4, stage 1 and then stage 3, stepped
 once with ``megatron.training.train_step`` (so the AdamW states exist) and saved with
 ``save_checkpoint``. Each checkpoint is then loaded with ``load_checkpoint`` into a freshly built
 model and optimizer (no AdamW states yet, as when a run resumes) under the same layout and under
@@ -129,18 +129,14 @@ def _config(args, world: int, tp: int, sharding: int, stage: int, ps, out: str):
 def _build(args, world: int, tp: int, sharding: int, stage: int, out: str):
     """(ps, config, model, optimizer) as pretrain_gpt.py builds them."""
     from megatron import parallel_state
-    from megatron.distributed.wrapping import wrap_data_parallel
+    from megatron.distributed.wrapping import setup_optimizer
     from megatron.model import build_model
-    from megatron.optimizer import build_optimizer
     from megatron.tensor_parallel import model_parallel_seed
 
     ps = parallel_state.initialize(tp=tp, sharding=sharding)
     config = _config(args, world, tp, sharding, stage, ps, out)
     model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
-    model = build_model(config)
-    optimizer = build_optimizer(model, config, ps.group("model_parallel") if tp > 1 else None,
-                                ps.group("sharding") if sharding > 1 else None)
-    model, fully_sharded = wrap_data_parallel(model, optimizer, config, ps)
+    model, optimizer, fully_sharded = setup_optimizer(build_model(config), config, ps)
     return ps, config, model, optimizer, fully_sharded
 
 
@@ -288,7 +284,7 @@ def _table(rows: list[dict], full_bytes: int) -> tuple[str, list[str]]:
 INTRO = (
     "`benchmarks/checkpoint.py` measures what `save_checkpoint` and `load_checkpoint` cost each rank in host "
     "memory and time, for a GPT several times larger than one rank's shard. The model, optimizer and wrapping "
-    "are built as `pretrain_gpt.py` builds them (`build_optimizer`, `wrap_data_parallel`) on 4 gloo ranks with "
+    "are built as `pretrain_gpt.py` builds them (`setup_optimizer`) on 4 gloo ranks with "
     "sharding 4 (stage 1, then stage 3), stepped once with `train_step` so that the AdamW states exist, and "
     "saved. Each checkpoint is then loaded into a freshly built model and optimizer (no AdamW states yet, as "
     "when a run resumes): under the layout it was saved in, under tp 2 x sharding 2 (stages 1 and 3) and on a "

@@ -12,7 +12,7 @@ decoder layer just before its forward and backward and freeing it after. Offload
 weights and AdamW states on the CPU, with a CPU copy of the gradient shard that the step reads.
 
 The model, optimizer and wrapping are built as ``pretrain_gpt.py`` builds them
-(``build_optimizer`` then ``wrap_data_parallel``) and stepped with ``megatron.training.train_step``.
+(``setup_optimizer``) and stepped with ``megatron.training.train_step``.
 Each rank measures what it holds after the timed steps (``measured_model_state_bytes``: parameter
 and gradient buffers and shards, the master copy, the AdamW state tensors, the CPU gradient copy),
 the median ``train_step`` time and, under stage 3, the most decoder layers gathered at once; the
@@ -46,9 +46,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron.config import parse_config, validate
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.distributed.wrapping import wrap_data_parallel
+    from megatron.distributed.wrapping import setup_optimizer
     from megatron.model import build_model, num_parameters
-    from megatron.optimizer import build_optimizer
     from megatron.optimizer.memory import measured_model_state_bytes
     from megatron.tensor_parallel import model_parallel_seed
     from megatron.training import train_step
@@ -62,7 +61,6 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     results = []
     for sharding in (1, world):  # stage 0: dp = world; stages 1-3: sharding = world
         ps = parallel_state.initialize(sharding=sharding)
-        sharding_group = ps.group("sharding") if sharding > 1 else None
         dp_group = ps.group("data_parallel") if ps.data_parallel_size > 1 else None
         for stage, offload in VARIANTS:
             if (stage == 0) != (sharding == 1):
@@ -82,8 +80,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
                 model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
                 model = build_model(config)
                 num_params = num_parameters(model)
-                optimizer = build_optimizer(model, config, None, sharding_group)
-                model, fully_sharded = wrap_data_parallel(model, optimizer, config, ps)
+                model, optimizer, fully_sharded = setup_optimizer(model, config, ps)
                 times = []
                 for step in range(args.warmup + args.steps):
                     dist.barrier()
@@ -159,7 +156,7 @@ def _table(rows: list[dict], precision: str) -> str:
 
 INTRO = (
     "`benchmarks/zero.py` builds the model, optimizer and data-parallel wrapping as `pretrain_gpt.py` does "
-    "(`build_optimizer`, then `wrap_data_parallel`), steps it with `train_step` on 2 and 4 gloo ranks, and "
+    "(`setup_optimizer`), steps it with `train_step` on 2 and 4 gloo ranks, and "
     "counts what each rank holds after the timed steps (`measured_model_state_bytes`). Stage 0 is plain data "
     "parallelism (sharding 1, dp = world: gradients all-reduced, every rank holds everything). The ZeRO stages "
     "run with sharding = world (N ranks). Stage 1 shards the optimizer: each rank keeps fp32 master weights and "

@@ -26,11 +26,11 @@ from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
-from megatron.distributed.wrapping import wrap_data_parallel
+from megatron.distributed.wrapping import setup_optimizer
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
-from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule, build_optimizer
+from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule
 from megatron.pipeline_parallel.schedules import (
     ForwardStep,
     forward_backward_no_pipelining,
@@ -116,13 +116,8 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
-        model_parallel = self.ps.tp_size * self.ps.pp_size > 1
-        sharding = self.ps.group("sharding") if self.ps.sharding_size > 1 else None
-        self.optimizer = build_optimizer(model, config, self.ps.group("model_parallel") if model_parallel else None,
-                                         sharding)
+        self.model, self.optimizer, self.fully_sharded = setup_optimizer(model, config, self.ps)
         self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
-        model, self.fully_sharded = wrap_data_parallel(model, self.optimizer, config, self.ps)
-        self.model = model
         self.pp_group, self.forward_backward = None, forward_backward_no_pipelining
         if self.ps.pp_size > 1:
             d, b = config.distributed, config.batch_size

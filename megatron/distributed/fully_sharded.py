@@ -42,6 +42,7 @@ class FullyShardedParameters:
                  keep_gathered: bool = False, prefetch: bool = True):
         self.buffer, self.group, self.keep_gathered, self.prefetch = buffer, group, keep_gathered, prefetch
         self._inflight: dict[int, dist.Work] = {}
+        self._held: set[int] = set()  # layer buckets gathered or in flight, as last seen
         self.peak_gathered_layers = 0  # the most layer buckets gathered (or in flight) at once
         bucket_of = {id(p): b for b in buffer.buckets for p, _, _ in b.params}
         self._layer_buckets: set[int] = set()
@@ -73,7 +74,11 @@ class FullyShardedParameters:
                                     async_op=async_op)
         if async_op:
             self._inflight[bucket.index] = work
-        self._count()
+        if bucket.index in self._layer_buckets:  # the statistic looks at the few layers held, not at all
+            buckets = self.buffer.buckets
+            self._held = {i for i in self._held if i in self._inflight or self.buffer.is_gathered(buckets[i])}
+            self._held.add(bucket.index)
+            self.peak_gathered_layers = max(self.peak_gathered_layers, len(self._held))
 
     def _wait(self, bucket: Bucket) -> None:
         work = self._inflight.pop(bucket.index, None)
@@ -82,26 +87,23 @@ class FullyShardedParameters:
         else:
             self._gather(bucket, async_op=False)
 
-    def _free(self, bucket: Bucket) -> None:
-        if self.keep_gathered:
+    def _free(self, bucket: Bucket, force: bool = False) -> None:
+        """Free a bucket's gathered parameters (under ``keep_gathered`` only when ``force``d)."""
+        if self.keep_gathered and not force:
             return
         work = self._inflight.pop(bucket.index, None)
         if work is not None:
             work.wait()
         self.buffer.free_params(bucket)
 
-    def _count(self) -> None:
-        gathered = sum(1 for b in self.buffer.buckets if b.index in self._layer_buckets and
-                       (b.index in self._inflight or self.buffer.is_gathered(b)))
-        self.peak_gathered_layers = max(self.peak_gathered_layers, gathered)
-
     def gather_all(self) -> None:
         for bucket in self.buffer.buckets:
             self._gather(bucket, async_op=False)
 
-    def free_all(self) -> None:
+    def release(self) -> None:
+        """Free every gathered bucket, whatever the mode (after an evaluation under ``keep_gathered``)."""
         for bucket in self.buffer.buckets:
-            self._free(bucket)
+            self._free(bucket, force=True)
 
     # Hooks ---------------------------------------------------------------------------------------
 
@@ -123,15 +125,6 @@ class FullyShardedParameters:
             for bucket in root:
                 self._free(bucket)
 
-    def release(self) -> None:
-        """Free every gathered bucket, whatever the mode (after evaluation; after the optimizer step,
-        which leaves any bucket still gathered stale)."""
-        for bucket in self.buffer.buckets:
-            work = self._inflight.pop(bucket.index, None)
-            if work is not None:
-                work.wait()
-            self.buffer.free_params(bucket)
-
     def _pre_forward(self, bucket: Bucket, following: Bucket | None) -> None:
         self._wait(bucket)
         if following is not None and self.prefetch:
@@ -151,10 +144,4 @@ class FullyShardedParameters:
     def on_grads_done(self, bucket: Bucket) -> None:
         """The bucket's gradients are all in and their reduction launched: free its parameters
         (under ``keep_gathered`` this happens after the step's last backward)."""
-        if self.keep_gathered:
-            work = self._inflight.pop(bucket.index, None)
-            if work is not None:
-                work.wait()
-            self.buffer.free_params(bucket)
-        else:
-            self._free(bucket)
+        self._free(bucket, force=True)

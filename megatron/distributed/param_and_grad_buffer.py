@@ -216,10 +216,6 @@ class ParamAndGradBuffer:
 
     def allocate_grads(self) -> None:
         """A fresh zeroed full gradient buffer, the parameters' main grads pointed into it."""
-        if self.shard_params:
-            for bucket in self.buckets:
-                self.allocate_bucket_grads(bucket)
-            return
         self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
         for bucket in self.buckets:
             self._point_grads(bucket, self.grad_data[bucket.start:bucket.end])

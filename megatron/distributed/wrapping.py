@@ -15,8 +15,20 @@ from torch import nn
 from megatron.config.schema import Config
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.fully_sharded import FullyShardedParameters
-from megatron.optimizer import MixedPrecisionOptimizer
+from megatron.optimizer import MixedPrecisionOptimizer, build_optimizer
 from megatron.parallel_state import ParallelState
+
+
+def setup_optimizer(model: nn.Module, config: Config,
+                    ps: ParallelState) -> tuple[nn.Module, MixedPrecisionOptimizer, FullyShardedParameters | None]:
+    """The optimizer over ``model`` (its norm reduced over the model-parallel group, its states sharded
+    over the sharding group) and the model wrapped for the gradient sync: (model to train, optimizer,
+    the stage-3 parameter manager or None)."""
+    model_parallel = ps.group("model_parallel") if ps.tp_size * ps.pp_size > 1 else None
+    sharding = ps.group("sharding") if ps.sharding_size > 1 else None
+    optimizer = build_optimizer(model, config, model_parallel, sharding)
+    model, fully_sharded = wrap_data_parallel(model, optimizer, config, ps)
+    return model, optimizer, fully_sharded
 
 
 def wrap_data_parallel(model: nn.Module, optimizer: MixedPrecisionOptimizer, config: Config,
@@ -39,4 +51,4 @@ def wrap_data_parallel(model: nn.Module, optimizer: MixedPrecisionOptimizer, con
     return model, fully_sharded
 
 
-__all__ = ["wrap_data_parallel"]
+__all__ = ["setup_optimizer", "wrap_data_parallel"]

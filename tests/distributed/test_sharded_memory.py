@@ -11,9 +11,8 @@ from megatron import parallel_state
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
-from megatron.distributed.wrapping import wrap_data_parallel
+from megatron.distributed.wrapping import setup_optimizer
 from megatron.model import build_model, num_parameters
-from megatron.optimizer import build_optimizer
 from megatron.optimizer.memory import measured_model_state_bytes, model_state_bytes, parameters_per_rank
 from megatron.tensor_parallel import model_parallel_seed
 from megatron.training import train_step
@@ -37,8 +36,7 @@ def _measure(rank, world, precision, tp, stage, offload, layers=2):
     model = build_model(config)
     num_params = num_parameters(model)
     built_on_meta = all(p.is_meta for p in model.parameters())
-    optimizer = build_optimizer(model, config, ps.group("tp") if tp > 1 else None, ps.group("sharding"))
-    model, fully_sharded = wrap_data_parallel(model, optimizer, config, ps)
+    model, optimizer, fully_sharded = setup_optimizer(model, config, ps)
     data = MockGPTDataset(64, 32, 1000, seed=rank // tp)
     batch = build_batch([data[i] for i in range(4)], data.eod_id)
     train_step(forward_step, batch, model, optimizer, 1e-3, 2)  # creates the AdamW states
