@@ -90,6 +90,8 @@ class DistributedConfig:
     overlap_grad_reduce: bool | None = opt(
         None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
               "CPU, where gloo's thread competes with the compute for the cores (docs/benchmarks.md).")
+    distributed_timeout_minutes: float = opt(
+        10.0, "Timeout of every collective and point-to-point operation (Megatron-LM's flag).")
     sharding: ShardingConfig = section(ShardingConfig, "sharding", "Group-sharded (ZeRO) optimizer.")
 
 
@@ -169,6 +171,14 @@ class Config:
     tensor_fusion: bool = opt(
         False, "Accepted for FleetX compatibility: gradients always live in one contiguous buffer.")
     peak_tflops: float | None = opt(None, "Peak TFLOP/s of one device for MFU; default from a table of known GPUs.")
+    max_consecutive_skipped_steps: int = opt(
+        10, "Stop the run (exit 3) after this many skipped steps in a row (non-finite gradients); a skip that "
+            "lowers the fp16 loss scale is not counted. 0 never stops.")
+    loss_spike_factor: float = opt(
+        3.0, "Warn when a step's loss exceeds this multiple of the mean of the previous 100 steps; 0 disables.")
+    watchdog_timeout_minutes: float | None = opt(
+        None, "A rank whose training makes no progress for this long writes every thread's stack to stderr and "
+              "output_dir/hang/rank{r}.txt and exits (status 4); default distributed_timeout_minutes; 0 disables.")
     batch_size: BatchSizeConfig = section(BatchSizeConfig, "batch_size", "Global, local and micro batch sizes.")
     mix_precision: MixPrecisionConfig = section(MixPrecisionConfig, "mix_precision", "fp16 / bf16 training.")
     dataset: DatasetConfig = section(DatasetConfig, "dataset", "Training data.")

@@ -102,6 +102,8 @@ def _check_distributed(config: Config, world_size: int) -> None:
     _check_pipeline(config)
     if d.bucket_size_mb <= 0:
         _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
+    if d.distributed_timeout_minutes <= 0:
+        _fail(f"distributed_timeout_minutes must be positive, got {d.distributed_timeout_minutes}.")
 
 
 def _check_pipeline(config: Config) -> None:
@@ -205,6 +207,18 @@ def _check_training(config: Config, cuda_available: bool) -> None:
         _fail(f"keep_last_checkpoints must be at least 1, got {keep}.")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         _fail(f"peak_tflops must be positive, got {config.peak_tflops}.")
+    _check_run_health(config)
+
+
+def _check_run_health(config: Config) -> None:
+    if config.max_consecutive_skipped_steps < 0:
+        _fail(f"max_consecutive_skipped_steps must be >= 0 (0 never stops), got {config.max_consecutive_skipped_steps}.")
+    if config.loss_spike_factor < 0 or 0 < config.loss_spike_factor <= 1:
+        _fail(f"loss_spike_factor must be above 1 (or 0 to disable), got {config.loss_spike_factor}.")
+    if config.watchdog_timeout_minutes is None:
+        config.watchdog_timeout_minutes = config.distributed.distributed_timeout_minutes
+    if config.watchdog_timeout_minutes < 0:
+        _fail(f"watchdog_timeout_minutes must be >= 0 (0 disables the watchdog), got {config.watchdog_timeout_minutes}.")
 
 
 def validate(config: Config, world_size: int = 1, cuda_available: bool = False) -> list[str]:
