@@ -66,6 +66,14 @@ def _check_model(config: Config) -> None:
               f"({m.hidden_size}).")
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
+    if m.ffn_hidden_size < 1:
+        _fail(f"Model.ffn_hidden_size must be at least 1, got {m.ffn_hidden_size}; leave it unset for 4 x hidden_size.")
+    if config.dataset.max_seq_len < 1:
+        _fail(f"dataset.max_seq_len must be at least 1, got {config.dataset.max_seq_len}.")
+    if m.initializer_range <= 0:
+        _fail(f"Model.initializer_range (the init std) must be positive, got {m.initializer_range}.")
+    if m.layernorm_epsilon <= 0:
+        _fail(f"Model.layernorm_epsilon must be positive, got {m.layernorm_epsilon}.")
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
         if not 0.0 <= getattr(m, name) < 1.0:
             _fail(f"Model.{name} must be in [0, 1), got {getattr(m, name)}.")
@@ -158,6 +166,12 @@ def _check_batch(config: Config) -> None:
 
 def _check_optimizer(config: Config, warnings: list[str]) -> None:
     o, lr = config.optimizer, config.optimizer.lr
+    if lr.max_lr < 0 or lr.min_lr < 0:
+        _fail(f"max_lr and min_lr must be >= 0, got {lr.max_lr:g} and {lr.min_lr:g}.")
+    if o.weight_decay < 0:
+        _fail(f"weight_decay must be >= 0, got {o.weight_decay:g}.")
+    if o.adam_epsilon <= 0:
+        _fail(f"adam_epsilon must be positive, got {o.adam_epsilon:g}.")
     if lr.max_lr < lr.min_lr:
         warnings.append(f"max_lr ({lr.max_lr:g}) is below min_lr ({lr.min_lr:g}): the 'decay' will raise the "
                         f"learning rate. The FleetX example had this bug; swap them unless you mean it.")
@@ -175,6 +189,15 @@ def _check_optimizer(config: Config, warnings: list[str]) -> None:
         _fail(f"adam_beta1 and adam_beta2 must be in [0, 1), got {o.adam_beta1} and {o.adam_beta2}.")
 
 
+def _check_counts(config: Config) -> None:
+    """Step counts, before anything is derived from them (decay_steps defaults to max_steps)."""
+    for name in ("max_steps", "logging_freq", "eval_freq", "num_train_epochs"):
+        if getattr(config, name) < 1:
+            _fail(f"{name} must be at least 1, got {getattr(config, name)}.")
+    if config.eval_iters < 0:
+        _fail(f"eval_iters must be >= 0, got {config.eval_iters}.")
+
+
 def _check_training(config: Config, cuda_available: bool) -> None:
     if config.device is None:
         config.device = "gpu" if cuda_available else "cpu"
@@ -182,16 +205,14 @@ def _check_training(config: Config, cuda_available: bool) -> None:
         config.distributed.overlap_grad_reduce = config.device == "gpu"
     if config.device == "gpu" and not cuda_available:
         _fail("device is gpu but no CUDA device is visible; pass --device cpu or run on a GPU machine.")
-    for name in ("max_steps", "logging_freq", "eval_freq", "num_train_epochs"):
-        if getattr(config, name) < 1:
-            _fail(f"{name} must be at least 1, got {getattr(config, name)}.")
-    if config.eval_iters < 0:
-        _fail(f"eval_iters must be >= 0, got {config.eval_iters}.")
     mp = config.mix_precision
     if mp.bf16 and mp.use_pure_fp16:
         _fail("bf16 and use_pure_fp16 are both set; choose one precision.")
     if mp.scale_loss <= 0:
         _fail(f"scale_loss must be positive, got {mp.scale_loss}.")
+    if mp.min_loss_scale <= 0 or mp.loss_scale_window < 1 or mp.hysteresis < 1:
+        _fail(f"min_loss_scale must be positive and loss_scale_window and hysteresis at least 1, got "
+              f"{mp.min_loss_scale:g}, {mp.loss_scale_window} and {mp.hysteresis}.")
     if config.use_recompute and config.recompute_granularity is None:
         config.recompute_granularity = "full"
     for layer in config.no_recompute_layers or []:
@@ -224,6 +245,7 @@ def _check_run_health(config: Config) -> None:
 def validate(config: Config, world_size: int = 1, cuda_available: bool = False) -> list[str]:
     """Check ``config`` in place and fill its derived values; return warnings."""
     warnings: list[str] = []
+    _check_counts(config)
     _check_data(config)
     _check_model(config)
     _check_distributed(config, world_size)

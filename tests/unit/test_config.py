@@ -415,3 +415,47 @@ def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
     assert resumed.model.hidden_size == 96
     tuned = parse_config(["--load", str(step), "--finetune"])
     assert tuned.model.hidden_size == Config().model.hidden_size  # only what is given now
+
+
+# ---------------------------------------------------------------- values that cannot train
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-seq-len", "0"], "max_seq_len must be at least 1, got 0"),
+    (["--ffn-hidden-size", "0"], "ffn_hidden_size must be at least 1, got 0"),
+    (["--lr=-1e-4"], "max_lr and min_lr must be >= 0"),
+    (["--min-lr=-1"], "max_lr and min_lr must be >= 0"),
+    (["--init-method-std=-0.02"], "initializer_range .* must be positive"),
+    (["--layernorm-epsilon=-1e-5"], "layernorm_epsilon must be positive"),
+    (["--weight-decay=-0.1"], "weight_decay must be >= 0"),
+    (["--adam-eps", "0"], "adam_epsilon must be positive"),
+    (["--max-steps", "0"], "max_steps must be at least 1, got 0"),
+    (["--hysteresis", "0"], "hysteresis at least 1"),
+    (["--distributed-timeout-minutes", "0"], "distributed_timeout_minutes must be positive"),
+    (["--watchdog-timeout-minutes=-1"], "watchdog_timeout_minutes must be >= 0"),
+    (["--max-consecutive-skipped-steps=-1"], "max_consecutive_skipped_steps must be >= 0"),
+    (["--loss-spike-factor", "0.5"], "loss_spike_factor must be above 1"),
+])
+def test_values_that_cannot_train_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        check(valid_config(*argv))
+
+
+def test_watchdog_timeout_defaults_to_the_collective_timeout():
+    config = valid_config("--distributed-timeout-minutes", "3")
+    check(config)
+    assert config.watchdog_timeout_minutes == 3.0
+    config = valid_config("--distributed-timeout-minutes", "3", "--watchdog-timeout-minutes", "0")
+    check(config)
+    assert config.watchdog_timeout_minutes == 0.0  # disabled, not replaced by the default
+
+
+@pytest.mark.parametrize("body", ["", "# only a comment\n", "PreTraining:\n"])
+def test_empty_yaml_is_a_warning(tmp_path, body):
+    warnings: list[str] = []
+    config = parse_config(["-c", write(tmp_path, body), "--mock-data", "--device", "cpu"], warnings)
+    assert len(warnings) == 1 and "sets nothing" in warnings[0]
+    assert config.model.hidden_size == Config().model.hidden_size
+    warnings.clear()
+    parse_config(["-c", write(tmp_path, "max_steps: 5\n", "full.yaml")], warnings)
+    assert warnings == []

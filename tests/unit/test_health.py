@@ -1,0 +1,73 @@
+"""Run health: when skipped steps stop a run, what may be checkpointed, loss spikes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron.health import SPIKE_MIN_HISTORY, RunHealth, TrainingDiverged
+
+
+def test_consecutive_bad_steps_stop_the_run():
+    health = RunHealth(max_consecutive_bad=3, spike_factor=0)
+    assert health.observe(1, 2.0, applied=True) is None
+    assert "1 bad step(s) in a row" in health.observe(2, math.nan, applied=False)
+    assert "2 bad step(s) in a row" in health.observe(3, math.inf, applied=False)
+    with pytest.raises(TrainingDiverged, match="3 steps in a row up to step 4"):
+        health.observe(4, math.nan, applied=False)
+
+
+def test_a_good_step_resets_the_count():
+    health = RunHealth(max_consecutive_bad=2, spike_factor=0)
+    for step in range(1, 20):  # every other step skipped: never two in a row
+        health.observe(step, 2.0, applied=step % 2 == 0)
+    assert health.consecutive_bad == 1
+
+
+def test_skips_that_lower_the_loss_scale_are_not_counted():
+    """A dynamic fp16 scaler searching down from 2^15 skips ~2 steps per halving: that is not divergence.
+    At its floor (or with a static scale) every skip counts; a non-finite loss counts whatever the scale."""
+    health = RunHealth(max_consecutive_bad=2, spike_factor=0)
+    for step in range(1, 31):
+        health.observe(step, 5.0, applied=False, scale_lowered=True, loss_scale=2.0 ** (15 - step))
+    assert health.consecutive_bad == 0
+    health.observe(31, 5.0, applied=False, scale_lowered=False, loss_scale=1.0)
+    with pytest.raises(TrainingDiverged, match="loss scale 1"):
+        health.observe(32, 5.0, applied=False, scale_lowered=False, loss_scale=1.0)
+    health = RunHealth(max_consecutive_bad=2, spike_factor=0)
+    health.observe(1, math.inf, applied=False, scale_lowered=True)
+    with pytest.raises(TrainingDiverged):
+        health.observe(2, math.inf, applied=False, scale_lowered=True)
+
+
+def test_zero_never_stops():
+    health = RunHealth(max_consecutive_bad=0, spike_factor=0)
+    for step in range(1, 200):
+        health.observe(step, math.nan, applied=False)
+    assert health.consecutive_bad == 199
+
+
+def test_what_may_be_saved():
+    health = RunHealth(max_consecutive_bad=10, spike_factor=0)
+    assert health.why_not_save() is None  # nothing trained yet (a resumed run stopped at once)
+    health.observe(1, 3.0, applied=True)
+    assert health.why_not_save() is None
+    health.observe(2, math.nan, applied=False)
+    assert health.why_not_save() == "the loss at step 2 is nan"
+    health.observe(3, 3.0, applied=False)  # a finite loss, but its gradients were not finite
+    assert "skipped" in health.why_not_save()
+    health.observe(4, 3.0, applied=True)
+    assert health.why_not_save() is None
+
+
+def test_loss_spike_warns_with_the_step():
+    health = RunHealth(max_consecutive_bad=10, spike_factor=3.0)
+    for step in range(1, SPIKE_MIN_HISTORY):  # too little history: no judgement yet
+        assert health.observe(step, 1.0 if step > 1 else 50.0, applied=True) is None
+    for step in range(SPIKE_MIN_HISTORY, 40):
+        assert health.observe(step, 2.0, applied=True) is None
+    warning = health.observe(40, 12.0, applied=True)  # the mean of 39 steps, 50 among them, is ~3.03
+    assert warning is not None and warning.startswith("loss spike at step 40: 12 is 4.0x")
+    assert health.observe(41, 2.0, applied=True) is None
+    assert RunHealth(10, spike_factor=0).observe(1, 1e9, applied=True) is None
