@@ -12,7 +12,8 @@ plain ``.txt`` files (one document per file, or per blank-line-separated block w
 processes in batches with a bounded number in flight, and streamed out in input order.
 Output is written under temporary names and renamed when complete. Bad lines (invalid JSON,
 a missing or non-string key, undecodable bytes) are counted and reported; ``--fail-on-error``
-stops at the first.
+stops at the first. An input that gives no tokens, or a tokenizer that produces an id outside its
+own vocabulary, stops with one line and exit 2, leaving no output files.
 """
 
 from __future__ import annotations
@@ -97,41 +98,66 @@ class Encoder:
         Encoder.tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model,
                                             a.eod_token)
 
-    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[np.ndarray]], int, list[str]]:
-        """-> (per key, the token arrays of the batch's good documents; bytes read; error messages)."""
+    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[np.ndarray]], int, list[str], str | None]:
+        """-> (per key, the token arrays of the batch's good documents; bytes read; error messages; a fatal
+        error: the first id outside the tokenizer's vocabulary, or None)."""
         keys, tokenizer, errors = self.args.json_keys, Encoder.tokenizer, []
         texts: list[list[str]] = [[] for _ in keys]
+        wheres: list[str] = []
         size = 0
         for where, kind, raw in batch:
             size += len(raw)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                errors.append(f"{where}: undecodable UTF-8 ({err.reason} at byte {err.start})")
+            fields, error = _fields(where, kind, raw, keys)
+            if error is not None:
+                errors.append(error)
                 continue
-            if kind == 1:
-                fields = [text] * len(keys)
-            else:
-                try:
-                    doc = json.loads(text)
-                except json.JSONDecodeError as err:
-                    errors.append(f"{where}: invalid JSON ({err.msg})")
-                    continue
-                missing = [k for k in keys if not isinstance(doc, dict) or not isinstance(doc.get(k), str)]
-                if missing:
-                    errors.append(f"{where}: no string value for key '{missing[0]}'")
-                    continue
-                fields = [doc[k] for k in keys]
+            wheres.append(where)
             for column, field in zip(texts, fields):
                 column.append(field)
-        dtype = best_dtype(tokenizer.vocab_size)
         out = []
-        for column in texts:
+        for key, column in zip(keys, texts):
             encoded = tokenizer.tokenize_batch(column) if column else []
             if self.args.append_eod:
                 encoded = [ids + [tokenizer.eod] for ids in encoded]
-            out.append([np.asarray(ids, dtype=dtype) for ids in encoded])
-        return out, size, errors
+            arrays, bad = _to_arrays(encoded, tokenizer.vocab_size)
+            if bad is not None:
+                return [], size, errors, (f"{wheres[bad[0]]} (key '{key}'): the tokenizer produced id {bad[1]} but "
+                                          f"its vocabulary has {tokenizer.vocab_size} ids; the tokenizer files "
+                                          f"are inconsistent: check them, or use the files the model was made with.")
+            out.append(arrays)
+        return out, size, errors, None
+
+
+def _fields(where: str, kind: int, raw: bytes, keys: list[str]) -> tuple[list[str] | None, str | None]:
+    """(the text of each key, None), or (None, why the record is bad)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return None, f"{where}: undecodable UTF-8 ({err.reason} at byte {err.start})"
+    if kind == 1:
+        return [text] * len(keys), None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, f"{where}: invalid JSON ({err.msg})"
+    missing = [k for k in keys if not isinstance(doc, dict) or not isinstance(doc.get(k), str)]
+    if missing:
+        return None, f"{where}: no string value for key '{missing[0]}'"
+    return [doc[k] for k in keys], None
+
+
+def _to_arrays(encoded: list[list[int]], vocab_size: int) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+    """Token arrays in the format's dtype, and (document, id) of the first id >= vocab_size (else None)."""
+    dtype, arrays = best_dtype(vocab_size), []
+    for d, ids in enumerate(encoded):
+        try:
+            arr = np.asarray(ids, dtype=dtype)
+        except OverflowError:  # an id too large for the dtype, hence for the vocabulary
+            return arrays, (d, max(ids))
+        if len(arr) and int(arr.max()) >= vocab_size:
+            return arrays, (d, int(arr.max()))
+        arrays.append(arr)
+    return arrays, None
 
 
 def _batches(records: Iterator, batch_size: int) -> Iterator[list]:
@@ -188,7 +214,9 @@ def preprocess(args: argparse.Namespace) -> dict:
     progress, bad = Progress(args.log_interval), []
     try:
         records = read_records(files, args.txt_mode)
-        for encoded, size, errors in _results(encoder, _batches(records, args.batch_size), args.workers):
+        for encoded, size, errors, fatal in _results(encoder, _batches(records, args.batch_size), args.workers):
+            if fatal is not None:
+                raise PreprocessError(fatal)
             if errors and args.fail_on_error:
                 raise PreprocessError(f"bad input at {errors[0]} (--fail-on-error is set).")
             bad.extend(errors[: max(0, 5 - len(bad))])
@@ -197,6 +225,7 @@ def preprocess(args: argparse.Namespace) -> dict:
                 for doc in docs:
                     writer.add_document(doc)
             progress.update(len(encoded[0]), size)
+        _check_not_empty(writers, args.json_keys, progress.bad, bad)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -209,6 +238,17 @@ def preprocess(args: argparse.Namespace) -> dict:
     for prefix in prefixes:
         print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
     return {"documents": progress.docs, "bad": progress.bad, "bytes": progress.bytes, "prefixes": prefixes}
+
+
+def _check_not_empty(writers: list[IndexedDatasetWriter], keys: list[str], num_bad: int, bad: list[str]) -> None:
+    """An output without documents or tokens is an error (nothing is written): a dataset must hold tokens."""
+    for writer, key in zip(writers, keys):
+        if writer.num_documents and writer.num_tokens:
+            continue
+        found = f"{writer.num_documents} documents, {writer.num_tokens} tokens"
+        why = f"; all {num_bad} record(s) were bad, the first: {bad[0]}" if num_bad and not writer.num_documents else ""
+        raise PreprocessError(f"the input gives key '{key}' no tokens ({found}){why}; nothing was written: give "
+                              f"input that holds text.")
 
 
 def build_parser() -> argparse.ArgumentParser:

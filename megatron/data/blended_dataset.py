@@ -3,10 +3,12 @@
 ``input_dir`` is one of: a dataset prefix (``data/corpus_text_document`` for
 ``data/corpus_text_document.bin/.idx``); a folder (every prefix in it, weighted by its token
 count); or Megatron's ``w1 prefix1 w2 prefix2 ...`` (prefixes without weights are weighted by
-token count). Each prefix is split into train/valid/test document ranges on its own; each
-split blends the prefixes' splits by weight, sample by sample, with the C++
-``build_blending_indices`` (greedy: after every sample, each dataset's count stays close to
-its share, typically within one sample).
+token count). Each prefix is split into train/valid/test sequence ranges on its own (Megatron
+Core's bookend rounding). A single prefix without a weight gives each split's ``GPTDataset``
+directly; otherwise, as Megatron Core's builder, with the weights ``w`` normalized and ``n``
+samples wanted for a split, member ``d`` is built for ``ceil(ceil(n * w[d]) * 1.005)`` samples and
+the blend holds ``sum_d ceil(n * w[d])`` samples interleaved by the C++ ``build_blending_indices``
+(greedy: after every sample, each dataset's count stays close to its share, within one sample).
 """
 
 from __future__ import annotations
@@ -17,20 +19,28 @@ import os
 
 import numpy as np
 
-from megatron.data import indexed_dataset
-from megatron.data.gpt_dataset import GPTDataset, split_ranges
+from megatron.data import index_cache, indexed_dataset
+from megatron.data.gpt_dataset import GPTDataset, parse_split, split_ranges
 from megatron.data.helpers import build_blending_indices
+from megatron.data.index_cache import cache_folder, run_agreed
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset
+from megatron.data.token_check import token_range
 
 SPLIT_NAMES = ("train", "valid", "test")
+SURPLUS = 0.005  # Megatron Core's mid_level_dataset_surplus
+
+
+def normalize(weights: list[float]) -> list[float]:
+    """Weights divided by their sum in float64 (Megatron Core's ``normalize``)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
 
 class BlendedDataset:
     """``ds[i] = datasets[dataset_index[i]][dataset_sample_index[i]]`` for ``size`` samples."""
 
     def __init__(self, datasets: list, weights: list[float], size: int):
-        total = float(sum(weights))
-        self.datasets, self.weights, self.size = datasets, [w / total for w in weights], size
+        self.datasets, self.weights, self.size = datasets, normalize(weights), size
         self.dataset_index, self.dataset_sample_index = build_blending_indices(
             np.asarray(self.weights, dtype=np.float64), size)
         self.eod_id = datasets[0].eod_id
@@ -38,7 +48,8 @@ class BlendedDataset:
         for d, ds in enumerate(datasets):
             needed = int(np.count_nonzero(self.dataset_index == d))
             if needed > len(ds):
-                raise DatasetError(f"blend member {d} has {len(ds)} samples but the blend draws {needed}")
+                raise DatasetError(f"blend member {d} has {len(ds)} samples but the blend draws {needed}; this is a "
+                                   f"bug in the member sizes: please report it.")
 
     def __len__(self) -> int:
         return self.size
@@ -88,32 +99,96 @@ def _expand(word: str) -> list[str]:
     return [word]
 
 
-def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int], seq_length: int, seed: int,
-                   eod_id: int, cache_dir: str | None = None) -> tuple:
-    """(train, valid, test); a split with no documents (or no samples requested) is None."""
-    prefixes, weights = parse_input_dir(input_dir)
+def open_datasets(prefixes: list[str]) -> list[IndexedDataset]:
+    """The indexed datasets of ``prefixes``; an empty one (no sequences or no tokens) is a DatasetError."""
     indexed = [IndexedDataset(p) for p in prefixes]
+    for ds in indexed:
+        if len(ds) == 0 or ds.num_tokens == 0:
+            raise DatasetError(f"dataset {ds.prefix} is empty ({len(ds)} sequences, {ds.num_tokens} tokens); "
+                               f"preprocess a non-empty corpus or leave it out of input_dir.")
+    return indexed
+
+
+def _train_ranges(indexed: list[IndexedDataset], split: str, weights: list[float] | None) -> None:
+    """Every dataset that training draws from must have training sequences holding 2 tokens or more."""
+    for d, ds in enumerate(indexed):
+        if weights is not None and weights[d] == 0:
+            continue
+        first, last = split_ranges(split, len(ds))[0]
+        tokens = int(ds.sequence_lengths[first:last].sum(dtype=np.int64))
+        if tokens < 2:
+            raise DatasetError(f"split '{split}' leaves the train split of {ds.prefix} {last - first} of its {len(ds)} "
+                               f"sequences ({tokens} tokens); give train a larger share, e.g. --split 949,50,1.")
+
+
+def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int], seq_length: int, seed: int,
+                   eod_id: int, cache_dir: str | None = None, vocab_size: int | None = None) -> tuple:
+    """(train, valid, test); a split with no sequences (or no samples requested) is None.
+
+    With ``vocab_size``, every dataset's token ids are checked against it first (``token_check``). Every
+    failure is a DatasetError raised on every rank (see ``index_cache``).
+    """
+    prefixes, weights = parse_input_dir(input_dir)
+
+    def open_and_check() -> list[IndexedDataset]:
+        indexed = open_datasets(prefixes)
+        if num_samples[0] > 0:
+            _train_ranges(indexed, split, weights)
+        return indexed
+
+    indexed = run_agreed(open_and_check, f"opening the datasets of input_dir '{input_dir}'")
+    if vocab_size is not None:
+        for ds in indexed:
+            token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size)
+    if len(indexed) == 1 and weights is None:
+        return tuple(_single(indexed[0], split, s, n, seq_length, seed, eod_id, cache_dir)
+                     for s, n in enumerate(num_samples))
     if weights is None:
         weights = [float(ds.num_tokens) for ds in indexed]
-    result = []
-    for s, name in enumerate(SPLIT_NAMES):
-        if num_samples[s] == 0:
-            result.append(None)
+    return tuple(_blend(indexed, normalize(weights), split, s, n, seq_length, seed, eod_id, cache_dir)
+                 for s, n in enumerate(num_samples))
+
+
+def _single(ds: IndexedDataset, split: str, s: int, n: int, seq_length: int, seed: int, eod_id: int,
+            cache_dir: str | None) -> GPTDataset | None:
+    first, last = split_ranges(split, len(ds))[s]
+    if n == 0:
+        return None
+    if last == first:
+        _warn_empty(ds, split, s)
+        return None
+    return GPTDataset(ds, SPLIT_NAMES[s], (first, last), n, seq_length, seed, cache_folder(ds.prefix, cache_dir),
+                      eod_id)
+
+
+def _blend(indexed: list[IndexedDataset], weights: list[float], split: str, s: int, n: int, seq_length: int,
+           seed: int, eod_id: int, cache_dir: str | None) -> BlendedDataset | None:
+    """Megatron Core's sizes: member d built for ceil(ceil(n w_d) 1.005) samples, the blend sum_d ceil(n w_d).
+    Members without sequences in this split (or weight 0) are left out and the rest re-weighted."""
+    if n == 0:
+        return None
+    members, member_weights, size = [], [], 0
+    for ds, weight in zip(indexed, weights):
+        first, last = split_ranges(split, len(ds))[s]
+        if weight == 0:
             continue
-        present = [(ds, w, split_ranges(split, ds.num_documents)[s]) for ds, w in zip(indexed, weights)]
-        present = [(ds, w, r) for ds, w, r in present if r[1] > r[0] and w > 0]
-        total_weight = sum(w for _, w, _ in present)
-        members, member_weights = [], []
-        for ds, weight, doc_range in present:
-            # A little more than the weight's share, as Megatron-LM, so the greedy blend never runs out.
-            wanted = num_samples[s] if len(present) == 1 else math.ceil(weight / total_weight * num_samples[s] * 1.005)
-            cache = cache_dir or os.path.join(os.path.dirname(os.path.abspath(ds.prefix)), "index-cache")
-            members.append(GPTDataset(ds, name, doc_range, wanted, seq_length, seed, cache, eod_id))
-            member_weights.append(weight)
-        if not members:
-            result.append(None)
-        elif len(members) == 1:
-            result.append(members[0])
-        else:
-            result.append(BlendedDataset(members, member_weights, num_samples[s]))
-    return tuple(result)
+        if last == first:
+            _warn_empty(ds, split, s)
+            continue
+        target = math.ceil(n * weight)
+        members.append(GPTDataset(ds, SPLIT_NAMES[s], (first, last), math.ceil(target * (1 + SURPLUS)), seq_length,
+                                  seed, cache_folder(ds.prefix, cache_dir), eod_id))
+        member_weights.append(weight)
+        size += target
+    if not members:
+        return None
+    return BlendedDataset(members, member_weights, size)
+
+
+def _warn_empty(ds: IndexedDataset, split: str, s: int) -> None:
+    """Say (on global rank 0) that a split given a share, and samples, rounds to no sequences of ``ds``."""
+    if parse_split(split)[s] > 0 and index_cache.is_global_builder():
+        from megatron.metrics import get_logger
+
+        get_logger().warning(f"split '{split}' gives the {SPLIT_NAMES[s]} split of {ds.prefix} none of its {len(ds)} "
+                             f"sequences; it is left out of {SPLIT_NAMES[s]}")

@@ -1,19 +1,22 @@
-"""The GPT dataset over an indexed dataset, with Megatron-LM's semantics.
+"""The GPT dataset over an indexed dataset, with Megatron Core's semantics.
 
-For one split (a contiguous range of documents) and a requested number of samples:
+Megatron Core's GPT dataset treats every *sequence* of the indexed dataset as a document: the
+``.idx`` document boundaries (several sequences per document with Megatron-LM's
+``--split-sentences``) play no part. For one split (a contiguous range of sequences) and a
+requested number of samples:
 
-1. **document index**: the split's document ids repeated for as many epochs as the samples
-   need, shuffled with the seed. When the last epoch is needed only for a small part
-   (< 80% of an epoch's samples), it is shuffled separately, so that the samples drawn from
-   it are not biased towards the documents of the other epochs.
-2. **sample index** (``[num_samples + 1, 2]``, built by the C++ helper): row ``i`` is the
+1. **document index** (int32): the split's sequence ids repeated for as many epochs as the samples
+   need, shuffled with ``RandomState(seed)``. When the last epoch is needed only for a small part
+   (fewer than ``int(0.8 * samples_per_epoch)`` samples), it is shuffled separately, so that the
+   samples drawn from it are not biased towards the sequences of the other epochs.
+2. **sample index** (``[num_samples + 1, 2]``, int32, built by the C++ helper): row ``i`` is the
    (position in the document index, token offset) where sample ``i`` starts; a sample is
-   ``seq_len + 1`` tokens that may span documents, and consecutive samples share one token.
-3. **shuffle index**: a permutation of the samples (the separate last epoch again shuffled
-   on its own).
+   ``seq_length + 1`` tokens that may span sequences, and consecutive samples share one token.
+3. **shuffle index** (uint32): a permutation of the samples (the separate last epoch again shuffled
+   on its own), drawn from the same RandomState after the document index.
 
-The three indices are cached as .npy files under a name that hashes everything they depend
-on, built once (by one rank, the others waiting) and memory-mapped afterwards.
+The three indices are cached as .npy files under a name that hashes everything they depend on
+(``IndexSpec``: the dataset's content, not its path), built and loaded as ``index_cache`` says.
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from megatron.data import index_cache
 from megatron.data.helpers import build_sample_idx
-from megatron.data.indexed_dataset import DatasetError, IndexedDataset, index_file
+from megatron.data.indexed_dataset import DatasetError, IndexedDataset
 
-CACHE_FORMAT = 1
+ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
 def parse_split(split: str) -> list[float]:
-    """'949,50,1' (or '949/50/1') -> three fractions summing to 1."""
+    """'949,50,1' (or '949/50/1') -> three fractions summing to 1 (normalized in float64, as Megatron Core)."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
     try:
         weights = [float(p) for p in parts]
@@ -41,52 +45,62 @@ def parse_split(split: str) -> list[float]:
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise DatasetError(f"split '{split}' must be up to three non-negative numbers with a positive sum")
     weights += [0.0] * (3 - len(weights))
-    return [w / sum(weights) for w in weights]
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
 
-def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) document ranges of the train, valid and test splits (Megatron's rounding)."""
-    bounds = [0]
+def split_ranges(split: str, num_sequences: int) -> list[tuple[int, int]]:
+    """Contiguous [begin, end) sequence ranges of the train, valid and test splits, by Megatron Core's rule.
+
+    With ``b`` the cumulative sums of the normalized fractions (``0, f0, f0 + f1, f0 + f1 + f2``),
+    split ``i`` is ``[round(b[i] * N), round(b[i + 1] * N))`` with Python's ``round`` (half to even),
+    each bookend rounded on its own. (Megatron's legacy rule rounded each split's size and moved
+    the excess; e.g. ``90,5,5`` on 250 gives (0, 225), (225, 238), (238, 250) here, (0, 226),
+    (226, 238), (238, 250) there.)
+    """
+    bounds = [0.0]
     for fraction in parse_split(split):
-        bounds.append(bounds[-1] + int(round(fraction * num_documents)))
-    excess = bounds[-1] - num_documents
-    bounds = [0] + [b - excess for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+        bounds.append(bounds[-1] + fraction)
+    ends = [int(round(b * float(num_sequences))) for b in bounds]
+    return [(ends[i], ends[i + 1]) for i in range(3)]
 
 
 @dataclass(frozen=True)
 class IndexSpec:
-    """Everything the cached indices depend on; its hash names the cache files."""
+    """Everything the cached indices depend on; its hash names the cache files. The dataset enters by
+    its content (``IndexedDataset.content_key``), so a copy of it at another path has the same spec."""
 
-    prefix: str
     idx_size: int
-    idx_mtime_ns: int
+    idx_blake2b: str
+    bin_size: int
     split: str
-    first_document: int
-    last_document: int
+    first_sequence: int
+    last_sequence: int
     num_samples: int
     seq_length: int
     seed: int
-    format: int = CACHE_FORMAT
+    format: int = index_cache.CACHE_FORMAT
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:24]
 
 
 def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    epochs = 1
-    while (epochs * tokens_per_epoch - 1) // seq_length < num_samples:
+    """The fewest epochs holding ``num_samples * seq_length + 1`` tokens (Core's ``_get_num_epochs``)."""
+    epochs, needed = 1, num_samples * seq_length + 1
+    while epochs * tokens_per_epoch < needed:
         epochs += 1
     return epochs
 
 
 def build_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int,
                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(document index, sample index, shuffle index) for ``num_samples`` samples."""
+    """(document index, sample index, shuffle index) for ``num_samples`` samples of the sequences
+    ``documents`` (ids into ``sizes``), as Megatron Core's ``_build_document_sample_shuffle_indices``."""
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     if tokens_per_epoch < 2:
-        raise DatasetError(f"the split's {len(documents)} documents hold {tokens_per_epoch} tokens; a sample needs "
-                         f"at least 2")
+        raise DatasetError(f"the split's {len(documents)} sequences hold {tokens_per_epoch} tokens but a sample "
+                           f"needs at least 2; give the split a larger share or add data.")
     epochs = _num_epochs(tokens_per_epoch, seq_length, num_samples)
     samples_before_last = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
     samples_per_epoch = (tokens_per_epoch - 1) // seq_length
@@ -120,53 +134,37 @@ def _shuffle_index(num_first: int, total: int, rng: np.random.RandomState) -> np
     return np.concatenate([first, last])
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _is_builder_rank() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 def load_or_build_indices(spec: IndexSpec, sizes: np.ndarray, cache_dir: str) -> tuple[np.ndarray, ...]:
-    """The cached indices of ``spec``: built and saved by one rank, memory-mapped by all."""
+    """The cached indices of ``spec`` in ``cache_dir``, memory-mapped; built where missing (see index_cache)."""
     base = os.path.join(cache_dir, f"{spec.key()}-{spec.split}")
-    paths = [f"{base}_{name}_idx.npy" for name in ("doc", "sample", "shuffle")]
-    if _is_builder_rank() and not all(os.path.isfile(p) for p in paths):
-        os.makedirs(cache_dir, exist_ok=True)
-        documents = np.arange(spec.first_document, spec.last_document, dtype=np.int64)
-        arrays = build_indices(sizes, documents, spec.num_samples, spec.seq_length, spec.seed)
-        for path, arr in zip(paths, arrays):
-            tmp = path + f".tmp{os.getpid()}.npy"
-            np.save(tmp, arr)
-            os.replace(tmp, path)
-        with open(base + "_description.json", "w") as f:
-            json.dump(asdict(spec), f, indent=2)
-    _barrier()
-    return tuple(np.load(p, mmap_mode="r") for p in paths)
+
+    def build() -> None:
+        sequences = np.arange(spec.first_sequence, spec.last_sequence, dtype=np.int64)
+        arrays = build_indices(sizes, sequences, spec.num_samples, spec.seq_length, spec.seed)
+        index_cache.save_arrays(base, dict(zip(ARRAYS, arrays)), asdict(spec))
+
+    arrays = index_cache.load_or_build(f"the {spec.split} indices in {cache_dir}",
+                                       lambda: index_cache.load_arrays(base, ARRAYS), build)
+    return tuple(arrays[name] for name in ARRAYS)
 
 
 class GPTDataset:
-    """Samples of ``seq_length + 1`` tokens from one split of an indexed dataset.
+    """Samples of ``seq_length + 1`` tokens from the sequences ``sequence_range`` of an indexed dataset.
 
     ``len(ds)`` is at least the requested ``num_samples`` (whole epochs of the sample index
     are kept); ``ds[i]`` is an int64 array.
     """
 
-    def __init__(self, indexed: IndexedDataset, split: str, document_range: tuple[int, int], num_samples: int,
+    def __init__(self, indexed: IndexedDataset, split: str, sequence_range: tuple[int, int], num_samples: int,
                  seq_length: int, seed: int, cache_dir: str, eod_id: int):
         self.indexed, self.split, self.seq_length, self.eod_id = indexed, split, seq_length, eod_id
-        stat = os.stat(index_file(indexed.prefix))
-        spec = IndexSpec(os.path.abspath(indexed.prefix), stat.st_size, stat.st_mtime_ns, split, document_range[0],
-                         document_range[1], num_samples, seq_length, seed)
+        self.num_samples = num_samples
+        first, last = sequence_range
+        spec = IndexSpec(**indexed.content_key(), split=split, first_sequence=first, last_sequence=last,
+                         num_samples=num_samples, seq_length=seq_length, seed=seed)
         self.doc_idx, self.sample_idx, self.shuffle_idx = load_or_build_indices(
             spec, indexed.sequence_lengths, cache_dir)
-        tokens_per_epoch = int(indexed.sequence_lengths[document_range[0]:document_range[1]].sum(dtype=np.int64))
+        tokens_per_epoch = int(indexed.sequence_lengths[first:last].sum(dtype=np.int64))
         self.samples_per_epoch = max((tokens_per_epoch - 1) // seq_length, 0)
 
     def __len__(self) -> int:

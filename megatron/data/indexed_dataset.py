@@ -12,13 +12,17 @@
     int64[S]  byte offsets of each sequence in .bin
     int64[D]  document indices: the first sequence of each document, starting 0 and ending S
 
-For GPT data every document is one sequence. The reader memory-maps both files and returns
-zero-copy views; the writer streams tokens to disk and keeps only the lengths in memory
-(4 bytes per sequence), writing under temporary names that are renamed once complete.
+A document is one or more sequences (``tools/preprocess_data.py`` writes one sequence per
+document; Megatron-LM's ``--split-sentences`` writes one per sentence). The GPT dataset, as
+Megatron Core's, ignores the document boundaries: it splits and samples by sequence. The reader
+memory-maps both files and returns zero-copy views; the writer streams tokens to disk and keeps
+only the lengths in memory (4 bytes per sequence), writing under temporary names that are
+renamed once complete.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from array import array
@@ -69,6 +73,7 @@ class IndexedDataset:
         self.prefix = prefix
         self._read_index(check_offsets)
         self._bin = None
+        self._content_key: dict | None = None
 
     def _read_index(self, check_offsets: bool) -> None:
         path, bin_path = index_file(self.prefix), data_file(self.prefix)
@@ -133,6 +138,19 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
+    def content_key(self) -> dict:
+        """What identifies the pair's content wherever it is copied: the .idx size and the BLAKE2b hash of
+        its bytes, and the .bin size (not the path, not the mtime). Hashed once per instance."""
+        if self._content_key is None:
+            path = index_file(self.prefix)
+            digest = hashlib.blake2b(digest_size=16)
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+            self._content_key = {"idx_size": os.path.getsize(path), "idx_blake2b": digest.hexdigest(),
+                                 "bin_size": os.path.getsize(data_file(self.prefix))}
+        return dict(self._content_key)
+
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
@@ -168,14 +186,24 @@ class IndexedDatasetWriter:
         self._bin = open(data_file(prefix) + ".tmp", "wb")
         self._lengths = array("i")  # int32, as the format stores them
         self._doc_starts = array("q", [0])
+        self._num_tokens = 0
         self._closed = False
 
-    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
-        """Append one document (one sequence) of token ids."""
+    def add_item(self, tokens: Iterable[int] | np.ndarray) -> None:
+        """Append one sequence to the current document (Megatron-LM's ``add_item``); ``end_document`` closes it."""
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
         self._lengths.append(len(arr))
+        self._num_tokens += len(arr)
+
+    def end_document(self) -> None:
+        """Close the current document: the sequences added since the last one form a document."""
         self._doc_starts.append(len(self._lengths))
+
+    def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
+        """Append one document of one sequence of token ids."""
+        self.add_item(tokens)
+        self.end_document()
 
     def add_index(self, prefix: str, chunk_bytes: int = 1 << 26) -> None:
         """Append every document of an existing dataset (same dtype), copying its .bin in chunks."""
@@ -183,8 +211,11 @@ class IndexedDatasetWriter:
         if other.dtype != self.dtype:
             raise IndexedDatasetError(f"{index_file(prefix)} holds {other.dtype} tokens but this dataset holds "
                                       f"{self.dtype}; merge datasets of one dtype.")
+        if self._doc_starts[-1] != len(self._lengths):
+            self.end_document()
         base = len(self._lengths)
         self._lengths.extend(other.sequence_lengths.tolist())
+        self._num_tokens += other.num_tokens
         self._doc_starts.extend((other.document_indices[1:] + base).tolist())
         with open(data_file(prefix), "rb") as f:
             while chunk := f.read(chunk_bytes):
@@ -194,7 +225,14 @@ class IndexedDatasetWriter:
     def num_documents(self) -> int:
         return len(self._doc_starts) - 1
 
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
     def finalize(self) -> None:
+        """Close an open document, write the .idx and rename both files into place."""
+        if self._doc_starts[-1] != len(self._lengths):
+            self.end_document()
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32) if len(self._lengths) else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), np.int64)

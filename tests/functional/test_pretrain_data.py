@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -73,3 +79,95 @@ def test_bad_data_settings_are_one_line_errors(corpus, tmp_path, change, message
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in run.stderr
+
+
+def _one_error_line(run: subprocess.CompletedProcess) -> str:
+    """The run stopped with exit 2 and exactly one error line, its last, and no traceback."""
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert [line for line in lines if "error" in line.lower()] == [lines[-1]]
+    assert lines[-1].startswith("pretrain_gpt.py: error: ")
+    return lines[-1][len("pretrain_gpt.py: error: "):]
+
+
+def _no_partial_files(folder: Path) -> None:
+    assert not [p for p in folder.rglob("*") if ".tmp" in p.name]
+
+
+def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path):
+    vocab = len(json.loads((corpus / "tok" / "vocab.json").read_text()))
+    (tmp_path / "big").mkdir()
+    with IndexedDatasetWriter(str(tmp_path / "big" / "d"), np.uint16) as writer:  # made with a larger tokenizer
+        for d in range(200):
+            writer.add_document((np.arange(40) * 37 + d) % (vocab + 100))
+    largest = int(IndexedDataset(str(tmp_path / "big" / "d")).bin.max())
+    run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "big" / "d"))
+    assert _one_error_line(run) == (f"{tmp_path}/big/d.bin holds token id {largest} but the model's vocabulary "
+                                    f"has {vocab} ids (0..{vocab - 1}); re-preprocess the data with the model's "
+                                    f"tokenizer or raise vocab_size.")
+    assert not list((tmp_path / "big").rglob("*.npy")) and not (tmp_path / "out" / "metrics.jsonl").exists()
+    _no_partial_files(tmp_path / "big")
+
+
+@pytest.mark.parametrize("case", ["empty dataset", "empty train split"])
+def test_an_empty_dataset_or_train_split_is_one_line(corpus, tmp_path, case):
+    if case == "empty dataset":
+        with IndexedDatasetWriter(str(tmp_path / "empty"), np.uint16):
+            pass
+        run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "empty"))
+        expected = f"dataset {tmp_path}/empty is empty (0 sequences, 0 tokens)"
+    else:
+        run = _train(corpus, tmp_path / "out", "--split", "0,100,0")
+        n = len(IndexedDataset(str(corpus / "data" / "c_text_document")))
+        expected = f"split '0,100,0' leaves the train split of {corpus}/data/c_text_document 0 of its {n} sequences"
+    assert _one_error_line(run).startswith(expected)
+    assert not list(tmp_path.rglob("*.npy"))
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path):
+    """``folder`` made read-only (chmod; for root, which chmod does not stop, chattr +i); skip if impossible."""
+    os.chmod(folder, 0o555)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    try:
+        try:
+            (folder / "probe").write_text("")
+        except OSError:
+            yield
+        else:
+            (folder / "probe").unlink()
+            pytest.skip("cannot make a folder read-only here")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        os.chmod(folder, 0o755)
+
+
+def test_a_read_only_data_folder_asks_for_data_cache_path(corpus, tmp_path):
+    data = tmp_path / "ro"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(corpus / "data" / f"c_text_document{suffix}", data / f"c{suffix}")
+    with _read_only(data):
+        run = _train(corpus, tmp_path / "out", "--input-dir", str(data / "c"), "--max-steps", "2")
+        message = _one_error_line(run)
+        assert message.startswith(f"cannot write the dataset index cache in {data}/index-cache: ")
+        assert message.endswith("(the folder is read-only); give --data-cache-path a writable folder (by default "
+                                "the cache is written beside the data).")
+        run = _train(corpus, tmp_path / "out", "--input-dir", str(data / "c"), "--max-steps", "2",
+                     "--data-cache-path", str(tmp_path / "cache"))
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert list((tmp_path / "cache").glob("*_sample_idx.npy"))
+    assert sorted(os.listdir(data)) == ["c.bin", "c.idx"]  # nothing was written beside the data
+
+
+def test_a_truncated_cached_index_is_rebuilt_with_a_warning(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    assert _train(corpus, tmp_path / "a", "--max-steps", "2", "--data-cache-path", str(cache)).returncode == 0
+    for path in cache.glob("*_sample_idx.npy"):
+        os.truncate(path, path.stat().st_size // 2)
+    run = _train(corpus, tmp_path / "b", "--max-steps", "2", "--data-cache-path", str(cache))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "is unreadable" in run.stderr and "rebuilding it" in run.stderr
+    _no_partial_files(cache)

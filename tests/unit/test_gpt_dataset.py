@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
 
-from megatron.data import gpt_dataset
+from megatron.data import gpt_dataset, index_cache, token_check
 from megatron.data.blended_dataset import BlendedDataset, build_datasets, parse_input_dir
 from megatron.data.gpt_dataset import GPTDataset, split_ranges
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset, IndexedDatasetWriter
 from megatron.data.loader import build_loader
+from megatron.metrics import get_logger
 
 EOD = 0
 
@@ -26,11 +31,12 @@ def _make(prefix: str, num_docs: int, seed: int = 0, doc_offset: int = 0) -> lis
     return docs
 
 
-def test_split_ranges_megatron_rounding():
+def test_split_ranges_round_each_bookend_as_megatron_core():
     assert split_ranges("949,50,1", 1000) == [(0, 949), (949, 999), (999, 1000)]
     assert split_ranges("98/2/0", 10) == [(0, 10), (10, 10), (10, 10)]
     assert split_ranges("1", 7) == [(0, 7), (7, 7), (7, 7)]
-    assert split_ranges("1,1,1", 10)[-1][1] == 10
+    assert split_ranges("1,1,1", 10) == [(0, 3), (3, 7), (7, 10)]
+    assert split_ranges("90,5,5", 250) == [(0, 225), (225, 238), (238, 250)]  # legacy: (0, 226), (226, 238)
     with pytest.raises(ValueError):
         split_ranges("a,b", 10)
 
@@ -84,7 +90,7 @@ def test_no_token_of_valid_or_test_documents_in_training_samples(tmp_path):
 def test_cache_is_reused_and_rebuilt_when_any_input_changes(tmp_path, monkeypatch):
     prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
     _make(prefix, 30)
-    args = dict(split="train", document_range=(0, 30), num_samples=50, seq_length=8, seed=1, cache_dir=cache,
+    args = dict(split="train", sequence_range=(0, 30), num_samples=50, seq_length=8, seed=1, cache_dir=cache,
                 eod_id=EOD)
     first = GPTDataset(IndexedDataset(prefix), **args)
     built = []
@@ -93,7 +99,7 @@ def test_cache_is_reused_and_rebuilt_when_any_input_changes(tmp_path, monkeypatc
     again = GPTDataset(IndexedDataset(prefix), **args)
     assert built == []  # loaded from the cache
     np.testing.assert_array_equal(first.sample_idx, again.sample_idx)
-    for change in (dict(seed=2), dict(seq_length=9), dict(num_samples=60), dict(document_range=(0, 29)),
+    for change in (dict(seed=2), dict(seq_length=9), dict(num_samples=60), dict(sequence_range=(0, 29)),
                    dict(split="valid")):
         GPTDataset(IndexedDataset(prefix), **{**args, **change})
         assert len(built) == 1, change
@@ -102,6 +108,117 @@ def test_cache_is_reused_and_rebuilt_when_any_input_changes(tmp_path, monkeypatc
     GPTDataset(IndexedDataset(prefix), **args)
     assert len(built) == 1
     assert not [f for f in os.listdir(cache) if ".tmp" in f]
+    built.clear()
+    copy = str(tmp_path / "elsewhere" / "copy")  # a node-local copy: another path, another mtime, same content
+    os.makedirs(os.path.dirname(copy))
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(prefix + suffix, copy + suffix)
+    os.utime(copy + ".idx", (1, 1))
+    GPTDataset(IndexedDataset(copy), **args)
+    assert built == []
+
+
+def _log_lines(monkeypatch) -> list[str]:
+    """Messages the project's logger emits (it does not propagate to pytest's caplog)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = get_logger()
+    monkeypatch.setattr(logger, "handlers", [*logger.handlers, handler])  # the old list is restored afterwards
+    return lines
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "other shape", "description"])
+def test_a_damaged_cached_index_is_rebuilt_with_a_warning(tmp_path, monkeypatch, damage):
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    args = ("train", (0, 30), 50, 8, 1, cache, EOD)
+    first = GPTDataset(IndexedDataset(prefix), *args)
+    want = [np.array(a) for a in (first.doc_idx, first.sample_idx, first.shuffle_idx)]
+    del first
+    (sample,) = [os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("_sample_idx.npy")]
+    if damage == "truncate":
+        os.truncate(sample, os.path.getsize(sample) // 2)
+    elif damage == "empty":
+        os.truncate(sample, 0)
+    elif damage == "other shape":
+        np.save(sample, np.zeros((3, 2), np.int32))
+    else:
+        with open(sample.replace("_sample_idx.npy", "_description.json"), "w") as f:
+            f.write("{not json")
+    lines = _log_lines(monkeypatch)
+    again = GPTDataset(IndexedDataset(prefix), *args)
+    for got, expected in zip((again.doc_idx, again.sample_idx, again.shuffle_idx), want):
+        np.testing.assert_array_equal(got, expected)
+    assert len(lines) == 1 and "rebuilding it" in lines[0]
+    assert not [f for f in os.listdir(cache) if ".tmp" in f]
+
+
+@pytest.mark.parametrize("cache_state", ["missing", "damaged"])
+def test_an_unwritable_cache_folder_is_a_one_line_error(tmp_path, monkeypatch, cache_state):
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    if cache_state == "damaged":  # built once, then a file cut in half: it must be rebuilt, and cannot be
+        build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache)
+        (shuffle,) = [os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("_shuffle_idx.npy")]
+        os.truncate(shuffle, os.path.getsize(shuffle) // 2)
+
+    def refuse(path, data):
+        raise PermissionError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(index_cache, "write_atomic", refuse)
+    with pytest.raises(DatasetError) as err:
+        build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache)
+    message = str(err.value)
+    assert "\n" not in message and f"cannot write the dataset index cache in {cache}" in message
+    assert "read-only" in message and "--data-cache-path" in message
+
+
+def test_empty_datasets_and_an_empty_train_split_are_errors(tmp_path):
+    with IndexedDatasetWriter(str(tmp_path / "none"), np.int32):
+        pass
+    with IndexedDatasetWriter(str(tmp_path / "blank"), np.int32) as writer:
+        writer.add_document([])
+    for name, count in (("none", 0), ("blank", 1)):
+        with pytest.raises(DatasetError, match=re.escape(f"dataset {tmp_path}/{name} is empty ({count} sequences, 0 "
+                                                         f"tokens); preprocess a non-empty corpus")):
+            build_datasets(str(tmp_path / name), "1,0,0", (10, 0, 0), 8, 1, EOD, str(tmp_path / "cache"))
+    _make(str(tmp_path / "ds"), 30)
+    with pytest.raises(DatasetError, match="split '0,100,0' leaves the train split of .* 0 of its 30 sequences"):
+        build_datasets(str(tmp_path / "ds"), "0,100,0", (10, 2, 0), 8, 1, EOD, str(tmp_path / "cache"))
+    assert not os.path.exists(tmp_path / "cache")  # nothing was written
+
+
+def test_token_ids_beyond_the_vocabulary_stop_and_the_scan_is_cached(tmp_path, monkeypatch):
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    docs = _make(prefix, 30)
+    largest = int(max(d.max() for d in docs))
+    scans = []
+    real = token_check.scan_token_range
+    monkeypatch.setattr(token_check, "scan_token_range", lambda *a: scans.append(a) or real(*a))
+    with pytest.raises(DatasetError) as err:
+        build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=largest)
+    assert str(err.value) == (f"{prefix}.bin holds token id {largest} but the model's vocabulary has {largest} ids "
+                              f"(0..{largest - 1}); re-preprocess the data with the model's tokenizer or raise "
+                              f"vocab_size.")
+    assert not [f for f in os.listdir(cache) if f.endswith(".npy")]  # stopped before building indices
+    train, _, _ = build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=largest + 1)
+    assert len(train) >= 50 and len(scans) == 1  # the second check read the cached range
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_token_scan_in_chunks_finds_the_extremes(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 30000, size=10_001).astype(dtype)
+    tokens[7777] = 31000
+    if dtype == np.int32:
+        tokens[3] = -5
+    with IndexedDatasetWriter(str(tmp_path / "ds"), dtype) as writer:
+        writer.add_document(tokens)
+    low, high = token_check.scan_token_range(IndexedDataset(str(tmp_path / "ds")), chunk_bytes=1000)
+    assert high == 31000 and low == (-5 if dtype == np.int32 else None)
+    with pytest.raises(DatasetError, match="holds token id -5, a negative id"):
+        token_check.check_range("x.bin", -5, 10, 50000)
 
 
 def test_input_dir_forms(tmp_path):
@@ -139,3 +256,15 @@ def test_loader_resumed_at_consumed_samples_matches_uninterrupted(tmp_path):
         assert len(resumed) == len(full) - step
         for got, want in zip(resumed, full[step:]):
             assert np.array_equal(got.numpy(), want.numpy())
+
+
+def test_a_split_with_a_share_but_no_sequences_is_said(tmp_path, monkeypatch):
+    _make(str(tmp_path / "ds"), 30)
+    lines = _log_lines(monkeypatch)
+    train, valid, test = build_datasets(str(tmp_path / "ds"), "949,50,1", (20, 8, 8), 8, 1, EOD, str(tmp_path / "c"))
+    assert train is not None and valid is not None and test is None  # test: round(0.999 x 30) = round(1.0 x 30)
+    assert lines == [f"split '949,50,1' gives the test split of {tmp_path}/ds none of its 30 sequences; it is left "
+                     f"out of test"]
+    lines.clear()
+    build_datasets(str(tmp_path / "ds"), "90,10,0", (20, 8, 8), 8, 1, EOD, str(tmp_path / "c"))
+    assert lines == []  # no share asked, nothing to say

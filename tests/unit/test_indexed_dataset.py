@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import shutil
 import struct
 from pathlib import Path
 
@@ -96,6 +97,29 @@ def test_documents_of_several_sequences(tmp_path):
     ds = IndexedDataset(str(tmp_path / "multi"))
     assert len(ds) == 3 and ds.num_documents == 2
     assert ds.document_indices.tolist() == [0, 2, 3]
+    with IndexedDatasetWriter(str(tmp_path / "ours"), np.uint16) as writer:  # Megatron's add_item + end_document
+        writer.add_item([1, 2])
+        writer.add_item([3])
+        writer.end_document()
+        writer.add_item([4, 5, 6])  # finalize closes the open document
+        assert writer.num_tokens == 6
+    for suffix in (".idx", ".bin"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"multi{suffix}").read_bytes()
+
+
+def test_content_key_follows_the_bytes_not_the_path_or_mtime(tmp_path):
+    _write_by_hand(tmp_path / "a", [[1, 2], [3]])
+    (tmp_path / "copy").mkdir()
+    for suffix in (".idx", ".bin"):
+        shutil.copyfile(tmp_path / f"a{suffix}", tmp_path / "copy" / f"b{suffix}")
+    os.utime(tmp_path / "copy" / "b.idx", (5, 5))
+    key = IndexedDataset(str(tmp_path / "a")).content_key()
+    assert key == IndexedDataset(str(tmp_path / "copy" / "b")).content_key()
+    assert key["idx_size"] == os.path.getsize(tmp_path / "a.idx") and key["bin_size"] == 6
+    _write_by_hand(tmp_path / "a", [[1, 2], [4]])  # same sizes, other tokens: the .bin is not hashed
+    assert IndexedDataset(str(tmp_path / "a")).content_key() == key
+    _write_by_hand(tmp_path / "a", [[1], [2, 3]])  # other lengths: another .idx
+    assert IndexedDataset(str(tmp_path / "a")).content_key() != key
 
 
 @pytest.mark.parametrize("fault, words", [

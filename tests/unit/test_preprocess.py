@@ -114,3 +114,42 @@ def test_missing_input_is_one_line_error(tmp_path, tokenizer_files, capsys):
     assert _run(tokenizer_files, [tmp_path / "nope.jsonl"], tmp_path / "o" / "x") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.jsonl" in err[0]
+
+
+NO_TOKENS = "the input gives key 'text' no tokens"
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("", f"{NO_TOKENS} (0 documents, 0 tokens); nothing was written"),
+    ('{"text": ""}\n{"text": ""}\n', f"{NO_TOKENS} (2 documents, 0 tokens); nothing was written"),
+    ("not json\n", f"{NO_TOKENS} (0 documents, 0 tokens); all 1 record(s) were bad, the first: "),
+])
+def test_an_input_without_tokens_is_one_line_and_writes_nothing(tmp_path, tokenizer_files, capsys, content, expected):
+    (tmp_path / "in.jsonl").write_text(content)
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"preprocess_data.py: error: {expected}")
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_an_id_outside_the_tokenizers_vocabulary_is_one_line(tmp_path, tokenizer_files, capsys, monkeypatch):
+    """A tokenizer whose vocab_size undercounts its ids (inconsistent files) must not write a dataset the
+    model would index out of range."""
+    tool = _tool("preprocess_data")
+    real = tool.build_tokenizer
+
+    def undercounting(*args):
+        tok = real(*args)
+        monkeypatch.setattr(type(tok), "vocab_size", property(lambda self: 100))
+        return tok
+
+    monkeypatch.setattr(tool, "build_tokenizer", undercounting)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(5, seed=4)))
+    vocab, merges = tokenizer_files
+    assert tool.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out" / "c"),
+                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"preprocess_data.py: error: {tmp_path}/in.jsonl:1 (key 'text'): "
+                                               f"the tokenizer produced id ")
+    assert "but its vocabulary has 100 ids" in err[0]
+    assert os.listdir(tmp_path / "out") == []

@@ -1,0 +1,75 @@
+"""Each dataset's token-id range, checked once against the model's vocabulary before training.
+
+An id at or above the (unpadded) vocabulary size is never a valid token: in a padding row of the
+embedding it gives an infinite loss, under tensor parallelism the vocab-parallel lookup silently
+masks it to a zero embedding, and at tp 1 torch raises an IndexError mid-run. So the ``.bin`` is
+scanned once (``np.max`` over memory-mapped chunks of ``SCAN_CHUNK_BYTES``; ``np.min`` too for signed
+token types) and the result cached beside the indices under the dataset's content key, so a second
+run does not rescan. The scan follows ``index_cache.load_or_build`` (global rank 0, then each node's
+local rank 0, then every rank reads it), and the verdict is agreed, so a bad dataset stops every
+rank with one ``DatasetError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from megatron.data import index_cache
+from megatron.data.indexed_dataset import DatasetError, IndexedDataset, data_file
+
+SCAN_CHUNK_BYTES = 256 << 20
+
+
+def scan_token_range(indexed: IndexedDataset, chunk_bytes: int = SCAN_CHUNK_BYTES) -> tuple[int | None, int]:
+    """(smallest id or None for an unsigned token type, largest id; -1 for no tokens), chunk by chunk."""
+    tokens = indexed.bin
+    step = max(chunk_bytes // tokens.dtype.itemsize, 1)
+    signed = tokens.dtype.kind != "u"
+    low, high = None, -1
+    for start in range(0, len(tokens), step):
+        chunk = tokens[start:start + step]
+        high = max(high, int(chunk.max()))
+        if signed:
+            low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
+    return low, high
+
+
+def _entry_path(indexed: IndexedDataset, folder: str) -> tuple[str, dict]:
+    content = {**indexed.content_key(), "format": index_cache.CACHE_FORMAT}
+    key = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(folder, f"{key}-token_range.json"), content
+
+
+def token_range(indexed: IndexedDataset, folder: str, vocab_size: int | None = None) -> tuple[int | None, int]:
+    """The cached (smallest, largest) token id of ``indexed`` (scanned on the builder ranks if not cached in
+    ``folder``). With ``vocab_size``, raise ``DatasetError`` on every rank if an id is outside
+    ``[0, vocab_size)``."""
+    path, content = _entry_path(indexed, folder)
+
+    def build() -> None:
+        low, high = scan_token_range(indexed)
+        text = json.dumps({**content, "min_token_id": low, "max_token_id": high}, indent=2, sort_keys=True)
+        with index_cache.writable(folder):
+            os.makedirs(folder, exist_ok=True)
+            index_cache.write_atomic(path, text.encode())
+
+    def verify(entry: dict) -> None:
+        if vocab_size is not None:
+            check_range(data_file(indexed.prefix), entry["min_token_id"], entry["max_token_id"], vocab_size)
+
+    entry = index_cache.load_or_build(f"the token-id scan of {data_file(indexed.prefix)}",
+                                      lambda: index_cache.load_json(path, content), build, verify)
+    return entry["min_token_id"], entry["max_token_id"]
+
+
+def check_range(bin_path: str, low: int | None, high: int, vocab_size: int) -> None:
+    """Raise ``DatasetError`` if an id of ``bin_path`` is negative or at least ``vocab_size``."""
+    if high >= vocab_size:
+        raise DatasetError(f"{bin_path} holds token id {high} but the model's vocabulary has {vocab_size} ids "
+                           f"(0..{vocab_size - 1}); re-preprocess the data with the model's tokenizer or raise "
+                           f"vocab_size.")
+    if low is not None and low < 0:
+        raise DatasetError(f"{bin_path} holds token id {low}, a negative id; the file is corrupt or not token "
+                           f"data: re-preprocess it with tools/preprocess_data.py.")
