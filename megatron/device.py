@@ -25,6 +25,11 @@ def get_device(kind: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def collective_device(backend: str) -> torch.device:
+    """Where a tensor for a collective of ``backend`` must live: this rank's GPU for NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

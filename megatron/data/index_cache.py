@@ -78,9 +78,9 @@ def _any_rank_failed(failed: bool) -> bool:
     import torch
     import torch.distributed as dist
 
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    from megatron.device import collective_device
+
+    flag = torch.tensor([1.0 if failed else 0.0], device=collective_device(dist.get_backend()))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
