@@ -58,22 +58,35 @@ def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost:
 
 
 class MetricsWriter:
-    """One JSON object per line in ``output_dir/metrics.jsonl``, mirrored to TensorBoard."""
+    """One JSON object per line in ``output_dir/metrics.jsonl``, mirrored to TensorBoard.
 
-    def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool = True):
+    ``resume_step``: the run continues from that step (a resume, or 0 for a fresh start in the
+    folder of a run that never saved). Records of later steps left by an earlier run in the same
+    folder are dropped first (``drop_records_after``), and TensorBoard hides that run's later events
+    (``purge_step``), so no step appears twice."""
+
+    def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool = True,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_step is not None:
+            dropped = drop_records_after(path, resume_step)
+            if dropped:
+                get_logger().info(f"{path}: dropped {dropped} record(s) of an earlier run past step {resume_step}, "
+                                  f"where this run continues")
+        self._jsonl = open(path, "a", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # tensorboard is a dependency, but do not die over an optional sink
             get_logger().warning("tensorboard is not installed; writing metrics.jsonl only.")
         else:
-            self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(output_dir, "tensorboard"))
+            self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(output_dir, "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -90,3 +103,30 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def drop_records_after(path: str, step: int) -> int:
+    """Rewrite ``path`` (metrics.jsonl) atomically without the records of steps above ``step`` (train,
+    valid and test records alike) and without unreadable lines (the partial last line of a killed
+    run); returns how many lines were dropped. The file is left untouched when nothing is dropped."""
+    if not os.path.isfile(path):
+        return 0
+    dropped, tmp = 0, path + ".tmp"
+    with open(path) as src, open(tmp, "w") as dst:
+        for line in src:
+            try:
+                record = json.loads(line)
+                keep = line.endswith("\n") and (not isinstance(record, dict) or record.get("step", 0) <= step)
+            except (ValueError, TypeError):
+                keep = False
+            if keep:
+                dst.write(line)
+            else:
+                dropped += 1
+        dst.flush()
+        os.fsync(dst.fileno())
+    if dropped:
+        os.replace(tmp, path)
+    else:
+        os.remove(tmp)
+    return dropped

@@ -1,7 +1,16 @@
 """Checkpoints: layout-independent save and load (``save_load``), the on-disk format (``format``),
-offline writing and resharding (``convert``) and the Hugging Face GPT-2 mapping (``hf_gpt2``)."""
+the output folder and agreement between ranks on a failure (``run_dir``), offline writing and
+resharding (``convert``) and the Hugging Face GPT-2 mapping (``hf_gpt2``)."""
 
-from megatron.checkpoint.format import KINDS, CheckpointError, CheckpointReader, resolve_checkpoint
+from megatron.checkpoint.format import (
+    KINDS,
+    CheckpointError,
+    CheckpointReader,
+    find_checkpoint,
+    resolve_checkpoint,
+    same_folder,
+)
+from megatron.checkpoint.run_dir import check_output_dir, on_every_rank
 from megatron.checkpoint.save_load import (
     check_compatible,
     global_name,
@@ -10,5 +19,6 @@ from megatron.checkpoint.save_load import (
     save_checkpoint,
 )
 
-__all__ = ["KINDS", "CheckpointError", "CheckpointReader", "check_compatible", "global_name", "load_checkpoint",
-           "owned_pieces", "resolve_checkpoint", "save_checkpoint"]
+__all__ = ["KINDS", "CheckpointError", "CheckpointReader", "check_compatible", "check_output_dir", "find_checkpoint",
+           "global_name", "load_checkpoint", "on_every_rank", "owned_pieces", "resolve_checkpoint", "same_folder",
+           "save_checkpoint"]

@@ -25,19 +25,20 @@ import torch
 import yaml
 
 from megatron.checkpoint.format import (
+    CRC_CHUNK_BYTES,
     FORMAT_VERSION,
     KINDS,
     CheckpointError,
     CheckpointReader,
     RankFileWriter,
+    fsync_dir,
     resolve_checkpoint,
+    seal,
     write_text,
 )
 from megatron.config import Config, ConfigError, to_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
-_PIECE_FIELDS = ("offset", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
-                 "local_shape")
 
 
 def config_from_yaml(text: str) -> Config:
@@ -73,15 +74,9 @@ def open_checkpoint(path: str) -> tuple[CheckpointReader, dict, Config]:
     """(reader, common.pt, config) of a run folder (its latest step) or a step folder; CheckpointError
     with a one-line message when it is missing or damaged."""
     step_dir = resolve_checkpoint(path)
+    reader = CheckpointReader(step_dir)  # checks metadata.json's structure
+    common = reader.common()  # checks common.pt's checksum and keys
     try:
-        reader = CheckpointReader(step_dir)
-        for piece in reader.metadata["pieces"]:
-            lacking = [field for field in _PIECE_FIELDS if field not in piece]
-            if lacking:
-                raise KeyError(f"a piece in metadata.json lacks {lacking[0]!r}")
-        common = reader.common()
-        if "step" not in common:
-            raise KeyError("common.pt lacks 'step'")
         config = config_from_yaml(common["config"])
     except (KeyError, TypeError, AttributeError, yaml.YAMLError, ConfigError) as err:
         raise CheckpointError(f"{step_dir} is damaged ({type(err).__name__}: {err}).") from err
@@ -152,19 +147,24 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        _write_files(tmp, config, entries, load, layout, tp, step, adam_step, grad_scaler, train_state, converted_by)
-        write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None else resume_config)
+        config_crc = write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None
+                                else resume_config)
+        _write_files(tmp, config, entries, load, layout, tp, step, adam_step, grad_scaler, train_state, converted_by,
+                     config_crc)
+        fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
+    fsync_dir(run_dir)
     return final
 
 
 def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout: dict, tp: int, step: int,
-                 adam_step: float, grad_scaler: dict | None, train_state: dict | None, converted_by: str) -> None:
+                 adam_step: float, grad_scaler: dict | None, train_state: dict | None, converted_by: str,
+                 config_crc: int) -> None:
     pieces = []
     for rank in range(tp):
         writer = RankFileWriter(tmp, rank)
@@ -196,7 +196,9 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
     layout_info = {"world_size": tp, "tp": tp, "pp": 1, "dp": 1, "sharding": 1, "vpp": 1,
                    "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload,
                    "converted_by": converted_by}
-    metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info, "pieces": pieces}
+    files = {"common.pt": seal(os.path.join(tmp, "common.pt")), "config.yaml": config_crc}
+    metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info,
+                "checksum": {"algorithm": "crc32", "chunk_bytes": CRC_CHUNK_BYTES}, "files": files, "pieces": pieces}
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
 
 

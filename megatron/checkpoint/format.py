@@ -3,79 +3,206 @@
 A step folder holds:
 
 - ``rank{r}.bin``: the pieces rank r wrote, raw little-endian fp32, back to back. Reading a piece
-  is a seek and a read of exactly its bytes: no pickle, no memory map that would keep pages
-  resident, nothing else read.
+  is a seek and a read of its bytes: no pickle, no memory map that would keep pages resident.
 - ``rank{r}.rng.pt``: that rank's RNG streams (restored only under the same layout).
 - ``metadata.json``: the layout saved under and every piece: ``kind`` (param = fp32 master
   weight, exp_avg, exp_avg_sq), global ``name`` and ``global_shape``, the tensor-parallel slice it
   belongs to (``partition_dim``, ``tp_rank`` of ``tp_size``, ``local_shape``), its flat range
-  ``[lo, hi)`` in that slice, and where it is (``rank``, byte ``offset``).
+  ``[lo, hi)`` in that slice, where it is (``rank``, byte ``offset``) and ``crc32``: the zlib CRC-32
+  of each ``checksum.chunk_bytes`` (4 MiB) chunk of its bytes. ``files`` holds the CRC-32 of
+  ``common.pt``, ``config.yaml`` and every ``rank{r}.rng.pt``.
 - ``common.pt`` (step, consumed samples, AdamW step, loss scaler, configuration) and
   ``config.yaml``.
+
+Every byte read is checked against its checksum: a piece read in part is checked over the chunks
+it touches (at most two chunks more than asked are read), so a mismatch is never loaded. Format 2
+(before checksums) is still read, unverified.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import zlib
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # 2: no checksums (read unverified)
+CRC_CHUNK_BYTES = 4 << 20  # one CRC-32 per 4 MiB of a piece: a partial read checks at most 8 MiB more
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # param: the fp32 master weight
+PIECE_FIELDS = ("offset", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
+                "local_shape")
 _WORD_EMBEDDING = "word_embeddings.weight"
+_STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: missing, truncated, or from another model."""
+    """A checkpoint or output folder that cannot be used: missing, truncated, corrupt, from another
+    model, or in the way. Its message is one line saying what is wrong and what to do."""
 
 
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` durably and atomically (temporary name, fsync, rename)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
+def write_bytes(path: str, data: bytes) -> int:
+    """Write ``data`` durably and atomically (temporary name, fsync, rename); returns its CRC-32."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    return zlib.crc32(data)
+
+
+def write_text(path: str, text: str) -> int:
+    """Write ``text`` durably and atomically; returns the CRC-32 of its bytes."""
+    return write_bytes(path, text.encode())
+
+
+def seal(path: str) -> int:
+    """fsync a file written by someone else (``torch.save``) and return its CRC-32."""
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read())
+        os.fsync(f.fileno())
+    return crc
+
+
+def fsync_dir(path: str) -> None:
+    """Make the folder's entries (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def chunk_crcs(data, chunk: int = CRC_CHUNK_BYTES) -> list[int]:
+    """The CRC-32 of each ``chunk`` bytes of ``data`` (a bytes-like object)."""
+    view = memoryview(data).cast("B")
+    return [zlib.crc32(view[i:i + chunk]) for i in range(0, len(view), chunk)]
 
 
 class RankFileWriter:
-    """Appends fp32 pieces to ``rank{r}.bin``; ``add`` returns the piece's location fields."""
+    """Appends fp32 pieces to ``rank{r}.bin``; ``add`` returns the piece's location and checksums."""
 
-    def __init__(self, step_dir: str, rank: int):
-        self.rank = rank
+    def __init__(self, step_dir: str, rank: int, chunk_bytes: int = CRC_CHUNK_BYTES):
+        self.rank, self.chunk_bytes = rank, chunk_bytes
         self._file = open(os.path.join(step_dir, f"rank{rank}.bin"), "wb")
         self._offset = 0
 
     def add(self, tensor: torch.Tensor) -> dict:
         data = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
-        self._file.write(data.numpy().tobytes())
-        where = {"rank": self.rank, "offset": self._offset}
-        self._offset += data.numel() * 4
+        raw = memoryview(data.numpy()).cast("B")
+        self._file.write(raw)
+        where = {"rank": self.rank, "offset": self._offset, "crc32": chunk_crcs(raw, self.chunk_bytes)}
+        self._offset += len(raw)
         return where
 
     def close(self) -> None:
+        if self._file.closed:
+            return
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A step folder from ``path``: a run's output folder (its ``latest``) or a step folder."""
+def earlier_checkpoint(step_dir: str) -> str:
+    """What to do about a damaged ``step_dir``: load the newest complete step folder below it."""
+    parent, name = os.path.split(os.path.normpath(step_dir))
+    match = _STEP_DIR.fullmatch(name)
+    steps = []
+    if match and os.path.isdir(parent or "."):
+        steps = sorted(int(m.group(1)) for d in os.listdir(parent or ".") if (m := re.fullmatch(r"step_(\d+)", d))
+                       and int(m.group(1)) < int(match.group(1))
+                       and os.path.isfile(os.path.join(parent, d, "metadata.json")))
+    if steps:
+        return f"load an earlier checkpoint instead (--load {os.path.join(parent, f'step_{steps[-1]}')})"
+    return "load an earlier step_N folder instead, if there is one"
+
+
+def find_checkpoint(path: str) -> str | None:
+    """The step folder to load from ``path`` (a step folder, or a run folder: the step its ``latest``
+    names), or None when ``path`` holds no checkpoint at all: it does not exist, or is a folder with no
+    ``latest`` and no step folders (a run that never saved). A damaged checkpoint (a ``latest`` naming
+    a missing or incomplete folder, step folders without ``latest``) raises CheckpointError."""
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder; give a run folder or a step_N folder.")
+    if _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path))):
+        raise CheckpointError(f"{path} holds no metadata.json: its save is incomplete or damaged; "
+                              f"{earlier_checkpoint(path)}.")
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
+    if os.path.lexists(latest):
+        return _follow_latest(path, latest)
+    try:
+        entries = os.listdir(path)
+    except OSError as err:
+        raise CheckpointError(f"cannot read the folder {path} ({err.strerror or err}); fix its permissions.") from err
+    steps = sorted((d for d in entries if _STEP_DIR.fullmatch(d)), key=lambda d: int(d[5:].split(".")[0]))
+    if steps:
+        raise CheckpointError(f"{path} holds step folders but no 'latest' file; load one of them directly "
+                              f"(--load {os.path.join(path, steps[-1])}).")
+    return None
+
+
+def _follow_latest(path: str, latest: str) -> str:
+    try:
         with open(latest) as f:
-            step_dir = os.path.join(path, f.read().strip())
-        if os.path.isfile(os.path.join(step_dir, "metadata.json")):
-            return step_dir
-        if os.path.isfile(os.path.join(step_dir + ".old", "metadata.json")):  # killed while re-saving that step
-            return step_dir + ".old"
-        raise CheckpointError(f"{latest} names {step_dir}, which holds no checkpoint (metadata.json is missing).")
-    raise CheckpointError(f"no checkpoint at {path}: expected a step folder with metadata.json or a run folder "
-                          f"with a 'latest' file.")
+            name = f.read().strip()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {latest} ({err.strerror or err}); remove it or load a step folder "
+                              f"directly.") from err
+    if not re.fullmatch(r"step_\d+", name):
+        raise CheckpointError(f"{latest} holds {name[:40]!r}, not a step folder name; it is damaged: load a step "
+                              f"folder directly (--load {path}/step_N).")
+    step_dir = os.path.join(path, name)
+    if os.path.isfile(os.path.join(step_dir, "metadata.json")):
+        return step_dir
+    if os.path.isfile(os.path.join(step_dir + ".old", "metadata.json")):  # killed while re-saving that step
+        return step_dir + ".old"
+    raise CheckpointError(f"{latest} names {step_dir}, which holds no checkpoint (metadata.json is missing); "
+                          f"{earlier_checkpoint(step_dir)}.")
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A step folder from ``path``: a run's output folder (its ``latest``) or a step folder."""
+    step_dir = find_checkpoint(path)
+    if step_dir is None:
+        raise CheckpointError(f"no checkpoint at {path}: expected a step folder with metadata.json or a run folder "
+                              f"with a 'latest' file.")
+    return step_dir
+
+
+def same_folder(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def verify_file(step_dir: str, name: str, metadata: dict | None = None) -> None:
+    """CheckpointError if ``step_dir/name`` does not match the CRC-32 that ``metadata.json`` records
+    for it (nothing to check when none is recorded: format 2, or a file the format does not list)."""
+    if metadata is None:
+        try:
+            with open(os.path.join(step_dir, "metadata.json")) as f:
+                metadata = json.load(f)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"cannot read {step_dir}/metadata.json ({err}); "
+                                  f"{earlier_checkpoint(step_dir)}.") from err
+    files = metadata.get("files") if isinstance(metadata, dict) else None
+    if not isinstance(files, dict) or name not in files:
+        return
+    path = os.path.join(step_dir, name)
+    try:
+        with open(path, "rb") as f:
+            crc = zlib.crc32(f.read())
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path} ({err.strerror or err}); the checkpoint is incomplete: "
+                              f"{earlier_checkpoint(step_dir)}.") from err
+    if crc != files[name]:
+        raise CheckpointError(f"{path} does not match its checksum in metadata.json: the file is corrupt; "
+                              f"{earlier_checkpoint(step_dir)}.")
 
 
 def _numel(shape) -> int:
@@ -83,7 +210,9 @@ def _numel(shape) -> int:
 
 
 class CheckpointReader:
-    """Global tensors, or any tensor-parallel slice of them, out of a saved step folder."""
+    """Global tensors, or any tensor-parallel slice of them, out of a saved step folder. Every read is
+    checked against the checksums in ``metadata.json`` (format 3); ``checksummed`` is False for
+    format 2, whose data is read unverified."""
 
     def __init__(self, step_dir: str):
         self.step_dir = step_dir
@@ -91,15 +220,49 @@ class CheckpointReader:
             with open(os.path.join(step_dir, "metadata.json")) as f:
                 self.metadata = json.load(f)
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"cannot read {step_dir}/metadata.json: {err}") from err
-        if self.metadata.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{step_dir} is in checkpoint format {self.metadata.get('format_version')}; this "
-                                  f"version reads format {FORMAT_VERSION}.")
+            raise CheckpointError(f"cannot read {step_dir}/metadata.json ({err}); "
+                                  f"{earlier_checkpoint(step_dir)}.") from err
+        version = self.metadata.get("format_version") if isinstance(self.metadata, dict) else None
+        if version not in READABLE_VERSIONS:
+            raise CheckpointError(f"{step_dir} is in checkpoint format {version}; this version reads formats "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))}.")
+        self.checksummed = version >= 3
+        self.chunk_bytes = CRC_CHUNK_BYTES
+        self._check_metadata()
         self.index: dict[tuple[str, str], list[dict]] = {}
         for piece in self.metadata["pieces"]:
             self.index.setdefault((piece["kind"], piece["name"]), []).append(piece)
         self._handles: dict[int, object] = {}
         self.bytes_read = 0
+
+    def _check_metadata(self) -> None:
+        """The structure ``metadata.json`` must have, so that a damaged one is one CheckpointError."""
+        meta, problem = self.metadata, None
+        if not isinstance(meta.get("pieces"), list) or not isinstance(meta.get("layout"), dict):
+            problem = "no 'pieces' list or 'layout'"
+        elif self.checksummed:
+            checksum = meta.get("checksum") or {}
+            self.chunk_bytes = checksum.get("chunk_bytes") if checksum.get("algorithm") == "crc32" else None
+            if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0 or self.chunk_bytes % 4:
+                problem = f"checksum {checksum!r} is not crc32 over chunks of a multiple of 4 bytes"
+        for piece in meta["pieces"] if problem is None else ():
+            problem = self._piece_problem(piece)
+            if problem:
+                break
+        if problem:
+            raise CheckpointError(f"{self.step_dir}/metadata.json is damaged ({problem}); "
+                                  f"{earlier_checkpoint(self.step_dir)}.")
+
+    def _piece_problem(self, piece) -> str | None:
+        lacking = [field for field in PIECE_FIELDS if not isinstance(piece, dict) or field not in piece]
+        if lacking:
+            return f"a piece lacks {lacking[0]!r}"
+        if not 0 <= piece["lo"] < piece["hi"]:
+            return f"a piece of {piece['name']!r} has the range [{piece['lo']}, {piece['hi']})"
+        chunks = -(-4 * (piece["hi"] - piece["lo"]) // self.chunk_bytes)
+        if self.checksummed and (not isinstance(piece.get("crc32"), list) or len(piece["crc32"]) != chunks):
+            return f"a piece of {piece['name']!r} lacks a checksum per chunk"
+        return None
 
     @property
     def names(self) -> list[str]:
@@ -115,7 +278,7 @@ class CheckpointReader:
         return os.path.join(self.step_dir, f"rank{rank}.bin")
 
     def verify(self) -> None:
-        """Every rank file exists and holds every byte its pieces need."""
+        """Every rank file exists and holds every byte its pieces need (sizes only: cheap)."""
         need: dict[int, int] = {}
         for piece in self.metadata["pieces"]:
             end = piece["offset"] + 4 * (piece["hi"] - piece["lo"])
@@ -125,32 +288,67 @@ class CheckpointReader:
             have = os.path.getsize(path) if os.path.isfile(path) else None
             if have is None or have < size:
                 what = "is missing" if have is None else f"holds {have} bytes of {size}"
-                raise CheckpointError(f"{path} {what}; the checkpoint is incomplete or damaged.")
+                raise CheckpointError(f"{path} {what}; the checkpoint is incomplete or damaged: "
+                                      f"{earlier_checkpoint(self.step_dir)}.")
 
-    def read_piece(self, piece: dict, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        """The piece's values (or those of ``[lo, hi)`` within its flat range), fp32."""
-        lo = piece["lo"] if lo is None else lo
-        hi = piece["hi"] if hi is None else hi
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        handle = self._handles.get(piece["rank"])
+    def verify_file(self, name: str) -> None:
+        """``name`` (common.pt, config.yaml, rank{r}.rng.pt) matches its recorded checksum."""
+        verify_file(self.step_dir, name, self.metadata)
+
+    def verify_all(self) -> tuple[int, int]:
+        """Check every checksum (every piece, whole, and every recorded file); returns (pieces, bytes)
+        checked. Reads the whole checkpoint, one chunk at a time."""
+        self.verify()
+        for name in sorted((self.metadata.get("files") or {}) if self.checksummed else ()):
+            self.verify_file(name)
+        pieces = nbytes = 0
+        step = self.chunk_bytes // 4
+        for piece in self.metadata["pieces"]:
+            for lo in range(piece["lo"], piece["hi"], step):
+                self.read_piece(piece, lo, min(lo + step, piece["hi"]))
+            pieces, nbytes = pieces + 1, nbytes + 4 * (piece["hi"] - piece["lo"])
+        return pieces, nbytes
+
+    def _handle(self, rank: int):
+        handle = self._handles.get(rank)
         if handle is None:
             try:
-                handle = self._handles[piece["rank"]] = open(self._path(piece["rank"]), "rb")
+                handle = self._handles[rank] = open(self._path(rank), "rb")
             except OSError as err:
-                raise CheckpointError(f"cannot read {self._path(piece['rank'])} ({err}); the checkpoint is "
-                                      f"incomplete or damaged.") from err
-        handle.seek(piece["offset"] + 4 * (lo - piece["lo"]))
-        self.bytes_read += 4 * (hi - lo)
-        if handle.readinto(out.numpy().view(np.uint8)) != 4 * (hi - lo):
+                raise CheckpointError(f"cannot read {self._path(rank)} ({err.strerror or err}); the checkpoint is "
+                                      f"incomplete or damaged: {earlier_checkpoint(self.step_dir)}.") from err
+        return handle
+
+    def read_piece(self, piece: dict, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """The piece's values (or those of ``[lo, hi)`` within its flat range), fp32, checked: the
+        chunks of the piece that ``[lo, hi)`` touches are read whole and compared with their CRC-32."""
+        lo = piece["lo"] if lo is None else lo
+        hi = piece["hi"] if hi is None else hi
+        size, first, last = 4 * (piece["hi"] - piece["lo"]), 4 * (lo - piece["lo"]), 4 * (hi - piece["lo"])
+        chunk = self.chunk_bytes
+        a, b = (first // chunk * chunk, min(-(-last // chunk) * chunk, size)) if self.checksummed else (first, last)
+        out = torch.empty((b - a) // 4, dtype=torch.float32)
+        raw = out.numpy().view(np.uint8)
+        handle = self._handle(piece["rank"])
+        handle.seek(piece["offset"] + a)
+        self.bytes_read += b - a
+        if handle.readinto(raw) != b - a:
             raise CheckpointError(f"{self._path(piece['rank'])} is shorter than its metadata says; the checkpoint "
-                                  f"is incomplete or damaged.")
-        return out
+                                  f"is incomplete or damaged: {earlier_checkpoint(self.step_dir)}.")
+        if self.checksummed:
+            for k in range(a // chunk, -(-b // chunk)):
+                if zlib.crc32(raw[k * chunk - a:min((k + 1) * chunk, size) - a]) != piece["crc32"][k]:
+                    start = piece["offset"] + k * chunk
+                    raise CheckpointError(
+                        f"{self._path(piece['rank'])}: checksum mismatch in {piece['kind']} {piece['name']!r} "
+                        f"(bytes {start}-{start + min(chunk, size - k * chunk)}): the file is corrupt; "
+                        f"{earlier_checkpoint(self.step_dir)}.")
+        return out[(first - a) // 4:(last - a) // 4]
 
     def close(self) -> None:
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
-
     def full(self, kind: str, name: str) -> torch.Tensor:
         """The whole global tensor (fp32), assembled from its saved tensor-parallel slices."""
         pieces = self.index[(kind, name)]
@@ -203,13 +401,29 @@ class CheckpointReader:
         local = full if partition_dim is None or tp_size == 1 else full.chunk(tp_size, dim=partition_dim)[tp_rank]
         return local.reshape(-1)[lo:hi].clone()
 
-    def common(self) -> dict:
-        path = os.path.join(self.step_dir, "common.pt")
+    def _load_pt(self, name: str, keys: tuple[str, ...]) -> dict:
+        """``torch.load`` of a small file of the step folder, checked against its checksum and for ``keys``."""
+        self.verify_file(name)
+        path = os.path.join(self.step_dir, name)
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            value = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as err:
-            raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
+            raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {' '.join(str(err).split())}); the "
+                                  f"checkpoint is damaged: {earlier_checkpoint(self.step_dir)}.") from err
+        lacking = [key for key in keys if not isinstance(value, dict) or key not in value]
+        if lacking:
+            raise CheckpointError(f"{path} lacks {lacking[0]!r}; the checkpoint is damaged: "
+                                  f"{earlier_checkpoint(self.step_dir)}.")
+        return value
+
+    def common(self) -> dict:
+        """``common.pt``: step, AdamW step, loss scaler, train state and the resolved configuration."""
+        return self._load_pt("common.pt", ("step", "adam_step", "grad_scaler", "train_state", "config"))
 
     def rng_state(self, rank: int) -> dict | None:
-        path = os.path.join(self.step_dir, f"rank{rank}.rng.pt")
-        return torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
+        """Rank ``rank``'s RNG streams, or None when the checkpoint has none for it (a converted one)."""
+        name = f"rank{rank}.rng.pt"
+        recorded = name in (self.metadata.get("files") or {})
+        if not recorded and not os.path.isfile(os.path.join(self.step_dir, name)):
+            return None
+        return self._load_pt(name, ("python", "numpy", "torch", "tracker"))

@@ -14,9 +14,13 @@ Files in ``step_{N}/`` (``megatron/checkpoint/format.py``): ``rank{r}.bin`` (tha
 raw fp32), ``rank{r}.rng.pt`` (its RNG streams), ``metadata.json`` (every piece of every rank,
 the global shapes, the layout), ``common.pt`` (step, consumed samples, loss scaler, the resolved
 configuration), ``config.yaml`` (the same configuration: a run resumed with ``ckpt_dir`` takes it
-as its base, under the YAML file and flags given now). A save is written into
-``step_{N}.tmp`` and renamed when every rank has finished; ``latest`` (the step folder's name) is
-replaced last, so a save killed half-way never touches the previous checkpoint.
+as its base, under the YAML file and flags given now). Every piece and file carries a CRC-32,
+checked on load. A save is written into ``step_{N}.tmp`` and renamed when every rank has finished;
+``latest`` (the step folder's name) is replaced last, so a save killed half-way never touches the
+previous checkpoint; pruning (``keep_last``) follows only a save that succeeded.
+
+**Failures** of a save or a load, on any rank, go through ``run_dir.on_every_rank``: every rank
+raises the same one-line CheckpointError, so none is left waiting in a collective.
 
 **Loading** reads, for each of this rank's pieces, the saved pieces of the same tensor: the
 saved pieces overlapping it are read (a seek and a read each); only when the tensor-parallel cut
@@ -32,6 +36,7 @@ import random
 import re
 import shutil
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -39,14 +44,19 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.checkpoint.format import (
+    CRC_CHUNK_BYTES,
     FORMAT_VERSION,
     KINDS,
     CheckpointError,
     CheckpointReader,
     RankFileWriter,
-    resolve_checkpoint,
+    find_checkpoint,
+    fsync_dir,
+    same_folder,
+    seal,
     write_text,
 )
+from megatron.checkpoint.run_dir import on_every_rank, ranks_with, remove_leftover
 from megatron.metrics import get_logger
 from megatron.parallel_state import ParallelState
 
@@ -120,74 +130,102 @@ def _layout(ps: ParallelState, config) -> dict:
             "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
 
 
-def _all_ranks_ok(error: str | None, device: torch.device) -> None:
-    """Raise on every rank if any rank failed (so none waits in a collective the others skip)."""
-    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise CheckpointError(error)
-    if failed.item():
-        raise CheckpointError("another rank could not load the checkpoint (its message is above)")
-
-
 def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps: ParallelState, config,
                     train_state: dict, keep_last: int | None = None) -> str:
-    """Write ``output_dir/step_{step}`` on every rank (collective); returns its path."""
-    from megatron.config import to_yaml
+    """Write ``output_dir/step_{step}`` on every rank (collective); returns its path.
 
+    A failure on any rank (a folder in the way, a full disk) raises the same one-line CheckpointError
+    on every rank; the previous checkpoint and ``latest`` are left as they were, and nothing is
+    pruned. Older checkpoints are pruned (``keep_last``) only once the new one and ``latest`` are
+    durably in place."""
     final = os.path.join(output_dir, f"step_{step}")
-    tmp = final + ".tmp"
-    rank = ps.rank
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed half-way earlier
-        os.makedirs(tmp, exist_ok=True)
-    _barrier()
-    writer, pieces = RankFileWriter(tmp, rank), []
-    if ps.dp_rank == 0:  # replicas hold the same shard
-        for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
-            if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0):
-                continue
-            where = _slice_of(p, ps)
-            state = optimizer.inner.state.get(master, {})
-            for kind in KINDS:
-                source = master if kind == "param" else state.get(kind)
-                if source is None:
-                    continue
-                pieces.append({**writer.add(source[offset:offset + hi - lo]), "kind": kind, "name": name, "lo": lo,
-                               "hi": hi, "global_shape": list(where.global_shape),
-                               "partition_dim": where.partition_dim, "tp_rank": where.tp_rank,
-                               "tp_size": where.tp_size, "local_shape": list(p.shape)})
-    writer.close()
-    torch.save(_rng_state(), os.path.join(tmp, f"rank{rank}.rng.pt"))
-    gathered = [None] * ps.world_size if rank == 0 else None  # every rank's piece list, on rank 0 only
-    if dist.is_initialized():
-        dist.gather_object(pieces, gathered, dst=0)
-    elif rank == 0:
-        gathered = [pieces]
-    if rank == 0:
-        adam_steps = [float(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
-        common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
-                  "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
-                  "train_state": train_state, "config": to_yaml(config)}
-        torch.save(common, os.path.join(tmp, "common.pt"))
-        write_text(os.path.join(tmp, "config.yaml"), common["config"])  # the base of a resumed run's config
-        metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(ps, config),
-                    "pieces": [piece for rank_pieces in gathered for piece in rank_pieces]}
-        write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
-    _barrier()  # every rank has written its file
-    if rank == 0:
-        old = final + ".old"
-        if os.path.exists(final):  # saving a step again (a resumed run): the old one stays until replaced
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        write_text(os.path.join(output_dir, "latest"), os.path.basename(final))
-        shutil.rmtree(old, ignore_errors=True)
-        if keep_last:
-            _remove_old(output_dir, step, keep_last)
+    tmp, device, rank = final + ".tmp", optimizer.buffer.device, ps.rank
+    agreed = partial(on_every_rank, device=device, what=f"cannot save {final}",
+                     todo="the previous checkpoint and 'latest' are unchanged: fix this and resume from them")
+    try:
+        agreed(lambda: _make_empty(tmp) if rank == 0 else None)
+        mine = agreed(lambda: _write_rank_files(tmp, model, optimizer, ps))
+        gathered = [None] * ps.world_size if rank == 0 else None  # every rank's pieces, on rank 0 only
+        if dist.is_initialized():
+            dist.gather_object(mine, gathered, dst=0)
+        elif rank == 0:
+            gathered = [mine]
+        agreed(lambda: _write_common(tmp, step, optimizer, ps, config, train_state, gathered) if rank == 0 else None)
+        agreed(lambda: _commit(output_dir, final, tmp) if rank == 0 else None)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0 and keep_last:
+        _remove_old(output_dir, step, keep_last)
     _barrier()
     return final
+
+
+def _make_empty(tmp: str) -> None:
+    remove_leftover(tmp)  # a save killed half-way earlier
+    os.makedirs(tmp)
+
+
+def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) -> tuple[list, dict]:
+    """This rank's pieces into ``rank{r}.bin`` and its RNG streams; returns (pieces, {file: CRC-32})."""
+    writer, pieces = RankFileWriter(tmp, ps.rank), []
+    try:
+        if ps.dp_rank == 0:  # replicas hold the same shard
+            for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
+                if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False)
+                                                          or ps.tp_rank == 0):
+                    continue
+                where = _slice_of(p, ps)
+                state = optimizer.inner.state.get(master, {})
+                for kind in KINDS:
+                    source = master if kind == "param" else state.get(kind)
+                    if source is None:
+                        continue
+                    pieces.append({**writer.add(source[offset:offset + hi - lo]), "kind": kind, "name": name,
+                                   "lo": lo, "hi": hi, "global_shape": list(where.global_shape),
+                                   "partition_dim": where.partition_dim, "tp_rank": where.tp_rank,
+                                   "tp_size": where.tp_size, "local_shape": list(p.shape)})
+    finally:
+        writer.close()
+    rng = os.path.join(tmp, f"rank{ps.rank}.rng.pt")
+    torch.save(_rng_state(), rng)
+    return pieces, {os.path.basename(rng): seal(rng)}
+
+
+def _write_common(tmp: str, step: int, optimizer, ps: ParallelState, config, train_state: dict,
+                  gathered: list) -> None:
+    """Rank 0: ``common.pt``, ``config.yaml`` and, last, ``metadata.json`` with every checksum."""
+    from megatron.config import to_yaml
+
+    adam_steps = [float(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
+    common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
+              "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
+              "train_state": train_state, "config": to_yaml(config)}
+    torch.save(common, os.path.join(tmp, "common.pt"))
+    files = {"common.pt": seal(os.path.join(tmp, "common.pt")),
+             "config.yaml": write_text(os.path.join(tmp, "config.yaml"), common["config"])}  # a resumed run's base
+    for _, rank_files in gathered:
+        files.update(rank_files)
+    metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(ps, config),
+                "checksum": {"algorithm": "crc32", "chunk_bytes": CRC_CHUNK_BYTES}, "files": files,
+                "pieces": [piece for rank_pieces, _ in gathered for piece in rank_pieces]}
+    write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
+
+
+def _commit(output_dir: str, final: str, tmp: str) -> None:
+    """Rank 0, once every rank has written its files: rename ``tmp`` to ``final``, then point ``latest``
+    at it, each durably (the folder fsync'ed after each rename)."""
+    fsync_dir(tmp)
+    old = final + ".old"
+    if os.path.lexists(final):  # saving a step again (a resumed run): the old one stays until replaced
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(output_dir)
+    write_text(os.path.join(output_dir, "latest"), os.path.basename(final))
+    fsync_dir(output_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _barrier() -> None:
@@ -198,10 +236,23 @@ def _barrier() -> None:
 def _remove_old(output_dir: str, step: int, keep_last: int) -> None:
     """Keep the ``keep_last`` most recent saves of this run: the one just written and the steps below
     it. Higher-numbered folders (another attempt's, before a resume from an earlier step) are not
-    this run's to delete."""
+    this run's to delete, and neither is the one ``latest`` names. A folder that cannot be removed is
+    reported, not fatal."""
+    try:
+        protected = find_checkpoint(output_dir)
+    except CheckpointError as err:
+        get_logger().warning(f"not pruning old checkpoints: {err}")
+        return
     steps = sorted(int(m.group(1)) for d in os.listdir(output_dir) if (m := re.fullmatch(r"step_(\d+)", d)))
     for old in [s for s in steps if s < step][:-(keep_last - 1) or None]:
-        shutil.rmtree(os.path.join(output_dir, f"step_{old}"), ignore_errors=True)
+        path = os.path.join(output_dir, f"step_{old}")
+        if protected is not None and same_folder(path, protected):
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as err:
+            get_logger().warning(f"cannot remove the old checkpoint {path} ({err.strerror or err}); remove it by "
+                                 f"hand.")
 
 
 # Loading ----------------------------------------------------------------------------------------
@@ -240,31 +291,60 @@ def _model_names(model: nn.Module) -> set[str]:
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, config, load_optim: bool = True,
-                    load_rng: bool = True) -> dict:
+                    load_rng: bool = True, fresh_if_empty: bool = False) -> dict | None:
     """Fill the masters (and AdamW states), publish the parameters, restore the scaler and the RNG;
-    returns the saved train state (step, consumed samples, ...). Collective: call on every rank."""
+    returns the saved train state (step, consumed samples, ...). Collective: call on every rank.
+
+    Any failure on any rank (a missing, short or corrupt file, a checksum mismatch, another model)
+    raises the same one-line CheckpointError on every rank. ``fresh_if_empty``: when ``path`` holds
+    no checkpoint at all (see ``find_checkpoint``), return None instead of failing."""
     device = optimizer.buffer.device
     model_names = _model_names(model)
-    error, reader = None, None
+    agreed = partial(on_every_rank, device=device, what=f"cannot load {path}",
+                     todo="the checkpoint is damaged: load an earlier one")
+    opened = agreed(lambda: _open(path, model, ps, config, model_names, load_rng))
+    empty = ranks_with(opened is None, device)
+    if empty:
+        if empty != ps.world_size:
+            raise CheckpointError(f"only some ranks see a checkpoint at {path}; put it on a filesystem every rank "
+                                  f"sees.")
+        if fresh_if_empty:
+            return None
+        raise CheckpointError(f"no checkpoint at {path}: expected a step folder with metadata.json or a run folder "
+                              f"with a 'latest' file.")
+    reader, common, rng, same_layout = opened
+    if ps.rank == 0 and not reader.checksummed:
+        get_logger().warning(f"{reader.step_dir} is in checkpoint format {reader.metadata['format_version']}, "
+                             f"which has no checksums: its data is loaded unverified.")
     try:
-        reader = CheckpointReader(resolve_checkpoint(path))
-        error = check_compatible(reader, model, ps, config.model.vocab_size, model_names)
-        if error is None:
-            reader.verify()
-            common = reader.common()
-    except Exception as err:  # any failure, on any rank, stops every rank (none waits in a collective)
-        error = str(err) if isinstance(err, CheckpointError) else f"cannot load {path}: {type(err).__name__}: {err}"
-    _all_ranks_ok(error, device)
-    adam_step = common["adam_step"]
-    error = None
-    try:
-        _fill(reader, model, optimizer, ps, load_optim, adam_step)
-    except Exception as err:
-        error = str(err) if isinstance(err, CheckpointError) else f"cannot load {path}: {type(err).__name__}: {err}"
+        agreed(lambda: _fill(reader, model, optimizer, ps, load_optim, common["adam_step"]))
     finally:
         reader.close()
-    _all_ranks_ok(error, device)
     optimizer.publish_params()
+    agreed(lambda: _restore(optimizer, common, rng, load_optim, ps))
+    return {**common["train_state"], "step": common["step"], "path": reader.step_dir, "same_layout": same_layout,
+            "bytes_read": reader.bytes_read}
+
+
+def _open(path: str, model: nn.Module, ps: ParallelState, config, model_names: set[str], load_rng: bool):
+    """(reader, common.pt, this rank's RNG state or None, same layout), every small file read and
+    checked, the rank files' sizes checked; None when ``path`` holds no checkpoint at all."""
+    step_dir = find_checkpoint(path)
+    if step_dir is None:
+        return None
+    reader = CheckpointReader(step_dir)
+    error = check_compatible(reader, model, ps, config.model.vocab_size, model_names)
+    if error is not None:
+        raise CheckpointError(error)
+    reader.verify()
+    reader.verify_file("config.yaml")
+    common = reader.common()
+    same_layout = reader.metadata["layout"] == _layout(ps, config)
+    rng = reader.rng_state(ps.rank) if load_rng and same_layout else None
+    return reader, common, rng, same_layout
+
+
+def _restore(optimizer, common: dict, rng: dict | None, load_optim: bool, ps: ParallelState) -> None:
     scaler, saved_scaler = optimizer.grad_scaler, common["grad_scaler"]
     if load_optim and scaler is not None and saved_scaler is not None:
         if set(saved_scaler) == set(scaler.state_dict()):  # the same kind of scaler (dynamic or static)
@@ -272,12 +352,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
         elif ps.rank == 0:
             get_logger().warning("the checkpoint's loss scaler is of another kind (dynamic vs static); the one "
                                  "configured now starts afresh.")
-    same_layout = reader.metadata["layout"] == _layout(ps, config)
-    rng = reader.rng_state(ps.rank) if load_rng and same_layout else None
     if rng is not None:
         _set_rng_state(rng)
-    return {**common["train_state"], "step": common["step"], "path": reader.step_dir, "same_layout": same_layout,
-            "bytes_read": reader.bytes_read}
 
 
 @torch.no_grad()

@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Build the (not yet validated) Config from a command line."""
+def parse_config(argv: Sequence[str] | None = None, warnings: list[str] | None = None) -> Config:
+    """Build the (not yet validated) Config from a command line; what is suspicious but not wrong (an
+    empty YAML file) is appended to ``warnings`` when a list is given."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -266,6 +267,8 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
         hint = _closest(bad, flags) if bad.startswith("-") else ""
         raise ConfigError(f"unknown argument '{bad}'{hint or '; see --help for the flags.'}")
     given = vars(args)
+    if "config" in given and not load_yaml(given["config"]) and warnings is not None:
+        warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")
     config = _layered(Config(), given)
     saved = None if config.save_load.finetune else _saved_config(config.save_load.ckpt_dir)
     if saved is not None:  # resuming: the saved run's configuration, under what is given now. The
@@ -296,17 +299,22 @@ def _layered(config: Config, given: dict) -> Config:
 
 
 def _saved_config(ckpt_dir: str | None) -> str | None:
-    """The config.yaml saved in the checkpoint ``ckpt_dir`` resolves to, if there is one (a missing
-    or damaged checkpoint is reported by the loader, on every rank)."""
+    """The config.yaml saved in the checkpoint ``ckpt_dir`` resolves to, checked against its checksum;
+    None when there is none: no ``ckpt_dir``, or no checkpoint there at all (a first launch of
+    ``--save X --load X``: the run starts from scratch, as the loader decides). A damaged checkpoint
+    (a ``latest`` naming a missing folder, a corrupt config.yaml) is a ConfigError, the same on every rank."""
     if not ckpt_dir:
         return None
-    from megatron.checkpoint import CheckpointError, resolve_checkpoint
+    from megatron.checkpoint.format import CheckpointError, find_checkpoint, verify_file
 
     try:
-        path = os.path.join(resolve_checkpoint(ckpt_dir), "config.yaml")
-    except CheckpointError:
-        return None
-    return path if os.path.isfile(path) else None
+        step_dir = find_checkpoint(ckpt_dir)
+        if step_dir is not None:
+            verify_file(step_dir, "config.yaml")
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    path = None if step_dir is None else os.path.join(step_dir, "config.yaml")
+    return path if path and os.path.isfile(path) else None
 
 
 def to_dict(config: Config) -> dict:

@@ -1,15 +1,22 @@
-"""Checkpoints: exact resume, resume under another layout, atomic saves, save on SIGTERM, bad input."""
+"""Checkpoints: exact resume, resume under another layout, atomic saves, save on SIGTERM, a bad
+checkpoint or output folder (every rank stops with one line, nothing written), ``--save X --load X``
+and metrics.jsonl after a resume."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from megatron.checkpoint import CheckpointReader
 from tests.functional.launch import ROOT, TINY, losses, run
 
 pytestmark = pytest.mark.slow
@@ -97,30 +104,155 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert "stop signal received" in stderr
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("missing", "no checkpoint at"),
-    ("truncated", "the checkpoint is incomplete or damaged"),
-    ("other-model", "has shape [256, 128] in the checkpoint but [256, 64] in the model"),
-])
-def test_a_bad_checkpoint_is_refused_before_anything_is_written(tmp_path, damage, message):
-    saved = tmp_path / "saved"
-    result = run(saved, *TINY, "--max-steps", "2", "--save-interval", "2", *(
-        ["--hidden-size", "128"] if damage == "other-model" else []))
+@pytest.fixture(scope="module")
+def saved_dp2(tmp_path_factory):
+    """A 2-rank (dp 2) run folder saved at step 2: rank0.bin, rank1.bin (empty: a replica) and an RNG
+    file per rank. Tests copy it (``_copy_run``) before damaging it."""
+    out = tmp_path_factory.mktemp("saved_dp2")
+    result = run(out, *TINY, "--max-steps", "2", "--save-interval", "2", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    checkpoint = saved / "step_2"
-    if damage == "missing":
-        checkpoint = tmp_path / "nowhere"
-    if damage == "truncated":
-        rank_file = checkpoint / "rank0.bin"
-        rank_file.write_bytes(rank_file.read_bytes()[:1000])
-    before = {p: p.stat().st_mtime_ns for p in saved.rglob("*")}
-    out = tmp_path / "out"
-    result = run(out, *TINY, "--load", str(checkpoint), nproc=2, timeout=120)
-    assert result.returncode != 0  # torchrun reports the ranks' exit status 2 as a failure
-    assert result.stderr.count(message) == 2  # every rank says why; none waits in a collective
-    assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()  # the run did not start
-    assert {p: p.stat().st_mtime_ns for p in saved.rglob("*")} == before  # nothing overwritten
-    assert not os.path.exists(out / "step_2")
+    return out
+
+
+def _copy_run(saved: Path, to: Path) -> Path:
+    """The checkpoint of ``saved`` (step folders and latest, not its metrics) in a fresh run folder."""
+    to.mkdir()
+    shutil.copytree(saved / "step_2", to / "step_2")
+    shutil.copy(saved / "latest", to / "latest")
+    return to
+
+
+def _flip(path: Path, offset: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+# name: (what to do to the copied step folder, nproc, the message every rank prints). Damage that the
+# configuration layer finds (before any process group) runs on one rank; the unit tests cover the rest.
+DAMAGE = {
+    "missing": (None, 2, "no checkpoint at"),
+    "truncated": (lambda d: (d / "rank0.bin").write_bytes((d / "rank0.bin").read_bytes()[:1000]), 2,
+                  "the checkpoint is incomplete or damaged"),
+    "bit-flip": (lambda d: _flip(d / "rank0.bin", 5000), 2, "rank0.bin: checksum mismatch in "),
+    "rank1-rng": (lambda d: _flip(d / "rank1.rng.pt"), 2, "rank1.rng.pt does not match its checksum"),
+    "other-model": (None, 2, "has shape [256, 64] in the checkpoint but [256, 128] in the model"),
+    "dangling-latest": (lambda d: (d.parent / "latest").write_text("step_9"), 1, "which holds no checkpoint"),
+    "config": (lambda d: _flip(d / "config.yaml", 10), 1, "config.yaml does not match its checksum"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_bad_checkpoint_stops_every_rank_before_anything_is_written(tmp_path, saved_dp2, damage):
+    """``--save X --load X`` on a damaged X (or --load of a folder that is not there): every rank stops
+    with the same one line (exit 2), and nothing in X is written, created or removed."""
+    harm, nproc, message = DAMAGE[damage]
+    out = _copy_run(saved_dp2, tmp_path / "run")
+    if harm is not None:
+        harm(out / "step_2")
+    before = _snapshot(out)
+    load = tmp_path / "nowhere" if damage == "missing" else out
+    extra = ["--hidden-size", "128"] if damage == "other-model" else []
+    result = run(out, *TINY, *extra, "--load", str(load), nproc=nproc, timeout=120)
+    assert result.returncode == (2 if nproc == 1 else 1)  # torchrun reports the ranks' exit status 2 as 1
+    assert result.stderr.count("pretrain_gpt.py: error: ") == nproc
+    assert result.stderr.count(message) == nproc  # every rank says why; none waits in a collective
+    assert f'File "{ROOT}' not in result.stderr  # no traceback from our code (torchrun prints its own)
+    assert _snapshot(out) == before  # nothing written (no metrics.jsonl, no config.yaml, no checkpoint)
+
+
+def _records(out: Path, split: str) -> list[int]:
+    return [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def test_save_and_load_the_same_folder_starts_fresh_resumes_and_keeps_each_step_once(tmp_path):
+    """Megatron's ``--save X --load X``: the first launch finds no checkpoint in X (only the metrics of a
+    run that never saved) and starts from scratch; the next resumes from X's latest; a resume from an
+    earlier step into X drops X's later records from metrics.jsonl before writing its own."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"split": "train", "step": 1, "loss": 9.9}\n{"split": "tr')
+    (out / "config.yaml").write_text("not: [a checkpoint\n")
+    schedule = [*TINY, "--save-interval", "3", "--load"]
+    first = run(out, *schedule, str(out), "--max-steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"no checkpoint in {out}: starting from scratch" in first.stderr
+    assert (out / "latest").read_text() == "step_3" and _records(out, "train") == [1, 2, 3]
+    second = run(out, *schedule, str(out), "--max-steps", "6")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"loaded checkpoint {out / 'step_3'}: resuming at step 3" in second.stderr
+    assert (out / "latest").read_text() == "step_6"
+    continued = losses(out)[3:]
+    again = run(out, *schedule, str(out / "step_3"), "--max-steps", "6")  # steps 4-6 once more, into X
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "dropped 6 record(s) of an earlier run past step 3" in again.stderr
+    assert _records(out, "train") == [1, 2, 3, 4, 5, 6]
+    assert _records(out, "valid") == [3, 5, 6] and _records(out, "test") == [3, 6]
+    assert losses(out)[3:] == continued  # the same steps, bitwise
+
+
+def _unprivileged() -> None:
+    """In the child, before exec: as root, drop the capabilities that bypass file permissions (so a
+    folder without write permission is one, as for any other user)."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP: the exec'ed python has none of them
+
+
+def _unremovable_tmp(out: Path) -> None:
+    (out / "step_4.tmp").mkdir()
+    (out / "step_4.tmp" / "rank0.bin").touch()
+    (out / "step_4.tmp").chmod(0o500)
+
+
+def _latest_a_directory(out: Path) -> None:
+    (out / "latest").unlink()
+    (out / "latest").mkdir()
+
+
+OBSTACLES = {  # name: (what is in the way, nproc, with --load, the message)
+    "output-is-a-file": (lambda out: out.write_text("x"), 1, False, "is a file; give --save a folder"),
+    "latest-is-a-directory": (_latest_a_directory, 1, False,
+                              "latest is in the way: the run writes a file there but it is a directory"),
+    "tmp-is-a-file": (lambda out: (out / "step_4.tmp").write_text("x"), 2, True, "step_4.tmp is in the way of saves"),
+    "tmp-cannot-be-removed": (_unremovable_tmp, 1, True,
+                              "step_4.tmp, the folder of an interrupted save (Permission denied)"),
+    "not-writable": (lambda out: out.chmod(0o500), 1, True, "is not writable (Permission denied)"),
+}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="drops root's capabilities with prctl")
+@pytest.mark.parametrize("obstacle", list(OBSTACLES))
+def test_an_unusable_output_folder_stops_the_run_at_start(tmp_path, saved_dp2, obstacle):
+    """Checked before training (rank 0, agreed by every rank): one line, exit 2, nothing lost."""
+    harm, nproc, with_load, message = OBSTACLES[obstacle]
+    out = tmp_path / "run"
+    if obstacle != "output-is-a-file":
+        _copy_run(saved_dp2, out)
+    harm(out)
+    before = _snapshot(out) if out.is_dir() else out.read_text()
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]
+    load = ["--load", str(out)] if with_load else []
+    try:
+        result = subprocess.run([*launcher, str(ROOT / "pretrain_gpt.py"), *TINY, "--save", str(out), *load],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_unprivileged)
+    finally:
+        for path in (out, out / "step_4.tmp"):
+            if path.is_dir():
+                path.chmod(0o755)
+    assert result.returncode == (2 if nproc == 1 else 1), result.stderr[-3000:]
+    assert result.stderr.count("pretrain_gpt.py: error: ") == result.stderr.count(message) == nproc, \
+        result.stderr[-3000:]  # every rank, the same line
+    assert "global step" not in result.stderr  # stopped before training
+    assert (_snapshot(out) if out.is_dir() else out.read_text()) == before  # nothing written or removed
+    if out.is_dir():
+        assert CheckpointReader(str(out / "step_2")).verify_all()[0] > 0  # the checkpoint is whole: every checksum
 
 
 def test_keep_last_checkpoints_and_finetune_from_weights_only(tmp_path):

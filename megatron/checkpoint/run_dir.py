@@ -1,0 +1,115 @@
+"""Agreement between ranks on a failure, and the start-up check of a run's output folder.
+
+Why agreement: a rank that raises while the others go on to a collective leaves them waiting until
+the process-group timeout, and the error lands on one rank's stderr among many. ``on_every_rank``
+runs a step on each rank, all-reduces a failure flag, and, if any rank failed, makes every rank
+raise the same one-line CheckpointError (the first failing rank's message). It costs one small
+all-reduce when all went well.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpoint.format import CheckpointError
+
+T = TypeVar("T")
+_IN_THE_WAY = ("latest", "latest.tmp", "metrics.jsonl", "config.yaml")  # files the run writes into output_dir
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def one_line(err: BaseException, what: str, todo: str) -> str:
+    """A CheckpointError's own message, or ``what (Type: message); todo`` on one line."""
+    if isinstance(err, CheckpointError):
+        return " ".join(str(err).split())
+    detail = " ".join(str(err).split())
+    return f"{what} ({type(err).__name__}: {detail}); {todo}."
+
+
+def all_ranks_ok(error: str | None, device: torch.device) -> None:
+    """Raise CheckpointError on every rank if any rank failed (collective: call on every rank)."""
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if _world() > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():  # every rank gets here: share the messages (only on failure)
+            messages: list = [None] * _world()
+            dist.all_gather_object(messages, error)
+            error = next(m for m in messages if m is not None)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def on_every_rank(fn: Callable[[], T], device: torch.device, what: str, todo: str) -> T:
+    """``fn()`` on this rank; if it fails on any rank, every rank raises the same one-line CheckpointError
+    (``what`` and ``todo`` frame an unexpected exception's message). Collective."""
+    error, value = None, None
+    try:
+        value = fn()
+    except Exception as err:
+        error = one_line(err, what, todo)
+    all_ranks_ok(error, device)
+    return value
+
+
+def ranks_with(flag: bool, device: torch.device) -> int:
+    """How many ranks have ``flag`` set (collective)."""
+    count = torch.tensor([1.0 if flag else 0.0], device=device)
+    if _world() > 1:
+        dist.all_reduce(count)
+    return int(count.item())
+
+
+def check_output_dir(output_dir: str, rank: int, device: torch.device) -> None:
+    """At start-up, before anything is trained: rank 0 creates ``output_dir`` if needed, checks that
+    it can write there and that nothing is in the way of the files the run writes, and removes the
+    ``step_N.tmp`` folders of interrupted saves; any problem stops every rank with one line. Collective."""
+    on_every_rank(lambda: _prepare(output_dir) if rank == 0 else None, device, f"cannot use the output folder "
+                  f"{output_dir}", "fix it or give --save another folder")
+
+
+def _prepare(output_dir: str) -> None:
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise CheckpointError(f"the output folder {output_dir} is a file; give --save a folder, or move the file.")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write_test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise CheckpointError(f"the output folder {output_dir} is not writable ({err.strerror or err}); fix its "
+                              f"permissions or give --save another folder.") from err
+    for name in _IN_THE_WAY:
+        path = os.path.join(output_dir, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+            raise CheckpointError(f"{path} is in the way: the run writes a file there but it is {kind}; move it "
+                                  f"away.")
+    for name in sorted(os.listdir(output_dir)):
+        if re.fullmatch(r"step_\d+\.tmp", name):
+            remove_leftover(os.path.join(output_dir, name))
+
+
+def remove_leftover(path: str) -> None:
+    """Remove ``step_N.tmp``, the folder of an interrupted save; one-line CheckpointError if it is not
+    such a folder or cannot be removed."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise CheckpointError(f"{path} is in the way of saves: it is a file, not the folder of an interrupted "
+                              f"save; move it away.")
+    try:
+        shutil.rmtree(path)
+    except OSError as err:
+        raise CheckpointError(f"cannot remove {path}, the folder of an interrupted save ({err.strerror or err}); "
+                              f"remove it by hand or give --save another folder.") from err
