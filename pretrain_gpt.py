@@ -23,6 +23,7 @@ from megatron.config import Config, ConfigError, parse_config, validate
 from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import MockGPTDataset
+from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
 from megatron.model import build_model
 from megatron.tokenizer import build_tokenizer
@@ -35,7 +36,8 @@ def model_provider(config: Config, device: torch.device) -> torch.nn.Module:
 
 def datasets_provider(config: Config) -> tuple:
     """(train, valid, test): samples for max_steps global batches, and eval_iters batches each for
-    validation (the same batches at every evaluation) and test."""
+    validation (the same batches at every evaluation) and test. Every dataset's token ids are checked
+    against the model's (unpadded) vocabulary first: an id out of range stops every rank."""
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
     num_samples = (config.max_steps * gbs, config.eval_iters * gbs, config.eval_iters * gbs)
     if d.mock_data:
@@ -43,7 +45,8 @@ def datasets_provider(config: Config) -> tuple:
         return tuple(make(n, split=name) for n, name in zip(num_samples, ("train", "valid", "test")))
     t = config.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file, t.tokenizer_model, t.eod_token)
-    return build_datasets(d.input_dir, d.split, num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path)
+    return build_datasets(d.input_dir, d.split, num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path,
+                          vocab_size=config.model.vocab_size)
 
 
 def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +61,10 @@ def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Cal
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = parse_config(argv)
+        warnings: list[str] = []
+        config = parse_config(argv, warnings)
         world_size, _, _ = launch_env()
-        warnings = validate(config, world_size=world_size, cuda_available=dev.cuda_available())
+        warnings += validate(config, world_size=world_size, cuda_available=dev.cuda_available())
     except ConfigError as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
@@ -69,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, CheckpointError) as err:  # data or checkpoint that cannot serve the run: one line
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
+    except TrainingDiverged as err:  # the same decision on every rank: the loss and the skips are global
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 3
     finally:
         shutdown()  # tear the process groups down before exit (gloo's threads must not outlive them)
     return 0

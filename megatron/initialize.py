@@ -1,9 +1,21 @@
-"""Process start-up: torchrun's environment, the default process group, the rank grid."""
+"""Process start-up: torchrun's environment, the default process group, the rank grid.
+
+Two things here exist so that no failure is silent: every collective gets the configured
+``distributed_timeout_minutes`` (a rank whose peer is gone fails after it instead of waiting
+forever), and a worker launched by torchrun dies with its launcher (``die_with_launcher``), so a
+killed ``torchrun`` never leaves ranks training as orphans.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import os
+import signal
+import sys
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -11,15 +23,67 @@ from megatron import parallel_state
 from megatron.config.schema import Config
 from megatron.parallel_state import ParallelState
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_SECONDS = 1.0  # the fallback's check interval, where prctl is not available
+
 
 def launch_env() -> tuple[int, int, int]:
     """(world size, rank, local rank) as set by torchrun; (1, 0, 0) for a plain ``python`` launch."""
     return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def initialize_distributed(config: Config, timeout_minutes: float = 10.0) -> ParallelState:
+def launched_by_torchrun() -> bool:
+    """torchrun (and the launchers like it) sets LOCAL_RANK and WORLD_SIZE for each worker it starts."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when the thread that started it exits; False where
+    prctl is not available (not Linux, no libc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int, sig: int, interval: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os.kill(os.getpid(), sig)
+
+
+def die_with_launcher(sig: int = getattr(signal, "SIGKILL", signal.SIGTERM)) -> str:
+    """Make this worker receive ``sig`` (default SIGKILL) as soon as its launcher process dies.
+
+    Why: torchrun starts each worker in a session of its own, so ``kill -9`` of torchrun (or of the
+    job step that ran it) reaches no worker; without this they keep training, and holding the
+    devices, as orphans. SIGKILL rather than SIGTERM: SIGTERM would start a coordinated save that
+    needs every rank, and with the launcher gone nobody supervises it. Linux: ``prctl(PR_SET_PDEATHSIG)``
+    (torchrun's agent starts its workers from its main thread, so the signal comes when the
+    launcher process ends, not before). Elsewhere: a daemon thread that polls ``os.getppid()``
+    every second. Returns which mechanism was installed: "prctl" or "poll".
+    """
+    parent = os.getppid()
+    how = "prctl" if _set_parent_death_signal(sig) else "poll"
+    if how == "poll":
+        threading.Thread(target=_watch_parent, args=(parent, sig, PARENT_POLL_SECONDS), name="parent-watch",
+                         daemon=True).start()
+    return how
+
+
+def initialize_distributed(config: Config, timeout_minutes: float | None = None) -> ParallelState:
     """Join the default group (NCCL on GPUs, gloo on the CPU; env:// rendezvous from torchrun)
-    and build every parallel group. The config must already be validated on every rank."""
+    and build every parallel group. The config must already be validated on every rank.
+
+    ``timeout_minutes`` (default ``distributed.distributed_timeout_minutes``) bounds every collective
+    and point-to-point operation of the default group and of every parallel group."""
+    if timeout_minutes is None:
+        timeout_minutes = config.distributed.distributed_timeout_minutes
+    if launched_by_torchrun():
+        die_with_launcher()
     world_size, rank, _ = launch_env()
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if config.device == "gpu" else "gloo"

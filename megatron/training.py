@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from megatron import device as dev
-from megatron import parallel_state
-from megatron.checkpoint import load_checkpoint, save_checkpoint
+from megatron import parallel_state, watchdog
+from megatron.checkpoint import check_output_dir, load_checkpoint, on_every_rank, same_folder, save_checkpoint
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.wrapping import setup_optimizer
+from megatron.health import RunHealth, TrainingDiverged
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
@@ -98,6 +99,7 @@ def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_ba
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
+        watchdog.beat(f"evaluation batch {i + 1}")
         batch = _to_device(batch, device)
         loss = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, 1.0,
                                 forward_only=True)
@@ -129,35 +131,58 @@ class Trainer:
                 dtype=getattr(torch, config.params_dtype_name), device=device)
         self.schedule: CosineWithWarmup = build_lr_schedule(config)
         self.state = TrainState()
+        self.health = RunHealth(config.max_consecutive_skipped_steps, config.loss_spike_factor)
+        self.last_checkpoint: str | None = None  # the newest checkpoint this run saved or loaded
         self._stop_signal = False
         self.log = get_logger()
         self.is_logging_rank = self.ps.rank == self.ps.world_size - 1  # last stage, last replica, as Megatron
-        if config.save_load.ckpt_dir:  # before anything is written: a checkpoint that fails leaves no trace
-            self._load(config.save_load.ckpt_dir)
-        self.writer = MetricsWriter(config.save_load.output_dir, config.save_load.tensorboard_dir,
-                                    self.is_logging_rank)
+        sl = config.save_load
+        check_output_dir(sl.output_dir, self.ps.rank, device)  # a bad --save stops every rank now, with one line
+        resume_step = self._load(sl.ckpt_dir) if sl.ckpt_dir else None  # writes nothing: a failure leaves no trace
+        self.writer = on_every_rank(  # drops an earlier run's records past resume_step from metrics.jsonl
+            lambda: MetricsWriter(sl.output_dir, sl.tensorboard_dir, self.is_logging_rank, resume_step), device,
+            f"cannot open the metrics of {sl.output_dir}", "fix the file or give --save another folder")
         self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
         self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
         self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
 
-    def _load(self, path: str) -> None:
+    def _load(self, path: str) -> int | None:
+        """Load ``path`` on every rank; returns the step the run continues from (None for --finetune). A
+        run whose --load is its own --save folder and holds no checkpoint yet starts from scratch (0)."""
         sl = self.config.save_load
         loaded = load_checkpoint(path, self.model, self.optimizer, self.ps, self.config,
-                                 load_optim=sl.load_optim and not sl.finetune, load_rng=sl.load_rng and not sl.finetune)
+                                 load_optim=sl.load_optim and not sl.finetune, load_rng=sl.load_rng and not sl.finetune,
+                                 fresh_if_empty=same_folder(path, sl.output_dir))
+        if loaded is None:
+            if self.ps.rank == 0:
+                self.log.info(f"no checkpoint in {path}: starting from scratch")
+            return 0
         if not sl.finetune:
             self.state.step = loaded["step"]
             self.state.consumed_samples = loaded["consumed_samples"]
             self.state.skipped_steps = loaded["skipped_steps"]
+        self.last_checkpoint = loaded["path"]
         if self.ps.rank == 0:
             how = "weights only (finetune)" if sl.finetune else f"resuming at step {self.state.step}"
             layout = "" if loaded["same_layout"] else ", resharded from another parallel layout"
             self.log.info(f"loaded checkpoint {loaded['path']}: {how}{layout}")
+        return None if sl.finetune else self.state.step
 
     def save(self) -> None:
+        """Checkpoint the current state, unless the run's health forbids it (a non-finite loss, or skips
+        pending): a diverged state must never replace, or through pruning delete, a good checkpoint."""
         s = self.state
+        refused = self.health.why_not_save()
+        if refused is not None:
+            if self.ps.rank == 0:
+                self.log.warning(f"not saving a checkpoint at step {s.step}: {refused}")
+            return
+        watchdog.beat(f"saving the checkpoint of step {s.step}")
         path = save_checkpoint(self.config.save_load.output_dir, s.step, self.model, self.optimizer, self.ps,
                                self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps},
                                self.config.save_load.keep_last_checkpoints)
+        watchdog.beat(f"after saving the checkpoint of step {s.step}")
+        self.last_checkpoint = path
         if self.ps.rank == 0:
             self.log.info(f"saved checkpoint {path}")
 
@@ -233,10 +258,45 @@ class Trainer:
         self.log.info(f"{name} results at global step {self.state.step} | loss: {loss:.9f} | ppl: {ppl:.5f}")
         self.writer.write({"split": split, "step": self.state.step, "loss": loss, "perplexity": ppl})
 
+    def _train_steps(self) -> int:
+        """Steps this run can take: max_steps, unless the data (num_train_epochs passes) runs out sooner,
+        which is said at start rather than discovered when the loop stops early."""
+        c, gbs = self.config, self.config.batch_size.global_batch_size
+        per_epoch = self._samples_per_epoch()
+        steps = min(c.max_steps, c.num_train_epochs * per_epoch // gbs, len(self.train_ds) // gbs)
+        if steps < c.max_steps and self.ps.rank == 0:
+            self.log.warning(f"the training data holds {per_epoch} samples per epoch: num_train_epochs "
+                             f"({c.num_train_epochs}) gives {steps} steps of global batch {gbs}, fewer than max_steps "
+                             f"({c.max_steps}); training stops at step {steps} (raise num_train_epochs or add data)")
+        return steps
+
+    def _after_step(self, loss: float, result: StepResult, scale_before: float) -> None:
+        """Run health: warn on a skipped step or a loss spike; raise TrainingDiverged (the same on every
+        rank: the loss and the skip are global) after too many bad steps in a row."""
+        scale = self.optimizer.loss_scale if self.optimizer.grad_scaler else None
+        lowered = scale is not None and scale < scale_before
+        try:
+            warning = self.health.observe(self.state.step, loss, result.applied, lowered, scale)
+        except TrainingDiverged as err:
+            last = self.last_checkpoint or "none was saved by this run"
+            raise TrainingDiverged(f"{err} (last checkpoint: {last})") from None
+        if warning and self.is_logging_rank:
+            self.log.warning(warning)
+
     def run(self) -> TrainState:
+        """Train, evaluate and test with this rank's hang watchdog armed (megatron/watchdog.py), and
+        disarmed however the loop ends, so that it can never fire later in an in-process caller."""
+        watchdog.start(self.config.watchdog_timeout_minutes, self.config.save_load.output_dir, self.ps.rank,
+                       f"training step {self.state.step + 1}")
+        try:
+            return self._run_loop()
+        finally:
+            watchdog.stop()
+
+    def _run_loop(self) -> TrainState:
         c, s = self.config, self.state
         gbs = c.batch_size.global_batch_size
-        train_steps = min(c.max_steps, c.num_train_epochs * self._samples_per_epoch() // gbs, len(self.train_ds) // gbs)
+        train_steps = self._train_steps()
         loader = iter(self._loader(self.train_ds, s.consumed_samples, c.dataset.num_workers))
         reader_time = batch_time = 0.0
         window = 0
@@ -246,11 +306,13 @@ class Trainer:
         save_steps = c.save_load.save_steps
         saved_at = s.step
         while s.step < train_steps:
+            watchdog.beat(f"training step {s.step + 1}")
             start = time.perf_counter()
             batch = _to_device(next(loader), self.device)
             reader_time += time.perf_counter() - start
             s.step += 1
             lr = self.schedule(s.step)
+            scale_before = self.optimizer.loss_scale
             loss, result = train_step(self.forward_step, batch, self.model, self.optimizer, lr,
                                       c.batch_size.micro_batch_size, self.dp_group, self.forward_backward,
                                       self.pp_group)
@@ -264,6 +326,7 @@ class Trainer:
                 self._log_step(loss, lr, result, reader_time / window, batch_time / window)
                 reader_time = batch_time = 0.0
                 window = 0
+            self._after_step(loss, result, scale_before)
             if save_steps and s.step % save_steps == 0:
                 self.save()
                 saved_at = s.step
@@ -277,6 +340,9 @@ class Trainer:
             if s.step % c.eval_freq == 0 and s.step < train_steps:
                 self._evaluate("valid", self.valid_ds)
         else:
+            if train_steps < c.max_steps and self.ps.rank == 0:
+                self.log.warning(f"stopped at step {s.step} of max_steps {c.max_steps}: the training data ran out "
+                                 f"(num_train_epochs {c.num_train_epochs})")
             if save_steps and saved_at != s.step:
                 self.save()
             self._evaluate("valid", self.valid_ds)

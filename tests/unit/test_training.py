@@ -239,3 +239,25 @@ def test_trainer_low_precision_loss_falls(tmp_path, precision, dtype):
         assert state.skipped_steps == 0
         assert all(r["loss_scale"] is None for r in train)
     assert {r["split"] for r in records} == {"train", "valid", "test"}
+
+
+def test_data_that_runs_out_is_said_at_start_and_end(tmp_path):
+    """A training set of 5 global batches under max_steps 8 (one epoch): the run says at start that it
+    will stop at step 5, stops there, and says why, instead of ending early in silence."""
+    config = make_config(*RUN, "--max-steps", "8", "--output-dir", str(tmp_path), "--eval-iters", "0")
+    train = MockGPTDataset(5 * 16, 32, VOCAB, seed=1)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = get_logger()
+    logger.addHandler(handler)
+    try:
+        set_seed(config.seed)
+        state = Trainer(config, build_model(config), pretrain_gpt.forward_step, (train, None, None),
+                        torch.device("cpu")).run()
+    finally:
+        logger.removeHandler(handler)
+    assert state.step == 5
+    assert any("gives 5 steps of global batch 16, fewer than max_steps (8); training stops at step 5" in m
+               for m in messages), messages
+    assert any(m.startswith("stopped at step 5 of max_steps 8: the training data ran out") for m in messages)
