@@ -35,9 +35,10 @@ def model_provider(config: Config, device: torch.device) -> torch.nn.Module:
 
 
 def datasets_provider(config: Config) -> tuple:
-    """(train, valid, test): samples for max_steps global batches, and eval_iters batches each for
-    validation (the same batches at every evaluation) and test. Every dataset's token ids are checked
-    against the model's (unpadded) vocabulary first: an id out of range stops every rank."""
+    """(train, valid, test): samples for max_steps global batches (with num_train_epochs, at most that many
+    passes over the train split, in whole global batches), and eval_iters batches each for validation (the
+    same batches at every evaluation) and test. Every dataset's token ids are checked against the model's
+    (unpadded) vocabulary first: an id out of range stops every rank."""
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
     num_samples = (config.max_steps * gbs, config.eval_iters * gbs, config.eval_iters * gbs)
     if d.mock_data:
@@ -46,7 +47,8 @@ def datasets_provider(config: Config) -> tuple:
     t = config.tokenizer
     tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file, t.tokenizer_model, t.eod_token)
     return build_datasets(d.input_dir, d.split, num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path,
-                          vocab_size=config.model.vocab_size)
+                          vocab_size=config.model.vocab_size, train_epochs=config.num_train_epochs,
+                          global_batch_size=gbs)
 
 
 def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DatasetError, CheckpointError) as err:  # data or checkpoint that cannot serve the run: one line
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops at the end of the step)
+        print("pretrain_gpt.py: error: interrupted (Ctrl-C twice): stopped at once, nothing saved since the last "
+              "checkpoint", file=sys.stderr)
+        return 130
     except TrainingDiverged as err:  # the same decision on every rank: the loss and the skips are global
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 3

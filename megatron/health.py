@@ -77,3 +77,52 @@ class RunHealth:
         if self.consecutive_bad:
             return f"the last {self.consecutive_bad} step(s) were skipped for non-finite gradients"
         return None
+
+
+class GoodCheckpoints:
+    """Which checkpoint is known good, and keep-last pruning that never deletes it.
+
+    A checkpoint holds the weights *after* its step's update, so the loss logged at that step says
+    nothing about it; it is confirmed good once the next step's loss, computed with exactly those
+    weights, is finite and that step applied. Pruning keeps the ``keep_last`` newest checkpoints plus
+    the newest confirmed one; when the run diverges, ``latest`` is pointed back at the confirmed one,
+    so that a plain ``--load`` of the run resumes from weights that trained. Rank 0 acts on disk."""
+
+    def __init__(self, output_dir: str, keep_last: int | None, acts: bool):
+        self.output_dir, self.keep_last, self.acts = output_dir, keep_last, acts
+        self.good: str | None = None  # the newest checkpoint confirmed good
+        self.pending: tuple[int, str] | None = None  # (step, path) saved or loaded, not yet confirmed
+
+    def saved(self, step: int, path: str) -> None:
+        self.pending = (step, path)
+        self._prune(step)
+
+    def loaded(self, step: int, path: str) -> None:
+        self.pending = (step, path)
+
+    def step_done(self, loss: float, applied: bool) -> None:
+        if self.pending is not None and applied and math.isfinite(loss):
+            step, self.good = self.pending
+            self.pending = None
+            self._prune(step)
+
+    def _prune(self, step: int) -> None:
+        from megatron.checkpoint import prune_checkpoints
+
+        if self.acts and self.keep_last:
+            prune_checkpoints(self.output_dir, step, self.keep_last, protect=self.good)
+
+    def after_divergence(self) -> str:
+        """Point ``latest`` at the newest good checkpoint when it names an unconfirmed one; say which."""
+        from megatron.checkpoint import find_checkpoint, point_latest, same_folder
+
+        if self.good is None:
+            return "no checkpoint of this run is known good"
+        try:
+            latest = find_checkpoint(self.output_dir) if self.acts else None
+        except Exception:  # a damaged 'latest' is replaced below
+            latest = ""
+        if self.acts and latest is not None and not (latest and same_folder(latest, self.good)):
+            point_latest(self.output_dir, self.good)
+            return f"last good checkpoint: {self.good}, which 'latest' now names again"
+        return f"last good checkpoint: {self.good}"

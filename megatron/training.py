@@ -27,7 +27,7 @@ from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.wrapping import setup_optimizer
-from megatron.health import RunHealth, TrainingDiverged
+from megatron.health import GoodCheckpoints, RunHealth, TrainingDiverged
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
@@ -132,8 +132,9 @@ class Trainer:
         self.schedule: CosineWithWarmup = build_lr_schedule(config)
         self.state = TrainState()
         self.health = RunHealth(config.max_consecutive_skipped_steps, config.loss_spike_factor)
-        self.last_checkpoint: str | None = None  # the newest checkpoint this run saved or loaded
-        self._stop_signal = False
+        self.checkpoints = GoodCheckpoints(config.save_load.output_dir, config.save_load.keep_last_checkpoints,
+                                           self.ps.rank == 0)
+        self._stop_signal: str | None = None  # the name of the signal that asked the run to stop
         self.log = get_logger()
         self.is_logging_rank = self.ps.rank == self.ps.world_size - 1  # last stage, last replica, as Megatron
         sl = config.save_load
@@ -161,7 +162,7 @@ class Trainer:
             self.state.step = loaded["step"]
             self.state.consumed_samples = loaded["consumed_samples"]
             self.state.skipped_steps = loaded["skipped_steps"]
-        self.last_checkpoint = loaded["path"]
+        self.checkpoints.loaded(loaded["step"], loaded["path"])
         if self.ps.rank == 0:
             how = "weights only (finetune)" if sl.finetune else f"resuming at step {self.state.step}"
             layout = "" if loaded["same_layout"] else ", resharded from another parallel layout"
@@ -179,19 +180,23 @@ class Trainer:
             return
         watchdog.beat(f"saving the checkpoint of step {s.step}")
         path = save_checkpoint(self.config.save_load.output_dir, s.step, self.model, self.optimizer, self.ps,
-                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps},
-                               self.config.save_load.keep_last_checkpoints)
+                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps})
         watchdog.beat(f"after saving the checkpoint of step {s.step}")
-        self.last_checkpoint = path
+        self.checkpoints.saved(s.step, path)  # pruned here, and again once the next step confirms it
         if self.ps.rank == 0:
             self.log.info(f"saved checkpoint {path}")
 
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = True
+        """SIGTERM, SIGUSR1, and a first SIGINT (Ctrl-C): save at the end of this step and exit 0. A second
+        Ctrl-C stops at once (KeyboardInterrupt: one line, exit 130, nothing saved)."""
+        if signum == signal.SIGINT and self._stop_signal:
+            raise KeyboardInterrupt
+        self._stop_signal = signal.Signals(signum).name
 
     def _stop_reason(self) -> str | None:
         if self._stop_signal:
-            return "stop signal received"
+            hint = " (Ctrl-C again to stop at once, without saving)" if self._stop_signal == "SIGINT" else ""
+            return f"{self._stop_signal} received{hint}"
         limit = self.config.save_load.exit_duration_in_mins
         if limit is not None and time.perf_counter() - self._started >= 60 * limit:
             return f"exit_duration_in_mins ({limit:g}) reached"
@@ -259,15 +264,26 @@ class Trainer:
         self.writer.write({"split": split, "step": self.state.step, "loss": loss, "perplexity": ppl})
 
     def _train_steps(self) -> int:
-        """Steps this run can take: max_steps, unless the data (num_train_epochs passes) runs out sooner,
-        which is said at start rather than discovered when the loop stops early."""
+        """Steps this run can take: max_steps, unless the training set holds fewer global batches (the datasets
+        provider builds it for at most num_train_epochs passes, when set). That is said at start rather than
+        discovered when the loop stops early, with the learning rate it leaves above min_lr."""
         c, gbs = self.config, self.config.batch_size.global_batch_size
-        per_epoch = self._samples_per_epoch()
-        steps = min(c.max_steps, c.num_train_epochs * per_epoch // gbs, len(self.train_ds) // gbs)
-        if steps < c.max_steps and self.ps.rank == 0:
-            self.log.warning(f"the training data holds {per_epoch} samples per epoch: num_train_epochs "
-                             f"({c.num_train_epochs}) gives {steps} steps of global batch {gbs}, fewer than max_steps "
-                             f"({c.max_steps}); training stops at step {steps} (raise num_train_epochs or add data)")
+        steps = min(c.max_steps, len(self.train_ds) // gbs)
+        if steps >= c.max_steps or self.ps.rank != 0:
+            return steps
+        if c.num_train_epochs is None:
+            held, fix = f"the training data holds {len(self.train_ds)} samples, which gives", "add data"
+        else:
+            held = (f"the training data holds {self._samples_per_epoch()} samples per epoch: num_train_epochs "
+                    f"({c.num_train_epochs}) gives")
+            fix = "raise num_train_epochs or add data"
+        self.log.warning(f"{held} {steps} steps of global batch {gbs}, fewer than max_steps ({c.max_steps}); "
+                         f"training stops at step {steps} ({fix})")
+        lr = c.optimizer.lr
+        if steps < lr.decay_steps and lr.decay_style != "constant":
+            self.log.warning(f"training stops at step {steps}, before decay_steps ({lr.decay_steps}): the learning "
+                             f"rate will not reach min_lr ({lr.min_lr:g}); set --decay-steps {steps} to decay it "
+                             f"fully")
         return steps
 
     def _after_step(self, loss: float, result: StepResult, scale_before: float) -> None:
@@ -278,30 +294,39 @@ class Trainer:
         try:
             warning = self.health.observe(self.state.step, loss, result.applied, lowered, scale)
         except TrainingDiverged as err:
-            last = self.last_checkpoint or "none was saved by this run"
-            raise TrainingDiverged(f"{err} (last checkpoint: {last})") from None
+            raise TrainingDiverged(f"{err} ({self.checkpoints.after_divergence()})") from None
+        self.checkpoints.step_done(loss, result.applied)
         if warning and self.is_logging_rank:
             self.log.warning(warning)
 
     def run(self) -> TrainState:
-        """Train, evaluate and test with this rank's hang watchdog armed (megatron/watchdog.py), and
-        disarmed however the loop ends, so that it can never fire later in an in-process caller."""
+        """Train, evaluate and test with this rank's hang watchdog armed (megatron/watchdog.py) and the stop
+        signals handled, both undone however the loop ends, so that neither outlives it in an in-process
+        caller."""
         watchdog.start(self.config.watchdog_timeout_minutes, self.config.save_load.output_dir, self.ps.rank,
                        f"training step {self.state.step + 1}")
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         try:
             return self._run_loop()
         finally:
             watchdog.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.writer.close()
 
     def _run_loop(self) -> TrainState:
         c, s = self.config, self.state
         gbs = c.batch_size.global_batch_size
         train_steps = self._train_steps()
+        if s.step >= train_steps:  # a finished run launched again: evaluating again would log its results twice
+            if self.ps.rank == 0:
+                self.log.warning(f"nothing to train: the run is at step {s.step} and stops at step {train_steps}; "
+                                 f"raise max_steps to train further")
+            return s
         loader = iter(self._loader(self.train_ds, s.consumed_samples, c.dataset.num_workers))
         reader_time = batch_time = 0.0
         window = 0
         dev.reset_peak_memory(self.device)
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         self._started = time.perf_counter()
         save_steps = c.save_load.save_steps
         saved_at = s.step
@@ -341,15 +366,13 @@ class Trainer:
                 self._evaluate("valid", self.valid_ds)
         else:
             if train_steps < c.max_steps and self.ps.rank == 0:
-                self.log.warning(f"stopped at step {s.step} of max_steps {c.max_steps}: the training data ran out "
-                                 f"(num_train_epochs {c.num_train_epochs})")
+                epochs = "" if c.num_train_epochs is None else f" (num_train_epochs {c.num_train_epochs})"
+                self.log.warning(f"stopped at step {s.step} of max_steps {c.max_steps}: the training data ran "
+                                 f"out{epochs}")
             if save_steps and saved_at != s.step:
                 self.save()
             self._evaluate("valid", self.valid_ds)
             self._evaluate("test", self.test_ds)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        self.writer.close()
         return s
 
 

@@ -4,7 +4,10 @@
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 4
 
-writes ``data/corpus_text_document.bin`` / ``.idx`` (one pair per ``--json-keys`` key).
+writes ``data/corpus_text_document.bin`` / ``.idx`` (one pair per ``--json-keys`` key). With
+``--split-sentences`` (Megatron-LM's flag) each sentence of a document is its own sequence in the
+``.idx`` (the document boundaries are still recorded) and the pair is ``data/corpus_text_sentence``;
+sentences are found by the rule in ``megatron/data/sentences.py`` (no nltk download).
 
 Input: JSONL files (one JSON object per line; ``.gz`` too), a folder or glob of them, or
 plain ``.txt`` files (one document per file, or per blank-line-separated block with
@@ -34,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.indexed_dataset import IndexedDatasetWriter, best_dtype  # noqa: E402
+from megatron.data.sentences import split_sentences  # noqa: E402
 from megatron.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt", ".txt.gz")
@@ -98,9 +102,10 @@ class Encoder:
         Encoder.tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model,
                                             a.eod_token)
 
-    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[np.ndarray]], int, list[str], str | None]:
-        """-> (per key, the token arrays of the batch's good documents; bytes read; error messages; a fatal
-        error: the first id outside the tokenizer's vocabulary, or None)."""
+    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[list[np.ndarray]]], int, list[str],
+                                                                    str | None]:
+        """-> (per key, per good document of the batch, its sequences' token arrays; bytes read; error messages;
+        a fatal error: the first id outside the tokenizer's vocabulary, or None)."""
         keys, tokenizer, errors = self.args.json_keys, Encoder.tokenizer, []
         texts: list[list[str]] = [[] for _ in keys]
         wheres: list[str] = []
@@ -116,16 +121,31 @@ class Encoder:
                 column.append(field)
         out = []
         for key, column in zip(keys, texts):
-            encoded = tokenizer.tokenize_batch(column) if column else []
-            if self.args.append_eod:
-                encoded = [ids + [tokenizer.eod] for ids in encoded]
-            arrays, bad = _to_arrays(encoded, tokenizer.vocab_size)
+            arrays, bad = _to_arrays(self._sequences(column), tokenizer.vocab_size)
             if bad is not None:
                 return [], size, errors, (f"{wheres[bad[0]]} (key '{key}'): the tokenizer produced id {bad[1]} but "
                                           f"its vocabulary has {tokenizer.vocab_size} ids; the tokenizer files "
                                           f"are inconsistent: check them, or use the files the model was made with.")
             out.append(arrays)
         return out, size, errors, None
+
+    def _sequences(self, column: list[str]) -> list[list[list[int]]]:
+        """Per document, the token ids of its sequences: the whole text, or with --split-sentences each sentence
+        that gives tokens (as Megatron-LM). --append-eod ends the document's last sequence."""
+        a, tokenizer = self.args, Encoder.tokenizer
+        if not a.split_sentences:
+            encoded = tokenizer.tokenize_batch(column) if column else []
+            return [[ids + [tokenizer.eod]] if a.append_eod else [ids] for ids in encoded]
+        per_doc = [split_sentences(text, a.keep_newlines) for text in column]
+        flat = [s for sentences in per_doc for s in sentences]
+        encoded = iter(tokenizer.tokenize_batch(flat) if flat else [])
+        docs = []
+        for sentences in per_doc:
+            seqs = [ids for ids in (next(encoded) for _ in sentences) if ids]
+            if seqs and a.append_eod:
+                seqs[-1] = seqs[-1] + [tokenizer.eod]
+            docs.append(seqs)
+        return docs
 
 
 def _fields(where: str, kind: int, raw: bytes, keys: list[str]) -> tuple[list[str] | None, str | None]:
@@ -146,17 +166,21 @@ def _fields(where: str, kind: int, raw: bytes, keys: list[str]) -> tuple[list[st
     return [doc[k] for k in keys], None
 
 
-def _to_arrays(encoded: list[list[int]], vocab_size: int) -> tuple[list[np.ndarray], tuple[int, int] | None]:
-    """Token arrays in the format's dtype, and (document, id) of the first id >= vocab_size (else None)."""
+def _to_arrays(docs: list[list[list[int]]], vocab_size: int) -> tuple[list[list[np.ndarray]], tuple[int, int] | None]:
+    """Each document's sequences as arrays of the format's dtype, and (document, id) of the first id >= vocab_size
+    (else None)."""
     dtype, arrays = best_dtype(vocab_size), []
-    for d, ids in enumerate(encoded):
-        try:
-            arr = np.asarray(ids, dtype=dtype)
-        except OverflowError:  # an id too large for the dtype, hence for the vocabulary
-            return arrays, (d, max(ids))
-        if len(arr) and int(arr.max()) >= vocab_size:
-            return arrays, (d, int(arr.max()))
-        arrays.append(arr)
+    for d, sequences in enumerate(docs):
+        doc = []
+        for ids in sequences:
+            try:
+                arr = np.asarray(ids, dtype=dtype)
+            except OverflowError:  # an id too large for the dtype, hence for the vocabulary
+                return arrays, (d, max(ids))
+            if len(arr) and int(arr.max()) >= vocab_size:
+                return arrays, (d, int(arr.max()))
+            doc.append(arr)
+        arrays.append(doc)
     return arrays, None
 
 
@@ -209,7 +233,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     probe = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
                             args.eod_token)
     dtype = best_dtype(probe.vocab_size)
-    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    level = "sentence" if args.split_sentences else "document"  # Megatron-LM's names
+    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
     progress, bad = Progress(args.log_interval), []
     try:
@@ -222,8 +247,10 @@ def preprocess(args: argparse.Namespace) -> dict:
             bad.extend(errors[: max(0, 5 - len(bad))])
             progress.bad += len(errors)
             for writer, docs in zip(writers, encoded):
-                for doc in docs:
-                    writer.add_document(doc)
+                for sequences in docs:
+                    for sequence in sequences:
+                        writer.add_item(sequence)
+                    writer.end_document()
             progress.update(len(encoded[0]), size)
         _check_not_empty(writers, args.json_keys, progress.bad, bad)
     except BaseException:
@@ -254,7 +281,9 @@ def _check_not_empty(writers: list[IndexedDatasetWriter], keys: list[str], num_b
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="JSONL/.txt files, folders or globs.")
-    p.add_argument("--output-prefix", required=True, help="Output path prefix; _{key}_document.bin/.idx is added.")
+    p.add_argument("--output-prefix", required=True,
+                   help="Output path prefix; _{key}_document.bin/.idx is added (_{key}_sentence.bin/.idx with "
+                        "--split-sentences).")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="Keys of the JSON objects to tokenize.")
     p.add_argument("--tokenizer-type", required=True,
                    choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
@@ -269,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--txt-mode", choices=["file", "paragraph"], default="file",
                    help=".txt input: one document per file, or per blank-line-separated block.")
     p.add_argument("--fail-on-error", action="store_true", help="Stop at the first bad record.")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="One sequence per sentence (document boundaries kept), as Megatron-LM; a rule, not nltk.")
+    p.add_argument("--keep-newlines", action="store_true",
+                   help="With --split-sentences: keep the newlines that follow each sentence.")
     return p
 
 

@@ -16,9 +16,11 @@ from megatron.checkpoint.save_load import (
     global_name,
     load_checkpoint,
     owned_pieces,
+    point_latest,
+    prune_checkpoints,
     save_checkpoint,
 )
 
 __all__ = ["KINDS", "CheckpointError", "CheckpointReader", "check_compatible", "check_output_dir", "find_checkpoint",
-           "global_name", "load_checkpoint", "on_every_rank", "owned_pieces", "resolve_checkpoint", "same_folder",
-           "save_checkpoint"]
+           "global_name", "load_checkpoint", "on_every_rank", "owned_pieces", "point_latest", "prune_checkpoints",
+           "resolve_checkpoint", "same_folder", "save_checkpoint"]

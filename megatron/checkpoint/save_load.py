@@ -157,7 +157,7 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if rank == 0 and keep_last:
-        _remove_old(output_dir, step, keep_last)
+        prune_checkpoints(output_dir, step, keep_last)
     _barrier()
     return final
 
@@ -228,25 +228,31 @@ def _commit(output_dir: str, final: str, tmp: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def point_latest(output_dir: str, step_dir: str) -> None:
+    """Rank 0: make ``latest`` name ``step_dir`` (a folder of ``output_dir``), durably."""
+    write_text(os.path.join(output_dir, "latest"), os.path.basename(os.path.normpath(step_dir)))
+    fsync_dir(output_dir)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def _remove_old(output_dir: str, step: int, keep_last: int) -> None:
-    """Keep the ``keep_last`` most recent saves of this run: the one just written and the steps below
+def prune_checkpoints(output_dir: str, step: int, keep_last: int, protect: str | None = None) -> None:
+    """Rank 0: keep the ``keep_last`` most recent saves of this run: ``step_{step}`` and the steps below
     it. Higher-numbered folders (another attempt's, before a resume from an earlier step) are not
-    this run's to delete, and neither is the one ``latest`` names. A folder that cannot be removed is
-    reported, not fatal."""
+    this run's to delete, and neither is the one ``latest`` names, nor ``protect`` (the newest
+    checkpoint known good). A folder that cannot be removed is reported, not fatal."""
     try:
-        protected = find_checkpoint(output_dir)
+        protected = [p for p in (find_checkpoint(output_dir), protect) if p is not None]
     except CheckpointError as err:
         get_logger().warning(f"not pruning old checkpoints: {err}")
         return
     steps = sorted(int(m.group(1)) for d in os.listdir(output_dir) if (m := re.fullmatch(r"step_(\d+)", d)))
     for old in [s for s in steps if s < step][:-(keep_last - 1) or None]:
         path = os.path.join(output_dir, f"step_{old}")
-        if protected is not None and same_folder(path, protected):
+        if any(same_folder(path, p) for p in protected):
             continue
         try:
             shutil.rmtree(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -136,12 +137,14 @@ def coerce(leaf: Leaf, value: Any) -> Any:
             raise ConfigError(f"{where} must be one of {', '.join(map(str, leaf.choices))}, got {number}.")
         return number
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         try:
-            return float(str(value))
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            number = float(value) if numeric else float(str(value))
         except ValueError:
             raise ConfigError(f"{where} must be a number, got {value!r}.") from None
+        if not math.isfinite(number):  # nan compares false with every bound a later check would test
+            raise ConfigError(f"{where} must be a finite number, got {value!r}.")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where} must be a string, got {value!r}.")
@@ -276,8 +279,20 @@ def parse_config(argv: Sequence[str] | None = None, warnings: list[str] | None =
         for leaf, value in load_yaml(saved):  # per-replica batch follows from it, and how to load is asked now
             if leaf.path[0] != "Distributed" and leaf.name not in _NOT_INHERITED:
                 _set(base, leaf, value)
+        saved_steps = (base.max_steps, base.optimizer.lr.decay_steps)
         config = _layered(base, given)
+        _warn_schedule_kept(saved_steps, config, warnings)
     return config
+
+
+def _warn_schedule_kept(saved: tuple[int, int | None], config: Config, warnings: list[str] | None) -> None:
+    """A resumed run keeps the saved run's resolved schedule (decay_steps was derived from its max_steps):
+    say so when max_steps changed and the schedule did not, rather than decay over the old length."""
+    lr = config.optimizer.lr
+    if warnings is not None and config.max_steps != saved[0] and lr.decay_steps == saved[1]:
+        warnings.append(f"resuming with max_steps {config.max_steps} while the saved run's learning rate decays over "
+                        f"{lr.decay_steps} steps (its decay_steps, kept); pass --lr-decay-iters (decay_steps) to "
+                        f"change it.")
 
 
 _NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins")

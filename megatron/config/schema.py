@@ -141,7 +141,8 @@ class SaveLoadConfig:
     save_steps: int | None = opt(None, "Save a checkpoint every this many steps.")
     output_dir: str = opt("./output", "Where config.yaml, metrics.jsonl, TensorBoard events and checkpoints go.")
     ckpt_dir: str | None = opt(None, "Checkpoint to load at start: a run's output_dir (its latest step) or a "
-                                     "step_N folder; any parallel layout.")
+                                     "step_N folder; any parallel layout; checksums verified. The run's own "
+                                     "output_dir holding no checkpoint yet (--save X --load X) starts from scratch.")
     keep_last_checkpoints: int | None = opt(None, "Keep only this many most recent checkpoints.")
     load_optim: bool = opt(True, "Load the optimizer states and loss scaler; --no-load-optim starts them afresh.")
     load_rng: bool = opt(True, "Restore the RNG streams (same layout only); --no-load-rng reseeds.")
@@ -157,7 +158,10 @@ class Config:
 
     device: str | None = opt(None, "gpu or cpu; default gpu when one is present.", ("gpu", "cpu"))
     max_steps: int = opt(500000, "Optimizer steps to train.")
-    num_train_epochs: int = opt(1, "Stop after this many passes over the training set, if sooner than max_steps.")
+    num_train_epochs: int | None = opt(
+        None, "Cap on passes over the training data: the train split is built for at most this many passes (every "
+              "sample once per pass) and training stops there if sooner than max_steps. Default None: no cap, "
+              "max_steps decides (as Megatron-LM).")
     seed: int = opt(1024, "Seed of the weights, dropout and data order.")
     use_recompute: bool = opt(False, "Recompute activations in the backward instead of storing them.")
     recompute_granularity: str | None = opt(

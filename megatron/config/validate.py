@@ -192,10 +192,12 @@ def _check_optimizer(config: Config, warnings: list[str]) -> None:
 def _check_counts(config: Config) -> None:
     """Step counts, before anything is derived from them (decay_steps defaults to max_steps)."""
     for name in ("max_steps", "logging_freq", "eval_freq", "num_train_epochs"):
-        if getattr(config, name) < 1:
+        if getattr(config, name) is not None and getattr(config, name) < 1:  # num_train_epochs None: no cap
             _fail(f"{name} must be at least 1, got {getattr(config, name)}.")
     if config.eval_iters < 0:
         _fail(f"eval_iters must be >= 0, got {config.eval_iters}.")
+    if not 0 <= config.seed < 2**32:
+        _fail(f"seed must be in [0, 2^32 - 1] (NumPy's seed range), got {config.seed}.")
 
 
 def _check_training(config: Config, cuda_available: bool) -> None:
@@ -233,13 +235,15 @@ def _check_training(config: Config, cuda_available: bool) -> None:
 
 def _check_run_health(config: Config) -> None:
     if config.max_consecutive_skipped_steps < 0:
-        _fail(f"max_consecutive_skipped_steps must be >= 0 (0 never stops), got {config.max_consecutive_skipped_steps}.")
+        _fail(f"max_consecutive_skipped_steps must be >= 0 (0 never stops), got "
+              f"{config.max_consecutive_skipped_steps}.")
     if config.loss_spike_factor < 0 or 0 < config.loss_spike_factor <= 1:
         _fail(f"loss_spike_factor must be above 1 (or 0 to disable), got {config.loss_spike_factor}.")
     if config.watchdog_timeout_minutes is None:
         config.watchdog_timeout_minutes = config.distributed.distributed_timeout_minutes
     if config.watchdog_timeout_minutes < 0:
-        _fail(f"watchdog_timeout_minutes must be >= 0 (0 disables the watchdog), got {config.watchdog_timeout_minutes}.")
+        _fail(f"watchdog_timeout_minutes must be >= 0 (0 disables the watchdog), got "
+              f"{config.watchdog_timeout_minutes}.")
 
 
 def validate(config: Config, world_size: int = 1, cuda_available: bool = False) -> list[str]:

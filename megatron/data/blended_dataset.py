@@ -9,6 +9,11 @@ directly; otherwise, as Megatron Core's builder, with the weights ``w`` normaliz
 samples wanted for a split, member ``d`` is built for ``ceil(ceil(n * w[d]) * 1.005)`` samples and
 the blend holds ``sum_d ceil(n * w[d])`` samples interleaved by the C++ ``build_blending_indices``
 (greedy: after every sample, each dataset's count stays close to its share, within one sample).
+
+With ``train_epochs`` (``num_train_epochs``) the train split is built for at most that many passes: one
+pass is ``(tokens - 1) // seq_length`` samples of one dataset's train split (Megatron's samples per
+epoch), or for a blend the sum of its members' (each member's share still follows its weight), and
+the train samples are rounded down to whole global batches (``train_samples``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class BlendedDataset:
         self.dataset_index, self.dataset_sample_index = build_blending_indices(
             np.asarray(self.weights, dtype=np.float64), size)
         self.eod_id = datasets[0].eod_id
-        self.samples_per_epoch = size
+        self.samples_per_epoch = sum(ds.samples_per_epoch for ds in datasets)  # one pass: every member's once
         for d, ds in enumerate(datasets):
             needed = int(np.count_nonzero(self.dataset_index == d))
             if needed > len(ds):
@@ -65,6 +70,10 @@ def parse_input_dir(input_dir: str) -> tuple[list[str], list[float] | None]:
         if len(words) % 2 or not all(_is_number(w) for w in words[::2]):
             raise DatasetError(f"input_dir '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
         weights, prefixes = [float(w) for w in words[::2]], list(words[1::2])
+        bad = [w for w in words[::2] if not math.isfinite(float(w))]
+        if bad:
+            raise DatasetError(f"input_dir '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
+                               f"non-negative weights, e.g. '0.3 prefix1 0.7 prefix2'")
         if any(w < 0 for w in weights) or sum(weights) <= 0:
             raise DatasetError(f"input_dir '{input_dir}': weights must be non-negative with a positive sum")
     else:
@@ -122,11 +131,13 @@ def _train_ranges(indexed: list[IndexedDataset], split: str, weights: list[float
 
 
 def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int], seq_length: int, seed: int,
-                   eod_id: int, cache_dir: str | None = None, vocab_size: int | None = None) -> tuple:
+                   eod_id: int, cache_dir: str | None = None, vocab_size: int | None = None,
+                   train_epochs: int | None = None, global_batch_size: int = 1) -> tuple:
     """(train, valid, test); a split with no sequences (or no samples requested) is None.
 
-    With ``vocab_size``, every dataset's token ids are checked against it first (``token_check``). Every
-    failure is a DatasetError raised on every rank (see ``index_cache``).
+    With ``vocab_size``, every dataset's token ids are checked against it first (``token_check``). With
+    ``train_epochs``, the train split holds exactly ``train_samples(...)`` samples: at most that many passes,
+    in whole global batches. Every failure is a DatasetError raised on every rank (see ``index_cache``).
     """
     prefixes, weights = parse_input_dir(input_dir)
 
@@ -140,13 +151,63 @@ def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int]
     if vocab_size is not None:
         for ds in indexed:
             token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size)
+    if train_epochs is not None and num_samples[0] > 0:
+        per_epoch = samples_per_epoch(indexed, weights, split, seq_length)
+        num_samples = (train_samples(num_samples[0], train_epochs, per_epoch, global_batch_size, seq_length),
+                       *num_samples[1:])
     if len(indexed) == 1 and weights is None:
-        return tuple(_single(indexed[0], split, s, n, seq_length, seed, eod_id, cache_dir)
-                     for s, n in enumerate(num_samples))
-    if weights is None:
-        weights = [float(ds.num_tokens) for ds in indexed]
-    return tuple(_blend(indexed, normalize(weights), split, s, n, seq_length, seed, eod_id, cache_dir)
-                 for s, n in enumerate(num_samples))
+        datasets = tuple(_single(indexed[0], split, s, n, seq_length, seed, eod_id, cache_dir)
+                         for s, n in enumerate(num_samples))
+    else:
+        weights = normalize(weights if weights is not None else [float(ds.num_tokens) for ds in indexed])
+        datasets = tuple(_blend(indexed, weights, split, s, n, seq_length, seed, eod_id, cache_dir)
+                         for s, n in enumerate(num_samples))
+    if train_epochs is None or datasets[0] is None:
+        return datasets
+    return (FirstSamples(datasets[0], num_samples[0]), *datasets[1:])
+
+
+def samples_per_epoch(indexed: list[IndexedDataset], weights: list[float] | None, split: str,
+                      seq_length: int) -> int:
+    """One pass over the train split: ``(tokens - 1) // seq_length`` samples of one dataset (Megatron's samples
+    per epoch); for a blend, the sum over the members it draws from (weight above 0)."""
+    total = 0
+    for d, ds in enumerate(indexed):
+        if weights is not None and weights[d] == 0:
+            continue
+        first, last = split_ranges(split, len(ds))[0]
+        total += max((int(ds.sequence_lengths[first:last].sum(dtype=np.int64)) - 1) // seq_length, 0)
+    return total
+
+
+def train_samples(max_samples: int, epochs: int, per_epoch: int, global_batch_size: int, seq_length: int) -> int:
+    """``min(max_samples, epochs x per_epoch)`` rounded down to whole global batches; none is a DatasetError."""
+    steps = min(max_samples, epochs * per_epoch) // global_batch_size
+    if steps == 0:
+        raise DatasetError(f"num_train_epochs {epochs} gives {epochs * per_epoch} training samples ({per_epoch} per "
+                           f"pass over the train split at max_seq_len {seq_length}), fewer than one global batch of "
+                           f"{global_batch_size}; raise num_train_epochs, lower global_batch_size or add data.")
+    return steps * global_batch_size
+
+
+class FirstSamples:
+    """The first ``size`` samples of ``dataset``: a train split capped to ``num_train_epochs`` passes, whose
+    ``len`` is exactly the samples the run trains on (the dataset built under it may hold a few more)."""
+
+    def __init__(self, dataset, size: int):
+        if size > len(dataset):
+            raise DatasetError(f"the train split holds {len(dataset)} samples but {size} were asked; this is a bug "
+                               f"in the sample counts: please report it.")
+        self.dataset, self.size = dataset, size
+        self.eod_id, self.samples_per_epoch = dataset.eod_id, dataset.samples_per_epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.size:
+            raise IndexError(f"sample {index} out of range [0, {self.size})")
+        return self.dataset[index]
 
 
 def _single(ds: IndexedDataset, split: str, s: int, n: int, seq_length: int, seed: int, eod_id: int,

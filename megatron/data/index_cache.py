@@ -3,7 +3,8 @@
 **Key.** A cache entry is named by a hash of what its contents depend on. For the dataset that is its
 content as a copy keeps it (``IndexedDataset.content_key``: the ``.idx`` size and BLAKE2b hash, the
 ``.bin`` size), never its path or modification time, so a node-local copy of the data hits the same
-entry as the original.
+entry as the original. The token-id range (``token_check``) is the exception: it depends on the ``.bin``'s
+bytes, which the content key does not hash, so its entry is keyed by the ``.bin``'s mtime as well.
 
 **Who builds** (``load_or_build``), in three phases that every rank enters:
 

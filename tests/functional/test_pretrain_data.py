@@ -50,7 +50,7 @@ def _train(corpus: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
             "--max-seq-len", "32", "--max-position-embeddings", "32", "--global-batch-size", "16",
             "--micro-batch-size", "8", "--max-steps", "60", "--eval-freq", "30", "--eval-iters", "2",
             "--lr", "5e-3", "--min-lr", "5e-4", "--warmup-rate", "0.05", "--logging-freq", "10",
-            "--split", "90,8,2", "--num-train-epochs", "10", "--save", str(out), *extra]
+            "--split", "90,8,2", "--save", str(out), *extra]
     return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 
@@ -66,6 +66,23 @@ def test_trains_from_input_dir_and_validation_loss_falls(corpus, tmp_path):
     assert valid[-1]["loss"] < 0.5 * math.log(len(vocab))
     assert any(r["split"] == "test" for r in records)
     assert list((corpus / "data").glob("index-cache/*_sample_idx.npy"))  # indices cached beside the data
+
+
+def test_trains_on_sentence_split_data(corpus, tmp_path):
+    """preprocess_data.py --split-sentences: one sequence per sentence, documents kept; training reads it."""
+    docs = [" ".join(s.capitalize() for s in _sentences(random.Random(i).randint(3, 12))) for i in range(600)]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", tmp_path / "s.jsonl",
+                    "--output-prefix", tmp_path / "s", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                    corpus / "tok" / "vocab.json", "--merge-file", corpus / "tok" / "merges.txt", "--append-eod",
+                    "--split-sentences"], check=True, capture_output=True)
+    ds = IndexedDataset(str(tmp_path / "s_text_sentence"))
+    assert ds.num_documents == 600 and len(ds) > 5 * 600  # 3 to 12 sentences a document
+    run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "s_text_sentence"), "--max-steps", "4")
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [4]  # logged every 10 steps, and the last
+    assert math.isfinite(records[-1]["loss"]) and records[-1]["split"] == "test"
 
 
 @pytest.mark.parametrize("change, message", [

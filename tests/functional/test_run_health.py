@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from tests.functional.test_pretrain_cli import TINY, run_cli
+from megatron.training import Trainer
+from tests.functional.test_pretrain_cli import REPO, TINY, run_cli
 
 
 def _steps_logged(output: str) -> list[int]:
@@ -17,24 +22,31 @@ def _steps_logged(output: str) -> list[int]:
 
 
 def test_diverged_run_stops_and_keeps_the_good_checkpoint(tmp_path):
-    """lr 1e6: step 1 is finite and saved, every later step NaN. The run stops after 4 bad steps in a
-    row with exit 3; the NaN states are never saved, so keep-last 1 never prunes step_1."""
+    """A run saves every step with keep-last 1; resumed at lr 1e6, step 4's loss is still finite (it uses
+    step_3's weights, which confirms step_3) but its update explodes the weights that step_4 holds.
+    The run stops after 4 bad steps in a row with exit 3, step_3 is never pruned, and 'latest' names
+    it again, so a plain relaunch does not resume from the poisoned step_4."""
     out = tmp_path / "out"
+    ckpt = ["--save", str(out), "--load", str(out), "--save-interval", "1", "--keep-last-checkpoints", "1"]
+    proc = run_cli(*TINY, "--max-steps", "3", "--lr", "1e-3", *ckpt)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "latest").read_text().strip() == "step_3"
     start = time.monotonic()
-    proc = run_cli(*TINY, "--max-steps", "40", "--lr", "1e6", "--min-lr", "1", "--save", str(out),
-                   "--save-interval", "1", "--keep-last-checkpoints", "1", "--max-consecutive-skipped-steps", "4")
+    proc = run_cli(*TINY, "--max-steps", "40", "--lr", "1e6", "--min-lr", "1e6", "--max-consecutive-skipped-steps",
+                   "4", *ckpt)
     assert time.monotonic() - start < 100
     assert proc.returncode == 3, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert len(errors) == 1 and "training diverged: 4 steps in a row up to step 5" in errors[0], errors
-    assert f"last checkpoint: {out / 'step_1'}" in errors[0]
-    assert _steps_logged(output) == [1, 2, 3, 4, 5]  # stopped at once, not at max_steps
-    assert "not saving a checkpoint at step 2: the loss at step 2 is nan" in output
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_1"]
-    assert (out / "latest").read_text().strip() == "step_1"
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert math.isfinite(losses[0]) and not any(math.isfinite(x) for x in losses[1:])
+    assert len(errors) == 1 and "training diverged: 4 steps in a row up to step 8" in errors[0], errors
+    assert f"last good checkpoint: {out / 'step_3'}, which 'latest' now names again" in errors[0]
+    assert _steps_logged(output) == [4, 5, 6, 7, 8]  # stopped at once, not at max_steps
+    assert "not saving a checkpoint at step 5: the loss at step 5 is nan" in output
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_3", "step_4"]
+    assert (out / "latest").read_text().strip() == "step_3"
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["split"] == "train"]
+    assert all(math.isfinite(x) for x in losses[:4]) and not any(math.isfinite(x) for x in losses[4:])
 
 
 @pytest.mark.parametrize("scale_flags, stops_at", [
@@ -61,3 +73,40 @@ def test_fp16_overflow_policy(tmp_path, scale_flags, stops_at):
         # every skip halved the scale once (hysteresis 1), and far more skips came in a row than the 3 allowed
         assert last["skipped_steps"] == round(math.log2(2.0 ** 60 / last["loss_scale"]))
         assert 3 < last["skipped_steps"] < 50
+
+
+def test_ctrl_c_saves_and_exits_and_a_second_stops_at_once(tmp_path):
+    """A first Ctrl-C saves at the end of the step and exits 0, like SIGTERM; a second raises
+    KeyboardInterrupt (pretrain_gpt.py prints one line and exits 130)."""
+    argv = [sys.executable, "pretrain_gpt.py", *TINY, "--max-steps", "100000", "--save", str(tmp_path),
+            "--save-interval", "100000"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if " - global step 3," in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    step = int(re.search(r"SIGINT received \(Ctrl-C again to stop at once, without saving\): saving at step (\d+)",
+                         output)[1])
+    assert (tmp_path / "latest").read_text().strip() == f"step_{step}"
+    assert "Traceback" not in output
+    stopping = SimpleNamespace(_stop_signal=None)
+    Trainer._on_signal(stopping, signal.SIGINT, None)
+    assert stopping._stop_signal == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+        Trainer._on_signal(stopping, signal.SIGINT, None)
+
+
+def test_a_finished_run_launched_again_trains_and_evaluates_nothing(tmp_path):
+    flags = [*TINY, "--max-steps", "3", "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "3"]
+    assert run_cli(*flags).returncode == 0
+    proc = run_cli(*flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to train: the run is at step 3 and stops at step 3" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["split"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("train", 3), ("valid", 3),
+                                                          ("test", 3)]

@@ -15,7 +15,7 @@ import torch
 from megatron import parallel_state
 from megatron.checkpoint import CheckpointError, CheckpointReader, check_output_dir, find_checkpoint, load_checkpoint
 from megatron.checkpoint.format import RankFileWriter, write_text
-from megatron.checkpoint.save_load import _remove_old, save_checkpoint
+from megatron.checkpoint.save_load import prune_checkpoints, save_checkpoint
 from megatron.config import ConfigError, parse_config
 from megatron.metrics import MetricsWriter, drop_records_after, get_logger
 from megatron.optimizer import build_optimizer
@@ -234,7 +234,7 @@ def test_pruning_keeps_the_newest_and_what_latest_names(tmp_path):
         _save(out, step, keep_last=2)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_2", "step_3"]
     (out / "latest").write_text("step_2")  # as if step_3 were another attempt's
-    _remove_old(str(out), 4, 1)
+    prune_checkpoints(str(out), 4, 1)
     assert (out / "step_2").is_dir() and not (out / "step_3").exists()  # named by latest: kept
 
 

@@ -435,6 +435,10 @@ def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
     (["--watchdog-timeout-minutes=-1"], "watchdog_timeout_minutes must be >= 0"),
     (["--max-consecutive-skipped-steps=-1"], "max_consecutive_skipped_steps must be >= 0"),
     (["--loss-spike-factor", "0.5"], "loss_spike_factor must be above 1"),
+    (["--seed=-1"], r"seed must be in \[0, 2\^32 - 1\]"),
+    (["--seed", str(2**32)], r"seed must be in \[0, 2\^32 - 1\]"),
+    (["--lr", "nan"], "max_lr must be a finite number, got 'nan'"),
+    (["--initial-loss-scale", "inf"], "scale_loss must be a finite number, got 'inf'"),
 ])
 def test_values_that_cannot_train_refused(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -206,6 +206,33 @@ def test_token_ids_beyond_the_vocabulary_stop_and_the_scan_is_cached(tmp_path, m
     assert len(train) >= 50 and len(scans) == 1  # the second check read the cached range
 
 
+def test_a_bin_rewritten_in_place_with_the_same_size_is_rescanned(tmp_path, monkeypatch):
+    """The content key hashes the .idx but only the .bin's size: the token-range entry is keyed by the .bin's
+    mtime too, so new bytes under the same .idx (here an id beyond the vocabulary) are not trusted to the old
+    verdict. A copy that keeps the mtime (cp -p) keeps the entry."""
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    docs = _make(prefix, 30)
+    vocab = int(max(d.max() for d in docs)) + 1
+    scans = []
+    real = token_check.scan_token_range
+    monkeypatch.setattr(token_check, "scan_token_range", lambda *a: scans.append(a) or real(*a))
+    build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=vocab)
+    copy = str(tmp_path / "copy" / "ds")
+    os.makedirs(os.path.dirname(copy))
+    for suffix in (".bin", ".idx"):
+        shutil.copy2(prefix + suffix, copy + suffix)
+    build_datasets(copy, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=vocab)
+    assert len(scans) == 1  # same content, same mtime: the cached range
+    before = os.stat(prefix + ".bin")
+    tokens = np.fromfile(prefix + ".bin", np.int32)
+    tokens[5] = vocab + 7
+    tokens.tofile(prefix + ".bin")  # in place: same size, same .idx
+    os.utime(prefix + ".bin", ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(DatasetError, match=f"holds token id {vocab + 7} but the model's vocabulary has {vocab} ids"):
+        build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=vocab)
+    assert len(scans) == 2
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 def test_token_scan_in_chunks_finds_the_extremes(tmp_path, dtype):
     rng = np.random.default_rng(0)
@@ -233,6 +260,25 @@ def test_input_dir_forms(tmp_path):
         os.makedirs(tmp_path / "empty", exist_ok=True)
         with pytest.raises(DatasetError):
             parse_input_dir(bad)
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "NaN", "-inf"])
+def test_a_blend_weight_that_is_not_finite_is_one_line(tmp_path, capsys, weight):
+    for name in ("a", "b"):
+        _make(str(tmp_path / name), 10)
+    input_dir = f"{weight} {tmp_path}/a 1 {tmp_path}/b"
+    message = (f"input_dir '{input_dir}': weight '{weight}' is not a finite number; give finite non-negative "
+               f"weights, e.g. '0.3 prefix1 0.7 prefix2'")
+    with pytest.raises(DatasetError) as err:
+        parse_input_dir(input_dir)
+    assert str(err.value) == message
+    with pytest.raises(DatasetError, match=re.escape(message)):
+        build_datasets(input_dir, "1,0,0", (50, 0, 0), 8, 1, EOD, str(tmp_path / "cache"))
+    if not weight.startswith("-"):  # argparse takes '-inf' for a flag: its own one-line error
+        import pretrain_gpt
+
+        assert pretrain_gpt.main(["--data-path", *input_dir.split(), "--device", "cpu"]) == 2
+        assert capsys.readouterr().err == f"pretrain_gpt.py: error: {message}.\n"
 
 
 def test_blending_follows_weights(tmp_path):

@@ -71,3 +71,28 @@ def test_loss_spike_warns_with_the_step():
     assert warning is not None and warning.startswith("loss spike at step 40: 12 is 4.0x")
     assert health.observe(41, 2.0, applied=True) is None
     assert RunHealth(10, spike_factor=0).observe(1, 1e9, applied=True) is None
+
+
+def test_a_checkpoint_is_good_once_the_next_step_is(tmp_path, monkeypatch):
+    """Pruning keeps the newest confirmed checkpoint; divergence points 'latest' back at it."""
+    import megatron.checkpoint as ckpt
+    from megatron.health import GoodCheckpoints
+
+    pruned: list[tuple] = []
+    monkeypatch.setattr(ckpt, "prune_checkpoints", lambda out, step, keep, protect=None: pruned.append((step, protect)))
+    for step in (3, 4):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "metadata.json").write_text("{}")
+    keeper = GoodCheckpoints(str(tmp_path), keep_last=1, acts=True)
+    assert keeper.after_divergence() == "no checkpoint of this run is known good"
+    keeper.saved(3, str(tmp_path / "step_3"))
+    keeper.step_done(math.nan, applied=False)  # step 4 with step_3's weights went wrong: not confirmed
+    assert keeper.good is None
+    keeper.step_done(2.0, applied=True)  # a later good step still confirms what was saved last
+    assert keeper.good == str(tmp_path / "step_3")
+    keeper.saved(4, str(tmp_path / "step_4"))
+    (tmp_path / "latest").write_text("step_4")
+    assert pruned == [(3, None), (3, str(tmp_path / "step_3")), (4, str(tmp_path / "step_3"))]
+    assert keeper.after_divergence().endswith("step_3, which 'latest' now names again")
+    assert (tmp_path / "latest").read_text().strip() == "step_3"
+    assert keeper.after_divergence() == f"last good checkpoint: {tmp_path / 'step_3'}"

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
@@ -153,3 +154,58 @@ def test_an_id_outside_the_tokenizers_vocabulary_is_one_line(tmp_path, tokenizer
                                                f"the tokenizer produced id ")
     assert "but its vocabulary has 100 ids" in err[0]
     assert os.listdir(tmp_path / "out") == []
+
+
+SENTENCES = [["The model reads tokens.", "Mr. Smith predicts the next one!", "Does it learn?", "Yes."],
+             ["Data flows through layers, e.g. attention.", "The optimizer updates weights."],
+             ["One.", "Two blocks of attention and feed forward.", "Three \"layers.\"", "(Four.)", "5 tokens."]]
+
+
+def test_split_sentences_gives_a_sequence_per_sentence_and_keeps_documents(tmp_path, tokenizer_files):
+    """Megatron-LM's --split-sentences: each sentence is a sequence of the .idx, the document boundaries are kept,
+    --append-eod ends each document's last sentence, and the pair is named ..._sentence."""
+    tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)
+    docs = [" ".join(sentences) for sentences in SENTENCES]
+    docs[1] = docs[1].replace(" The", "\n\nThe")  # a paragraph break between sentences
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c", "--split-sentences",
+                "--append-eod", "--workers", "2", "--batch-size", "2") == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["c_text_sentence.bin", "c_text_sentence.idx"]
+    ds = IndexedDataset(str(tmp_path / "out" / "c_text_sentence"))
+    flat = [s for sentences in SENTENCES for s in sentences]
+    last = np.cumsum([len(s) for s in SENTENCES]) - 1
+    assert [d.tolist() for d in ds] == [tok.tokenize(s) + [tok.eod] * (i in last) for i, s in enumerate(flat)]
+    assert ds.num_documents == 3 and ds.document_indices.tolist() == [0, 4, 6, 11]
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "nl" / "c", "--split-sentences",
+                "--keep-newlines") == 0
+    kept = IndexedDataset(str(tmp_path / "nl" / "c_text_sentence"))
+    assert tok.detokenize(kept[4]) == "Data flows through layers, e.g. attention.\n\n"
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "doc" / "c") == 0
+    assert len(IndexedDataset(str(tmp_path / "doc" / "c_text_document"))) == 3  # without the flag: a document each
+
+    from megatron.data.blended_dataset import build_datasets
+
+    train, _, _ = build_datasets(str(tmp_path / "out" / "c_text_sentence"), "1", (30, 0, 0), 8, 1, tok.eod,
+                                 str(tmp_path / "cache"))
+    stream = np.concatenate([ds[int(j)] for j in train.doc_idx])  # the sentences are Megatron Core's documents
+    assert sorted(set(train.doc_idx.tolist())) == list(range(11))
+    for i in range(len(train)):
+        j = int(train.shuffle_idx[i])
+        assert train[i].tolist() == stream[j * 8: j * 8 + 9].tolist()
+
+
+@pytest.mark.parametrize("text, sentences", [
+    ("Hello there. How are you? Fine! Thanks.", ["Hello there.", "How are you?", "Fine!", "Thanks."]),
+    ("Mr. Smith met Dr. Jones, e.g. The Boss. Then J. R. Tolkien wrote.",
+     ["Mr. Smith met Dr. Jones, e.g. The Boss.", "Then J. R. Tolkien wrote."]),
+    ('He said "Stop." Then he left... And 1990. 2000 came. (Really.) Yes.',
+     ['He said "Stop."', "Then he left...", "And 1990.", "2000 came.", "(Really.)", "Yes."]),
+    ("The U.S. Army is big. See Fig. 3 and no. 4. it is 3.5 km. Done", [
+        "The U.S. Army is big.", "See Fig. 3 and no. 4. it is 3.5 km.", "Done"]),
+    ("  \n ", []),
+])
+def test_the_sentence_rule(text, sentences):
+    from megatron.data.sentences import split_sentences
+
+    assert split_sentences(text) == sentences
+    assert split_sentences("A first one.\nThe second.\n\n", keep_newlines=True) == ["A first one.\n", "The second.\n\n"]
