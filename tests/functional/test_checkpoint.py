@@ -101,7 +101,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert process.returncode == 0, stderr[-3000:]
     step = len(losses(out))
     assert step >= 3 and (out / "latest").read_text() == f"step_{step}"
-    assert "stop signal received" in stderr
+    assert "SIGTERM received: saving at step" in stderr
 
 
 @pytest.fixture(scope="module")
