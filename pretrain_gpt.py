@@ -18,34 +18,37 @@ from functools import partial
 import torch
 
 from megatron import device as dev
-from megatron.checkpoint import CheckpointError
-from megatron.config import Config, ConfigError, parse_config, validate
-from megatron.data.blended_dataset import build_datasets
+from megatron.checkpoint import CheckpointError, resumed_config
+from megatron.config import Config, ConfigError, validate
+from megatron.data.blended_dataset import build_datasets, parse_input_dir
 from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
 from megatron.model import build_model
-from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer import Tokenizer, TokenizerError, configured_tokenizer
 from megatron.training import pretrain
 
 
-def model_provider(config: Config, device: torch.device) -> torch.nn.Module:
-    return build_model(config, device)
+def model_provider(config: Config, device: torch.device, meta_init: bool = False) -> torch.nn.Module:
+    """This rank's part of the GPT; ``meta_init`` (ZeRO stage 3) builds it on the meta device, to be
+    initialised straight into the shards."""
+    return build_model(config, device, meta_init=meta_init)
 
 
-def datasets_provider(config: Config) -> tuple:
+def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tuple:
     """(train, valid, test): samples for max_steps global batches (with num_train_epochs, at most that many
     passes over the train split, in whole global batches), and eval_iters batches each for validation (the
     same batches at every evaluation) and test. Every dataset's token ids are checked against the model's
-    (unpadded) vocabulary first: an id out of range stops every rank."""
+    (unpadded) vocabulary first: an id out of range stops every rank. Real data needs the run's ``tokenizer``
+    (built once, by ``resolve``; ``main`` binds it), for its end-of-document id."""
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
     num_samples = (config.max_steps * gbs, config.eval_iters * gbs, config.eval_iters * gbs)
     if d.mock_data:
         make = partial(MockGPTDataset, seq_len=seq, vocab_size=config.model.vocab_size, seed=config.seed)
         return tuple(make(n, split=name) for n, name in zip(num_samples, ("train", "valid", "test")))
-    t = config.tokenizer
-    tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file, t.tokenizer_model, t.eod_token)
+    if tokenizer is None:
+        raise ValueError("datasets_provider: real data needs the run's tokenizer (configured_tokenizer).")
     return build_datasets(d.input_dir, d.split, num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path,
                           vocab_size=config.model.vocab_size, train_epochs=config.num_train_epochs,
                           global_batch_size=gbs)
@@ -61,17 +64,34 @@ def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Cal
     return token_losses, partial(loss_fn, batch["loss_mask"])
 
 
+def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokenizer | None]:
+    """The validated configuration and the run's tokenizer, before any process group exists: the command line
+    over the resumed run's saved configuration, if any (``resumed_config``); the tokenizer built once, from
+    that configuration, its vocabulary size given to validation; the data prefixes must exist. Each failure is
+    a one-line error (ConfigError, CheckpointError, TokenizerError)."""
+    config = resumed_config(argv, warnings)
+    world_size, _, _ = launch_env()
+    tokenizer = configured_tokenizer(config.tokenizer)
+    warnings += validate(config, world_size=world_size, cuda_available=dev.cuda_available(),
+                         tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
+    if config.dataset.input_dir:
+        try:
+            parse_input_dir(config.dataset.input_dir)  # the prefixes exist (validation reads no files)
+        except DatasetError as err:
+            raise ConfigError(f"{err}.") from None
+    return config, tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         warnings: list[str] = []
-        config = parse_config(argv, warnings)
-        world_size, _, _ = launch_env()
-        warnings += validate(config, world_size=world_size, cuda_available=dev.cuda_available())
-    except ConfigError as err:
+        config, tokenizer = resolve(argv, warnings)
+    except (ConfigError, CheckpointError, TokenizerError) as err:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
     try:
-        pretrain(config, model_provider, datasets_provider, forward_step, tuple(warnings))
+        pretrain(config, model_provider, partial(datasets_provider, tokenizer=tokenizer), forward_step,
+                 tuple(warnings))
     except (DatasetError, CheckpointError) as err:  # data or checkpoint that cannot serve the run: one line
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2

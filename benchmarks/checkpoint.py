@@ -3,10 +3,10 @@
     python benchmarks/checkpoint.py            # 4 gloo ranks on the CPU, then 1 rank
     python benchmarks/checkpoint.py --write    # also update docs/benchmarks.md
 
-A GPT of about 110M parameters is built as ``pretrain_gpt.py`` builds it (``setup_optimizer``,
-as the Trainer does) on 4 gloo ranks with sharding 4, stage 1 and then stage 3, stepped
-once with ``megatron.training.train_step`` (so the AdamW states exist) and saved with
-``save_checkpoint``. Each checkpoint is then loaded with ``load_checkpoint`` into a freshly built
+A GPT of about 110M parameters is built as ``pretrain_gpt.py`` builds it (``plan_sharding``,
+``parallelize``, ``build_optimizer``, as the Trainer does) on 4 gloo ranks with sharding 4, stage 1
+and then stage 3, stepped once with ``megatron.training.train_step`` (so the AdamW states exist)
+and saved with ``save_checkpoint``. Each checkpoint is then loaded with ``load_checkpoint`` into a freshly built
 model and optimizer (no AdamW states yet, as when a run resumes) under the same layout and under
 others: tp 2 x sharding 2 (stage 1 and stage 3) and a single rank.
 
@@ -127,17 +127,19 @@ def _config(args, world: int, tp: int, sharding: int, stage: int, ps, out: str):
 
 
 def _build(args, world: int, tp: int, sharding: int, stage: int, out: str):
-    """(ps, config, model, optimizer) as pretrain_gpt.py builds them."""
+    """(ps, config, model, buffer, optimizer) as pretrain_gpt.py builds them."""
     from megatron import parallel_state
-    from megatron.distributed.wrapping import setup_optimizer
+    from megatron.distributed.parallelize import parallelize, plan_sharding
     from megatron.model import build_model
-    from megatron.tensor_parallel import model_parallel_seed
+    from megatron.optimizer import build_optimizer
+    from megatron.tensor_parallel import tensor_parallel_seed
 
     ps = parallel_state.initialize(tp=tp, sharding=sharding)
     config = _config(args, world, tp, sharding, stage, ps, out)
-    model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
-    model, optimizer, fully_sharded = setup_optimizer(build_model(config), config, ps)
-    return ps, config, model, optimizer, fully_sharded
+    tensor_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
+    plan = plan_sharding(config, ps)
+    model, buffer, _ = parallelize(build_model(config, meta_init=plan.meta_init), plan)
+    return ps, config, model, buffer, build_optimizer(buffer, plan, config)
 
 
 @torch.no_grad()
@@ -199,11 +201,11 @@ def _rank_main(rank: int, world: int, store_dir: str, ckpt_root: str, args: argp
     rows = []
     if world > 1:
         for stage in SAVES:
-            ps, config, model, optimizer, fully_sharded = _build(args, world, 1, world, stage, store_dir)
+            ps, config, model, buffer, optimizer = _build(args, world, 1, world, stage, store_dir)
             data = MockGPTDataset(100, args.seq, args.vocab, seed=1)
             batch = build_batch([data[ps.data_parallel_rank]], data.eod_id)
             dp_group = ps.group("data_parallel") if ps.data_parallel_size > 1 else None
-            train_step(forward_step, batch, model, optimizer, 1e-4, 1, dp_group)  # creates the AdamW states
+            train_step(forward_step, batch, model, buffer, optimizer, 1e-4, 1, dp_group)  # creates the AdamW states
             out = os.path.join(ckpt_root, f"stage{stage}")
             save = partial(save_checkpoint, out, 1, model, optimizer, ps, config,
                            {"consumed_samples": 0, "skipped_steps": 0})
@@ -212,11 +214,11 @@ def _rank_main(rank: int, world: int, store_dir: str, ckpt_root: str, args: argp
                        checksum=_checksum(model, optimizer, ps),
                        io=os.path.getsize(os.path.join(out, "step_1", f"rank{rank}.bin")))
             rows.append(row)
-            del model, optimizer, fully_sharded
+            del model, buffer, optimizer
     for saved, load_world, tp, sharding, stage in LOADS:
         if load_world != world:
             continue
-        ps, config, model, optimizer, fully_sharded = _build(args, world, tp, sharding, stage, store_dir)
+        ps, config, model, buffer, optimizer = _build(args, world, tp, sharding, stage, store_dir)
         where = f"{world} rank{'s' if world > 1 else ''}" + (f", tp {tp} x sharding {sharding}" if world > 1 else "")
         label = f"load stage-{saved} save on {where}" + (f", stage {stage}" if sharding > 1 else "")
         path = os.path.join(ckpt_root, f"stage{saved}")
@@ -226,7 +228,7 @@ def _rank_main(rank: int, world: int, store_dir: str, ckpt_root: str, args: argp
         row.update(kind="load", saved=saved, shard=_shard_bytes(optimizer), checksum=_checksum(model, optimizer, ps),
                    io=loaded["bytes_read"])
         rows.append(row)
-        del model, optimizer, fully_sharded
+        del model, buffer, optimizer
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -284,8 +286,8 @@ def _table(rows: list[dict], full_bytes: int) -> tuple[str, list[str]]:
 INTRO = (
     "`benchmarks/checkpoint.py` measures what `save_checkpoint` and `load_checkpoint` cost each rank in host "
     "memory and time, for a GPT several times larger than one rank's shard. The model, optimizer and wrapping "
-    "are built as `pretrain_gpt.py` builds them (`setup_optimizer`) on 4 gloo ranks with "
-    "sharding 4 (stage 1, then stage 3), stepped once with `train_step` so that the AdamW states exist, and "
+    "are built as `pretrain_gpt.py` builds them (`plan_sharding`, `parallelize`, `build_optimizer`) on 4 gloo "
+    "ranks with sharding 4 (stage 1, then stage 3), stepped once with `train_step` so that the AdamW states exist, and "
     "saved. Each checkpoint is then loaded into a freshly built model and optimizer (no AdamW states yet, as "
     "when a run resumes): under the layout it was saved in, under tp 2 x sharding 2 (stages 1 and 3) and on a "
     "single rank. Memory is per rank (each rank is a process): before the operation the script runs "

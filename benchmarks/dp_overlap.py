@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -29,14 +30,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import write_section  # noqa: E402
 
 
+def _parallelized(model, plan, config) -> tuple:
+    """(model to train, buffer, optimizer) as the Trainer builds them, under ``plan``."""
+    from megatron.distributed.parallelize import parallelize
+    from megatron.optimizer import build_optimizer
+
+    model, buffer, _ = parallelize(model, plan)
+    return model, buffer, build_optimizer(buffer, plan, config)
+
+
 def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, queue) -> None:
     from megatron import parallel_state
     from megatron.config import parse_config, validate
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.distributed.data_parallel import DataParallel
+    from megatron.distributed.parallelize import plan_sharding
     from megatron.model import build_model
-    from megatron.optimizer import build_optimizer
     from megatron.training import train_step
     from pretrain_gpt import forward_step
 
@@ -53,32 +62,29 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     validate(config, world_size=world)
     data = MockGPTDataset(1000, args.seq, 8192, seed=1)
     batch = build_batch([data[rank * args.micro_batch + j] for j in range(args.micro_batch)], data.eod_id)
+    plan = plan_sharding(config, parallel_state.get())  # all-reduce over every rank
     variants = {}
     for bucket_mb in args.bucket_mb:
-        model = build_model(config)
-        optimizer = build_optimizer(model, config)
-        variants[f"overlap {bucket_mb:g}"] = (DataParallel(model, optimizer.buffer, dist.group.WORLD,
-                                                            bucket_size=int(bucket_mb * 2**20 / 4)), optimizer)
-    model = build_model(config)
-    optimizer = build_optimizer(model, config)
-    variants["after backward"] = (DataParallel(model, optimizer.buffer, dist.group.WORLD, overlap=False), optimizer)
+        bucketed = replace(plan, overlap=True, bucket_size=int(bucket_mb * 2**20 / 4))
+        variants[f"overlap {bucket_mb:g}"] = _parallelized(build_model(config), bucketed, config)
+    variants["after backward"] = _parallelized(build_model(config), replace(plan, overlap=False), config)
     times = {name: [] for name in variants}
     for step in range(args.warmup + args.steps):
-        for name, (model, optimizer) in variants.items():
+        for name, (model, buffer, optimizer) in variants.items():
             dist.barrier()
             start = time.perf_counter()
-            train_step(forward_step, batch, model, optimizer, 1e-4, args.micro_batch, dist.group.WORLD)
+            train_step(forward_step, batch, model, buffer, optimizer, 1e-4, args.micro_batch, dist.group.WORLD)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    buffer = optimizer.buffer.grad_data
+    grads = buffer.grad_data
     comm = []
     for _ in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
-        dist.all_reduce(buffer)
+        dist.all_reduce(grads)
         comm.append(time.perf_counter() - start)
     if rank == 0:
-        queue.put({"params": buffer.numel(), **{k: statistics.median(v) for k, v in times.items()},
+        queue.put({"params": grads.numel(), **{k: statistics.median(v) for k, v in times.items()},
                    "all-reduce alone": statistics.median(comm)})
     dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ from benchmarks.report import write_section  # noqa: E402
 from megatron.config import parse_config, validate  # noqa: E402
 from megatron.data.loader import build_batch  # noqa: E402
 from megatron.data.mock_dataset import MockGPTDataset  # noqa: E402
+from megatron.distributed.parallelize import ShardingPlan, parallelize  # noqa: E402
 from megatron.metrics import model_flops_per_token  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.optimizer import build_optimizer  # noqa: E402
@@ -122,14 +123,15 @@ def bench_precision(args, precision: str) -> dict:
     batches = [build_batch([data[i * args.micro_batch + j] for j in range(args.micro_batch)], data.eod_id)
                for i in range(4)]
     torch.manual_seed(0)
-    model = build_model(config)
-    opt = build_optimizer(model, config)
+    plan = ShardingPlan()  # one process
+    model, buffer, _ = parallelize(build_model(config), plan)
+    opt = build_optimizer(buffer, plan, config)
     ref = RefGPT(config.padded_vocab_size, args.seq, args.hidden, args.heads, args.layers)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
     def run_project(i):
-        train_step(pretrain_gpt.forward_step, batches[i % 4], model, opt, 1e-4, args.micro_batch)
+        train_step(pretrain_gpt.forward_step, batches[i % 4], model, buffer, opt, 1e-4, args.micro_batch)
 
     def run_reference(i):
         reference_step(ref, ref_opt, batches[i % 4], ctx)

@@ -12,7 +12,7 @@ decoder layer just before its forward and backward and freeing it after. Offload
 weights and AdamW states on the CPU, with a CPU copy of the gradient shard that the step reads.
 
 The model, optimizer and wrapping are built as ``pretrain_gpt.py`` builds them
-(``setup_optimizer``) and stepped with ``megatron.training.train_step``.
+(``plan_sharding``, ``parallelize``, ``build_optimizer``) and stepped with ``megatron.training.train_step``.
 Each rank measures what it holds after the timed steps (``measured_model_state_bytes``: parameter
 and gradient buffers and shards, the master copy, the AdamW state tensors, the CPU gradient copy),
 the median ``train_step`` time and, under stage 3, the most decoder layers gathered at once; the
@@ -46,10 +46,11 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron.config import parse_config, validate
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.distributed.wrapping import setup_optimizer
+    from megatron.distributed.parallelize import parallelize, plan_sharding
     from megatron.model import build_model, num_parameters
+    from megatron.optimizer import build_optimizer
     from megatron.optimizer.memory import measured_model_state_bytes
-    from megatron.tensor_parallel import model_parallel_seed
+    from megatron.tensor_parallel import tensor_parallel_seed
     from megatron.training import train_step
     from pretrain_gpt import forward_step
 
@@ -77,15 +78,17 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
                 flags += ["--sharding-offload"] if offload else []
                 config = parse_config(flags)
                 validate(config, world_size=world)
-                model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
-                model = build_model(config)
+                tensor_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
+                plan = plan_sharding(config, ps)
+                model = build_model(config, meta_init=plan.meta_init)
                 num_params = num_parameters(model)
-                model, optimizer, fully_sharded = setup_optimizer(model, config, ps)
+                model, buffer, fully_sharded = parallelize(model, plan)
+                optimizer = build_optimizer(buffer, plan, config)
                 times = []
                 for step in range(args.warmup + args.steps):
                     dist.barrier()
                     start = time.perf_counter()
-                    train_step(forward_step, batch, model, optimizer, 1e-4, args.micro_batch, dp_group)
+                    train_step(forward_step, batch, model, buffer, optimizer, 1e-4, args.micro_batch, dp_group)
                     if step >= args.warmup:
                         times.append(time.perf_counter() - start)
                 measured = measured_model_state_bytes(optimizer)
@@ -98,7 +101,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
                 results.append({"stage": stage, "offload": offload, "precision": precision, "ranks": world,
                                 "num_params": num_params, **dict(zip(FIELDS, values)), "step": values[-2],
                                 "peak_layers": int(values[-1]) if stage == 3 else None})
-                del model, optimizer, fully_sharded
+                del model, buffer, optimizer, fully_sharded
             dist.barrier()
     if rank == 0:
         queue.put(results)
@@ -156,7 +159,7 @@ def _table(rows: list[dict], precision: str) -> str:
 
 INTRO = (
     "`benchmarks/zero.py` builds the model, optimizer and data-parallel wrapping as `pretrain_gpt.py` does "
-    "(`setup_optimizer`), steps it with `train_step` on 2 and 4 gloo ranks, and "
+    "(`plan_sharding`, `parallelize`, `build_optimizer`), steps it with `train_step` on 2 and 4 gloo ranks, and "
     "counts what each rank holds after the timed steps (`measured_model_state_bytes`). Stage 0 is plain data "
     "parallelism (sharding 1, dp = world: gradients all-reduced, every rank holds everything). The ZeRO stages "
     "run with sharding = world (N ranks). Stage 1 shards the optimizer: each rank keeps fp32 master weights and "

@@ -26,20 +26,27 @@ from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
-from megatron.distributed.wrapping import setup_optimizer
+from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.health import GoodCheckpoints, RunHealth, TrainingDiverged
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
-from megatron.optimizer import CosineWithWarmup, MixedPrecisionOptimizer, StepResult, build_lr_schedule
+from megatron.optimizer import (
+    MixedPrecisionOptimizer,
+    StepResult,
+    WarmupDecaySchedule,
+    build_lr_schedule,
+    build_optimizer,
+)
 from megatron.pipeline_parallel.schedules import (
     ForwardStep,
     forward_backward_no_pipelining,
     forward_backward_pipelining,
 )
-from megatron.tensor_parallel import model_parallel_seed
+from megatron.tensor_parallel import tensor_parallel_seed
 
-ModelProvider = Callable[[Config, torch.device], torch.nn.Module]
+ModelProvider = Callable[..., torch.nn.Module]  # (config, device, meta_init=...) -> this rank's model
 DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each has __len__, __getitem__, eod_id
 
 
@@ -67,13 +74,14 @@ def _all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
     return value
 
 
-def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, optimizer: MixedPrecisionOptimizer,
-               lr: float, micro_batch_size: int, dp_group=None, forward_backward: Callable = None,
-               pp_group=None) -> tuple[float, StepResult]:
+def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,
+               optimizer: MixedPrecisionOptimizer, lr: float, micro_batch_size: int, dp_group=None,
+               forward_backward: Callable = None, pp_group=None) -> tuple[float, StepResult]:
     """One optimizer step over this rank's share of the global batch; returns (token-mean loss of
-    the global batch, step result). ``dp_group``: the data-parallel group (None: one replica);
-    ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group,
-    over which the last stage's loss is shared."""
+    the global batch, step result). ``model``, ``buffer``: as ``parallelize`` returns them;
+    ``dp_group``: the data-parallel group (None: one replica); ``forward_backward``: the schedule
+    (default: no pipelining); ``pp_group``: the pipeline group, over which the last stage's loss is
+    shared."""
     forward_backward = forward_backward or forward_backward_no_pipelining
     num_tokens = float(_all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
     optimizer.zero_grad()
@@ -83,7 +91,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, o
     loss_sum = _all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
-    finalize_model_grads(model, parallel_state.get(), optimizer.buffer)
+    finalize_model_grads(model, parallel_state.get(), buffer)
     result = optimizer.step(lr)
     return float(_all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
@@ -113,13 +121,15 @@ class Trainer:
     """Holds what the loop needs; ``run()`` trains, evaluates and tests."""
 
     def __init__(self, config: Config, model: torch.nn.Module, forward_step: ForwardStep, datasets: tuple,
-                 device: torch.device):
+                 device: torch.device, plan: ShardingPlan | None = None):
         self.config, self.forward_step, self.device = config, forward_step, device
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
-        self.model, self.optimizer, self.fully_sharded = setup_optimizer(model, config, self.ps)
-        self.dp_group = self.ps.group("data_parallel") if self.ps.data_parallel_size > 1 else None
+        self.plan = plan or plan_sharding(config, self.ps)  # what is sharded, over which ranks: decided once
+        self.model, self.buffer, self.fully_sharded = parallelize(model, self.plan)
+        self.optimizer = build_optimizer(self.buffer, self.plan, config)
+        self.dp_group = self.plan.data_parallel_group
         self.pp_group, self.forward_backward = None, forward_backward_no_pipelining
         if self.ps.pp_size > 1:
             d, b = config.distributed, config.batch_size
@@ -129,7 +139,7 @@ class Trainer:
                 forward_backward_pipelining, ps=self.ps, schedule=d.pipeline_schedule,
                 shape=(seq, b.micro_batch_size, config.model.hidden_size),
                 dtype=getattr(torch, config.params_dtype_name), device=device)
-        self.schedule: CosineWithWarmup = build_lr_schedule(config)
+        self.schedule: WarmupDecaySchedule = build_lr_schedule(config)
         self.state = TrainState()
         self.health = RunHealth(config.max_consecutive_skipped_steps, config.loss_spike_factor)
         self.checkpoints = GoodCheckpoints(config.save_load.output_dir, config.save_load.keep_last_checkpoints,
@@ -338,7 +348,7 @@ class Trainer:
             s.step += 1
             lr = self.schedule(s.step)
             scale_before = self.optimizer.loss_scale
-            loss, result = train_step(self.forward_step, batch, self.model, self.optimizer, lr,
+            loss, result = train_step(self.forward_step, batch, self.model, self.buffer, self.optimizer, lr,
                                       c.batch_size.micro_batch_size, self.dp_group, self.forward_backward,
                                       self.pp_group)
             s.consumed_samples += gbs
@@ -398,15 +408,16 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         log.info("resolved configuration:\n" + to_yaml(config))
     set_seed(config.seed)
     device = dev.get_device(config.device, local_rank)
-    model_parallel_seed(config.seed, ps.tp_rank, device)
-    model = model_provider(config, device)
+    tensor_parallel_seed(config.seed, ps.tp_rank, device)
+    plan = plan_sharding(config, ps)  # decided once: the model is built for it (stage 3: on the meta device)
+    model = model_provider(config, device, meta_init=plan.meta_init)
     if ps.rank == 0:
         log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
                  f"device {dev.device_name(device)}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
                  f"pp {ps.pp_size}, sharding {ps.sharding_size})")
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
         _log_segmentation(config, ps, log)
-    trainer = Trainer(config, model, forward_step, datasets_provider(config), device)
+    trainer = Trainer(config, model, forward_step, datasets_provider(config), device, plan)
     if ps.rank == 0:  # once the checkpoint (if any) has loaded: a failed start overwrites nothing
         save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
     return trainer.run()

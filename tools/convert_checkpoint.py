@@ -30,6 +30,7 @@ from megatron.checkpoint import CheckpointError  # noqa: E402
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
 from megatron.checkpoint.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, model_flags, to_hf_state_dict  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
+from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
 
 PROG = "convert_checkpoint.py"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -103,7 +104,9 @@ def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
     no_data = not config.dataset.mock_data and not config.dataset.input_dir
     config.dataset.mock_data = config.dataset.mock_data or no_data  # validation needs a data source
     world_size = d.mp_degree * d.pp_degree * d.sharding.sharding_degree * (d.dp_degree or 1)
-    validate(config, world_size=world_size, cuda_available=config.device == "gpu" or torch.cuda.is_available())
+    tokenizer = configured_tokenizer(config.tokenizer)  # a TokenizerError is reported in one line, by main
+    validate(config, world_size=world_size, cuda_available=config.device == "gpu" or torch.cuda.is_available(),
+             tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
     if no_data:
         config.dataset.mock_data = False  # the run that loads the checkpoint names its data
     return config
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
             print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")
-    except (ToolError, CheckpointError, ConversionError, ConfigError, OSError) as err:
+    except (ToolError, CheckpointError, ConversionError, ConfigError, TokenizerError, OSError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0

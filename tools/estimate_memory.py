@@ -16,17 +16,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.config import ConfigError, parse_config, validate  # noqa: E402
+from megatron.checkpoint import CheckpointError, resumed_config  # noqa: E402
+from megatron.config import ConfigError, validate  # noqa: E402
 from megatron.optimizer.memory import model_state_bytes, parameters_per_rank  # noqa: E402
+from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = parse_config(argv)
+        config = resumed_config(argv)  # as pretrain_gpt.py: over a resumed run's saved configuration
         d = config.distributed
         world = (d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree
-        validate(config, world_size=world, cuda_available=config.device == "gpu")
-    except ConfigError as err:
+        tokenizer = configured_tokenizer(config.tokenizer)
+        validate(config, world_size=world, cuda_available=config.device == "gpu",
+                 tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
+    except (ConfigError, CheckpointError, TokenizerError) as err:
         print(f"estimate_memory.py: error: {err}", file=sys.stderr)
         return 2
     precision = "bf16" if config.mix_precision.bf16 else "fp16" if config.mix_precision.use_pure_fp16 else "fp32"

@@ -1,6 +1,7 @@
 """Checkpoints: layout-independent save and load (``save_load``), the on-disk format (``format``),
-the output folder and agreement between ranks on a failure (``run_dir``), offline writing and
-resharding (``convert``) and the Hugging Face GPT-2 mapping (``hf_gpt2``)."""
+the output folder and agreement between ranks on a failure (``run_dir``), what a resumed run inherits
+(``resume``: the saved configuration as the base of the one given now), offline writing and resharding
+(``convert``) and the Hugging Face GPT-2 mapping (``hf_gpt2``)."""
 
 from megatron.checkpoint.format import (
     KINDS,
@@ -10,6 +11,7 @@ from megatron.checkpoint.format import (
     resolve_checkpoint,
     same_folder,
 )
+from megatron.checkpoint.resume import resume_base, resumed_config, schedule_kept_warning
 from megatron.checkpoint.run_dir import check_output_dir, on_every_rank
 from megatron.checkpoint.save_load import (
     check_compatible,
@@ -23,4 +25,5 @@ from megatron.checkpoint.save_load import (
 
 __all__ = ["KINDS", "CheckpointError", "CheckpointReader", "check_compatible", "check_output_dir", "find_checkpoint",
            "global_name", "load_checkpoint", "on_every_rank", "owned_pieces", "point_latest", "prune_checkpoints",
-           "resolve_checkpoint", "same_folder", "save_checkpoint"]
+           "resolve_checkpoint", "resume_base", "resumed_config", "same_folder", "save_checkpoint",
+           "schedule_kept_warning"]

@@ -36,21 +36,16 @@ from megatron.checkpoint.format import (
     seal,
     write_text,
 )
-from megatron.config import Config, ConfigError, to_yaml
+from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def config_from_yaml(text: str) -> Config:
     """The ``Config`` of a YAML text (a checkpoint's ``common.pt["config"]``: the resolved config)."""
-    from megatron.config.cli import _flatten_yaml, _set
-
-    tree = yaml.safe_load(text) or {}
-    if set(tree) == {"PreTraining"}:
-        tree = tree["PreTraining"] or {}
     config = Config()
-    for leaf, value in _flatten_yaml(tree, (), "the checkpoint's config"):
-        _set(config, leaf, value)
+    for leaf, value in flatten_yaml(yaml.safe_load(text) or {}, "the checkpoint's config"):
+        set_value(config, leaf, value)
     return config
 
 

@@ -57,6 +57,8 @@ from megatron.checkpoint.format import (
     write_text,
 )
 from megatron.checkpoint.run_dir import on_every_rank, ranks_with, remove_leftover
+from megatron.config import Config, to_yaml
+from megatron.config.schema import DistributedConfig
 from megatron.metrics import get_logger
 from megatron.parallel_state import ParallelState
 
@@ -123,14 +125,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _layout(ps: ParallelState, config) -> dict:
-    s = config.distributed.sharding
+def _layout(ps: ParallelState, distributed: DistributedConfig) -> dict:
+    """The parallel layout a checkpoint records (and a load compares): the rank grid and the Distributed section's
+    virtual stages and sharding."""
+    s = distributed.sharding
     return {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
-            "sharding": ps.sharding_size, "vpp": config.distributed.virtual_pp_degree,
+            "sharding": ps.sharding_size, "vpp": distributed.virtual_pp_degree,
             "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
 
 
-def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps: ParallelState, config,
+def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps: ParallelState, config: Config,
                     train_state: dict, keep_last: int | None = None) -> str:
     """Write ``output_dir/step_{step}`` on every rank (collective); returns its path.
 
@@ -193,11 +197,9 @@ def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) 
     return pieces, {os.path.basename(rng): seal(rng)}
 
 
-def _write_common(tmp: str, step: int, optimizer, ps: ParallelState, config, train_state: dict,
+def _write_common(tmp: str, step: int, optimizer, ps: ParallelState, config: Config, train_state: dict,
                   gathered: list) -> None:
     """Rank 0: ``common.pt``, ``config.yaml`` and, last, ``metadata.json`` with every checksum."""
-    from megatron.config import to_yaml
-
     adam_steps = [float(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
     common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
               "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
@@ -207,7 +209,7 @@ def _write_common(tmp: str, step: int, optimizer, ps: ParallelState, config, tra
              "config.yaml": write_text(os.path.join(tmp, "config.yaml"), common["config"])}  # a resumed run's base
     for _, rank_files in gathered:
         files.update(rank_files)
-    metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(ps, config),
+    metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(ps, config.distributed),
                 "checksum": {"algorithm": "crc32", "chunk_bytes": CRC_CHUNK_BYTES}, "files": files,
                 "pieces": [piece for rank_pieces, _ in gathered for piece in rank_pieces]}
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
@@ -296,7 +298,7 @@ def _model_names(model: nn.Module) -> set[str]:
     return set().union(*gathered)
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, config, load_optim: bool = True,
+def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, config: Config, load_optim: bool = True,
                     load_rng: bool = True, fresh_if_empty: bool = False) -> dict | None:
     """Fill the masters (and AdamW states), publish the parameters, restore the scaler and the RNG;
     returns the saved train state (step, consumed samples, ...). Collective: call on every rank.
@@ -332,7 +334,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
             "bytes_read": reader.bytes_read}
 
 
-def _open(path: str, model: nn.Module, ps: ParallelState, config, model_names: set[str], load_rng: bool):
+def _open(path: str, model: nn.Module, ps: ParallelState, config: Config, model_names: set[str], load_rng: bool):
     """(reader, common.pt, this rank's RNG state or None, same layout), every small file read and
     checked, the rank files' sizes checked; None when ``path`` holds no checkpoint at all."""
     step_dir = find_checkpoint(path)
@@ -345,7 +347,7 @@ def _open(path: str, model: nn.Module, ps: ParallelState, config, model_names: s
     reader.verify()
     reader.verify_file("config.yaml")
     common = reader.common()
-    same_layout = reader.metadata["layout"] == _layout(ps, config)
+    same_layout = reader.metadata["layout"] == _layout(ps, config.distributed)
     rng = reader.rng_state(ps.rank) if load_rng and same_layout else None
     return reader, common, rng, same_layout
 

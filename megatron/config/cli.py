@@ -1,11 +1,13 @@
 """Flags generated from the schema, YAML loading, ``-o`` overrides, and the YAML dump.
 
-Precedence: built-in default < YAML file (``-c``) < ``-o Section.key=value`` < flags.
+Precedence: base configuration (built-in defaults, or the one the caller gives: a resumed run's saved
+configuration, see ``megatron.checkpoint.resume``) < YAML file (``-c``) < ``-o Section.key=value`` < flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import math
@@ -161,7 +163,8 @@ def coerce(leaf: Leaf, value: Any) -> Any:
     raise TypeError(f"unsupported config type {tp} for {where}")
 
 
-def _set(config: Config, leaf: Leaf, value: Any) -> None:
+def set_value(config: Config, leaf: Leaf, value: Any) -> None:
+    """Set ``leaf`` of ``config`` to ``value`` coerced to the leaf's type (ConfigError naming the path)."""
     obj = config
     for attr in leaf.attrs[:-1]:
         obj = getattr(obj, attr)
@@ -175,7 +178,15 @@ def get(config: Config, name: str) -> Any:
     return obj
 
 
-def _flatten_yaml(tree: dict, path: tuple[str, ...], source: str) -> Iterator[tuple[Leaf, Any]]:
+def flatten_yaml(tree: dict, source: str) -> list[tuple[Leaf, Any]]:
+    """The (leaf, value) pairs of a FleetX-style YAML tree (with or without the ``PreTraining:`` wrapper);
+    a key in the wrong section, or unknown, is a ConfigError naming ``source`` and the closest valid key."""
+    if set(tree) == {"PreTraining"}:
+        tree = tree["PreTraining"] or {}
+    return list(_flatten(tree, (), source))
+
+
+def _flatten(tree: dict, path: tuple[str, ...], source: str) -> Iterator[tuple[Leaf, Any]]:
     for key, value in tree.items():
         key = str(key)
         if key in LEAVES:
@@ -190,7 +201,7 @@ def _flatten_yaml(tree: dict, path: tuple[str, ...], source: str) -> Iterator[tu
                 continue
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: '{key}' is a section and needs nested keys, got {value!r}.")
-            yield from _flatten_yaml(value, path + (key,), source)
+            yield from _flatten(value, path + (key,), source)
         else:
             raise ConfigError(f"{source}: unknown key '{key}'{_closest(key, list(LEAVES) + list(SECTIONS))}")
 
@@ -206,9 +217,7 @@ def load_yaml(path: str) -> list[tuple[Leaf, Any]]:
             raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(tree).__name__}.")
-    if set(tree) == {"PreTraining"}:
-        tree = tree["PreTraining"] or {}
-    return list(_flatten_yaml(tree, (), path))
+    return flatten_yaml(tree, path)
 
 
 def parse_override(text: str) -> tuple[Leaf, Any]:
@@ -259,9 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None, warnings: list[str] | None = None) -> Config:
-    """Build the (not yet validated) Config from a command line; what is suspicious but not wrong (an
-    empty YAML file) is appended to ``warnings`` when a list is given."""
+def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, *,
+                 warnings: list[str] | None = None) -> Config:
+    """Build the (not yet validated) Config from a command line: ``base`` (default: the built-in defaults;
+    left unchanged) under the YAML file, the ``-o`` overrides and the flags. What is suspicious but not
+    wrong (an empty YAML file) is appended to ``warnings`` when a list is given."""
+    if base is not None and not isinstance(base, Config):
+        raise TypeError(f"parse_config: base must be a Config or None, got {type(base).__name__}.")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -272,30 +285,7 @@ def parse_config(argv: Sequence[str] | None = None, warnings: list[str] | None =
     given = vars(args)
     if "config" in given and not load_yaml(given["config"]) and warnings is not None:
         warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")
-    config = _layered(Config(), given)
-    saved = None if config.save_load.finetune else _saved_config(config.save_load.ckpt_dir)
-    if saved is not None:  # resuming: the saved run's configuration, under what is given now. The
-        base = Config()  # parallel layout (the Distributed section) is the launch's, not the run's, the
-        for leaf, value in load_yaml(saved):  # per-replica batch follows from it, and how to load is asked now
-            if leaf.path[0] != "Distributed" and leaf.name not in _NOT_INHERITED:
-                _set(base, leaf, value)
-        saved_steps = (base.max_steps, base.optimizer.lr.decay_steps)
-        config = _layered(base, given)
-        _warn_schedule_kept(saved_steps, config, warnings)
-    return config
-
-
-def _warn_schedule_kept(saved: tuple[int, int | None], config: Config, warnings: list[str] | None) -> None:
-    """A resumed run keeps the saved run's resolved schedule (decay_steps was derived from its max_steps):
-    say so when max_steps changed and the schedule did not, rather than decay over the old length."""
-    lr = config.optimizer.lr
-    if warnings is not None and config.max_steps != saved[0] and lr.decay_steps == saved[1]:
-        warnings.append(f"resuming with max_steps {config.max_steps} while the saved run's learning rate decays over "
-                        f"{lr.decay_steps} steps (its decay_steps, kept); pass --lr-decay-iters (decay_steps) to "
-                        f"change it.")
-
-
-_NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins")
+    return _layered(Config() if base is None else copy.deepcopy(base), given)
 
 
 def _layered(config: Config, given: dict) -> Config:
@@ -303,33 +293,14 @@ def _layered(config: Config, given: dict) -> Config:
     given = dict(given)
     if "config" in given:
         for leaf, value in load_yaml(given.pop("config")):
-            _set(config, leaf, value)
+            set_value(config, leaf, value)
     for text in given.pop("override", []):
-        _set(config, *parse_override(text))
+        set_value(config, *parse_override(text))
     for name, value in given.items():
         if name == "input_dir" and isinstance(value, list):
             value = " ".join(value)
-        _set(config, LEAVES[name], value)
+        set_value(config, LEAVES[name], value)
     return config
-
-
-def _saved_config(ckpt_dir: str | None) -> str | None:
-    """The config.yaml saved in the checkpoint ``ckpt_dir`` resolves to, checked against its checksum;
-    None when there is none: no ``ckpt_dir``, or no checkpoint there at all (a first launch of
-    ``--save X --load X``: the run starts from scratch, as the loader decides). A damaged checkpoint
-    (a ``latest`` naming a missing folder, a corrupt config.yaml) is a ConfigError, the same on every rank."""
-    if not ckpt_dir:
-        return None
-    from megatron.checkpoint.format import CheckpointError, find_checkpoint, verify_file
-
-    try:
-        step_dir = find_checkpoint(ckpt_dir)
-        if step_dir is not None:
-            verify_file(step_dir, "config.yaml")
-    except CheckpointError as err:
-        raise ConfigError(str(err)) from None
-    path = None if step_dir is None else os.path.join(step_dir, "config.yaml")
-    return path if path and os.path.isfile(path) else None
 
 
 def to_dict(config: Config) -> dict:

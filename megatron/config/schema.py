@@ -26,6 +26,13 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The word embedding's rows: ``vocab_size`` rounded up to a multiple of ``128 x tp`` (Megatron-LM's
+    rule), so every tensor-parallel shard has the same, 128-aligned number of rows."""
+    multiple = 128 * tp
+    return -(-vocab_size // multiple) * multiple
+
+
 def section(cls: type, key: str, help: str) -> Any:
     """A nested section, written ``key:`` in YAML."""
     return field(default_factory=cls, metadata={"section": key, "help": help})
@@ -195,8 +202,7 @@ class Config:
     # Derived values: valid after validate(); never read from YAML.
     @property
     def padded_vocab_size(self) -> int:
-        multiple = 128 * self.distributed.mp_degree
-        return -(-self.model.vocab_size // multiple) * multiple
+        return padded_vocab_size(self.model.vocab_size, self.distributed.mp_degree)
 
     @property
     def data_parallel_size(self) -> int:

@@ -1,57 +1,57 @@
 """Cross-field checks with clear errors, and the derived values, filled in once.
 
-``validate(config, world_size)`` fills every ``None`` that has a derived value (batch sizes,
-ffn_hidden_size, dp_degree, decay/warm-up steps, recompute granularity, device) and raises
-ConfigError on the first inconsistency. It returns the warnings it found (never fatal).
+``validate(config, world_size, cuda_available, tokenizer_vocab_size)`` fills every ``None`` that has a
+derived value (batch sizes, ffn_hidden_size, dp_degree, decay/warm-up steps, recompute granularity,
+device) and raises ConfigError on the first inconsistency. It returns the warnings it found (never
+fatal). It reads no files: the caller builds the tokenizer and gives its vocabulary size, and whether
+the data files exist is the data layer's check (``megatron.data.blended_dataset.parse_input_dir``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from megatron.config.cli import ConfigError
 from megatron.config.schema import Config
+from megatron.config.syntax import input_dir_words, parse_split
 
 
 def _fail(message: str) -> None:
     raise ConfigError(message)
 
 
-def _check_data(config: Config) -> None:
-    """The data source, and the vocabulary size it implies (the tokenizer's, when one is given)."""
+def _check_syntax(parse: Callable[[str], object], text: str) -> None:
+    """``parse(text)`` (a ``syntax`` parser) succeeds; its ValueError becomes the ConfigError."""
+    try:
+        parse(text)
+    except ValueError as err:
+        _fail(str(err) + ".")
+
+
+def _check_data(config: Config, tokenizer_vocab_size: int | None) -> None:
+    """The data source, and the vocabulary size it implies (the tokenizer's, when one is configured)."""
     d, t = config.dataset, config.tokenizer
     if d.mock_data and d.input_dir:
         _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
     if not d.mock_data and not d.input_dir:
         _fail("no training data: give --input-dir (a dataset prefix from tools/preprocess_data.py) or --mock-data.")
-    from megatron.data.gpt_dataset import parse_split
-
-    try:
-        parse_split(d.split)
-    except ValueError as err:
-        _fail(str(err) + ".")
+    _check_syntax(parse_split, d.split)
     if d.num_workers < 0:
         _fail(f"num_workers must be >= 0, got {d.num_workers}.")
     if d.input_dir:
-        from megatron.data.blended_dataset import parse_input_dir
-
-        try:
-            parse_input_dir(d.input_dir)
-        except ValueError as err:
-            _fail(str(err) + ".")
+        _check_syntax(input_dir_words, d.input_dir)  # whether its prefixes exist is the data layer's question
     if d.input_dir and t.tokenizer_type is None:
         _fail("input_dir needs the tokenizer the data was made with: give --tokenizer-type with --vocab-file and "
               "--merge-file, or --tokenizer-model.")
     if t.tokenizer_type is not None:
-        from megatron.tokenizer import TokenizerError, build_tokenizer
-
-        try:
-            tokenizer = build_tokenizer(t.tokenizer_type, t.vocab_file, t.merge_file, t.tokenizer_model, t.eod_token)
-        except TokenizerError as err:
-            _fail(str(err))
+        if tokenizer_vocab_size is None:
+            raise ValueError("validate: Tokenizer.tokenizer_type is set, so the caller builds the tokenizer and "
+                             "passes tokenizer_vocab_size (validation reads no files).")
         if config.model.vocab_size is None:
-            config.model.vocab_size = tokenizer.vocab_size
-        elif config.model.vocab_size < tokenizer.vocab_size:
+            config.model.vocab_size = tokenizer_vocab_size
+        elif config.model.vocab_size < tokenizer_vocab_size:
             _fail(f"Model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                  f"({tokenizer.vocab_size}); raise it or leave it unset.")
+                  f"({tokenizer_vocab_size}); raise it or leave it unset.")
     if config.model.vocab_size is None:
         config.model.vocab_size = 50304
 
@@ -98,14 +98,14 @@ def _check_distributed(config: Config, world_size: int) -> None:
     if d.sequence_parallel and config.dataset.max_seq_len % tp:
         _fail(f"sequence_parallel splits the sequence over mp_degree ({tp}) ranks: max_seq_len "
               f"({config.dataset.max_seq_len}) must be divisible by it.")
-    model_parallel = d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+    ranks_per_replica = d.mp_degree * d.pp_degree * d.sharding.sharding_degree
     if d.dp_degree is None:
-        if world_size % model_parallel:
+        if world_size % ranks_per_replica:
             _fail(f"world size {world_size} is not divisible by mp_degree x pp_degree x sharding_degree "
-                  f"= {model_parallel}.")
-        d.dp_degree = world_size // model_parallel
-    if d.dp_degree < 1 or d.dp_degree * model_parallel != world_size:
-        _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * model_parallel} "
+                  f"= {ranks_per_replica}.")
+        d.dp_degree = world_size // ranks_per_replica
+    if d.dp_degree < 1 or d.dp_degree * ranks_per_replica != world_size:
+        _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * ranks_per_replica} "
               f"but {world_size} process(es) were launched; make them equal.")
     _check_pipeline(config)
     if d.bucket_size_mb <= 0:
@@ -115,21 +115,23 @@ def _check_distributed(config: Config, world_size: int) -> None:
 
 
 def _check_pipeline(config: Config) -> None:
+    """The layers cut into stages (and chunks) by the pipeline's own rule. Only when a pipeline is configured,
+    ``pipeline_parallel.partition`` (pure, standard library only) is imported here, lazily: the one exception
+    to config being the bottom layer (docs/architecture.md, Configuration)."""
+    d, layers = config.distributed, config.model.num_layers
+    if d.virtual_pp_degree > 1 and d.pp_degree == 1:
+        _fail("virtual_pp_degree > 1 interleaves model chunks over pipeline stages: it needs pp_degree > 1.")
+    if d.pp_degree == 1:
+        return
     from megatron.pipeline_parallel.partition import chunk_layers, segment
 
-    d, layers = config.distributed, config.model.num_layers
-    if d.virtual_pp_degree > 1:
-        if d.pp_degree == 1:
-            _fail("virtual_pp_degree > 1 interleaves model chunks over pipeline stages: it needs pp_degree > 1.")
-        try:
+    try:
+        if d.virtual_pp_degree > 1:
             chunk_layers(layers, d.pp_degree, d.virtual_pp_degree, 0, 0)
-        except ValueError as err:
-            _fail(str(err))
-    elif d.pp_degree > 1:
-        try:
+        else:
             segment(layers, d.pp_degree, d.pipeline_partition)
-        except ValueError as err:
-            _fail(str(err))
+    except ValueError as err:
+        _fail(str(err))
 
 
 def _check_micro_batches(config: Config) -> None:
@@ -246,11 +248,14 @@ def _check_run_health(config: Config) -> None:
               f"{config.watchdog_timeout_minutes}.")
 
 
-def validate(config: Config, world_size: int = 1, cuda_available: bool = False) -> list[str]:
-    """Check ``config`` in place and fill its derived values; return warnings."""
+def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
+             tokenizer_vocab_size: int | None = None) -> list[str]:
+    """Check ``config`` in place and fill its derived values; return warnings. Reads no files: when a
+    tokenizer is configured the caller has built it and gives its ``tokenizer_vocab_size`` (the default
+    Model.vocab_size, and its lower bound)."""
     warnings: list[str] = []
     _check_counts(config)
-    _check_data(config)
+    _check_data(config, tokenizer_vocab_size)
     _check_model(config)
     _check_distributed(config, world_size)
     _check_batch(config)

@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 
+from megatron.config import syntax
 from megatron.data import index_cache, indexed_dataset
 from megatron.data.gpt_dataset import GPTDataset, parse_split, split_ranges
 from megatron.data.helpers import build_blending_indices
@@ -64,35 +65,19 @@ class BlendedDataset:
 
 
 def parse_input_dir(input_dir: str) -> tuple[list[str], list[float] | None]:
-    """-> (prefixes, weights or None for token-count weighting). Raises DatasetError with a hint."""
-    words = input_dir.split()
-    if len(words) > 1 and _is_number(words[0]):
-        if len(words) % 2 or not all(_is_number(w) for w in words[::2]):
-            raise DatasetError(f"input_dir '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
-        weights, prefixes = [float(w) for w in words[::2]], list(words[1::2])
-        bad = [w for w in words[::2] if not math.isfinite(float(w))]
-        if bad:
-            raise DatasetError(f"input_dir '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
-                               f"non-negative weights, e.g. '0.3 prefix1 0.7 prefix2'")
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise DatasetError(f"input_dir '{input_dir}': weights must be non-negative with a positive sum")
-    else:
-        weights, prefixes = None, []
-        for word in words:
-            prefixes.extend(_expand(word))
+    """-> (prefixes, weights or None for token-count weighting). The syntax is the configuration layer's
+    (``megatron.config.syntax.input_dir_words``); folders are expanded here and every prefix must have its
+    .bin and .idx. Raises DatasetError with a hint."""
+    try:
+        words, weights = syntax.input_dir_words(input_dir)
+    except ValueError as err:
+        raise DatasetError(str(err)) from None
+    prefixes = words if weights is not None else [prefix for word in words for prefix in _expand(word)]
     for prefix in prefixes:
         if not indexed_dataset.exists(prefix):
             raise DatasetError(f"no dataset at '{prefix}': expected {prefix}.bin and {prefix}.idx (input_dir takes a "
-                             f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2')")
+                               f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2')")
     return prefixes, weights
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
 
 
 def _expand(word: str) -> list[str]:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from megatron.config import syntax
 from megatron.data import index_cache
 from megatron.data.helpers import build_sample_idx
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset
@@ -36,17 +37,12 @@ ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
 def parse_split(split: str) -> list[float]:
-    """'949,50,1' (or '949/50/1') -> three fractions summing to 1 (normalized in float64, as Megatron Core)."""
-    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    """'949,50,1' (or '949/50/1') -> three fractions summing to 1: ``megatron.config.syntax.parse_split``
+    (the configuration layer owns the syntax), its error a DatasetError."""
     try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise DatasetError(f"split '{split}' must be up to three numbers like '949,50,1'") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise DatasetError(f"split '{split}' must be up to three non-negative numbers with a positive sum")
-    weights += [0.0] * (3 - len(weights))
-    w = np.asarray(weights, dtype=np.float64)
-    return (w / np.sum(w)).tolist()
+        return syntax.parse_split(split)
+    except ValueError as err:
+        raise DatasetError(str(err)) from None
 
 
 def split_ranges(split: str, num_sequences: int) -> list[tuple[int, int]]:

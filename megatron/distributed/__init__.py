@@ -1,1 +1,2 @@
-"""Gradient buffers and (later) data-parallel gradient synchronisation."""
+"""Gradient buffers, data-parallel gradient synchronisation (all-reduce or reduce-scatter, overlapped
+with the backward), ZeRO sharding stages 1-3, and the cross-rank gradient sums before the step."""

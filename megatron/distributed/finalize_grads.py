@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.model.gpt import TIED_EMBEDDING
 from megatron.parallel_state import ParallelState
-
-TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def finalize_model_grads(model: nn.Module, ps: ParallelState, buffer: ParamAndGradBuffer) -> None:

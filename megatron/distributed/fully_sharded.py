@@ -31,70 +31,56 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megatron.tensor_parallel.mappings import _all_gather_flat
+from megatron.distributed.bucket import Bucket
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 
 
 class FullyShardedParameters:
-    """Installs the gather/free hooks on ``chunks`` (this rank's model chunks, in forward order)."""
+    """Installs the gather/free hooks on ``chunks`` (this rank's model chunks, in forward order); the
+    buckets gather, wait and free themselves. ``layer_buckets``: the decoder layers' buckets;
+    ``peak_gathered_layers``: the most of them gathered (or being gathered) at once."""
 
     def __init__(self, chunks: list[nn.Module], buffer: ParamAndGradBuffer, group: dist.ProcessGroup,
                  keep_gathered: bool = False, prefetch: bool = True):
         self.buffer, self.group, self.keep_gathered, self.prefetch = buffer, group, keep_gathered, prefetch
-        self._inflight: dict[int, dist.Work] = {}
-        self._held: set[int] = set()  # layer buckets gathered or in flight, as last seen
-        self.peak_gathered_layers = 0  # the most layer buckets gathered (or in flight) at once
+        self.layer_buckets: list[Bucket] = []
+        self.peak_gathered_layers = 0
+        self._held: list[Bucket] = []  # layer buckets gathered or in flight, as last seen
         bucket_of = {id(p): b for b in buffer.buckets for p, _, _ in b.params}
-        self._layer_buckets: set[int] = set()
         for chunk in chunks:
             layers = [(module, bucket_of[id(next(module.parameters()))]) for module in chunk.layers.values()]
-            self._layer_buckets |= {b.index for _, b in layers}
+            self.layer_buckets += [b for _, b in layers]
             layer_params = {id(p) for module, _ in layers for p in module.parameters()}
             root = list({bucket_of[id(p)].index: bucket_of[id(p)] for p in chunk.parameters()
                          if id(p) not in layer_params}.values())
-            chunk.register_forward_pre_hook(lambda *_, root=root, layers=layers: self._chunk_pre_forward(root, layers))
-            chunk.register_forward_hook(lambda *_, root=root: self._chunk_post_forward(root))
-            for i, (module, bucket) in enumerate(layers):
-                following = layers[i + 1][1] if i + 1 < len(layers) else None
-                previous = layers[i - 1][1] if i > 0 else None
-                module.register_forward_pre_hook(lambda *_, b=bucket, n=following: self._pre_forward(b, n))
-                module.register_forward_hook(
-                    lambda _m, _i, out, b=bucket, p=previous: self._post_forward(b, p, out))
+            self._install(chunk, root, layers)
+
+    def _install(self, chunk: nn.Module, root: list[Bucket], layers: list[tuple[nn.Module, Bucket]]) -> None:
+        chunk.register_forward_pre_hook(lambda *_: self._chunk_pre_forward(root, layers))
+        chunk.register_forward_hook(lambda *_: self._chunk_post_forward(root))
+        for i, (module, bucket) in enumerate(layers):
+            following = layers[i + 1][1] if i + 1 < len(layers) else None
+            previous = layers[i - 1][1] if i > 0 else None
+            module.register_forward_pre_hook(lambda *_, b=bucket, n=following: self._pre_forward(b, n))
+            module.register_forward_hook(lambda _m, _i, out, b=bucket, p=previous: self._post_forward(b, p, out))
 
     # Gathering -----------------------------------------------------------------------------------
 
     def _gather(self, bucket: Bucket, async_op: bool) -> None:
-        if bucket.index in self._inflight or self.buffer.is_gathered(bucket):
+        if not bucket.gather(self.group, async_op) or not any(b is bucket for b in self.layer_buckets):
             return
-        self.buffer.materialize_params(bucket)
-        # The parameters are attached to the bucket storage with ``.data =``, so they keep version
-        # counters of their own: gathering into it is not an in-place change to what autograd saved.
-        with torch.no_grad():
-            work = _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket), group=self.group,
-                                    async_op=async_op)
-        if async_op:
-            self._inflight[bucket.index] = work
-        if bucket.index in self._layer_buckets:  # the statistic looks at the few layers held, not at all
-            buckets = self.buffer.buckets
-            self._held = {i for i in self._held if i in self._inflight or self.buffer.is_gathered(buckets[i])}
-            self._held.add(bucket.index)
-            self.peak_gathered_layers = max(self.peak_gathered_layers, len(self._held))
+        # the statistic looks at the few layers held, not at all of them
+        self._held = [b for b in self._held if b.gathered and b is not bucket] + [bucket]
+        self.peak_gathered_layers = max(self.peak_gathered_layers, len(self._held))
 
     def _wait(self, bucket: Bucket) -> None:
-        work = self._inflight.pop(bucket.index, None)
-        if work is not None:
-            work.wait()
-        else:
+        if not bucket.wait():
             self._gather(bucket, async_op=False)
 
     def _free(self, bucket: Bucket, force: bool = False) -> None:
         """Free a bucket's gathered parameters (under ``keep_gathered`` only when ``force``d)."""
-        if self.keep_gathered and not force:
-            return
-        work = self._inflight.pop(bucket.index, None)
-        if work is not None:
-            work.wait()
-        self.buffer.free_params(bucket)
+        if force or not self.keep_gathered:
+            bucket.free()
 
     def gather_all(self) -> None:
         for bucket in self.buffer.buckets:

@@ -102,6 +102,9 @@ class GPTModel(nn.Module):
         return tp.vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
 
 
+TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it
+
+
 class TiedHeadWeight(nn.Module):
     """The last pipeline stage's copy of the word embedding, named like the first stage's
     (``embedding.word_embeddings.weight``) so it is initialised identically; the two copies'
@@ -113,38 +116,44 @@ class TiedHeadWeight(nn.Module):
         self.word_embeddings.weight.tied_copy = True  # counted once (on the first stage) in the grad norm
 
 
-def build_model(config: Config, device: torch.device | str = "cpu") -> nn.Module:
+def build_model(config: Config, device: torch.device | str = "cpu", meta_init: bool = False) -> nn.Module:
     """This rank's part of the GPT of ``config``, initialised layout-invariantly, in the training
-    dtype: the whole model, a pipeline stage, or (interleaved schedule) a ModuleList of chunks."""
+    dtype: the whole model, a pipeline stage, or (interleaved schedule) a ModuleList of chunks.
+
+    ``meta_init`` (ZeRO stage 3: ``ShardingPlan.meta_init``): built on the meta device, each parameter
+    initialised later by the buffer, bucket by bucket, straight into the shards."""
     from megatron import parallel_state
-    from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
 
     recompute = config.recompute_granularity if config.use_recompute else None
     ps, d, m = parallel_state.get(), config.distributed, config.model
-    if ps.pp_size == 1:
-        specs = [(range(m.num_layers), True, True)]
-    elif d.virtual_pp_degree == 1:
-        bounds = segment(m.num_layers, ps.pp_size, d.pipeline_partition)
-        specs = [(stage_layers(bounds, ps.pp_rank), ps.is_first_stage, ps.is_last_stage)]
-    else:
-        vpp = d.virtual_pp_degree
-        specs = [(chunk_layers(m.num_layers, ps.pp_size, vpp, ps.pp_rank, c), ps.is_first_stage and c == 0,
-                  ps.is_last_stage and c == vpp - 1) for c in range(vpp)]
     dtype = getattr(torch, config.params_dtype_name)
-    # ZeRO stage 3: built on the meta device, each parameter initialised by the buffer, bucket by bucket.
-    deferred = d.sharding.sharding_degree > 1 and d.sharding.sharding_stage == 3
     chunks = []
-    for layers, pre, post in specs:
-        with torch.device("meta") if deferred else nullcontext():
+    for layers, pre, post in _chunk_specs(config, ps):
+        with torch.device("meta") if meta_init else nullcontext():
             chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
                              layers, pre, post)
-        if deferred:
+        if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
             chunks.append(chunk)
         else:
             init_parameters(chunk, config.seed, m)
             chunks.append(chunk.to(device=device, dtype=dtype))
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+
+
+def _chunk_specs(config: Config, ps) -> list[tuple[range, bool, bool]]:
+    """(global layer indices, pre_process, post_process) of each model chunk this rank holds."""
+    from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+
+    d, m = config.distributed, config.model
+    if ps.pp_size == 1:
+        return [(range(m.num_layers), True, True)]
+    if d.virtual_pp_degree == 1:
+        bounds = segment(m.num_layers, ps.pp_size, d.pipeline_partition)
+        return [(stage_layers(bounds, ps.pp_rank), ps.is_first_stage, ps.is_last_stage)]
+    vpp = d.virtual_pp_degree
+    return [(chunk_layers(m.num_layers, ps.pp_size, vpp, ps.pp_rank, c), ps.is_first_stage and c == 0,
+             ps.is_last_stage and c == vpp - 1) for c in range(vpp)]
 
 
 def num_parameters(model: nn.Module) -> int:

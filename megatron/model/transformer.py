@@ -9,7 +9,7 @@ MLP's second matmul are row-parallel (their outputs are summed across the group)
 sequence parallelism the LayerNorm and dropout regions hold ``s / tp`` positions per rank;
 the column-parallel layers all-gather the sequence and the row-parallel ones reduce-scatter it.
 Dropout inside tensor-parallel regions (and on sequence shards) draws from the tracker's
-per-rank "model-parallel" stream; dropout on replicated activations from the shared default one.
+per-rank tensor-parallel stream; dropout on replicated activations from the shared default one.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _maybe_checkpoint(enabled: bool, fn: Callable, *args: torch.Tensor) -> torch
 
 
 def parallel_dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) -> torch.Tensor:
-    """Dropout drawing from the per-rank model-parallel stream when ``per_rank`` (tensor-parallel
+    """Dropout drawing from the per-rank tensor-parallel stream when ``per_rank`` (tensor-parallel
     regions, sequence shards) and from the default stream (replicated activations) otherwise."""
     if not training or p == 0.0:
         return x

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from megatron.config.schema import Config
+from megatron.distributed.parallelize import ShardingPlan
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.optimizer.lr_schedule import CosineWithWarmup
+from megatron.optimizer.lr_schedule import WarmupDecaySchedule
 from megatron.optimizer.optimizer import MixedPrecisionOptimizer, StepResult
 
 
@@ -21,18 +21,15 @@ def build_grad_scaler(config: Config) -> ConstantGradScaler | None:
                              growth_interval=mp.loss_scale_window, hysteresis=mp.hysteresis)
 
 
-def build_optimizer(model: nn.Module, config: Config, model_parallel_group=None,
-                    sharding_group=None) -> MixedPrecisionOptimizer:
-    d = config.distributed
-    return MixedPrecisionOptimizer(model, config.optimizer, build_grad_scaler(config), model_parallel_group,
-                                   sharding_group, d.sharding.sharding_stage, d.sharding.sharding_offload,
-                                   bucket_size=int(d.bucket_size_mb * 2**20 / 4))
+def build_optimizer(buffer: ParamAndGradBuffer, plan: ShardingPlan, config: Config) -> MixedPrecisionOptimizer:
+    """The optimizer over ``buffer`` (from ``parallelize``), sharded and offloaded as ``plan`` says."""
+    return MixedPrecisionOptimizer(buffer, plan, config.optimizer, build_grad_scaler(config))
 
 
-def build_lr_schedule(config: Config) -> CosineWithWarmup:
+def build_lr_schedule(config: Config) -> WarmupDecaySchedule:
     lr = config.optimizer.lr
-    return CosineWithWarmup(lr.max_lr, lr.min_lr, lr.warmup_steps, lr.decay_steps, lr.decay_style)
+    return WarmupDecaySchedule(lr.max_lr, lr.min_lr, lr.warmup_steps, lr.decay_steps, lr.decay_style)
 
 
-__all__ = ["ConstantGradScaler", "CosineWithWarmup", "DynamicGradScaler", "MixedPrecisionOptimizer",
+__all__ = ["ConstantGradScaler", "DynamicGradScaler", "MixedPrecisionOptimizer", "WarmupDecaySchedule",
            "StepResult", "build_grad_scaler", "build_lr_schedule", "build_optimizer"]

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class CosineWithWarmup:
+class WarmupDecaySchedule:
+    """``lr(step)``: linear warm-up, then ``decay_style`` decay (cosine, linear or constant), as above."""
+
     max_lr: float
     min_lr: float
     warmup_steps: int

@@ -9,11 +9,14 @@ With P parameters on a rank (its tensor/pipeline share of the model), N = shardi
 | master weights (fp32) | 0 (the parameters are the masters) | 4P | 1 |
 | AdamW exp_avg + exp_avg_sq (fp32) | 8P | 8P | 1 |
 
-A sharded state is 1/N of the table per rank. ZeRO's 2Psi + 2Psi + K Psi with K = 12 (Adam, mixed
-precision) is this table with fp32 gradients (4P rather than 2P: main grads are accumulated in
-fp32 here, as Megatron-LM does). The figures are those held between steps: under stage 2 the full
-4P gradient buffer also exists during the backward, and under stage 3 the full parameters (and
-gradients) of the layers being used: at most the non-layer parameters plus two layers at once.
+A sharded state is 1/N of the table per rank; which states a stage shards, and that without a
+sharding group (N = 1) the stage in effect is 1, is read from ``ShardingPlan`` and ``sharding_stage``
+(``megatron/distributed/parallelize.py``), the rule the run itself applies. ZeRO's 2Psi + 2Psi +
+K Psi with K = 12 (Adam, mixed precision) is this table with fp32 gradients (4P rather than 2P:
+main grads are accumulated in fp32 here, as Megatron-LM does). The figures are those held between
+steps: under stage 2 the full 4P gradient buffer also exists during the backward, and under stage 3
+the full parameters (and gradients) of the layers being used: at most the non-layer parameters
+plus two layers at once.
 
 Offload (``sharding_offload``): the master weights (fp32 even when training in fp32) and the AdamW
 states live on the CPU, with a CPU copy of the gradient shard (4P/N) that the step reads.
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.config.schema import Config
+from megatron.config.schema import Config, padded_vocab_size
+from megatron.distributed.parallelize import ShardingPlan, sharding_stage
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,11 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
         raise ValueError(f"sharding stage must be 1, 2 or 3, got {stage}")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown precision {precision!r}")
+    plan = ShardingPlan(stage=sharding_stage(sharding, stage), offload=offload)  # what the run would shard
     shard = -(-num_params // sharding)  # shards are padded to equal size
     low = precision != "fp32"
-    sharded = sharding > 1
-    params = shard if stage >= 3 and sharded else num_params
-    grads = shard if stage >= 2 and sharded else num_params
+    params = shard if plan.shards_params else num_params
+    grads = shard if plan.shards_grads else num_params
     return ModelStateBytes(parameters=params * (2 if low else 4), gradients=4 * grads,
                            master_weights=4 * shard if low or offload else 0, optimizer_states=8 * shard,
                            cpu_gradients=4 * shard if offload else 0, offload=offload)
@@ -83,7 +87,7 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
                      for c in range(d.virtual_pp_degree))
     else:
         layers = len(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
-    vocab = -(-m.vocab_size // (128 * tp)) * 128 * tp
+    vocab = padded_vocab_size(m.vocab_size, tp)
     total = layers * per_layer
     if pp_rank == 0:
         total += vocab // tp * h + m.max_position_embeddings * h

@@ -10,15 +10,14 @@ back the scale off if found) -> global norm (skip the step if it is not finite, 
 precision) -> clip -> AdamW on the masters -> copy the masters back into the low-precision
 parameters.
 
-Sharding (ZeRO, over the ``sharding_group`` of N ranks): the buffer is cut into buckets and each
-rank owns a contiguous 1/N slice of every bucket; it keeps fp32 master weights and AdamW states
-for that slice only, and steps it. Stage 1: the gradients arrive all-reduced; after the step the
-updated slices are all-gathered into every rank's full parameters. Stage 2: the gradients
-arrive reduce-scattered into a persistent 1/N shard. Stage 3: the parameters too are stored as a
-1/N shard only (``FullyShardedParameters`` gathers them around their use), so nothing is
-gathered after the step. Offload: the masters and AdamW states live on the CPU and the step runs
-there (torch's fused CPU AdamW); the clipped gradient shard goes down, the updated low-precision
-parameters come back.
+Sharding (ZeRO, by the ``ShardingPlan``, over its sharding group of N ranks): the buffer it is
+given is cut into buckets and each rank owns a contiguous 1/N slice of every bucket; it keeps fp32
+master weights and AdamW states for that slice only, and steps it. The gradients arrive reduced
+(all-reduced, or reduce-scattered into a 1/N shard from stage 2); after the step each bucket
+publishes the updated slice (all-gathered into every rank's full parameters, or, under stage 3,
+kept as the shard). Offload: the masters and AdamW states live on the CPU and the step runs there
+(torch's fused CPU AdamW); the clipped gradient shard goes down, the updated low-precision
+parameters come back. The optimizer builds no buckets and decides no stage: ``parallelize`` does.
 """
 
 from __future__ import annotations
@@ -32,13 +31,10 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config.schema import OptimizerConfig
-from megatron.distributed.finalize_grads import TIED_EMBEDDING
-from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer, layer_buckets, split_into_buckets
+from megatron.distributed.parallelize import ShardingPlan
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
-from megatron.tensor_parallel.mappings import _all_gather_flat
-
-DEFAULT_BUCKET_SIZE = 40_000_000  # elements
 
 
 @dataclass
@@ -52,47 +48,19 @@ def _supports_fused(device: torch.device) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over this rank's slice of the parameter buffer (the whole buffer unsharded).
+    """AdamW over this rank's slice of ``buffer`` (the whole buffer unsharded), sharded and offloaded as
+    ``plan`` says (see the module doc)."""
 
-    ``sharding_group``/``stage``: ZeRO over that group (see the module doc). ``bucket_size``:
-    elements per communication bucket (stage 3: one bucket per decoder layer instead).
-    ``offload``: masters and AdamW states on the CPU."""
-
-    def __init__(self, model: nn.Module, cfg: OptimizerConfig, grad_scaler: ConstantGradScaler | None = None,
-                 model_parallel_group: dist.ProcessGroup | None = None,
-                 sharding_group: dist.ProcessGroup | None = None, stage: int = 1, offload: bool = False,
-                 bucket_size: int = DEFAULT_BUCKET_SIZE):
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        # Reverse parameter order: the backward produces the last layers' gradients first, so
-        # the buckets at the front of the buffer fill first.
-        named = named[::-1]
-        self.sharding_group = sharding_group
-        n = dist.get_world_size(sharding_group) if sharding_group is not None else 1
-        r = dist.get_rank(sharding_group) if sharding_group is not None else 0
-        self.stage = stage if sharding_group is not None else 1
-        # The tied embedding is a bucket of its own, so that its slices line up on the first and last
-        # pipeline stages, whose copies' (sharded) gradients are summed.
-        own = (TIED_EMBEDDING,) if self.stage >= 2 and parallel_state.get().pp_size > 1 else ()
-        buckets = layer_buckets(named) if self.stage == 3 else split_into_buckets(named, bucket_size, own)
-        self.buffer = buf = ParamAndGradBuffer(buckets, n, r, shard_grads=self.stage >= 2,
-                                               shard_params=self.stage == 3)
-        self.grad_scaler, self.max_norm, self.offload = grad_scaler, cfg.grad_clip, offload
-        self._low_precision = buf.dtype != torch.float32
-        pieces = buf.pieces()
-        self._params = [buf.shard_param(b, lo, hi) for b, lo, hi, _ in pieces]  # what this rank updates
-        self._grads = [buf.shard_grad(b, lo, hi) for b, lo, hi, _ in pieces]  # and its reduced gradients
-        master_device = torch.device("cpu") if offload else buf.device
-        sizes = [hi - lo for _, lo, hi, _ in pieces]
-        pin = offload and buf.device.type == "cuda"  # page-locked: the copies down and up run at full speed
-        if self._low_precision or offload:  # a separate fp32 copy (on the CPU when offloading), piece by piece
-            self.master_data = torch.empty(sum(sizes), dtype=torch.float32, device=master_device, pin_memory=pin)
-            master_views = list(self.master_data.split(sizes))
-            for master, param in zip(master_views, self._params):
-                master.copy_(param.detach())
-        else:  # fp32 on the device: the parameters are the masters
-            self.master_data, master_views = None, self._params
-        self.cpu_grad = torch.zeros(sum(sizes) if offload else 0, pin_memory=pin)
-        step_grads = list(self.cpu_grad.split(sizes)) if offload else self._grads
+    def __init__(self, buffer: ParamAndGradBuffer, plan: ShardingPlan, cfg: OptimizerConfig,
+                 grad_scaler: ConstantGradScaler | None = None):
+        self.buffer, self.plan, self.offload = buffer, plan, plan.offload
+        self.sharding_group, self.model_parallel_group = plan.sharding_group, plan.model_parallel_group
+        self.grad_scaler, self.max_norm = grad_scaler, cfg.grad_clip
+        self._low_precision = buffer.dtype != torch.float32
+        pieces = buffer.pieces()
+        self._params = [buffer.shard_param(b, lo, hi) for b, lo, hi, _ in pieces]  # what this rank updates
+        self._grads = [buffer.shard_grad(b, lo, hi) for b, lo, hi, _ in pieces]  # and its reduced gradients
+        master_views, step_grads = self._make_masters([hi - lo for _, lo, hi, _ in pieces])
         self.masters: list[nn.Parameter] = []
         groups: dict[bool, list] = {True: [], False: []}
         for view, grad, (_, _, _, decay) in zip(master_views, step_grads, pieces):
@@ -103,19 +71,42 @@ class MixedPrecisionOptimizer:
         param_groups = [{"params": ps, "weight_decay": rate} for ps, rate in
                         ((groups[True], cfg.weight_decay), (groups[False], 0.0)) if ps]
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                       eps=cfg.adam_epsilon, fused=_supports_fused(master_device))
-        # Model parallelism (tp x pp): the global norm counts every element once. A rank counts its
-        # tensor-parallel shards, its TP-replicated parameters only on tp rank 0, and never the last
-        # pipeline stage's copy of the tied embedding, each within its optimizer shard; the squares
-        # are summed over the sharding and model-parallel groups.
-        self.model_parallel_group = model_parallel_group
-        self._reduce_groups = [g for g in (sharding_group, model_parallel_group) if g is not None]
+                                       eps=cfg.adam_epsilon, fused=_supports_fused(self._master_device()))
+        self._reduce_groups = [g for g in (self.sharding_group, self.model_parallel_group) if g is not None]
+        self._counted = self._counted_grads()
+
+    def _make_masters(self, sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(master views, the gradients AdamW reads), piece by piece: a separate fp32 copy (on the CPU when
+        offloading, with a CPU gradient copy) unless training in fp32 on the device, where the parameters
+        are the masters."""
+        device = self._master_device()
+        pin = self.offload and self.buffer.device.type == "cuda"  # page-locked: the copies run at full speed
+        if self._low_precision or self.offload:
+            self.master_data = torch.empty(sum(sizes), dtype=torch.float32, device=device, pin_memory=pin)
+            master_views = list(self.master_data.split(sizes))
+            for master, param in zip(master_views, self._params):
+                master.copy_(param.detach())
+        else:
+            self.master_data, master_views = None, self._params
+        self.cpu_grad = torch.zeros(sum(sizes) if self.offload else 0, pin_memory=pin)
+        return master_views, list(self.cpu_grad.split(sizes)) if self.offload else self._grads
+
+    def _master_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload else self.buffer.device
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """Model parallelism (tp x pp): the global norm counts every element once. A rank counts its
+        tensor-parallel shards, its TP-replicated parameters only on tp rank 0, and never the last
+        pipeline stage's copy of the tied embedding, each within its optimizer shard; the squares are
+        summed over the sharding and model-parallel groups."""
         tp_rank = parallel_state.get().tp_rank
-        counted = {id(p) for _, p in named if (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
-                   and not getattr(p, "tied_copy", False)}
-        self._counted = [buf.shard_grad(b, max(s, b.shard[0]), min(e, b.shard[1]))
-                         for b in buf.buckets for p, s, e in b.params
-                         if id(p) in counted and max(s, b.shard[0]) < min(e, b.shard[1])]
+
+        def counted(p: nn.Parameter) -> bool:
+            return (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "tied_copy", False)
+
+        spans = [(b, max(s, b.shard[0]), min(e, b.shard[1])) for b in self.buffer.buckets for p, s, e in b.params
+                 if counted(p)]
+        return [self.buffer.shard_grad(b, lo, hi) for b, lo, hi in spans if lo < hi]
 
     @property
     def loss_scale(self) -> float:
@@ -166,16 +157,12 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def publish_params(self) -> None:
         """The masters into the parameters: cast (and moved up from the CPU) into this rank's slices,
-        which are then all-gathered over the sharding group (stages 1, 2; stage 3 keeps them sharded)."""
+        which every bucket then publishes (all-gathered over the sharding group; stage 3 keeps them sharded)."""
         if self.master_data is not None:
             updated = self.master_data.to(self.buffer.device, non_blocking=True)
             torch._foreach_copy_(self._params, list(updated.split([p.numel() for p in self._params])))
-        if self.sharding_group is not None and self.stage < 3:  # every rank gets every slice's update
-            for bucket in self.buffer.buckets:
-                _all_gather_flat(bucket.param_data, self.buffer.shard_param(bucket).clone(), group=self.sharding_group)
-        if self.stage == 3:  # a bucket still gathered (one that got no gradient) would now be stale
-            for bucket in self.buffer.buckets:
-                self.buffer.free_params(bucket)
+        for bucket in self.buffer.buckets:
+            bucket.publish(self.sharding_group)
 
     def adam_state(self, master: nn.Parameter, step: int = 0) -> dict:
         """AdamW's state for one master view, created (zeroed, at ``step``) if it does not exist yet."""

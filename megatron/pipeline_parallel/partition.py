@@ -103,31 +103,13 @@ def stage_layers(boundaries: Sequence[int], stage: int) -> range:
     return range(first - 1, max(last, first) - 1)
 
 
-def has_embedding(boundaries: Sequence[int], stage: int) -> bool:
-    """Whether ``stage`` holds the embedding (item 0)."""
-    _check_stage(boundaries, stage)
-    return boundaries[stage] == 0
-
-
-def has_final_norm(boundaries: Sequence[int], num_layers: int, stage: int) -> bool:
-    """Whether ``stage`` holds the final LayerNorm (item ``num_layers + 1``)."""
-    _check_stage(boundaries, stage)
-    return boundaries[stage] <= num_layers + 1 < boundaries[stage + 1]
-
-
-def has_head(boundaries: Sequence[int], num_layers: int, stage: int) -> bool:
-    """Whether ``stage`` holds the LM head (item ``num_layers + 2``, always on the last stage)."""
-    _check_stage(boundaries, stage)
-    return boundaries[stage] <= num_layers + 2 < boundaries[stage + 1]
-
-
 def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> range:
     """The decoder layers of model chunk ``chunk`` of pipeline stage ``pp_rank`` (interleaved schedule).
 
     Megatron-LM's assignment: the layers are cut into ``pp * vpp`` equal consecutive chunks and model chunk
     ``c`` of stage ``r`` holds chunk number ``c * pp + r``. Requires ``num_layers % (pp * vpp) == 0``. The
     embedding belongs to chunk 0 of stage 0, the final norm and the head to chunk ``vpp - 1`` of stage
-    ``pp - 1`` (see ``chunk_has_embedding`` / ``chunk_has_head``).
+    ``pp - 1``.
     """
     if pp < 1 or vpp < 1:
         raise ValueError(f"pp ({pp}) and vpp ({vpp}) must both be >= 1.")
@@ -140,16 +122,6 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -
     size = num_layers // (pp * vpp)
     index = chunk * pp + pp_rank
     return range(index * size, (index + 1) * size)
-
-
-def chunk_has_embedding(pp_rank: int, chunk: int) -> bool:
-    """Whether model chunk ``chunk`` of stage ``pp_rank`` holds the embedding (chunk 0 of stage 0)."""
-    return pp_rank == 0 and chunk == 0
-
-
-def chunk_has_head(pp: int, vpp: int, pp_rank: int, chunk: int) -> bool:
-    """Whether model chunk ``chunk`` of stage ``pp_rank`` holds the final norm and head (last chunk, last stage)."""
-    return pp_rank == pp - 1 and chunk == vpp - 1
 
 
 def segmentation_log(boundaries: Sequence[int], descriptions: Sequence[str],

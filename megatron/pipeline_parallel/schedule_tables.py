@@ -57,12 +57,6 @@ def _check(pp: int, rank: int, m: int, vpp: int = 1) -> None:
         raise ValueError(f"need pp >= 1, vpp >= 1, m >= 1 and 0 <= rank < pp; got {pp=}, {rank=}, {m=}, {vpp=}")
 
 
-def no_pipelining(m: int) -> list[Action]:
-    """One stage (pp = 1): forward then backward of each micro-batch in turn; 1 micro-batch in flight."""
-    _check(1, 0, m)
-    return [Action(kind, k) for k in range(m) for kind in COMPUTE]
-
-
 def gpipe(pp: int, rank: int, m: int) -> list[Action]:
     """GPipe: the forwards of micro-batches 0..m-1, then their backwards in the same order 0..m-1
     (FIFO, like Megatron's all-warm-up case; reverse order gives the same makespan). Every rank holds
@@ -192,125 +186,182 @@ def simulate(tables: list[list[Action]], pp: int, vpp: int = 1, backward_cost: f
     """
     if len(tables) != pp:
         raise ScheduleError(f"{len(tables)} tables for pp={pp}")
+    return _Simulation(tables, pp, vpp, backward_cost, rendezvous).run()
+
+
+def _message(a: Action, r: int, pp: int, last: int) -> tuple[tuple, tuple]:
+    """The message of communication action ``a`` of rank ``r`` -- (direction, micro-batch, receiving
+    virtual stage) -- and its channel (``"SEND"``/``"RECV"``, source rank, destination rank)."""
+    v = a.chunk * pp + r
+    src, dst = (v + hop for hop in _HOPS[a.kind])
+    if not (0 <= src <= last and 0 <= dst <= last):
+        raise ScheduleError(f"rank {r}: {a} has no neighbouring virtual stage")
+    return (a.kind[-1], a.micro_batch, dst), (a.kind[:4], src % pp, dst % pp)
+
+
+def _index_messages(tables: list[list[Action]], pp: int, vpp: int) -> tuple[dict, dict]:
+    """The static checks: every action is valid and every message is sent exactly once and received
+    exactly once, in the same order on both sides of a rank pair (p2p matches them in order).
+
+    Returns ``msg``: (rank, index) -> message of a communication action, and ``where``:
+    ("SEND"/"RECV", *message) -> (rank, index) of the action."""
     last = pp * vpp - 1
-    msg: dict[tuple[int, int], tuple] = {}  # (rank, index) -> message of a communication action
-    where: dict[tuple, tuple[int, int]] = {}  # ("SEND"/"RECV", *message) -> (rank, index) of the action
+    msg: dict[tuple[int, int], tuple] = {}
+    where: dict[tuple, tuple[int, int]] = {}
     channels: dict[tuple, list] = {}  # ("SEND"/"RECV", src rank, dst rank) -> messages in table order
     for r, table in enumerate(tables):
         for i, a in enumerate(table):
             if a.kind not in COMPUTE + COMM or not 0 <= a.chunk < vpp:
                 raise ScheduleError(f"rank {r}: bad action {a}")
-            v = a.chunk * pp + r
             if a.kind in COMM:
-                src, dst = (v + hop for hop in _HOPS[a.kind])
-                if not (0 <= src <= last and 0 <= dst <= last):
-                    raise ScheduleError(f"rank {r}: {a} has no neighbouring virtual stage")
-                message = (a.kind[-1], a.micro_batch, dst)  # direction, micro-batch, receiving virtual stage
+                message, channel = _message(a, r, pp, last)
                 key = (a.kind[:4], *message)
                 if key in where:
                     raise ScheduleError(f"rank {r}: {a} duplicates the message at rank/index {where[key]}")
                 where[key], msg[(r, i)] = (r, i), message
-                channels.setdefault((a.kind[:4], src % pp, dst % pp), []).append(message)
+                channels.setdefault(channel, []).append(message)
     for key in where:
         if key[0] == "SEND" and ("RECV", *key[1:]) not in where:
             raise ScheduleError(f"message {key[1:]} sent but never received")
         if key[0] == "RECV" and ("SEND", *key[1:]) not in where:
             raise ScheduleError(f"message {key[1:]} received but never sent")
-    for (what, src, dst), messages in channels.items():  # p2p matches messages between two ranks in order
+    for (what, src, dst), messages in channels.items():
         if what == "SEND" and messages != channels[("RECV", src, dst)]:
             raise ScheduleError(f"rank {src} sends to rank {dst} in another order than rank {dst} receives")
+    return msg, where
 
-    pc, t, busy = [0] * pp, [0.0] * pp, [0.0] * pp
-    held: list[set] = [set() for _ in range(pp)]
-    peak = [0] * pp
-    done: dict[tuple, float] = {}  # (kind, k, v) -> finish time of the compute
-    sent: dict[tuple, float] = {}  # message key[1:] -> time its SEND was posted
-    got: set[tuple] = set()  # message key[1:] received
-    posted: list[tuple[int, int, float] | None] = [None] * pp  # rendezvous: (start, end, time) of a batch
-    matched: dict[tuple, float] = {}  # rendezvous: (rank, index) -> completion time
-    timeline: list[list] = [[] for _ in range(pp)]
 
-    def compute(r: int, a: Action) -> None:
-        v = a.chunk * pp + r
-        me = (a.kind, a.micro_batch, v)
-        if me in done:
-            raise ScheduleError(f"rank {r}: {a} computed twice")
-        step = -1 if a.kind == "F" else 1
-        dep = (a.kind, a.micro_batch, v + step)
-        ready = t[r]
-        if 0 <= v + step <= last:
-            if dep not in done:
-                raise ScheduleError(f"rank {r}: {a} runs before its input {dep}")
-            if (v + step) % pp != r and (a.kind, a.micro_batch, v) not in got:
-                raise ScheduleError(f"rank {r}: {a} without receiving its input")
-            ready = max(ready, done[dep])
-        if a.kind == "B":
-            if ("F", a.micro_batch, v) not in done:
-                raise ScheduleError(f"rank {r}: {a} before its forward")
-            held[r].discard((a.micro_batch, a.chunk))
-        else:
-            held[r].add((a.micro_batch, a.chunk))
-            peak[r] = max(peak[r], len(held[r]))
-        cost = 1.0 if a.kind == "F" else backward_cost
-        t[r] = done[me] = ready + cost
-        busy[r] += cost
-        timeline[r].append((a, ready, t[r]))
+class _Simulation:
+    """The dynamic part of :func:`simulate`: each rank's position in its table and clock, advanced in
+    turn until every table is done (or no rank can move: deadlock)."""
 
-    def post(r: int, i: int) -> tuple:
-        """The message of communication action i of rank r; a SEND must follow what it sends."""
-        a = tables[r][i]
-        if a.kind.startswith("SEND") and (a.kind[-1], a.micro_batch, a.chunk * pp + r) not in done:
-            raise ScheduleError(f"rank {r}: {a} before computing what it sends")
-        return msg[(r, i)]
+    def __init__(self, tables: list[list[Action]], pp: int, vpp: int, backward_cost: float, rendezvous: bool):
+        self.tables, self.pp, self.last = tables, pp, pp * vpp - 1
+        self.backward_cost, self.rendezvous = backward_cost, rendezvous
+        self.msg, self.where = _index_messages(tables, pp, vpp)
+        self.pc, self.t, self.busy, self.peak = [0] * pp, [0.0] * pp, [0.0] * pp, [0] * pp
+        self.held: list[set] = [set() for _ in range(pp)]  # (micro-batch, chunk) forwarded, not backwarded
+        self.done: dict[tuple, float] = {}  # (kind, k, v) -> finish time of the compute
+        self.sent: dict[tuple, float] = {}  # message -> time its SEND was posted
+        self.got: set[tuple] = set()  # messages received
+        self.posted: list[tuple[int, int, float] | None] = [None] * pp  # rendezvous: (start, end, time) of a batch
+        self.matched: dict[tuple, float] = {}  # rendezvous: (rank, index) -> completion time
+        self.timeline: list[list] = [[] for _ in range(pp)]
 
-    def step(r: int) -> bool:
+    def run(self) -> dict:
+        tables, pp = self.tables, self.pp
+        while any(self.pc[r] < len(tables[r]) for r in range(pp)):
+            if not any([self._step(r) for r in range(pp)]):
+                stuck = ", ".join(f"rank {r} at {tables[r][self.pc[r]]}" for r in range(pp)
+                                  if self.pc[r] < len(tables[r]))
+                raise DeadlockError(f"no rank can progress: {stuck}")
+        micro_batches = sorted({k for (_, k, _) in self.done})
+        missing = [(c, k, v) for k in micro_batches for v in range(self.last + 1) for c in COMPUTE
+                   if (c, k, v) not in self.done]
+        if missing:
+            raise ScheduleError(f"never computed (kind, micro-batch, virtual stage): {missing[:4]}")
+        makespan = max(self.t)
+        return {"makespan": makespan, "busy": self.busy, "peak_in_flight": self.peak, "micro_batches": micro_batches,
+                "bubble_fraction": 1.0 - sum(self.busy) / (pp * makespan) if makespan else 0.0,
+                "timeline": self.timeline}
+
+    def _step(self, r: int) -> bool:
         """Advance rank r as far as it can; return whether it moved."""
-        moved, table = False, tables[r]
-        while pc[r] < len(table):
-            a = table[pc[r]]
+        moved, table = False, self.tables[r]
+        while self.pc[r] < len(table):
+            a = table[self.pc[r]]
             if a.kind in COMPUTE:
-                compute(r, a)
-            elif not rendezvous:
-                key = post(r, pc[r])
-                if a.kind.startswith("SEND"):
-                    sent[key] = t[r]
-                elif key in sent:
-                    got.add(key)
-                    t[r] = max(t[r], sent[key])
-                else:
-                    return moved
-            else:
-                if posted[r] is None:  # post the whole run of communication actions
-                    end = pc[r]
-                    while end < len(table) and table[end].kind in COMM:
-                        post(r, end)
-                        end += 1
-                    posted[r], moved = (pc[r], end, t[r]), True
-                start, end, when = posted[r]
-                for i in range(start, end):
-                    peer_r, peer_i = where[("RECV" if table[i].kind.startswith("SEND") else "SEND", *msg[(r, i)])]
-                    peer = posted[peer_r]
-                    if (r, i) not in matched and peer is not None and peer[0] <= peer_i < peer[1]:
-                        matched[(r, i)] = matched[(peer_r, peer_i)] = max(when, peer[2])
-                        moved = True
-                if any((r, i) not in matched for i in range(start, end)):
-                    return moved
-                got.update(msg[(r, i)] for i in range(start, end) if table[i].kind.startswith("RECV"))
-                t[r] = max([when] + [matched[(r, i)] for i in range(start, end)])
-                pc[r], posted[r] = end - 1, None
-            pc[r] += 1
+                self._compute(r, a)
+            elif self.rendezvous:
+                finished, progressed = self._exchange_batch(r)
+                if not finished:
+                    return moved or progressed
+            elif not self._exchange_buffered(r, a):
+                return moved
+            self.pc[r] += 1
             moved = True
         return moved
 
-    while any(pc[r] < len(tables[r]) for r in range(pp)):
-        if not any([step(r) for r in range(pp)]):
-            stuck = ", ".join(f"rank {r} at {tables[r][pc[r]]}" for r in range(pp) if pc[r] < len(tables[r]))
-            raise DeadlockError(f"no rank can progress: {stuck}")
+    def _compute(self, r: int, a: Action) -> None:
+        v = a.chunk * self.pp + r
+        me = (a.kind, a.micro_batch, v)
+        if me in self.done:
+            raise ScheduleError(f"rank {r}: {a} computed twice")
+        ready = self._ready(r, a, v)
+        if a.kind == "B":
+            self.held[r].discard((a.micro_batch, a.chunk))
+        else:
+            self.held[r].add((a.micro_batch, a.chunk))
+            self.peak[r] = max(self.peak[r], len(self.held[r]))
+        cost = 1.0 if a.kind == "F" else self.backward_cost
+        self.t[r] = self.done[me] = ready + cost
+        self.busy[r] += cost
+        self.timeline[r].append((a, ready, self.t[r]))
 
-    micro_batches = sorted({k for (_, k, _) in done})
-    missing = [(c, k, v) for k in micro_batches for v in range(last + 1) for c in COMPUTE if (c, k, v) not in done]
-    if missing:
-        raise ScheduleError(f"never computed (kind, micro-batch, virtual stage): {missing[:4]}")
-    makespan = max(t)
-    return {"makespan": makespan, "busy": busy, "peak_in_flight": peak, "micro_batches": micro_batches,
-            "bubble_fraction": 1.0 - sum(busy) / (pp * makespan) if makespan else 0.0, "timeline": timeline}
+    def _ready(self, r: int, a: Action, v: int) -> float:
+        """When compute ``a`` (virtual stage ``v``) can start: after its input, computed by the previous
+        virtual stage (``F``) or the next (``B``) and received when that is another rank."""
+        step = -1 if a.kind == "F" else 1
+        dep = (a.kind, a.micro_batch, v + step)
+        ready = self.t[r]
+        if 0 <= v + step <= self.last:
+            if dep not in self.done:
+                raise ScheduleError(f"rank {r}: {a} runs before its input {dep}")
+            if (v + step) % self.pp != r and (a.kind, a.micro_batch, v) not in self.got:
+                raise ScheduleError(f"rank {r}: {a} without receiving its input")
+            ready = max(ready, self.done[dep])
+        if a.kind == "B" and ("F", a.micro_batch, v) not in self.done:
+            raise ScheduleError(f"rank {r}: {a} before its forward")
+        return ready
+
+    def _post(self, r: int, i: int) -> tuple:
+        """The message of communication action i of rank r; a SEND must follow what it sends."""
+        a = self.tables[r][i]
+        if a.kind.startswith("SEND") and (a.kind[-1], a.micro_batch, a.chunk * self.pp + r) not in self.done:
+            raise ScheduleError(f"rank {r}: {a} before computing what it sends")
+        return self.msg[(r, i)]
+
+    def _exchange_buffered(self, r: int, a: Action) -> bool:
+        """A buffered SEND never waits; a RECV waits for its SEND. Return whether ``a`` completed."""
+        key = self._post(r, self.pc[r])
+        if a.kind.startswith("SEND"):
+            self.sent[key] = self.t[r]
+        elif key in self.sent:
+            self.got.add(key)
+            self.t[r] = max(self.t[r], self.sent[key])
+        else:
+            return False
+        return True
+
+    def _exchange_batch(self, r: int) -> tuple[bool, bool]:
+        """Rendezvous: post the run of communication actions at rank r's position as one batch (once),
+        match its messages with the peers' posted batches, and complete it when all are matched.
+        Return (completed, whether anything moved)."""
+        table, progressed = self.tables[r], False
+        if self.posted[r] is None:
+            end = self.pc[r]
+            while end < len(table) and table[end].kind in COMM:
+                self._post(r, end)
+                end += 1
+            self.posted[r], progressed = (self.pc[r], end, self.t[r]), True
+        start, end, when = self.posted[r]
+        progressed |= self._match(r, start, end, when)
+        if any((r, i) not in self.matched for i in range(start, end)):
+            return False, progressed
+        self.got.update(self.msg[(r, i)] for i in range(start, end) if table[i].kind.startswith("RECV"))
+        self.t[r] = max([when] + [self.matched[(r, i)] for i in range(start, end)])
+        self.pc[r], self.posted[r] = end - 1, None  # the caller steps past the batch's last action
+        return True, True
+
+    def _match(self, r: int, start: int, end: int, when: float) -> bool:
+        """Match the messages of rank r's batch ``[start, end)`` (posted at ``when``) whose partner is in
+        the peer's posted batch; a match completes when the later of the two was posted."""
+        moved = False
+        for i in range(start, end):
+            kind = "RECV" if self.tables[r][i].kind.startswith("SEND") else "SEND"
+            peer_r, peer_i = self.where[(kind, *self.msg[(r, i)])]
+            peer = self.posted[peer_r]
+            if (r, i) not in self.matched and peer is not None and peer[0] <= peer_i < peer[1]:
+                self.matched[(r, i)] = self.matched[(peer_r, peer_i)] = max(when, peer[2])
+                moved = True
+        return moved

@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from megatron.pipeline_parallel import p2p
+from megatron.pipeline_parallel import schedule_tables as tables
+from megatron.pipeline_parallel.schedule_tables import COMM, Action
+
 ForwardStep = Callable[[Any, torch.nn.Module], tuple[torch.Tensor, Callable]]
 
 
@@ -66,7 +70,7 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     # accumulate_grad
 
 
-def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list,
+def run_pipeline_table(table: list[Action], forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list,
                        num_tokens: float, loss_scale: float, ps, shape: Sequence[int], dtype: torch.dtype,
                        device: torch.device, stats: dict | None = None) -> torch.Tensor:
     """Execute one rank's schedule table (see ``schedule_tables``) with real model chunks.
@@ -74,66 +78,91 @@ def run_pipeline_table(table: list, forward_step: ForwardStep, micro_batches: Se
     Runs of consecutive communication actions are posted as one ``batch_isend_irecv``; sends are
     asynchronous (kept alive until the step ends), receives are waited for, which is exactly the
     buffered-send model under which the tables are checked deadlock-free. The last virtual stage
-    returns the summed token losses; other stages return 0. ``stats``, if given, receives
+    backpropagates ``loss_sum * loss_scale / num_tokens`` and returns the summed token losses; other
+    stages backpropagate the received output gradient and return 0. ``stats``, if given, receives
     ``peak_in_flight``: the most micro-batch activations held at once (forwarded, not yet
     backwarded), the activation-memory measure of a schedule.
     """
-    from megatron.pipeline_parallel.p2p import communicate
-    from megatron.pipeline_parallel.schedule_tables import COMM
-
-    prev_rank, next_rank = _pipeline_peers(ps)
-    last_virtual = ps.pp_size * len(chunks) - 1
-    inputs, outputs, output_grads, pending = {}, {}, {}, []
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    run = _TableRun(forward_step, micro_batches, chunks, ps, (tuple(shape), dtype, device), stats)
     i = 0
     while i < len(table):
         if table[i].kind in COMM:
             j = i
             while j < len(table) and table[j].kind in COMM:
                 j += 1
-            sends, recvs, slots = [], [], []
-            for a in table[i:j]:
-                key = (a.micro_batch, a.chunk)
-                if a.kind == "SEND_F":
-                    sends.append((outputs[key].detach(), next_rank))
-                elif a.kind == "SEND_B":
-                    sends.append((inputs.pop(key).grad, prev_rank))
-                else:
-                    recvs.append((shape, dtype, prev_rank if a.kind == "RECV_F" else next_rank))
-                    slots.append((a.kind, key))
-            buffers, works = communicate(sends, recvs, device, async_op=True)
-            pending.append((works[:len(sends)], sends))  # each work is waited for exactly once
-            for work in works[len(sends):]:
-                work.wait()
-            for (kind, key), buf in zip(slots, buffers):
-                (inputs if kind == "RECV_F" else output_grads)[key] = buf.requires_grad_(kind == "RECV_F")
-            for a in table[i:j]:
-                if a.kind == "SEND_F":
-                    _free_storage(outputs[(a.micro_batch, a.chunk)])
-            pending = [(w, t) for w, t in pending if not all(work.is_completed() for work in w)]
+            run.exchange(table[i:j])
             i = j
-            continue
-        a = table[i]
-        key, chunk = (a.micro_batch, a.chunk), chunks[a.chunk]
-        virtual = a.chunk * ps.pp_size + ps.pp_rank
-        if a.kind == "F":
-            chunk.set_input_tensor(inputs.get(key))
-            output, loss_fn = forward_step(micro_batches[a.micro_batch], chunk)
-            if virtual == last_virtual:
-                loss_sum, _ = loss_fn(output)
-                total = total + loss_sum.detach().float()
-                output = loss_sum * (loss_scale / num_tokens)
-            outputs[key] = output
-            if stats is not None:
-                stats["peak_in_flight"] = max(stats.get("peak_in_flight", 0), len(outputs))
-        else:  # "B"
-            output = outputs.pop(key)
-            _backward(output, None if virtual == last_virtual else output_grads.pop(key))
-        i += 1
-    for works, _ in pending:  # the sent tensors stay referenced until here
-        for work in works:
+        else:
+            run.compute(table[i], loss_scale / num_tokens)
+            i += 1
+    run.wait_for_sends()
+    return run.total
+
+
+class _TableRun:
+    """One rank's state while it executes a table: stage inputs, outputs and output gradients keyed by
+    (micro-batch, chunk), and the sends still in flight."""
+
+    def __init__(self, forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list, ps,
+                 activation: tuple[tuple[int, ...], torch.dtype, torch.device], stats: dict | None):
+        self.forward_step, self.micro_batches, self.chunks, self.stats = forward_step, micro_batches, chunks, stats
+        self.pp_size, self.pp_rank = ps.pp_size, ps.pp_rank
+        self.prev_rank, self.next_rank = _pipeline_peers(ps)
+        self.last_virtual = ps.pp_size * len(chunks) - 1
+        self.shape, self.dtype, self.device = activation
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending: list[tuple[list, list]] = []  # (send works, sent tensors): each work waited for once
+        self.total = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def compute(self, a: Action, scale: float) -> None:
+        """``F``: forward of micro-batch ``a.micro_batch`` through chunk ``a.chunk`` (on the last virtual
+        stage, the loss times ``scale``); ``B``: its backward, from the received output gradient."""
+        key, chunk = (a.micro_batch, a.chunk), self.chunks[a.chunk]
+        last = a.chunk * self.pp_size + self.pp_rank == self.last_virtual
+        if a.kind == "B":
+            output = self.outputs.pop(key)
+            _backward(output, None if last else self.output_grads.pop(key))
+            return
+        chunk.set_input_tensor(self.inputs.get(key))
+        output, loss_fn = self.forward_step(self.micro_batches[a.micro_batch], chunk)
+        if last:
+            loss_sum, _ = loss_fn(output)
+            self.total = self.total + loss_sum.detach().float()
+            output = loss_sum * scale
+        self.outputs[key] = output
+        if self.stats is not None:
+            self.stats["peak_in_flight"] = max(self.stats.get("peak_in_flight", 0), len(self.outputs))
+
+    def exchange(self, actions: Sequence[Action]) -> None:
+        """Post a run of communication actions as one batch: the sends asynchronously, the receives
+        waited for; then free the storage of the activations sent."""
+        sends, recvs, slots = [], [], []
+        for a in actions:
+            key = (a.micro_batch, a.chunk)
+            if a.kind == "SEND_F":
+                sends.append((self.outputs[key].detach(), self.next_rank))
+            elif a.kind == "SEND_B":
+                sends.append((self.inputs.pop(key).grad, self.prev_rank))
+            else:
+                recvs.append((self.shape, self.dtype, self.prev_rank if a.kind == "RECV_F" else self.next_rank))
+                slots.append((a.kind, key))
+        buffers, works = p2p.communicate(sends, recvs, self.device, async_op=True)
+        self.pending.append((works[:len(sends)], sends))
+        for work in works[len(sends):]:
             work.wait()
-    return total
+        for (kind, key), buf in zip(slots, buffers):
+            (self.inputs if kind == "RECV_F" else self.output_grads)[key] = buf.requires_grad_(kind == "RECV_F")
+        for a in actions:
+            if a.kind == "SEND_F":
+                _free_storage(self.outputs[(a.micro_batch, a.chunk)])
+        self.pending = [(w, t) for w, t in self.pending if not all(work.is_completed() for work in w)]
+
+    def wait_for_sends(self) -> None:
+        for works, _ in self.pending:  # the sent tensors stay referenced until here
+            for work in works:
+                work.wait()
 
 
 def forward_backward_pipelining(forward_step: ForwardStep, micro_batches: Sequence[Any], model: torch.nn.Module,
@@ -146,8 +175,6 @@ def forward_backward_pipelining(forward_step: ForwardStep, micro_batches: Sequen
     1F1B. Gradients are only accumulated here (``no_sync``); the data-parallel reduction happens
     once after the step's last backward (``finish_grad_sync``).
     """
-    from megatron.pipeline_parallel import schedule_tables as tables
-
     module = model.module if hasattr(model, "no_sync") else model
     chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
     m, pp, rank = len(micro_batches), ps.pp_size, ps.pp_rank

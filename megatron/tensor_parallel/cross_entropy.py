@@ -1,8 +1,19 @@
-"""Cross entropy over a vocabulary split across the tensor-parallel ranks.
+"""Cross entropy over the vocabulary: fused and chunked, on one rank or split across the
+tensor-parallel ranks.
 
-Rank ``i`` of ``t`` holds the logits ``z[:, i V/t : (i+1) V/t]`` (``V`` the padded vocabulary).
-For each token with target ``y``, with padded columns (global id >= ``vocab_size``) set to
-``-inf`` so they drop out of the softmax::
+``token_cross_entropy(logits [n, V], labels [n], vocab_size) -> losses [n]`` (fp32), one rank:
+equal to ``F.cross_entropy(logits.float(), labels, reduction='none')`` with the padded vocabulary
+entries (ids >= vocab_size) excluded from the softmax, so the loss does not depend on how much
+padding a layout needs. Why not F.cross_entropy: it needs an fp32 copy of the whole logits tensor
+(for a 32k vocab and 2k tokens, 256 MiB) and separate passes for log-softmax, its backward and the
+dtype casts. Here the logits are processed in row chunks that stay in cache: each chunk is
+converted to fp32 once, and the gradient ``softmax - onehot`` is computed in the same pass and
+stored in the logits' dtype. The backward only scales it by the incoming per-token gradient (in
+place: the graph must not be backpropagated twice).
+
+``vocab_parallel_cross_entropy``: rank ``i`` of ``t`` holds the logits ``z[:, i V/t : (i+1) V/t]``
+(``V`` the padded vocabulary). For each token with target ``y``, with padded columns (global id
+>= ``vocab_size``) set to ``-inf`` so they drop out of the softmax::
 
     m    = max_j z_j                          all-reduce MAX of the local maxima
     S    = sum_j exp(z_j - m)                 all-reduce SUM of the local sums
@@ -14,9 +25,7 @@ rescaled by ``exp(m_i - m)`` after the MAX all-reduce; the two SUMs travel as on
 Full logits are never materialised. Gradient on the local shard:
 ``dL/dz_j = (softmax_j - [j == y]) * dL/dloss`` (zero for padded columns), computed in fp32
 chunk by chunk in the forward and stored in the logits' dtype; the backward scales it in
-place (so, as ``megatron.model.cross_entropy``, the graph must not be backpropagated twice).
-
-With one rank (or no group) this is ``megatron.model.cross_entropy.token_cross_entropy``.
+place, as on one rank. With one rank (or no group) it is ``token_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -24,10 +33,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.model.cross_entropy import scale_saved_logit_grad, token_cross_entropy
 from megatron.tensor_parallel.mappings import resolve_group
 
-_CHUNK_ELEMENTS = 1 << 20  # fp32 elements per chunk on the CPU (cache-sized)
+# fp32 elements per chunk: cache-sized on the CPU; large on GPUs, where each chunk costs kernel launches.
+_CHUNK_ELEMENTS = 1 << 20
 _CHUNK_ELEMENTS_GPU = 1 << 25
 
 
@@ -36,36 +45,106 @@ def _rows_per_chunk(logits: torch.Tensor) -> int:
     return max(1, budget // max(1, logits.shape[1]))
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+def _scale_saved_logit_grad(ctx, grad_losses: torch.Tensor) -> torch.Tensor:
+    """The backward of a fused cross entropy: the forward saved ``softmax - onehot`` per row; scale it
+    by the incoming per-token gradient, in place (computed in fp32, stored in the logits' dtype)."""
+    (grad,) = ctx.saved_tensors
+    return grad.mul_(grad_losses.unsqueeze(1))
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """One rank: ``loss = logsumexp(z) - z_y`` per row; saves ``softmax(z) - onehot(y)``."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
-        n, part = logits.shape
-        start = dist.get_rank(group) * part
-        valid = min(part, max(0, vocab_size - start))  # local columns below vocab_size
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        n, padded = logits.shape
         rows = _rows_per_chunk(logits)
-        local_max = torch.empty(n, dtype=torch.float32, device=logits.device)
-        stats = torch.zeros(2, n, dtype=torch.float32, device=logits.device)  # [sum exp(z - local_max), z_y]
-        in_shard = (labels >= start) & (labels < start + part)
-        local_labels = (labels - start).masked_fill(~in_shard, 0)
+        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        for start in range(0, n, rows):
+            x = logits[start:start + rows].to(torch.float32, copy=True)  # never write into the caller's logits
+            target = labels[start:start + rows, None]
+            if padded > vocab_size:
+                x[:, vocab_size:] = float("-inf")
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            losses[start:start + rows] = (lse - x.gather(1, target)).squeeze(1)
+            if grad is not None:
+                x.sub_(lse).exp_()  # softmax
+                x.scatter_add_(1, target, torch.full(target.shape, -1.0, device=x.device))
+                grad[start:start + rows].copy_(x)
+        ctx.save_for_backward(grad)
+        return losses
 
-        def chunk(begin: int) -> torch.Tensor:
-            x = logits[begin:begin + rows].to(torch.float32, copy=True)  # never write into the input
-            if valid < part:
-                x[:, valid:] = float("-inf")
-            return x
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor):
+        return _scale_saved_logit_grad(ctx, grad_losses), None, None
 
-        for begin in range(0, n, rows):
-            end = min(n, begin + rows)
-            x = chunk(begin)
-            if valid == 0:  # this shard is all padding: contributes nothing
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token losses (fp32) of ``logits [..., V_padded]`` against ``labels [...]``, on one rank."""
+    shape = labels.shape
+    losses = _FusedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), vocab_size)
+    return losses.view(shape)
+
+
+class _Shard:
+    """This rank's logits ``[n, V/t]``, read in fp32 row chunks with the padded columns at ``-inf``,
+    and its targets: the labels in its column range, as local column indices."""
+
+    def __init__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, rank: int):
+        self.logits = logits
+        n, self.part = logits.shape
+        start = rank * self.part
+        self.valid = min(self.part, max(0, vocab_size - start))  # local columns below vocab_size
+        self.rows = _rows_per_chunk(logits)
+        self.starts = range(0, n, self.rows)
+        self.in_shard = (labels >= start) & (labels < start + self.part)
+        self.local_labels = (labels - start).masked_fill(~self.in_shard, 0)
+
+    def chunk(self, begin: int) -> torch.Tensor:
+        x = self.logits[begin:begin + self.rows].to(torch.float32, copy=True)  # never write into the input
+        if self.valid < self.part:
+            x[:, self.valid:] = float("-inf")
+        return x
+
+    def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``m_i`` per row, and ``[sum_j exp(z_j - m_i), z_y (0 when y is not in this shard)]``."""
+        n, device = self.logits.shape[0], self.logits.device
+        local_max = torch.empty(n, dtype=torch.float32, device=device)
+        stats = torch.zeros(2, n, dtype=torch.float32, device=device)
+        for begin in self.starts:
+            end = min(n, begin + self.rows)
+            x = self.chunk(begin)
+            if self.valid == 0:  # this shard is all padding: contributes nothing
                 local_max[begin:end] = float("-inf")
                 continue
             m = x.amax(dim=1)
             local_max[begin:end] = m
             stats[0, begin:end] = (x - m.unsqueeze(1)).exp_().sum(dim=1)
-            pick = x.gather(1, local_labels[begin:end, None]).squeeze(1)
-            stats[1, begin:end] = pick.masked_fill(~in_shard[begin:end], 0.0)
+            pick = x.gather(1, self.local_labels[begin:end, None]).squeeze(1)
+            stats[1, begin:end] = pick.masked_fill(~self.in_shard[begin:end], 0.0)
+        return local_max, stats
 
+    def grad(self, log_sum_exp: torch.Tensor) -> torch.Tensor:
+        """``softmax_j - [j == y]`` on this shard, in the logits' dtype."""
+        grad = torch.empty_like(self.logits)
+        for begin in self.starts:
+            end = min(self.logits.shape[0], begin + self.rows)
+            x = self.chunk(begin)
+            x.sub_(log_sum_exp[begin:end, None]).exp_()  # softmax (0 on padded columns)
+            hit = self.in_shard[begin:end, None].float().neg_()
+            x.scatter_add_(1, self.local_labels[begin:end, None], hit)
+            grad[begin:end].copy_(x)
+        return grad
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """``loss = log S + m - z_y`` from the shards' statistics: one MAX and one SUM all-reduce over ``group``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
+        shard = _Shard(logits, labels, vocab_size, dist.get_rank(group))
+        local_max, stats = shard.local_stats()
         global_max = local_max.clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         # rescale each local sum from its local max to the global max (exp(-inf) = 0 for an all-padding shard)
@@ -74,23 +153,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp, target = stats[0], stats[1]
         log_sum_exp = sum_exp.log() + global_max
         losses = log_sum_exp - target
-
-        grad = None
-        if ctx.needs_input_grad[0]:
-            grad = torch.empty_like(logits)
-            for begin in range(0, n, rows):
-                end = min(n, begin + rows)
-                x = chunk(begin)
-                x.sub_(log_sum_exp[begin:end, None]).exp_()  # softmax (0 on padded columns)
-                hit = in_shard[begin:end, None].float().neg_()
-                x.scatter_add_(1, local_labels[begin:end, None], hit)
-                grad[begin:end].copy_(x)
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(shard.grad(log_sum_exp) if ctx.needs_input_grad[0] else None)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):
-        return scale_saved_logit_grad(ctx, grad_losses), None, None, None
+        return _scale_saved_logit_grad(ctx, grad_losses), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_parallel: torch.Tensor, labels: torch.Tensor, vocab_size: int,

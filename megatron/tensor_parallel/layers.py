@@ -21,20 +21,17 @@ Parameter attributes (read by the initialiser and checkpointing): sharded ones c
 ``tensor_model_parallel=True``, ``partition_dim``, ``full_shape``, ``partition_rank`` and
 ``partition_size``; replicated ones ``tensor_model_parallel=False``. Under sequence
 parallelism, replicated parameters that see only a sequence shard (LayerNorm, row-parallel
-bias) carry ``sequence_parallel=True``: their gradients are partial sums over the sequence
-and ``allreduce_sequence_parallel_grads`` must sum them over the group after the backward.
+bias) carry ``sequence_parallel=True``: their gradients are partial sums over the sequence,
+summed over the group after the backward by ``megatron.distributed.finalize_grads``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron import parallel_state
 from megatron.tensor_parallel.mappings import (
@@ -44,7 +41,6 @@ from megatron.tensor_parallel.mappings import (
     group_size_and_rank,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
-    resolve_group,
     scatter_to_tp_region,
 )
 
@@ -95,27 +91,6 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
     for param in module.parameters():
         param.sequence_parallel = True
     return module
-
-
-def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
-    """All-reduce (sum) over ``group`` the gradients (``.main_grad`` if present, else ``.grad``) of the
-    parameters flagged ``sequence_parallel``: one coalesced all-reduce per dtype. Call after the backward."""
-    group = resolve_group(group)
-    if group is None:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in params:
-        if not getattr(param, "sequence_parallel", False):
-            continue
-        grad = getattr(param, "main_grad", None)
-        grad = param.grad if grad is None else grad
-        if grad is not None:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
 
 
 def _init_sharded(param: nn.Parameter, init) -> None:

@@ -4,8 +4,8 @@ Dropout on a *replicated* activation (e.g. after the row-parallel reduction) mus
 same mask on every tensor-parallel rank, so it uses the default generator, seeded with the
 same ``seed`` on all of them. Dropout on a *sharded* activation (attention probabilities of
 this rank's heads) must draw independent masks per rank, or the shards' masks would be
-copies of each other; it runs inside ``get_rng_tracker().fork("model-parallel")``, a stream
-seeded with ``seed + 2718 + tp_rank`` (Megatron-LM's offset).
+copies of each other; it runs inside ``get_rng_tracker().fork()``, the tensor-parallel stream
+seeded with ``seed + 2718 + tp_rank`` (Megatron-LM's offset) by ``tensor_parallel_seed``.
 
 ``fork`` swaps the tracked state into the default generator of the tracker's device (the
 CPU generator, or the current CUDA device's), runs the block, stores the advanced state back
@@ -26,8 +26,10 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-MODEL_PARALLEL_RNG = "model-parallel"
-MODEL_PARALLEL_SEED_OFFSET = 2718
+# The per-tensor-parallel-rank stream. Its name is Megatron-LM's, and the key of the state saved in
+# checkpoints' RNG files: keep it, or older checkpoints lose the stream on resume.
+TENSOR_PARALLEL_RNG = "model-parallel"
+TENSOR_PARALLEL_SEED_OFFSET = 2718
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
@@ -85,10 +87,10 @@ class RNGStatesTracker:
         self._states = {name: state.clone() for name, state in states.items()}
 
     @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+    def fork(self, name: str = TENSOR_PARALLEL_RNG) -> Iterator[None]:
         """Run the block with the default generator in the tracked state ``name``."""
         if name not in self._states:
-            raise KeyError(f"RNG state {name!r} is not tracked (call model_parallel_seed first)")
+            raise KeyError(f"RNG state {name!r} is not tracked (call tensor_parallel_seed first)")
         outside = _get_rng_state(self.device)
         _set_rng_state(self._states[name], self.device)
         try:
@@ -106,19 +108,16 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-get_cuda_rng_tracker = get_rng_tracker
-
-
-def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None) -> None:
-    """Seed the default generators with ``seed`` (equal on the tensor-parallel ranks) and track
-    ``"model-parallel"`` seeded with ``seed + 2718 + tp_rank`` (distinct per rank) on ``device``
-    (default: torch's default device)."""
+def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None) -> None:
+    """Seed the default generators with ``seed`` (equal on the tensor-parallel ranks) and track the
+    tensor-parallel stream (``TENSOR_PARALLEL_RNG``) seeded with ``seed + 2718 + tp_rank`` (distinct
+    per rank) on ``device`` (default: torch's default device)."""
     device = torch.get_default_device() if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(seed)
     _TRACKER.reset(device)
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+    _TRACKER.add(TENSOR_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:

@@ -9,10 +9,14 @@ tools/train_tokenizer.py trains tokenizers that these classes load.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from megatron.tokenizer.base import Tokenizer, TokenizerError, pad_vocab_size
 from megatron.tokenizer.hf import EOD_CANDIDATES, GPT2_EOD_TOKEN, GPT2BPETokenizer, HuggingFaceTokenizer
 from megatron.tokenizer.sp import SentencePieceTokenizer
+
+if TYPE_CHECKING:
+    from megatron.config.schema import TokenizerConfig
 
 __all__ = [
     "EOD_CANDIDATES",
@@ -24,6 +28,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "build_tokenizer",
+    "configured_tokenizer",
     "pad_vocab_size",
 ]
 
@@ -55,3 +60,13 @@ def build_tokenizer(tokenizer_type: str, vocab_file: PathArg = None, merge_file:
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(_require(tokenizer_model, "--tokenizer-model", tokenizer_type), eod_token)
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}.")
+
+
+def configured_tokenizer(section: TokenizerConfig) -> Tokenizer | None:
+    """The tokenizer the config's ``tokenizer:`` section names, loaded from its files (built once per run:
+    its vocabulary size goes to validation, the tokenizer itself to the datasets); None when the section names
+    none (mock data). TokenizerError as ``build_tokenizer``."""
+    if section.tokenizer_type is None:
+        return None
+    return build_tokenizer(section.tokenizer_type, section.vocab_file, section.merge_file, section.tokenizer_model,
+                           section.eod_token)

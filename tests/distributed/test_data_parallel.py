@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch, split_micro_batches
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.data_parallel import DataParallel
+from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.model import build_model
-from megatron.optimizer import build_optimizer
 from megatron.pipeline_parallel.schedules import forward_backward_no_pipelining
 from pretrain_gpt import forward_step
 from tests.distributed.harness import run_distributed
@@ -29,8 +30,8 @@ def _setup():
     return config, batch
 
 
-def _grads(model, optimizer, batch, num_tokens):
-    optimizer.zero_grad()
+def _grads(model, buffer, batch, num_tokens):
+    buffer.zero_grad()
     forward_backward_no_pipelining(forward_step, split_micro_batches(batch, 2), model, num_tokens)
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
@@ -39,20 +40,21 @@ def _grads(model, optimizer, batch, num_tokens):
 
 
 def _compare(rank, world_size, bucket_size, overlap):
-    parallel_state.initialize()  # one data-parallel group of all ranks
+    ps = parallel_state.initialize()  # one data-parallel group of all ranks
     config, batch = _setup()
     num_tokens = float(batch["loss_mask"].sum())
-    reference_model = build_model(config)
-    reference = _grads(reference_model, build_optimizer(reference_model, config), batch, num_tokens)
+    reference_model, reference_buffer, _ = parallelize(build_model(config), ShardingPlan())  # one replica
+    reference = _grads(reference_model, reference_buffer, batch, num_tokens)
 
-    model = build_model(config)
     config.distributed.bucket_size_mb = bucket_size * 4 / 2**20  # fp32 elements
-    optimizer = build_optimizer(model, config)
-    ddp = DataParallel(model, optimizer.buffer, dist.group.WORLD, overlap=overlap)
+    plan = replace(plan_sharding(config, ps), overlap=overlap)
+    assert plan.data_parallel_group is not None
+    ddp, buffer, _ = parallelize(build_model(config), plan)
+    assert isinstance(ddp, DataParallel)
     share = 8 // world_size
     local = {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
-    grads = _grads(ddp, optimizer, local, num_tokens)
-    return len(optimizer.buffer.buckets), float((grads - reference).abs().max()), float(reference.abs().max())
+    grads = _grads(ddp, buffer, local, num_tokens)
+    return len(buffer.buckets), float((grads - reference).abs().max()), float(reference.abs().max())
 
 
 @pytest.mark.parametrize("bucket_size, overlap", [(1, True), (10**9, True), (5000, True), (5000, False)],

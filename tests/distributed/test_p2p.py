@@ -17,12 +17,61 @@ the sends at the end -- buffered semantics.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron.pipeline_parallel import p2p
+from megatron.pipeline_parallel.p2p import Shape
 from megatron.pipeline_parallel.schedule_tables import Action, gpipe, interleaved_one_f_one_b, one_f_one_b
 from tests.distributed.harness import run_distributed
 
 SHAPE = (2, 3)
+
+# Megatron-LM's named p2p calls, each one ``communicate`` batch: the exchanges the tables are made of (the
+# executor, ``schedules.run_pipeline_table``, posts whole runs with ``communicate`` itself).
+
+
+def send_forward(tensor: torch.Tensor, group: dist.ProcessGroup | None, next_rank: int,
+                 async_op: bool = False) -> list:
+    """Send an activation to the next stage (global rank ``next_rank``); return the work handles."""
+    return p2p.communicate([(tensor, next_rank)], [], group=group, async_op=async_op)[1]
+
+
+def recv_forward(shape: Shape, dtype: torch.dtype, device: torch.device | str | None,
+                 group: dist.ProcessGroup | None, prev_rank: int) -> torch.Tensor:
+    """Receive an activation from the previous stage (global rank ``prev_rank``)."""
+    return p2p.communicate([], [(shape, dtype, prev_rank)], device, group)[0][0]
+
+
+def send_backward(tensor_grad: torch.Tensor, group: dist.ProcessGroup | None, prev_rank: int,
+                  async_op: bool = False) -> list:
+    """Send the gradient of a stage's input to the previous stage; return the work handles."""
+    return p2p.communicate([(tensor_grad, prev_rank)], [], group=group, async_op=async_op)[1]
+
+
+def recv_backward(shape: Shape, dtype: torch.dtype, device: torch.device | str | None,
+                  group: dist.ProcessGroup | None, next_rank: int) -> torch.Tensor:
+    """Receive the gradient of a stage's output from the next stage."""
+    return p2p.communicate([], [(shape, dtype, next_rank)], device, group)[0][0]
+
+
+def send_forward_recv_backward(tensor: torch.Tensor, group: dist.ProcessGroup | None, next_rank: int,
+                               shape: Shape | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Send an activation to the next stage and receive, from it, the gradient of an output, in one
+    batch. The gradient has the activation's shape, dtype and device unless ``shape``/``dtype`` say."""
+    recv = (tensor.shape if shape is None else shape, tensor.dtype if dtype is None else dtype, next_rank)
+    return p2p.communicate([(tensor, next_rank)], [recv], tensor.device, group)[0][0]
+
+
+def send_backward_recv_forward(tensor_grad: torch.Tensor, group: dist.ProcessGroup | None, prev_rank: int,
+                               shape: Shape | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Send an input gradient to the previous stage and receive, from it, the next activation, in one
+    batch. The activation has the gradient's shape, dtype and device unless ``shape``/``dtype`` say."""
+    recv = (tensor_grad.shape if shape is None else shape, tensor_grad.dtype if dtype is None else dtype, prev_rank)
+    return p2p.communicate([(tensor_grad, prev_rank)], [recv], tensor_grad.device, group)[0][0]
+
+
+CALLS = {f.__name__: f for f in (send_forward, recv_forward, send_backward, recv_backward, send_forward_recv_backward,
+                                  send_backward_recv_forward, p2p.communicate)}
 
 
 def _first_input(k: int) -> torch.Tensor:
@@ -59,7 +108,7 @@ def _execute(table: list[Action], rank: int, pp: int, vpp: int, mode: str) -> tu
 
     def call(name: str, *args, **kwargs):
         used.add(name)
-        return getattr(p2p, name)(*args, **kwargs)
+        return CALLS[name](*args, **kwargs)
 
     i = 0
     while i < len(table):
@@ -119,10 +168,10 @@ def _chain(rank: int, world_size: int, cases: list) -> list:
     # the combined calls directly: every rank exchanges with both neighbours at once
     nxt, prv = rank + 1, rank - 1
     if nxt < world_size:
-        grad = p2p.send_forward_recv_backward(torch.full(SHAPE, 10.0 + rank), None, nxt)
+        grad = send_forward_recv_backward(torch.full(SHAPE, 10.0 + rank), None, nxt)
         assert torch.equal(grad, torch.full(SHAPE, 20.0 + nxt))
     if prv >= 0:
-        act = p2p.send_backward_recv_forward(torch.full(SHAPE, 20.0 + rank), None, prv)
+        act = send_backward_recv_forward(torch.full(SHAPE, 20.0 + rank), None, prv)
         assert torch.equal(act, torch.full(SHAPE, 10.0 + prv))
     return out
 

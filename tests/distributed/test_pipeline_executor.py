@@ -8,8 +8,8 @@ from megatron import parallel_state
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch, split_micro_batches
 from megatron.data.mock_dataset import MockGPTDataset
+from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.model import build_model
-from megatron.optimizer import build_optimizer
 from megatron.pipeline_parallel import schedule_tables as tables
 from megatron.pipeline_parallel.schedules import run_pipeline_table
 from pretrain_gpt import forward_step
@@ -33,13 +33,12 @@ def _run(rank, world, vpp):
     schedules = {"1f1b": tables.one_f_one_b, "gpipe": tables.gpipe} if vpp == 1 else \
         {"interleaved": lambda pp, r, m: tables.interleaved_one_f_one_b(pp, r, m, vpp)}
     for name, make in schedules.items():
-        model = build_model(config)
-        optimizer = build_optimizer(model, config)
+        model, buffer, _ = parallelize(build_model(config), plan_sharding(config, ps))  # no data parallelism
         chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
         stats = {}
         loss = run_pipeline_table(make(world, ps.pp_rank, M), forward_step, micro, chunks, num_tokens, 1.0, ps,
                                   (16, 1, 32), torch.float32, torch.device("cpu"), stats)
-        results[name] = (float(loss), optimizer.buffer.grad_data.clone(), stats["peak_in_flight"])
+        results[name] = (float(loss), buffer.grad_data.clone(), stats["peak_in_flight"])
     return {k: (loss, grads.tolist(), peak) for k, (loss, grads, peak) in results.items()}
 
 

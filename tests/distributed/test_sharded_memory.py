@@ -11,10 +11,11 @@ from megatron import parallel_state
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
-from megatron.distributed.wrapping import setup_optimizer
+from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.model import build_model, num_parameters
+from megatron.optimizer import build_optimizer
 from megatron.optimizer.memory import measured_model_state_bytes, model_state_bytes, parameters_per_rank
-from megatron.tensor_parallel import model_parallel_seed
+from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
 from pretrain_gpt import forward_step
 from tests.distributed.harness import run_distributed
@@ -32,14 +33,16 @@ def _measure(rank, world, precision, tp, stage, offload, layers=2):
     flags += ["--sharding-offload"] if offload else []
     config = parse_config(flags)
     validate(config, world_size=world)
-    model_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
-    model = build_model(config)
+    tensor_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
+    plan = plan_sharding(config, ps)
+    model = build_model(config, meta_init=plan.meta_init)
     num_params = num_parameters(model)
     built_on_meta = all(p.is_meta for p in model.parameters())
-    model, optimizer, fully_sharded = setup_optimizer(model, config, ps)
+    model, buffer, fully_sharded = parallelize(model, plan)
+    optimizer = build_optimizer(buffer, plan, config)
     data = MockGPTDataset(64, 32, 1000, seed=rank // tp)
     batch = build_batch([data[i] for i in range(4)], data.eod_id)
-    train_step(forward_step, batch, model, optimizer, 1e-3, 2)  # creates the AdamW states
+    train_step(forward_step, batch, model, buffer, optimizer, 1e-3, 2)  # creates the AdamW states
     measured = measured_model_state_bytes(optimizer)
     predicted = model_state_bytes(num_params, precision, ps.sharding_size, stage, offload)
     on_cpu = [t.device.type == "cpu" for t in [optimizer.master_data, *(
@@ -48,10 +51,9 @@ def _measure(rank, world, precision, tp, stage, offload, layers=2):
               "measured": [getattr(measured, f) for f in FIELDS], "predicted": [getattr(predicted, f) for f in FIELDS],
               "offloaded_on_cpu": all(on_cpu), "built_on_meta": built_on_meta}
     if fully_sharded is not None:
-        buf = optimizer.buffer
-        layer_sizes = [b.numel for b in buf.buckets if b.index in fully_sharded._layer_buckets]
-        result.update(peak_layers=fully_sharded.peak_gathered_layers, num_layer_buckets=len(layer_sizes),
-                      gathered_after_step=buf.gathered_numel())
+        result.update(peak_layers=fully_sharded.peak_gathered_layers,
+                      num_layer_buckets=len(fully_sharded.layer_buckets),
+                      gathered_after_step=sum(b.numel for b in buffer.buckets if b.gathered))
     dist.barrier()
     return result
 

@@ -23,14 +23,13 @@ from megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    allreduce_sequence_parallel_grads,
     checkpoint,
     gather_from_sequence_region,
     get_rng_tracker,
     mappings,
     mark_sequence_parallel,
-    model_parallel_seed,
     shard_full_tensor,
+    tensor_parallel_seed,
     vocab_parallel_cross_entropy,
 )
 from megatron.tensor_parallel.mappings import _reduce_scatter, reduce_scatter_fallback
@@ -100,6 +99,13 @@ def _check_linear_layers(tp: int, rank: int) -> None:
     _close(layer.weight.grad, chunk(ref.weight.grad, 0), "embedding weight grad")
 
 
+def _sum_sequence_parallel_grads(module: nn.Module) -> None:
+    """What ``finalize_model_grads`` does for the flagged parameters: sum their gradients over the group."""
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=parallel_state.get().group("tp"))
+
+
 def _check_sequence_parallel(tp: int, rank: int) -> None:
     """LayerNorm -> column -> GELU -> row with sequence parallelism equals the same pair without."""
 
@@ -121,7 +127,7 @@ def _check_sequence_parallel(tp: int, rank: int) -> None:
     y.backward(dy)
     flagged = [name for name, p in sp.named_parameters() if getattr(p, "sequence_parallel", False)]
     assert flagged == ["0.weight", "0.bias", "3.bias"], flagged
-    allreduce_sequence_parallel_grads(sp.parameters())
+    _sum_sequence_parallel_grads(sp)
     _close(y, y_ref, "sequence-parallel output")
     _close(x_shard.grad, dx_ref.chunk(tp, 0)[rank], "sequence-parallel input grad")
     for (name, p), p_ref in zip(sp.named_parameters(), ref.parameters()):
@@ -156,7 +162,7 @@ def _check_rng(group) -> None:
         return out
 
     state = parallel_state.get()
-    model_parallel_seed(1234, state.tp_rank)
+    tensor_parallel_seed(1234, state.tp_rank)
     with get_rng_tracker().fork():
         inside = F.dropout(torch.ones(256), 0.5, training=True)
     outside = F.dropout(torch.ones(256), 0.5, training=True)
@@ -179,7 +185,7 @@ def _check_checkpoint() -> None:
         return F.dropout(row(h), 0.3, training=True)  # replicated activation: common mask
 
     def run(recompute):
-        model_parallel_seed(5, parallel_state.get().tp_rank)
+        tensor_parallel_seed(5, parallel_state.get().tp_rank)
         for p in params:
             p.grad = None
         xx = x.clone().requires_grad_()

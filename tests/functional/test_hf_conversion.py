@@ -14,7 +14,7 @@ from megatron import parallel_state
 from megatron.checkpoint import CheckpointReader, resolve_checkpoint
 from megatron.config import parse_config, validate
 from megatron.model import build_model
-from megatron.tensor_parallel import model_parallel_seed
+from megatron.tensor_parallel import tensor_parallel_seed
 from tests.functional.launch import ROOT, TINY, losses, run
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_a_trained_run_exports_to_hf_with_the_same_logits(tmp_path):
     config = parse_config([*TINY, "--vocab-size", str(VOCAB)])
     validate(config)
     parallel_state.initialize()
-    model_parallel_seed(config.seed, 0, torch.device("cpu"))
+    tensor_parallel_seed(config.seed, 0, torch.device("cpu"))
     model = build_model(config).eval()
     reader = CheckpointReader(resolve_checkpoint(str(tmp_path / "run")))
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))

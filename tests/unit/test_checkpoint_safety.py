@@ -1,7 +1,7 @@
 """Checkpoint safety, in one process: checksums (written, checked on every read, partial reads, format 2
 read unverified), ``checkpoint_info.py --verify``, what counts as "no checkpoint yet", failed saves
 (one line, nothing pruned, ``latest`` untouched), pruning, the output-folder check, metrics.jsonl
-after a resume, and the configuration layer's view of all this."""
+after a resume, and what a resumed run's configuration sees of all this (``checkpoint.resume``)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,17 @@ import torch
 from megatron import parallel_state
 from megatron.checkpoint import CheckpointError, CheckpointReader, check_output_dir, find_checkpoint, load_checkpoint
 from megatron.checkpoint.format import RankFileWriter, write_text
+from megatron.checkpoint.resume import resume_base, resumed_config
 from megatron.checkpoint.save_load import prune_checkpoints, save_checkpoint
-from megatron.config import ConfigError, parse_config
+from megatron.config import parse_config
 from megatron.metrics import MetricsWriter, drop_records_after, get_logger
-from megatron.optimizer import build_optimizer
-from tests.unit.test_checkpoint_tools import info, make_config, our_model, trained_checkpoint
+from tests.unit.test_checkpoint_tools import (
+    build_buffer_and_optimizer,
+    info,
+    make_config,
+    our_model,
+    trained_checkpoint,
+)
 
 CPU = torch.device("cpu")
 DENSE = "layers.1.mlp.dense_4h_to_h.weight"
@@ -48,7 +54,8 @@ def run_dir(tmp_path):
 def load(path, **kwargs):
     config = make_config()
     model = our_model(config)
-    return load_checkpoint(str(path), model, build_optimizer(model, config), parallel_state.get(), config, **kwargs)
+    _, optimizer = build_buffer_and_optimizer(model, config)
+    return load_checkpoint(str(path), model, optimizer, parallel_state.get(), config, **kwargs)
 
 
 # ---------------------------------------------------------------- checksums
@@ -177,15 +184,16 @@ def test_no_checkpoint_yet_starts_fresh_and_a_damaged_one_is_an_error(tmp_path, 
     argv = ["--mock-data", "--load", str(path), "--save", str(path)]
     if error is None:
         assert find_checkpoint(str(path)) is None
-        assert parse_config(argv).model.hidden_size == parse_config([]).model.hidden_size  # no saved base
+        assert resume_base(parse_config(argv).save_load) is None  # no saved base
+        assert resumed_config(argv).model.hidden_size == parse_config([]).model.hidden_size
         assert load(path, fresh_if_empty=True) is None  # the run's own folder: from scratch
         with pytest.raises(CheckpointError, match="no checkpoint at"):  # another folder: an error
             load(path)
         return
     with pytest.raises(CheckpointError, match=error):
         find_checkpoint(str(path))
-    with pytest.raises(ConfigError, match=error):  # the same, one line, before any process group exists
-        parse_config(argv)
+    with pytest.raises(CheckpointError, match=error):  # the same, one line, before any process group exists
+        resumed_config(argv)
     with pytest.raises(CheckpointError, match=error):
         load(path, fresh_if_empty=True)
 
@@ -196,7 +204,8 @@ def test_no_checkpoint_yet_starts_fresh_and_a_damaged_one_is_an_error(tmp_path, 
 def _save(out, step: int, keep_last: int | None = None) -> str:
     config = make_config()
     model = our_model(config)
-    return save_checkpoint(str(out), step, model, build_optimizer(model, config), parallel_state.get(), config,
+    _, optimizer = build_buffer_and_optimizer(model, config)
+    return save_checkpoint(str(out), step, model, optimizer, parallel_state.get(), config,
                            {"consumed_samples": 0, "skipped_steps": 0}, keep_last)
 
 

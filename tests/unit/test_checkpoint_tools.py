@@ -15,14 +15,22 @@ import torch
 
 import pretrain_gpt
 from megatron import parallel_state
-from megatron.checkpoint import KINDS, CheckpointReader, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron.checkpoint import (
+    KINDS,
+    CheckpointReader,
+    load_checkpoint,
+    resolve_checkpoint,
+    resumed_config,
+    save_checkpoint,
+)
 from megatron.checkpoint.convert import open_checkpoint, tensor_layout, write_params
 from megatron.checkpoint.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, name_map, to_hf_state_dict
 from megatron.config import Config, parse_config, validate
 from megatron.data.loader import build_batch
+from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.model import build_model
 from megatron.optimizer import build_optimizer
-from megatron.tensor_parallel import model_parallel_seed
+from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +60,7 @@ def make_config(*argv: str) -> Config:
 
 def our_model(config: Config) -> torch.nn.Module:
     parallel_state.initialize()
-    model_parallel_seed(config.seed, 0, torch.device("cpu"))
+    tensor_parallel_seed(config.seed, 0, torch.device("cpu"))
     return build_model(config)
 
 
@@ -90,14 +98,21 @@ def hf_logits(hf_dir, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
+def build_buffer_and_optimizer(model, config: Config):
+    """(buffer, optimizer) over ``model`` as the Trainer builds them (one process: the model is not wrapped)."""
+    plan = plan_sharding(config, parallel_state.get())
+    _, buffer, _ = parallelize(model, plan)
+    return buffer, build_optimizer(buffer, plan, config)
+
+
 def trained_checkpoint(out: Path, config: Config, steps: int = 2) -> Path:
     """A checkpoint written by training's own save_checkpoint after ``steps`` AdamW steps."""
     model = our_model(config)
-    optimizer = build_optimizer(model, config)
+    buffer, optimizer = build_buffer_and_optimizer(model, config)
     rng = np.random.default_rng(0)
     for _ in range(steps):
         batch = build_batch([rng.integers(0, VOCAB - 1, size=SEQ + 1) for _ in range(4)], VOCAB - 1)
-        _, result = train_step(pretrain_gpt.forward_step, batch, model, optimizer, 1e-2, 4)
+        _, result = train_step(pretrain_gpt.forward_step, batch, model, buffer, optimizer, 1e-2, 4)
         assert result.applied
     save_checkpoint(str(out), steps, model, optimizer, parallel_state.get(), config,
                     {"consumed_samples": 4 * steps, "skipped_steps": 0})
@@ -222,7 +237,7 @@ def test_imported_checkpoint_loads_through_load_checkpoint_with_hf_logits(tmp_pa
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "ours"), "--max-seq-len", str(SEQ)]) == 0
     config = make_config()
     model = our_model(config)
-    optimizer = build_optimizer(model, config)
+    _, optimizer = build_buffer_and_optimizer(model, config)
     loaded = load_checkpoint(str(tmp_path / "ours"), model, optimizer, parallel_state.get(), config)
     assert loaded["step"] == 0 and loaded["consumed_samples"] == 0 and not loaded["same_layout"]
     ids = tokens(seed=2)
@@ -235,7 +250,7 @@ def test_imported_checkpoint_loads_through_load_checkpoint_with_hf_logits(tmp_pa
 def test_a_run_loading_an_import_takes_only_the_model_from_it(tmp_path, hf_dir):
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "ours"), "--max-steps", "77"]) == 0
     assert open_checkpoint(str(tmp_path / "ours"))[2].max_steps == 77  # common.pt: the whole resolved config
-    config = parse_config(["--load", str(tmp_path / "ours"), "--mock-data", "--device", "cpu", "--max-seq-len", "16"])
+    config = resumed_config(["--load", str(tmp_path / "ours"), "--mock-data", "--device", "cpu", "--max-seq-len", "16"])
     m = config.model
     assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.vocab_size, m.max_position_embeddings) == (
         64, 2, 4, VOCAB, SEQ)
@@ -283,7 +298,7 @@ def test_reshard_to_tp2_keeps_every_tensor_and_kind(tmp_path):
     assert common["step"] == 2 and common["adam_step"] == 2.0 and common["train_state"]["consumed_samples"] == 8
     # the resharded checkpoint resumes training: masters, AdamW states and step as saved
     model = our_model(config)
-    optimizer = build_optimizer(model, config)
+    _, optimizer = build_buffer_and_optimizer(model, config)
     assert load_checkpoint(str(tmp_path / "tp2"), model, optimizer, parallel_state.get(), config)["step"] == 2
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), source.full("param", name))

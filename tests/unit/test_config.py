@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.checkpoint import resumed_config
 from megatron.config import Config, ConfigError, parse_config, save_yaml, to_dict, to_yaml, validate
 from megatron.config.cli import LEAVES, build_parser, iter_leaves
 
@@ -388,32 +389,76 @@ def test_pretrain_gpt_reports_one_line(argv, needle):
     assert needle in lines[0] and "Traceback" not in proc.stderr
 
 
-def test_a_resumed_run_starts_from_the_saved_configuration(tmp_path):
-    """Flags given now win; the layout (Distributed) is the launch's; everything else is the saved run's."""
+def test_an_explicit_base_is_under_the_yaml_and_the_flags_and_left_unchanged(tmp_path):
+    base = parse_config(["--hidden-size", "96", "--num-attention-heads", "4", "--max-steps", "50", "--lr", "1e-3"])
+    before = to_dict(base)
+    path = write(tmp_path, "max_steps: 70\nOptimizer:\n  lr:\n    min_lr: 1.0e-6\n")
+    config = parse_config(["-c", path, "--max-steps", "80", "-o", "num_layers=3"], base)
+    assert config.model.hidden_size == 96 and config.optimizer.lr.max_lr == 1e-3  # from the base
+    assert config.optimizer.lr.min_lr == 1e-6 and config.model.num_layers == 3  # from the YAML file and -o
+    assert config.max_steps == 80  # flags over the YAML file over the base
+    assert to_dict(base) == before and config is not base  # the base is not modified
+    assert to_dict(parse_config([], base)) == before  # nothing given: the base itself
+    assert parse_config([], None).model.hidden_size == Config().model.hidden_size  # no base: the defaults
+    with pytest.raises(TypeError, match="base must be a Config"):  # warnings are keyword-only
+        parse_config([], [])
+
+
+def test_importing_the_config_imports_nothing_above_it():
+    """The configuration is the bottom layer: importing it, and validating a mock-data config, loads no
+    checkpoint, data, tokenizer or torch.distributed module (a subprocess: a clean sys.modules)."""
+    code = ("import sys; import megatron.config as c; config = c.parse_config(['--mock-data', '--device', 'cpu']); "
+            "c.validate(config); print(' '.join(sorted(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=True)
+    loaded = proc.stdout.split()
+    above = [m for m in loaded if m.startswith(("megatron.", "torch")) and not m.startswith("megatron.config")]
+    assert above == [], above
+    assert "megatron.config.validate" in loaded
+
+
+def _saved_run(tmp_path, *flags: str) -> Path:
+    """A run folder whose ``latest`` names step_5, holding the config.yaml of a run started with ``flags``."""
     step = tmp_path / "run" / "step_5"
     step.mkdir(parents=True)
     (step / "metadata.json").write_text("{}")
     (tmp_path / "run" / "latest").write_text("step_5")
-    saved = parse_config(["--hidden-size", "96", "--num-attention-heads", "4", "--max-steps", "50", "--tp", "2",
-                          "--lr", "1e-3"])
-    (step / "config.yaml").write_text(to_yaml(saved))
-    config = parse_config(["--load", str(tmp_path / "run"), "--max-steps", "80"])
+    (step / "config.yaml").write_text(to_yaml(parse_config(list(flags))))
+    return tmp_path / "run"
+
+
+def test_a_resumed_run_starts_from_the_saved_configuration(tmp_path):
+    """Flags given now win; the layout (Distributed) is the launch's; everything else is the saved run's."""
+    run = _saved_run(tmp_path, "--hidden-size", "96", "--num-attention-heads", "4", "--max-steps", "50", "--tp", "2",
+                     "--lr", "1e-3")
+    warnings: list[str] = []
+    config = resumed_config(["--load", str(run), "--max-steps", "80"], warnings)
     assert config.model.hidden_size == 96 and config.optimizer.lr.max_lr == 1e-3  # from the saved run
     assert config.max_steps == 80  # given now
     assert config.distributed.mp_degree == 1  # the layout is not carried over
-    assert config.save_load.ckpt_dir == str(tmp_path / "run")
+    assert config.save_load.ckpt_dir == str(run)
+    assert warnings == []  # the saved config is not a resolved one (no decay_steps): no schedule is kept
+    assert parse_config(["--load", str(run)]).model.hidden_size == Config().model.hidden_size  # no implicit base
+
+
+def test_a_resumed_run_is_told_when_it_keeps_the_saved_schedule(tmp_path):
+    run = _saved_run(tmp_path, "--max-steps", "50", "--lr-decay-iters", "50")
+    warnings: list[str] = []
+    config = resumed_config(["--load", str(run), "--max-steps", "80"], warnings)
+    assert config.optimizer.lr.decay_steps == 50 and len(warnings) == 1
+    assert "resuming with max_steps 80 while the saved run's learning rate decays over 50 steps" in warnings[0]
+    warnings.clear()
+    resumed_config(["--load", str(run), "--max-steps", "80", "--lr-decay-iters", "80"], warnings)
+    assert warnings == []  # the schedule was changed too
 
 
 def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
-    step = tmp_path / "run" / "step_5"
-    step.mkdir(parents=True)
-    (step / "metadata.json").write_text("{}")
-    saved = parse_config(["--hidden-size", "96", "--num-attention-heads", "4", "--finetune", "--no-load-optim"])
-    (step / "config.yaml").write_text(to_yaml(saved))
-    resumed = parse_config(["--load", str(step)])
+    step = _saved_run(tmp_path, "--hidden-size", "96", "--num-attention-heads", "4", "--finetune",
+                      "--no-load-optim") / "step_5"
+    resumed = resumed_config(["--load", str(step)])
     assert not resumed.save_load.finetune and resumed.save_load.load_optim
     assert resumed.model.hidden_size == 96
-    tuned = parse_config(["--load", str(step), "--finetune"])
+    tuned = resumed_config(["--load", str(step), "--finetune"])
     assert tuned.model.hidden_size == Config().model.hidden_size  # only what is given now
 
 
@@ -457,9 +502,9 @@ def test_watchdog_timeout_defaults_to_the_collective_timeout():
 @pytest.mark.parametrize("body", ["", "# only a comment\n", "PreTraining:\n"])
 def test_empty_yaml_is_a_warning(tmp_path, body):
     warnings: list[str] = []
-    config = parse_config(["-c", write(tmp_path, body), "--mock-data", "--device", "cpu"], warnings)
+    config = parse_config(["-c", write(tmp_path, body), "--mock-data", "--device", "cpu"], warnings=warnings)
     assert len(warnings) == 1 and "sets nothing" in warnings[0]
     assert config.model.hidden_size == Config().model.hidden_size
     warnings.clear()
-    parse_config(["-c", write(tmp_path, "max_steps: 5\n", "full.yaml")], warnings)
+    parse_config(["-c", write(tmp_path, "max_steps: 5\n", "full.yaml")], warnings=warnings)
     assert warnings == []

@@ -10,14 +10,15 @@ import torch
 from torch import nn
 
 from megatron.config.schema import OptimizerConfig
-from megatron.optimizer import ConstantGradScaler, CosineWithWarmup, DynamicGradScaler, MixedPrecisionOptimizer
+from megatron.distributed.parallelize import ShardingPlan, parallelize
+from megatron.optimizer import ConstantGradScaler, DynamicGradScaler, MixedPrecisionOptimizer, WarmupDecaySchedule
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm
 
 # ---------------------------------------------------------------- learning-rate schedule
 
 
 def test_warmup_is_linear_and_reaches_max_lr():
-    s = CosineWithWarmup(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110)
+    s = WarmupDecaySchedule(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110)
     for step in range(1, 11):
         assert s(step) == pytest.approx(1e-3 * step / 10, rel=1e-12)
     assert s(10) == 1e-3
@@ -25,7 +26,7 @@ def test_warmup_is_linear_and_reaches_max_lr():
 
 
 def test_cosine_decay_midpoint_and_end():
-    s = CosineWithWarmup(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110)
+    s = WarmupDecaySchedule(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110)
     assert s(60) == pytest.approx((1e-3 + 1e-4) / 2, rel=1e-12)
     assert s(11) < 1e-3 and s(11) > s(60) > s(109) > 1e-4
     # quarter point: min + (max - min) * (1 + cos(pi / 4)) / 2
@@ -35,7 +36,7 @@ def test_cosine_decay_midpoint_and_end():
 
 
 def test_no_warmup():
-    s = CosineWithWarmup(max_lr=2.0, min_lr=0.0, warmup_steps=0, decay_steps=100)
+    s = WarmupDecaySchedule(max_lr=2.0, min_lr=0.0, warmup_steps=0, decay_steps=100)
     assert s(0) == 2.0
     assert s(1) == pytest.approx(1.0 + math.cos(math.pi / 100), rel=1e-12)
     assert s(50) == pytest.approx(1.0, rel=1e-12)
@@ -43,7 +44,7 @@ def test_no_warmup():
 
 
 def test_warmup_equal_to_decay():
-    s = CosineWithWarmup(max_lr=1.0, min_lr=0.1, warmup_steps=5, decay_steps=5)
+    s = WarmupDecaySchedule(max_lr=1.0, min_lr=0.1, warmup_steps=5, decay_steps=5)
     assert [s(i) for i in range(1, 7)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 0.1])
 
 
@@ -51,16 +52,16 @@ def test_warmup_equal_to_decay():
 
 
 def test_linear_and_constant_decay_styles():
-    linear = CosineWithWarmup(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="linear")
+    linear = WarmupDecaySchedule(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="linear")
     assert linear(10) == pytest.approx(1.0)
     assert linear(35) == pytest.approx(0.2 + 0.8 * 0.75)  # a quarter of the way through the decay
     assert linear(60) == pytest.approx(0.6)
     assert linear(110) == linear(500) == pytest.approx(0.2)
-    constant = CosineWithWarmup(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="constant")
+    constant = WarmupDecaySchedule(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="constant")
     assert constant(5) == pytest.approx(0.5)
     assert constant(11) == constant(500) == 1.0
     with pytest.raises(ValueError):
-        CosineWithWarmup(1.0, 0.1, 0, 10, decay_style="step")
+        WarmupDecaySchedule(1.0, 0.1, 0, 10, decay_style="step")
 
 
 def test_dynamic_scaler_backoff_hysteresis_1():
@@ -195,6 +196,13 @@ class Tiny(nn.Module):
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
+def _optimizer(model: nn.Module, cfg: OptimizerConfig, scaler=None) -> MixedPrecisionOptimizer:
+    """The optimizer over ``model`` on one rank: its buffer built by ``parallelize`` (nothing sharded)."""
+    plan = ShardingPlan()
+    _, buffer, _ = parallelize(model, plan)
+    return MixedPrecisionOptimizer(buffer, plan, cfg, scaler)
+
+
 def _model(dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
     return Tiny().to(dtype)
@@ -214,7 +222,7 @@ def test_fp32_matches_torch_adamw():
     cfg = OptimizerConfig(weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6, grad_clip=0.0)
     model = _model()
     ref = copy.deepcopy(model)
-    opt = MixedPrecisionOptimizer(model, cfg)
+    opt = _optimizer(model, cfg)
     decay = [p for p in ref.parameters() if p.ndim >= 2]
     no_decay = [p for p in ref.parameters() if p.ndim < 2]
     assert len(decay) == 2 and len(no_decay) == 4
@@ -243,7 +251,7 @@ def test_fp32_matches_torch_adamw():
 def test_grad_clipping_applied():
     cfg = OptimizerConfig(weight_decay=0.0, grad_clip=1e-3)
     model = _model()
-    opt = MixedPrecisionOptimizer(model, cfg)
+    opt = _optimizer(model, cfg)
     x, y = _inputs(1)[0]
     _loss(model, x, y).backward()
     result = opt.step(1e-3)
@@ -255,7 +263,7 @@ def test_fp16_overflow_skips_step():
     cfg = OptimizerConfig(grad_clip=1.0)
     model = _model(torch.float16)
     scaler = DynamicGradScaler(2.0**40, hysteresis=1)
-    opt = MixedPrecisionOptimizer(model, cfg, scaler)
+    opt = _optimizer(model, cfg, scaler)
     before = [p.detach().clone() for p in model.parameters()]
     masters_before = [m.detach().clone() for m in opt.masters]
     x, y = _inputs(1)[0]
@@ -281,7 +289,7 @@ def test_fp16_overflow_skips_step():
 def test_fp16_unscaled_grad_norm():
     model = _model(torch.float16)
     ref = _model(torch.float16).float()  # the same fp16-rounded weights, in fp32
-    opt = MixedPrecisionOptimizer(model, OptimizerConfig(grad_clip=0.0), ConstantGradScaler(256.0))
+    opt = _optimizer(model, OptimizerConfig(grad_clip=0.0), ConstantGradScaler(256.0))
     x, y = _inputs(1)[0]
     (_loss(model, x, y) * opt.loss_scale).backward()
     _loss(ref, x, y).backward()
@@ -293,7 +301,7 @@ def test_fp16_unscaled_grad_norm():
 
 def test_bf16_main_grads_accumulate_in_fp32():
     model = _model(torch.bfloat16)
-    opt = MixedPrecisionOptimizer(model, OptimizerConfig())
+    opt = _optimizer(model, OptimizerConfig())
     twin = _model(torch.bfloat16)  # the same bf16 weights, without the buffer
     ref32 = _model(torch.bfloat16).float()
     batches = _inputs(2)
@@ -322,7 +330,7 @@ def test_bf16_main_grads_accumulate_in_fp32():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_non_finite_gradient_norm_skips_the_step_without_a_scaler(dtype):
     model = _model(dtype)
-    opt = MixedPrecisionOptimizer(model, OptimizerConfig(grad_clip=1.0))
+    opt = _optimizer(model, OptimizerConfig(grad_clip=1.0))
     masters_before = [m.detach().clone() for m in opt.masters]
     x, y = _inputs(1)[0]
     _loss(model, x, y).backward()

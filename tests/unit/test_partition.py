@@ -8,12 +8,7 @@ from hypothesis import strategies as st
 
 from megatron.config.schema import ModelConfig
 from megatron.pipeline_parallel.partition import (
-    chunk_has_embedding,
-    chunk_has_head,
     chunk_layers,
-    has_embedding,
-    has_final_norm,
-    has_head,
     item_descriptions,
     segment,
     segmentation_log,
@@ -28,6 +23,19 @@ SEED_LINES = [
 ]
 SEED_EMBEDDING = ("EmbeddingPipe(vocab_size=51200, hidden_size=1024, hidden_dropout_prob=0.1, "
                   "max_position_embeddings=1024, type_vocab_size=16, initializer_range=0.02)")
+
+
+# Which stage holds which of the non-layer items (item 0, L + 1, L + 2 of the flat model).
+def has_embedding(boundaries: list[int], stage: int) -> bool:
+    return boundaries[stage] == 0
+
+
+def has_final_norm(boundaries: list[int], num_layers: int, stage: int) -> bool:
+    return boundaries[stage] <= num_layers + 1 < boundaries[stage + 1]
+
+
+def has_head(boundaries: list[int], num_layers: int, stage: int) -> bool:
+    return boundaries[stage] <= num_layers + 2 < boundaries[stage + 1]
 
 
 def _check_invariants(boundaries: list[int], num_layers: int, num_stages: int, uniform: bool = False) -> None:
@@ -150,8 +158,6 @@ def test_chunk_layers_megatron_assignment():
     assert chunk_layers(8, 2, 2, 0, 1) == range(4, 6)
     assert chunk_layers(8, 2, 2, 1, 1) == range(6, 8)
     assert chunk_layers(6, 3, 1, 2, 0) == range(4, 6)  # vpp 1: plain contiguous stages
-    assert chunk_has_embedding(0, 0) and not chunk_has_embedding(0, 1) and not chunk_has_embedding(1, 0)
-    assert chunk_has_head(2, 2, 1, 1) and not chunk_has_head(2, 2, 1, 0) and not chunk_has_head(2, 2, 0, 1)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
@@ -201,7 +207,7 @@ def test_bad_sizes_and_stages():
     with pytest.raises(ValueError, match="out of range"):
         stage_layers([0, 3, 7], 2)
     with pytest.raises(ValueError, match="out of range"):
-        has_embedding([0, 3, 7], -1)
+        stage_layers([0, 3, 7], -1)
 
 
 @pytest.mark.parametrize("num_layers, pp, vpp", [(6, 2, 2), (8, 3, 1), (4, 2, 3)])

@@ -20,7 +20,6 @@ from megatron.pipeline_parallel.schedule_tables import (
     ScheduleError,
     gpipe,
     interleaved_one_f_one_b,
-    no_pipelining,
     one_f_one_b,
     simulate,
 )
@@ -181,7 +180,9 @@ def test_interleaved_refuses_m_not_multiple_of_pp(pp, m):
 
 def test_no_pipelining_and_time_model():
     for m in MS:
-        res = _check([no_pipelining(m)], 1, m)
+        table = one_f_one_b(1, 0, m)  # one stage: forward then backward of each micro-batch in turn
+        assert table == [Action(kind, k) for k in range(m) for kind in ("F", "B")]
+        res = _check([table], 1, m)
         assert res["peak_in_flight"] == [1] and res["bubble_fraction"] == 0 and res["makespan"] == 3 * m
     # pp=2, m=1: F on rank 0 [0,1], F on rank 1 [1,2], B on rank 1 [2,4], B on rank 0 [4,6]
     res = simulate(_tables(one_f_one_b, 2, 1), 2, backward_cost=2.0)

@@ -12,24 +12,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import parallel_state
-from megatron.model.cross_entropy import token_cross_entropy
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    allreduce_sequence_parallel_grads,
     checkpoint,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,
     get_rng_tracker,
     mark_sequence_parallel,
-    model_parallel_seed,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
     scatter_to_sequence_region,
     scatter_to_tp_region,
     shard_full_tensor,
+    tensor_parallel_seed,
+    token_cross_entropy,
     vocab_parallel_cross_entropy,
 )
 
@@ -104,7 +103,6 @@ def test_sequence_parallel_pair_single_rank():
     sp = nn.Sequential(ln, col, nn.GELU(), row)
     x, dy = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
     out = _run(sp, x, dy)
-    allreduce_sequence_parallel_grads(sp.parameters())  # no group: a no-op
     _assert_same(out, _run(ref, x, dy))
 
 
@@ -155,15 +153,15 @@ def test_cross_entropy_equals_token_cross_entropy(dtype, vocab_size):
 
 
 def test_rng_tracker_fork_is_isolated():
-    model_parallel_seed(1234, tp_rank=0)
+    tensor_parallel_seed(1234, tp_rank=0)
     with get_rng_tracker().fork():
         inside = torch.rand(8)
     after_fork = torch.rand(8)
-    model_parallel_seed(1234, tp_rank=0)
+    tensor_parallel_seed(1234, tp_rank=0)
     assert torch.equal(torch.rand(8), after_fork)  # forked draws do not advance the default stream
     with get_rng_tracker().fork():
         assert torch.equal(torch.rand(8), inside)
-    model_parallel_seed(1234, tp_rank=1)
+    tensor_parallel_seed(1234, tp_rank=1)
     with get_rng_tracker().fork():
         assert not torch.equal(torch.rand(8), inside)  # another TP rank, another stream
     states = get_rng_tracker().get_states()
@@ -192,7 +190,7 @@ def test_checkpoint_replays_dropout():
     x = torch.randn(4, 2, 8)
 
     def grads(ckpt):
-        model_parallel_seed(7, tp_rank=0)
+        tensor_parallel_seed(7, tp_rank=0)
         xx = x.clone().requires_grad_()
         y = ckpt(_dropout_block, lin1, lin2, xx)
         torch.rand(3)  # advance both streams between forward and backward

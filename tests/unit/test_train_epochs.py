@@ -17,6 +17,7 @@ from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError, IndexedDatasetWriter
 from megatron.metrics import get_logger
 from megatron.model import build_model
+from megatron.tokenizer import configured_tokenizer
 from megatron.training import Trainer, set_seed
 
 SEQ, GBS, EOD = 8, 4, 0
@@ -101,7 +102,8 @@ def _config(tmp_path, *argv: str):
                            "--hidden-size", "32", "--num-attention-heads", "4", "--max-seq-len", str(SEQ),
                            "--max-position-embeddings", str(SEQ), "--global-batch-size", str(GBS),
                            "--eval-iters", "0", "--save", str(tmp_path / "out"), *argv])
-    validate(config, world_size=1, cuda_available=False)
+    validate(config, world_size=1, cuda_available=False,
+             tokenizer_vocab_size=configured_tokenizer(config.tokenizer).vocab_size)
     return config
 
 
@@ -118,8 +120,8 @@ def test_a_run_with_one_epoch_stops_after_it_and_says_so(tmp_path):
     get_logger().addHandler(handler)
     try:
         set_seed(config.seed)
-        state = Trainer(config, build_model(config), pretrain_gpt.forward_step, pretrain_gpt.datasets_provider(config),
-                        torch.device("cpu")).run()
+        datasets = pretrain_gpt.datasets_provider(config, configured_tokenizer(config.tokenizer))
+        state = Trainer(config, build_model(config), pretrain_gpt.forward_step, datasets, torch.device("cpu")).run()
     finally:
         get_logger().removeHandler(handler)
     assert state.step == steps and state.consumed_samples == steps * GBS

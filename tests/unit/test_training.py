@@ -15,9 +15,11 @@ import pretrain_gpt
 from megatron.config import Config, parse_config, validate
 from megatron.data.loader import GlobalBatchSampler, build_batch, build_loader, split_micro_batches
 from megatron.data.mock_dataset import SUCCESSOR_PROBS, MockGPTDataset
+from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.metrics import get_logger
 from megatron.model import build_model
 from megatron.optimizer import build_optimizer
+from megatron.parallel_state import single_process_state
 from megatron.training import Trainer, set_seed, train_step
 from tests.grads import assert_grads_close
 
@@ -52,11 +54,12 @@ def _run_steps(micro_batch_size: int, batches: list[dict]):
     config = make_config(*TINY, "--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "4",
                          "--micro-batch-size", str(micro_batch_size), "--grad-clip", "0")
     assert config.num_micro_batches == 4 // micro_batch_size
-    model = build_model(config)
-    optimizer = build_optimizer(model, config)
+    plan = plan_sharding(config, single_process_state())
+    model, buffer, _ = parallelize(build_model(config), plan)
+    optimizer = build_optimizer(buffer, plan, config)
     out = []
     for lr, batch in zip((1e-2, 5e-3), batches):
-        loss, result = train_step(pretrain_gpt.forward_step, batch, model, optimizer, lr, micro_batch_size)
+        loss, result = train_step(pretrain_gpt.forward_step, batch, model, buffer, optimizer, lr, micro_batch_size)
         assert result.applied
         # grad_clip 0: the buffer still holds the (unclipped) gradient of this step
         out.append((loss, result.grad_norm, [p.main_grad.clone() for p in model.parameters()],

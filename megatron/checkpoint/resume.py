@@ -1,0 +1,79 @@
+"""What a resumed run inherits: the saved run's configuration, as the base of the one given now.
+
+A run started with ``ckpt_dir`` (and not ``finetune``) takes the ``config.yaml`` of the checkpoint it
+loads as its base configuration; the YAML file and flags given now are applied over it
+(``megatron.config.parse_config(argv, base)``). Not inherited: the parallel layout (the Distributed
+section) and the per-replica batch, which belong to the launch, and how to load (``NOT_INHERITED``),
+which is asked now. ``--save X --load X`` with no checkpoint yet in X has no base: the run starts from
+scratch, as the loader decides (``find_checkpoint``). A damaged checkpoint is a CheckpointError, the
+same on every rank, raised before any process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from megatron.checkpoint.format import find_checkpoint, verify_file
+from megatron.config import Config, load_yaml, parse_config, set_value
+from megatron.config.schema import SaveLoadConfig
+
+__all__ = ["NOT_INHERITED", "resume_base", "resumed_config", "saved_config_path", "schedule_kept_warning"]
+
+NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins")
+NOT_INHERITED_SECTION = "Distributed"  # the parallel layout is the launch's
+
+
+def saved_config_path(ckpt_dir: str | None) -> str | None:
+    """The config.yaml of the checkpoint ``ckpt_dir`` resolves to, checked against its checksum; None when
+    there is none: no ``ckpt_dir``, or no checkpoint there at all (a first launch of ``--save X --load X``).
+    A damaged checkpoint (a ``latest`` naming a missing folder, a corrupt config.yaml) is a CheckpointError."""
+    if not ckpt_dir:
+        return None
+    step_dir = find_checkpoint(ckpt_dir)
+    if step_dir is None:
+        return None
+    verify_file(step_dir, "config.yaml")
+    path = os.path.join(step_dir, "config.yaml")
+    return path if os.path.isfile(path) else None
+
+
+def resume_base(save_load: SaveLoadConfig) -> Config | None:
+    """The base configuration of a run with this ``save_load`` section: the saved run's, without the
+    Distributed section and the ``NOT_INHERITED`` keys; None for ``finetune`` (only what is given now) or
+    when there is no checkpoint to resume. CheckpointError for a damaged checkpoint, ConfigError for a
+    saved config.yaml that does not parse."""
+    if save_load.finetune:
+        return None
+    path = saved_config_path(save_load.ckpt_dir)
+    if path is None:
+        return None
+    base = Config()
+    for leaf, value in load_yaml(path):
+        if leaf.path[0] != NOT_INHERITED_SECTION and leaf.name not in NOT_INHERITED:
+            set_value(base, leaf, value)
+    return base
+
+
+def schedule_kept_warning(base: Config, config: Config) -> str | None:
+    """A resumed run keeps the saved run's resolved schedule (its decay_steps was derived from its
+    max_steps): a sentence saying so when ``config`` (parsed over ``base``) changed max_steps but not
+    decay_steps, rather than silently decaying over the old length; None otherwise, and when the saved
+    configuration has no decay_steps (not a resolved one, e.g. a converted checkpoint's: nothing is kept)."""
+    saved_steps, decay_steps = base.max_steps, base.optimizer.lr.decay_steps
+    if decay_steps is None or config.max_steps == saved_steps or config.optimizer.lr.decay_steps != decay_steps:
+        return None
+    return (f"resuming with max_steps {config.max_steps} while the saved run's learning rate decays over "
+            f"{decay_steps} steps (its decay_steps, kept); pass --lr-decay-iters (decay_steps) to change it.")
+
+
+def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None = None) -> Config:
+    """The (not yet validated) configuration of a run started with ``argv``: parsed once to learn where it
+    loads from, then again over that checkpoint's saved configuration (``resume_base``), if any. Warnings
+    (an empty YAML file, a kept schedule) are appended to ``warnings`` when a list is given."""
+    base = resume_base(parse_config(argv).save_load)
+    config = parse_config(argv, base, warnings=warnings)
+    kept = None if base is None else schedule_kept_warning(base, config)
+    if kept is not None and warnings is not None:
+        warnings.append(kept)
+    return config

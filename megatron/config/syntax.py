@@ -1,0 +1,59 @@
+"""The syntax of the two config values that are small languages: ``split`` and ``input_dir``.
+
+The configuration layer owns what its values mean as text, so validation checks them without
+importing the data layer; ``megatron.data`` applies them (and reports the same messages as
+``DatasetError``). Nothing here reads a file: whether an ``input_dir`` prefix exists is the data
+layer's question (``megatron.data.blended_dataset.parse_input_dir``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["input_dir_words", "parse_split"]
+
+
+def parse_split(split: str) -> list[float]:
+    """'949,50,1' (or '949/50/1') -> three fractions summing to 1 (normalized in float64, as Megatron Core).
+
+    Up to three non-negative numbers with a positive sum; missing ones are 0. Raises ValueError."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"split '{split}' must be up to three numbers like '949,50,1'") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split '{split}' must be up to three non-negative numbers with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def _is_number(word: str) -> bool:
+    """Whether ``word`` reads as a float (an input_dir weight, as opposed to a prefix)."""
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def input_dir_words(input_dir: str) -> tuple[list[str], list[float] | None]:
+    """-> (words, weights): Megatron's ``w1 prefix1 w2 prefix2 ...`` gives its prefixes and weights (finite,
+    non-negative, positive sum); anything else gives its words (prefixes or folders, not yet resolved) and
+    None (weighting by token count). Raises ValueError with a hint."""
+    words = input_dir.split()
+    if not (len(words) > 1 and _is_number(words[0])):
+        return words, None
+    if len(words) % 2 or not all(_is_number(w) for w in words[::2]):
+        raise ValueError(f"input_dir '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
+    weights, prefixes = [float(w) for w in words[::2]], list(words[1::2])
+    bad = [w for w in words[::2] if not math.isfinite(float(w))]
+    if bad:
+        raise ValueError(f"input_dir '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
+                         f"non-negative weights, e.g. '0.3 prefix1 0.7 prefix2'")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"input_dir '{input_dir}': weights must be non-negative with a positive sum")
+    return prefixes, weights

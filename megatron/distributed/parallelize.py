@@ -1,0 +1,142 @@
+"""The one place that decides which ranks reduce which gradients, and applies it.
+
+``plan_sharding(config, ps)`` reads the configuration and the rank grid once and returns a
+``ShardingPlan``: the sharding stage in effect, the process groups, and every consequence of the
+stage (meta-device initialisation, the bucket cut, per-micro-batch reduction, ...). Everything
+else (``build_model``, ``parallelize``, the optimizer, the memory accounting) reads the plan.
+
+| stage | gradients | parameters |
+| --- | --- | --- |
+| 1 (also: no sharding) | all-reduced over every data-parallel rank (dp x sharding) | full on every rank |
+| 2 | reduce-scattered over the sharding group, shards all-reduced over the dp replicas | full |
+| 3 | as stage 2, after every micro-batch (without pipelining) | ``FullyShardedParameters`` |
+
+``parallelize(model, plan)`` lays out and builds the ``ParamAndGradBuffer`` and installs the
+hooks: the data-parallel (or fully-sharded) wrapper the model is trained through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config.schema import Config
+from megatron.distributed.buffer_layout import lay_out, layer_buckets, split_into_buckets
+from megatron.distributed.data_parallel import DataParallel
+from megatron.distributed.fully_sharded import FullyShardedParameters
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.model.gpt import TIED_EMBEDDING
+from megatron.parallel_state import ParallelState
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements
+
+
+def sharding_stage(sharding_degree: int, stage: int) -> int:
+    """The stage in effect: ``stage`` over a sharding group of more than one rank; otherwise 1 (the
+    whole optimizer state on every rank, gradients all-reduced)."""
+    return stage if sharding_degree > 1 else 1
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How this rank's model is data-parallel and sharded. The defaults: one rank, nothing sharded.
+
+    ``stage``: the stage in effect (``sharding_stage``); ``sharding_group``: ZeRO over these ranks (None:
+    no sharding); ``replica_group``: the data-parallel replicas of the sharding group whose gradient
+    shards are all-reduced (HSDP, stages 2 and 3); ``data_parallel_group``: every rank holding a copy
+    of these parameters (dp x sharding; the token count and the stage-1 all-reduce);
+    ``model_parallel_group``: tp x pp, over which the gradient norm is summed. ``meta_init``: built on
+    the meta device, initialised straight into the shards (stage 3). ``offload``: masters and AdamW
+    states on the CPU. ``overlap``: reduce buckets during the backward. ``every_micro_batch``: reduce
+    after every micro-batch (stage 3 without pipelining). ``keep_gathered``: stage 3 with pipelining,
+    parameters gathered once per step. ``own_bucket``: names that get a bucket of their own (the tied
+    embedding, whose slices must agree on the first and last stages). ``bucket_size``: elements."""
+
+    stage: int = 1
+    sharding_group: dist.ProcessGroup | None = None
+    replica_group: dist.ProcessGroup | None = None
+    data_parallel_group: dist.ProcessGroup | None = None
+    model_parallel_group: dist.ProcessGroup | None = None
+    meta_init: bool = False
+    offload: bool = False
+    overlap: bool = False
+    every_micro_batch: bool = False
+    keep_gathered: bool = False
+    own_bucket: tuple[str, ...] = ()
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        return self.stage == 3
+
+
+def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
+    """The plan for ``config`` on this rank of the grid ``ps`` (no communication: groups are looked up)."""
+    d = config.distributed
+    stage = sharding_stage(ps.sharding_size, d.sharding.sharding_stage)
+    pipelined = ps.pp_size > 1
+    return ShardingPlan(
+        stage=stage,
+        sharding_group=ps.group("sharding") if ps.sharding_size > 1 else None,
+        replica_group=ps.group("dp") if stage >= 2 and ps.dp_size > 1 else None,
+        data_parallel_group=ps.group("data_parallel") if ps.data_parallel_size > 1 else None,
+        model_parallel_group=ps.group("model_parallel") if ps.tp_size * ps.pp_size > 1 else None,
+        meta_init=stage == 3,
+        offload=d.sharding.sharding_offload,
+        overlap=bool(d.overlap_grad_reduce),
+        every_micro_batch=stage == 3 and not pipelined,
+        keep_gathered=stage == 3 and pipelined,
+        own_bucket=(TIED_EMBEDDING,) if stage >= 2 and pipelined else (),
+        bucket_size=int(d.bucket_size_mb * 2**20 / 4),
+    )
+
+
+class Parallelized(NamedTuple):
+    model: nn.Module  # to train: the data-parallel wrapper, or the model itself on one replica
+    buffer: ParamAndGradBuffer
+    fully_sharded: FullyShardedParameters | None  # stage 3's gather/free manager
+
+
+def build_buffer(model: nn.Module, plan: ShardingPlan) -> ParamAndGradBuffer:
+    """The parameter and gradient buffer of ``model``'s trainable parameters, laid out by the plan:
+    reverse parameter order (the order the backward produces gradients), cut into buckets of
+    ``bucket_size`` (stage 3: one per decoder layer), sharded over the sharding group."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad][::-1]
+    shapes = [(name, tuple(p.shape)) for name, p in named]
+    if plan.shards_params:
+        groups = layer_buckets(shapes)
+    else:
+        groups = split_into_buckets(shapes, plan.bucket_size, plan.own_bucket)
+    group = plan.sharding_group
+    n, r = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    return ParamAndGradBuffer(lay_out(groups, n, r), dict(named), shard_grads=plan.shards_grads,
+                              shard_params=plan.shards_params)
+
+
+def parallelize(model: nn.Module, plan: ShardingPlan) -> Parallelized:
+    """Build ``model``'s buffer and install the hooks of the plan: stage 3's gather/free hooks, and the
+    gradient reduction (a reduce-scatter over the sharding group from stage 2, an all-reduce over the
+    data-parallel group otherwise, nothing on one replica)."""
+    buffer = build_buffer(model, plan)
+    fully_sharded = None
+    if plan.shards_params:
+        chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
+        fully_sharded = FullyShardedParameters(chunks, buffer, plan.sharding_group, keep_gathered=plan.keep_gathered)
+    if plan.shards_grads:
+        model = DataParallel(model, buffer, plan.sharding_group, overlap=plan.overlap, reduce_scatter=True,
+                             replica_group=plan.replica_group, every_micro_batch=plan.every_micro_batch,
+                             on_grads_done=fully_sharded.on_grads_done if fully_sharded else None)
+    elif plan.data_parallel_group is not None:
+        model = DataParallel(model, buffer, plan.data_parallel_group, overlap=plan.overlap)
+    return Parallelized(model, buffer, fully_sharded)
+
+
+__all__ = ["DEFAULT_BUCKET_SIZE", "Parallelized", "ShardingPlan", "build_buffer", "parallelize", "plan_sharding",
+           "sharding_stage"]
