@@ -1,10 +1,7 @@
-"""Agreement between ranks on a failure, and the start-up check of a run's output folder.
+"""Agreement between ranks on a checkpoint failure, and the start-up check of a run's output folder.
 
-Why agreement: a rank that raises while the others go on to a collective leaves them waiting until
-the process-group timeout, and the error lands on one rank's stderr among many. ``on_every_rank``
-runs a step on each rank, all-reduces a failure flag, and, if any rank failed, makes every rank
-raise the same one-line CheckpointError (the first failing rank's message). It costs one small
-all-reduce when all went well.
+``on_every_rank`` runs a step on each rank and, if any rank failed, makes every rank raise the same
+one-line CheckpointError (the first failing rank's message, through ``megatron.agreement``).
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from megatron.agreement import first_failure
 from megatron.checkpoint.format import CheckpointError
 
 T = TypeVar("T")
@@ -38,13 +36,7 @@ def one_line(err: BaseException, what: str, todo: str) -> str:
 
 def all_ranks_ok(error: str | None, device: torch.device) -> None:
     """Raise CheckpointError on every rank if any rank failed (collective: call on every rank)."""
-    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
-    if _world() > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():  # every rank gets here: share the messages (only on failure)
-            messages: list = [None] * _world()
-            dist.all_gather_object(messages, error)
-            error = next(m for m in messages if m is not None)
+    error = first_failure(error, device)
     if error is not None:
         raise CheckpointError(error)
 

@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from megatron.agreement import first_failure
 from megatron.data.indexed_dataset import DatasetError
 
 T = TypeVar("T")
@@ -72,27 +73,14 @@ def _is_local_builder() -> bool:
     return not _distributed() or os.environ.get("LOCAL_RANK") == "0"
 
 
-def _any_rank_failed(failed: bool) -> bool:
-    """All-reduce (MAX) of a failure flag over every rank; also a barrier. Without ranks: ``failed``."""
-    if not _distributed():
-        return failed
-    import torch
-    import torch.distributed as dist
-
-    from megatron.device import collective_device
-
-    flag = torch.tensor([1.0 if failed else 0.0], device=collective_device(dist.get_backend()))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def _raise_if_any(error: BaseException | None, what: str) -> None:
-    """Every rank enters; every rank raises if any rank has an error (its own, or a DatasetError)."""
-    failed = _any_rank_failed(error is not None)
+    """Every rank enters; every rank raises if any rank has an error: its own, or the first failing
+    rank's message as a DatasetError (``megatron.agreement``)."""
+    message = first_failure(None if error is None else " ".join(str(error).split()) or type(error).__name__)
     if error is not None:
         raise error
-    if failed:
-        raise DatasetError(f"another rank failed on {what} (its error is printed above); fix that and rerun.")
+    if message is not None:
+        raise DatasetError(message)
 
 
 def run_agreed(fn: Callable[[], T], what: str) -> T:

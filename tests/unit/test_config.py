@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import subprocess
 import sys
 import textwrap
@@ -280,94 +279,6 @@ def test_missing_config_file(tmp_path):
         parse_config(["-c", str(tmp_path / "nope.yaml")])
 
 
-# ---------------------------------------------------------------- validation
-
-
-@pytest.mark.parametrize("argv, sizes", [
-    ([], (8, 8, 8)),
-    (["--global-batch-size", "16"], (16, 16, 16)),
-    (["--local-batch-size", "12"], (12, 12, 12)),
-    (["--micro-batch-size", "2"], (2, 2, 2)),
-    (["--global-batch-size", "16", "--micro-batch-size", "4"], (16, 16, 4)),
-    (["--local-batch-size", "16", "--micro-batch-size", "2"], (16, 16, 2)),
-    (["--global-batch-size", "8", "--local-batch-size", "8", "--micro-batch-size", "1"], (8, 8, 1)),
-])
-def test_batch_sizes_derived(argv, sizes):
-    config = valid_config(*argv)
-    check(config)
-    b = config.batch_size
-    assert (b.global_batch_size, b.local_batch_size, b.micro_batch_size) == sizes
-    assert config.num_micro_batches == sizes[1] // sizes[2]
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--global-batch-size", "16", "--local-batch-size", "8"], "must equal local_batch_size"),
-    (["--global-batch-size", "16", "--micro-batch-size", "5"], "multiple of micro_batch_size"),
-    (["--local-batch-size", "10", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
-    (["--micro-batch-size", "0"], "at least 1"),
-])
-def test_inconsistent_batch_sizes_refused(argv, message):
-    with pytest.raises(ConfigError, match=message):
-        check(valid_config(*argv))
-
-
-def test_heads_must_divide_hidden():
-    with pytest.raises(ConfigError, match="num_attention_heads.*must divide"):
-        check(valid_config("--hidden-size", "100", "--num-attention-heads", "16"))
-
-
-def test_seq_len_longer_than_positions_refused():
-    with pytest.raises(ConfigError, match="max_seq_len"):
-        check(valid_config("--seq-length", "2048", "--max-position-embeddings", "1024"))
-    check(valid_config("--seq-length", "1024", "--max-position-embeddings", "1024"))  # equal is fine
-
-
-def test_max_lr_below_min_lr_is_a_warning():
-    config = valid_config("--max-lr", "1e-5", "--min-lr", "1e-4")
-    warnings = check(config)
-    assert len(warnings) == 1 and "max_lr" in warnings[0] and "min_lr" in warnings[0]
-    assert config.optimizer.lr.max_lr == 1e-5  # kept as given
-
-
-@pytest.mark.parametrize("stage", ["0", "4"])
-def test_sharding_stage_outside_1_to_3_refused(stage):
-    with pytest.raises(ConfigError, match=f"sharding_stage must be one of 1, 2, 3, got {stage}"):
-        valid_config("--sharding", "2", "--sharding-stage", stage)
-
-
-def test_sharding_degree_must_divide_the_data_parallel_ranks():
-    message = "world size 6 is not divisible by mp_degree x pp_degree x sharding_degree = 4"
-    with pytest.raises(ConfigError, match=message):
-        validate(valid_config("--sharding", "4"), world_size=6)
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--tp", "2"], "world size 1 is not divisible by mp_degree x pp_degree x sharding_degree = 2"),
-    (["--tp", "3", "--hidden-size", "96", "--num-attention-heads", "4"], "must divide Model.num_attention_heads"),
-    (["--tp", "2", "--ffn-hidden-size", "33"], "must divide Model.ffn_hidden_size"),
-    (["--tp", "2", "--sequence-parallel", "--seq-length", "33", "--max-position-embeddings", "64"],
-     "must be divisible"),
-])
-def test_tensor_parallel_checks(argv, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        config = valid_config(*argv)
-        validate(config, world_size=1 if "must" not in message else config.distributed.mp_degree)
-
-
-def test_bf16_and_fp16_refused():
-    with pytest.raises(ConfigError, match="bf16 and use_pure_fp16"):
-        check(valid_config("--bf16", "--fp16"))
-
-
-def test_derived_defaults():
-    config = valid_config("--train-iters", "1000", "--lr-warmup-fraction", "0.05")
-    check(config)
-    lr = config.optimizer.lr
-    assert (lr.decay_steps, lr.warmup_steps) == (1000, 50)
-    assert config.distributed.dp_degree == 1 and config.device == "cpu"
-    assert config.model.ffn_hidden_size == 4 * config.model.hidden_size
-
-
 # ---------------------------------------------------------------- the entry point
 
 
@@ -460,51 +371,3 @@ def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
     assert resumed.model.hidden_size == 96
     tuned = resumed_config(["--load", str(step), "--finetune"])
     assert tuned.model.hidden_size == Config().model.hidden_size  # only what is given now
-
-
-# ---------------------------------------------------------------- values that cannot train
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--max-seq-len", "0"], "max_seq_len must be at least 1, got 0"),
-    (["--ffn-hidden-size", "0"], "ffn_hidden_size must be at least 1, got 0"),
-    (["--lr=-1e-4"], "max_lr and min_lr must be >= 0"),
-    (["--min-lr=-1"], "max_lr and min_lr must be >= 0"),
-    (["--init-method-std=-0.02"], "initializer_range .* must be positive"),
-    (["--layernorm-epsilon=-1e-5"], "layernorm_epsilon must be positive"),
-    (["--weight-decay=-0.1"], "weight_decay must be >= 0"),
-    (["--adam-eps", "0"], "adam_epsilon must be positive"),
-    (["--max-steps", "0"], "max_steps must be at least 1, got 0"),
-    (["--hysteresis", "0"], "hysteresis at least 1"),
-    (["--distributed-timeout-minutes", "0"], "distributed_timeout_minutes must be positive"),
-    (["--watchdog-timeout-minutes=-1"], "watchdog_timeout_minutes must be >= 0"),
-    (["--max-consecutive-skipped-steps=-1"], "max_consecutive_skipped_steps must be >= 0"),
-    (["--loss-spike-factor", "0.5"], "loss_spike_factor must be above 1"),
-    (["--seed=-1"], r"seed must be in \[0, 2\^32 - 1\]"),
-    (["--seed", str(2**32)], r"seed must be in \[0, 2\^32 - 1\]"),
-    (["--lr", "nan"], "max_lr must be a finite number, got 'nan'"),
-    (["--initial-loss-scale", "inf"], "scale_loss must be a finite number, got 'inf'"),
-])
-def test_values_that_cannot_train_refused(argv, message):
-    with pytest.raises(ConfigError, match=message):
-        check(valid_config(*argv))
-
-
-def test_watchdog_timeout_defaults_to_the_collective_timeout():
-    config = valid_config("--distributed-timeout-minutes", "3")
-    check(config)
-    assert config.watchdog_timeout_minutes == 3.0
-    config = valid_config("--distributed-timeout-minutes", "3", "--watchdog-timeout-minutes", "0")
-    check(config)
-    assert config.watchdog_timeout_minutes == 0.0  # disabled, not replaced by the default
-
-
-@pytest.mark.parametrize("body", ["", "# only a comment\n", "PreTraining:\n"])
-def test_empty_yaml_is_a_warning(tmp_path, body):
-    warnings: list[str] = []
-    config = parse_config(["-c", write(tmp_path, body), "--mock-data", "--device", "cpu"], warnings=warnings)
-    assert len(warnings) == 1 and "sets nothing" in warnings[0]
-    assert config.model.hidden_size == Config().model.hidden_size
-    warnings.clear()
-    parse_config(["-c", write(tmp_path, "max_steps: 5\n", "full.yaml")], warnings=warnings)
-    assert warnings == []

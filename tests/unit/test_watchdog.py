@@ -98,26 +98,34 @@ def _hang(rank: int, port: int, how: str, out: str) -> None:
         work.wait()
 
 
+def _run_two_ranks(function: str, *args) -> tuple[int, str, str]:
+    """``function(rank, port, *args)`` of this module in two fresh interpreters; rank 0's (exit code,
+    stdout, stderr) once it ends (rank 1 is killed then)."""
+    from tests.functional.processes import free_port
+
+    port = free_port()
+    call = ", ".join(repr(a) for a in args)
+    procs = [subprocess.Popen([sys.executable, "-c", f"from tests.unit.test_watchdog import {function}; "
+                                                     f"{function}({rank}, {port}, {call})"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        stdout, stderr = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return procs[0].returncode, stdout, stderr
+
+
 @linux_only
 @pytest.mark.parametrize("how, clause", [
     ("all_reduce", r"waiting in torch\.distributed\.all_reduce called from tests/unit/test_watchdog\.py:\d+ _hang"),
     ("irecv", r"waiting for an asynchronous torch\.distributed recv at tests/unit/test_watchdog\.py:\d+ _hang"),
 ], ids=["all_reduce", "irecv"])
 def test_a_rank_waiting_in_a_collective_dumps_its_stacks_and_exits_4(tmp_path, how, clause):
-    from tests.functional.processes import free_port
-
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", f"from tests.unit.test_watchdog import _hang; "
-                                                     f"_hang({rank}, {port}, {how!r}, {str(tmp_path)!r})"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    try:
-        _, stderr = procs[0].communicate(timeout=60)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert procs[0].returncode == watchdog.HANG_EXIT_CODE, stderr[-3000:]
+    returncode, _, stderr = _run_two_ranks("_hang", how, str(tmp_path))
+    assert returncode == watchdog.HANG_EXIT_CODE, stderr[-3000:]
     dump = (tmp_path / "hang" / "rank0.txt").read_text()
     header = dump.splitlines()[0]
     assert re.fullmatch(r"rank 0: no training progress for 0\.\d s since the last beat, 'step 7' "
@@ -160,19 +168,7 @@ def _collective_timeout(rank: int, port: int, folder: str) -> None:
 
 @linux_only
 def test_the_configured_timeout_bounds_collectives_on_every_group(tmp_path):
-    from tests.functional.processes import free_port
-
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", f"from tests.unit.test_watchdog import _collective_timeout; "
-                                                     f"_collective_timeout({rank}, {port}, {str(tmp_path)!r})"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    try:
-        stdout, stderr = procs[0].communicate(timeout=60)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    _, stdout, stderr = _run_two_ranks("_collective_timeout", str(tmp_path))
     times = dict(line.split() for line in stdout.splitlines())
     assert set(times) == {"default", "data_parallel"}, stderr[-3000:]
     assert all(1.1 < float(t) < 4.0 for t in times.values()), times  # 0.02 minutes, not the former fixed 10
