@@ -33,7 +33,9 @@ setup(
     # safetensors: tools/convert_checkpoint.py's Hugging Face files (no torch dependency of its own).
     install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors"],
     # transformers: only the tests that load converted checkpoints into GPT2LMHeadModel.
-    extras_require={"test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors"]},
+    extras_require={"serve": ["fastapi", "uvicorn"],
+                    "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
+                             "fastapi", "uvicorn"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

@@ -84,7 +84,7 @@ class _Slice:
     tp_size: int
 
 
-def _slice_of(param: nn.Parameter, ps: ParallelState) -> _Slice:
+def slice_of(param: nn.Parameter, ps: ParallelState) -> _Slice:
     if getattr(param, "tensor_model_parallel", False):
         return _Slice(tuple(param.full_shape), param.partition_dim, ps.tp_rank, ps.tp_size)
     return _Slice(tuple(param.shape), None, 0, 1)
@@ -180,7 +180,7 @@ def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) 
                 if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False)
                                                           or ps.tp_rank == 0):
                     continue
-                where = _slice_of(p, ps)
+                where = slice_of(p, ps)
                 state = optimizer.inner.state.get(master, {})
                 for kind in KINDS:
                     source = master if kind == "param" else state.get(kind)
@@ -276,7 +276,7 @@ def check_compatible(reader: CheckpointReader, model: nn.Module, ps: ParallelSta
         if not reader.has("param", name):
             return (f"the checkpoint has no tensor {name!r}, which the model has; it is from another model "
                     f"(checkpoint tensors: {len(reader.names)}).")
-        want, got = tuple(_slice_of(p, ps).global_shape), reader.global_shape(name)
+        want, got = tuple(slice_of(p, ps).global_shape), reader.global_shape(name)
         repadded = (name.endswith("word_embeddings.weight") and want[1:] == got[1:] and got[0] >= vocab_size)
         if want != got and not repadded:
             return (f"tensor {name!r} has shape {list(got)} in the checkpoint but {list(want)} in the model; "
@@ -370,7 +370,7 @@ def _fill(reader: CheckpointReader, model: nn.Module, optimizer, ps: ParallelSta
     """Each owned piece's master weights (and AdamW moments) from the checkpoint."""
     with_states = load_optim and adam_step > 0
     for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
-        where = _slice_of(p, ps)
+        where = slice_of(p, ps)
         shape = tuple(where.global_shape)
         dim = where.partition_dim
         master[offset:offset + hi - lo].copy_(

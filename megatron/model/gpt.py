@@ -84,6 +84,19 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.hidden_states(tokens, position_ids)
+        if not self.post_process:
+            return x  # [s, b, h] for the next stage
+        logits = self.parallel_logits(x)  # [s, b, V/tp]
+        if labels is None:
+            return tp.gather_from_tp_region(logits).transpose(0, 1)
+        return tp.vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
+
+    def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      kv_cache=None) -> torch.Tensor:
+        """The decoder's output [s, b, h]: after the final LayerNorm on the last stage (the whole
+        sequence, gathered under sequence parallelism), else for the next stage. ``kv_cache``
+        (inference): see ``SelfAttention.forward``."""
         if self.pre_process:
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -91,15 +104,18 @@ class GPTModel(nn.Module):
         else:
             x = self.input_tensor
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, kv_cache)
         if not self.post_process:
-            return x  # [s, b, h] for the next stage
+            return x
         x = self.final_layernorm(x)
-        x = tp.gather_from_sequence_region(x) if self.sequence_parallel else tp.copy_to_tp_region(x)
-        logits = F.linear(x, self.embedding.word_embeddings.weight)  # tied head: [s, b, V/tp]
-        if labels is None:
-            return tp.gather_from_tp_region(logits).transpose(0, 1)
-        return tp.vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
+        return tp.gather_from_sequence_region(x) if self.sequence_parallel else x
+
+    def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
+        vocabulary split over the tensor-parallel group; never gathered here)."""
+        if not self.sequence_parallel:
+            x = tp.copy_to_tp_region(x)
+        return F.linear(x, self.embedding.word_embeddings.weight)
 
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it

@@ -54,8 +54,10 @@ class SelfAttention(nn.Module):
     ``out = dense(softmax(Q K^T / sqrt(d) + causal_mask) V)``.
     """
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
+                 layer_number: int = 0):
         super().__init__()
+        self.layer_number = layer_number  # the global layer index (the KV cache's key)
         tp_size = parallel_state.get().tp_size
         self.num_heads = cfg.num_attention_heads // tp_size  # heads on this rank
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -65,20 +67,31 @@ class SelfAttention(nn.Module):
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q, k, v: [b, nh, s, hd] -> [b, nh, s, hd] (nh: this rank's heads)
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+        """q [b, nh, sq, hd], k and v [b, nh, sk, hd] -> [b, nh, sq, hd] (nh: this rank's heads).
+        ``mask`` (boolean, True = may attend, broadcast to [b, nh, sq, sk]) replaces the causal rule
+        when given; ``causal=False`` without a mask lets every query see every key (one new token)."""
         dropout = self.attn_dropout if self.training else 0.0
+        causal = causal and mask is None
         if dropout and parallel_state.get().tp_size > 1:
             with tp.get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]. ``kv_cache`` (inference, ``megatron.inference.KVCache``): this
+        call's keys and values are written into the cache after those of the earlier calls, and the
+        queries attend to all of them under the cache's mask (padding, causality)."""
         qkv = self.query_key_value(x)  # [s, b, 3h/tp] (the sequence gathered under sequence parallel)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.num_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)  # each [b, nh, s, hd]
-        ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
+        if kv_cache is None:
+            ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
+        else:
+            k, v = kv_cache.store(self.layer_number, k, v)
+            ctx = self.core_attention(q, k, v, kv_cache.mask, kv_cache.causal)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # [s, b, h/tp]
         return self.dense(ctx)
 
@@ -113,7 +126,7 @@ class TransformerDecoderLayer(nn.Module):
         self.recompute = recompute
         self.sequence_parallel = sequence_parallel
         self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.self_attention = SelfAttention(cfg, recompute == "core_attn", sequence_parallel)
+        self.self_attention = SelfAttention(cfg, recompute == "core_attn", sequence_parallel, layer_number)
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg, sequence_parallel)
         if sequence_parallel:
@@ -127,15 +140,21 @@ class TransformerDecoderLayer(nn.Module):
     def extra_repr(self) -> str:
         return self._desc
 
-    def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.self_attention(self.input_layernorm(x))
+    def _attention_block(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        out = self.self_attention(self.input_layernorm(x), kv_cache)
         return parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def _layer(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x)
+    def _layer(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        if kv_cache is None:
+            x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x)
+        else:  # inference: no autograd, nothing to recompute
+            x = x + self._attention_block(x, kv_cache)
         out = self.mlp(self.post_attention_layernorm(x))
         return x + parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel)."""
+    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel). ``kv_cache``: see
+        ``SelfAttention.forward`` (inference only)."""
+        if kv_cache is not None:
+            return self._layer(x, kv_cache)
         return _maybe_checkpoint(self.recompute == "full", self._layer, x)

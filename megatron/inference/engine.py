@@ -1,0 +1,258 @@
+"""Generation with a KV cache: a batch of prompts in, tokens streamed out as they are decided.
+
+``InferenceEngine.stream(requests)`` runs one batch (call it on every tensor-parallel rank with the
+same requests): the prompts, left-padded to the longest, go through the model in one forward that
+fills the KV cache (the *prefill*); then each step feeds every unfinished row's last token (one
+forward of ``[1, b]``) and chooses the next ones (``sampling.choose``). A row finishes on the end-of-
+document token, a stop string, its ``max_tokens``, the model's last position, or cancellation; it is
+then dropped from the cache, so finished rows cost nothing. The model is the training model
+(``GPTModel.hidden_states`` with a ``KVCache``): the attention is the same code with and without it.
+
+Cancellation (a server's client that went away) is decided on tensor-parallel rank 0 and broadcast
+with each step, so every rank drops the same rows.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.inference.kv_cache import KVCache
+from megatron.inference.sampling import RowState, SamplingParams, VocabShard, choose
+from megatron.inference.text import TextTracker
+from megatron.tensor_parallel import vocab_parallel_cross_entropy
+
+
+@dataclass
+class Request:
+    prompt: list[int]  # token ids
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Event:
+    """What happened to request ``index`` in one step: a new ``token`` (None in the final event of a
+    row that ended without one), the text it made final, and, in the row's last event, why it ended
+    (``stop``, ``length`` or ``cancelled``)."""
+
+    index: int
+    token: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    """The whole result of one request (``InferenceEngine.generate``)."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None  # None for the first token (nothing before it)
+    finish_reason: str | None = None
+
+
+class PromptError(ValueError):
+    """A request this model cannot serve (empty, or longer than its positions)."""
+
+
+class _Row:
+    def __init__(self, index: int, request: Request, seed: int, detokenize: Callable):
+        self.index, self.request, self.params = index, request, request.params
+        generator = torch.Generator().manual_seed(seed)
+        self.state = RowState(request.params, list(request.prompt), generator)
+        self.text = TextTracker(detokenize, request.params.stop)
+        self.last = request.prompt[-1]
+
+
+class InferenceEngine:
+    """Generates from ``model`` (a ``GPTModel`` of this rank's tensor-parallel shard, in eval mode)."""
+
+    def __init__(self, model, config, tokenizer, device: torch.device | str = "cpu"):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.device = torch.device(device)
+        ps = parallel_state.get()
+        self.tp_group, self.tp_rank, self.tp_size = ps.group("tp"), ps.tp_rank, ps.tp_size
+        self.tp_source = ps.ranks.get("tp", [0])[0] if dist.is_initialized() else 0
+        self.max_positions = config.model.max_position_embeddings
+        self.eod = tokenizer.eod if tokenizer is not None else None
+        padded = config.padded_vocab_size
+        per_rank = padded // self.tp_size
+        self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, config.model.vocab_size,
+                                self.tp_group, self.tp_size)
+        attention = next(iter(model.layers.values())).self_attention
+        self.heads, self.head_dim = attention.num_heads, attention.head_dim
+        self.dtype = next(model.parameters()).dtype
+
+    # Checking ------------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """PromptError / ValueError naming what is wrong with ``request`` (before any work)."""
+        request.params.check()
+        if not request.prompt:
+            raise PromptError("prompt is empty: give at least one token.")
+        n, room = len(request.prompt), self.max_positions
+        if n + request.params.max_tokens > room:
+            raise PromptError(f"prompt has {n} tokens and max_tokens is {request.params.max_tokens}, but the model "
+                              f"has {room} positions: shorten the prompt or lower max_tokens.")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in request.prompt if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"prompt has token id {bad[0]}, outside the vocabulary (0..{vocab - 1}).")
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.detokenize(ids) if self.tokenizer is not None else ""
+
+    # Generating ----------------------------------------------------------------------------------
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Every request's completion (the events of ``stream`` collected)."""
+        out = [Completion(list(r.prompt), logprobs=[] if r.params.logprobs is not None else None,
+                          top_logprobs=[] if r.params.logprobs else None) for r in requests]
+        for events in self.stream(requests):
+            for e in events:
+                c = out[e.index]
+                if isinstance(e, PromptScores):
+                    c.prompt_logprobs = e.logprobs
+                    continue
+                if e.token is not None:
+                    c.tokens.append(e.token)
+                    if c.logprobs is not None:
+                        c.logprobs.append(e.logprob)
+                    if c.top_logprobs is not None:
+                        c.top_logprobs.append(e.top_logprobs)
+                c.text += e.text
+                c.finish_reason = e.finish_reason or c.finish_reason
+        return out
+
+    @torch.inference_mode()
+    def stream(self, requests: list[Request], cancelled: Callable[[int], bool] | None = None) -> Iterator[list]:
+        """Yield, after the prefill and after each step, the events of that step (``Event``, and
+        ``PromptScores`` for requests with ``prompt_logprobs``). ``cancelled(index)`` (read on tensor-
+        parallel rank 0) drops a request at the next step. Every rank must call this with the same
+        requests."""
+        for r in requests:
+            self.check(r)
+        if not requests:
+            return
+        seeds = self._seeds(requests)
+        rows = [_Row(i, r, s, self.detokenize) for i, r, s in zip(range(len(requests)), requests, seeds, strict=True)]
+        longest = max(len(r.prompt) for r in requests)
+        layers = [layer.self_attention.layer_number for layer in self.model.layers.values()]
+        pad = torch.tensor([longest - len(r.prompt) for r in requests])
+        cache = KVCache(layers, len(rows), longest + max(r.params.max_tokens for r in requests), self.heads,
+                        self.head_dim, pad, self.dtype, self.device)
+        tokens = torch.tensor([[0] * (longest - len(r.prompt)) + list(r.prompt) for r in requests], device=self.device)
+        hidden = self._forward(tokens, cache)
+        first = self._prompt_scores(hidden, tokens, rows, cache)
+        logits = self.model.parallel_logits(hidden[-1])
+        events: list = list(first)
+        rows, logits = self._retire(rows, logits, cache, events, [r.params.max_tokens == 0 for r in rows], "length")
+        yield events
+        while rows:
+            choice = choose(logits, [r.state for r in rows], self.shard)
+            events, why = [], []
+            for i, row in enumerate(rows):
+                token = choice.tokens[i]
+                row.state.output.append(token)
+                row.last = token
+                ended = self._ended(row, token)
+                if ended != "eod":  # the end-of-document token ends the text; it is not part of it
+                    text = row.text.add(token)
+                    events.append(Event(row.index, token, text, choice.logprobs[i], choice.top_logprobs[i]))
+                    ended = ended or ("stop" if row.text.stopped else None)
+                why.append("stop" if ended == "eod" else ended)
+            for i, flag in enumerate(self._cancellations(rows, cancelled)):
+                why[i] = why[i] or ("cancelled" if flag else None)
+            for row, reason in zip(rows, why, strict=True):
+                if reason is not None:
+                    events.append(Event(row.index, None, "" if reason == "cancelled" else row.text.finish(),
+                                        finish_reason=reason))
+            keep = [i for i, reason in enumerate(why) if reason is None]
+            if len(keep) < len(rows) and keep:
+                cache.keep(torch.tensor(keep, device=self.device))
+            rows = [rows[i] for i in keep]
+            yield events
+            if rows:
+                step = torch.tensor([[row.last for row in rows]], device=self.device).t()
+                logits = self.model.parallel_logits(self._forward(step, cache)[-1])
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run ``tokens`` [b, s] through the model after the cached slots; the hidden states [s, b, h]."""
+        count = tokens.shape[1]
+        cache.begin(count)
+        positions = cache.positions(cache.length, count)
+        hidden = self.model.hidden_states(tokens, positions, cache)
+        cache.commit()
+        return hidden
+
+    def _ended(self, row: _Row, token: int) -> str | None:
+        """Why ``row`` ends with ``token`` ("eod", "stop" is found by the text tracker, "length"), or None."""
+        if token == self.eod and not row.params.ignore_eos:
+            return "eod"
+        produced = len(row.state.output)
+        if produced >= row.params.max_tokens or len(row.request.prompt) + produced >= self.max_positions:
+            return "length"
+        return None
+
+    def _retire(self, rows, logits, cache, events, done, why):
+        """Drop the rows flagged in ``done`` (after the prefill: ``max_tokens`` 0, scoring only)."""
+        if not any(done):
+            return rows, logits
+        for row, d in zip(rows, done, strict=True):
+            if d:
+                events.append(Event(row.index, None, "", finish_reason=why))
+        keep = [i for i, d in enumerate(done) if not d]
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            cache.keep(index)
+            logits = logits.index_select(0, index)
+        return [rows[i] for i in keep], logits
+
+    def _prompt_scores(self, hidden, tokens, rows, cache) -> list:
+        """The log-probability of each prompt token given those before it, for the rows that ask."""
+        wanted = [i for i, r in enumerate(rows) if r.params.prompt_logprobs]
+        if not wanted or tokens.shape[1] < 2:
+            return [PromptScores(rows[i].index, [None] * len(rows[i].request.prompt)) for i in wanted]
+        index = torch.tensor(wanted, device=self.device)
+        logits = self.model.parallel_logits(hidden[:-1].index_select(1, index))  # [s-1, n, V/tp]
+        labels = tokens.index_select(0, index)[:, 1:].t()
+        logprob = -vocab_parallel_cross_entropy(logits.float(), labels, self.config.model.vocab_size, self.tp_group)
+        pads = cache.pad.index_select(0, index).tolist()
+        return [PromptScores(rows[i].index, [None] + logprob[pad:, j].tolist())
+                for j, (i, pad) in enumerate(zip(wanted, pads, strict=True))]
+
+    # Agreement between tensor-parallel ranks ----------------------------------------------------
+
+    def _seeds(self, requests: list[Request]) -> list[int]:
+        """Each request's seed; those not given are drawn on rank 0 and broadcast."""
+        seeds = torch.tensor([r.params.seed if r.params.seed is not None else random.SystemRandom().randrange(2**62)
+                              for r in requests], dtype=torch.long, device=self.device)
+        if self.tp_size > 1:
+            dist.broadcast(seeds, self.tp_source, group=self.tp_group)
+        return seeds.tolist()
+
+    def _cancellations(self, rows: list[_Row], cancelled: Callable[[int], bool] | None) -> list[bool]:
+        flags = [bool(cancelled(row.index)) if cancelled is not None else False for row in rows]
+        if self.tp_size > 1 and cancelled is not None:
+            t = torch.tensor(flags, dtype=torch.uint8, device=self.device)
+            dist.broadcast(t, self.tp_source, group=self.tp_group)
+            flags = [bool(x) for x in t.tolist()]
+        return flags
+
+
+@dataclass
+class PromptScores:
+    """The prompt's per-token log-probabilities of request ``index`` (sent once, after the prefill)."""
+
+    index: int
+    logprobs: list[float | None]

@@ -1,0 +1,107 @@
+"""A checkpoint's model, ready to generate: its parameters only (no optimizer state is read), cut
+for this launch's tensor-parallel size, in the dtype asked for, and the run's tokenizer.
+
+The checkpoint format is layout-free, so a model saved under any (tp, pp, dp, sharding) loads under
+any tensor-parallel size here: each rank reads its slice of each parameter (``CheckpointReader.
+local_range``: only the saved pieces it needs when the cut is the same, else the tensor is
+reassembled one at a time). Pipeline parallelism is not used for generation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.checkpoint.convert import open_checkpoint
+from megatron.checkpoint.format import CheckpointError
+from megatron.checkpoint.run_dir import on_every_rank
+from megatron.checkpoint.save_load import check_compatible, slice_of
+from megatron.config import Config
+from megatron.initialize import die_with_launcher, launch_env, launched_by_torchrun
+from megatron.tokenizer import Tokenizer, build_tokenizer, configured_tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def initialize(tp: int | None = None, device: str = "cpu",
+               timeout_minutes: float = 30.0) -> parallel_state.ParallelState:
+    """Join torchrun's ranks as one tensor-parallel group (``tp`` = the world size; a plain ``python``
+    launch is one rank). ValueError when ``tp`` is not the number of ranks (generation uses tensor
+    parallelism only)."""
+    world, rank, _ = launch_env()
+    tp = world if tp is None else tp
+    if tp != world:
+        raise ValueError(f"--tp {tp} needs {tp} processes but {world} were launched: run under "
+                         f"'torchrun --nproc-per-node {tp}' (generation uses tensor parallelism only).")
+    if world > 1 and not dist.is_initialized():
+        if launched_by_torchrun():
+            die_with_launcher()
+        backend = "nccl" if device == "gpu" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    return parallel_state.initialize(tp=tp, pp=1, dp=1, timeout_minutes=timeout_minutes)
+
+
+def torch_device(device: str) -> torch.device:
+    """``cpu`` or ``gpu`` (this process's GPU under torchrun)."""
+    if device == "gpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def tokenizer_for(config: Config, tokenizer_type: str | None = None, vocab_file: str | None = None,
+                  merge_file: str | None = None, tokenizer_model: str | None = None) -> Tokenizer | None:
+    """The tokenizer given by the arguments, else the one the run was trained with (its saved
+    config's ``tokenizer:`` section); None when neither names one (a run on synthetic data)."""
+    if tokenizer_type is not None:
+        return build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, config.tokenizer.eod_token)
+    return configured_tokenizer(config.tokenizer)
+
+
+def load_model(path: str, dtype: str = "fp32", device: torch.device | str = "cpu"):
+    """(model, config) of the checkpoint at ``path`` (a run folder: its latest step; or a step folder)
+    for this rank of the tensor-parallel group, in eval mode. Collective: a problem on any rank is the
+    same one-line CheckpointError on every rank."""
+    ps = parallel_state.get()
+    device = torch.device(device)
+    if ps.pp_size > 1:
+        raise CheckpointError("generation does not use pipeline parallelism: load the checkpoint with --tp "
+                              "instead (checkpoints are layout-free).")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    collective = device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+    return on_every_rank(lambda: _load(path, DTYPES[dtype], device, ps), collective,
+                         f"cannot load {path} for generation", "check the path, or load an earlier checkpoint")
+
+
+def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
+    from megatron.model.gpt import GPTModel
+
+    reader, _, config = open_checkpoint(path)
+    try:
+        m = config.model
+        if m.num_attention_heads % ps.tp_size or (m.ffn_hidden_size or 4 * m.hidden_size) % ps.tp_size:
+            raise CheckpointError(f"--tp {ps.tp_size} must divide num_attention_heads ({m.num_attention_heads}) "
+                                  f"and ffn_hidden_size ({m.ffn_hidden_size}).")
+        d = config.distributed
+        d.mp_degree, d.pp_degree, d.dp_degree, d.sequence_parallel = ps.tp_size, 1, 1, False
+        d.sharding.sharding_degree = 1
+        config.use_recompute = False
+        with torch.device("meta"):
+            model = GPTModel(m, config.padded_vocab_size)
+        model = model.to_empty(device=torch.device("cpu"))
+        error = check_compatible(reader, model, ps, m.vocab_size, {n for n, _ in model.named_parameters()})
+        if error is not None:
+            raise CheckpointError(error)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                where = slice_of(p, ps)
+                p.copy_(reader.local_range("param", name, where.global_shape, where.partition_dim, where.tp_rank,
+                                           where.tp_size, 0, p.numel()).view(p.shape))
+    finally:
+        reader.close()
+    return model.to(device=device, dtype=dtype).eval(), config

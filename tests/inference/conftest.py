@@ -1,0 +1,60 @@
+"""A small GPT checkpoint with a real tokenizer, written without training: a byte-level BPE trained on
+a few hundred sentences and a 2-layer model initialised with a wide spread (so its next-token
+distributions are peaked and greedy choices are far from ties)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron import parallel_state
+from megatron.checkpoint.convert import write_params
+from megatron.config import parse_config
+from megatron.model.gpt import GPTModel
+from megatron.model.init import init_parameters
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = ("the model reads every token of the corpus and learns which word comes next while the optimizer "
+         "moves its weights a little at each step until the loss falls and the text it writes makes sense "
+         "again tomorrow we will train a larger one on more data with eight ranks").split()
+MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+               "--max-seq-len", "96", "--max-position-embeddings", "96", "--device", "cpu",
+               "--initializer-range", "0.2", "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0"]
+PROMPTS = ["the model reads", "a", "every token of the corpus and learns which word comes", "again tomorrow we"]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> str:
+    """A run folder holding step_0 of a tp-1 checkpoint whose config names its tokenizer."""
+    folder = tmp_path_factory.mktemp("gen")
+    rng = random.Random(0)
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))})
+                              + "\n" for _ in range(400)))
+    assert _tool("train_tokenizer").main(["--input", str(corpus), "--type", "bpe", "--vocab-size", "300",
+                                          "--output-dir", str(folder / "tok")]) == 0
+    vocab = json.loads((folder / "tok" / "vocab.json").read_text())
+    config = parse_config([*MODEL_FLAGS, "--vocab-size", str(len(vocab)), "--tokenizer-type", "GPT2BPETokenizer",
+                           "--vocab-file", str(folder / "tok" / "vocab.json"),
+                           "--merge-file", str(folder / "tok" / "merges.txt")])
+    parallel_state.initialize()
+    model = GPTModel(config.model, config.padded_vocab_size)
+    with torch.no_grad():
+        init_parameters(model, 1234, config.model)
+    run = folder / "run"
+    write_params(str(run), config, {n: p.detach() for n, p in model.named_parameters()})
+    return str(run)
