@@ -53,6 +53,11 @@ def torch_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
+def collective_device(device: torch.device) -> torch.device:
+    """Where this process's collectives' tensors live: the GPU under NCCL, else the CPU."""
+    return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def tokenizer_for(config: Config, tokenizer_type: str | None = None, vocab_file: str | None = None,
                   merge_file: str | None = None, tokenizer_model: str | None = None) -> Tokenizer | None:
     """The tokenizer given by the arguments, else the one the run was trained with (its saved
@@ -73,8 +78,7 @@ def load_model(path: str, dtype: str = "fp32", device: torch.device | str = "cpu
                               "instead (checkpoints are layout-free).")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    collective = device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
-    return on_every_rank(lambda: _load(path, DTYPES[dtype], device, ps), collective,
+    return on_every_rank(lambda: _load(path, DTYPES[dtype], device, ps), collective_device(device),
                          f"cannot load {path} for generation", "check the path, or load an earlier checkpoint")
 
 
@@ -91,9 +95,12 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
         d.mp_degree, d.pp_degree, d.dp_degree, d.sequence_parallel = ps.tp_size, 1, 1, False
         d.sharding.sharding_degree = 1
         config.use_recompute = False
-        with torch.device("meta"):
+        with torch.device("meta"):  # no memory, no initialisation: every value comes from the checkpoint
             model = GPTModel(m, config.padded_vocab_size)
-        model = model.to_empty(device=torch.device("cpu"))
+        attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}  # tensor-parallel slicing
+        model = model.to_empty(device=torch.device("cpu"))  # new Parameter objects, without those attributes
+        for name, p in model.named_parameters():
+            vars(p).update(attributes[name])
         error = check_compatible(reader, model, ps, m.vocab_size, {n for n, _ in model.named_parameters()})
         if error is not None:
             raise CheckpointError(error)

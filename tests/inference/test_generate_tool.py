@@ -1,0 +1,94 @@
+"""tools/generate.py: tp 2 under torchrun generates what one process generates (greedy, and seeded
+samples with top-k and with top-p, the path that gathers the whole vocabulary), checkpoints of any
+tensor-parallel cut load, prompts come from flags, files and stdin, and bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron.checkpoint.convert import reshard
+from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model, tokenizer_for
+from tests.inference.conftest import PROMPTS, ROOT
+
+
+def _generate(*args: str, nproc: int = 1, stdin: str | None = None) -> subprocess.CompletedProcess:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]
+    return subprocess.run([*launcher, "tools/generate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def _engine(path: str) -> InferenceEngine:
+    initialize()
+    model, config = load_model(path)
+    return InferenceEngine(model, config, tokenizer_for(config))
+
+
+SAMPLING = {"greedy": ({"temperature": 0}, ["--temperature", "0"]),
+            "top_k": ({"temperature": 0.9, "top_k": 20, "seed": 11}, ["--temperature", "0.9", "--top-k", "20",
+                                                                      "--seed", "11"]),
+            "top_p": ({"temperature": 0.9, "top_p": 0.9, "seed": 5}, ["--temperature", "0.9", "--top-p", "0.9",
+                                                                      "--seed", "5"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(SAMPLING))
+def test_tp2_under_torchrun_generates_what_one_process_generates(checkpoint, tmp_path, mode):
+    params, flags = SAMPLING[mode]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    result = _generate("--load", checkpoint, "--tp", "2", "--prompts-file", str(prompts), "--max-new-tokens", "24",
+                       "--ignore-eos", "--output-format", "jsonl", "--logprobs", "0", *flags, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    engine = _engine(checkpoint)
+    expected = engine.generate([Request(engine.tokenizer.tokenize(p), SamplingParams(
+        max_tokens=24, ignore_eos=True, logprobs=0, **params)) for p in PROMPTS])
+    assert [r["prompt"] for r in records] == PROMPTS
+    for record, completion in zip(records, expected, strict=True):
+        assert record["tokens"] == completion.tokens and record["text"] == completion.text
+        assert record["finish_reason"] == "length"
+        assert record["logprobs"] == pytest.approx(completion.logprobs, abs=1e-5)
+
+
+def test_a_checkpoint_of_another_tensor_parallel_cut_generates_the_same(checkpoint, tmp_path):
+    resharded = reshard(checkpoint, str(tmp_path / "tp2"), tp=2)
+    requests = [Request(_engine(checkpoint).tokenizer.tokenize(p), SamplingParams(max_tokens=16, temperature=0))
+                for p in PROMPTS]
+    assert [c.tokens for c in _engine(resharded).generate(requests)] == \
+        [c.tokens for c in _engine(checkpoint).generate(requests)]
+
+
+def test_prompts_from_flags_and_stdin_print_their_continuations(checkpoint):
+    engine = _engine(checkpoint)
+    expected = engine.generate([Request(engine.tokenizer.tokenize(p), SamplingParams(max_tokens=8, temperature=0))
+                                for p in PROMPTS[:2]])
+    flags = _generate("--load", checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "8",
+                      "--temperature", "0")
+    assert flags.returncode == 0, flags.stderr
+    assert f"{PROMPTS[0]}{expected[0].text}\n" in flags.stdout and f"{PROMPTS[1]}{expected[1].text}\n" in flags.stdout
+    piped = _generate("--load", checkpoint, "--max-new-tokens", "8", "--temperature", "0",
+                      stdin=f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == f"{expected[0].text}\n{expected[1].text}\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "the model " * 60], "positions"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(checkpoint, args, message):
+    result = _generate("--load", checkpoint, *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_missing_checkpoint_is_one_line(tmp_path):
+    result = _generate("--load", str(tmp_path / "nothing"), "--prompt", "x")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "nothing" in result.stderr.splitlines()[-1]
