@@ -204,3 +204,13 @@ def test_empty_and_out_of_vocabulary_prompts_are_refused(engine):
         engine.generate([Request([], SamplingParams())])
     with pytest.raises(PromptError, match="outside the vocabulary"):
         engine.generate([Request([engine.config.model.vocab_size], SamplingParams())])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_models_generate_from_the_same_checkpoint(checkpoint, dtype):
+    model, config = load_model(checkpoint, dtype)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16 if dtype == "bf16" else torch.float16}
+    half = InferenceEngine(model, config, tokenizer_for(config))
+    completions = half.generate([Request(half.tokenizer.tokenize(p), SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)) for p in PROMPTS])
+    assert all(len(c.tokens) == 8 and all(lp <= 0 for lp in c.logprobs) for c in completions)
