@@ -6,7 +6,7 @@ command-line tool is ``tools/generate.py``; the OpenAI-compatible server ``tools
 from megatron.inference.engine import Completion, Event, InferenceEngine, PromptError, PromptScores, Request
 from megatron.inference.kv_cache import KVCache
 from megatron.inference.loader import DTYPES, initialize, load_model, tokenizer_for, torch_device
-from megatron.inference.sampling import MAX_LOGPROBS, SamplingParams
+from megatron.inference.sampling import MAX_LOGPROBS, RequestError, SamplingParams
 
 __all__ = ["DTYPES", "MAX_LOGPROBS", "Completion", "Event", "InferenceEngine", "KVCache", "PromptError", "PromptScores",
-           "Request", "SamplingParams", "initialize", "load_model", "tokenizer_for", "torch_device"]
+           "Request", "RequestError", "SamplingParams", "initialize", "load_model", "tokenizer_for", "torch_device"]

@@ -23,9 +23,8 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.inference.kv_cache import KVCache
-from megatron.inference.sampling import RowState, SamplingParams, VocabShard, choose
+from megatron.inference.sampling import RequestError, RowState, SamplingParams, VocabShard, choose
 from megatron.inference.text import TextTracker
-from megatron.tensor_parallel import vocab_parallel_cross_entropy
 
 
 @dataclass
@@ -58,11 +57,13 @@ class Completion:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None  # None for the first token (nothing before it)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finish_reason: str | None = None
 
 
-class PromptError(ValueError):
-    """A request this model cannot serve (empty, or longer than its positions)."""
+class PromptError(RequestError):
+    """A prompt this model cannot take (empty, out of the vocabulary, or with ``max_tokens`` longer than
+    its positions); ``param`` is ``prompt`` or ``max_tokens``."""
 
 
 class _Row:
@@ -96,18 +97,19 @@ class InferenceEngine:
     # Checking ------------------------------------------------------------------------------------
 
     def check(self, request: Request) -> None:
-        """PromptError / ValueError naming what is wrong with ``request`` (before any work)."""
+        """RequestError (PromptError for the prompt) naming what is wrong with ``request``, before any work."""
         request.params.check()
         if not request.prompt:
-            raise PromptError("prompt is empty: give at least one token.")
-        n, room = len(request.prompt), self.max_positions
-        if n + request.params.max_tokens > room:
-            raise PromptError(f"prompt has {n} tokens and max_tokens is {request.params.max_tokens}, but the model "
-                              f"has {room} positions: shorten the prompt or lower max_tokens.")
+            raise PromptError("prompt is empty: give at least one token.", "prompt")
+        n, room, wanted = len(request.prompt), self.max_positions, request.params.max_tokens
+        if n + wanted > room:
+            tokens = f"{n} token{'s' if n != 1 else ''}"
+            raise PromptError(f"prompt has {tokens} and max_tokens is {wanted}, but the model has {room} positions: "
+                              f"shorten the prompt or lower max_tokens.", "max_tokens" if wanted >= room else "prompt")
         vocab = self.config.model.vocab_size
         bad = [t for t in request.prompt if not 0 <= t < vocab]
         if bad:
-            raise PromptError(f"prompt has token id {bad[0]}, outside the vocabulary (0..{vocab - 1}).")
+            raise PromptError(f"prompt has token id {bad[0]}, outside the vocabulary (0..{vocab - 1}).", "prompt")
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.detokenize(ids) if self.tokenizer is not None else ""
@@ -122,7 +124,7 @@ class InferenceEngine:
             for e in events:
                 c = out[e.index]
                 if isinstance(e, PromptScores):
-                    c.prompt_logprobs = e.logprobs
+                    c.prompt_logprobs, c.prompt_top_logprobs = e.logprobs, e.top_logprobs
                     continue
                 if e.token is not None:
                     c.tokens.append(e.token)
@@ -138,8 +140,8 @@ class InferenceEngine:
     def stream(self, requests: list[Request], cancelled: Callable[[int], bool] | None = None) -> Iterator[list]:
         """Yield, after the prefill and after each step, the events of that step (``Event``, and
         ``PromptScores`` for requests with ``prompt_logprobs``). ``cancelled(index)`` (read on tensor-
-        parallel rank 0) drops a request at the next step. Every rank must call this with the same
-        requests."""
+        parallel rank 0; the other ranks' answers are ignored) drops a request at the next step. Every rank
+        must call this with the same requests."""
         for r in requests:
             self.check(r)
         if not requests:
@@ -219,17 +221,32 @@ class InferenceEngine:
         return [rows[i] for i in keep], logits
 
     def _prompt_scores(self, hidden, tokens, rows, cache) -> list:
-        """The log-probability of each prompt token given those before it, for the rows that ask."""
+        """The log-probability of each prompt token given those before it (and, with ``logprobs n``,
+        the ``n`` most likely tokens there), for the rows that ask."""
         wanted = [i for i, r in enumerate(rows) if r.params.prompt_logprobs]
         if not wanted or tokens.shape[1] < 2:
             return [PromptScores(rows[i].index, [None] * len(rows[i].request.prompt)) for i in wanted]
         index = torch.tensor(wanted, device=self.device)
-        logits = self.model.parallel_logits(hidden[:-1].index_select(1, index))  # [s-1, n, V/tp]
-        labels = tokens.index_select(0, index)[:, 1:].t()
-        logprob = -vocab_parallel_cross_entropy(logits.float(), labels, self.config.model.vocab_size, self.tp_group)
+        logits = self.shard.real(self.model.parallel_logits(hidden[:-1].index_select(1, index)))  # [s-1, n, V/tp]
+        flat = logits.reshape(-1, logits.shape[-1])
+        lse = self.shard.log_normalizer(flat)
+        labels = tokens.index_select(0, index)[:, 1:].t().reshape(-1)
+        logprob = (self.shard.pick(flat, labels) - lse).view(logits.shape[:2]).cpu()
+        n_top = max(rows[i].params.logprobs or 0 for i in wanted)
+        if n_top:
+            values, ids = self.shard.top(flat, n_top)
+            top_values = (values - lse.unsqueeze(-1)).view(*logits.shape[:2], n_top).cpu()
+            top_ids = ids.view(*logits.shape[:2], n_top).cpu()
         pads = cache.pad.index_select(0, index).tolist()
-        return [PromptScores(rows[i].index, [None] + logprob[pad:, j].tolist())
-                for j, (i, pad) in enumerate(zip(wanted, pads, strict=True))]
+        scores = []
+        for j, (i, pad) in enumerate(zip(wanted, pads, strict=True)):
+            n = rows[i].params.logprobs or 0
+            top = None
+            if n:
+                top = [None] + [list(zip(top_ids[s, j, :n].tolist(), top_values[s, j, :n].tolist(), strict=True))
+                                for s in range(pad, logits.shape[0])]
+            scores.append(PromptScores(rows[i].index, [None] + logprob[pad:, j].tolist(), top))
+        return scores
 
     # Agreement between tensor-parallel ranks ----------------------------------------------------
 
@@ -242,8 +259,9 @@ class InferenceEngine:
         return seeds.tolist()
 
     def _cancellations(self, rows: list[_Row], cancelled: Callable[[int], bool] | None) -> list[bool]:
+        """Rank 0's answers, on every rank (broadcast at every step under tp, whoever passed a callback)."""
         flags = [bool(cancelled(row.index)) if cancelled is not None else False for row in rows]
-        if self.tp_size > 1 and cancelled is not None:
+        if self.tp_size > 1:
             t = torch.tensor(flags, dtype=torch.uint8, device=self.device)
             dist.broadcast(t, self.tp_source, group=self.tp_group)
             flags = [bool(x) for x in t.tolist()]
@@ -256,3 +274,4 @@ class PromptScores:
 
     index: int
     logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None  # with logprobs n > 0; None for the first

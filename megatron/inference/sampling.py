@@ -24,6 +24,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+
+class RequestError(ValueError):
+    """A request this engine will not run; ``param`` names the field at fault (as OpenAI's errors do)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's API allows 5; vLLM 20)
 
 
@@ -54,9 +63,9 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def check(self) -> None:
-        """ValueError naming the first field out of range."""
+        """RequestError naming the first field out of range."""
         def bad(name: str, rule: str):
-            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+            raise RequestError(f"{name} must be {rule}, got {getattr(self, name)!r}.", name)
 
         for name in ("max_tokens", "top_k"):
             value = getattr(self, name)

@@ -92,11 +92,18 @@ def test_greedy_tokens_and_logprobs_equal_transformers_on_the_exported_weights(e
 
 
 def test_top_logprobs_are_the_most_likely_tokens(engine):
-    (completion,) = engine.generate([Request(engine.tokenizer.tokenize("the model"),
-                                             SamplingParams(max_tokens=4, temperature=0, logprobs=3))])
+    prompt = engine.tokenizer.tokenize(PROMPTS[2])
+    (completion,) = engine.generate([Request(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3,
+                                                                    prompt_logprobs=True))])
     for chosen, top in zip(completion.logprobs, completion.top_logprobs, strict=True):
         assert len(top) == 3 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
         assert top[0][1] == pytest.approx(chosen, abs=1e-6)  # greedy picks the most likely token
+    assert completion.prompt_top_logprobs[0] is None and len(completion.prompt_top_logprobs) == len(prompt)
+    for token, actual, top in zip(prompt[1:], completion.prompt_logprobs[1:], completion.prompt_top_logprobs[1:],
+                                  strict=True):
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert actual <= top[0][1] + 1e-6
+        assert dict(top).get(token, actual) == pytest.approx(actual, abs=1e-6)
 
 
 def test_a_seeded_sample_is_reproducible_and_the_seed_matters(engine):

@@ -1,0 +1,432 @@
+"""The OpenAI-compatible server through the real ``openai`` client: completions (plain, streamed,
+logprobs, echo, stop strings, prompt lists) equal to the engine's own results, 16 concurrent clients
+batched together, OpenAI-shaped 400s that leave the server up, cancelled work when a client leaves,
+a failed batch as a 500, and the ``tools/serve.py`` CLI on one and two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model, tokenizer_for
+from tests.inference.conftest import PROMPTS, ROOT
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from megatron.inference.scheduler import Scheduler  # noqa: E402
+from megatron.inference.server import HTTPServer, create_app  # noqa: E402
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    initialize()
+    model, config = load_model(checkpoint)
+    return InferenceEngine(model, config, tokenizer_for(config))
+
+
+@contextmanager
+def running(engine, **scheduler_options):
+    """A server on a free port in a background thread: (base url, its scheduler)."""
+    scheduler = Scheduler(engine, **scheduler_options).start()
+    server = HTTPServer(create_app(scheduler, MODEL), "127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.port}", scheduler
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    with running(engine) as (url, scheduler):
+        yield url, scheduler
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def alone(engine, prompt: str, **params):
+    return engine.generate([Request(engine.tokenizer.tokenize(prompt), SamplingParams(**params))])[0]
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def post(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+# Completions --------------------------------------------------------------------------------------
+
+def test_health_and_models(served, client):
+    assert get(served[0] + "/health") == (200, {"status": "ok"})
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
+    status, body = get(served[0] + "/v1/nowhere")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_plain_completion_equals_the_engine(engine, client):
+    reference = alone(engine, PROMPTS[0], max_tokens=12, temperature=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+    assert len(out.choices) == 1 and out.choices[0].index == 0 and out.choices[0].logprobs is None
+    assert out.choices[0].text == reference.text and out.choices[0].finish_reason == reference.finish_reason
+    n = len(engine.tokenizer.tokenize(PROMPTS[0]))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+        (n, len(reference.tokens), n + len(reference.tokens))
+
+
+def test_streamed_chunks_concatenate_to_the_greedy_text(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "text_completion" for c in chunks)
+    text_chunks, usage = chunks[:-1], chunks[-1]
+    assert len(text_chunks) > 5 and all(c.choices[0].text or c.choices[0].finish_reason for c in text_chunks)
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_logprobs_equal_the_engine(engine, client):
+    reference = alone(engine, PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    detok = engine.tokenizer.detokenize
+    assert lp.tokens == [detok([t]) for t in reference.tokens]
+    assert lp.token_logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+    for got, want in zip(lp.top_logprobs, reference.top_logprobs, strict=True):
+        assert got == pytest.approx({detok([t]): v for t, v in want}, abs=1e-5)
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3, stream=True)]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c, key)] == getattr(lp, key)
+
+
+def test_echo_prepends_the_prompt_and_its_logprobs(engine, client):
+    prompt = PROMPTS[3]
+    ids = engine.tokenizer.tokenize(prompt)
+    reference = engine.generate([Request(ids, SamplingParams(max_tokens=4, temperature=0, logprobs=1,
+                                                             prompt_logprobs=True))])[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    choice = out.choices[0]
+    choice_text = choice.text
+    assert choice_text == prompt + reference.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + len(reference.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(reference.prompt_logprobs[1:], abs=1e-5)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(reference.logprobs, abs=1e-5)
+    assert lp.text_offset[len(ids)] == len(prompt)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert streamed[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in streamed) == choice_text
+    assert [t for c in streamed for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(reference.prompt_logprobs[1:], abs=1e-5)
+    assert scored.usage.completion_tokens == 0
+
+
+def test_stop_string_cuts_the_text(engine, client):
+    greedy = alone(engine, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True).text
+    at = next(k for k in range(2, len(greedy) - 1) if greedy.find(greedy[k:k + 2]) == k
+              and "\ufffd" not in greedy[k:k + 2])
+    stop = greedy[at:at + 2]
+    for kwargs in ({"stop": stop}, {"stop": ["never said", stop]}):
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True}, **kwargs)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (greedy[:at], "stop")
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == greedy[:at]
+
+
+def test_prompt_lists_and_token_ids(engine, client):
+    references = [alone(engine, p, max_tokens=5, temperature=0) for p in PROMPTS]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=5, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [r.text for r in references]
+    ids = engine.tokenizer.tokenize(PROMPTS[0])
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == references[0].text
+    two = client.completions.create(model=MODEL, prompt=[ids, engine.tokenizer.tokenize(PROMPTS[1])], max_tokens=5,
+                                    temperature=0)
+    assert [c.text for c in two.choices] == [r.text for r in references[:2]]
+
+
+def test_sixteen_concurrent_clients_are_batched_and_each_gets_its_own_answer(served, client):
+    requests = [dict(prompt=PROMPTS[i % 4], max_tokens=4 + i % 5, temperature=0) for i in range(12)]
+    requests += [dict(prompt=PROMPTS[i], max_tokens=6, temperature=0.8, seed=i, extra_body={"top_k": 20})
+                 for i in range(4)]
+    stats = served[1].stats
+    before = stats.batches
+    barrier = threading.Barrier(16)
+
+    def send(kwargs):
+        barrier.wait()
+        return client.completions.create(model=MODEL, **kwargs).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(send, requests))
+    batches = stats.batches - before
+    single = [client.completions.create(model=MODEL, **kwargs).choices[0].text for kwargs in requests]
+    assert together == single
+    assert batches < 16 and stats.largest_batch > 4  # requests shared batches (4: the prompt-list test's)
+
+
+# Errors -----------------------------------------------------------------------------------------------
+
+BAD = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"prompt": "the model reads " * 40}, "prompt"),
+    ({"max_tokens": 1000}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [[1, 2], [99999]]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"n": 2}, "n"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"top_p": 0}, "top_p"),
+    ({"stop": [""]}, "stop"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"stream": "yes"}, "stream"),
+    ({"max_token": 3}, "max_token"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_requests_are_openai_400s_and_the_server_stays_up(served, client, fields, param):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=body.pop("model"), prompt=body.pop("prompt"), extra_body=body)
+    error = raised.value
+    assert error.status_code == 400 and error.param == param and error.type == "invalid_request_error"
+    assert set(error.body) == {"message", "type", "param", "code"} and "\n" not in error.body["message"]
+    assert get(served[0] + "/health")[0] == 200
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=1).choices[0].finish_reason
+
+
+def test_unknown_model_and_malformed_bodies(served, client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="gpt-5", prompt="a", max_tokens=1)
+    assert raised.value.param == "model" and raised.value.code == "model_not_found"
+    for data in (b'{"prompt": "a", ', b"[1, 2]", b"{}"):
+        status, body = post(served[0] + "/v1/completions", data)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert post(served[0] + "/v1/completions", b"{}")[1]["error"]["param"] == "prompt"
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=1).usage.completion_tokens == 1
+
+
+# Clients that leave, batches that fail -------------------------------------------------------------------
+
+def _cancelled_row(scheduler, since: int, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ended = [e for e in scheduler.ended if e.job >= since and e.reason == "cancelled"]
+        if ended:
+            return ended[0]
+        time.sleep(0.02)
+    raise AssertionError("no row was cancelled")
+
+
+class _TestEngine:
+    """The engine, slowed to ``step_seconds`` a step (so a test can act while a request runs), and a
+    batch with a request seeded 666 raises after its first step."""
+
+    def __init__(self, engine, step_seconds: float = 0.0):
+        self.engine, self.step_seconds = engine, step_seconds
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, requests, cancelled=None):
+        for n, events in enumerate(self.engine.stream(requests, cancelled)):
+            if n == 1 and any(r.params.seed == 666 for r in requests):
+                raise RuntimeError("injected failure")
+            time.sleep(self.step_seconds)
+            yield events
+
+
+def test_a_client_that_leaves_stops_its_work(engine):
+    with running(_TestEngine(engine, step_seconds=0.02)) as (url, scheduler):  # 90 tokens: about 2 s
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        stream = client.completions.create(model=MODEL, prompt="a", max_tokens=90, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        row = _cancelled_row(scheduler, 0)
+        assert row.tokens < 30, row  # far from the 90 asked for
+
+        hasty = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            hasty.completions.create(model=MODEL, prompt="a", max_tokens=90, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        row = _cancelled_row(scheduler, row.job + 1)
+        assert row.tokens < 60, row
+        assert [e.reason for e in scheduler.ended] == ["cancelled", "cancelled"]
+
+
+def test_a_failed_batch_is_a_500_and_the_server_keeps_serving(engine):
+    with running(_TestEngine(engine)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=666)
+        assert raised.value.type == "server_error" and "injected failure" in raised.value.message
+        with pytest.raises(openai.APIError, match="injected failure"):
+            list(client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=666, stream=True))
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert out.choices[0].text == alone(engine, PROMPTS[0], max_tokens=4, temperature=0).text
+
+
+def test_an_idle_scheduler_on_several_ranks_sends_keepalives_then_the_stop_batch(engine, monkeypatch):
+    import megatron.inference.scheduler as scheduler_module
+
+    sent = []
+    monkeypatch.setattr(scheduler_module, "share_batch", lambda batch, device: sent.append(batch))
+    scheduler = Scheduler(engine, keepalive_seconds=0.05)
+    scheduler.tp = 2  # as on rank 0 of two (the engine itself is one rank)
+    scheduler.start()
+    time.sleep(0.4)
+    scheduler.stop()
+    assert len(sent) >= 3 and sent[:-1] == [[]] * (len(sent) - 1) and sent[-1] is None
+
+
+# The command line -------------------------------------------------------------------------------------
+
+@contextmanager
+def launched(command: list[str], timeout: float = 60):
+    """``command`` (tools/serve.py) until its ready line: (process, base url, lines so far)."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not (ready := [m for line in list(lines) if (m := re.search(r"serving (\S+) on (http://\S+) \(tp (\d)\)",
+                                                                          line))]):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        yield process, ready[0].group(2), lines
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+        reader.join(5)
+
+
+@pytest.mark.slow
+def test_serve_tool_serves_and_stops_on_sigterm(engine, checkpoint):
+    with launched([sys.executable, "tools/serve.py", "--load", checkpoint, "--port", "0"]) as (process, url, lines):
+        assert f"serving {os.path.basename(checkpoint)} on" in "".join(lines)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        out = client.completions.create(model=os.path.basename(checkpoint), prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=0)
+        assert out.choices[0].text == alone(engine, PROMPTS[0], max_tokens=6, temperature=0).text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+    assert "stopped serving" in "".join(lines)
+
+
+@pytest.mark.slow
+def test_serve_tool_without_fastapi_is_a_one_line_error(checkpoint):
+    code = ("import sys, runpy; sys.modules['fastapi'] = None; sys.argv = ['serve.py', '--load', sys.argv[1]]; "
+            "runpy.run_path('tools/serve.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code, checkpoint], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        'serve.py: error: the server needs FastAPI and uvicorn (fastapi is missing): pip install -e ".[serve]"']
+
+
+@pytest.mark.slow
+def test_serve_tool_on_two_tensor_parallel_ranks(engine, checkpoint):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "tools/serve.py", "--load", checkpoint, "--tp", "2", "--port", "0", "--model-name", MODEL]
+    with launched(command, timeout=90) as (process, url, lines):
+        assert f"serving {MODEL} on" in "".join(lines) and "(tp 2)" in "".join(lines)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,
+                                                                      temperature=0).choices[0].text, PROMPTS))
+        assert texts == [alone(engine, p, max_tokens=6, temperature=0).text for p in PROMPTS]
+        stream = client.completions.create(model=MODEL, prompt="a", max_tokens=80, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()  # rank 1 must drop the row with rank 0
+        assert client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0
+                                         ).choices[0].text == texts[1]
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    output = "".join(lines)
+    assert "stopped serving" in output and "exitcode" not in output, output  # both ranks ended cleanly
+
+
+FAILING_RANK_0 = """
+import os, runpy, sys
+sys.path.insert(0, os.getcwd())
+from megatron.inference.engine import InferenceEngine
+real = InferenceEngine.stream
+def stream(self, requests, cancelled=None):
+    for n, events in enumerate(real(self, requests, cancelled)):
+        if n == 1 and os.environ["RANK"] == "0" and any(r.params.seed == 666 for r in requests):
+            raise RuntimeError("injected failure")
+        yield events
+InferenceEngine.stream = stream
+sys.argv[0] = "serve.py"
+runpy.run_path("tools/serve.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_batch_on_two_ranks_stops_the_server_with_a_clear_line(checkpoint, tmp_path):
+    script = tmp_path / "failing_serve.py"
+    script.write_text(FAILING_RANK_0)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               "--load", checkpoint, "--tp", "2", "--port", "0", "--model-name", MODEL]
+    with launched(command, timeout=90) as (process, url, lines):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="injected failure"):
+            client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=666)
+        assert process.wait(30) != 0
+    output = "".join(lines)
+    assert "generation failed: RuntimeError: injected failure (tp 2: the ranks may be out of step" in output
+    assert f"stopped serving {MODEL} after that error" in output and "rank 1: stopped: lost rank 0" in output, output
