@@ -1,4 +1,4 @@
-"""Continuous batching for the server: one thread owns the engine and runs one batch at a time.
+"""Request batching for the server: one thread owns the engine and runs one batch at a time.
 
 Why one thread: the engine is a collective over the tensor-parallel group and keeps a KV cache per
 batch, so only one ``engine.stream`` may run at once. HTTP handlers (asyncio) ``submit`` jobs (a job
