@@ -189,7 +189,8 @@ def choose(logits: torch.Tensor, rows: list[RowState], shard: VocabShard) -> Cho
     """The next token of every row from this rank's logits [n, V/t]. Collective over the
     tensor-parallel group (every rank calls it with the same rows)."""
     raw = shard.real(logits)
-    lse = shard.log_normalizer(raw)
+    wanted = [r.params.logprobs for r in rows]
+    lse = shard.log_normalizer(raw) if any(n is not None for n in wanted) else None
     scaled = apply_penalties(raw, rows, shard)
     temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows],
                                device=raw.device).unsqueeze(-1)
@@ -201,9 +202,10 @@ def choose(logits: torch.Tensor, rows: list[RowState], shard: VocabShard) -> Cho
     for i, row in enumerate(rows):
         k = counts[i]
         tokens.append(int(ids[i, 0]) if k == 1 else _sample(values[i, :k], ids[i, :k], row))
+    if lse is None:  # no row asked for log-probabilities: nothing more to compute
+        return Choice(tokens, [None] * len(rows), [None] * len(rows))
     chosen = torch.tensor(tokens, device=raw.device)
     logprob = (shard.pick(raw, chosen) - lse).tolist()
-    wanted = [r.params.logprobs for r in rows]
     top_lp: list[list[tuple[int, float]] | None] = [None] * len(rows)
     n_top = max((n for n in wanted if n), default=0)
     if n_top:
