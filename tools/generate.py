@@ -6,9 +6,10 @@
     python tools/generate.py --load output/run          # interactive: one prompt per line on stdin
 
 Prompts come from ``--prompt`` (repeatable), ``--prompts-file`` (one per line; a line that is a JSON
-object gives its ``prompt`` key) or, without either, standard input (a terminal: interactive, each
-answer streamed as it is generated). ``--temperature 0`` is greedy, as in OpenAI's API. Output:
-each prompt followed by its continuation, or with ``--output-format jsonl`` one JSON object per
+object gives its ``prompt`` and may set that prompt's own sampling fields, e.g. ``"temperature"``)
+or, without either, standard input (a terminal: interactive, each answer streamed as it is
+generated). ``--temperature 0`` is greedy, as in OpenAI's API. Output: each prompt followed by its
+continuation, or with ``--output-format jsonl`` one JSON object per
 prompt (``prompt``, ``text``, ``tokens``, ``logprobs``, ``finish_reason``). Under torchrun, rank 0
 reads the prompts and writes the output. Exit status 2, with a one-line message, for a missing or
 damaged checkpoint or a prompt the model cannot take.
@@ -17,6 +18,7 @@ damaged checkpoint or a prompt the model cannot take.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -69,23 +71,35 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def read_prompts(args: argparse.Namespace) -> list[str] | None:
-    """The prompts of --prompt and --prompts-file; None when neither is given (read standard input)."""
+def read_prompts(args: argparse.Namespace) -> list[tuple[str, dict]] | None:
+    """(prompt, sampling overrides) of --prompt and of each line of --prompts-file (a JSON line may set
+    any sampling field for its prompt, e.g. ``{"prompt": "...", "temperature": 0, "max_tokens": 20}``);
+    None when neither is given (read standard input)."""
+    prompts = [(p, {}) for p in args.prompt]
     if args.prompts_file is None:
-        return list(args.prompt) or None
-    prompts = list(args.prompt)
+        return prompts or None
+    allowed = {f.name for f in dataclasses.fields(SamplingParams)} - {"prompt_logprobs"}
     with open(args.prompts_file, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             line = line.rstrip("\n")
             if not line.strip():
                 continue
-            if line.lstrip().startswith("{"):
-                try:
-                    line = json.loads(line)["prompt"]
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
-                    raise ValueError(f"{args.prompts_file}, line {number}: a JSON line needs a 'prompt' string "
-                                     f"({type(err).__name__}).") from err
-            prompts.append(line)
+            if not line.lstrip().startswith("{"):
+                prompts.append((line, {}))
+                continue
+            where = f"{args.prompts_file}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg}).") from err
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{where}: a JSON line needs a 'prompt' string.")
+            unknown = sorted(set(record) - allowed - {"prompt"})
+            if unknown:
+                raise ValueError(f"{where}: unknown field {unknown[0]!r} (the sampling fields: "
+                                 f"{', '.join(sorted(allowed))}).")
+            prompt = record.pop("prompt")
+            prompts.append((prompt, record))
     return prompts
 
 
@@ -114,13 +128,13 @@ def _record(prompt: str, completion, params: SamplingParams) -> dict:
     return record
 
 
-def run_batches(engine, prompts: list[str], params: SamplingParams, args, rank: int) -> None:
+def run_batches(engine, prompts: list[tuple[str, SamplingParams]], args, rank: int) -> None:
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start:start + args.batch_size]
-        completions = engine.generate([Request(engine.tokenizer.tokenize(p), params) for p in batch])
+        completions = engine.generate([Request(engine.tokenizer.tokenize(p), params) for p, params in batch])
         if rank != 0:
             continue
-        for prompt, completion in zip(batch, completions, strict=True):
+        for (prompt, params), completion in zip(batch, completions, strict=True):
             if args.output_format == "jsonl":
                 print(json.dumps(_record(prompt, completion, params)), flush=True)
             else:
@@ -172,12 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts, error = _shared(read, rank)
         if error is not None:
             raise ValueError(error)
-        for prompt in prompts or []:
-            engine.check(Request(engine.tokenizer.tokenize(prompt), params))
         if prompts is None:
             interactive(engine, params, rank)
-        else:
-            run_batches(engine, prompts, params, args, rank)
+            return 0
+        batch = [(prompt, dataclasses.replace(params, **overrides)) for prompt, overrides in prompts]
+        for prompt, own in batch:
+            engine.check(Request(engine.tokenizer.tokenize(prompt), own))
+        run_batches(engine, batch, args, rank)
     except (ValueError, OSError, CheckpointError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

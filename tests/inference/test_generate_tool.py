@@ -28,31 +28,32 @@ def _engine(path: str) -> InferenceEngine:
     return InferenceEngine(model, config, tokenizer_for(config))
 
 
-SAMPLING = {"greedy": ({"temperature": 0}, ["--temperature", "0"]),
-            "top_k": ({"temperature": 0.9, "top_k": 20, "seed": 11}, ["--temperature", "0.9", "--top-k", "20",
-                                                                      "--seed", "11"]),
-            "top_p": ({"temperature": 0.9, "top_p": 0.9, "seed": 5}, ["--temperature", "0.9", "--top-p", "0.9",
-                                                                      "--seed", "5"])}
+ROWS = [{"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 11},  # greedy; seeded top-k
+        {"temperature": 0.9, "top_p": 0.9, "seed": 5}, {"temperature": 0.7, "seed": 3}]  # top-p and plain: all ids
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(SAMPLING))
-def test_tp2_under_torchrun_generates_what_one_process_generates(checkpoint, tmp_path, mode):
-    params, flags = SAMPLING[mode]
+def test_tp2_under_torchrun_generates_what_one_process_generates(checkpoint, tmp_path):
+    """One batch, each prompt with its own sampling fields (a JSON line of --prompts-file): greedy, seeded
+    top-k (the merged top-k over ranks), seeded top-p and plain temperature (the whole vocabulary gathered)."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    prompts.write_text("".join(json.dumps({"prompt": p, **row}) + "\n" for p, row in zip(PROMPTS, ROWS, strict=True)))
     result = _generate("--load", checkpoint, "--tp", "2", "--prompts-file", str(prompts), "--max-new-tokens", "24",
-                       "--ignore-eos", "--output-format", "jsonl", "--logprobs", "0", *flags, nproc=2)
+                       "--ignore-eos", "--output-format", "jsonl", "--logprobs", "0", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     engine = _engine(checkpoint)
     expected = engine.generate([Request(engine.tokenizer.tokenize(p), SamplingParams(
-        max_tokens=24, ignore_eos=True, logprobs=0, **params)) for p in PROMPTS])
+        max_tokens=24, ignore_eos=True, logprobs=0, **row)) for p, row in zip(PROMPTS, ROWS, strict=True)])
     assert [r["prompt"] for r in records] == PROMPTS
     for record, completion in zip(records, expected, strict=True):
         assert record["tokens"] == completion.tokens and record["text"] == completion.text
         assert record["finish_reason"] == "length"
         assert record["logprobs"] == pytest.approx(completion.logprobs, abs=1e-5)
+    sampled = [c.tokens for c in expected[1:]]
+    assert sampled != [c.tokens for c in engine.generate([Request(engine.tokenizer.tokenize(p), SamplingParams(
+        max_tokens=24, ignore_eos=True, **{**row, "seed": row["seed"] + 1})) for p, row in zip(PROMPTS[1:], ROWS[1:],
+                                                                                                strict=True)])]
 
 
 def test_a_checkpoint_of_another_tensor_parallel_cut_generates_the_same(checkpoint, tmp_path):
@@ -81,6 +82,7 @@ def test_prompts_from_flags_and_stdin_print_their_continuations(checkpoint):
     (["--prompt", "the model " * 60], "positions"),
     (["--prompt", "x", "--temperature", "-1"], "temperature"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
+    (["--prompts-file", str(ROOT / "tests" / "inference" / "bad_prompts.jsonl")], "unknown field 'temprature'"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(checkpoint, args, message):
     result = _generate("--load", checkpoint, *args)
