@@ -34,8 +34,10 @@ setup(
     install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors"],
     # transformers: only the tests that load converted checkpoints into GPT2LMHeadModel.
     extras_require={"serve": ["fastapi", "uvicorn"],
+                    "plot": ["matplotlib"],  # tools/plot_runs.py
+                    "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
                     "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
-                             "fastapi", "uvicorn"]},
+                             "fastapi", "uvicorn", "matplotlib"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

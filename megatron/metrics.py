@@ -1,4 +1,4 @@
-"""What a run reports: the seed's log line, metrics.jsonl, TensorBoard, FLOPs and MFU."""
+"""What a run reports: the seed's log line, metrics.jsonl, TensorBoard, Weights & Biases, FLOPs and MFU."""
 
 from __future__ import annotations
 
@@ -6,10 +6,20 @@ import json
 import logging
 import math
 import os
+import secrets
+import string
 
+from megatron.config.cli import to_dict
 from megatron.config.schema import Config
 
 LOG_FORMAT = "[%(asctime)s] [%(levelname)8s] - %(message)s"
+WANDB_RUN_ID_FILE = "wandb_run_id.txt"  # in output_dir: the W&B run that a resumed training run continues
+
+
+class WandbError(RuntimeError):
+    """Weights & Biases logging was asked for (``wandb_project``) but cannot start: wandb is not installed,
+    or ``wandb.init`` failed. Raised at start-up, before training, as Megatron-LM does: a run that asked
+    for W&B and trained without it would be a silent failure. The message is one line saying what to do."""
 
 
 def get_logger() -> logging.Logger:
@@ -57,8 +67,18 @@ def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost:
     return line
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """``split/key`` -> value for the record's finite numbers: what TensorBoard and W&B plot (metrics.jsonl
+    keeps the whole record)."""
+    split = record["split"]
+    return {f"{split}/{key}": value for key, value in record.items()
+            if key not in ("split", "step") and isinstance(value, (int, float)) and math.isfinite(value)}
+
+
 class MetricsWriter:
-    """One JSON object per line in ``output_dir/metrics.jsonl``, mirrored to TensorBoard.
+    """One JSON object per line in ``output_dir/metrics.jsonl``, mirrored to TensorBoard, and to Weights &
+    Biases when ``config`` sets ``wandb_project`` (``start_wandb``). Only the rank that writes metrics is
+    ``enabled``: the others open nothing, W&B included.
 
     ``resume_step``: the run continues from that step (a resume, or 0 for a fresh start in the
     folder of a run that never saved). Records of later steps left by an earlier run in the same
@@ -66,19 +86,23 @@ class MetricsWriter:
     (``purge_step``), so no step appears twice."""
 
     def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool = True,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, config: Config | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "metrics.jsonl")
+        dropped = 0
         if resume_step is not None:
             dropped = drop_records_after(path, resume_step)
             if dropped:
                 get_logger().info(f"{path}: dropped {dropped} record(s) of an earlier run past step {resume_step}, "
                                   f"where this run continues")
+        if config is not None and config.save_load.wandb_project:  # first: if it cannot start, nothing is left open
+            self._wandb = start_wandb(config, output_dir, resume_step, dropped)
         self._jsonl = open(path, "a", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -92,17 +116,79 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
+        values = scalars(record)
         if self._tb is not None:
-            split, step = record["split"], record["step"]
-            for key, value in record.items():
-                if key not in ("split", "step") and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"{split}/{key}", value, step)
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(values, step=record["step"])
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Close every sink; a non-zero ``exit_code`` (the run raised) marks the W&B run failed, not finished.
+        W&B last: its finish uploads what is pending and is the one that may be slow or fail."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            run, self._wandb = self._wandb, None
+            run.finish(exit_code=exit_code)
+
+
+def start_wandb(config: Config, output_dir: str, resume_step: int | None, earlier_records: int = 0):
+    """``wandb.init`` with Megatron-LM's settings and the resolved configuration; returns the W&B run.
+
+    The run's id is kept in ``output_dir/wandb_run_id.txt``. A resumed run (``resume_step`` not None, as
+    for metrics.jsonl) takes the id found there and continues that W&B run (``resume="allow"``); a run
+    without --load, or a --finetune, starts a new W&B run (and records its id), so that its steps, which
+    start again from 1, never land in an earlier run. ``earlier_records``: how many metrics.jsonl records
+    past ``resume_step`` the earlier run left; W&B keeps those steps (it ignores steps logged out of order),
+    which is said once. WandbError (one line) when wandb is missing or cannot start."""
+    try:
+        import wandb
+    except ImportError as err:
+        raise WandbError(f"--wandb-project is set but wandb cannot be imported ({err}); pip install wandb, or drop "
+                         f"--wandb-project.") from None
+    sl, log = config.save_load, get_logger()
+    save_dir = sl.wandb_save_dir or os.path.join(output_dir, "wandb")
+    id_path = os.path.join(output_dir, WANDB_RUN_ID_FILE)
+    stored = _read_run_id(id_path) if resume_step is not None else None
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        run = wandb.init(project=sl.wandb_project, name=sl.wandb_exp_name, dir=save_dir, config=to_dict(config),
+                         id=stored or _new_run_id(), resume="allow")
+    except Exception as err:  # wandb's own errors (no API key, no network) have no common base class
+        detail = " ".join(str(err).split())
+        raise WandbError(f"cannot start Weights & Biases logging ({type(err).__name__}: {detail}); run wandb login "
+                         f"or set WANDB_MODE=offline, or drop --wandb-project.") from None
+    _write_run_id(id_path, run.id)
+    log.info(f"Weights & Biases: {'continuing' if stored else 'new'} run {run.id} of project {sl.wandb_project}, "
+             f"local files in {save_dir}")
+    if stored and earlier_records:
+        log.warning(f"W&B run {run.id} already holds the earlier run's steps past {resume_step}: W&B ignores steps "
+                    f"logged again, so there they keep the earlier run's values (metrics.jsonl has this run's)")
+    return run
+
+
+def _new_run_id() -> str:
+    """Eight base-36 characters, as W&B's own ids; from ``secrets``, not ``random``, which the run seeds:
+    every run with the same seed would otherwise get the same id."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def _read_run_id(path: str) -> str | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _write_run_id(path: str, run_id: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(run_id + "\n")
+    os.replace(tmp, path)
 
 
 def drop_records_after(path: str, step: int) -> int:

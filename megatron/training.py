@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 from megatron import device as dev
 from megatron import parallel_state, watchdog
-from megatron.checkpoint import check_output_dir, load_checkpoint, on_every_rank, same_folder, save_checkpoint
+from megatron.checkpoint import (
+    CheckpointError,
+    check_output_dir,
+    load_checkpoint,
+    on_every_rank,
+    same_folder,
+    save_checkpoint,
+)
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
@@ -30,7 +37,7 @@ from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sha
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.health import GoodCheckpoints, RunHealth, TrainingDiverged
 from megatron.initialize import initialize_distributed, launch_env
-from megatron.metrics import MetricsWriter, format_log_line, get_logger, model_flops_per_token
+from megatron.metrics import MetricsWriter, WandbError, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
 from megatron.optimizer import (
     MixedPrecisionOptimizer,
@@ -117,6 +124,52 @@ def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_ba
     return total / tokens if tokens else None
 
 
+@dataclass
+class ParallelModel:
+    """A model made ready to run under the launch's layout (training, or evaluation through the same
+    forward): its parameter buffer and hooks (``parallelize``), the optimizer whose masters a checkpoint
+    loads into, the groups its sums are reduced over, and the schedule that runs micro-batches through
+    it (pipelined when pp > 1)."""
+
+    model: torch.nn.Module
+    buffer: object
+    fully_sharded: bool
+    optimizer: object
+    plan: ShardingPlan
+    dp_group: object
+    pp_group: object
+    forward_backward: Callable
+
+
+def parallel_model(config: Config, model: torch.nn.Module, device: torch.device,
+                   plan: ShardingPlan | None = None) -> ParallelModel:
+    ps = parallel_state.get()
+    plan = plan or plan_sharding(config, ps)  # what is sharded, over which ranks: decided once
+    model, buffer, fully_sharded = parallelize(model, plan)
+    optimizer = build_optimizer(buffer, plan, config)
+    pp_group, forward_backward = None, forward_backward_no_pipelining
+    if ps.pp_size > 1:
+        d, b = config.distributed, config.batch_size
+        seq = config.dataset.max_seq_len // (ps.tp_size if d.sequence_parallel else 1)
+        pp_group = ps.group("pp")
+        forward_backward = partial(forward_backward_pipelining, ps=ps, schedule=d.pipeline_schedule,
+                                   shape=(seq, b.micro_batch_size, config.model.hidden_size),
+                                   dtype=getattr(torch, config.params_dtype_name), device=device)
+    return ParallelModel(model, buffer, fully_sharded, optimizer, plan, plan.data_parallel_group, pp_group,
+                         forward_backward)
+
+
+def _open_metrics(config: Config, enabled: bool, resume_step: int | None) -> MetricsWriter:
+    """This rank's MetricsWriter (W&B too, when configured). A WandbError is already one line saying what to
+    do: raised as a CheckpointError, on_every_rank gives it to every rank unframed, and pretrain_gpt.py
+    prints it and exits 2, before training."""
+    sl = config.save_load
+    try:
+        return MetricsWriter(sl.output_dir, sl.tensorboard_dir, enabled, resume_step, config)
+    except WandbError as err:
+        raise CheckpointError(str(err)) from None
+
+
 class Trainer:
     """Holds what the loop needs; ``run()`` trains, evaluates and tests."""
 
@@ -126,19 +179,10 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.ps = parallel_state.get()
         self.world_size = self.ps.world_size
-        self.plan = plan or plan_sharding(config, self.ps)  # what is sharded, over which ranks: decided once
-        self.model, self.buffer, self.fully_sharded = parallelize(model, self.plan)
-        self.optimizer = build_optimizer(self.buffer, self.plan, config)
-        self.dp_group = self.plan.data_parallel_group
-        self.pp_group, self.forward_backward = None, forward_backward_no_pipelining
-        if self.ps.pp_size > 1:
-            d, b = config.distributed, config.batch_size
-            seq = config.dataset.max_seq_len // (self.ps.tp_size if d.sequence_parallel else 1)
-            self.pp_group = self.ps.group("pp")
-            self.forward_backward = partial(
-                forward_backward_pipelining, ps=self.ps, schedule=d.pipeline_schedule,
-                shape=(seq, b.micro_batch_size, config.model.hidden_size),
-                dtype=getattr(torch, config.params_dtype_name), device=device)
+        run = parallel_model(config, model, device, plan)
+        self.plan, self.model, self.buffer, self.fully_sharded = run.plan, run.model, run.buffer, run.fully_sharded
+        self.optimizer, self.dp_group, self.pp_group = run.optimizer, run.dp_group, run.pp_group
+        self.forward_backward = run.forward_backward
         self.schedule: WarmupDecaySchedule = build_lr_schedule(config)
         self.state = TrainState()
         self.health = RunHealth(config.max_consecutive_skipped_steps, config.loss_spike_factor)
@@ -151,7 +195,7 @@ class Trainer:
         check_output_dir(sl.output_dir, self.ps.rank, device)  # a bad --save stops every rank now, with one line
         resume_step = self._load(sl.ckpt_dir) if sl.ckpt_dir else None  # writes nothing: a failure leaves no trace
         self.writer = on_every_rank(  # drops an earlier run's records past resume_step from metrics.jsonl
-            lambda: MetricsWriter(sl.output_dir, sl.tensorboard_dir, self.is_logging_rank, resume_step), device,
+            lambda: _open_metrics(config, self.is_logging_rank, resume_step), device,
             f"cannot open the metrics of {sl.output_dir}", "fix the file or give --save another folder")
         self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
         self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
@@ -316,13 +360,15 @@ class Trainer:
         watchdog.start(self.config.watchdog_timeout_minutes, self.config.save_load.output_dir, self.ps.rank,
                        f"training step {self.state.step + 1}")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+        finished = False
         try:
-            return self._run_loop()
+            state, finished = self._run_loop(), True
+            return state
         finally:
             watchdog.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self.writer.close()
+            self.writer.close(exit_code=0 if finished else 1)  # a run that raised: its W&B run is marked failed
 
     def _run_loop(self) -> TrainState:
         c, s = self.config, self.state

@@ -157,6 +157,11 @@ class SaveLoadConfig:
     exit_duration_in_mins: float | None = opt(
         None, "Save and exit (status 0) once the run has trained this many minutes (a job's time limit).")
     tensorboard_dir: str | None = opt(None, "TensorBoard event folder; default output_dir/tensorboard.")
+    wandb_project: str | None = opt(
+        None, "Also log the metrics to this Weights & Biases project, from the rank that writes metrics.jsonl "
+              "(needs pip install wandb); a resumed run continues the same W&B run.")
+    wandb_exp_name: str | None = opt(None, "Name of the W&B run; default W&B's generated name.")
+    wandb_save_dir: str | None = opt(None, "Folder of W&B's local files; default output_dir/wandb.")
 
 
 @dataclass

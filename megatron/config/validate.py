@@ -28,12 +28,12 @@ def _check_syntax(parse: Callable[[str], object], text: str) -> None:
         _fail(str(err) + ".")
 
 
-def _check_data(config: Config, tokenizer_vocab_size: int | None) -> None:
+def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data: bool = True) -> None:
     """The data source, and the vocabulary size it implies (the tokenizer's, when one is configured)."""
     d, t = config.dataset, config.tokenizer
     if d.mock_data and d.input_dir:
         _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
-    if not d.mock_data and not d.input_dir:
+    if training_data and not d.mock_data and not d.input_dir:
         _fail("no training data: give --input-dir (a dataset prefix from tools/preprocess_data.py) or --mock-data.")
     _check_syntax(parse_split, d.split)
     if d.num_workers < 0:
@@ -232,7 +232,17 @@ def _check_training(config: Config, cuda_available: bool) -> None:
         _fail(f"keep_last_checkpoints must be at least 1, got {keep}.")
     if config.peak_tflops is not None and config.peak_tflops <= 0:
         _fail(f"peak_tflops must be positive, got {config.peak_tflops}.")
+    _check_wandb(config)
     _check_run_health(config)
+
+
+def _check_wandb(config: Config) -> None:
+    """A W&B run name or folder without a project would be silently unused: W&B logs only with a project."""
+    sl = config.save_load
+    for name in ("wandb_exp_name", "wandb_save_dir"):
+        if getattr(sl, name) is not None and not sl.wandb_project:
+            _fail(f"{name} is set but wandb_project is not: give --wandb-project to log to Weights & Biases, "
+                  f"or drop --{name.replace('_', '-')}.")
 
 
 def _check_run_health(config: Config) -> None:
@@ -249,13 +259,14 @@ def _check_run_health(config: Config) -> None:
 
 
 def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
-             tokenizer_vocab_size: int | None = None) -> list[str]:
+             tokenizer_vocab_size: int | None = None, training_data: bool = True) -> list[str]:
     """Check ``config`` in place and fill its derived values; return warnings. Reads no files: when a
     tokenizer is configured the caller has built it and gives its ``tokenizer_vocab_size`` (the default
-    Model.vocab_size, and its lower bound)."""
+    Model.vocab_size, and its lower bound). ``training_data=False`` (evaluation, whose data is the task's
+    file): no training data is asked for."""
     warnings: list[str] = []
     _check_counts(config)
-    _check_data(config, tokenizer_vocab_size)
+    _check_data(config, tokenizer_vocab_size, training_data)
     _check_model(config)
     _check_distributed(config, world_size)
     _check_batch(config)

@@ -1,0 +1,165 @@
+"""tools/evaluate.py against transformers on the exported weights (perplexity with overlapping windows,
+by transformers' own strided recipe; LAMBADA decisions by the same rule), and the same results under tp 2,
+pp 2 and dp 2 as on one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.inference import initialize, load_model, tokenizer_for
+from tests.inference.conftest import ROOT
+
+SEQ = 64  # evaluation windows of 64 tokens (the model has 96 positions)
+STRIDE = 24
+
+
+def _document() -> str:
+    """A text no one here wrote: Python's licence, shipped with the interpreter (else a stdlib module)."""
+    licence = Path(os.__file__).parent / "LICENSE.txt"
+    text = licence.read_text() if licence.exists() else Path(json.__file__).read_text()
+    return text[:2000]
+
+
+def _evaluate(*args: str, nproc: int = 1) -> dict:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]
+    result = subprocess.run([*launcher, "tools/evaluate.py", *args, "--max-seq-len", str(SEQ)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint, tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("hf")
+    done = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", checkpoint, str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+
+
+@pytest.fixture(scope="module")
+def files(checkpoint, tmp_path_factory):
+    """(the document, a LAMBADA-format file): lines of the document (whose last word the random model does not
+    guess), and passages of it completed by a word the model does guess (its argmax is one whole word with
+    its leading space), so that some answers are right and some wrong."""
+    folder = tmp_path_factory.mktemp("eval")
+    document = folder / "licence.txt"
+    document.write_text(_document())
+    initialize()
+    model, config = load_model(checkpoint)
+    tokenizer = tokenizer_for(config)
+    lines = [" ".join(line.split()) for line in _document().splitlines() if len(line.split()) >= 6]
+    guessed = []
+    with torch.no_grad():
+        for words in (line.split() for line in lines):
+            for n in range(3, len(words)):
+                context = " ".join(words[:n])
+                best = int(model(torch.tensor([tokenizer.tokenize(context)]))[0, -1, :config.model.vocab_size].argmax())
+                word = tokenizer.detokenize([best])
+                if word.startswith(" ") and word[1:].isalpha() and tokenizer.tokenize(word) == [best]:
+                    guessed.append(context + word)
+                    break
+            if len(guessed) == 8:
+                break
+    lambada = folder / "lambada.jsonl"
+    lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:12] + guessed))
+    return str(document), str(lambada), tokenizer
+
+
+def test_perplexity_equals_transformers_strided_recipe(checkpoint, hf, files):
+    document, _, tokenizer = files
+    result = _evaluate("--task", "perplexity", "--input", document, "--load", checkpoint,
+                       "--overlapping-eval", str(STRIDE))
+    ids = torch.tensor([tokenizer.tokenize(Path(document).read_text())])
+    # transformers' documentation, "Perplexity of fixed-length models", with max_length = SEQ + 1
+    max_length, seq_len = SEQ + 1, ids.size(1)
+    nll_sum, n_tokens, prev_end = 0.0, 0, 0
+    with torch.no_grad():
+        for begin in range(0, seq_len, STRIDE):
+            end = min(begin + max_length, seq_len)
+            trg_len = end - prev_end
+            input_ids = ids[:, begin:end]
+            target_ids = input_ids.clone()
+            target_ids[:, :-trg_len] = -100
+            loss = hf(input_ids, labels=target_ids).loss
+            # The recipe counts (target_ids != -100).sum() - 1, i.e. as if the label shift always dropped a
+            # counted label; after the first window it drops a masked one. Counted here: the shifted labels.
+            valid = int((target_ids[:, 1:] != -100).sum())
+            nll_sum += float(loss) * valid
+            n_tokens += valid
+            prev_end = end
+            if end == seq_len:
+                break
+    assert result["tokens"] == n_tokens == seq_len - 1
+    assert result["loss"] == pytest.approx(nll_sum / n_tokens, rel=1e-4)
+    assert result["perplexity"] == pytest.approx(math.exp(nll_sum / n_tokens), rel=1e-4)
+    words = len(Path(document).read_text().split())
+    assert result["words"] == words
+    assert result["adjusted_perplexity"] == pytest.approx(
+        math.exp(nll_sum / n_tokens * n_tokens / (words - 1)), rel=1e-4)
+
+
+def _hf_cloze(hf, tokenizer, text: str, strict: bool) -> bool:
+    """Megatron-LM's LAMBADA rule, written against transformers' model."""
+    if strict:
+        last = text.split()[-1]
+        context, target = tokenizer.tokenize(text[:text.rfind(last)].strip()), tokenizer.tokenize(" " + last)
+    else:
+        ids = tokenizer.tokenize(text)
+        context, target = ids[:-1], ids[-1:]
+    tokens = (context + target)[-(SEQ + 1):]
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens[:-1]])).logits[0]
+    predicted = logits[-len(target):].argmax(-1).tolist()
+    return predicted == tokens[-len(target):]
+
+
+def test_lambada_decisions_equal_a_transformers_reference_in_both_modes(checkpoint, hf, files):
+    _, lambada, tokenizer = files
+    result = _evaluate("--task", "lambada", "--input", lambada, "--load", checkpoint)
+    texts = [json.loads(line)["text"] for line in Path(lambada).read_text().splitlines()]
+    assert result["examples"] == len(texts)
+    for mode, strict in (("strict", True), ("non_strict", False)):
+        right = sum(_hf_cloze(hf, tokenizer, t, strict) for t in texts)
+        assert result[f"{mode}_correct"] == right
+        assert result[f"{mode}_accuracy"] == pytest.approx(right / len(texts))
+    assert 0 < result["strict_correct"] < len(texts)  # some right, some wrong: the comparison means something
+    assert 0 < result["non_strict_correct"] < len(texts)
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint, files):
+    """Each task's results on one process, computed once for the layout tests."""
+    document, lambada, _ = files
+    cache = {}
+
+    def results(task: str) -> tuple[list[str], dict]:
+        args = ["--task", task, "--input", lambada if task == "lambada" else document, "--load", checkpoint,
+                "--overlapping-eval", str(STRIDE), "--micro-batch-size", "2"]
+        if task not in cache:
+            cache[task] = _evaluate(*args)
+        return args, cache[task]
+
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task, layout", [("lambada", ["--tp", "2"]), ("perplexity", ["--pp", "2"]),
+                                          ("lambada", ["--dp", "2"])], ids=["tp2", "pp2", "dp2"])
+def test_every_layout_gives_the_one_process_results(single, task, layout):
+    args, expected = single(task)
+    parallel = _evaluate(*args, *layout, nproc=2)
+    for key in ("strict_correct", "non_strict_correct", "tokens", "windows"):
+        assert parallel.get(key) == expected.get(key)
+    if task == "perplexity":
+        assert parallel["loss"] == pytest.approx(expected["loss"], rel=1e-6)
