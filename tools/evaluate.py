@@ -111,6 +111,9 @@ def evaluate(args: argparse.Namespace, config, tokenizer) -> dict:
                       adjusted_perplexity=_exp(loss * ratio))
     else:
         result["examples"] = len(texts)
+        result["modes"] = {"strict": "every token of the last word (with its leading space) predicted greedily",
+                           "non_strict": "only the text's last token predicted (Megatron-LM's default; a word of "
+                                         "several tokens needs only its final piece right)"}
         for mode, cloze in samples.items():
             correct = evaluator.score(cloze, "cloze", f"lambada ({mode.replace('_', '-')}): ")
             result[f"{mode}_correct"] = int(round(correct))
