@@ -104,6 +104,23 @@ def _closest(word: str, candidates: Sequence[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
+def _unknown_message(unknown: list[str], flags: list[str]) -> str:
+    """Every unknown flag of the command line in one sentence, each with its closest known flag, so a
+    script is fixed in one pass (the values that followed an unknown flag are not named again)."""
+    names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
+    names = list(dict.fromkeys(names))
+    flags = [f for f in flags if f.startswith("--")]  # a long flag is never meant as a one-letter one
+    if len(names) == 1:
+        match = difflib.get_close_matches(names[0], flags, n=1, cutoff=0.7) if names[0].startswith("-") else []
+        hint = f"; did you mean '{match[0]}'?" if match else ""
+        return f"unknown argument '{names[0]}'{hint or '; see --help for the flags.'}"
+    described = []
+    for name in names:
+        match = difflib.get_close_matches(name, flags, n=1, cutoff=0.7)  # a wrong hint is worse than none
+        described.append(f"'{name}'" + (f" (did you mean '{match[0]}'?)" if match else ""))
+    return f"{len(names)} unknown arguments: {', '.join(described)}; see --help for the flags."
+
+
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -278,10 +295,7 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        flags = [s for a in parser._actions for s in a.option_strings]
-        bad = unknown[0].split("=")[0]
-        hint = _closest(bad, flags) if bad.startswith("-") else ""
-        raise ConfigError(f"unknown argument '{bad}'{hint or '; see --help for the flags.'}")
+        raise ConfigError(_unknown_message(unknown, [s for a in parser._actions for s in a.option_strings]))
     given = vars(args)
     if "config" in given and not load_yaml(given["config"]) and warnings is not None:
         warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")

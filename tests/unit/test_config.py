@@ -243,6 +243,15 @@ def test_unknown_flag_suggests_closest():
         parse_config(["--num-layer=4"])
 
 
+def test_every_unknown_flag_is_reported_at_once_with_its_closest_name():
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--num-layers", "2", "--hiden-size", "128", "--zzz-unheard-of", "--num-atention-heads=4",
+                      "--hiden-size", "64"])
+    assert str(err.value) == ("3 unknown arguments: '--hiden-size' (did you mean '--hidden-size'?), "
+                              "'--zzz-unheard-of', '--num-atention-heads' (did you mean '--num-attention-heads'?); "
+                              "see --help for the flags.")
+
+
 def test_unknown_yaml_key_suggests_closest(tmp_path):
     path = write(tmp_path, "Model:\n  hiden_size: 128\n")
     with pytest.raises(ConfigError, match="hiden_size.*did you mean 'hidden_size'"):
