@@ -26,10 +26,11 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """The word embedding's rows: ``vocab_size`` rounded up to a multiple of ``128 x tp`` (Megatron-LM's
-    rule), so every tensor-parallel shard has the same, 128-aligned number of rows."""
-    multiple = 128 * tp
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """The word embedding's rows: ``vocab_size`` rounded up to a multiple of ``divisible_by x tp``
+    (Megatron-LM's rule and its ``--make-vocab-size-divisible-by``, default 128), so every
+    tensor-parallel shard has the same, aligned number of rows."""
+    multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
 
 
@@ -41,7 +42,11 @@ def section(cls: type, key: str, help: str) -> Any:
 @dataclass
 class ModelConfig:
     vocab_size: int | None = opt(
-        None, "Vocabulary size; default the tokenizer's (50304 for mock data); padded to a multiple of 128 x tp.")
+        None, "Vocabulary size; default the tokenizer's (50304 for mock data); padded to a multiple of "
+              "make_vocab_size_divisible_by x tp.")
+    make_vocab_size_divisible_by: int = opt(
+        128, "The word embedding's rows are vocab_size rounded up to a multiple of this x tp (the padding rows "
+             "never enter the loss).")
     hidden_size: int = opt(1024, "Width of the residual stream.")
     num_layers: int = opt(24, "Number of transformer decoder layers.")
     num_attention_heads: int = opt(16, "Attention heads per layer; must divide hidden_size.")
@@ -207,7 +212,8 @@ class Config:
     # Derived values: valid after validate(); never read from YAML.
     @property
     def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.model.vocab_size, self.distributed.mp_degree)
+        return padded_vocab_size(self.model.vocab_size, self.distributed.mp_degree,
+                                 self.model.make_vocab_size_divisible_by)
 
     @property
     def data_parallel_size(self) -> int:

@@ -58,7 +58,8 @@ def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data:
 
 def _check_model(config: Config) -> None:
     m = config.model
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings"):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings",
+                 "make_vocab_size_divisible_by"):
         if getattr(m, name) < 1:
             _fail(f"Model.{name} must be at least 1, got {getattr(m, name)}.")
     if m.hidden_size % m.num_attention_heads:

@@ -87,7 +87,7 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
                      for c in range(d.virtual_pp_degree))
     else:
         layers = len(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
-    vocab = padded_vocab_size(m.vocab_size, tp)
+    vocab = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     total = layers * per_layer
     if pp_rank == 0:
         total += vocab // tp * h + m.max_position_embeddings * h

@@ -333,3 +333,19 @@ def test_flops_formula_matches_flop_counter(argv):
     expected = model_flops_per_token(config) * batch * config.dataset.max_seq_len
     assert counted > 0
     assert expected == pytest.approx(counted, rel=1e-9)
+
+
+@pytest.mark.parametrize("divisible_by, rows", [(128, 256), (64, 256), (3, 201), (1, 200)])
+def test_make_vocab_size_divisible_by_pads_the_embedding_and_changes_no_result(divisible_by, rows):
+    """Megatron's --make-vocab-size-divisible-by: the word embedding's rows; the real rows' values, the
+    logits of the real vocabulary and the loss are the same whatever the padding."""
+    reference = make_config(*TINY, *NO_DROPOUT)
+    config = make_config(*TINY, *NO_DROPOUT, "--make-vocab-size-divisible-by", str(divisible_by))
+    assert config.padded_vocab_size == rows
+    ref_model, model = build_model(reference).eval(), build_model(config).eval()
+    assert model.embedding.word_embeddings.weight.shape[0] == rows
+    tokens = random_tokens(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens)[..., :200], ref_model(tokens)[..., :200], rtol=0, atol=1e-6)
+        labels = random_tokens(config, seed=1)
+        torch.testing.assert_close(model(tokens, labels=labels), ref_model(tokens, labels=labels), rtol=0, atol=1e-6)
