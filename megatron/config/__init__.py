@@ -17,7 +17,7 @@ from megatron.config.cli import (
     to_yaml,
 )
 from megatron.config.schema import Config
-from megatron.config.validate import validate
+from megatron.config.validate import infer_tokenizer_type, validate
 
 __all__ = ["Config", "ConfigError", "Leaf", "flatten_yaml", "load_yaml", "parse_config", "save_yaml", "set_value",
-           "to_dict", "to_yaml", "validate"]
+           "to_dict", "to_yaml", "validate", "infer_tokenizer_type"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megatron.config.cli import ConfigError
-from megatron.config.schema import Config
+from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
 
 
@@ -28,9 +28,18 @@ def _check_syntax(parse: Callable[[str], object], text: str) -> None:
         _fail(str(err) + ".")
 
 
+def infer_tokenizer_type(section: TokenizerConfig) -> None:
+    """A vocab.json and a merges.txt given without a tokenizer type are GPT-2 BPE's (Megatron-LM's 175B
+    example passes the two files and no --tokenizer-type). Called before the tokenizer is built, and
+    again by validation, so both see the same type."""
+    if section.tokenizer_type is None and section.vocab_file and section.merge_file:
+        section.tokenizer_type = "GPT2BPETokenizer"
+
+
 def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data: bool = True) -> None:
     """The data source, and the vocabulary size it implies (the tokenizer's, when one is configured)."""
     d, t = config.dataset, config.tokenizer
+    infer_tokenizer_type(t)
     if d.mock_data and d.input_dir:
         _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
     if training_data and not d.mock_data and not d.input_dir:

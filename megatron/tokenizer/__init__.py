@@ -66,6 +66,9 @@ def configured_tokenizer(section: TokenizerConfig) -> Tokenizer | None:
     """The tokenizer the config's ``tokenizer:`` section names, loaded from its files (built once per run:
     its vocabulary size goes to validation, the tokenizer itself to the datasets); None when the section names
     none (mock data). TokenizerError as ``build_tokenizer``."""
+    from megatron.config import infer_tokenizer_type
+
+    infer_tokenizer_type(section)  # vocab and merges files without a type: GPT-2 BPE, as Megatron-LM's examples
     if section.tokenizer_type is None:
         return None
     return build_tokenizer(section.tokenizer_type, section.vocab_file, section.merge_file, section.tokenizer_model,

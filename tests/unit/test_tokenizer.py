@@ -388,3 +388,18 @@ def test_tool_text_chunks_and_long_lines(monkeypatch: pytest.MonkeyPatch) -> Non
     pieces = list(train_tokenizer._cut("aaa bbb ccc " + "d" * 12 + " é é é", 8))
     assert all(len(p.encode("utf-8")) <= 8 for p in pieces) and "".join(pieces).replace(" ", "") == \
         ("aaabbbccc" + "d" * 12 + "ééé")
+
+
+def test_vocab_and_merge_files_without_a_type_are_gpt2_bpe(trained: dict[str, Path]) -> None:
+    """Megatron-LM's 175B example passes --vocab-file and --merge-file and no --tokenizer-type."""
+    from megatron.config import parse_config, validate
+    from megatron.tokenizer import configured_tokenizer
+
+    files = ["--vocab-file", str(trained["bpe"] / "vocab.json"), "--merge-file", str(trained["bpe"] / "merges.txt")]
+    config = parse_config(["--input-dir", "corpus_text_document", *files])
+    tokenizer = configured_tokenizer(config.tokenizer)
+    assert isinstance(tokenizer, GPT2BPETokenizer)
+    validate(config, tokenizer_vocab_size=tokenizer.vocab_size)
+    assert config.tokenizer.tokenizer_type == "GPT2BPETokenizer" and config.model.vocab_size == tokenizer.vocab_size
+    only_vocab = parse_config(["--mock-data", files[0], files[1]])  # one file alone is not a tokenizer
+    assert configured_tokenizer(only_vocab.tokenizer) is None
