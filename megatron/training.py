@@ -254,6 +254,9 @@ class Trainer:
         limit = self.config.save_load.exit_duration_in_mins
         if limit is not None and time.perf_counter() - self._started >= 60 * limit:
             return f"exit_duration_in_mins ({limit:g}) reached"
+        interval = self.config.save_load.exit_interval
+        if interval and self.state.step % interval == 0:
+            return f"exit_interval ({interval}) reached"
         return None
 
     def _stop_requested(self) -> bool:

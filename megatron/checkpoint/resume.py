@@ -20,7 +20,8 @@ from megatron.config.schema import SaveLoadConfig
 
 __all__ = ["NOT_INHERITED", "resume_base", "resumed_config", "saved_config_path", "schedule_kept_warning"]
 
-NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins")
+NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
+                 "exit_interval")
 NOT_INHERITED_SECTION = "Distributed"  # the parallel layout is the launch's
 
 

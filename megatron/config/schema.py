@@ -161,6 +161,9 @@ class SaveLoadConfig:
     finetune: bool = opt(False, "Load the weights only: step, data position and optimizer start from zero.")
     exit_duration_in_mins: float | None = opt(
         None, "Save and exit (status 0) once the run has trained this many minutes (a job's time limit).")
+    exit_interval: int | None = opt(
+        None, "Save and exit (status 0) after the first step that is a multiple of this (Megatron-LM's "
+              "--exit-interval).")
     tensorboard_dir: str | None = opt(None, "TensorBoard event folder; default output_dir/tensorboard.")
     wandb_project: str | None = opt(
         None, "Also log the metrics to this Weights & Biases project, from the rank that writes metrics.jsonl "

@@ -237,6 +237,9 @@ def _check_training(config: Config, cuda_available: bool) -> None:
     minutes = config.save_load.exit_duration_in_mins
     if minutes is not None and minutes <= 0:
         _fail(f"exit_duration_in_mins must be positive, got {minutes}.")
+    interval = config.save_load.exit_interval
+    if interval is not None and interval < 1:
+        _fail(f"exit_interval must be at least 1, got {interval}.")
     keep = config.save_load.keep_last_checkpoints
     if keep is not None and keep < 1:
         _fail(f"keep_last_checkpoints must be at least 1, got {keep}.")

@@ -278,9 +278,13 @@ def test_resume_under_another_tp_repads_the_vocabulary(tmp_path):
     assert resumed == pytest.approx(full[5:], rel=1e-5)
 
 
-def test_exit_duration_saves_and_exits_0(tmp_path):
+@pytest.mark.parametrize("flags, reason, step", [
+    (["--exit-duration-in-mins", "0.0001"], "exit_duration_in_mins (0.0001) reached", 1),
+    (["--exit-interval", "3"], "exit_interval (3) reached", 3),
+], ids=["exit-duration", "exit-interval"])
+def test_exit_duration_and_interval_save_and_exit_0(tmp_path, flags, reason, step):
     out = tmp_path / "run"
-    result = run(out, *TINY, "--max-steps", "100000", "--exit-duration-in-mins", "0.0001")
+    result = run(out, *TINY, "--max-steps", "100000", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "exit_duration_in_mins (0.0001) reached: saving at step 1 and exiting" in result.stderr
-    assert (out / "latest").read_text() == "step_1"
+    assert f"{reason}: saving at step {step} and exiting" in result.stderr
+    assert (out / "latest").read_text() == f"step_{step}"
