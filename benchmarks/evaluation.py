@@ -33,7 +33,7 @@ from megatron import parallel_state  # noqa: E402
 from megatron.checkpoint.convert import write_params  # noqa: E402
 from megatron.config import parse_config, validate  # noqa: E402
 from megatron.data.loader import split_micro_batches  # noqa: E402
-from megatron.evaluation.runner import Evaluator, _batch, _loss_step  # noqa: E402
+from megatron.evaluation.runner import Evaluator, batch_of, loss_step  # noqa: E402
 from megatron.evaluation.tasks import perplexity_samples  # noqa: E402
 from megatron.model.gpt import GPTModel  # noqa: E402
 from megatron.model.init import init_parameters  # noqa: E402
@@ -93,14 +93,14 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (args.windows * args.seq + 1,), generator=torch.Generator().manual_seed(0))
     samples = perplexity_samples(ids.tolist(), args.seq)
     tokens = sum(sum(s.mask) for s in samples)
-    batches = [_batch(samples[i:i + args.micro_batch_size], args.seq, device)
+    batches = [batch_of(samples[i:i + args.micro_batch_size], args.seq, device)
                for i in range(0, len(samples), args.micro_batch_size)]
 
     def training(backward: bool):
         run.model.train()
         for batch in batches:
             for micro in split_micro_batches(batch, args.micro_batch_size):
-                output, loss_fn = _loss_step(micro, run.model)
+                output, loss_fn = loss_step(micro, run.model)
                 loss, _ = loss_fn(output)
                 if backward:
                     loss.backward()

@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import device as dev  # noqa: E402
-from megatron.checkpoint import CheckpointError, resumed_config  # noqa: E402
+from megatron.checkpoint import CheckpointError, find_checkpoint, resumed_config  # noqa: E402
 from megatron.config import ConfigError, validate  # noqa: E402
 from megatron.evaluation.runner import Evaluator  # noqa: E402
 from megatron.evaluation.tasks import lambada_samples, perplexity_samples, read_texts, word_count  # noqa: E402
@@ -63,6 +63,9 @@ def configure(rest: list[str]):
     config = resumed_config(rest, warnings)
     if not config.save_load.ckpt_dir:
         raise ConfigError("--load CKPT is required: the checkpoint to evaluate.")
+    if find_checkpoint(config.save_load.ckpt_dir) is None:
+        raise CheckpointError(f"no checkpoint at {config.save_load.ckpt_dir}: expected a step folder with "
+                              f"metadata.json or a run folder with a 'latest' file.")
     config.dataset.input_dir, config.dataset.mock_data = None, False  # the data is the task's file
     tokenizer = configured_tokenizer(config.tokenizer)
     if tokenizer is None:

@@ -28,7 +28,8 @@ from megatron.evaluation.tasks import Sample
 from megatron.training import ParallelModel
 
 
-def _batch(samples: list[Sample], seq_len: int, device: torch.device) -> dict:
+def batch_of(samples: list[Sample], seq_len: int, device: torch.device) -> dict:
+    """The training batch (tokens, labels, loss_mask, position_ids) of ``samples``, padded to ``seq_len``."""
     n = len(samples)
     tokens = torch.zeros(n, seq_len + 1, dtype=torch.long)
     mask = torch.zeros(n, seq_len)
@@ -40,7 +41,8 @@ def _batch(samples: list[Sample], seq_len: int, device: torch.device) -> dict:
             "loss_mask": mask.to(device), "position_ids": positions.contiguous().to(device)}
 
 
-def _loss_step(batch: dict, model: torch.nn.Module):
+def loss_step(batch: dict, model: torch.nn.Module):
+    """The forward step of ``kind="loss"``: the training forward's per-token losses, masked and summed."""
     token_losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
     return token_losses, partial(_masked_sum, batch["loss_mask"])
 
@@ -81,14 +83,14 @@ class Evaluator:
         per_rank = mbs * max(1, ps.pp_size)  # enough micro-batches to fill the pipeline
         per_batch = per_rank * dp
         padded = samples + [Sample([0], [])] * (-len(samples) % per_batch)
-        step = _loss_step if kind == "loss" else partial(_cloze_step, c.model.vocab_size)
+        step = loss_step if kind == "loss" else partial(_cloze_step, c.model.vocab_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = len(padded) // per_batch
         self.run.model.eval()
         with torch.no_grad():
             for b in range(batches):
                 start = b * per_batch + ps.data_parallel_rank * per_rank
-                batch = _batch(padded[start:start + per_rank], c.dataset.max_seq_len, self.device)
+                batch = batch_of(padded[start:start + per_rank], c.dataset.max_seq_len, self.device)
                 out = self.run.forward_backward(step, split_micro_batches(batch, mbs), self.run.model, 1.0,
                                                 forward_only=True)
                 if out is not None:

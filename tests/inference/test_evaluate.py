@@ -165,3 +165,12 @@ def test_every_layout_gives_the_one_process_results(single, task, layout):
         assert parallel.get(key) == expected.get(key)
     if task == "perplexity":
         assert parallel["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+def test_a_missing_checkpoint_or_input_is_one_line(checkpoint, tmp_path):
+    for args, message in ((["--input", str(tmp_path / "none.txt"), "--load", checkpoint], "No such file"),
+                          (["--input", str(ROOT / "README.md"), "--load", str(tmp_path / "none")], "no checkpoint at")):
+        result = subprocess.run([sys.executable, "tools/evaluate.py", "--task", "perplexity", *args], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert message in result.stderr.strip().splitlines()[-1]
