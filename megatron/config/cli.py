@@ -82,7 +82,17 @@ ALIASES: dict[str, str] = {
     "--initial-loss-scale": "scale_loss",
     "--sharding": "sharding_degree",
     "--data-cache-path": "data_cache_path",
+    "--norm-epsilon": "layernorm_epsilon",
+    "--lr-warmup-init": "warmup_init",
+    "--lr-decay-samples": "decay_samples",
+    "--lr-warmup-samples": "warmup_samples",
+    "--lr-wsd-decay-iters": "wsd_decay_steps",
+    "--lr-wsd-decay-samples": "wsd_decay_samples",
+    "--lr-wsd-decay-style": "wsd_decay_style",
 }
+
+
+DATA_PATH_LEAVES = ("input_dir", "train_data_path", "valid_data_path", "test_data_path")
 
 
 def iter_leaves(cls: type = Config, path: tuple = (), attrs: tuple = ()) -> Iterator[Leaf]:
@@ -277,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(*names, dest=leaf.name, action=argparse.BooleanOptionalAction, help=help_text)
         elif typing.get_origin(tp) is list:
             parser.add_argument(*names, dest=leaf.name, nargs="*", help=help_text)
-        elif leaf.name == "input_dir":  # Megatron's --data-path takes 'w1 p1 w2 p2'
+        elif leaf.name in DATA_PATH_LEAVES:  # Megatron's --data-path takes 'w1 p1 w2 p2'
             parser.add_argument(*names, dest=leaf.name, nargs="+", help=help_text)
         else:  # values are coerced (and their choices checked) by coerce(), so argparse takes strings
             choices = f" Choices: {', '.join(map(str, leaf.choices))}." if leaf.choices else ""
@@ -311,7 +321,7 @@ def _layered(config: Config, given: dict) -> Config:
     for text in given.pop("override", []):
         set_value(config, *parse_override(text))
     for name, value in given.items():
-        if name == "input_dir" and isinstance(value, list):
+        if name in DATA_PATH_LEAVES and isinstance(value, list):
             value = " ".join(value)
         set_value(config, LEAVES[name], value)
     return config

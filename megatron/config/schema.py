@@ -56,7 +56,23 @@ class ModelConfig:
     max_position_embeddings: int = opt(1024, "Rows of the learned position embedding.")
     type_vocab_size: int = opt(16, "Accepted for FleetX compatibility; GPT does not use it.")
     initializer_range: float = opt(0.02, "Std of the normal init; output projections get std / sqrt(2 x num_layers).")
-    layernorm_epsilon: float = opt(1e-5, "Epsilon of every LayerNorm.")
+    layernorm_epsilon: float = opt(1e-5, "Epsilon of every normalization layer (LayerNorm or RMSNorm).")
+    position_embedding_type: str = opt(
+        "learned_absolute", "Positions: a learned embedding added to the input (GPT-2), rotary embeddings on the "
+                            "queries and keys (rope, Llama), or none.", ("learned_absolute", "rope", "none"))
+    rotary_base: int = opt(10000, "Base of the rotary embedding's frequencies (rope).")
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels that are rotated (rope).")
+    normalization: str = opt("LayerNorm", "Normalization of every layer and of the output.", ("LayerNorm", "RMSNorm"))
+    swiglu: bool = opt(False, "SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU; ffn_hidden_size then defaults "
+                              "to int(8 x hidden_size / 3 / 64) x 64, as Megatron-LM.")
+    group_query_attention: bool = opt(False, "Grouped-query attention: num_query_groups key/value heads shared by "
+                                             "the query heads.")
+    num_query_groups: int | None = opt(None, "Key/value heads with group_query_attention; must divide "
+                                             "num_attention_heads and be divisible by the tensor-parallel size.")
+    kv_channels: int | None = opt(None, "Channels per attention head; default hidden_size / num_attention_heads.")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "Give the output layer its own weight instead of the word embedding's.")
+    disable_bias_linear: bool = opt(False, "No biases in the attention and MLP linear layers (Llama).")
 
 
 @dataclass
@@ -67,12 +83,27 @@ class LRConfig:
     max_lr: float = opt(1.0e-4, "Peak learning rate, reached at the end of warm-up.")
     min_lr: float = opt(1.0e-5, "Learning rate at and after decay_steps.")
     decay_style: str = opt("cosine", "Shape of the decay from max_lr to min_lr after warm-up.",
-                           ("cosine", "linear", "constant"))
+                           ("cosine", "linear", "constant", "inverse-square-root", "WSD"))
+    warmup_init: float = opt(0.0, "Learning rate at the start of warm-up (Megatron-LM's --lr-warmup-init).")
+    decay_samples: int | None = opt(
+        None, "Sample-based schedule: samples over which the learning rate decays (Megatron-LM's "
+              "--lr-decay-samples); default train_samples.")
+    warmup_samples: int | None = opt(None, "Sample-based schedule: warm-up samples (--lr-warmup-samples).")
+    wsd_decay_steps: int | None = opt(None, "WSD: steps of the final decay (--lr-wsd-decay-iters).")
+    wsd_decay_samples: int | None = opt(None, "WSD, sample-based: samples of the final decay (--lr-wsd-decay-samples).")
+    wsd_decay_style: str = opt("exponential", "WSD: shape of the final decay.",
+                               ("exponential", "linear", "cosine", "minus_sqrt"))
 
 
 @dataclass
 class OptimizerConfig:
     weight_decay: float = opt(0.01, "AdamW decoupled weight decay; never applied to biases and norms.")
+    start_weight_decay: float | None = opt(
+        None, "Weight decay at the start of a weight-decay schedule; default weight_decay.")
+    end_weight_decay: float | None = opt(None, "Weight decay at the end of training; default weight_decay.")
+    weight_decay_incr_style: str = opt(
+        "constant", "How the weight decay goes from start_weight_decay to end_weight_decay over training.",
+        ("constant", "linear", "cosine"))
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_epsilon: float = opt(1.0e-8, "AdamW epsilon.")
@@ -98,6 +129,12 @@ class DistributedConfig:
     pipeline_partition: str = opt("layer:TransformerDecoderLayer", "How layers are cut into stages: "
                                   "'layer:TransformerDecoderLayer' (even), 'uniform', or counts per stage '4,6,6'.")
     sequence_parallel: bool = opt(False, "Split LayerNorm/dropout regions along the sequence across TP ranks.")
+    use_distributed_optimizer: bool = opt(
+        False, "Megatron-LM's distributed optimizer: ZeRO stage 1 over the whole data-parallel group (sets "
+               "sharding_degree to it, sharding_stage 1).")
+    overlap_param_gather: bool = opt(
+        False, "Accepted for Megatron-LM compatibility: the sharded optimizer's parameter all-gather runs after "
+               "the step.")
     bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (fp32 MB).")
     overlap_grad_reduce: bool | None = opt(
         None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
@@ -112,6 +149,12 @@ class BatchSizeConfig:
     global_batch_size: int | None = opt(None, "Samples per optimizer step over all data-parallel ranks.")
     local_batch_size: int | None = opt(None, "Samples per optimizer step on one data-parallel rank.")
     micro_batch_size: int | None = opt(None, "Samples per forward/backward; local / micro = accumulation steps.")
+    rampup_batch_size: list[int] | None = opt(
+        None, "START INCR SAMPLES: the global batch grows from START by INCR over the first SAMPLES samples to "
+              "global_batch_size (Megatron-LM's ramp-up; needs train_samples).")
+    step_batch_size_schedule: str | None = opt(
+        None, "'TOKENS:BATCH ...': the global batch from each number of consumed tokens on (K/M/B/T suffixes), "
+              "e.g. '0:16 2.4B:320'; the last batch is global_batch_size.")
 
 
 @dataclass
@@ -129,6 +172,11 @@ class MixPrecisionConfig:
 @dataclass
 class DatasetConfig:
     input_dir: str | None = opt(None, "Data prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2 ...'.")
+    train_data_path: str | None = opt(
+        None, "Training data only ('w1 prefix1 ...'), instead of splitting input_dir; with valid_data_path and "
+              "test_data_path (Megatron-LM's).")
+    valid_data_path: str | None = opt(None, "Validation data ('w1 prefix1 ...') with train_data_path.")
+    test_data_path: str | None = opt(None, "Test data ('w1 prefix1 ...') with train_data_path.")
     split: str = opt("949,50,1", "Train, validation and test proportions.")
     max_seq_len: int = opt(1024, "Tokens per sample.")
     mock_data: bool = opt(False, "Train on deterministic synthetic data (a fixed random bigram language).")
@@ -141,11 +189,14 @@ class DatasetConfig:
 @dataclass
 class TokenizerConfig:
     tokenizer_type: str | None = opt(None, "Tokenizer for real data.",
-                                     ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"))
+                                     ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                                      "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"))
     vocab_file: str | None = opt(None, "GPT-2 BPE vocab.json.")
     merge_file: str | None = opt(None, "GPT-2 BPE merges.txt.")
     tokenizer_model: str | None = opt(None, "SentencePiece .model, or a Hugging Face tokenizer.json (or its folder).")
     eod_token: str | None = opt(None, "End-of-document token of a Hugging Face tokenizer, when not a usual name.")
+    tiktoken_pattern: str | None = opt(None, "TikTokenizer: the pre-tokenization pattern.", ("v1", "v2"))
+    tiktoken_num_special_tokens: int = opt(1000, "TikTokenizer: ids reserved for special tokens below the BPE ranks.")
 
 
 @dataclass
@@ -155,6 +206,8 @@ class SaveLoadConfig:
     ckpt_dir: str | None = opt(None, "Checkpoint to load at start: a run's output_dir (its latest step) or a "
                                      "step_N folder; any parallel layout; checksums verified. The run's own "
                                      "output_dir holding no checkpoint yet (--save X --load X) starts from scratch.")
+    use_checkpoint_args: bool = opt(
+        False, "Take the model's shape and tokenizer from the loaded checkpoint's config.yaml, even with finetune.")
     keep_last_checkpoints: int | None = opt(None, "Keep only this many most recent checkpoints.")
     load_optim: bool = opt(True, "Load the optimizer states and loss scaler; --no-load-optim starts them afresh.")
     load_rng: bool = opt(True, "Restore the RNG streams (same layout only); --no-load-rng reseeds.")
@@ -178,6 +231,9 @@ class Config:
 
     device: str | None = opt(None, "gpu or cpu; default gpu when one is present.", ("gpu", "cpu"))
     max_steps: int = opt(500000, "Optimizer steps to train.")
+    train_samples: int | None = opt(
+        None, "Train on this many samples instead of max_steps (Megatron-LM's --train-samples; needed by "
+              "rampup_batch_size); the schedule is then counted in samples.")
     num_train_epochs: int | None = opt(
         None, "Cap on passes over the training data: the train split is built for at most this many passes (every "
               "sample once per pass) and training stops there if sooner than max_steps. Default None: no cap, "
@@ -185,8 +241,13 @@ class Config:
     seed: int = opt(1024, "Seed of the weights, dropout and data order.")
     use_recompute: bool = opt(False, "Recompute activations in the backward instead of storing them.")
     recompute_granularity: str | None = opt(
-        None, "full (whole layer), only_attn / full_attn (attention block) or core_attn (softmax(QK^T)V).",
-        ("full", "only_attn", "full_attn", "core_attn"))
+        None, "full (whole layer), only_attn / full_attn (attention block), core_attn (softmax(QK^T)V) or "
+              "selective (Megatron-LM's name for core_attn).",
+        ("full", "only_attn", "full_attn", "core_attn", "selective"))
+    recompute_method: str | None = opt(
+        None, "With granularity full: uniform (checkpoint every recompute_num_layers layers as one unit) or block "
+              "(recompute only the first recompute_num_layers layers of each pipeline stage).", ("uniform", "block"))
+    recompute_num_layers: int | None = opt(None, "Layers per recomputed unit (uniform) or per stage (block); default 1.")
     no_recompute_layers: list[int] | None = opt(None, "Layer indices excluded from recompute.")
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")
