@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from megatron.config import megatron_flags
 from megatron.config.schema import Config
 
 
@@ -89,7 +90,9 @@ ALIASES: dict[str, str] = {
     "--lr-wsd-decay-iters": "wsd_decay_steps",
     "--lr-wsd-decay-samples": "wsd_decay_samples",
     "--lr-wsd-decay-style": "wsd_decay_style",
+    "--num-virtual-stages-per-pipeline-rank": "virtual_pp_degree",
 }
+MEGATRON_DEST = "megatron:"  # argparse dest prefix of the flags of megatron_flags' tables
 
 
 DATA_PATH_LEAVES = ("input_dir", "train_data_path", "valid_data_path", "test_data_path")
@@ -119,6 +122,8 @@ def _unknown_message(unknown: list[str], flags: list[str]) -> str:
     script is fixed in one pass (the values that followed an unknown flag are not named again)."""
     names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
     names = list(dict.fromkeys(names))
+    if not names:
+        return ""
     flags = [f for f in flags if f.startswith("--")]  # a long flag is never meant as a one-letter one
     if len(names) == 1:
         match = difflib.get_close_matches(names[0], flags, n=1, cutoff=0.7) if names[0].startswith("-") else []
@@ -276,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-c", "--config", help="YAML config file (FleetX structure).")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="Section.key=value",
                         help="Override one YAML value; may repeat.")
+    for flag in [*megatron_flags.NO_EFFECT, *megatron_flags.ABSENT, *megatron_flags.DERIVED]:
+        parser.add_argument(flag, dest=MEGATRON_DEST + flag, nargs="*", help=argparse.SUPPRESS)
     aliases: dict[str, list[str]] = {}
     for alias, name in ALIASES.items():
         aliases.setdefault(name, []).append(alias)
@@ -302,14 +309,86 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     wrong (an empty YAML file) is appended to ``warnings`` when a list is given."""
     if base is not None and not isinstance(base, Config):
         raise TypeError(f"parse_config: base must be a Config or None, got {type(base).__name__}.")
+    import sys
+
+    argv = megatron_flags.rewrite(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise ConfigError(_unknown_message(unknown, [s for a in parser._actions for s in a.option_strings]))
     given = vars(args)
+    megatron_given = {k[len(MEGATRON_DEST):]: given.pop(k) for k in list(given) if k.startswith(MEGATRON_DEST)}
+    notices, refused = _megatron_flags(megatron_given, unknown)
+    if unknown or refused:
+        absent = (f"{'Not' if unknown else 'not'} available here: {', '.join(refused)}; remove "
+                  f"{'them' if len(refused) > 1 else 'it'} (docs/megatron.md lists Megatron-LM's flags)." if refused else "")
+        unknown_text = _unknown_message(unknown, [s for a in parser._actions for s in a.option_strings])
+        raise ConfigError(" ".join(part for part in (unknown_text, absent) if part))
     if "config" in given and not load_yaml(given["config"]) and warnings is not None:
         warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")
-    return _layered(Config() if base is None else copy.deepcopy(base), given)
+    if base is None and megatron_flags.is_megatron_command_line(argv):
+        base = megatron_defaults()
+        notices.append("Megatron-LM command line (it gives --train-iters or --train-samples): Megatron-LM's defaults "
+                       "apply where FleetX's differ: " + ", ".join(f"{k} {_shown(v)}" for k, v in megatron_flags.MEGATRON_DEFAULTS.items())
+                       + " (docs/megatron.md).")
+    config = _layered(Config() if base is None else copy.deepcopy(base), given)
+    _derive_megatron(config, megatron_given)
+    if warnings is not None:
+        warnings += notices
+    return config
+
+
+def _shown(value: Any) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def megatron_defaults() -> Config:
+    """The built-in defaults with Megatron-LM's values where FleetX's differ (``MEGATRON_DEFAULTS``)."""
+    config = Config()
+    for name, value in megatron_flags.MEGATRON_DEFAULTS.items():
+        set_value(config, LEAVES[name], value)
+    return config
+
+
+def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[list[str], list[str]]:
+    """(notices, refused) for the Megatron flags of ``megatron_flags``' tables on the command line: the
+    accepted-without-effect ones listed in one notice, the absent ones (unless at their no-op value) refused
+    by name. Unknown flags that name an absent Megatron feature (``--moe-*``) are moved from ``unknown``."""
+    accepted, refused = [], []
+    for flag, values in given.items():
+        shown = " ".join([flag, *values])
+        if flag in megatron_flags.NO_EFFECT:
+            accepted.append(shown)
+        elif flag in megatron_flags.ABSENT:
+            entry = megatron_flags.ABSENT[flag]
+            if " ".join(values) in entry.noop:
+                accepted.append(shown)
+            else:
+                noop = f"; accepted only as {flag} {' or '.join(entry.noop)}" if entry.noop else ""
+                refused.append(f"{shown} ({entry.feature}{noop})")
+    for arg in list(unknown):
+        feature = megatron_flags.absent_feature(arg.split("=")[0]) if arg.startswith("--") else None
+        if feature:
+            refused.append(f"{arg.split('=')[0]} ({feature})")
+            unknown.remove(arg)
+    if any(not u.startswith("-") for u in unknown) and not any(u.startswith("-") for u in unknown):
+        unknown.clear()  # only the values of refused flags are left
+    notices = [f"accepted, no effect here: {', '.join(accepted)} (docs/megatron.md says why)."] if accepted else []
+    return notices, refused
+
+
+def _derive_megatron(config: Config, given: dict[str, list[str]]) -> None:
+    """Megatron flags that set a value from others: --num-layers-per-virtual-pipeline-stage."""
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if flag not in given:
+        return
+    try:
+        per_stage = int(given[flag][0]) if len(given[flag]) == 1 else -1
+    except ValueError:
+        per_stage = -1
+    d, layers = config.distributed, config.model.num_layers
+    if per_stage < 1 or layers % (per_stage * d.pp_degree):
+        raise ConfigError(f"{flag} must be a positive integer that, times the pipeline size ({d.pp_degree}), divides "
+                          f"num_layers ({layers}); got {' '.join(given[flag]) or 'no value'}.")
+    config.distributed.virtual_pp_degree = layers // (per_stage * d.pp_degree)
 
 
 def _layered(config: Config, given: dict) -> Config:

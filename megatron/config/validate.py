@@ -271,6 +271,23 @@ def _check_run_health(config: Config) -> None:
               f"{config.watchdog_timeout_minutes}.")
 
 
+def _resolve_distributed_optimizer(config: Config, world_size: int) -> None:
+    """Megatron-LM's --use-distributed-optimizer: the optimizer states sharded (ZeRO stage 1 unless another
+    stage is asked for) over the whole data-parallel group, i.e. sharding_degree = world / (tp x pp)."""
+    d = config.distributed
+    if not d.use_distributed_optimizer:
+        return
+    replica = d.mp_degree * d.pp_degree
+    if d.mp_degree < 1 or d.pp_degree < 1 or world_size % replica:
+        return  # _check_distributed says what is wrong with the layout
+    group = world_size // replica
+    if d.dp_degree not in (None, 1) or d.sharding.sharding_degree not in (1, group):
+        _fail(f"use_distributed_optimizer shards the optimizer over the whole data-parallel group ({group} ranks); "
+              f"drop dp_degree ({d.dp_degree}) and sharding_degree ({d.sharding.sharding_degree}), or drop "
+              f"--use-distributed-optimizer and set them.")
+    d.dp_degree, d.sharding.sharding_degree = 1, group
+
+
 def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
              tokenizer_vocab_size: int | None = None, training_data: bool = True) -> list[str]:
     """Check ``config`` in place and fill its derived values; return warnings. Reads no files: when a
@@ -281,6 +298,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     _check_counts(config)
     _check_data(config, tokenizer_vocab_size, training_data)
     _check_model(config)
+    _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
     _check_batch(config)
     _check_micro_batches(config)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from megatron.checkpoint import resumed_config
-from megatron.config import Config, ConfigError, parse_config, save_yaml, to_dict, to_yaml, validate
-from megatron.config.cli import LEAVES, build_parser, iter_leaves
+from megatron.config import Config, ConfigError, megatron_flags, parse_config, save_yaml, to_dict, to_yaml, validate
+from megatron.config.cli import LEAVES, MEGATRON_DEST, build_parser, iter_leaves
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,9 +152,10 @@ def test_flags_equal_schema_leaves():
     options = {s: a.dest for a in parser._actions for s in a.option_strings}
     for leaf in LEAVES.values():
         assert options.get(leaf.flag) == leaf.name, f"{leaf.dotted} has no {leaf.flag}"
-    # argparse's own -h/--help is the only other action
+    # argparse's own -h/--help and Megatron-LM's flags of megatron_flags' tables are the only other actions
     extra = {a.dest for a in parser._actions} - set(LEAVES) - {"config", "override", "help"}
-    assert extra == set()
+    assert extra == {MEGATRON_DEST + flag for flag in [*megatron_flags.NO_EFFECT, *megatron_flags.ABSENT,
+                                                        *megatron_flags.DERIVED]}
     assert {a.dest for a in parser._actions} >= {"config", "override"}
 
 

@@ -1,0 +1,327 @@
+"""Megatron-LM's command line: the one table of what each of its flags does here.
+
+A Megatron-LM user's ``pretrain_gpt.py`` script runs unchanged. Each Megatron flag is one of:
+
+- **implemented**: it is one of our flags (a schema leaf or an alias in ``cli.ALIASES``) or is
+  rewritten into ours (``REWRITES``), with Megatron's meaning;
+- **accepted, no effect here** (``NO_EFFECT``): it concerns only Megatron's implementation (fusions,
+  Transformer Engine, its checkpoint formats, logging we always do); parsed and listed once at start;
+- **absent** (``ABSENT``): a feature this framework lacks; refused by name, except with the value
+  that makes it a no-op (``--context-parallel-size 1``).
+
+``cli.parse_config`` consults this module; ``python -m megatron.config.docs --megatron`` renders
+docs/megatron.md from the same tables, so the two cannot drift (a test compares them).
+
+A command line that names its training length the Megatron way (``--train-iters`` or
+``--train-samples``; Megatron-LM has no default length, so every Megatron script has one) gets
+Megatron-LM's defaults where they differ from FleetX's (``MEGATRON_DEFAULTS``); a YAML file, ``-o``
+or a flag still sets any of them. Without those flags the defaults are FleetX's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- accepted, no effect here -----------------------------------------------------------------------------
+_IMPL = "Megatron's implementation detail (kernels, fusions, Transformer Engine); nothing to choose here"
+_CKPT = "Megatron's checkpoint machinery; checkpoints here are always written atomically and checksummed"
+_LOG = "logging: the log line and metrics.jsonl always carry what exists here (loss, ppl, memory, throughput)"
+_PERF = "a performance option of Megatron's; losses are the same without it"
+
+NO_EFFECT: dict[str, str] = {
+    "--use-mcore-models": _IMPL,
+    "--use-legacy-models": _IMPL,
+    "--transformer-impl": _IMPL,
+    "--attention-backend": _IMPL,
+    "--distributed-backend": "the backend is NCCL on GPUs and gloo on the CPU, chosen by the device",
+    "--no-gradient-accumulation-fusion": _IMPL,
+    "--gradient-accumulation-fusion": _IMPL,
+    "--attention-softmax-in-fp32": _IMPL,
+    "--no-masked-softmax-fusion": _IMPL,
+    "--no-bias-gelu-fusion": _IMPL,
+    "--no-bias-swiglu-fusion": _IMPL,
+    "--no-bias-dropout-fusion": _IMPL,
+    "--no-rope-fusion": _IMPL,
+    "--no-persist-layer-norm": _IMPL,
+    "--use-flashinfer-fused-rope": _IMPL,
+    "--cross-entropy-loss-fusion": _IMPL,
+    "--cross-entropy-fusion-impl": _IMPL,
+    "--no-create-attention-mask-in-dataloader": _IMPL,
+    "--apply-query-key-layer-scaling": "an fp16 overflow guard that leaves the attention mathematically unchanged",
+    "--te-rng-tracker": _IMPL,
+    "--inference-rng-tracker": _IMPL,
+    "--use-cpu-initialization": "initialisation here is layout-invariant and the same on every device",
+    "--ckpt-format": _CKPT,
+    "--auto-detect-ckpt-format": _CKPT,
+    "--dist-ckpt-strictness": _CKPT,
+    "--dist-ckpt-optim-fully-reshardable": "checkpoints here always load into any layout",
+    "--ckpt-fully-parallel-save": _CKPT,
+    "--no-ckpt-fully-parallel-save": _CKPT,
+    "--ckpt-fully-parallel-load": _CKPT,
+    "--ckpt-assume-constant-structure": _CKPT,
+    "--async-save": _CKPT,
+    "--async-strategy": _CKPT,
+    "--async-mode": _CKPT,
+    "--async-ckpt-use-cpu-shm": _CKPT,
+    "--use-persistent-ckpt-worker": _CKPT,
+    "--verify-integrity": "checkpoints are always verified against their checksums on load",
+    "--save-retain-interval": "use --keep-last-checkpoints to prune old checkpoints here",
+    "--use-checkpoint-opt_param-scheduler": "a resumed run always continues the saved run's schedule unless a flag "
+                                            "given now changes it",
+    "--override-opt_param-scheduler": "flags given to a resumed run always override the saved schedule",
+    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the command line's, or the saved run's when "
+                                                     "resuming",
+    "--deterministic-mode": "runs here are deterministic on the CPU; on GPUs cuDNN's choice is PyTorch's default",
+    "--timing-log-level": _LOG,
+    "--timing-log-option": _LOG,
+    "--log-timers-to-tensorboard": _LOG,
+    "--log-memory-to-tensorboard": _LOG,
+    "--log-num-zeros-in-grad": _LOG,
+    "--log-params-norm": _LOG,
+    "--log-validation-ppl-to-tensorboard": _LOG,
+    "--log-throughput": _LOG,
+    "--log-progress": _LOG,
+    "--log-loss-scale-to-tensorboard": _LOG,
+    "--log-world-size-to-tensorboard": _LOG,
+    "--tensorboard-log-interval": _LOG,
+    "--tensorboard-queue-size": _LOG,
+    "--wandb-entity": "W&B logs to the default entity of the logged-in account",
+    "--manual-gc": "Python's garbage collector runs as usual",
+    "--manual-gc-interval": "Python's garbage collector runs as usual",
+    "--empty-unused-memory-level": _PERF,
+    "--no-mmap-bin-files": "the .bin files are always memory-mapped",
+    "--tp-comm-overlap": _PERF,
+    "--tp-comm-overlap-cfg": _PERF,
+    "--overlap-p2p-communication": _PERF,
+    "--overlap-p2p-communication-warmup-flush": _PERF,
+    "--overlap-param-gather-with-optimizer-step": _PERF,
+    "--defer-embedding-wgrad-compute": _PERF,
+    "--wgrad-deferral-limit": _PERF,
+    "--ddp-average-in-collective": "gradients are averaged over the data-parallel group either way",
+    "--disable-gloo-process-groups": _IMPL,
+    "--use-tp-pp-dp-mapping": "the rank order does not change the losses here",
+    "--microbatch-group-size-per-virtual-pipeline-stage": _PERF,
+    "--enable-cuda-graph": _PERF,
+    "--cuda-graph-impl": _PERF,
+    "--check-weight-hash-across-dp-replicas-interval": "replicas are compared by the run-health checks instead",
+    "--straggler-minmax-count": _LOG,
+    "--rerun-mode": "a non-finite loss stops the run here (exit 3) without saving",
+    "--calculate-per-token-loss": "always the case here: the loss is the global batch's token mean",
+    "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
+    "--cp-comm-type": "context parallelism is absent here, so its communication has nothing to choose",
+}
+
+# --- absent: a feature this framework lacks ---------------------------------------------------------------
+_UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
+           "interleaving)")
+_INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
+
+
+@dataclass(frozen=True)
+class Absent:
+    feature: str
+    noop: tuple[str, ...] = ()  # values with which the flag changes nothing (accepted)
+
+
+ABSENT: dict[str, Absent] = {
+    "--context-parallel-size": Absent("context parallelism", ("1",)),
+    "--hierarchical-context-parallel-sizes": Absent("context parallelism"),
+    "--expert-model-parallel-size": Absent("mixture of experts", ("1",)),
+    "--expert-tensor-parallel-size": Absent("mixture of experts", ("1",)),
+    "--num-experts": Absent("mixture of experts"),
+    "--num-distributed-optimizer-instances": Absent("several distributed-optimizer instances", ("1",)),
+    "--optimizer": Absent("optimizers other than AdamW", ("adam",)),
+    "--decoupled-lr": Absent("a separate learning rate for the embedding and output layer"),
+    "--decoupled-min-lr": Absent("a separate learning rate for the embedding and output layer"),
+    "--apply-layernorm-1p": Absent("zero-centred LayerNorm weights (layernorm-1p)"),
+    "--squared-relu": Absent("the squared-ReLU MLP"),
+    "--qk-layernorm": Absent("LayerNorm on queries and keys"),
+    "--apply-wd-to-qk-layernorm": Absent("LayerNorm on queries and keys"),
+    "--attention-output-gate": Absent("gated attention output"),
+    "--rotary-interleaved": Absent("interleaved rotary embeddings; the non-interleaved form is implemented"),
+    "--multi-latent-attention": Absent("multi-latent attention"),
+    "--experimental-attention-variant": Absent("experimental attention variants"),
+    "--fp8-format": Absent("FP8 training"),
+    "--fp8-recipe": Absent("FP8 training"),
+    "--fp8-param-gather": Absent("FP8 training"),
+    "--first-last-layers-bf16": Absent("FP8 training"),
+    "--use-torch-fsdp2": Absent("PyTorch FSDP2; ZeRO-3 here is --sharding-stage 3 --sharding-degree N"),
+    "--use-megatron-fsdp": Absent("Megatron FSDP; ZeRO-3 here is --sharding-stage 3 --sharding-degree N"),
+    "--data-parallel-sharding-strategy": Absent("Megatron FSDP; ZeRO here is --sharding-stage 1, 2 or 3"),
+    "--use-mup": Absent("muP parametrisation"),
+    "--fim-data": Absent("fill-in-the-middle datasets"),
+    "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
+    "--error-injection-type": Absent("Megatron's fault injection for its rerun machinery"),
+    "--account-for-embedding-in-pipeline-split": Absent(_UNEVEN),
+    "--account-for-loss-in-pipeline-split": Absent(_UNEVEN),
+    "--decoder-first-pipeline-num-layers": Absent(_UNEVEN),
+    "--decoder-last-pipeline-num-layers": Absent(_UNEVEN),
+    "--eval-global-batch-size": Absent("a separate evaluation batch size; evaluation uses the global batch size"),
+    "--prompts": Absent(_INFERENCE),
+    "--prompt-file": Absent(_INFERENCE),
+    "--num-tokens-to-generate": Absent(_INFERENCE),
+    "--temperature": Absent(_INFERENCE),
+    "--top_k": Absent(_INFERENCE),
+    "--top_p": Absent(_INFERENCE),
+    "--return-log-probs": Absent(_INFERENCE),
+    "--perform-rl-step": Absent(_INFERENCE),
+}
+_ABSENT_PREFIXES = {"--moe-": "mixture of experts", "--dsa-": "experimental attention variants",
+                    "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
+                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation", "--mtp-": "multi-token prediction", "--fp8-": "FP8 training",
+                    "--fp4-": "FP4 training", "--megatron-fsdp-": "Megatron FSDP"}
+
+# --- rewritten into our flags -----------------------------------------------------------------------------
+# Megatron flag -> (our flags it stands for; "{}" is the flag's value, None when it takes none), meaning.
+REWRITES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--loss-scale": (("--scale-loss", "{}", "--no-dynamic-loss-scale"), "a static fp16 loss scale"),
+    "--recompute-activations": (("--use-recompute", "--recompute-granularity", "selective"),
+                                "recompute the core attention (selective granularity)"),
+    "--recompute-granularity": (("--use-recompute", "--recompute-granularity", "{}"),
+                                "recompute on, at this granularity (full or selective)"),
+    "--use-rotary-position-embeddings": (("--position-embedding-type", "rope"), "rotary position embeddings"),
+}
+REWRITE_TAKES_VALUE = {flag: "{}" in ours for flag, (ours, _) in REWRITES.items()}
+
+# --- implemented: Megatron flags that are our flags (leaves or aliases), for the table --------------------
+IMPLEMENTED: tuple[str, ...] = (
+    "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--kv-channels",
+    "--seq-length", "--max-position-embeddings", "--make-vocab-size-divisible-by", "--vocab-size",
+    "--position-embedding-type", "--rotary-base", "--rotary-percent", "--normalization", "--norm-epsilon",
+    "--swiglu", "--group-query-attention", "--num-query-groups", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--hidden-dropout", "--attention-dropout", "--init-method-std",
+    "--micro-batch-size", "--global-batch-size", "--rampup-batch-size", "--step-batch-size-schedule",
+    "--train-iters", "--train-samples", "--exit-interval", "--exit-duration-in-mins",
+    "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-fraction",
+    "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--lr-wsd-decay-iters",
+    "--lr-wsd-decay-samples", "--lr-wsd-decay-style", "--weight-decay", "--start-weight-decay",
+    "--end-weight-decay", "--weight-decay-incr-style", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
+    "--fp16", "--bf16", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
+    "--recompute-method", "--recompute-num-layers", "--seed",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--virtual-pipeline-model-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank", "--sequence-parallel",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--distributed-timeout-minutes",
+    "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--split", "--data-cache-path",
+    "--mock-data", "--num-workers", "--eod-mask-loss", "--tokenizer-type", "--tokenizer-model", "--vocab-file",
+    "--merge-file", "--tiktoken-pattern", "--tiktoken-num-special-tokens",
+    "--save", "--load", "--save-interval", "--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args",
+    "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name",
+    "--wandb-save-dir",
+)
+# Megatron flags handled after parsing, from other values (cli.parse_config): flag -> meaning.
+DERIVED = {"--num-layers-per-virtual-pipeline-stage": "virtual_pp_degree = num_layers / (pp x this)"}
+
+# --- Megatron-LM's defaults where FleetX's differ ---------------------------------------------------------
+MEGATRON_DEFAULTS: dict[str, object] = {
+    "seed": 1234,
+    "decay_style": "linear",
+    "min_lr": 0.0,
+    "warmup_rate": 0.0,
+    "eod_mask_loss": False,
+    "split": "969,30,1",
+    "eval_iters": 100,
+    "logging_freq": 100,
+    "scale_loss": 2.0 ** 32,
+}
+MEGATRON_LENGTH_FLAGS = ("--train-iters", "--train-samples")
+
+
+def absent_feature(flag: str) -> str | None:
+    """The feature a Megatron flag needs that this framework lacks; None when the flag is not absent."""
+    if flag in ABSENT:
+        return ABSENT[flag].feature
+    return next((feature for prefix, feature in _ABSENT_PREFIXES.items() if flag.startswith(prefix)), None)
+
+
+def is_megatron_command_line(argv: list[str]) -> bool:
+    """Whether ``argv`` names its training length the Megatron way (see the module docstring)."""
+    return any(arg.split("=")[0] in MEGATRON_LENGTH_FLAGS for arg in argv)
+
+
+def rewrite(argv: list[str]) -> list[str]:
+    """``argv`` with each ``REWRITES`` flag replaced by the flags of ours it stands for."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        if name in REWRITES:
+            ours, _ = REWRITES[name]
+            value = None
+            if REWRITE_TAKES_VALUE[name]:
+                if eq:
+                    value = inline
+                elif i + 1 < len(argv):
+                    i += 1
+                    value = argv[i]
+                else:
+                    value = ""  # argparse reports the missing value on our flag
+            out += [value if part == "{}" else part for part in ours if not (part == "{}" and value == "")]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+# --- docs/megatron.md -------------------------------------------------------------------------------------
+HEADER = """# Megatron-LM's flags here
+
+Generated from `megatron/config/megatron_flags.py` by `python -m megatron.config.docs --megatron`; a test keeps it
+in step with the tables the command line uses. A Megatron-LM `pretrain_gpt.py` script runs here unchanged:
+
+- **implemented** flags mean what they mean in Megatron-LM;
+- **accepted, no effect here** flags concern only Megatron's implementation; they are parsed and listed once
+  at start ("accepted, no effect here: ...");
+- **absent** flags name a feature this framework lacks; the run is refused with one line naming each, except
+  with the value that changes nothing (shown).
+
+Every unknown flag of a command line is reported in one message, each with its closest flag.
+
+## Defaults
+
+A command line that gives `--train-iters` or `--train-samples` (every Megatron-LM script does; FleetX's is
+`max_steps`) gets Megatron-LM's defaults where they differ from FleetX's; a YAML file, `-o` or a flag still
+sets each of them. The run's log says so at start, and the resolved configuration it prints shows the values.
+
+| key | FleetX default | Megatron-LM default |
+| --- | --- | --- |
+"""
+
+
+def _fleetx_default(name: str) -> object:
+    from megatron.config.cli import get
+    from megatron.config.schema import Config
+
+    return get(Config(), name)
+
+
+def render_markdown() -> str:
+    from megatron.config.cli import ALIASES, LEAVES
+
+    by_flag = {leaf.flag: leaf for leaf in LEAVES.values()}
+    by_flag.update({"--no-" + leaf.flag[2:]: leaf for leaf in LEAVES.values()})
+    by_flag.update({alias: LEAVES[name] for alias, name in ALIASES.items()})
+    lines = [HEADER.rstrip("\n")]
+    for name, value in MEGATRON_DEFAULTS.items():
+        lines.append(f"| `{LEAVES[name].dotted}` | `{_fleetx_default(name)}` | `{value}` |")
+    lines += ["", "## Implemented", "", "| Megatron-LM flag | here | meaning |", "| --- | --- | --- |"]
+    for flag in IMPLEMENTED:
+        if flag in DERIVED:
+            lines.append(f"| `{flag}` | derived | {DERIVED[flag]} |")
+            continue
+        leaf = by_flag[flag]
+        lines.append(f"| `{flag}` | `{leaf.dotted}` | {leaf.help} |")
+    for flag, (ours, meaning) in REWRITES.items():
+        lines.append(f"| `{flag}` | `{' '.join(ours).replace('{}', 'VALUE')}` | {meaning} |")
+    lines += ["", "## Accepted, no effect here", "", "| Megatron-LM flag | why |", "| --- | --- |"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in NO_EFFECT.items()]
+    lines += ["", "## Absent", "", "| Megatron-LM flag | missing feature | accepted as a no-op with |",
+              "| --- | --- | --- |"]
+    for flag, absent in ABSENT.items():
+        noop = ", ".join(f"`{v}`" for v in absent.noop) or "-"
+        lines.append(f"| `{flag}` | {absent.feature} | {noop} |")
+    for prefix, feature in _ABSENT_PREFIXES.items():
+        lines.append(f"| `{prefix}*` | {feature} | - |")
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,347 @@
+"""Command lines of Megatron-LM's GPT pretraining, as data: the facts of which flags Megatron-LM has.
+
+``EXAMPLE_175B``: the arguments of Megatron-LM's ``examples/gpt3/train_gpt3_175b_distributed.sh``.
+``FUNCTIONAL``: the ``MODEL_ARGS`` of a representative set of its GPT functional-test configurations
+(``tests/functional_tests/test_cases/gpt/<name>/model_config.yaml``; YAML ``true`` written as the bare
+flag). ``${...}`` are the paths those files leave to the environment.
+"""
+
+EXAMPLE_175B = (
+    "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
+    "--attention-backend auto --micro-batch-size 1 --global-batch-size 1536 "
+    "--step-batch-size-schedule '0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536' --train-iters 500000 "
+    "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 "
+    "--lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000 "
+    "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --data-path '${DATA_PATH}' "
+    "--vocab-file '${VOCAB_FILE}' --merge-file '${MERGE_FILE}' --split 949,50,1 --log-interval 100 "
+    "--save-interval 10000 --eval-interval 1000 --save '${CHECKPOINT_PATH}' --load '${CHECKPOINT_PATH}' "
+    "--eval-iters 10 --tensorboard-dir '${TENSORBOARD_LOGS_PATH}'"
+)
+
+FUNCTIONAL = {
+    'gpt3_mcore_te_tp1_pp2_rope_embeddings': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --position-embedding-type '
+        'rope --no-ckpt-fully-parallel-save --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all '
+        "--data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard "
+        '--async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_swiglu': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --swiglu '
+        '--ckpt-fully-parallel-load --async-save --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all '
+        "--data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard "
+        '--use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_untie_embeddings_and_outputs': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 '
+        '--untie-embeddings-and-output-weights --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all '
+        "--data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard "
+        '--async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_disable_bias_linear': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --disable-bias-linear '
+        '--async-save --deterministic-mode --no-gradient-accumulation-fusion --attention-softmax-in-fp32 '
+        '--use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all --data-cache-path '
+        "'${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard "
+        '--use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_sequence_parallel': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --sequence-parallel '
+        '--ckpt-fully-parallel-load --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable '
+        "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused "
+        '--log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp1_uniform_full_recompute': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --recompute-granularity '
+        'full --recompute-method uniform --recompute-num-layers 1 --deterministic-mode '
+        '--no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist '
+        "--dist-ckpt-optim-fully-reshardable --dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' "
+        '--bf16 --attention-backend unfused --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 '
+        '--num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer --overlap-grad-reduce '
+        '--overlap-param-gather --check-weight-hash-across-dp-replicas-interval 10 --disable-gloo-process-groups '
+        '--ckpt-fully-parallel-load --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable '
+        "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused "
+        '--log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_vp1_calculate_per_token_loss': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 '
+        '--num-layers-per-virtual-pipeline-stage 1 --calculate-per-token-loss --deterministic-mode '
+        '--no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist '
+        "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused "
+        '--log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp2_pp2': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --deterministic-mode '
+        '--no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist '
+        "--dist-ckpt-optim-fully-reshardable --dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' "
+        '--bf16 --attention-backend unfused --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split': (
+        '--num-layers 6 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 '
+        '--num-virtual-stages-per-pipeline-rank 2 --untie-embeddings-and-output-weights --deterministic-mode '
+        '--no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist '
+        "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 "
+        '--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --attention-backend unfused '
+        '--log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_7b_tp1_pp4_memory_speed': (
+        '--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 '
+        '--untie-embeddings-and-output-weights --log-throughput --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 1 --global-batch-size 8 --seq-length 8192 --max-position-embeddings 8192 --train-iters 25 '
+        "--timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --tokenizer-type NullTokenizer --vocab-size 131073 --mock-data --split 949,50,1 "
+        '--distributed-backend nccl --lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 '
+        '--clip-grad 1.0 --lr-warmup-fraction 0.01 --log-interval 2 --save-interval 10000 --eval-interval 1000 '
+        '--eval-iters 5 --transformer-impl transformer_engine --tensor-model-parallel-size 1 '
+        '--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 --use-distributed-optimizer '
+        '--overlap-grad-reduce --overlap-param-gather --deterministic-mode --no-gradient-accumulation-fusion '
+        '--use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all --data-cache-path '
+        "'${DATA_CACHE_PATH}' --bf16 --log-memory-to-tensorboard --exit-interval 25 --async-save "
+        '--use-persistent-ckpt-worker'),
+    'gpt3_mcore_reruns_resume': (
+        '--deterministic-mode --bf16 --train-iters 50 --eval-iters 0 --manual-gc --use-mcore-models '
+        '--distributed-backend nccl --sequence-parallel --tensor-model-parallel-size 1 --pipeline-model-parallel-size '
+        '2 --micro-batch-size 1 --global-batch-size 128 --untie-embeddings-and-output-weights '
+        '--position-embedding-type rope --rotary-percent 1.0 --max-position-embeddings 4096 --num-layers 32 '
+        '--hidden-size 3072 --ffn-hidden-size 8192 --num-attention-heads 32 --num-query-groups 8 --seq-length 4096 '
+        '--kv-channels 128 --group-query-attention --normalization RMSNorm --swiglu --attention-dropout 0.0 '
+        '--hidden-dropout 0.0 --no-create-attention-mask-in-dataloader --transformer-impl transformer_engine '
+        '--disable-bias-linear --clip-grad 1.0 --overlap-grad-reduce --overlap-param-gather --lr 3e-4 '
+        '--lr-warmup-samples 0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --use-distributed-optimizer --split '
+        '949,50,1 --no-gradient-accumulation-fusion --save-interval 10000 --eval-interval 1000 --ckpt-format '
+        "torch_dist --dist-ckpt-strictness log_all --save '${CHECKPOINT_SAVE_PATH}' --load '${CHECKPOINT_LOAD_PATH}' "
+        "--data-cache-path '${DATA_CACHE_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--timing-log-level 0 --log-interval 1 --log-params-norm --log-num-zeros-in-grad '
+        '--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --log-memory-to-tensorboard --rerun-mode '
+        'validate_results --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 '
+        '--use-distributed-optimizer --no-mmap-bin-files --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all '
+        "--data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard "
+        '--async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp2_pp2_cp2': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --tokenizer-type NullTokenizer "
+        '--vocab-size 50257 --split 949,50,1 --distributed-backend nccl --lr 0.00015 --lr-decay-style cosine --min-lr '
+        '1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction 0.01 --log-interval 1 --save-interval 10000 '
+        '--eval-interval 1000 --eval-iters 10 --transformer-impl transformer_engine --tensor-model-parallel-size 2 '
+        '--pipeline-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --hidden-dropout 0.0 '
+        '--attention-dropout 0.0 --no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models '
+        "--ckpt-format torch_dist --dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 "
+        '--attention-backend flash --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp1_pp2_rope_embeddings_interleaved_no_fusion': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --position-embedding-type '
+        'rope --rotary-interleaved --no-rope-fusion --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable '
+        "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused "
+        '--log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker'),
+    'gpt3_15b_8t_release': (
+        '--distributed-timeout-minutes 60 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 1 '
+        '--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --use-mcore-models '
+        "--sequence-parallel --disable-bias-linear --micro-batch-size 4 --step-batch-size-schedule '0:384 200B:768 "
+        "400B:1152' --train-samples 19531250 --manual-gc --transformer-impl transformer_engine --data-cache-path "
+        "'${DATA_CACHE_PATH}' --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model "
+        "'${DATA_PATH}/utils/nemotron_2_256k.model' --data-path '$DATA_BLEND' --split 99,1,0 --no-mmap-bin-files "
+        '--num-workers 6 --apply-layernorm-1p --untie-embeddings-and-output-weights --position-embedding-type rope '
+        '--no-rope-fusion --rotary-percent 0.5 --squared-relu --num-layers 32 --hidden-size 6144 '
+        '--num-attention-heads 48 --group-query-attention --num-query-groups 8 --seq-length 4096 '
+        '--max-position-embeddings 4096 --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay '
+        '0.1 --lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00045 --min-lr 4.5e-05 --decoupled-lr '
+        '0.0005 --decoupled-min-lr 4.5e-05 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --eval-iters 32 '
+        "--eval-interval 2000 --save '${CHECKPOINT_SAVE_PATH}' --load '${CHECKPOINT_LOAD_PATH}' --save-interval 1000 "
+        '--save-retain-interval 5000 --init-method-std 0.0134 --log-timers-to-tensorboard --log-memory-to-tensorboard '
+        '--log-num-zeros-in-grad --log-params-norm --log-validation-ppl-to-tensorboard --log-throughput '
+        "--log-interval 100 --tensorboard-dir '${TENSORBOARD_PATH}' --wandb-project megatron-core-release-runs "
+        "--wandb-entity adlr --wandb-exp-name '${WANDB_EXPERIMENT}' --bf16 --exit-interval 51000 --wandb-save-dir "
+        "'${WANDB_SAVE_PATH}' --async-save --use-persistent-ckpt-worker"),
+    'gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 '
+        '--num-layers-per-virtual-pipeline-stage 1 --decoupled-lr 0.0002 --deterministic-mode '
+        '--no-gradient-accumulation-fusion --attention-softmax-in-fp32 --ckpt-format torch --data-cache-path '
+        "'${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard"),
+    'gpt3_mcore_te_tp1_pp1_mup': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 '
+        '--use-distributed-optimizer --no-mmap-bin-files --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all '
+        "--data-cache-path '${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard "
+        '--use-mup --mup-base-hidden-size 256 --async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 '
+        '--use-distributed-optimizer --num-distributed-optimizer-instances 2 --overlap-grad-reduce '
+        '--overlap-param-gather --deterministic-mode --no-gradient-accumulation-fusion --attention-softmax-in-fp32 '
+        '--use-mcore-models --ckpt-format torch_dist --dist-ckpt-strictness log_all --data-cache-path '
+        "'${DATA_CACHE_PATH}' --bf16 --attention-backend unfused --log-memory-to-tensorboard --async-save "
+        '--use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "100 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl "
+        '--lr 0.00015 --lr-decay-style cosine --min-lr 1e-05 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '0.01 --log-interval 1 --save-interval 50 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --use-torch-fsdp2 '
+        '--untie-embeddings-and-output-weights --deterministic-mode --no-gradient-accumulation-fusion '
+        '--attention-softmax-in-fp32 --use-checkpoint-opt_param-scheduler --use-mcore-models --ckpt-format torch_dist '
+        "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 --log-memory-to-tensorboard "
+        '--async-save --use-persistent-ckpt-worker'),
+}

@@ -1,0 +1,157 @@
+"""A Megatron-LM user's command line: every flag implemented, accepted without effect, or refused by name."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from megatron.config import ConfigError, infer_tokenizer_type, megatron_flags, parse_config, validate
+from megatron.config.cli import build_parser
+from megatron.config.docs import render_markdown as render_configuration
+from megatron.tokenizer import configured_tokenizer
+from tests.unit.megatron_flag_sets import EXAMPLE_175B, FUNCTIONAL
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT2_VOCAB = 50257  # the vocabulary of Megatron-LM's GPT-2 vocab.json / merges.txt
+
+# The flags of each refused command line that name a feature absent here; every other flag must pass.
+REFUSED = {
+    "gpt3_mcore_te_tp2_pp2_cp2": {"--context-parallel-size"},
+    "gpt3_mcore_te_tp1_pp2_rope_embeddings_interleaved_no_fusion": {"--rotary-interleaved"},
+    "gpt3_15b_8t_release": {"--apply-layernorm-1p", "--squared-relu", "--decoupled-lr", "--decoupled-min-lr"},
+    "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
+    "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
+    "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances": {"--num-distributed-optimizer-instances"},
+    "gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist": {"--use-torch-fsdp2"},
+    "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": {
+        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"},
+}
+COMMAND_LINES = {"examples/gpt3/train_gpt3_175b_distributed.sh": EXAMPLE_175B, **FUNCTIONAL}
+
+
+def _argv(text: str, tmp_path: Path) -> list[str]:
+    """The command line with its environment's paths filled in (validation reads no files)."""
+    for var in ("DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "CHECKPOINT_PATH", "CHECKPOINT_SAVE_PATH",
+                "CHECKPOINT_LOAD_PATH", "TENSORBOARD_PATH", "TENSORBOARD_LOGS_PATH", "DATA_CACHE_PATH",
+                "WANDB_SAVE_PATH", "WANDB_EXPERIMENT", "DATA_BLEND"):
+        text = text.replace("${" + var + "}", str(tmp_path / var.lower())).replace("$" + var, str(tmp_path / var.lower()))
+    return shlex.split(text)
+
+
+def _world_size(argv: list[str]) -> int:
+    sizes = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
+    for flag in sizes:
+        if flag in argv:
+            sizes[flag] = int(argv[argv.index(flag) + 1])
+    return sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"]
+
+
+@pytest.mark.parametrize("name", list(COMMAND_LINES))
+def test_megatron_command_lines_parse_and_validate(name, tmp_path):
+    argv = _argv(COMMAND_LINES[name], tmp_path)
+    notices: list[str] = []
+    if name in REFUSED:
+        with pytest.raises(ConfigError) as err:
+            parse_config(argv, warnings=notices)
+        refused = {flag for flag in argv if flag.startswith("--") and flag in str(err.value)}
+        assert refused == REFUSED[name], str(err.value)
+        assert "unknown argument" not in str(err.value)
+        return
+    config = parse_config(argv, warnings=notices)
+    infer_tokenizer_type(config.tokenizer)  # the 175B example gives GPT-2's files and no --tokenizer-type
+    tokenizer = configured_tokenizer(config.tokenizer) if config.tokenizer.tokenizer_type == "NullTokenizer" else None
+    vocab = tokenizer.vocab_size if tokenizer else (GPT2_VOCAB if config.tokenizer.tokenizer_type else None)
+    validate(config, world_size=_world_size(argv), tokenizer_vocab_size=vocab)
+    assert any(n.startswith("Megatron-LM command line") for n in notices)
+    # what the flags say is what the configuration holds
+    assert config.model.num_layers == int(argv[argv.index("--num-layers") + 1])
+    assert config.distributed.mp_degree * config.distributed.pp_degree == _world_size(argv)
+    if "--lr" in argv:
+        assert config.optimizer.lr.max_lr == float(argv[argv.index("--lr") + 1])
+    if "--seq-length" in argv:
+        assert config.dataset.max_seq_len == int(argv[argv.index("--seq-length") + 1])
+
+
+def test_accepted_flags_are_listed_once_at_start():
+    notices: list[str] = []
+    parse_config(["--mock-data", "--use-mcore-models", "--transformer-impl", "transformer_engine",
+                  "--context-parallel-size", "1", "--manual-gc"], warnings=notices)
+    accepted = [n for n in notices if n.startswith("accepted, no effect here")]
+    assert accepted == ["accepted, no effect here: --use-mcore-models, --transformer-impl transformer_engine, "
+                        "--context-parallel-size 1, --manual-gc (docs/megatron.md says why)."]
+
+
+def test_unknown_and_absent_flags_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--num-layer", "2", "--num-experts", "8", "--moe-router-topk", "2", "--hiden-size", "8"])
+    text = str(err.value)
+    assert "2 unknown arguments: '--num-layer' (did you mean '--num-layers'?), '--hiden-size' (did you mean " \
+           "'--hidden-size'?)" in text
+    assert "--num-experts 8 (mixture of experts)" in text and "--moe-router-topk (mixture of experts)" in text
+
+
+def test_megatron_defaults_apply_to_a_megatron_command_line_only(tmp_path):
+    fleetx = parse_config(["--mock-data"])
+    megatron = parse_config(["--mock-data", "--train-iters", "10"])
+    for name, value in megatron_flags.MEGATRON_DEFAULTS.items():
+        from megatron.config.cli import get
+        assert get(megatron, name) == value
+        assert get(fleetx, name) != value
+    # anything given still wins: a flag, -o, and a YAML file
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("seed: 7\n")
+    given = parse_config(["-c", str(yaml), "--train-samples", "100", "--min-lr", "1e-6", "-o", "eval_iters=3"])
+    assert (given.seed, given.optimizer.lr.min_lr, given.eval_iters) == (7, 1e-6, 3)
+    assert given.optimizer.lr.decay_style == "linear"
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--loss-scale", "128"], {"scale_loss": 128.0, "dynamic_loss_scale": False}),
+    (["--loss-scale=64"], {"scale_loss": 64.0, "dynamic_loss_scale": False}),
+    (["--recompute-activations"], {"use_recompute": True, "recompute_granularity": "selective"}),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     {"use_recompute": True, "recompute_granularity": "full", "recompute_method": "uniform"}),
+    (["--recompute-granularity=full", "--no-use-recompute"], {"use_recompute": False}),
+    (["--use-rotary-position-embeddings"], {"position_embedding_type": "rope"}),
+    (["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"], {"virtual_pp_degree": 2}),
+    (["--num-virtual-stages-per-pipeline-rank", "3"], {"virtual_pp_degree": 3}),
+])
+def test_megatron_flags_mean_what_they_mean_in_megatron(argv, expect):
+    from megatron.config.cli import get
+
+    config = parse_config(["--mock-data", *argv])
+    assert {name: get(config, name) for name in expect} == expect
+
+
+def test_layers_per_virtual_stage_must_divide_the_layers():
+    with pytest.raises(ConfigError, match="num-layers-per-virtual-pipeline-stage must be a positive integer"):
+        parse_config(["--pp", "2", "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "2"])
+
+
+def test_distributed_optimizer_shards_over_the_data_parallel_group():
+    config = parse_config(["--mock-data", "--use-distributed-optimizer", "--tp", "2", "--global-batch-size", "8"])
+    validate(config, world_size=8)
+    d = config.distributed
+    assert (d.dp_degree, d.sharding.sharding_degree, d.sharding.sharding_stage) == (1, 4, 1)
+    clash = parse_config(["--mock-data", "--use-distributed-optimizer", "--dp", "2", "--global-batch-size", "8"])
+    with pytest.raises(ConfigError, match="use_distributed_optimizer shards the optimizer over the whole"):
+        validate(clash, world_size=4)
+
+
+def test_tables_never_shadow_our_flags():
+    ours = {s for a in build_parser()._actions for s in a.option_strings if not a.dest.startswith("megatron:")}
+    tables = set(megatron_flags.NO_EFFECT) | set(megatron_flags.ABSENT) | set(megatron_flags.DERIVED)
+    assert not ours & tables
+    assert not set(megatron_flags.REWRITES) - {"--recompute-granularity"} & ours
+    for flag in megatron_flags.IMPLEMENTED:
+        assert flag in ours or flag in megatron_flags.DERIVED, flag
+    for targets, _ in megatron_flags.REWRITES.values():
+        assert {t for t in targets if t.startswith("--")} <= ours
+
+
+def test_reference_documents_are_current():
+    assert (ROOT / "docs" / "megatron.md").read_text() == megatron_flags.render_markdown(), \
+        "regenerate with: python -m megatron.config.docs --megatron > docs/megatron.md"
+    assert (ROOT / "docs" / "configuration.md").read_text() == render_configuration()
