@@ -15,13 +15,14 @@ import os
 from collections.abc import Sequence
 
 from megatron.checkpoint.format import find_checkpoint, verify_file
-from megatron.config import Config, load_yaml, parse_config, set_value
+from megatron.config import Config, ConfigError, load_yaml, megatron_flags, parse_config, set_value
+from megatron.config.cli import megatron_defaults
 from megatron.config.schema import SaveLoadConfig
 
 __all__ = ["NOT_INHERITED", "resume_base", "resumed_config", "saved_config_path", "schedule_kept_warning"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
-                 "exit_interval")
+                 "exit_interval", "use_checkpoint_args")
 NOT_INHERITED_SECTION = "Distributed"  # the parallel layout is the launch's
 
 
@@ -68,13 +69,50 @@ def schedule_kept_warning(base: Config, config: Config) -> str | None:
             f"{decay_steps} steps (its decay_steps, kept); pass --lr-decay-iters (decay_steps) to change it.")
 
 
+# --use-checkpoint-args (Megatron-LM's load_args_from_checkpoint): the model's shape comes from the checkpoint
+# unless given now; its kind (these keys) comes from the checkpoint even when given now.
+CHECKPOINT_SHAPE = ("Model", "Tokenizer", "max_seq_len")
+CHECKPOINT_FORCED = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
+                     "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
+                     "disable_bias_linear", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def _checkpoint_model(save_load: SaveLoadConfig) -> list:
+    """The (leaf, value) pairs of the Model and tokenizer sections (and max_seq_len) of the checkpoint that
+    ``--use-checkpoint-args`` reads; ConfigError when there is none to read."""
+    path = saved_config_path(save_load.ckpt_dir)
+    if path is None:
+        where = f"--load {save_load.ckpt_dir} holds none" if save_load.ckpt_dir else "give --load"
+        raise ConfigError(f"use_checkpoint_args takes the model's shape from a checkpoint: {where}.")
+    return [(leaf, value) for leaf, value in load_yaml(path)
+            if leaf.path[0] in ("Model", "tokenizer") or leaf.name == "max_seq_len"]
+
+
 def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None = None) -> Config:
     """The (not yet validated) configuration of a run started with ``argv``: parsed once to learn where it
     loads from, then again over that checkpoint's saved configuration (``resume_base``), if any. Warnings
-    (an empty YAML file, a kept schedule) are appended to ``warnings`` when a list is given."""
-    base = resume_base(parse_config(argv).save_load)
+    (an empty YAML file, a kept schedule) are appended to ``warnings`` when a list is given.
+
+    ``--use-checkpoint-args`` (also with ``--finetune``): the checkpoint's model and tokenizer are the base
+    of those given now, and its ``CHECKPOINT_FORCED`` keys replace what is given now, as Megatron-LM does."""
+    first = parse_config(argv)
+    base = resume_base(first.save_load)
+    saved_model = _checkpoint_model(first.save_load) if first.save_load.use_checkpoint_args else []
+    if saved_model and base is None:  # --finetune: only the model and tokenizer are the checkpoint's
+        base = megatron_defaults() if megatron_flags.is_megatron_command_line(_argv(argv)) else Config()
+        for leaf, value in saved_model:
+            set_value(base, leaf, value)
     config = parse_config(argv, base, warnings=warnings)
+    for leaf, value in saved_model:
+        if leaf.name in CHECKPOINT_FORCED:
+            set_value(config, leaf, value)
     kept = None if base is None else schedule_kept_warning(base, config)
     if kept is not None and warnings is not None:
         warnings.append(kept)
     return config
+
+
+def _argv(argv: Sequence[str] | None) -> list[str]:
+    import sys
+
+    return list(sys.argv[1:] if argv is None else argv)

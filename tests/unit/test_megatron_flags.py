@@ -155,3 +155,28 @@ def test_reference_documents_are_current():
     assert (ROOT / "docs" / "megatron.md").read_text() == megatron_flags.render_markdown(), \
         "regenerate with: python -m megatron.config.docs --megatron > docs/megatron.md"
     assert (ROOT / "docs" / "configuration.md").read_text() == render_configuration()
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
+    from megatron.checkpoint import resumed_config
+    from megatron import parallel_state
+    from megatron.checkpoint.convert import write_params
+    from megatron.model.gpt import GPTModel
+
+    saved = parse_config(["--mock-data", "--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "4",
+                          "--swiglu", "--normalization", "RMSNorm", "--max-seq-len", "32", "--vocab-size", "99"])
+    validate(saved)
+    parallel_state.initialize()
+    model = GPTModel(saved.model, saved.padded_vocab_size)
+    write_params(str(tmp_path / "run"), saved, {n: p.detach() for n, p in model.named_parameters()})
+    load = ["--load", str(tmp_path / "run"), "--mock-data", "--use-checkpoint-args"]
+    # finetune inherits nothing, except with --use-checkpoint-args: the model's shape and kind
+    config = resumed_config([*load, "--finetune", "--hidden-size", "64", "--no-swiglu", "--lr", "1e-3"])
+    m = config.model
+    assert (m.num_layers, m.num_attention_heads, m.vocab_size, config.dataset.max_seq_len) == (3, 4, 99, 32)
+    assert m.hidden_size == 64  # a shape given now wins, as in Megatron-LM
+    assert m.swiglu and m.normalization == "RMSNorm"  # the kind is the checkpoint's, as in Megatron-LM
+    assert config.optimizer.lr.max_lr == 1e-3
+    assert not resumed_config([*load[:-1], "--finetune"]).model.swiglu  # without the flag: nothing inherited
+    with pytest.raises(ConfigError, match="use_checkpoint_args takes the model's shape from a checkpoint: --load"):
+        resumed_config(["--load", str(tmp_path / "empty"), "--mock-data", "--use-checkpoint-args"])
