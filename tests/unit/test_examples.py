@@ -34,11 +34,14 @@ def test_example_script_is_valid_bash_and_names_existing_configs(path):
 
 
 @pytest.mark.parametrize("name, millions", [("gpt_345m_single_card.yaml", 354.87),
-                                            ("gpt_1.3b_single_card.yaml", 1313.72)])
+                                            ("gpt_1.3b_single_card.yaml", 1313.72),
+                                            ("llama_1b.yaml", 1235.81), ("llama_7b.yaml", 6738.42)])
 def test_seed_model_sizes(name, millions):
-    """The seed configs build the model sizes their names promise (GPT-2 medium: 354.9M with
-    vocab 50304; the 1.3B: 24 layers of width 2048). Built on the meta device: no memory."""
-    config = parse_config(["-c", str(ROOT / "examples" / "configs" / name), "--device", "cpu"])
+    """The example configs build the model sizes their names promise (GPT-2 medium: 354.9M with
+    vocab 50304; the 1.3B: 24 layers of width 2048; Llama 3.2 1B's 1,235,814,400 and Llama 2 7B's
+    6,738,415,616 parameters). Built on the meta device: no memory."""
+    config = parse_config(["-c", str(ROOT / "examples" / "configs" / name), "--device", "cpu", "--tp", "1",
+                           "--no-sequence-parallel"])  # the whole model on one rank
     validate(config)
     with torch.device("meta"):
         model = GPTModel(config.model, config.padded_vocab_size)
