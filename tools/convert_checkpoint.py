@@ -1,14 +1,16 @@
-"""Convert checkpoints: to and from Hugging Face GPT-2, and to another tensor-parallel size (offline, CPU).
+"""Convert checkpoints: to and from Hugging Face GPT-2 and Llama, and to another tensor-parallel size (offline, CPU).
 
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
-``config.json`` and ``model.safetensors``, loadable with ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``.
-``from-hf`` reads ``config.json`` and ``model.safetensors`` (or sharded safetensors, or
-``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0,
-for ``pretrain_gpt.py --load OUT_DIR``. ``reshard`` writes ``OUT/step_N`` with one file per
+``config.json`` and ``model.safetensors``, loadable with ``LlamaForCausalLM.from_pretrained(OUT_DIR)``
+when the checkpoint's model is Llama-shaped (rope, RMSNorm and swiglu), else with
+``GPT2LMHeadModel.from_pretrained(OUT_DIR)``. ``from-hf`` reads ``config.json`` (a ``gpt2`` or ``llama``
+model_type) and ``model.safetensors`` (or sharded safetensors, or ``pytorch_model.bin``) and writes
+``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
+``pretrain_gpt.py --load OUT_DIR``. ``reshard`` writes ``OUT/step_N`` with one file per
 tensor-parallel rank, every kind (masters and AdamW states) kept. Exit status 2, with a one-line
 message, for a missing or damaged checkpoint or a model that cannot be converted.
 """
@@ -26,16 +28,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from megatron.checkpoint import CheckpointError  # noqa: E402
+from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama  # noqa: E402
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
-from megatron.checkpoint.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, model_flags, to_hf_state_dict  # noqa: E402
+from megatron.checkpoint.hf_common import ConversionError  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
 
 PROG = "convert_checkpoint.py"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Model shape: from config.json, never overridden by a flag (the weights have these shapes).
-_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings")
+# Model shape and architecture: from config.json, never overridden by a flag (the weights fit these).
+_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                 "position_embedding_type", "rotary_percent", "normalization", "swiglu", "group_query_attention",
+                 "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear")
 
 
 class ToolError(Exception):
@@ -48,18 +52,40 @@ def _write_atomic(path: str, write) -> None:
     os.replace(tmp, path)
 
 
+def converter_for_model(model_cfg):
+    """The mapping (``hf_llama`` or ``hf_gpt2``) for our ``ModelConfig``; ConversionError, naming the
+    setting, for a model that is neither."""
+    module = hf_llama if hf_llama.is_llama_shaped(model_cfg) else hf_gpt2
+    module.check_model(model_cfg)
+    return module
+
+
+def converter_for_hf(hf_cfg: dict):
+    """The mapping for a Hugging Face config.json, by its model_type and architectures."""
+    model_type, architectures = hf_cfg.get("model_type"), hf_cfg.get("architectures") or []
+    if model_type == "llama" or (model_type is None and "LlamaForCausalLM" in architectures):
+        return hf_llama
+    if model_type in (None, "gpt2"):
+        return hf_gpt2
+    named = ", ".join(architectures) or "no architectures"
+    raise ConversionError(f"config.json describes a {model_type!r} model ({named}); this tool converts gpt2 "
+                          f"(GPT2LMHeadModel) and llama (LlamaForCausalLM).")
+
+
 def to_hf(ckpt: str, out_dir: str, dtype: str = "float32") -> None:
     from safetensors.torch import save_file
 
     reader, common, config = open_checkpoint(ckpt)
-    state = {name: t.to(DTYPES[dtype]) for name, t in to_hf_state_dict(read_tensors(reader), config.model).items()}
+    hf = converter_for_model(config.model)
+    state = {name: t.to(DTYPES[dtype]) for name, t in hf.to_hf_state_dict(read_tensors(reader), config.model).items()}
     os.makedirs(out_dir, exist_ok=True)
     _write_atomic(os.path.join(out_dir, "model.safetensors"),
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    text = json.dumps(hf_config(config.model, dtype), indent=2) + "\n"
+    text = json.dumps(hf.hf_config(config.model, dtype), indent=2) + "\n"
     _write_atomic(os.path.join(out_dir, "config.json"), lambda tmp: open(tmp, "w").write(text))
-    print(f"wrote {out_dir}/config.json and model.safetensors from {reader.step_dir} (step {common['step']}, "
-          f"{sum(t.numel() for t in state.values()):,} parameters, {dtype})")
+    print(f"wrote {out_dir}/config.json and model.safetensors ({hf.hf_config(config.model)['architectures'][0]}) "
+          f"from {reader.step_dir} (step {common['step']}, {sum(t.numel() for t in state.values()):,} parameters, "
+          f"{dtype})")
 
 
 def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -88,9 +114,9 @@ def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
-    """Our resolved config for a Hugging Face GPT-2 config.json, with pretrain_gpt.py ``flags`` on top
-    (any flag but the model's shape; vocab_size may only grow)."""
-    derived = model_flags(hf_cfg)
+    """Our resolved config for a Hugging Face GPT-2 or Llama config.json, with pretrain_gpt.py ``flags`` on
+    top (any flag but the model's shape and architecture; vocab_size may only grow)."""
+    derived = converter_for_hf(hf_cfg).model_flags(hf_cfg)
     n_positions = int(derived[derived.index("--max-position-embeddings") + 1])
     config = parse_config([*derived, "--max-seq-len", str(min(1024, n_positions)), *flags])
     want = parse_config(derived).model
@@ -123,11 +149,12 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     state = read_hf_state_dict(hf_dir)
     # A vocab_size above the model's (flag) adds rows that start at zero, like the padding rows.
     as_saved = dataclasses.replace(config.model, vocab_size=int(hf_cfg["vocab_size"]))
-    params = from_hf_state_dict(state, as_saved, config.padded_vocab_size)
+    params = converter_for_hf(hf_cfg).from_hf_state_dict(state, as_saved, config.padded_vocab_size)
     # A run loading the checkpoint takes its config.yaml as its base: only the model, which config.json
     # fixes; the schedule, batch sizes and data are that run's own (derived from its flags, not pinned here).
     model_only = yaml.safe_dump({"Model": to_dict(config)["Model"]}, sort_keys=False)
-    step_dir = write_params(out_dir, config, params, converted_by="from-hf", force=force, resume_config=model_only)
+    step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
+                            force=force, resume_config=model_only)
     print(f"wrote {step_dir} ({sum(t.numel() for t in params.values()):,} parameters, padded vocabulary "
           f"{config.padded_vocab_size}); continue pretraining with: pretrain_gpt.py ... --load {out_dir}")
 
@@ -136,13 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", allow_abbrev=False,
-                       help="Write a Hugging Face GPT-2 folder (config.json + model.safetensors).")
+                       help="Write a Hugging Face Llama (a rope + RMSNorm + swiglu model) or GPT-2 folder "
+                            "(config.json + model.safetensors).")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="Dtype of the written weights.")
     p = sub.add_parser("from-hf", allow_abbrev=False,
-                       help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2 folder; "
-                            "further arguments are pretrain_gpt.py flags.")
+                       help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2 or Llama "
+                            "folder; further arguments are pretrain_gpt.py flags.")
     p.add_argument("hf_dir")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")

@@ -33,6 +33,19 @@ from __future__ import annotations
 
 import torch
 
+from megatron.checkpoint.hf_common import (
+    ConversionError,
+    check_names,
+    check_vocab_shape,
+    pad_vocab,
+    to_flags,
+    unpad_vocab,
+)
+from megatron.config.schema import ModelConfig
+
+__all__ = ["ConversionError", "check_model", "from_hf_state_dict", "hf_config", "model_flags", "name_map",
+           "strip_hf_prefix", "to_hf_state_dict"]
+
 # our name (after "layers.{i}.") -> Hugging Face name (after "transformer.h.{i}.")
 _LAYER_NAMES = {
     "input_layernorm": "ln_1",
@@ -48,10 +61,6 @@ ACTIVATION = "gelu_new"
 _SAME_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 # Buffers some Hugging Face GPT-2 checkpoints carry (the causal mask), which are not weights.
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
-
-
-class ConversionError(ValueError):
-    """A state dict or configuration that does not describe our GPT (the message says what differs)."""
 
 
 def name_map(num_layers: int) -> dict[str, str]:
@@ -78,15 +87,23 @@ def _qkv_from_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.reshape(3, num_heads, -1, *rest).transpose(0, 1).reshape(t.shape)
 
 
-def _check_names(got: set[str], want: set[str], what: str) -> None:
-    missing, extra = sorted(want - got), sorted(got - want)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} (first {missing[0]!r})")
-        if extra:
-            parts.append(f"unexpected {len(extra)} (first {extra[0]!r})")
-        raise ConversionError(f"{what} does not match the model configuration: {', '.join(parts)}; check num_layers.")
+def check_model(model_cfg: ModelConfig) -> None:
+    """ConversionError unless our ``ModelConfig`` is GPT-2-shaped: learned positions, LayerNorm, GELU MLP,
+    one key/value head per query head of hidden_size / heads channels, tied head, biases."""
+    m = model_cfg
+    heads = m.num_attention_heads
+    groups = (m.num_query_groups or heads) if m.group_query_attention else heads
+    for differs, setting in (
+            (m.position_embedding_type != "learned_absolute", f"position_embedding_type {m.position_embedding_type}"),
+            (m.normalization != "LayerNorm", f"normalization {m.normalization}"),
+            (m.swiglu, "swiglu"),
+            (groups != heads, f"num_query_groups {groups} (grouped-query attention)"),
+            (m.kv_channels not in (None, m.hidden_size // heads), f"kv_channels {m.kv_channels}"),
+            (m.untie_embeddings_and_output_weights, "untie_embeddings_and_output_weights"),
+            (m.disable_bias_linear, "disable_bias_linear")):
+        if differs:
+            raise ConversionError(f"{setting} has no Hugging Face GPT-2 equivalent, and a Llama export needs rope, "
+                                  f"RMSNorm and swiglu together.")
 
 
 def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
@@ -94,16 +111,15 @@ def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg) -> dict[str, t
     state dict (without the tied ``lm_head.weight``), every tensor contiguous and in its own storage.
 
     ``model_cfg``: our ``ModelConfig`` (num_layers, num_attention_heads and vocab_size are read)."""
+    check_model(model_cfg)
     names = name_map(model_cfg.num_layers)
-    _check_names(set(tensors), set(names), "the checkpoint's tensors")
+    check_names(set(tensors), set(names), "the checkpoint's tensors")
     heads, vocab = model_cfg.num_attention_heads, model_cfg.vocab_size
     out = {}
     for ours, theirs in names.items():
         t = tensors[ours]
         if ours == "embedding.word_embeddings.weight":
-            if t.shape[0] < vocab:
-                raise ConversionError(f"{ours} has {t.shape[0]} rows, fewer than vocab_size {vocab}.")
-            t = t[:vocab]
+            t = unpad_vocab(t, vocab, ours)
         elif ours.endswith("query_key_value.weight") or ours.endswith("query_key_value.bias"):
             t = _qkv_to_hf(t, heads)
         if t.dim() == 2 and ours.rsplit(".", 1)[0].endswith(_TRANSPOSED):
@@ -132,14 +148,10 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg, padded_vocab: int
     hf = strip_hf_prefix(hf)
     names = {theirs: ours for ours, theirs in name_map(model_cfg.num_layers).items()}
     head = hf.pop("lm_head.weight", None)
-    _check_names(set(hf), set(names), "the Hugging Face state dict")
+    check_names(set(hf), set(names), "the Hugging Face state dict")
     heads, vocab, hidden = model_cfg.num_attention_heads, model_cfg.vocab_size, model_cfg.hidden_size
     wte = hf["transformer.wte.weight"]
-    if tuple(wte.shape) != (vocab, hidden):
-        raise ConversionError(f"transformer.wte.weight has shape {list(wte.shape)}, expected [{vocab}, {hidden}] "
-                              f"(vocab_size, hidden_size).")
-    if padded_vocab < vocab:
-        raise ConversionError(f"padded_vocab ({padded_vocab}) is smaller than vocab_size ({vocab}).")
+    check_vocab_shape(wte, "transformer.wte.weight", vocab, hidden, padded_vocab)
     if head is not None and not torch.equal(head, wte):
         raise ConversionError("lm_head.weight differs from transformer.wte.weight: the model does not tie its LM "
                               "head to the word embedding, which this GPT always does.")
@@ -151,13 +163,14 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg, padded_vocab: int
         if ours.endswith("query_key_value.weight") or ours.endswith("query_key_value.bias"):
             t = _qkv_from_hf(t, heads)
         if ours == "embedding.word_embeddings.weight":
-            t = torch.cat([t, t.new_zeros(padded_vocab - vocab, hidden)])
+            t = pad_vocab(t, padded_vocab)
         out[ours] = t.contiguous().clone()
     return out
 
 
 def hf_config(model_cfg, dtype: str = "float32") -> dict:
     """``config.json`` of the equivalent ``GPT2LMHeadModel``."""
+    check_model(model_cfg)
     m = model_cfg
     eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
     return {
@@ -216,4 +229,4 @@ def model_flags(config: dict) -> list[str]:
     if missing:
         raise ConversionError(f"config.json lacks {', '.join(missing)} (n_embd, n_layer, n_head, vocab_size, "
                               f"n_positions).")
-    return [item for key, value in values.items() for item in ("--" + key.replace("_", "-"), str(value))]
+    return to_flags(values)
