@@ -36,8 +36,9 @@ setup(
     extras_require={"serve": ["fastapi", "uvicorn"],
                     "plot": ["matplotlib"],  # tools/plot_runs.py
                     "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
+                    "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
                     "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
-                             "fastapi", "uvicorn", "matplotlib"]},
+                             "fastapi", "uvicorn", "matplotlib", "tiktoken"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

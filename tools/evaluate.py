@@ -67,7 +67,7 @@ def configure(rest: list[str]):
         raise CheckpointError(f"no checkpoint at {config.save_load.ckpt_dir}: expected a step folder with "
                               f"metadata.json or a run folder with a 'latest' file.")
     config.dataset.input_dir, config.dataset.mock_data = None, False  # the data is the task's file
-    tokenizer = configured_tokenizer(config.tokenizer)
+    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)
     if tokenizer is None:
         raise ConfigError(f"{config.save_load.ckpt_dir} was trained without a tokenizer (synthetic data): give "
                           f"--tokenizer-type and its files.")

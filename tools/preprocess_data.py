@@ -8,6 +8,7 @@ writes ``data/corpus_text_document.bin`` / ``.idx`` (one pair per ``--json-keys`
 ``--split-sentences`` (Megatron-LM's flag) each sentence of a document is its own sequence in the
 ``.idx`` (the document boundaries are still recorded) and the pair is ``data/corpus_text_sentence``;
 sentences are found by the rule in ``megatron/data/sentences.py`` (no nltk download).
+``--tokenizer-type NullTokenizer --vocab-size N`` reads text that is already token ids (``"11 325 97"``).
 
 Input: JSONL files (one JSON object per line; ``.gz`` too), a folder or glob of them, or
 plain ``.txt`` files (one document per file, or per blank-line-separated block with
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.indexed_dataset import IndexedDatasetWriter, best_dtype  # noqa: E402
 from megatron.data.sentences import split_sentences  # noqa: E402
-from megatron.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt", ".txt.gz")
 
@@ -99,8 +100,7 @@ class Encoder:
         a = self.args
         if a.workers > 1:  # the processes are the parallelism: no tokenizer thread pools on top
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        Encoder.tokenizer = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model,
-                                            a.eod_token)
+        Encoder.tokenizer = tokenizer_of(a)
 
     def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[list[np.ndarray]]], int, list[str],
                                                                     str | None]:
@@ -121,7 +121,11 @@ class Encoder:
                 column.append(field)
         out = []
         for key, column in zip(keys, texts):
-            arrays, bad = _to_arrays(self._sequences(column), tokenizer.vocab_size)
+            try:
+                sequences = self._sequences(column)
+            except TokenizerError as err:  # text the tokenizer cannot read (NullTokenizer: not integer ids)
+                return [], size, errors, f"{wheres[0]} to {wheres[-1]} (key '{key}'): {err}"
+            arrays, bad = _to_arrays(sequences, tokenizer.vocab_size)
             if bad is not None:
                 return [], size, errors, (f"{wheres[bad[0]]} (key '{key}'): the tokenizer produced id {bad[1]} but "
                                           f"its vocabulary has {tokenizer.vocab_size} ids; the tokenizer files "
@@ -146,6 +150,17 @@ class Encoder:
                 seqs[-1] = seqs[-1] + [tokenizer.eod]
             docs.append(seqs)
         return docs
+
+
+def tokenizer_of(args: argparse.Namespace):
+    """The tokenizer the flags name (Megatron-LM's --tokenizer-type and its files and arguments); --vocab-size
+    and the --tiktoken-* flags are NullTokenizer's and TikTokenizer's, ignored by the other types."""
+    extra = {}
+    if args.tokenizer_type in ("NullTokenizer", "TikTokenizer"):
+        extra = {"vocab_size": args.vocab_size, "tiktoken_pattern": args.tiktoken_pattern,
+                 "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens}
+    return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
+                           args.eod_token, **extra)
 
 
 def _fields(where: str, kind: int, raw: bytes, keys: list[str]) -> tuple[list[str] | None, str | None]:
@@ -230,8 +245,7 @@ class Progress:
 def preprocess(args: argparse.Namespace) -> dict:
     files = expand_inputs(args.input)
     encoder = Encoder(args)
-    probe = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
-                            args.eod_token)
+    probe = tokenizer_of(args)
     dtype = best_dtype(probe.vocab_size)
     level = "sentence" if args.split_sentences else "document"  # Megatron-LM's names
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
@@ -285,11 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Output path prefix; _{key}_document.bin/.idx is added (_{key}_sentence.bin/.idx with "
                         "--split-sentences).")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="Keys of the JSON objects to tokenize.")
-    p.add_argument("--tokenizer-type", required=True,
-                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
-    p.add_argument("--tokenizer-model", help="SentencePiece .model, or Hugging Face tokenizer.json (or its folder).")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, Hugging Face tokenizer.json (or its folder), or "
+                                             "TikTokenizer's vocabulary JSON.")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 of the pre-tokenized text, N-1 the "
+                                                  "end-of-document id (required); TikTokenizer: default 131072.")
+    p.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer: the pre-tokenization pattern "
+                                                                    "(default v2).")
+    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved for special tokens below the BPE ranks.")
     p.add_argument("--eod-token", help="End-of-document token of a Hugging Face tokenizer, when not a usual name.")
     p.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
     p.add_argument("--workers", type=int, default=1, help="Tokenizer worker processes.")

@@ -40,20 +40,21 @@ def _is_number(word: str) -> bool:
     return True
 
 
-def input_dir_words(input_dir: str) -> tuple[list[str], list[float] | None]:
+def input_dir_words(input_dir: str, name: str = "input_dir") -> tuple[list[str], list[float] | None]:
     """-> (words, weights): Megatron's ``w1 prefix1 w2 prefix2 ...`` gives its prefixes and weights (finite,
     non-negative, positive sum); anything else gives its words (prefixes or folders, not yet resolved) and
-    None (weighting by token count). Raises ValueError with a hint."""
+    None (weighting by token count). ``name`` is the setting's name in the messages (input_dir,
+    train_data_path, ...). Raises ValueError with a hint."""
     words = input_dir.split()
     if not (len(words) > 1 and _is_number(words[0])):
         return words, None
     if len(words) % 2 or not all(_is_number(w) for w in words[::2]):
-        raise ValueError(f"input_dir '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
+        raise ValueError(f"{name} '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
     weights, prefixes = [float(w) for w in words[::2]], list(words[1::2])
     bad = [w for w in words[::2] if not math.isfinite(float(w))]
     if bad:
-        raise ValueError(f"input_dir '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
+        raise ValueError(f"{name} '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
                          f"non-negative weights, e.g. '0.3 prefix1 0.7 prefix2'")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"input_dir '{input_dir}': weights must be non-negative with a positive sum")
+        raise ValueError(f"{name} '{input_dir}': weights must be non-negative with a positive sum")
     return prefixes, weights

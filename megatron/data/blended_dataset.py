@@ -1,4 +1,5 @@
-"""Weighted blending of several datasets, and the train/valid/test builder over ``input_dir``.
+"""Weighted blending of several datasets, and the train/valid/test builders: over ``input_dir`` cut by
+``split``, or over ``train_data_path`` / ``valid_data_path`` / ``test_data_path``, each split its own data.
 
 ``input_dir`` is one of: a dataset prefix (``data/corpus_text_document`` for
 ``data/corpus_text_document.bin/.idx``); a folder (every prefix in it, weighted by its token
@@ -14,6 +15,11 @@ With ``train_epochs`` (``num_train_epochs``) the train split is built for at mos
 pass is ``(tokens - 1) // seq_length`` samples of one dataset's train split (Megatron's samples per
 epoch), or for a blend the sum of its members' (each member's share still follows its weight), and
 the train samples are rounded down to whole global batches (``train_samples``).
+
+``build_per_split_datasets`` is Megatron's ``--train-data-path`` / ``--valid-data-path`` /
+``--test-data-path`` (Megatron Core's ``blend_per_split``): each path takes ``input_dir``'s syntax, each
+split is built from every sequence of its own datasets (no ``split``), the same way, except that a single
+prefix is used directly even with a weight (as Core); a split without a path is None.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from megatron.data.indexed_dataset import DatasetError, IndexedDataset
 from megatron.data.token_check import token_range
 
 SPLIT_NAMES = ("train", "valid", "test")
+PER_SPLIT_NAMES = ("train_data_path", "valid_data_path", "test_data_path")
+WHOLE = ("1,0,0", "0,1,0", "0,0,1")  # the split that gives split s every sequence (bookends 0 and N)
 SURPLUS = 0.005  # Megatron Core's mid_level_dataset_surplus
 
 
@@ -64,27 +72,28 @@ class BlendedDataset:
         return self.datasets[int(self.dataset_index[index])][int(self.dataset_sample_index[index])]
 
 
-def parse_input_dir(input_dir: str) -> tuple[list[str], list[float] | None]:
+def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str], list[float] | None]:
     """-> (prefixes, weights or None for token-count weighting). The syntax is the configuration layer's
     (``megatron.config.syntax.input_dir_words``); folders are expanded here and every prefix must have its
-    .bin and .idx. Raises DatasetError with a hint."""
+    .bin and .idx. ``name`` is the setting in the messages (input_dir, train_data_path, ...). Raises
+    DatasetError with a hint."""
     try:
-        words, weights = syntax.input_dir_words(input_dir)
+        words, weights = syntax.input_dir_words(input_dir, name)
     except ValueError as err:
         raise DatasetError(str(err)) from None
-    prefixes = words if weights is not None else [prefix for word in words for prefix in _expand(word)]
+    prefixes = words if weights is not None else [prefix for word in words for prefix in _expand(word, name)]
     for prefix in prefixes:
         if not indexed_dataset.exists(prefix):
-            raise DatasetError(f"no dataset at '{prefix}': expected {prefix}.bin and {prefix}.idx (input_dir takes a "
+            raise DatasetError(f"no dataset at '{prefix}': expected {prefix}.bin and {prefix}.idx ({name} takes a "
                                f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2')")
     return prefixes, weights
 
 
-def _expand(word: str) -> list[str]:
+def _expand(word: str, name: str) -> list[str]:
     if os.path.isdir(word):
         prefixes = sorted(p[:-4] for p in glob.glob(os.path.join(word, "*.idx")) if os.path.isfile(p[:-4] + ".bin"))
         if not prefixes:
-            raise DatasetError(f"input_dir folder '{word}' holds no .bin/.idx pair; preprocess data with "
+            raise DatasetError(f"{name} folder '{word}' holds no .bin/.idx pair; preprocess data with "
                              f"tools/preprocess_data.py")
         return prefixes
     for suffix in (".bin", ".idx"):
@@ -110,6 +119,9 @@ def _train_ranges(indexed: list[IndexedDataset], split: str, weights: list[float
             continue
         first, last = split_ranges(split, len(ds))[0]
         tokens = int(ds.sequence_lengths[first:last].sum(dtype=np.int64))
+        if tokens < 2 and split == WHOLE[0]:
+            raise DatasetError(f"train_data_path dataset {ds.prefix} holds {tokens} token(s); training needs at "
+                               f"least 2: preprocess a larger corpus or leave it out.")
         if tokens < 2:
             raise DatasetError(f"split '{split}' leaves the train split of {ds.prefix} {last - first} of its {len(ds)} "
                                f"sequences ({tokens} tokens); give train a larger share, e.g. --split 949,50,1.")
@@ -125,14 +137,41 @@ def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int]
     in whole global batches. Every failure is a DatasetError raised on every rank (see ``index_cache``).
     """
     prefixes, weights = parse_input_dir(input_dir)
+    return _build(prefixes, weights, len(prefixes) == 1 and weights is None, f"input_dir '{input_dir}'", split,
+                  num_samples, seq_length, seed, eod_id, cache_dir, vocab_size, train_epochs, global_batch_size)
 
+
+def build_per_split_datasets(paths: tuple[str | None, str | None, str | None], num_samples: tuple[int, int, int],
+                             seq_length: int, seed: int, eod_id: int, cache_dir: str | None = None,
+                             vocab_size: int | None = None, train_epochs: int | None = None,
+                             global_batch_size: int = 1) -> tuple:
+    """(train, valid, test) from (train_data_path, valid_data_path, test_data_path): split ``s`` is built from
+    every sequence of path ``s``'s datasets, for ``num_samples[s]`` samples, as ``build_datasets`` builds it; a
+    split without a path (or without samples) is None. ``train_epochs`` counts passes over train_data_path."""
+    out = []
+    for s, (name, path) in enumerate(zip(PER_SPLIT_NAMES, paths)):
+        if not path or num_samples[s] == 0:
+            out.append(None)
+            continue
+        prefixes, weights = parse_input_dir(path, name)
+        wanted = tuple(n if i == s else 0 for i, n in enumerate(num_samples))
+        out.append(_build(prefixes, weights, len(prefixes) == 1, f"{name} '{path}'", WHOLE[s], wanted, seq_length,
+                          seed, eod_id, cache_dir, vocab_size, train_epochs, global_batch_size)[s])
+    return tuple(out)
+
+
+def _build(prefixes: list[str], weights: list[float] | None, single: bool, what: str, split: str,
+           num_samples: tuple[int, ...], seq_length: int, seed: int, eod_id: int, cache_dir: str | None,
+           vocab_size: int | None, train_epochs: int | None, global_batch_size: int) -> tuple:
+    """The three splits of ``prefixes`` (``what`` names them in messages) cut by ``split``: one dataset's own
+    (``single``) or a blend."""
     def open_and_check() -> list[IndexedDataset]:
         indexed = open_datasets(prefixes)
         if num_samples[0] > 0:
             _train_ranges(indexed, split, weights)
         return indexed
 
-    indexed = run_agreed(open_and_check, f"opening the datasets of input_dir '{input_dir}'")
+    indexed = run_agreed(open_and_check, f"opening the datasets of {what}")
     if vocab_size is not None:
         for ds in indexed:
             token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size)
@@ -140,7 +179,7 @@ def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int]
         per_epoch = samples_per_epoch(indexed, weights, split, seq_length)
         num_samples = (train_samples(num_samples[0], train_epochs, per_epoch, global_batch_size, seq_length),
                        *num_samples[1:])
-    if len(indexed) == 1 and weights is None:
+    if single:
         datasets = tuple(_single(indexed[0], split, s, n, seq_length, seed, eod_id, cache_dir)
                          for s, n in enumerate(num_samples))
     else:

@@ -43,6 +43,12 @@ class Tokenizer(ABC):
         """The end-of-document id that separates documents in the token stream."""
 
     @property
+    def bos(self) -> int | None:
+        """The beginning-of-sequence id, or None when the tokenizer has none. Informational: ``tokenize``
+        never adds it."""
+        return None
+
+    @property
     def name(self) -> str:
         """The ``--tokenizer-type`` of this tokenizer (Megatron-LM's class names)."""
         return type(self).__name__

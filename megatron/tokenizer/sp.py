@@ -1,4 +1,5 @@
-"""A SentencePiece model (Llama 2, T5, Mistral style, or one trained by tools/train_tokenizer.py)."""
+"""SentencePiece models (Llama 2, T5, Mistral style, or one trained by tools/train_tokenizer.py), under
+Megatron-LM's three names for them."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from megatron.tokenizer.base import Tokenizer, TokenizerError, as_id_list, check
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model read from its serialized ``.model`` file (unigram or BPE).
 
-    No BOS/EOS is added when encoding; ``eod`` is the model's EOS id, and ``vocab_size`` its number of pieces.
+    As Megatron-LM's SentencePiece library tokenizer: ``tokenize`` is the model's plain ``encode`` (no BOS or
+    EOS is added, and text spelling a control piece such as ``</s>`` is ordinary text); ``eod`` is the model's
+    EOS id, ``bos`` its BOS id (None if it has none), ``vocab_size`` its number of pieces; ``detokenize`` is
+    the model's ``decode`` (control pieces decode to nothing).
     """
 
     def __init__(self, model_file: str | os.PathLike[str]) -> None:
-        self.model_file = check_file(model_file, "--tokenizer-model", "SentencePieceTokenizer")
+        self.model_file = check_file(model_file, "--tokenizer-model", self.name)
         processor = sentencepiece.SentencePieceProcessor()
         try:
             processor.Load(self.model_file)
@@ -51,5 +55,22 @@ class SentencePieceTokenizer(Tokenizer):
     def eod(self) -> int:
         return self._eod
 
+    @property
+    def bos(self) -> int | None:
+        bos = self._sp.bos_id()
+        return bos if bos >= 0 else None
+
     def _init_args(self) -> dict[str, Any]:
         return {"model_file": self.model_file}
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron-LM's ``GPTSentencePieceTokenizer``: the same SentencePiece library tokenizer in Megatron-LM
+    today (its legacy class, removed in February 2026, encoded and decoded the same way too, with
+    ``eod`` the model's EOS id)."""
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's ``Llama2Tokenizer``: the same SentencePiece library tokenizer in Megatron-LM today, so
+    ``tokenize`` adds no BOS. (Megatron-LM's legacy class, removed in February 2026, put BOS before every
+    document it encoded; data preprocessed with it starts each document with ``bos``.)"""

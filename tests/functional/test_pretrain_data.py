@@ -43,10 +43,15 @@ def corpus(tmp_path_factory):
     return work
 
 
-def _train(corpus: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = ["--input-dir", str(corpus / "data" / "c_text_document"), "--tokenizer-type", "GPT2BPETokenizer",
-            "--vocab-file", str(corpus / "tok" / "vocab.json"), "--merge-file", str(corpus / "tok" / "merges.txt"),
-            "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+def _gpt2(corpus: Path) -> list[str]:
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(corpus / "tok" / "vocab.json"),
+            "--merge-file", str(corpus / "tok" / "merges.txt")]
+
+
+def _train(corpus: Path, out: Path, *extra: str, data: list[str] | None = None) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py on ``data`` (the data and tokenizer flags; default the corpus as --input-dir)."""
+    data = ["--input-dir", str(corpus / "data" / "c_text_document"), *_gpt2(corpus)] if data is None else data
+    args = [*data, "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--max-seq-len", "32", "--max-position-embeddings", "32", "--global-batch-size", "16",
             "--micro-batch-size", "8", "--max-steps", "60", "--eval-freq", "30", "--eval-iters", "2",
             "--lr", "5e-3", "--min-lr", "5e-4", "--warmup-rate", "0.05", "--logging-freq", "10",
@@ -90,6 +95,8 @@ def test_trains_on_sentence_split_data(corpus, tmp_path):
     (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-model"),
     (["--vocab-size", "100"], "smaller than the tokenizer's vocabulary"),
     (["--split", "a,b"], "split 'a,b'"),
+    (["--train-data-path", "/nonexistent/prefix"], "both input_dir (--data-path) and train_data_path are set"),
+    (["--valid-data-path", "/nonexistent/prefix"], "valid_data_path is set without train_data_path"),
 ])
 def test_bad_data_settings_are_one_line_errors(corpus, tmp_path, change, message):
     run = _train(corpus, tmp_path / "out", *change)
@@ -188,3 +195,80 @@ def test_a_truncated_cached_index_is_rebuilt_with_a_warning(corpus, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "is unreadable" in run.stderr and "rebuilding it" in run.stderr
     _no_partial_files(cache)
+
+
+# ------------------------------------------------------------------------------------------ per-split paths
+def _preprocess(corpus: Path, docs: list[str], prefix: Path) -> Path:
+    (prefix.parent).mkdir(parents=True, exist_ok=True)
+    (prefix.parent / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", prefix.parent / "in.jsonl",
+                    "--output-prefix", prefix, *_gpt2(corpus), "--append-eod"], check=True, capture_output=True)
+    return Path(f"{prefix}_text_document")
+
+
+def test_separate_train_and_valid_paths_train_and_evaluate_on_their_own_data(corpus, tmp_path):
+    """Megatron-LM's --train-data-path / --valid-data-path: no --split, validation on the valid data only, no
+    test data (no test pass)."""
+    valid = _preprocess(corpus, [" ".join(_sentences(random.Random(i).randint(3, 12))) for i in range(1000, 1100)],
+                        tmp_path / "valid" / "v")
+    train = corpus / "data" / "c_text_document"
+    run = _train(corpus, tmp_path / "out", "--max-steps", "4", "--eval-freq", "2", "--eval-iters", "1",
+                 data=["--train-data-path", f"1.0 {train}", "--valid-data-path", str(valid), *_gpt2(corpus)])
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "valid"] == [2, 4]
+    assert not [r for r in records if r["split"] == "test"]
+    assert "validation results at global step 2" in run.stdout + run.stderr
+    assert list((tmp_path / "valid" / "index-cache").glob("*_sample_idx.npy"))  # indices of the valid data
+
+
+def test_per_split_datasets_take_every_sequence_of_their_own_data(corpus, tmp_path):
+    from megatron.data.blended_dataset import BlendedDataset, build_per_split_datasets
+    from megatron.data.gpt_dataset import GPTDataset
+
+    other = _preprocess(corpus, [" ".join(_sentences(random.Random(i).randint(3, 12))) for i in range(2000, 2100)],
+                        tmp_path / "o" / "o")
+    train = corpus / "data" / "c_text_document"
+    built = build_per_split_datasets((f"0.5 {train} 0.5 {other}", f"2 {other}", None), (64, 16, 16), 32, 1234, 0,
+                                     str(tmp_path / "cache"))
+    assert isinstance(built[0], BlendedDataset) and len(built[0]) == 64 and built[2] is None
+    valid = built[1]  # a single prefix is used directly, even with a weight (Megatron Core's blend_per_split)
+    assert isinstance(valid, GPTDataset) and valid.split == "valid" and len(valid) >= 16
+    assert set(np.unique(valid.doc_idx).tolist()) == set(range(len(IndexedDataset(str(other)))))
+    for member in built[0].datasets:
+        assert set(np.unique(member.doc_idx).tolist()) == set(range(len(member.indexed)))
+
+
+def test_per_split_path_errors_are_one_line(corpus, tmp_path):
+    train = str(corpus / "data" / "c_text_document")
+    run = _train(corpus, tmp_path / "out", data=["--train-data-path", train, "--valid-data-path",
+                                                 "/nonexistent/v", *_gpt2(corpus)])
+    assert _one_error_line(run) == ("no dataset at '/nonexistent/v': expected /nonexistent/v.bin and "
+                                    "/nonexistent/v.idx (valid_data_path takes a prefix, a folder of prefixes, or "
+                                    "'w1 prefix1 w2 prefix2').")
+    run = _train(corpus, tmp_path / "out", data=["--data-path", train, "--train-data-path", train, *_gpt2(corpus)])
+    assert "both input_dir (--data-path) and train_data_path are set" in _one_error_line(run)
+    run = _train(corpus, tmp_path / "out", data=["--train-data-path", f"1 {train} x", *_gpt2(corpus)])
+    assert _one_error_line(run).startswith(f"train_data_path '1 {train} x' must alternate weights and prefixes")
+
+
+# ------------------------------------------------------------------------------------------ NullTokenizer
+def test_null_tokenizer_preprocesses_and_trains_on_pre_tokenized_data(tmp_path):
+    """Text that is already token ids: preprocess with --tokenizer-type NullTokenizer --vocab-size 64, then
+    train 2 steps with the same flags (end-of-document id 63, the model's vocabulary 64, padded to 128)."""
+    rng = random.Random(0)
+    docs = [" ".join(str(rng.randrange(63)) for _ in range(rng.randint(5, 40))) for _ in range(200)]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+    subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", tmp_path / "ids.jsonl",
+                    "--output-prefix", tmp_path / "n", *null, "--append-eod"], check=True, capture_output=True)
+    ds = IndexedDataset(str(tmp_path / "n_text_document"))
+    assert ds[0].tolist() == [int(w) for w in docs[0].split()] + [63]
+    run = _train(tmp_path, tmp_path / "out", "--max-steps", "2", "--eval-freq", "2", "--eval-iters", "1",
+                 data=["--data-path", str(tmp_path / "n_text_document"), *null])
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [2]
+    assert math.isfinite(records[-1]["loss"])
+    saved = (tmp_path / "out" / "config.yaml").read_text()
+    assert "NullTokenizer" in saved and "vocab_size: 64" in saved
