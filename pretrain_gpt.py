@@ -20,7 +20,8 @@ import torch
 from megatron import device as dev
 from megatron.checkpoint import CheckpointError, resumed_config
 from megatron.config import Config, ConfigError, validate
-from megatron.data.blended_dataset import build_datasets, parse_input_dir
+from megatron.config.batch_schedule import total_train_samples
+from megatron.data.blended_dataset import build_datasets, build_per_split_datasets, parse_input_dir
 from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.health import TrainingDiverged
@@ -43,15 +44,18 @@ def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tup
     (unpadded) vocabulary first: an id out of range stops every rank. Real data needs the run's ``tokenizer``
     (built once, by ``resolve``; ``main`` binds it), for its end-of-document id."""
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
-    num_samples = (config.max_steps * gbs, config.eval_iters * gbs, config.eval_iters * gbs)
+    num_samples = (total_train_samples(config), config.eval_iters * gbs, config.eval_iters * gbs)
     if d.mock_data:
         make = partial(MockGPTDataset, seq_len=seq, vocab_size=config.model.vocab_size, seed=config.seed)
         return tuple(make(n, split=name) for n, name in zip(num_samples, ("train", "valid", "test")))
     if tokenizer is None:
         raise ValueError("datasets_provider: real data needs the run's tokenizer (configured_tokenizer).")
-    return build_datasets(d.input_dir, d.split, num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path,
-                          vocab_size=config.model.vocab_size, train_epochs=config.num_train_epochs,
-                          global_batch_size=gbs)
+    if d.train_data_path:  # each split its own data: no split applied, no validation without valid_data_path
+        build = partial(build_per_split_datasets, (d.train_data_path, d.valid_data_path, d.test_data_path))
+    else:
+        build = partial(build_datasets, d.input_dir, d.split)
+    return build(num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path, vocab_size=config.model.vocab_size,
+                 train_epochs=config.num_train_epochs, global_batch_size=gbs)
 
 
 def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,14 +75,15 @@ def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokeni
     a one-line error (ConfigError, CheckpointError, TokenizerError)."""
     config = resumed_config(argv, warnings)
     world_size, _, _ = launch_env()
-    tokenizer = configured_tokenizer(config.tokenizer)
+    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)  # NullTokenizer's --vocab-size
     warnings += validate(config, world_size=world_size, cuda_available=dev.cuda_available(),
                          tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
-    if config.dataset.input_dir:
-        try:
-            parse_input_dir(config.dataset.input_dir)  # the prefixes exist (validation reads no files)
-        except DatasetError as err:
-            raise ConfigError(f"{err}.") from None
+    for name in ("input_dir", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(config.dataset, name):
+            try:
+                parse_input_dir(getattr(config.dataset, name), name)  # the prefixes exist (validation reads no files)
+            except DatasetError as err:
+                raise ConfigError(f"{err}.") from None
     return config, tokenizer
 
 

@@ -30,6 +30,7 @@ from megatron.checkpoint import (
     save_checkpoint,
 )
 from megatron.config import Config, save_yaml, to_yaml
+from megatron.config.batch_schedule import build_batch_schedule, train_steps
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
@@ -39,13 +40,7 @@ from megatron.health import GoodCheckpoints, RunHealth, TrainingDiverged
 from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import MetricsWriter, WandbError, format_log_line, get_logger, model_flops_per_token
 from megatron.model import num_parameters
-from megatron.optimizer import (
-    MixedPrecisionOptimizer,
-    StepResult,
-    WarmupDecaySchedule,
-    build_lr_schedule,
-    build_optimizer,
-)
+from megatron.optimizer import MixedPrecisionOptimizer, StepResult, build_optimizer, build_param_schedule
 from megatron.pipeline_parallel.schedules import (
     ForwardStep,
     forward_backward_no_pipelining,
@@ -60,8 +55,9 @@ DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each ha
 @dataclass
 class TrainState:
     step: int = 0  # optimizer steps taken (applied or skipped)
-    consumed_samples: int = 0
+    consumed_samples: int = 0  # by every step, skipped ones too: the data position and the batch-size schedule's
     skipped_steps: int = 0
+    schedule_samples: int = 0  # the samples of the applied steps: the learning-rate / weight-decay position
     losses: list = field(default_factory=list)  # every step's global-batch loss
 
 
@@ -83,12 +79,13 @@ def _all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
 
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,
                optimizer: MixedPrecisionOptimizer, lr: float, micro_batch_size: int, dp_group=None,
-               forward_backward: Callable = None, pp_group=None) -> tuple[float, StepResult]:
-    """One optimizer step over this rank's share of the global batch; returns (token-mean loss of
-    the global batch, step result). ``model``, ``buffer``: as ``parallelize`` returns them;
-    ``dp_group``: the data-parallel group (None: one replica); ``forward_backward``: the schedule
-    (default: no pipelining); ``pp_group``: the pipeline group, over which the last stage's loss is
-    shared."""
+               forward_backward: Callable = None, pp_group=None,
+               weight_decay: float | None = None) -> tuple[float, StepResult]:
+    """One optimizer step over this rank's share of the global batch (any size: it is cut into as many
+    micro-batches as it holds); returns (token-mean loss of the global batch, step result). ``model``,
+    ``buffer``: as ``parallelize`` returns them; ``dp_group``: the data-parallel group (None: one replica);
+    ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group, over
+    which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one)."""
     forward_backward = forward_backward or forward_backward_no_pipelining
     num_tokens = float(_all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
     optimizer.zero_grad()
@@ -99,7 +96,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
     finalize_model_grads(model, parallel_state.get(), buffer)
-    result = optimizer.step(lr)
+    result = optimizer.step(lr, weight_decay)
     return float(_all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
 
@@ -183,7 +180,8 @@ class Trainer:
         self.plan, self.model, self.buffer, self.fully_sharded = run.plan, run.model, run.buffer, run.fully_sharded
         self.optimizer, self.dp_group, self.pp_group = run.optimizer, run.dp_group, run.pp_group
         self.forward_backward = run.forward_backward
-        self.schedule: WarmupDecaySchedule = build_lr_schedule(config)
+        self.schedule = build_param_schedule(config)  # lr and weight decay by samples of applied steps
+        self.batches = build_batch_schedule(config)  # the global batch by consumed samples
         self.state = TrainState()
         self.health = RunHealth(config.max_consecutive_skipped_steps, config.loss_spike_factor)
         self.checkpoints = GoodCheckpoints(config.save_load.output_dir, config.save_load.keep_last_checkpoints,
@@ -197,8 +195,7 @@ class Trainer:
         self.writer = on_every_rank(  # drops an earlier run's records past resume_step from metrics.jsonl
             lambda: _open_metrics(config, self.is_logging_rank, resume_step), device,
             f"cannot open the metrics of {sl.output_dir}", "fix the file or give --save another folder")
-        self.tokens_per_step = config.batch_size.global_batch_size * config.dataset.max_seq_len
-        self.flops_per_step = model_flops_per_token(config) * self.tokens_per_step
+        self.flops_per_token = model_flops_per_token(config)
         self.peak_tflops = config.peak_tflops or dev.peak_tflops(device)
 
     def _load(self, path: str) -> int | None:
@@ -216,6 +213,9 @@ class Trainer:
             self.state.step = loaded["step"]
             self.state.consumed_samples = loaded["consumed_samples"]
             self.state.skipped_steps = loaded["skipped_steps"]
+            gbs = self.config.batch_size.global_batch_size  # a checkpoint from before batch-size schedules:
+            self.state.schedule_samples = loaded.get(  # its applied steps, all of that constant batch
+                "schedule_samples", (self.state.step - self.state.skipped_steps) * gbs)
         self.checkpoints.loaded(loaded["step"], loaded["path"])
         if self.ps.rank == 0:
             how = "weights only (finetune)" if sl.finetune else f"resuming at step {self.state.step}"
@@ -234,7 +234,8 @@ class Trainer:
             return
         watchdog.beat(f"saving the checkpoint of step {s.step}")
         path = save_checkpoint(self.config.save_load.output_dir, s.step, self.model, self.optimizer, self.ps,
-                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps})
+                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
+                                             "schedule_samples": s.schedule_samples})
         watchdog.beat(f"after saving the checkpoint of step {s.step}")
         self.checkpoints.saved(s.step, path)  # pruned here, and again once the next step confirms it
         if self.ps.rank == 0:
@@ -267,16 +268,26 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _loader(self, dataset, consumed: int = 0, num_workers: int = 0):
-        b = self.config.batch_size
-        return build_loader(dataset, consumed, b.global_batch_size, dataset.eod_id, self.config.dataset.eod_mask_loss,
-                            self.ps.data_parallel_rank, self.ps.data_parallel_size, num_workers=num_workers)
+    def _loader(self, dataset, consumed: int = 0, num_workers: int = 0, batches=None):
+        """Batches of ``batches`` (a global batch, or consumed -> global batch; default: global_batch_size)."""
+        return build_loader(dataset, consumed, batches or self.config.batch_size.global_batch_size, dataset.eod_id,
+                            self.config.dataset.eod_mask_loss, self.ps.data_parallel_rank,
+                            self.ps.data_parallel_size, num_workers=num_workers)
 
     def _samples_per_epoch(self) -> int:
         return getattr(self.train_ds, "samples_per_epoch", len(self.train_ds))
 
-    def _extras(self, result: StepResult, batch_cost: float) -> dict:
-        tflops = self.flops_per_step / batch_cost / self.world_size / 1e12
+    def _epoch_and_batch(self, global_batch: int) -> tuple[int, int]:
+        """(epoch, batch in it) of the step just taken: by whole global batches per epoch (FleetX's); when the
+        global batch varies, the epoch its first sample is in and the steps since the first step of that epoch."""
+        per_epoch = self._samples_per_epoch()
+        if not self.batches.varies:
+            return divmod(self.state.step - 1, max(per_epoch // global_batch, 1))
+        epoch = (self.state.consumed_samples - global_batch) // max(per_epoch, 1)
+        return epoch, self.state.step - 1 - self.batches.steps_to_reach(epoch * per_epoch)
+
+    def _extras(self, result: StepResult, batch_cost: float, tokens_per_step: float) -> dict:
+        tflops = self.flops_per_token * tokens_per_step / batch_cost / self.world_size / 1e12
         return {
             "loss_scale": self.optimizer.loss_scale if self.optimizer.grad_scaler else None,
             "grad_norm": result.grad_norm,
@@ -286,26 +297,29 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
         }
 
-    def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float) -> None:
+    def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float,
+                  samples_per_step: float, global_batch: int) -> None:
+        """``lr``: the one this step applied; ``reader``, ``batch_cost``, ``samples_per_step``: means over the
+        steps since the last line (tokens/s and TFLOP/s count the samples those steps really took)."""
         if not self.is_logging_rank:
             return
-        c, s = self.config, self.state
-        per_epoch = max(self._samples_per_epoch() // c.batch_size.global_batch_size, 1)
-        epoch, batch_in_epoch = divmod(s.step - 1, per_epoch)
-        extras = self._extras(result, batch_cost)
-        shown = {"loss scale": extras["loss_scale"],
+        s, tokens_per_step = self.state, samples_per_step * self.config.dataset.max_seq_len
+        epoch, batch_in_epoch = self._epoch_and_batch(global_batch)
+        extras = self._extras(result, batch_cost, tokens_per_step)
+        shown = {"global batch size": global_batch if self.batches.varies else None,
+                 "loss scale": extras["loss_scale"],
                  "grad norm": None if result.grad_norm is None else f"{result.grad_norm:.5f}",
                  "TFLOP/s": f"{extras['tflops']:.2f}",
                  "MFU": None if extras["mfu"] is None else f"{100 * extras['mfu']:.2f}%",
                  "max memory": f"{extras['max_memory_gb']:.2f} GB",
                  "skipped steps": s.skipped_steps or None}
-        self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, self.tokens_per_step,
+        self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, tokens_per_step,
                                       self.world_size, lr, shown))
-        ips_total = self.tokens_per_step / batch_cost
+        ips_total = tokens_per_step / batch_cost
         self.writer.write({"split": "train", "step": s.step, "epoch": epoch, "batch": batch_in_epoch, "loss": loss,
                            "learning_rate": lr, "ips_total": ips_total, "ips": ips_total / self.world_size,
                            "avg_reader_cost": reader, "avg_batch_cost": batch_cost,
-                           "consumed_samples": s.consumed_samples, **extras})
+                           "consumed_samples": s.consumed_samples, "global_batch_size": global_batch, **extras})
 
     def _evaluate(self, split: str, dataset) -> None:
         c = self.config
@@ -321,12 +335,14 @@ class Trainer:
         self.writer.write({"split": split, "step": self.state.step, "loss": loss, "perplexity": ppl})
 
     def _train_steps(self) -> int:
-        """Steps this run can take: max_steps, unless the training set holds fewer global batches (the datasets
-        provider builds it for at most num_train_epochs passes, when set). That is said at start rather than
-        discovered when the loop stops early, with the learning rate it leaves above min_lr."""
-        c, gbs = self.config, self.config.batch_size.global_batch_size
-        steps = min(c.max_steps, len(self.train_ds) // gbs)
-        if steps >= c.max_steps or self.ps.rank != 0:
+        """Steps this run can take: max_steps, or the steps train_samples gives (``train_steps``), unless the
+        training set holds fewer global batches (the datasets provider builds it for at most num_train_epochs
+        passes, when set). That is said at start rather than discovered when the loop stops early, with the
+        learning rate it leaves above min_lr."""
+        c, batches = self.config, self.batches
+        self.planned_steps = train_steps(c, batches)
+        steps = min(self.planned_steps, batches.steps_within(len(self.train_ds)))
+        if steps >= self.planned_steps or self.ps.rank != 0:
             return steps
         if c.num_train_epochs is None:
             held, fix = f"the training data holds {len(self.train_ds)} samples, which gives", "add data"
@@ -334,13 +350,16 @@ class Trainer:
             held = (f"the training data holds {self._samples_per_epoch()} samples per epoch: num_train_epochs "
                     f"({c.num_train_epochs}) gives")
             fix = "raise num_train_epochs or add data"
-        self.log.warning(f"{held} {steps} steps of global batch {gbs}, fewer than max_steps ({c.max_steps}); "
-                         f"training stops at step {steps} ({fix})")
-        lr = c.optimizer.lr
-        if steps < lr.decay_steps and lr.decay_style != "constant":
-            self.log.warning(f"training stops at step {steps}, before decay_steps ({lr.decay_steps}): the learning "
-                             f"rate will not reach min_lr ({lr.min_lr:g}); set --decay-steps {steps} to decay it "
-                             f"fully")
+        size = "the batch-size schedule" if batches.varies else f"global batch {batches.final}"
+        asked = (f"max_steps ({c.max_steps})" if c.train_samples is None
+                 else f"the {self.planned_steps} steps of train_samples ({c.train_samples})")
+        self.log.warning(f"{held} {steps} steps of {size}, fewer than {asked}; training stops at step {steps} ({fix})")
+        lr, reached = c.optimizer.lr, batches.consumed_after(steps)
+        if reached < self.schedule.decay and lr.decay_style != "constant":
+            decay, fix = ((f"decay_steps ({lr.decay_steps})", f"--decay-steps {steps}") if c.train_samples is None
+                          else (f"decay_samples ({lr.decay_samples})", f"--lr-decay-samples {reached}"))
+            self.log.warning(f"training stops at step {steps}, before {decay}: the learning rate will not reach "
+                             f"min_lr ({lr.min_lr:g}); set {fix} to decay it fully")
         return steps
 
     def _after_step(self, loss: float, result: StepResult, scale_before: float) -> None:
@@ -375,41 +394,44 @@ class Trainer:
 
     def _run_loop(self) -> TrainState:
         c, s = self.config, self.state
-        gbs = c.batch_size.global_batch_size
-        train_steps = self._train_steps()
-        if s.step >= train_steps:  # a finished run launched again: evaluating again would log its results twice
+        last_step = self._train_steps()
+        asked = f"max_steps {c.max_steps}" if c.train_samples is None else f"train_samples {c.train_samples}"
+        if s.step >= last_step:  # a finished run launched again: evaluating again would log its results twice
             if self.ps.rank == 0:
-                self.log.warning(f"nothing to train: the run is at step {s.step} and stops at step {train_steps}; "
-                                 f"raise max_steps to train further")
+                self.log.warning(f"nothing to train: the run is at step {s.step} and stops at step {last_step}; "
+                                 f"raise {asked.split()[0]} to train further")
             return s
-        loader = iter(self._loader(self.train_ds, s.consumed_samples, c.dataset.num_workers))
+        loader = iter(self._loader(self.train_ds, s.consumed_samples, c.dataset.num_workers, self.batches))
         reader_time = batch_time = 0.0
-        window = 0
+        window = window_samples = 0
         dev.reset_peak_memory(self.device)
         self._started = time.perf_counter()
         save_steps = c.save_load.save_steps
         saved_at = s.step
-        while s.step < train_steps:
+        while s.step < last_step:
             watchdog.beat(f"training step {s.step + 1}")
             start = time.perf_counter()
             batch = _to_device(next(loader), self.device)
             reader_time += time.perf_counter() - start
+            global_batch = self.batches(s.consumed_samples)  # the loader's size for this step
             s.step += 1
-            lr = self.schedule(s.step)
+            lr, wd = self.schedule.lr(s.schedule_samples), self.schedule.weight_decay(s.schedule_samples)
             scale_before = self.optimizer.loss_scale
             loss, result = train_step(self.forward_step, batch, self.model, self.buffer, self.optimizer, lr,
                                       c.batch_size.micro_batch_size, self.dp_group, self.forward_backward,
-                                      self.pp_group)
-            s.consumed_samples += gbs
+                                      self.pp_group, weight_decay=wd)
+            s.consumed_samples += global_batch
+            s.schedule_samples += global_batch if result.applied else 0  # Megatron: only a successful update
             s.skipped_steps += 0 if result.applied else 1
             dev.synchronize(self.device)
             batch_time += time.perf_counter() - start
-            window += 1
+            window, window_samples = window + 1, window_samples + global_batch
             s.losses.append(loss)
-            if s.step % c.logging_freq == 0 or s.step == train_steps:
-                self._log_step(loss, lr, result, reader_time / window, batch_time / window)
+            if s.step % c.logging_freq == 0 or s.step == last_step:
+                self._log_step(loss, lr, result, reader_time / window, batch_time / window, window_samples / window,
+                               global_batch)
                 reader_time = batch_time = 0.0
-                window = 0
+                window = window_samples = 0
             self._after_step(loss, result, scale_before)
             if save_steps and s.step % save_steps == 0:
                 self.save()
@@ -421,13 +443,12 @@ class Trainer:
                 if saved_at != s.step:
                     self.save()
                 break
-            if s.step % c.eval_freq == 0 and s.step < train_steps:
+            if s.step % c.eval_freq == 0 and s.step < last_step:
                 self._evaluate("valid", self.valid_ds)
         else:
-            if train_steps < c.max_steps and self.ps.rank == 0:
+            if last_step < self.planned_steps and self.ps.rank == 0:
                 epochs = "" if c.num_train_epochs is None else f" (num_train_epochs {c.num_train_epochs})"
-                self.log.warning(f"stopped at step {s.step} of max_steps {c.max_steps}: the training data ran "
-                                 f"out{epochs}")
+                self.log.warning(f"stopped at step {s.step} of {asked}: the training data ran out{epochs}")
             if save_steps and saved_at != s.step:
                 self.save()
             self._evaluate("valid", self.valid_ds)

@@ -1,13 +1,14 @@
 """Batches for training: global-batch sampling from consumed samples, collation, loaders.
 
-Step ``k`` of a run consumes global samples ``[c, c + global_batch)`` where ``c`` is the
-number of samples consumed before it; data-parallel rank ``r`` reads the ``r``-th
-contiguous ``local_batch`` slice of that range. Resuming only needs ``c``.
+Step ``k`` of a run consumes global samples ``[c, c + B(c))`` where ``c`` is the number of samples
+consumed before it and ``B`` the global batch (constant, or a function of ``c``: a batch-size ramp-up,
+``megatron.config.batch_schedule``); data-parallel rank ``r`` reads the ``r``-th contiguous
+``B(c) / dp`` slice of that range. Resuming only needs ``c``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import numpy as np
@@ -16,25 +17,39 @@ from torch.utils.data import DataLoader
 
 
 class GlobalBatchSampler:
-    """Yields this data-parallel rank's sample indices for each global batch, in order."""
+    """Yields this data-parallel rank's sample indices for each global batch, in order, while the whole
+    global batch lies within the dataset. ``global_batch_size``: a number, or ``consumed -> batch``."""
 
-    def __init__(self, num_samples: int, consumed_samples: int, global_batch_size: int,
+    def __init__(self, num_samples: int, consumed_samples: int, global_batch_size: int | Callable[[int], int],
                  dp_rank: int = 0, dp_size: int = 1):
-        if global_batch_size % dp_size:
-            raise ValueError(f"global batch {global_batch_size} not divisible by data-parallel size {dp_size}")
+        self.constant = None if callable(global_batch_size) else global_batch_size
+        self.batch_at = global_batch_size if callable(global_batch_size) else lambda consumed: global_batch_size
         self.num_samples, self.consumed = num_samples, consumed_samples
-        self.global_batch, self.local_batch = global_batch_size, global_batch_size // dp_size
-        self.dp_rank = dp_rank
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._local(self.batch_at(consumed_samples))
+
+    def _local(self, global_batch: int) -> int:
+        if global_batch % self.dp_size:
+            raise ValueError(f"global batch {global_batch} not divisible by data-parallel size {self.dp_size}")
+        return global_batch // self.dp_size
+
+    def _batches(self) -> Iterator[tuple[int, int]]:
+        """(first sample, global batch) of every step that fits."""
+        start = self.consumed
+        while start + (batch := self.batch_at(start)) <= self.num_samples:
+            yield start, batch
+            start += batch
 
     def __len__(self) -> int:
-        return max(0, (self.num_samples - self.consumed) // self.global_batch)
+        if self.constant is not None:
+            return max(0, (self.num_samples - self.consumed) // self.constant)
+        return sum(1 for _ in self._batches())
 
     def __iter__(self) -> Iterator[list[int]]:
-        start = self.consumed
-        while start + self.global_batch <= self.num_samples:
-            first = start + self.dp_rank * self.local_batch
-            yield list(range(first, first + self.local_batch))
-            start += self.global_batch
+        for start, batch in self._batches():
+            local = self._local(batch)
+            first = start + self.dp_rank * local
+            yield list(range(first, first + local))
 
 
 def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool = True) -> dict[str, torch.Tensor]:
@@ -48,8 +63,8 @@ def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool 
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
 
 
-def build_loader(dataset, consumed_samples: int, global_batch_size: int, eod_id: int, eod_mask_loss: bool,
-                 dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0) -> DataLoader:
+def build_loader(dataset, consumed_samples: int, global_batch_size: int | Callable[[int], int], eod_id: int,
+                 eod_mask_loss: bool, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0) -> DataLoader:
     sampler = GlobalBatchSampler(len(dataset), consumed_samples, global_batch_size, dp_rank, dp_size)
     collate = partial(build_batch, eod_id=eod_id, eod_mask_loss=eod_mask_loss)
     # Its own generator: starting an iteration must not draw from the global RNG, which dropout uses

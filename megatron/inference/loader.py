@@ -63,8 +63,11 @@ def tokenizer_for(config: Config, tokenizer_type: str | None = None, vocab_file:
     """The tokenizer given by the arguments, else the one the run was trained with (its saved
     config's ``tokenizer:`` section); None when neither names one (a run on synthetic data)."""
     if tokenizer_type is not None:
-        return build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, config.tokenizer.eod_token)
-    return configured_tokenizer(config.tokenizer)
+        t = config.tokenizer
+        return build_tokenizer(tokenizer_type, vocab_file, merge_file, tokenizer_model, t.eod_token,
+                               vocab_size=config.model.vocab_size, tiktoken_pattern=t.tiktoken_pattern,
+                               tiktoken_num_special_tokens=t.tiktoken_num_special_tokens)
+    return configured_tokenizer(config.tokenizer, config.model.vocab_size)
 
 
 def load_model(path: str, dtype: str = "fp32", device: torch.device | str = "cpu"):

@@ -1,4 +1,4 @@
-"""AdamW with fp32 master weights, loss scaling, clipping and the LR schedule."""
+"""AdamW with fp32 master weights, loss scaling, clipping, and the learning-rate and weight-decay schedule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from megatron.config.schema import Config
 from megatron.distributed.parallelize import ShardingPlan
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.optimizer.lr_schedule import WarmupDecaySchedule
+from megatron.optimizer.lr_schedule import OptimizerParamSchedule, build_param_schedule
 from megatron.optimizer.optimizer import MixedPrecisionOptimizer, StepResult
 
 
@@ -26,10 +26,5 @@ def build_optimizer(buffer: ParamAndGradBuffer, plan: ShardingPlan, config: Conf
     return MixedPrecisionOptimizer(buffer, plan, config.optimizer, build_grad_scaler(config))
 
 
-def build_lr_schedule(config: Config) -> WarmupDecaySchedule:
-    lr = config.optimizer.lr
-    return WarmupDecaySchedule(lr.max_lr, lr.min_lr, lr.warmup_steps, lr.decay_steps, lr.decay_style)
-
-
-__all__ = ["ConstantGradScaler", "DynamicGradScaler", "MixedPrecisionOptimizer", "WarmupDecaySchedule",
-           "StepResult", "build_grad_scaler", "build_lr_schedule", "build_optimizer"]
+__all__ = ["ConstantGradScaler", "DynamicGradScaler", "MixedPrecisionOptimizer", "OptimizerParamSchedule",
+           "StepResult", "build_grad_scaler", "build_optimizer", "build_param_schedule"]

@@ -1,15 +1,26 @@
-"""Linear warm-up to ``max_lr``, then decay to ``min_lr`` at ``decay_steps``.
+"""Learning rate and weight decay as pure functions of the schedule's position ``n``, in samples.
 
-With steps numbered from 1 (the first optimizer step is step 1)::
+Megatron-LM's OptimizerParamScheduler rule. ``n`` counts the samples of the *applied* steps before the
+current one (a step skipped for inf/nan gradients does not advance it): the step at ``n = 0``, the first,
+trains at ``warmup_init``. Iteration-based lengths are multiplied by the global batch (``decay_steps x
+global_batch_size``); sample-based ones (with ``train_samples``) are used as they are. With ``w`` warm-up
+and ``d`` decay samples (``w = warmup_rate x d`` unless given, fractional as Megatron's)::
 
-    lr(s) = max_lr * s / warmup_steps                       s <= warmup_steps
-    lr(s) = min_lr + (max_lr - min_lr) * f(p),
-            p = (s - warmup_steps) / (decay_steps - warmup_steps)   warmup_steps < s < decay_steps
-    lr(s) = min_lr                                          s >= decay_steps
+    lr(n) = warmup_init + (max_lr - warmup_init) n / w        w > 0 and n <= w
+    lr(n) = max_lr                                            constant, after warm-up
+    lr(n) = min_lr                                            n > d
+    lr(n) = max(min_lr, max_lr sqrt(max(w, 1) / max(n, 1)))   inverse-square-root
+    lr(n) = min_lr + (max_lr - min_lr) f(r),  r = (n - w) / (d - w)
 
-with ``f(p) = (1 + cos(pi p)) / 2`` for ``cosine`` (the default), ``1 - p`` for ``linear``,
-and ``lr = max_lr`` after warm-up for ``constant``. A pure function of the step, so
-resuming needs only the step count.
+with ``f(r) = (1 + cos(pi r)) / 2`` (cosine), ``1 - r`` (linear), or, for WSD, 1 until the last ``s``
+(``wsd_decay``) samples of the decay and then, with ``q = (n - (d - s)) / s``: ``2 x 0.5^q - 1``
+(exponential), ``1 - q`` (linear), ``(1 + cos(pi q)) / 2`` (cosine), ``1 - sqrt(q)`` (minus_sqrt).
+
+Weight decay over the training length ``t`` samples (``max_steps x global_batch_size``, or
+``train_samples``)::
+
+    wd(n) = end_wd                                            constant, or n > t
+    wd(n) = start_wd + (end_wd - start_wd) g(n / t),  g(x) = x (linear), (1 + cos(pi (1 - x))) / 2 (cosine)
 """
 
 from __future__ import annotations
@@ -17,29 +28,93 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron.config.schema import Config
+
+DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
+WSD_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_STYLES = ("constant", "linear", "cosine")
+
 
 @dataclass(frozen=True)
-class WarmupDecaySchedule:
-    """``lr(step)``: linear warm-up, then ``decay_style`` decay (cosine, linear or constant), as above."""
+class OptimizerParamSchedule:
+    """``lr(n)`` and ``weight_decay(n)`` as in the module doc; every length is in samples."""
 
     max_lr: float
     min_lr: float
-    warmup_steps: int
-    decay_steps: int
+    warmup: float
+    decay: float
     decay_style: str = "cosine"
+    warmup_init: float = 0.0
+    wsd_decay: float | None = None
+    wsd_decay_style: str = "exponential"
+    start_wd: float = 0.0
+    end_wd: float = 0.0
+    wd_length: float = 1.0
+    wd_style: str = "constant"
 
     def __post_init__(self) -> None:
-        if self.decay_style not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown decay_style {self.decay_style!r}")
+        if self.decay_style not in DECAY_STYLES or self.wsd_decay_style not in WSD_STYLES or \
+                self.wd_style not in WD_STYLES:
+            raise ValueError(f"unknown style: decay {self.decay_style!r}, WSD {self.wsd_decay_style!r}, weight "
+                             f"decay {self.wd_style!r}")
+        if self.decay_style == "WSD" and not self.wsd_decay:
+            raise ValueError("the WSD decay style needs the length of its final decay (wsd_decay > 0)")
 
-    def __call__(self, step: int) -> float:
-        if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
+    def lr(self, n: float) -> float:
+        if self.warmup > 0 and n <= self.warmup:
+            return self.warmup_init + (self.max_lr - self.warmup_init) * n / self.warmup
         if self.decay_style == "constant":
             return self.max_lr
-        if step >= self.decay_steps:
+        if n > self.decay:
             return self.min_lr
-        progress = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup, 1.0)) / math.sqrt(max(n, 1.0)))
+        ratio = (n - self.warmup) / (self.decay - self.warmup)
         if self.decay_style == "linear":
-            return self.min_lr + (self.max_lr - self.min_lr) * (1.0 - progress)
-        return self.min_lr + (self.max_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+            coeff = 1.0 - ratio
+        elif self.decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            coeff = self._wsd_coeff(n)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd_coeff(self, n: float) -> float:
+        anneal_start = self.decay - self.wsd_decay
+        if n <= anneal_start:
+            return 1.0
+        q = (n - anneal_start) / self.wsd_decay
+        if self.wsd_decay_style == "linear":
+            return 1.0 - q
+        if self.wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * q) + 1.0)
+        if self.wsd_decay_style == "exponential":
+            return 2.0 * 0.5**q - 1.0
+        return 1.0 - math.sqrt(q)
+
+    def weight_decay(self, n: float) -> float:
+        if self.wd_style == "constant" or n > self.wd_length:
+            return self.end_wd
+        x = n / self.wd_length
+        coeff = x if self.wd_style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - x)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+
+def build_param_schedule(config: Config) -> OptimizerParamSchedule:
+    """The run's schedule in samples, from a validated ``config`` (Megatron's get_optimizer_param_scheduler):
+    iteration-based lengths times ``global_batch_size`` (the final one under a batch-size schedule), or the
+    sample-based ones with ``train_samples``."""
+    o, lr, gbs = config.optimizer, config.optimizer.lr, config.batch_size.global_batch_size
+    if config.train_samples is None:
+        decay, length = lr.decay_steps * gbs, config.max_steps * gbs
+        warmup = None if lr.warmup_steps is None else lr.warmup_steps * gbs
+        wsd = None if lr.wsd_decay_steps is None else lr.wsd_decay_steps * gbs
+    else:
+        decay, length, warmup, wsd = lr.decay_samples, config.train_samples, lr.warmup_samples, lr.wsd_decay_samples
+    if warmup is None:
+        warmup = lr.warmup_rate * decay
+    constant_wd = o.weight_decay_incr_style == "constant"
+    return OptimizerParamSchedule(
+        lr.max_lr, lr.min_lr, warmup, decay, lr.decay_style, lr.warmup_init, wsd, lr.wsd_decay_style,
+        start_wd=o.weight_decay if constant_wd else o.start_weight_decay,
+        end_wd=o.weight_decay if constant_wd else o.end_weight_decay,
+        wd_length=length, wd_style=o.weight_decay_incr_style)

@@ -74,12 +74,12 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
 
 def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> int:
     """Parameters held by a rank at (tp, pp): its stage's layers with the tensor-parallel matrices
-    split over tp, the word embedding (split over tp) on the first stage and its tied copy on the last."""
+    split over tp, the word embedding (split over tp) and the learned position embedding on the first
+    stage, the final norm and the LM head on the last: the untied output layer (split over tp), or
+    under pipelining the tied embedding's copy."""
     from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
 
     m, d = config.model, config.distributed
-    h, f = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
-    per_layer = (3 * h * h + 3 * h + h * f + f) // tp + (h * h + f * h) // tp + h + h + 4 * h  # split + replicated
     if pp == 1:
         layers = m.num_layers
     elif d.virtual_pp_degree > 1:  # interleaved: this rank's chunks
@@ -87,13 +87,33 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
                      for c in range(d.virtual_pp_degree))
     else:
         layers = len(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
+    h = m.hidden_size
     vocab = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
-    total = layers * per_layer
+    norm = 2 * h if m.normalization == "LayerNorm" else h
+    total = layers * layer_parameters(config, tp)
     if pp_rank == 0:
-        total += vocab // tp * h + m.max_position_embeddings * h
+        total += vocab // tp * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute"
+                                    else 0)
     if pp_rank == pp - 1:
-        total += 2 * h + (vocab // tp * h if pp > 1 else 0)  # final LayerNorm, tied head copy
+        untied = m.untie_embeddings_and_output_weights
+        total += norm + (vocab // tp * h if untied or pp > 1 else 0)  # final norm, the head's own weight
     return total
+
+
+def layer_parameters(config: Config, tp: int = 1) -> int:
+    """One decoder layer's parameters on a rank of a tensor-parallel group of ``tp``: QKV
+    [(nq + 2 ng) hd, h] and the MLP's first matmul ([ffn, h], SwiGLU [2 ffn, h]) split by rows with
+    their biases, the output projections split by columns (biases replicated), two norms replicated."""
+    m = config.model
+    h, f = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
+    nq = m.num_attention_heads
+    ng = m.num_query_groups if m.group_query_attention else nq
+    hd = m.kv_channels or h // nq
+    bias = 0 if m.disable_bias_linear else 1
+    qkv, fc1 = (nq + 2 * ng) * hd, (2 if m.swiglu else 1) * f
+    split = qkv * h + bias * qkv + nq * hd * h + fc1 * h + bias * fc1 + f * h
+    replicated = 2 * bias * h + 2 * (2 * h if m.normalization == "LayerNorm" else h)
+    return split // tp + replicated
 
 
 def measured_model_state_bytes(optimizer) -> ModelStateBytes:

@@ -68,8 +68,9 @@ class MixedPrecisionOptimizer:
             master.grad = grad
             self.masters.append(master)
             groups[decay].append(master)
-        param_groups = [{"params": ps, "weight_decay": rate} for ps, rate in
-                        ((groups[True], cfg.weight_decay), (groups[False], 0.0)) if ps]
+        # "decays": the group whose weight decay the schedule sets each step (biases and norms never decay)
+        param_groups = [{"params": ps, "weight_decay": rate, "decays": decays} for ps, rate, decays in
+                        ((groups[True], cfg.weight_decay, True), (groups[False], 0.0, False)) if ps]
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_epsilon, fused=_supports_fused(self._master_device()))
         self._reduce_groups = [g for g in (self.sharding_group, self.model_parallel_group) if g is not None]
@@ -131,7 +132,9 @@ class MixedPrecisionOptimizer:
         return model_parallel_grad_norm(self._counted, self._reduce_groups, self.buffer.device)
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, weight_decay: float | None = None) -> StepResult:
+        """One AdamW step at ``lr`` with decoupled ``weight_decay`` (None: OptimizerConfig.weight_decay) on the
+        decaying parameters, unless the gradients are not finite (then skipped: StepResult.applied False)."""
         grads = self.main_grads()
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
@@ -150,6 +153,8 @@ class MixedPrecisionOptimizer:
                 torch.cuda.current_stream().synchronize()
         for group in self.inner.param_groups:
             group["lr"] = lr
+            if group["decays"] and weight_decay is not None:
+                group["weight_decay"] = weight_decay
         self.inner.step()
         self.publish_params()
         return StepResult(True, float(norm))

@@ -1,4 +1,4 @@
-"""The LR schedule, loss scalers, clipping and the mixed-precision optimizer."""
+"""Loss scalers, clipping and the mixed-precision optimizer (the schedules: test_lr_schedule.py)."""
 
 from __future__ import annotations
 
@@ -11,57 +11,10 @@ from torch import nn
 
 from megatron.config.schema import OptimizerConfig
 from megatron.distributed.parallelize import ShardingPlan, parallelize
-from megatron.optimizer import ConstantGradScaler, DynamicGradScaler, MixedPrecisionOptimizer, WarmupDecaySchedule
+from megatron.optimizer import ConstantGradScaler, DynamicGradScaler, MixedPrecisionOptimizer
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm
 
-# ---------------------------------------------------------------- learning-rate schedule
-
-
-def test_warmup_is_linear_and_reaches_max_lr():
-    s = WarmupDecaySchedule(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110)
-    for step in range(1, 11):
-        assert s(step) == pytest.approx(1e-3 * step / 10, rel=1e-12)
-    assert s(10) == 1e-3
-    assert s(1) < s(2) < s(10)
-
-
-def test_cosine_decay_midpoint_and_end():
-    s = WarmupDecaySchedule(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=110)
-    assert s(60) == pytest.approx((1e-3 + 1e-4) / 2, rel=1e-12)
-    assert s(11) < 1e-3 and s(11) > s(60) > s(109) > 1e-4
-    # quarter point: min + (max - min) * (1 + cos(pi / 4)) / 2
-    assert s(35) == pytest.approx(1e-4 + 9e-4 * (1 + math.cos(math.pi / 4)) / 2, rel=1e-12)
-    for step in (110, 111, 500, 10**6):
-        assert s(step) == 1e-4
-
-
-def test_no_warmup():
-    s = WarmupDecaySchedule(max_lr=2.0, min_lr=0.0, warmup_steps=0, decay_steps=100)
-    assert s(0) == 2.0
-    assert s(1) == pytest.approx(1.0 + math.cos(math.pi / 100), rel=1e-12)
-    assert s(50) == pytest.approx(1.0, rel=1e-12)
-    assert s(100) == 0.0 and s(101) == 0.0
-
-
-def test_warmup_equal_to_decay():
-    s = WarmupDecaySchedule(max_lr=1.0, min_lr=0.1, warmup_steps=5, decay_steps=5)
-    assert [s(i) for i in range(1, 7)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 0.1])
-
-
 # ---------------------------------------------------------------- loss scalers
-
-
-def test_linear_and_constant_decay_styles():
-    linear = WarmupDecaySchedule(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="linear")
-    assert linear(10) == pytest.approx(1.0)
-    assert linear(35) == pytest.approx(0.2 + 0.8 * 0.75)  # a quarter of the way through the decay
-    assert linear(60) == pytest.approx(0.6)
-    assert linear(110) == linear(500) == pytest.approx(0.2)
-    constant = WarmupDecaySchedule(max_lr=1.0, min_lr=0.2, warmup_steps=10, decay_steps=110, decay_style="constant")
-    assert constant(5) == pytest.approx(0.5)
-    assert constant(11) == constant(500) == 1.0
-    with pytest.raises(ValueError):
-        WarmupDecaySchedule(1.0, 0.1, 0, 10, decay_style="step")
 
 
 def test_dynamic_scaler_backoff_hysteresis_1():
@@ -246,6 +199,33 @@ def test_fp32_matches_torch_adamw():
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
     moved = [not torch.equal(p, q) for p, q in zip(model.parameters(), _model().parameters())]
     assert all(moved)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_scheduled_weight_decay_reaches_adamw_and_spares_biases_and_norms(offload):
+    """step(lr, weight_decay) decays the weight matrices by that step's rate (torch AdamW, decoupled), on the
+    device and offloaded; biases and LayerNorm parameters never decay, whatever the rate."""
+    cfg = OptimizerConfig(weight_decay=0.5, adam_epsilon=1e-6, grad_clip=0.0)
+    model, ref = _model(), _model()
+    plan = ShardingPlan(offload=offload)
+    _, buffer, _ = parallelize(model, plan)
+    opt = MixedPrecisionOptimizer(buffer, plan, cfg)
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    no_decay = [p for p in ref.parameters() if p.ndim < 2]
+    ref_opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=0.0, eps=1e-6)
+    for (x, y), wd in zip(_inputs(), (0.0, 0.3, 2.0)):
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        ref_opt.zero_grad()
+        _loss(ref, x, y).backward()
+        ref_opt.param_groups[0].update(lr=1e-2, weight_decay=wd)
+        ref_opt.param_groups[1].update(lr=1e-2)
+        assert opt.step(1e-2, weight_decay=wd).applied
+        ref_opt.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+    rates = {g["decays"]: g["weight_decay"] for g in opt.inner.param_groups}
+    assert rates == {True: 2.0, False: 0.0}
 
 
 def test_grad_clipping_applied():

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from megatron.config import Config, ConfigError, parse_config, validate
+from megatron.optimizer import build_param_schedule
 from tests.unit.test_config import check, valid_config, write
 
 # ---------------------------------------------------------------- validation
@@ -93,7 +94,10 @@ def test_derived_defaults():
     config = valid_config("--train-iters", "1000", "--lr-warmup-fraction", "0.05")
     check(config)
     lr = config.optimizer.lr
-    assert (lr.decay_steps, lr.warmup_steps) == (1000, 50)
+    # decay_steps is filled in (Megatron's --lr-decay-iters default); the warm-up is warmup_rate x the decay,
+    # kept fractional in samples as Megatron's, so warmup_steps stays unset: 0.05 x 1000 steps x 8 samples
+    assert (lr.decay_steps, lr.warmup_steps) == (1000, None)
+    assert build_param_schedule(config).warmup == 0.05 * 1000 * 8
     assert config.distributed.dp_degree == 1 and config.device == "cpu"
     assert config.model.ffn_hidden_size == 4 * config.model.hidden_size
 
