@@ -61,7 +61,8 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
         return
     config = parse_config(argv, warnings=notices)
     infer_tokenizer_type(config.tokenizer)  # the 175B example gives GPT-2's files and no --tokenizer-type
-    tokenizer = configured_tokenizer(config.tokenizer) if config.tokenizer.tokenizer_type == "NullTokenizer" else None
+    null = config.tokenizer.tokenizer_type == "NullTokenizer"
+    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size) if null else None
     vocab = tokenizer.vocab_size if tokenizer else (GPT2_VOCAB if config.tokenizer.tokenizer_type else None)
     validate(config, world_size=_world_size(argv), tokenizer_vocab_size=vocab)
     assert any(n.startswith("Megatron-LM command line") for n in notices)
