@@ -37,18 +37,25 @@ def get_logger() -> logging.Logger:
 def model_flops_per_token(config: Config) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward), counting matmuls only.
 
-    Forward, per token, with h hidden, f ffn, s sequence, L layers, V padded vocab::
+    Forward, per token, with h hidden, f ffn, s sequence, L layers, V padded vocab, nq query heads,
+    ng key/value groups (nq without grouped-query attention), hd head width::
 
-        L * (2*h*3h  [QKV]  + 2*h*h [attention out] + 2*2*h*f [MLP]
-             + 2*s*h [Q K^T] + 2*s*h [attention x V])  +  2*h*V [LM head]
+        L * (2*h*(nq + 2*ng)*hd  [QKV]  + 2*nq*hd*h [attention out]
+             + 2*2*h*f [GELU MLP] or 3*2*h*f [SwiGLU: gate, up, down]
+             + 2*s*nq*hd [Q K^T] + 2*s*nq*hd [attention x V])  +  2*h*V [LM head, tied or not]
 
-    Attention is counted over the full s x s square, not the causal half, as Megatron-LM does
-    and as torch's FLOP counter does for the math attention backend. Recompute is not counted:
-    these are model FLOPs, the basis of MFU.
+    (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
+    not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
+    backend. Norms, activations and rotary embeddings are not matmuls and are left out. Recompute is
+    not counted: these are model FLOPs, the basis of MFU.
     """
     m, s, v = config.model, config.dataset.max_seq_len, config.padded_vocab_size
     h, f = m.hidden_size, m.ffn_hidden_size
-    per_layer = 2 * h * 3 * h + 2 * h * h + 2 * 2 * h * f + 2 * 2 * s * h
+    nq = m.num_attention_heads
+    ng = m.num_query_groups if m.group_query_attention else nq
+    hd = m.kv_channels or h // nq
+    mlp = (3 if m.swiglu else 2) * 2 * h * f
+    per_layer = 2 * h * (nq + 2 * ng) * hd + 2 * nq * hd * h + mlp + 2 * 2 * s * nq * hd
     return 3.0 * (m.num_layers * per_layer + 2 * h * v)
 
 

@@ -1,7 +1,7 @@
 """Cross-field checks with clear errors, and the derived values, filled in once.
 
 ``validate(config, world_size, cuda_available, tokenizer_vocab_size)`` fills every ``None`` that has a
-derived value (batch sizes, ffn_hidden_size, dp_degree, decay/warm-up steps, recompute granularity,
+derived value (batch sizes, ffn_hidden_size, dp_degree, decay_steps or decay_samples, recompute granularity,
 device) and raises ConfigError on the first inconsistency. It returns the warnings it found (never
 fatal). It reads no files: the caller builds the tokenizer and gives its vocabulary size, and whether
 the data files exist is the data layer's check (``megatron.data.blended_dataset.parse_input_dir``).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megatron.config.batch_schedule import build_batch_schedule, parse_step_schedule, train_steps
 from megatron.config.cli import ConfigError
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
@@ -37,22 +38,24 @@ def infer_tokenizer_type(section: TokenizerConfig) -> None:
 
 
 def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data: bool = True) -> None:
-    """The data source, and the vocabulary size it implies (the tokenizer's, when one is configured)."""
+    """The data source (mock_data, input_dir, or train/valid/test_data_path), and the vocabulary size it implies
+    (the tokenizer's, when one is configured)."""
     d, t = config.dataset, config.tokenizer
     infer_tokenizer_type(t)
-    if d.mock_data and d.input_dir:
-        _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
-    if training_data and not d.mock_data and not d.input_dir:
-        _fail("no training data: give --input-dir (a dataset prefix from tools/preprocess_data.py) or --mock-data.")
+    _check_data_sources(config, training_data)
     _check_syntax(parse_split, d.split)
     if d.num_workers < 0:
         _fail(f"num_workers must be >= 0, got {d.num_workers}.")
-    if d.input_dir:
-        _check_syntax(input_dir_words, d.input_dir)  # whether its prefixes exist is the data layer's question
-    if d.input_dir and t.tokenizer_type is None:
-        _fail("input_dir needs the tokenizer the data was made with: give --tokenizer-type with --vocab-file and "
-              "--merge-file, or --tokenizer-model.")
-    if t.tokenizer_type is not None:
+    for name in ("input_dir", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(d, name):  # whether its prefixes exist is the data layer's question
+            _check_syntax(lambda text, name=name: input_dir_words(text, name), getattr(d, name))
+    if (d.input_dir or d.train_data_path) and t.tokenizer_type is None:
+        _fail(f"{'input_dir' if d.input_dir else 'train_data_path'} needs the tokenizer the data was made with: "
+              "give --tokenizer-type with --vocab-file and --merge-file, or --tokenizer-model.")
+    if t.tokenizer_type == "NullTokenizer" and config.model.vocab_size is None:
+        _fail("--tokenizer-type NullTokenizer needs --vocab-size N: the number of token ids of the pre-tokenized "
+              "data (ids 0..N-1; the end-of-document id is N-1).")
+    if t.tokenizer_type is not None:  # NullTokenizer and TikTokenizer are built with Model.vocab_size: equal
         if tokenizer_vocab_size is None:
             raise ValueError("validate: Tokenizer.tokenizer_type is set, so the caller builds the tokenizer and "
                              "passes tokenizer_vocab_size (validation reads no files).")
@@ -65,6 +68,25 @@ def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data:
         config.model.vocab_size = 50304
 
 
+def _check_data_sources(config: Config, training_data: bool) -> None:
+    """One source of training data, as Megatron-LM: mock_data, input_dir (--data-path, cut by split) or
+    train_data_path (with valid_data_path and test_data_path, each split its own data, optional)."""
+    d = config.dataset
+    if d.mock_data and d.input_dir:
+        _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
+    if d.train_data_path and (d.mock_data or d.input_dir):
+        _fail(f"both {'mock_data' if d.mock_data else 'input_dir (--data-path)'} and train_data_path are set; give "
+              "one source of training data: --data-path is cut into train, validation and test by --split, while "
+              "--train-data-path, --valid-data-path and --test-data-path give each split its own data.")
+    if (d.valid_data_path or d.test_data_path) and not d.train_data_path:
+        _fail(f"{'valid_data_path' if d.valid_data_path else 'test_data_path'} is set without train_data_path; "
+              "give --train-data-path too (each split its own data), or drop it: with --data-path the validation "
+              "and test data are cut from it by --split.")
+    if training_data and not (d.mock_data or d.input_dir or d.train_data_path):
+        _fail("no training data: give --input-dir (a dataset prefix from tools/preprocess_data.py), "
+              "--train-data-path or --mock-data.")
+
+
 def _check_model(config: Config) -> None:
     m = config.model
     for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings",
@@ -74,8 +96,8 @@ def _check_model(config: Config) -> None:
     if m.hidden_size % m.num_attention_heads:
         _fail(f"Model.num_attention_heads ({m.num_attention_heads}) must divide Model.hidden_size "
               f"({m.hidden_size}).")
-    if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = 4 * m.hidden_size
+    if m.ffn_hidden_size is None:  # Megatron-LM's defaults: 4h, or with SwiGLU 2/3 of it rounded down to 64
+        m.ffn_hidden_size = int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
     if m.ffn_hidden_size < 1:
         _fail(f"Model.ffn_hidden_size must be at least 1, got {m.ffn_hidden_size}; leave it unset for 4 x hidden_size.")
     if config.dataset.max_seq_len < 1:
@@ -92,6 +114,62 @@ def _check_model(config: Config) -> None:
               f"({m.max_position_embeddings}); raise max_position_embeddings or shorten the sequences.")
 
 
+def _check_model_variants(config: Config) -> None:
+    """Megatron-LM's GPT variants (grouped-query attention, head width, rotary embeddings), after mp_degree
+    is known to be at least 1: tensor-parallel ranks hold whole key/value groups."""
+    m, tp = config.model, config.distributed.mp_degree
+    if m.group_query_attention and m.num_query_groups is None:
+        _fail("group_query_attention needs num_query_groups (the number of key/value heads): give "
+              "--num-query-groups N.")
+    if m.num_query_groups is not None and not m.group_query_attention:
+        _fail(f"num_query_groups ({m.num_query_groups}) is set but group_query_attention is not: give "
+              f"--group-query-attention too, or drop --num-query-groups.")
+    if m.group_query_attention:
+        groups = m.num_query_groups
+        if groups < 1 or m.num_attention_heads % groups:
+            _fail(f"Model.num_query_groups ({groups}) must divide Model.num_attention_heads "
+                  f"({m.num_attention_heads}): each key/value head serves a whole group of query heads.")
+        if groups % tp:
+            _fail(f"Model.num_query_groups ({groups}) must be divisible by the tensor-parallel size mp_degree "
+                  f"({tp}): each tensor-parallel rank holds whole key/value groups.")
+    if m.kv_channels is not None and m.kv_channels < 1:
+        _fail(f"Model.kv_channels must be at least 1, got {m.kv_channels}; leave it unset for hidden_size / "
+              f"num_attention_heads.")
+    if m.position_embedding_type == "rope":
+        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        rotated = int(head_dim * m.rotary_percent)
+        if not 0.0 < m.rotary_percent <= 1.0 or rotated < 2 or rotated % 2:
+            _fail(f"rotary_percent ({m.rotary_percent}) x the head width ({head_dim}) must be an even number of "
+                  f"channels, at least 2 ({rotated} here), with rotary_percent in (0, 1].")
+        if m.rotary_base <= 0:
+            _fail(f"rotary_base must be positive, got {m.rotary_base}.")
+
+
+def _check_recompute(config: Config) -> None:
+    """The granularity (default full; Megatron-LM's selective is core_attn), and Megatron-LM's
+    recompute_method / recompute_num_layers, which choose the layers of a full recompute."""
+    if config.recompute_granularity == "selective":
+        config.recompute_granularity = "core_attn"
+    if config.use_recompute and config.recompute_granularity is None:
+        config.recompute_granularity = "full"
+    method, count = config.recompute_method, config.recompute_num_layers
+    if method is None:
+        if count is not None:
+            _fail(f"recompute_num_layers ({count}) is set without recompute_method: give --recompute-method "
+                  f"uniform or block, or drop --recompute-num-layers.")
+        return
+    if not config.use_recompute or config.recompute_granularity != "full":
+        granularity = config.recompute_granularity if config.use_recompute else "off"
+        _fail(f"recompute_method ({method}) chooses the layers of a full recompute, but recompute is {granularity}: "
+              f"give --use-recompute --recompute-granularity full, or drop --recompute-method.")
+    if config.no_recompute_layers:
+        _fail("no_recompute_layers and recompute_method both choose the layers to recompute: give one of them.")
+    if count is None:
+        config.recompute_num_layers = 1
+    elif count < 1:
+        _fail(f"recompute_num_layers must be at least 1, got {count}.")
+
+
 def _check_distributed(config: Config, world_size: int) -> None:
     d = config.distributed
     for name in ("mp_degree", "pp_degree", "virtual_pp_degree"):
@@ -103,6 +181,7 @@ def _check_distributed(config: Config, world_size: int) -> None:
     if m.num_attention_heads % tp:
         _fail(f"mp_degree ({tp}) must divide Model.num_attention_heads ({m.num_attention_heads}): each tensor-"
               f"parallel rank holds whole heads.")
+    _check_model_variants(config)
     if m.ffn_hidden_size % tp:
         _fail(f"mp_degree ({tp}) must divide Model.ffn_hidden_size ({m.ffn_hidden_size}).")
     if d.sequence_parallel and config.dataset.max_seq_len % tp:
@@ -187,18 +266,150 @@ def _check_optimizer(config: Config, warnings: list[str]) -> None:
     if lr.max_lr < lr.min_lr:
         warnings.append(f"max_lr ({lr.max_lr:g}) is below min_lr ({lr.min_lr:g}): the 'decay' will raise the "
                         f"learning rate. The FleetX example had this bug; swap them unless you mean it.")
-    if lr.decay_steps is None:
-        lr.decay_steps = config.max_steps
-    if lr.warmup_steps is None:
-        if not 0.0 <= lr.warmup_rate <= 1.0:
-            _fail(f"warmup_rate must be in [0, 1], got {lr.warmup_rate}.")
-        lr.warmup_steps = int(lr.warmup_rate * lr.decay_steps)
-    if lr.warmup_steps < 0 or lr.decay_steps < 1:
-        _fail(f"warmup_steps ({lr.warmup_steps}) must be >= 0 and decay_steps ({lr.decay_steps}) >= 1.")
+    if not 0 <= lr.warmup_init <= lr.max_lr:
+        _fail(f"warmup_init ({lr.warmup_init:g}) must be in [0, max_lr ({lr.max_lr:g})]: warm-up rises from it.")
+    _check_lr_lengths(config)
+    _check_weight_decay(config)
     if o.grad_clip < 0:
         _fail(f"grad_clip must be >= 0 (0 disables clipping), got {o.grad_clip}.")
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
         _fail(f"adam_beta1 and adam_beta2 must be in [0, 1), got {o.adam_beta1} and {o.adam_beta2}.")
+
+
+def _check_lr_lengths(config: Config) -> None:
+    """The decay and warm-up lengths in the run's unit, steps or samples (with train_samples): decay_steps
+    defaults to max_steps, decay_samples to train_samples (filled in, as Megatron-LM); the warm-up is
+    warmup_steps / warmup_samples when given, else warmup_rate x the decay, left fractional and not filled
+    in (Megatron's). The warm-up ends before the decay does, and WSD has the length of its final decay."""
+    lr = config.optimizer.lr
+    if config.train_samples is None:
+        if lr.decay_steps is None:
+            lr.decay_steps = config.max_steps
+        unit, flag, decay, warmup, wsd = "steps", "iters", lr.decay_steps, lr.warmup_steps, lr.wsd_decay_steps
+    else:
+        if lr.decay_samples is None:
+            lr.decay_samples = config.train_samples
+        unit, flag, decay, warmup, wsd = "samples", "samples", lr.decay_samples, lr.warmup_samples, lr.wsd_decay_samples
+    if warmup is None:
+        if not 0.0 <= lr.warmup_rate <= 1.0:
+            _fail(f"warmup_rate must be in [0, 1], got {lr.warmup_rate}.")
+        warmup = lr.warmup_rate * decay
+    if warmup < 0 or decay < 1:
+        _fail(f"warmup_{unit} ({warmup:g}) must be >= 0 and decay_{unit} ({decay}) >= 1.")
+    if warmup >= decay:
+        _fail(f"the warm-up ({warmup:g} {unit}) must end before the decay does (decay_{unit} {decay}), as in "
+              f"Megatron-LM; shorten the warm-up or lengthen the decay.")
+    if lr.decay_style == "WSD" and (wsd is None or wsd < 1):
+        _fail(f"decay_style WSD needs the length of its final decay: wsd_decay_{unit} (--lr-wsd-decay-{flag}) of "
+              f"at least 1, got {wsd}.")
+
+
+def _check_weight_decay(config: Config) -> None:
+    """Megatron-LM's weight-decay schedule: start_weight_decay and end_weight_decay belong to a linear or
+    cosine one (each defaults to weight_decay, filled in) and the decay only grows."""
+    o = config.optimizer
+    ends = [name for name in ("start_weight_decay", "end_weight_decay") if getattr(o, name) is not None]
+    if o.weight_decay_incr_style == "constant":
+        if ends:
+            _fail(f"{' and '.join(ends)} set with weight_decay_incr_style constant: they are the ends of a weight-"
+                  f"decay schedule; give --weight-decay-incr-style linear or cosine, or only --weight-decay.")
+        return
+    o.start_weight_decay = o.weight_decay if o.start_weight_decay is None else o.start_weight_decay
+    o.end_weight_decay = o.weight_decay if o.end_weight_decay is None else o.end_weight_decay
+    if not 0 <= o.start_weight_decay <= o.end_weight_decay:
+        _fail(f"the weight decay goes from start_weight_decay ({o.start_weight_decay:g}) up to end_weight_decay "
+              f"({o.end_weight_decay:g}), both >= 0, as in Megatron-LM; swap or fix them.")
+
+
+_DEFAULT_MAX_STEPS = Config().max_steps
+
+
+def _check_training_length(config: Config) -> None:
+    """Megatron-LM's two ways of giving the training length, never mixed: steps (max_steps, decay_steps,
+    warmup_steps, wsd_decay_steps) or samples (train_samples, decay_samples, warmup_samples,
+    wsd_decay_samples). max_steps always has a value (FleetX's default, 500000): only another value counts
+    as given, so ``--train-iters 500000`` with ``--train-samples`` goes unnoticed (train_samples decides). A
+    warm-up of 0 of the other kind is Megatron's default and allowed (its scripts pass --lr-warmup-samples 0)."""
+    lr = config.optimizer.lr
+    samples = {"decay_samples": lr.decay_samples, "warmup_samples": lr.warmup_samples or None,
+               "wsd_decay_samples": lr.wsd_decay_samples}
+    if config.train_samples is None:
+        given = [name for name, value in samples.items() if value is not None]
+        if given:
+            _fail(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} counted in samples, which needs "
+                  f"train_samples (--train-samples); with max_steps give decay_steps, warmup_steps or "
+                  f"wsd_decay_steps instead.")
+        if config.batch_size.rampup_batch_size is not None:
+            _fail("rampup_batch_size needs train_samples (--train-samples), as in Megatron-LM (the ramp is counted "
+                  "in samples); step_batch_size_schedule works with max_steps too.")
+        return
+    steps = {"max_steps": None if config.max_steps == _DEFAULT_MAX_STEPS else config.max_steps,
+             "decay_steps": lr.decay_steps, "warmup_steps": lr.warmup_steps or None,
+             "wsd_decay_steps": lr.wsd_decay_steps}
+    given = [name for name, value in steps.items() if value is not None]
+    if given:
+        one = len(given) == 1
+        _fail(f"train_samples counts training in samples, but {', '.join(given)} {'is' if one else 'are'} counted in "
+              f"steps; drop {'it' if one else 'them'} (the sample-based ones are decay_samples, warmup_samples and "
+              f"wsd_decay_samples).")
+    if config.train_samples < 1:
+        _fail(f"train_samples must be at least 1, got {config.train_samples}.")
+
+
+def _resolve_batch_schedule(config: Config) -> None:
+    """Before the batch sizes are derived: the two batch-size schedules exclude each other and need an explicit
+    micro_batch_size (each step's batch is whole micro-batches); the step schedule's last batch is the global
+    batch. Megatron-LM refuses --global-batch-size with --step-batch-size-schedule; here one equal to that last
+    batch is accepted (its 175B example passes both, and a resumed run's saved configuration holds it)."""
+    b = config.batch_size
+    if b.rampup_batch_size is None and b.step_batch_size_schedule is None:
+        return
+    if b.rampup_batch_size is not None and b.step_batch_size_schedule is not None:
+        _fail("rampup_batch_size and step_batch_size_schedule are both set; choose one (Megatron-LM replaced the "
+              "ramp-up by the step schedule).")
+    if b.micro_batch_size is None:
+        _fail("a batch-size schedule (rampup_batch_size or step_batch_size_schedule) needs micro_batch_size: every "
+              "step's global batch is a whole number of micro-batches on each data-parallel rank.")
+    if b.step_batch_size_schedule is None:
+        return
+    try:
+        last = parse_step_schedule(b.step_batch_size_schedule, config.dataset.max_seq_len)[-1][1]
+    except ValueError as err:
+        _fail(f"{err}.")
+    if b.global_batch_size not in (None, last):
+        _fail(f"global_batch_size ({b.global_batch_size}) is not the last batch of step_batch_size_schedule "
+              f"({last}), which is the run's final global batch; drop --global-batch-size or make them equal.")
+    b.global_batch_size = last
+
+
+def _check_batch_schedule(config: Config, warnings: list[str]) -> None:
+    """Every global batch of the run (megatron.config.batch_schedule): never decreasing, rounded down to whole
+    micro-batches per data-parallel rank (Megatron-LM's --decrease-batch-size-if-needed rule, said in a
+    warning), a multiple of pp_degree micro-batches under the interleaved schedule, and train_samples worth at
+    least one step."""
+    try:
+        schedule = build_batch_schedule(config)
+    except ValueError as err:
+        _fail(f"{err}.")
+    unit, pp = schedule.unit, config.distributed.pp_degree
+    sizes = [batch // unit * unit for _, batch in schedule.thresholds]
+    if any(before > after for before, after in zip(sizes, sizes[1:])):
+        _fail(f"the global batch of a batch-size schedule never decreases (Megatron-LM stops when its micro-batches "
+              f"do), but this one goes {' -> '.join(map(str, sizes))}.")
+    rounded = schedule.rounded()
+    if rounded:
+        pairs = ", ".join(f"{b} to {r}" for b, r in rounded[:4]) + (", ..." if len(rounded) > 4 else "")
+        warnings.append(f"global batch sizes of the batch-size schedule that are not multiples of micro_batch_size "
+                        f"x data-parallel size ({unit}) are rounded down: {pairs}.")
+    if config.distributed.virtual_pp_degree > 1:
+        bad = [size for size in schedule.sizes() if (size // unit) % pp]
+        if bad:
+            _fail(f"the interleaved schedule needs the micro-batches of every step to be a multiple of pp_degree "
+                  f"({pp}), but a global batch of {bad[0]} is {bad[0] // unit} micro-batches of micro_batch_size x "
+                  f"data-parallel size ({unit}); use global batches that are multiples of {unit * pp}.")
+    if config.train_samples is not None and train_steps(config, schedule) < 1:
+        _fail(f"train_samples ({config.train_samples}) is less than one global batch ({schedule.final}): "
+              f"nothing would be trained.")
 
 
 def _check_counts(config: Config) -> None:
@@ -227,8 +438,7 @@ def _check_training(config: Config, cuda_available: bool) -> None:
     if mp.min_loss_scale <= 0 or mp.loss_scale_window < 1 or mp.hysteresis < 1:
         _fail(f"min_loss_scale must be positive and loss_scale_window and hysteresis at least 1, got "
               f"{mp.min_loss_scale:g}, {mp.loss_scale_window} and {mp.hysteresis}.")
-    if config.use_recompute and config.recompute_granularity is None:
-        config.recompute_granularity = "full"
+    _check_recompute(config)
     for layer in config.no_recompute_layers or []:
         if not 0 <= layer < config.model.num_layers:
             _fail(f"no_recompute_layers holds {layer}, but layers are numbered 0..{config.model.num_layers - 1}.")
@@ -300,8 +510,11 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     _check_model(config)
     _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
+    _check_training_length(config)
+    _resolve_batch_schedule(config)
     _check_batch(config)
     _check_micro_batches(config)
+    _check_batch_schedule(config, warnings)
     _check_optimizer(config, warnings)
     _check_training(config, cuda_available)
     return warnings

@@ -2,9 +2,10 @@
 
 - Sequence parallelism: parameters that saw only a sequence shard (LayerNorms, row-parallel
   biases; marked ``sequence_parallel``) have their gradients summed over the TP group.
-- Pipeline parallelism: the word embedding lives on the first stage (lookup) and, as a copy,
-  on the last (LM head); the two copies' gradients are summed over the embedding group so
-  both take the same step and stay identical.
+- Pipeline parallelism, tied head: the word embedding lives on the first stage (lookup) and, as a
+  copy, on the last (LM head); the two copies' gradients (parameters marked ``shared_embedding``)
+  are summed over the embedding group so both take the same step and stay identical. An untied
+  model (``output_layer``) marks nothing on either stage, so neither joins the sum.
 
 (Data-parallel reduction is the DataParallel wrapper's, done before this.) Under
 ZeRO stage 2/3 the gradients are already reduce-scattered here, so each rank reduces the part of
@@ -19,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
-from megatron.model.gpt import TIED_EMBEDDING
 from megatron.parallel_state import ParallelState
 
 
@@ -29,7 +29,7 @@ def finalize_model_grads(model: nn.Module, ps: ParallelState, buffer: ParamAndGr
               if (g := buffer.reduced_grad(p)) is not None]
         _all_reduce_coalesced(sp, ps.group("tp"))
     if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):
-        tied = [g for name, p in model.named_parameters() if name.endswith(TIED_EMBEDDING)
+        tied = [g for p in model.parameters() if getattr(p, "shared_embedding", False)
                 if (g := buffer.reduced_grad(p)) is not None]
         _all_reduce_coalesced(tied, ps.group("embedding"))
 

@@ -91,7 +91,7 @@ class InferenceEngine:
         self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, config.model.vocab_size,
                                 self.tp_group, self.tp_size)
         attention = next(iter(model.layers.values())).self_attention
-        self.heads, self.head_dim = attention.num_heads, attention.head_dim
+        self.heads, self.head_dim = attention.num_kv_heads, attention.head_dim  # the cache holds key/value heads
         self.dtype = next(model.parameters()).dtype
 
     # Checking ------------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """The key/value cache of a batch of sequences being generated, and the attention mask that goes
 with it.
 
-One pair of tensors per layer, ``[b, heads/tp, max_len, head_dim]`` (the layout
-``scaled_dot_product_attention`` reads without a copy), allocated once for the batch and the
-longest sequence. Slot ``t`` of every row holds the same step of the generation: prompts are
-**left-padded** to the longest, so the prompts end together and every step writes one slot for
-all rows. Row ``i`` starts at slot ``pad[i]``; its position ids count from there, so a padded row
-sees exactly what it would see alone.
+One pair of tensors per layer, ``[b, kv_heads/tp, max_len, head_dim]`` (the layout
+``scaled_dot_product_attention`` reads without a copy; ``kv_heads`` is num_query_groups under
+grouped-query attention, whose query heads share them, else the attention heads; keys are stored
+after the rotary embedding), allocated once for the batch and the longest sequence. Slot ``t`` of
+every row holds the same step of the generation: prompts are **left-padded** to the longest, so
+the prompts end together and every step writes one slot for all rows. Row ``i`` starts at slot
+``pad[i]``; its position ids count from there, so a padded row sees exactly what it would see alone.
 
 The attention mask lets query slot ``q`` see key slots ``<= q`` that are not padding; a padding
 query sees itself only (a row with nothing to attend to would give NaN, and NaN in a padding slot's

@@ -1,11 +1,14 @@
-"""GPT-2: embedding, decoder layers, final LayerNorm, LM head tied to the word embedding.
+"""GPT: embedding, decoder layers, final norm, LM head (tied to the word embedding by default).
 
 The model is a flat sequence (embedding, ``num_layers`` decoder layers, final norm, head)
-so that pipeline parallelism can cut it into stages; layers keep their global index.
+so that pipeline parallelism can cut it into stages; layers keep their global index. GPT-2 is the
+default; Megatron-LM's flags give the Llama family (rotary positions, RMSNorm, SwiGLU,
+grouped-query attention, an untied output layer, no linear biases): see ``transformer.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -15,11 +18,14 @@ from torch import nn
 from megatron import tensor_parallel as tp
 from megatron.config.schema import Config, ModelConfig
 from megatron.model.init import defer_initialization, init_parameters
-from megatron.model.transformer import TransformerDecoderLayer, parallel_dropout
+from megatron.model.rotary import RotaryEmbedding
+from megatron.model.transformer import Rotary, TransformerDecoderLayer, attention_shape, make_norm, parallel_dropout
 
 
 class GPTEmbedding(nn.Module):
-    """``drop(word[tokens] + position[position_ids])``: tokens [b, s] -> [s, b, h].
+    """``drop(word[tokens] + position[position_ids])``: tokens [b, s] -> [s, b, h]; the position term
+    only with ``position_embedding_type`` learned_absolute (rope rotates inside attention; none has no
+    positions).
 
     The word embedding is vocabulary-parallel (rows split over the tensor-parallel group, looked
     up and summed across it); under sequence parallelism the output is this rank's ``s / tp``
@@ -29,53 +35,75 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         self.sequence_parallel = sequence_parallel
         self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        else:
+            self.position_embeddings = None
         self.dropout = cfg.hidden_dropout_prob
         self._desc = (f"vocab_size={padded_vocab_size}, hidden_size={cfg.hidden_size}, "
                       f"hidden_dropout_prob={cfg.hidden_dropout_prob}, "
                       f"max_position_embeddings={cfg.max_position_embeddings}, "
                       f"type_vocab_size={cfg.type_vocab_size}, initializer_range={cfg.initializer_range}")
+        if cfg.position_embedding_type != "learned_absolute":
+            self._desc += f", position_embedding_type={cfg.position_embedding_type}"
 
     def extra_repr(self) -> str:
         return self._desc
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # Transposing the (small) index tensors gives [s, b, h] without copying activations.
-        x = self.word_embeddings(tokens.t()) + self.position_embeddings(position_ids.t())
+        x = self.word_embeddings(tokens.t())
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids.t())
         if self.sequence_parallel:
             x = tp.scatter_to_sequence_region(x)
         return parallel_dropout(x, self.dropout, self.training, self.sequence_parallel)
 
 
 class GPTModel(nn.Module):
-    """GPT-2 language model.
+    """GPT language model.
 
     ``forward(tokens [b, s], position_ids [b, s] | None, labels [b, s] | None)`` returns
     per-token losses [b, s] (fp32) when labels are given, else logits [b, s, V_padded].
-    The LM head is a column-parallel matmul against this rank's shard of the tied word
-    embedding; the loss is the vocabulary-parallel cross entropy (full logits never exist on
-    one rank).
+    The LM head is a column-parallel matmul against this rank's vocabulary shard of the tied word
+    embedding, or of ``output_layer.weight`` [V_padded, h] when ``untie_embeddings_and_output_weights``;
+    the loss is the vocabulary-parallel cross entropy (full logits never exist on one rank).
+
+    Recompute (``recompute`` granularity, Megatron-LM's ``recompute_method`` with ``full``): see
+    ``recompute_plan``; a unit of several layers is checkpointed as one (``_checkpointed_unit``).
     """
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
                  no_recompute_layers: list[int] | None = None, sequence_parallel: bool = False,
-                 layers: range | None = None, pre_process: bool = True, post_process: bool = True):
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
         super().__init__()
         self.cfg, self.sequence_parallel = cfg, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        skip = set(no_recompute_layers or [])
+        self.untied = cfg.untie_embeddings_and_output_weights
         layers = range(cfg.num_layers) if layers is None else layers
+        per_layer, units = recompute_plan(layers, recompute, no_recompute_layers, recompute_method,
+                                          recompute_num_layers)
+        if cfg.position_embedding_type == "rope":
+            _, _, head_dim = attention_shape(cfg)
+            self.rotary = RotaryEmbedding(head_dim, cfg.rotary_percent, cfg.rotary_base, cfg.max_position_embeddings)
+        else:
+            self.rotary = None
         if pre_process:
             self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
-        elif post_process:  # a later pipeline stage holding the head: its own copy of the tied weight
+        elif post_process and not self.untied:  # a later stage holding the tied head: its own copy of the weight
             self.embedding = TiedHeadWeight(padded_vocab_size, cfg.hidden_size)
         # Keyed by global layer index, so parameter names are those of the whole model on every stage.
-        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i, None if i in skip else recompute,
-                                                                     sequence_parallel) for i in layers})
+        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i, per_layer[i], sequence_parallel)
+                                     for i in layers})
+        self.recompute_units = [[str(i) for i in unit] for unit in units]
         if post_process:
-            self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-            if sequence_parallel:
-                tp.mark_sequence_parallel(self.final_layernorm)
+            self.final_layernorm = make_norm(cfg, sequence_parallel)
+            if self.untied:  # only its weight is used, by parallel_logits: [V_padded / tp, h] on this rank
+                self.output_layer = tp.ColumnParallelLinear(cfg.hidden_size, padded_vocab_size, bias=False)
+        if not self.untied and (pre_process or post_process):
+            # the two copies (first and last pipeline stage) have their gradients summed: finalize_grads
+            self.embedding.word_embeddings.weight.shared_embedding = True
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
@@ -94,28 +122,37 @@ class GPTModel(nn.Module):
 
     def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                       kv_cache=None) -> torch.Tensor:
-        """The decoder's output [s, b, h]: after the final LayerNorm on the last stage (the whole
-        sequence, gathered under sequence parallelism), else for the next stage. ``kv_cache``
-        (inference): see ``SelfAttention.forward``."""
-        if self.pre_process:
-            if position_ids is None:
-                position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-            x = self.embedding(tokens, position_ids)
-        else:
-            x = self.input_tensor
-        for layer in self.layers.values():
-            x = layer(x, kv_cache)
+        """The decoder's output [s, b, h]: after the final norm on the last stage (the whole
+        sequence, gathered under sequence parallelism), else for the next stage. ``position_ids``
+        [b, s] (default 0..s-1) place each token for the position embedding or the rotary one (every
+        stage receives them). ``kv_cache`` (inference): see ``SelfAttention.forward``."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
+        rotary = self.rotary(position_ids, x.dtype) if self.rotary is not None else None
+        for unit in self.recompute_units:
+            layers = [self.layers[key] for key in unit]
+            if len(layers) > 1 and kv_cache is None and torch.is_grad_enabled():
+                x = tp.checkpoint(_checkpointed_unit(layers), x, rotary)
+                continue
+            for layer in layers:
+                x = layer(x, kv_cache, rotary)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
         return tp.gather_from_sequence_region(x) if self.sequence_parallel else x
 
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The tied LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
+        """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
         vocabulary split over the tensor-parallel group; never gathered here)."""
         if not self.sequence_parallel:
             x = tp.copy_to_tp_region(x)
-        return F.linear(x, self.embedding.word_embeddings.weight)
+        return F.linear(x, self.head_weight)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[V_padded / tp, h]: the output layer's weight, or the (tied) word embedding's."""
+        return self.output_layer.weight if self.untied else self.embedding.word_embeddings.weight
 
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it
@@ -130,6 +167,58 @@ class TiedHeadWeight(nn.Module):
         super().__init__()
         self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, hidden_size)
         self.word_embeddings.weight.tied_copy = True  # counted once (on the first stage) in the grad norm
+
+
+def recompute_plan(layers: range, granularity: str | None, skip: list[int] | None, method: str | None,
+                   num_layers: int | None) -> tuple[dict[int, str | None], list[list[int]]]:
+    """(each layer's own recompute granularity, the layers cut into units run in order).
+
+    Without ``method``: every layer not in ``skip`` recomputes at ``granularity``, each on its own.
+    With ``method`` (granularity ``full``, Megatron-LM's rules, per model chunk): ``uniform`` checkpoints
+    each run of ``num_layers`` consecutive layers as one unit (only the unit's input is kept);
+    ``block`` recomputes the first ``num_layers`` layers of the chunk, each on its own, and the others
+    not at all. Units of several layers are checkpointed by ``GPTModel.hidden_states``; a layer alone
+    in its unit by itself."""
+    skip, num_layers = set(skip or []), num_layers or 1
+    if granularity is None or method is None:
+        return {i: None if granularity is None or i in skip else granularity for i in layers}, [[i] for i in layers]
+    if granularity != "full":
+        raise ValueError(f"recompute_method {method!r} needs recompute granularity 'full', got {granularity!r}")
+    if method == "block":
+        return {i: "full" if n < num_layers else None for n, i in enumerate(layers)}, [[i] for i in layers]
+    if method != "uniform":
+        raise ValueError(f"unknown recompute_method {method!r}")
+    units = [list(layers[n:n + num_layers]) for n in range(0, len(layers), num_layers)]
+    # a unit of one layer (num_layers 1, or the chunk's last unit) is that layer's own full recompute
+    return {i: "full" if len(unit) == 1 else None for unit in units for i in unit}, units
+
+
+def _checkpointed_unit(layers: list[nn.Module]) -> Callable:
+    """The function ``tp.checkpoint`` runs for a unit of several layers: ``(x, rotary) -> x``.
+
+    Its first call is the forward: the layers run as modules, hooks included. Later calls are the
+    backward's recompute: each layer's forward pre-hooks run (ZeRO stage 3 gathers the layer's
+    parameters) but not its forward hooks, which would free the parameters the backward is about to
+    read, to be gathered once more (FSDP likewise keeps parameters gathered when it re-runs a forward
+    inside the backward)."""
+    calls = 0
+
+    def run(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        for layer in layers:
+            if calls == 1:
+                x = layer(x, None, rotary)
+                continue
+            args = (x, None, rotary)
+            for hook in layer._forward_pre_hooks.values():
+                result = hook(layer, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+            x = layer.forward(*args)
+        return x
+
+    return run
 
 
 def build_model(config: Config, device: torch.device | str = "cpu", meta_init: bool = False) -> nn.Module:
@@ -147,7 +236,8 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
     for layers, pre, post in _chunk_specs(config, ps):
         with torch.device("meta") if meta_init else nullcontext():
             chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
-                             layers, pre, post)
+                             layers, pre, post, config.recompute_method if recompute else None,
+                             config.recompute_num_layers)
         if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
             chunks.append(chunk)

@@ -4,12 +4,16 @@ Every parameter is drawn at its full (global) shape from a generator seeded by
 ``(seed, global parameter name)``, so the same name always holds the same values whatever
 the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatron-LM):
 
-- LayerNorm: weight 1, bias 0; every other bias 0.
-- Embeddings and linear weights: N(0, initializer_range).
+- Norms (LayerNorm, RMSNorm; every name ends in ``layernorm.weight``/``.bias``): weight 1, bias 0;
+  every other bias 0.
+- Embeddings and linear weights (the untied ``output_layer`` included): N(0, initializer_range).
 - Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``):
   N(0, initializer_range / sqrt(2 x num_layers)).
-- Padded vocabulary rows of the word embedding: 0 (they are never looked up, and the loss
-  masks them out of the softmax).
+- Padded vocabulary rows of the word embedding and of the output layer: 0 (they are never looked
+  up, and the loss masks them out of the softmax).
+
+A SwiGLU ``dense_h_to_4h`` [2 x ffn, h] and a grouped QKV are drawn like any weight at their full
+shape, so their interleaved / grouped rows need no rule of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from megatron.config.schema import ModelConfig
 
 _SCALED_OUTPUTS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+_VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -42,7 +47,7 @@ def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> tor
     if name.endswith(_SCALED_OUTPUTS):
         std /= math.sqrt(2.0 * cfg.num_layers)
     generator = torch.Generator().manual_seed(name_seed(seed, name))
-    if name.endswith("word_embeddings.weight"):
+    if name.endswith(_VOCABULARY_ROWS):
         value = torch.zeros(shape)
         value[: cfg.vocab_size].normal_(0.0, std, generator=generator)
         return value

@@ -1,13 +1,19 @@
-"""The GPT-2 decoder layer: pre-LayerNorm causal self-attention and a GELU MLP.
+"""The decoder layer: pre-norm causal self-attention and an MLP, in GPT-2's form or Llama's.
 
 Activation layout everywhere in the model: ``[s, b, h]`` (sequence, batch, hidden), as in
 Megatron-LM, so that sequence and pipeline parallelism split and send along dim 0.
 
+Variants (``ModelConfig``, Megatron-LM's flags): LayerNorm or RMSNorm; GELU or SwiGLU MLP;
+multi-head or grouped-query attention (``num_query_groups`` key/value heads, each shared by
+``nq / ng`` query heads); learned absolute positions (added by the embedding), rotary embeddings
+on the queries and keys, or none; linear biases or not (``disable_bias_linear``); ``kv_channels``
+channels per head.
+
 Tensor parallelism (Megatron-LM's): QKV and the MLP's first matmul are column-parallel (each
-rank holds whole heads / a slice of the MLP width), the attention output projection and the
-MLP's second matmul are row-parallel (their outputs are summed across the group). With
-sequence parallelism the LayerNorm and dropout regions hold ``s / tp`` positions per rank;
-the column-parallel layers all-gather the sequence and the row-parallel ones reduce-scatter it.
+rank holds whole key/value groups / a slice of the MLP width), the attention output projection and
+the MLP's second matmul are row-parallel (their outputs are summed across the group). With
+sequence parallelism the norm and dropout regions hold ``s / tp`` positions per rank; the
+column-parallel layers all-gather the sequence and the row-parallel ones reduce-scatter it.
 Dropout inside tensor-parallel regions (and on sequence shards) draws from the tracker's
 per-rank tensor-parallel stream; dropout on replicated activations from the shared default one.
 """
@@ -15,6 +21,7 @@ per-rank tensor-parallel stream; dropout on replicated activations from the shar
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +30,13 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.model.rotary import apply_rotary
 
 RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
+Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
 
 
-def _maybe_checkpoint(enabled: bool, fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+def _maybe_checkpoint(enabled: bool, fn: Callable, *args: Any) -> torch.Tensor:
     """Run ``fn`` and, when enabled, recompute it in the backward instead of storing its
     activations. The RNG state is saved and restored, so dropout masks are identical."""
     if enabled and torch.is_grad_enabled():
@@ -46,12 +55,37 @@ def parallel_dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) 
     return F.dropout(x, p, True)
 
 
-class SelfAttention(nn.Module):
-    """Causal multi-head self-attention with a fused QKV projection.
+def make_norm(cfg: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
+    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only: ``x rsqrt(mean(x^2) + eps) w``,
+    ``torch.nn.RMSNorm``: computed in fp32 for bf16/fp16 inputs too and rounded once at the end, where
+    Hugging Face's LlamaRMSNorm rounds before multiplying by the weight; the same in fp32) over the
+    hidden size. Replicated over the tensor-parallel group; under sequence parallelism it sees a
+    sequence shard, so its gradients are summed over the group (``mark_sequence_parallel``)."""
+    if cfg.normalization == "RMSNorm":
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    elif cfg.normalization == "LayerNorm":
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    else:
+        raise ValueError(f"unknown normalization {cfg.normalization!r}")
+    return tp.mark_sequence_parallel(norm) if sequence_parallel else norm
 
-    The QKV weight's output rows are ordered ``[heads, (q, k, v), head_dim]``, so any
-    contiguous block of rows holds whole heads (what tensor parallelism will slice).
-    ``out = dense(softmax(Q K^T / sqrt(d) + causal_mask) V)``.
+
+def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(query heads nq, key/value groups ng, head width hd) of the whole model."""
+    nq = cfg.num_attention_heads
+    ng = cfg.num_query_groups if cfg.group_query_attention else nq
+    return nq, ng, cfg.kv_channels or cfg.hidden_size // nq
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with a fused QKV projection; grouped-query when ng < nq.
+
+    The QKV weight's output rows are ordered by group, ``[ng, (nq/ng queries, key, value), hd]``
+    (with ng = nq: ``[heads, (q, k, v), hd]``), so any contiguous block of rows holds whole groups:
+    what a tensor-parallel rank owns (tp must divide ng). With rotary embeddings, queries and keys
+    are rotated at their tokens' positions before attending.
+    ``out = dense(softmax(Q K^T / sqrt(hd) + causal_mask) V)``, each query head reading the key and
+    value of its group.
     """
 
     def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
@@ -59,61 +93,89 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # the global layer index (the KV cache's key)
         tp_size = parallel_state.get().tp_size
-        self.num_heads = cfg.num_attention_heads // tp_size  # heads on this rank
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.query_key_value = tp.ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size,
+        nq, ng, hd = attention_shape(cfg)
+        if ng % tp_size or nq % ng:
+            raise ValueError(f"num_query_groups ({ng}) must divide num_attention_heads ({nq}) and be divisible by "
+                             f"the tensor-parallel size ({tp_size})")
+        self.num_heads, self.num_kv_heads, self.head_dim = nq // tp_size, ng // tp_size, hd  # on this rank
+        bias = not cfg.disable_bias_linear
+        self.query_key_value = tp.ColumnParallelLinear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias,
                                                        sequence_parallel=sequence_parallel)
-        self.dense = tp.RowParallelLinear(cfg.hidden_size, cfg.hidden_size, sequence_parallel=sequence_parallel)
+        self.dense = tp.RowParallelLinear(nq * hd, cfg.hidden_size, bias=bias, sequence_parallel=sequence_parallel)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
 
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads} (per rank), head_dim={self.head_dim}, "
+                f"attn_dropout={self.attn_dropout}")
+
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
-        """q [b, nh, sq, hd], k and v [b, nh, sk, hd] -> [b, nh, sq, hd] (nh: this rank's heads).
-        ``mask`` (boolean, True = may attend, broadcast to [b, nh, sq, sk]) replaces the causal rule
-        when given; ``causal=False`` without a mask lets every query see every key (one new token)."""
+        """q [b, nq, sq, hd], k and v [b, ng, sk, hd] -> [b, nq, sq, hd] (this rank's heads; query head
+        ``i`` reads group ``i // (nq / ng)``). ``mask`` (boolean, True = may attend, broadcast to
+        [b, nq, sq, sk]) replaces the causal rule when given; ``causal=False`` without a mask lets every
+        query see every key (one new token)."""
         dropout = self.attn_dropout if self.training else 0.0
         causal = causal and mask is None
+        # Grouped keys are read in place by the kernel (no copy of the keys and values per query head).
+        extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if dropout and parallel_state.get().tp_size > 1:
             with tp.get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal)
-        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
 
-    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        """x [s, b, h] -> [s, b, h]. ``kv_cache`` (inference, ``megatron.inference.KVCache``): this
-        call's keys and values are written into the cache after those of the earlier calls, and the
-        queries attend to all of them under the cache's mask (padding, causality)."""
-        qkv = self.query_key_value(x)  # [s, b, 3h/tp] (the sequence gathered under sequence parallel)
+    def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]. ``rotary``: (cos, sin) of the tokens' positions (rope), or None.
+        ``kv_cache`` (inference, ``megatron.inference.KVCache``): this call's (rotated) keys and values
+        are written into the cache after those of the earlier calls, and the queries attend to all of
+        them under the cache's mask (padding, causality)."""
+        qkv = self.query_key_value(x)  # [s, b, (nq + 2 ng) hd / tp] (the sequence gathered under sequence parallel)
         s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.num_heads, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)  # each [b, nh, s, hd]
+        per_group = self.num_heads // self.num_kv_heads
+        qkv = qkv.view(s, b, self.num_kv_heads, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # [b, nq, s, hd]
+        k, v = qkv[:, :, :, per_group].permute(1, 2, 0, 3), qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if kv_cache is None:
             ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
         else:
             k, v = kv_cache.store(self.layer_number, k, v)
             ctx = self.core_attention(q, k, v, kv_cache.mask, kv_cache.causal)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # [s, b, h/tp]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # [s, b, nq hd / tp]
         return self.dense(ctx)
 
 
 class MLP(nn.Module):
-    """``fc2(gelu_tanh(fc1(x)))``: h -> ffn_hidden_size -> h."""
+    """GELU: ``fc2(gelu_tanh(fc1 x))``; SwiGLU: ``fc2(silu(x W_gate) * (x W_up))``; h -> ffn -> h.
+
+    SwiGLU's ``dense_h_to_4h`` has 2 x ffn output rows, interleaved: row 2j is gate_j, row 2j+1 is
+    up_j, so a tensor-parallel rank's contiguous block of rows holds matching pairs."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False):
         super().__init__()
-        self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size,
+        self.swiglu = cfg.swiglu
+        bias, ffn = not cfg.disable_bias_linear, cfg.ffn_hidden_size
+        self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, bias=bias,
                                                      sequence_parallel=sequence_parallel)
-        self.dense_4h_to_h = tp.RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size,
+        self.dense_4h_to_h = tp.RowParallelLinear(ffn, cfg.hidden_size, bias=bias,
                                                   sequence_parallel=sequence_parallel)
 
+    def extra_repr(self) -> str:
+        return f"activation={'swiglu' if self.swiglu else 'gelu_tanh'}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+        y = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # [s, b, ffn/tp] each
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(F.gelu(y, approximate="tanh"))
 
 
 class TransformerDecoderLayer(nn.Module):
-    """``x + drop(attn(ln1(x)))``, then ``+ drop(mlp(ln2(.)))``.
+    """``x + drop(attn(norm1(x)))``, then ``+ drop(mlp(norm2(.)))``.
 
-    ``recompute``: None, ``full`` (the whole layer), ``only_attn``/``full_attn`` (LayerNorm +
+    ``recompute``: None, ``full`` (the whole layer), ``only_attn``/``full_attn`` (norm +
     attention block) or ``core_attn`` (softmax(QK^T)V only).
     """
 
@@ -125,36 +187,39 @@ class TransformerDecoderLayer(nn.Module):
         self.layer_number = layer_number
         self.recompute = recompute
         self.sequence_parallel = sequence_parallel
-        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.input_layernorm = make_norm(cfg, sequence_parallel)
         self.self_attention = SelfAttention(cfg, recompute == "core_attn", sequence_parallel, layer_number)
-        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.post_attention_layernorm = make_norm(cfg, sequence_parallel)
         self.mlp = MLP(cfg, sequence_parallel)
-        if sequence_parallel:
-            tp.mark_sequence_parallel(self.input_layernorm)
-            tp.mark_sequence_parallel(self.post_attention_layernorm)
         self.hidden_dropout = cfg.hidden_dropout_prob
-        self._desc = (f"d_model={cfg.hidden_size}, nhead={cfg.num_attention_heads}, "
-                      f"dim_feedforward={cfg.ffn_hidden_size}, dropout={cfg.hidden_dropout_prob}, "
-                      f"activation=gelu, attn_dropout={cfg.attention_probs_dropout_prob}")
+        nq, ng, hd = attention_shape(cfg)
+        self._desc = (f"d_model={cfg.hidden_size}, nhead={nq}, dim_feedforward={cfg.ffn_hidden_size}, "
+                      f"dropout={cfg.hidden_dropout_prob}, activation={'swiglu' if cfg.swiglu else 'gelu'}, "
+                      f"attn_dropout={cfg.attention_probs_dropout_prob}")
+        if (ng, hd) != (nq, cfg.hidden_size // nq):
+            self._desc += f", num_query_groups={ng}, head_dim={hd}"
+        if cfg.normalization != "LayerNorm":
+            self._desc += f", normalization={cfg.normalization}"
 
     def extra_repr(self) -> str:
         return self._desc
 
-    def _attention_block(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        out = self.self_attention(self.input_layernorm(x), kv_cache)
+    def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
+        out = self.self_attention(self.input_layernorm(x), kv_cache, rotary)
         return parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def _layer(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+    def _layer(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
         if kv_cache is None:
-            x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x)
+            x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x, None,
+                                      rotary)
         else:  # inference: no autograd, nothing to recompute
-            x = x + self._attention_block(x, kv_cache)
+            x = x + self._attention_block(x, kv_cache, rotary)
         out = self.mlp(self.post_attention_layernorm(x))
         return x + parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel). ``kv_cache``: see
-        ``SelfAttention.forward`` (inference only)."""
+    def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
+        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel). ``rotary`` and ``kv_cache``:
+        see ``SelfAttention.forward`` (the cache in inference only)."""
         if kv_cache is not None:
-            return self._layer(x, kv_cache)
-        return _maybe_checkpoint(self.recompute == "full", self._layer, x)
+            return self._layer(x, kv_cache, rotary)
+        return _maybe_checkpoint(self.recompute == "full", self._layer, x, None, rotary)

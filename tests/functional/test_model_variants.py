@@ -1,0 +1,60 @@
+"""The Llama-shaped GPT (rotary positions, RMSNorm, SwiGLU, grouped-query attention, untied output
+layer, no linear biases) reproduces its single-process losses under every parallel layout, with
+Megatron-LM's recompute methods folded in (recompute changes no result)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import TINY, assert_matches_reference, curves, losses, run
+
+pytestmark = pytest.mark.slow
+
+LLAMA = [*TINY, "--num-layers", "4", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear"]
+UNIFORM2 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "2"]
+BLOCK1 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-method", "block",
+          "--recompute-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory):
+    """(train losses, validation losses, gradient norms) of the Llama-shaped TINY in one process."""
+    out = tmp_path_factory.mktemp("llama-single")
+    result = run(out, *LLAMA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return curves(out)
+
+
+CASES = {
+    "tp2": (2, ["--tp", "2"]),
+    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
+    # interleaved pipeline: each of the 4 chunks recomputes its first (only) layer; untied head on the last stage
+    "pp2-vpp2-block": (2, ["--pp", "2", "--vpp", "2", *BLOCK1]),
+    # stage 3 gathers each layer around its use, also inside a two-layer recompute unit's replay
+    "stage3-dp2-sharding2-uniform2": (4, ["--dp", "2", "--sharding", "2", "--sharding-stage", "3", *UNIFORM2]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_shaped_losses_equal_single_process(tmp_path, llama_reference, case):
+    nproc, extra = CASES[case]
+    assert_matches_reference(tmp_path, llama_reference, *LLAMA, *extra, nproc=nproc)
+
+
+def test_query_groups_not_divisible_by_tp_fail_before_any_process_group(tmp_path):
+    result = run(tmp_path, *LLAMA, "--num-query-groups", "1", "--tp", "2", nproc=2, timeout=120)
+    assert result.returncode != 0
+    assert "Model.num_query_groups (1) must be divisible by the tensor-parallel size mp_degree (2)" in result.stderr
+
+
+def test_resume_under_another_layout_continues_the_run(tmp_path, llama_reference):
+    """Saved under pp2 x vpp2 (the untied output layer on the last stage is written, as every parameter of
+    its own) and resumed under tp2: the single-process run's steps 6-10."""
+    saved = run(tmp_path / "saved", *LLAMA, "--pp", "2", "--vpp", "2", "--save-interval", "5", nproc=2)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    resumed = run(tmp_path / "resumed", *LLAMA, "--tp", "2", "--load", str(tmp_path / "saved" / "step_5"), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(tmp_path / "resumed") == pytest.approx(llama_reference[0][5:], rel=1e-5)
