@@ -130,7 +130,8 @@ def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
     no_data = not config.dataset.mock_data and not config.dataset.input_dir
     config.dataset.mock_data = config.dataset.mock_data or no_data  # validation needs a data source
     world_size = d.mp_degree * d.pp_degree * d.sharding.sharding_degree * (d.dp_degree or 1)
-    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)  # a TokenizerError is reported in one line, by main
+    # a TokenizerError is reported in one line, by main
+    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)
     validate(config, world_size=world_size, cuda_available=config.device == "gpu" or torch.cuda.is_available(),
              tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
     if no_data:

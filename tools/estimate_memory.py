@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         config = resumed_config(argv)  # as pretrain_gpt.py: over a resumed run's saved configuration
         d = config.distributed
         world = (d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree
-        tokenizer = configured_tokenizer(config.tokenizer)
+        tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)
         validate(config, world_size=world, cuda_available=config.device == "gpu",
                  tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
     except (ConfigError, CheckpointError, TokenizerError) as err:

@@ -32,6 +32,7 @@ from megatron.checkpoint.format import (
     CheckpointReader,
     RankFileWriter,
     fsync_dir,
+    is_vocab_padded,
     resolve_checkpoint,
     seal,
     write_text,
@@ -222,7 +223,7 @@ def reshard(path: str, out_dir: str, tp: int, force: bool = False) -> str:
 
     def load(kind: str, name: str) -> torch.Tensor:
         t = read_full(reader, kind, name)
-        return _repad(t, rows) if name == WORD_EMBEDDING else t
+        return _repad(t, rows) if is_vocab_padded(name) else t
 
     entries = [(kind, name) for kind in KINDS for name in reader.names if reader.has(kind, name)]
     return write_checkpoint(out_dir, config, entries, load, tp=tp, step=common["step"],

@@ -35,7 +35,14 @@ CRC_CHUNK_BYTES = 4 << 20  # one CRC-32 per 4 MiB of a piece: a partial read che
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # param: the fp32 master weight
 PIECE_FIELDS = ("offset", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
                 "local_shape")
-_WORD_EMBEDDING = "word_embeddings.weight"
+VOCAB_PADDED = ("word_embeddings.weight", "output_layer.weight")  # rows: the vocabulary padded for tp
+
+
+def is_vocab_padded(name: str) -> bool:
+    """Whether the tensor ``name`` has one row per padded-vocabulary id (its padding rows depend on tp)."""
+    return name.endswith(VOCAB_PADDED)
+
+
 _STEP_DIR = re.compile(r"step_(\d+)(\.old)?")
 
 
@@ -371,8 +378,9 @@ class CheckpointReader:
         ``partition_dim``) of the global tensor, for a model whose global shape is ``global_shape``.
 
         When the checkpoint was cut the same way, only the saved pieces overlapping ``[lo, hi)`` are
-        read; otherwise the global tensor is assembled (one tensor at a time). A word embedding
-        whose padded vocabulary differs (the padding depends on tp) is trimmed or zero-padded."""
+        read; otherwise the global tensor is assembled (one tensor at a time). A word embedding or
+        untied output layer whose padded vocabulary differs (the padding depends on tp) is trimmed or
+        zero-padded."""
         pieces = self.index[(kind, name)]
         first = pieces[0]
         saved_split = first["partition_dim"] is not None and first["tp_size"] > 1
@@ -393,7 +401,7 @@ class CheckpointReader:
                 raise CheckpointError(f"the checkpoint holds only part of {kind} {name!r}; it is incomplete.")
             return out
         full = self.full(kind, name)
-        if name.endswith(_WORD_EMBEDDING) and tuple(full.shape) != tuple(global_shape):
+        if is_vocab_padded(name) and tuple(full.shape) != tuple(global_shape):
             resized = torch.zeros(global_shape)
             rows = min(full.shape[0], global_shape[0])
             resized[:rows] = full[:rows]

@@ -52,6 +52,7 @@ from megatron.checkpoint.format import (
     RankFileWriter,
     find_checkpoint,
     fsync_dir,
+    is_vocab_padded,
     same_folder,
     seal,
     write_text,
@@ -270,14 +271,14 @@ def check_compatible(reader: CheckpointReader, model: nn.Module, ps: ParallelSta
                      model_names: set[str] | None = None) -> str | None:
     """A sentence naming the first tensor whose shape differs, that is missing, or that the model
     lacks (``model_names``: the global names of the whole model, all ranks together), or None. The
-    word embedding may differ in its padding rows (the padding depends on tp)."""
+    word embedding and an untied output layer may differ in their padding rows (the padding depends on tp)."""
     for name, p in _unwrap(model).named_parameters():
         name = global_name(name, model)
         if not reader.has("param", name):
             return (f"the checkpoint has no tensor {name!r}, which the model has; it is from another model "
                     f"(checkpoint tensors: {len(reader.names)}).")
         want, got = tuple(slice_of(p, ps).global_shape), reader.global_shape(name)
-        repadded = (name.endswith("word_embeddings.weight") and want[1:] == got[1:] and got[0] >= vocab_size)
+        repadded = is_vocab_padded(name) and want[1:] == got[1:] and got[0] >= vocab_size
         if want != got and not repadded:
             return (f"tensor {name!r} has shape {list(got)} in the checkpoint but {list(want)} in the model; "
                     f"the checkpoint is from another model (check hidden_size, num_layers, vocab_size).")

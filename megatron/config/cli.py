@@ -147,6 +147,8 @@ def coerce(leaf: Leaf, value: Any) -> Any:
     """Convert a YAML or command-line value to the leaf's type, or raise ConfigError."""
     tp, optional = _strip_optional(leaf.type)
     where = leaf.dotted
+    if tp is str and leaf.choices and isinstance(value, str) and value in leaf.choices:
+        return value  # a choice spelled like an empty value: position_embedding_type none
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
             return None
@@ -318,8 +320,9 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     megatron_given = {k[len(MEGATRON_DEST):]: given.pop(k) for k in list(given) if k.startswith(MEGATRON_DEST)}
     notices, refused = _megatron_flags(megatron_given, unknown)
     if unknown or refused:
-        absent = (f"{'Not' if unknown else 'not'} available here: {', '.join(refused)}; remove "
-                  f"{'them' if len(refused) > 1 else 'it'} (docs/megatron.md lists Megatron-LM's flags)." if refused else "")
+        them = "them" if len(refused) > 1 else "it"
+        absent = (f"{'Not' if unknown else 'not'} available here: {', '.join(refused)}; remove {them} "
+                  f"(docs/megatron.md lists Megatron-LM's flags)." if refused else "")
         unknown_text = _unknown_message(unknown, [s for a in parser._actions for s in a.option_strings])
         raise ConfigError(" ".join(part for part in (unknown_text, absent) if part))
     if "config" in given and not load_yaml(given["config"]) and warnings is not None:
@@ -327,7 +330,8 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     if base is None and megatron_flags.is_megatron_command_line(argv):
         base = megatron_defaults()
         notices.append("Megatron-LM command line (it gives --train-iters or --train-samples): Megatron-LM's defaults "
-                       "apply where FleetX's differ: " + ", ".join(f"{k} {_shown(v)}" for k, v in megatron_flags.MEGATRON_DEFAULTS.items())
+                       "apply where FleetX's differ: "
+                       + ", ".join(f"{k} {_shown(v)}" for k, v in megatron_flags.MEGATRON_DEFAULTS.items())
                        + " (docs/megatron.md).")
     config = _layered(Config() if base is None else copy.deepcopy(base), given)
     _derive_megatron(config, megatron_given)

@@ -168,7 +168,8 @@ ABSENT: dict[str, Absent] = {
 }
 _ABSENT_PREFIXES = {"--moe-": "mixture of experts", "--dsa-": "experimental attention variants",
                     "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
-                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation", "--mtp-": "multi-token prediction", "--fp8-": "FP8 training",
+                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation", "--mtp-": "multi-token prediction",
+                    "--fp8-": "FP8 training",
                     "--fp4-": "FP4 training", "--megatron-fsdp-": "Megatron FSDP"}
 
 # --- rewritten into our flags -----------------------------------------------------------------------------

@@ -247,7 +247,8 @@ class Config:
     recompute_method: str | None = opt(
         None, "With granularity full: uniform (checkpoint every recompute_num_layers layers as one unit) or block "
               "(recompute only the first recompute_num_layers layers of each pipeline stage).", ("uniform", "block"))
-    recompute_num_layers: int | None = opt(None, "Layers per recomputed unit (uniform) or per stage (block); default 1.")
+    recompute_num_layers: int | None = opt(
+        None, "Layers per recomputed unit (uniform) or per stage (block); default 1.")
     no_recompute_layers: list[int] | None = opt(None, "Layer indices excluded from recompute.")
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")

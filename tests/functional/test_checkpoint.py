@@ -270,9 +270,11 @@ def test_keep_last_checkpoints_and_finetune_from_weights_only(tmp_path):
     assert tuned_losses[0] < fresh[0] - 0.1  # but from the trained weights
 
 
-def test_resume_under_another_tp_repads_the_vocabulary(tmp_path):
-    """Vocabulary 300 pads to 384 rows at tp 1 and to 512 at tp 2: the rows past 300 are padding."""
-    vocab = ["--vocab-size", "300"]
+@pytest.mark.parametrize("head", [[], ["--untie-embeddings-and-output-weights"]], ids=["tied", "untied"])
+def test_resume_under_another_tp_repads_the_vocabulary(tmp_path, head):
+    """Vocabulary 300 pads to 384 rows at tp 1 and to 512 at tp 2: the rows past 300 are padding (of the
+    word embedding, and of the untied output layer)."""
+    vocab = ["--vocab-size", "300", *head]
     full = _train_saving(tmp_path / "tp1", *vocab, nproc=1)
     resumed = _resume(tmp_path / "tp2", tmp_path / "tp1" / "step_5", *vocab, "--tp", "2", nproc=2)
     assert resumed == pytest.approx(full[5:], rel=1e-5)

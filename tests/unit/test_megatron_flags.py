@@ -36,7 +36,8 @@ def _argv(text: str, tmp_path: Path) -> list[str]:
     for var in ("DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "CHECKPOINT_PATH", "CHECKPOINT_SAVE_PATH",
                 "CHECKPOINT_LOAD_PATH", "TENSORBOARD_PATH", "TENSORBOARD_LOGS_PATH", "DATA_CACHE_PATH",
                 "WANDB_SAVE_PATH", "WANDB_EXPERIMENT", "DATA_BLEND"):
-        text = text.replace("${" + var + "}", str(tmp_path / var.lower())).replace("$" + var, str(tmp_path / var.lower()))
+        path = str(tmp_path / var.lower())
+        text = text.replace("${" + var + "}", path).replace("$" + var, path)
     return shlex.split(text)
 
 
@@ -116,6 +117,7 @@ def test_megatron_defaults_apply_to_a_megatron_command_line_only(tmp_path):
      {"use_recompute": True, "recompute_granularity": "full", "recompute_method": "uniform"}),
     (["--recompute-granularity=full", "--no-use-recompute"], {"use_recompute": False}),
     (["--use-rotary-position-embeddings"], {"position_embedding_type": "rope"}),
+    (["--position-embedding-type", "none"], {"position_embedding_type": "none"}),
     (["--pp", "2", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2"], {"virtual_pp_degree": 2}),
     (["--num-virtual-stages-per-pipeline-rank", "3"], {"virtual_pp_degree": 3}),
 ])
@@ -159,8 +161,8 @@ def test_reference_documents_are_current():
 
 
 def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
-    from megatron.checkpoint import resumed_config
     from megatron import parallel_state
+    from megatron.checkpoint import resumed_config
     from megatron.checkpoint.convert import write_params
     from megatron.model.gpt import GPTModel
 
