@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A user mistake in the configuration: the message says what and how to fix it."""
 
 
+def fail(message: str) -> typing.NoReturn:
+    raise ConfigError(message)
+
+
 @dataclass(frozen=True)
 class Leaf:
     """One configurable value: its YAML path (section keys then the leaf name) and type."""
