@@ -159,8 +159,14 @@ def item_descriptions(cfg_model: Any, padded_vocab_size: int) -> list[str]:
     embedding = (f"EmbeddingPipe(vocab_size={padded_vocab_size}, hidden_size={h}, hidden_dropout_prob={drop}, "
                  f"max_position_embeddings={cfg_model.max_position_embeddings}, "
                  f"type_vocab_size={cfg_model.type_vocab_size}, initializer_range={cfg_model.initializer_range})")
-    layer = (f"TransformerDecoderLayer(d_model={h}, nhead={cfg_model.num_attention_heads}, dim_feedforward={ffn}, "
-             f"dropout={drop}, activation=gelu, attn_dropout={attn_drop}, act_dropout=0.0)")
-    norm = f"LayerNorm(normalized_shape=[{h}], epsilon={cfg_model.layernorm_epsilon})"
-    head = "LMHeadPipe(tied to EmbeddingPipe.word_embeddings)"
+    activation = "swiglu" if getattr(cfg_model, "swiglu", False) else "gelu"
+    groups = (f", num_query_groups={cfg_model.num_query_groups}"
+              if getattr(cfg_model, "group_query_attention", False) else "")
+    layer = (f"TransformerDecoderLayer(d_model={h}, nhead={cfg_model.num_attention_heads}{groups}, "
+             f"dim_feedforward={ffn}, dropout={drop}, activation={activation}, attn_dropout={attn_drop}, "
+             f"act_dropout=0.0)")
+    norm_name = getattr(cfg_model, "normalization", "LayerNorm")
+    norm = f"{norm_name}(normalized_shape=[{h}], epsilon={cfg_model.layernorm_epsilon})"
+    untied = getattr(cfg_model, "untie_embeddings_and_output_weights", False)
+    head = "LMHeadPipe(output_layer)" if untied else "LMHeadPipe(tied to EmbeddingPipe.word_embeddings)"
     return [embedding] + [layer] * cfg_model.num_layers + [norm, head]
