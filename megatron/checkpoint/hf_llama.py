@@ -76,7 +76,8 @@ def check_model(model_cfg: ModelConfig) -> None:
              "rotary embeddings (rope)"),
             (m.normalization != "RMSNorm", f"normalization {m.normalization}", "RMSNorm"),
             (not m.swiglu, "a GELU MLP (swiglu off)", "a SwiGLU MLP"),
-            (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "rotary embeddings on every channel")):
+            (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "rotary embeddings on every channel"),
+            (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head")):
         if differs:
             raise ConversionError(f"{setting} has no Hugging Face Llama equivalent (LlamaForCausalLM uses {llama}), "
                                   f"so this checkpoint cannot be exported.")

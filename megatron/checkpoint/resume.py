@@ -72,7 +72,8 @@ def schedule_kept_warning(base: Config, config: Config) -> str | None:
 # --use-checkpoint-args (Megatron-LM's load_args_from_checkpoint): the model's shape comes from the checkpoint
 # unless given now; its kind (these keys) comes from the checkpoint even when given now.
 CHECKPOINT_SHAPE = ("Model", "Tokenizer", "max_seq_len")
-CHECKPOINT_FORCED = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
+CHECKPOINT_FORCED = ("position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved", "normalization",
+                     "swiglu",
                      "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
                      "disable_bias_linear", "hidden_dropout_prob", "attention_probs_dropout_prob")
 

@@ -138,7 +138,6 @@ ABSENT: dict[str, Absent] = {
     "--qk-layernorm": Absent("LayerNorm on queries and keys"),
     "--apply-wd-to-qk-layernorm": Absent("LayerNorm on queries and keys"),
     "--attention-output-gate": Absent("gated attention output"),
-    "--rotary-interleaved": Absent("interleaved rotary embeddings; the non-interleaved form is implemented"),
     "--multi-latent-attention": Absent("multi-latent attention"),
     "--experimental-attention-variant": Absent("experimental attention variants"),
     "--fp8-format": Absent("FP8 training"),
@@ -188,7 +187,8 @@ REWRITE_TAKES_VALUE = {flag: "{}" in ours for flag, (ours, _) in REWRITES.items(
 IMPLEMENTED: tuple[str, ...] = (
     "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--kv-channels",
     "--seq-length", "--max-position-embeddings", "--make-vocab-size-divisible-by", "--vocab-size",
-    "--position-embedding-type", "--rotary-base", "--rotary-percent", "--normalization", "--norm-epsilon",
+    "--position-embedding-type", "--rotary-base", "--rotary-percent", "--rotary-interleaved", "--normalization",
+    "--norm-epsilon",
     "--swiglu", "--group-query-attention", "--num-query-groups", "--untie-embeddings-and-output-weights",
     "--disable-bias-linear", "--hidden-dropout", "--attention-dropout", "--init-method-std",
     "--micro-batch-size", "--global-batch-size", "--rampup-batch-size", "--step-batch-size-schedule",

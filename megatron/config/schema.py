@@ -62,6 +62,8 @@ class ModelConfig:
                             "queries and keys (rope, Llama), or none.", ("learned_absolute", "rope", "none"))
     rotary_base: int = opt(10000, "Base of the rotary embedding's frequencies (rope).")
     rotary_percent: float = opt(1.0, "Fraction of each head's channels that are rotated (rope).")
+    rotary_interleaved: bool = opt(
+        False, "Rotate adjacent channel pairs (2j, 2j + 1) instead of the two halves of the rotated channels (rope).")
     normalization: str = opt("LayerNorm", "Normalization of every layer and of the output.", ("LayerNorm", "RMSNorm"))
     swiglu: bool = opt(False, "SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU; ffn_hidden_size then defaults "
                               "to int(8 x hidden_size / 3 / 64) x 64, as Megatron-LM.")

@@ -86,7 +86,8 @@ class GPTModel(nn.Module):
                                           recompute_num_layers)
         if cfg.position_embedding_type == "rope":
             _, _, head_dim = attention_shape(cfg)
-            self.rotary = RotaryEmbedding(head_dim, cfg.rotary_percent, cfg.rotary_base, cfg.max_position_embeddings)
+            self.rotary = RotaryEmbedding(head_dim, cfg.rotary_percent, cfg.rotary_base, cfg.max_position_embeddings,
+                                          cfg.rotary_interleaved)
         else:
             self.rotary = None
         if pre_process:

@@ -104,6 +104,7 @@ class SelfAttention(nn.Module):
         self.dense = tp.RowParallelLinear(nq * hd, cfg.hidden_size, bias=bias, sequence_parallel=sequence_parallel)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
+        self.rotary_interleaved = cfg.rotary_interleaved
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads} (per rank), head_dim={self.head_dim}, "
@@ -136,7 +137,7 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :per_group].reshape(s, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # [b, nq, s, hd]
         k, v = qkv[:, :, :, per_group].permute(1, 2, 0, 3), qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = (apply_rotary(t, *rotary, interleaved=self.rotary_interleaved) for t in (q, k))
         if kv_cache is None:
             ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
         else:

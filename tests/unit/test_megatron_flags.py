@@ -19,7 +19,6 @@ GPT2_VOCAB = 50257  # the vocabulary of Megatron-LM's GPT-2 vocab.json / merges.
 # The flags of each refused command line that name a feature absent here; every other flag must pass.
 REFUSED = {
     "gpt3_mcore_te_tp2_pp2_cp2": {"--context-parallel-size"},
-    "gpt3_mcore_te_tp1_pp2_rope_embeddings_interleaved_no_fusion": {"--rotary-interleaved"},
     "gpt3_15b_8t_release": {"--apply-layernorm-1p", "--squared-relu", "--decoupled-lr", "--decoupled-min-lr"},
     "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
     "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},

@@ -74,30 +74,34 @@ def test_rmsnorm_matches_the_formula():
     torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=1e-6)  # fp32 round-off (another reduction order)
 
 
-def _rope_reference(t: torch.Tensor, positions: torch.Tensor, base: float, rot: int) -> torch.Tensor:
-    """Channel pairs (i, i + rot/2) rotated by the angle p / base^(2i/rot), in float64."""
+def _rope_reference(t: torch.Tensor, positions: torch.Tensor, base: float, rot: int,
+                    interleaved: bool = False) -> torch.Tensor:
+    """Channel pairs (i, i + rot/2), or (2i, 2i + 1) interleaved, rotated by the angle p / base^(2i/rot), in
+    float64."""
     t, out, half = t.double(), t.double().clone(), rot // 2
     for i in range(half):
         angle = positions.double()[:, None, :] * base ** (-2.0 * i / rot)  # [b, 1, s]
-        a, b = t[..., i], t[..., i + half]
-        out[..., i] = a * torch.cos(angle) - b * torch.sin(angle)
-        out[..., i + half] = b * torch.cos(angle) + a * torch.sin(angle)
+        first, second = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        a, b = t[..., first], t[..., second]
+        out[..., first] = a * torch.cos(angle) - b * torch.sin(angle)
+        out[..., second] = b * torch.cos(angle) + a * torch.sin(angle)
     return out
 
 
-@pytest.mark.parametrize("percent, base", [(1.0, 10000), (0.5, 500000)])
-def test_rope_matches_a_direct_reference_and_passes_the_tail_through(percent, base):
+@pytest.mark.parametrize("percent, base, interleaved", [(1.0, 10000, False), (0.5, 500000, False),
+                                                        (1.0, 10000, True), (0.5, 500, True)])
+def test_rope_matches_a_direct_reference_and_passes_the_tail_through(percent, base, interleaved):
     head_dim, g = 16, torch.Generator().manual_seed(1)
-    rope = RotaryEmbedding(head_dim, percent, base, max_positions=64)
+    rope = RotaryEmbedding(head_dim, percent, base, max_positions=64, interleaved=interleaved)
     rot = int(head_dim * percent)
     assert rope.rot == rot
     positions = torch.stack([torch.arange(12), torch.arange(20, 32)])  # two rows at different positions
     t = torch.randn(2, 3, 12, head_dim, generator=g)  # [b, heads, s, hd]
-    out = apply_rotary(t, *rope(positions))
+    out = apply_rotary(t, *rope(positions), interleaved=interleaved)
     # The angles are fp32 (as Megatron-LM's and Hugging Face's): position x inv_freq rounded to 2^-24
     # relative, below 31 x 6e-8 = 2e-6 rad here, times |t| < 5: under 1e-5.
-    torch.testing.assert_close(out[..., :rot].double(), _rope_reference(t, positions, base, rot)[..., :rot],
-                               rtol=0, atol=1e-5)
+    want = _rope_reference(t, positions, base, rot, interleaved)
+    torch.testing.assert_close(out[..., :rot].double(), want[..., :rot], rtol=0, atol=1e-5)
     assert torch.equal(out[..., rot:], t[..., rot:])  # the channels past rotary_percent: untouched
 
 
@@ -106,7 +110,7 @@ def test_rope_model_depends_only_on_relative_positions():
     difference of the rotations); a learned absolute embedding changes them."""
     tokens = random_tokens(make_config(*TINY), seed=3)
     shifted = torch.arange(16).expand(2, 16) + 7
-    for flags, invariant in ((LLAMA, True), ((), False)):
+    for flags, invariant in ((LLAMA, True), ((*LLAMA, "--rotary-interleaved"), True), ((), False)):
         model = build_model(make_config(*TINY, *NO_DROPOUT, *flags)).eval()
         with torch.no_grad():
             base, moved = model(tokens), model(tokens, shifted)
