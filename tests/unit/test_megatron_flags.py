@@ -11,7 +11,7 @@ from megatron.config import ConfigError, infer_tokenizer_type, megatron_flags, p
 from megatron.config.cli import build_parser
 from megatron.config.docs import render_markdown as render_configuration
 from megatron.tokenizer import configured_tokenizer
-from tests.unit.megatron_flag_sets import EXAMPLE_175B, FUNCTIONAL
+from tests.unit.megatron_flag_sets import ALL_FUNCTIONAL_FLAGS, EXAMPLE_175B, FUNCTIONAL
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2_VOCAB = 50257  # the vocabulary of Megatron-LM's GPT-2 vocab.json / merges.txt
@@ -182,3 +182,21 @@ def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
     assert not resumed_config([*load[:-1], "--finetune"]).model.swiglu  # without the flag: nothing inherited
     with pytest.raises(ConfigError, match="use_checkpoint_args takes the model's shape from a checkpoint: --load"):
         resumed_config(["--load", str(tmp_path / "empty"), "--mock-data", "--use-checkpoint-args"])
+
+
+def test_every_flag_of_megatrons_gpt_tests_has_its_row():
+    """All 272 flags of Megatron-LM's GPT functional tests are implemented, accepted or absent by name: none
+    gets the unknown-flag answer."""
+    ours = {s for a in build_parser()._actions for s in a.option_strings if not a.dest.startswith("megatron:")}
+    rows = {"implemented": [], "accepted": [], "absent": [], "unknown": []}
+    for flag in ALL_FUNCTIONAL_FLAGS:
+        if flag in ours or flag in megatron_flags.REWRITES or flag in megatron_flags.DERIVED:
+            rows["implemented"].append(flag)
+        elif flag in megatron_flags.NO_EFFECT:
+            rows["accepted"].append(flag)
+        elif megatron_flags.absent_feature(flag):
+            rows["absent"].append(flag)
+        else:
+            rows["unknown"].append(flag)
+    assert rows["unknown"] == []
+    assert len(rows["implemented"]) >= 80
