@@ -255,6 +255,9 @@ class Config:
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")
     eval_iters: int = opt(10, "Batches per evaluation (and for the final test pass).")
+    compile: bool = opt(
+        False, "torch.compile each decoder layer and the loss (falls back to eager, with a warning, where the "
+               "backend is unavailable).")
     fused_linear: bool = opt(False, "Accepted for FleetX compatibility: F.linear already fuses the bias add.")
     tensor_fusion: bool = opt(
         False, "Accepted for FleetX compatibility: gradients always live in one contiguous buffer.")
