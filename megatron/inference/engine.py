@@ -71,7 +71,7 @@ class _Row:
         self.index, self.request, self.params = index, request, request.params
         generator = torch.Generator().manual_seed(seed)
         self.state = RowState(request.params, list(request.prompt), generator)
-        self.text = TextTracker(detokenize, request.params.stop)
+        self.text = TextTracker(detokenize, request.params.stop, request.prompt)
         self.last = request.prompt[-1]
 
 

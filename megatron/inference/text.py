@@ -13,9 +13,24 @@ from collections.abc import Callable
 _INCOMPLETE = "\ufffd"  # what a decoder gives for a partial UTF-8 sequence
 
 
+_CONTEXT_TOKENS = 4  # prompt tokens decoded before the new ones
+
+
 class TextTracker:
-    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
-        self.detokenize, self.stop = detokenize, list(stop)
+    """``prompt``: the ids before the tracked ones; its last few are decoded with them and their text removed,
+    so that the new text starts as it does after the prompt (a tokenizer that joins ids with spaces, or a
+    SentencePiece model that drops the leading space of a decoded text, would otherwise glue it on)."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str], prompt: list[int] = ()):
+        self.stop = list(stop)
+        context = list(prompt)[-_CONTEXT_TOKENS:]
+        head = detokenize(context) if context else ""
+
+        def decode(tokens: list[int]) -> str:
+            text = detokenize(context + tokens) if context else detokenize(tokens)
+            return text[len(head):] if context and text.startswith(head) else detokenize(tokens)
+
+        self.detokenize = decode
         self.tokens: list[int] = []
         self.text = ""  # the final text so far (everything returned by add)
         self.stopped = False

@@ -221,3 +221,16 @@ def test_half_precision_models_generate_from_the_same_checkpoint(checkpoint, dty
     completions = half.generate([Request(half.tokenizer.tokenize(p), SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)) for p in PROMPTS])
     assert all(len(c.tokens) == 8 and all(lp <= 0 for lp in c.logprobs) for c in completions)
+
+
+@pytest.mark.parametrize("detokenize, prompt, new, want", [
+    (lambda ids: " ".join(map(str, ids)), [5, 6, 7], [48, 32], " 48 32"),  # NullTokenizer: ids joined by spaces
+    (lambda ids: "".join({1: "\u2581the", 2: "\u2581cat"}[i] for i in ids).replace("\u2581", " ").lstrip(),
+     [1], [2], " cat"),  # SentencePiece: a decoded text loses its leading space
+    (lambda ids: "".join({1: "a", 2: "b"}[i] for i in ids), [], [1, 2], "ab"),  # no prompt
+])
+def test_completion_text_continues_the_prompt(detokenize, prompt, new, want):
+    from megatron.inference.text import TextTracker
+
+    tracker = TextTracker(detokenize, [], prompt)
+    assert "".join(tracker.add(t) for t in new) + tracker.finish() == want
