@@ -1,16 +1,25 @@
-"""Per-rank model-state memory of a configuration, before launching it.
+"""Per-rank memory of a configuration, before launching it: model states, activations, temporaries.
 
-    python tools/estimate_memory.py -c examples/configs/gpt_175b_mp8_pp16.yaml
-    python tools/estimate_memory.py --num-layers 24 --hidden-size 2048 --bf16 --sharding 8
+    python tools/estimate_memory.py -c examples/configs/gpt_175b_mp8_pp16.yaml --device-memory-gb 80
+    python tools/estimate_memory.py --num-layers 24 --hidden-size 2048 --bf16 --sharding 8 --terms
 
-Takes the same configuration as pretrain_gpt.py. Prints, for each pipeline stage, the bytes of
-parameters, fp32 gradients, fp32 master weights and AdamW states one rank holds between steps,
-and how much of it is on the device and on the CPU (offload); see megatron/optimizer/memory.py
-for the rules. Activations are not included.
+Takes the same configuration as pretrain_gpt.py, plus:
+
+    --device-memory-gb G        usable memory of one device, GiB (2^30 bytes): prints the verdict
+    --attention-kernel K        flash or math (default: what the run would use; see megatron/memory/activations.py)
+    --terms                     the bytes of one micro-batch's saved activations on stage 0, term by term
+
+Prints, for each pipeline stage, the bytes of parameters, fp32 gradients, fp32 master weights and
+AdamW states one rank holds between steps and how much of it is on the device and on the CPU
+(offload; megatron/optimizer/memory.py); then the activations one micro-batch's forward saves for
+the backward, the micro-batches the schedule keeps in flight, the largest temporary buffer and the
+total with the model states of a step (megatron/memory/). Without pipelining one line reads
+``activations per micro-batch: <value> <unit>``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -18,13 +27,107 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint import CheckpointError, resumed_config  # noqa: E402
 from megatron.config import ConfigError, validate  # noqa: E402
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank  # noqa: E402
+from megatron.memory import estimate  # noqa: E402
+from megatron.memory.activations import activation_terms, attention_kernel, temporary_terms  # noqa: E402
+from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, training_precision  # noqa: E402
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
+
+GIB = 2**30
+
+
+def format_bytes(n: float) -> str:
+    """``1.23 GiB``: two decimals in the largest binary unit below the value."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _tool_flags(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --device is a config flag
+    p.add_argument("--device-memory-gb", type=float, default=None)
+    p.add_argument("--attention-kernel", choices=("flash", "math"), default=None)
+    p.add_argument("--terms", action="store_true")
+    return p.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+
+def _model_state_rows(config) -> None:
+    d = config.distributed
+    precision, sharding = training_precision(config), d.sharding.sharding_degree
+    print(f"tp {d.mp_degree} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
+          f"{d.sharding.sharding_stage}), {precision}; GiB per rank:")
+    print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
+          f"{'device':>8} {'CPU':>8}")
+    for stage in range(d.pp_degree):
+        n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
+        b = model_state_bytes(n, precision, sharding, d.sharding.sharding_stage, d.sharding.sharding_offload)
+        gib = [x / GIB for x in (b.parameters, b.gradients, b.master_weights, b.optimizer_states, b.device_total,
+                                 b.cpu_total)]
+        print(f"{stage:>5} {n / 1e6:>11.1f} {gib[0]:>11.2f} {gib[1]:>10.2f} {gib[2]:>8.2f} {gib[3]:>8.2f} "
+              f"{gib[4]:>8.2f} {gib[5]:>8.2f}")
+    if d.sharding.sharding_offload:
+        print("master weights and AdamW states (and a copy of the gradient shard) are on the CPU")
+
+
+def _describe(config, kernel: str) -> str:
+    d = config.distributed
+    recompute = "none"
+    if config.use_recompute:
+        recompute = config.recompute_granularity
+        if config.recompute_method:
+            recompute += f" ({config.recompute_method}, {config.recompute_num_layers} layers)"
+    schedule = "no pipelining"
+    if d.pp_degree > 1:
+        name = f"interleaved 1f1b (vpp {d.virtual_pp_degree})" if d.virtual_pp_degree > 1 else d.pipeline_schedule
+        schedule = f"{name} over {config.num_micro_batches} micro-batches"
+    sp = ", sequence parallel" if d.sequence_parallel and d.mp_degree > 1 else ""
+    return (f"micro-batch {config.batch_size.micro_batch_size} x {config.dataset.max_seq_len} tokens, recompute "
+            f"{recompute}{sp}, {schedule}, {kernel} attention on the {config.device}")
+
+
+def _activation_rows(config, kernel: str | None) -> list:
+    d = config.distributed
+    print(f"\nactivations: {_describe(config, kernel or attention_kernel(config))}; GiB per rank:")
+    print(f"{'stage':>5} {'per micro-batch':>15} {'in flight':>9} {'activations':>11} {'temporaries':>11} "
+          f"{'model states':>12} {'total':>8}")
+    estimates = [estimate(config, stage, kernel) for stage in range(d.pp_degree)]
+    for e in estimates:
+        flight = "+".join(str(k) for k in e.in_flight)
+        print(f"{e.stage:>5} {e.activations_per_microbatch / GIB:>15.2f} {flight:>9} {e.activations / GIB:>11.2f} "
+              f"{e.temporaries / GIB:>11.2f} {e.model_states / GIB:>12.2f} {e.total / GIB:>8.2f}")
+    if d.pp_degree == 1:
+        print(f"activations per micro-batch: {format_bytes(estimates[0].activations_per_microbatch)}")
+    if config.compile:
+        print("compile: the activations are eager mode's (torch.compile may save less)")
+    return estimates
+
+
+def _terms(config, kernel: str | None) -> None:
+    print("\nstage 0, one micro-batch's saved activations by term (all layers):")
+    for name, n in sorted(activation_terms(config, 0, None, kernel).items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<32} {format_bytes(n):>12}")
+    print("stage 0, temporaries (the largest counts):")
+    for name, n in temporary_terms(config, 0, kernel).items():
+        print(f"  {name:<32} {format_bytes(n):>12}")
+
+
+def _verdict(estimates: list, device_gib: float | None) -> None:
+    worst = max(estimates, key=lambda e: e.total)
+    need = f"stage {worst.stage} needs {format_bytes(worst.total)}"
+    if device_gib is None:
+        print(f"peak: {need} (give --device-memory-gb for a verdict)")
+        return
+    spare = device_gib * GIB - worst.total
+    if spare >= 0:
+        print(f"fits in {device_gib:g} GiB: {need}, {format_bytes(spare)} to spare")
+    else:
+        print(f"does not fit in {device_gib:g} GiB: {need}, {format_bytes(-spare)} over")
 
 
 def main(argv: list[str] | None = None) -> int:
+    tool, rest = _tool_flags(argv)
     try:
-        config = resumed_config(argv)  # as pretrain_gpt.py: over a resumed run's saved configuration
+        config = resumed_config(rest)  # as pretrain_gpt.py: over a resumed run's saved configuration
         d = config.distributed
         world = (d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree
         tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)
@@ -33,21 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, TokenizerError) as err:
         print(f"estimate_memory.py: error: {err}", file=sys.stderr)
         return 2
-    precision = "bf16" if config.mix_precision.bf16 else "fp16" if config.mix_precision.use_pure_fp16 else "fp32"
-    sharding = d.sharding.sharding_degree
-    print(f"tp {d.mp_degree} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
-          f"{d.sharding.sharding_stage}), {precision}; GiB per rank:")
-    print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
-          f"{'device':>8} {'CPU':>8}")
-    for stage in range(d.pp_degree):
-        n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
-        b = model_state_bytes(n, precision, sharding, d.sharding.sharding_stage, d.sharding.sharding_offload)
-        gib = [x / 2**30 for x in (b.parameters, b.gradients, b.master_weights, b.optimizer_states, b.device_total,
-                                   b.cpu_total)]
-        print(f"{stage:>5} {n / 1e6:>11.1f} {gib[0]:>11.2f} {gib[1]:>10.2f} {gib[2]:>8.2f} {gib[3]:>8.2f} "
-              f"{gib[4]:>8.2f} {gib[5]:>8.2f}")
-    if d.sharding.sharding_offload:
-        print("master weights and AdamW states (and a copy of the gradient shard) are on the CPU")
+    _model_state_rows(config)
+    estimates = _activation_rows(config, tool.attention_kernel)
+    if tool.terms:
+        _terms(config, tool.attention_kernel)
+    _verdict(estimates, tool.device_memory_gb)
     return 0
 
 

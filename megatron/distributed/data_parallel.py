@@ -1,13 +1,15 @@
 """Data parallelism: per-bucket gradient reduction, overlapped with the backward.
 
-(Under pipeline parallelism the whole schedule runs in ``no_sync()`` and the buckets are reduced
-by ``finish_grad_sync()`` after it.)
-
 The fp32 main grads live in one flat buffer (``ParamAndGradBuffer``) cut into buckets in the
 order the backward produces them. During the backward of the last micro-batch, a hook on each
 parameter counts it in (``Bucket.mark_ready``); when a bucket's last parameter is in, its
 reduction starts (asynchronously) while the backward goes on. ``finish_grad_sync()`` waits for
 them all. Other micro-batches only accumulate (``no_sync()``).
+
+Under pipeline parallelism the schedule runs every backward in ``no_sync()`` but each model
+chunk's last one (``schedules.run_pipeline_table``): a chunk's buckets start their reduction
+during that backward, while the rest of the schedule (other chunks' backwards, the cool-down's
+sends and receives) goes on. A bucket that spans two chunks starts when the second is done.
 
 The reduction of a bucket is, by sharding stage (chosen by ``parallelize``):
 
@@ -64,7 +66,8 @@ class DataParallel(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (all micro-batches but the last; ignored under stage 3)."""
+        """Accumulate gradients locally (every backward but a chunk's last of the step; ignored under
+        stage 3 without pipelining, which reduces after every micro-batch)."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield

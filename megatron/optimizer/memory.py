@@ -16,7 +16,7 @@ K Psi with K = 12 (Adam, mixed precision) is this table with fp32 gradients (4P 
 main grads are accumulated in fp32 here, as Megatron-LM does). The figures are those held between
 steps: under stage 2 the full 4P gradient buffer also exists during the backward, and under stage 3
 the full parameters (and gradients) of the layers being used: at most the non-layer parameters
-plus two layers at once.
+plus two layers at once: ``step_transient_bytes`` counts those.
 
 Offload (``sharding_offload``): the master weights (fp32 even when training in fp32) and the AdamW
 states live on the CPU, with a CPU copy of the gradient shard (4P/N) that the step reads.
@@ -70,6 +70,36 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
     return ModelStateBytes(parameters=params * (2 if low else 4), gradients=4 * grads,
                            master_weights=4 * shard if low or offload else 0, optimizer_states=8 * shard,
                            cpu_gradients=4 * shard if offload else 0, offload=offload)
+
+
+def training_precision(config: Config) -> str:
+    """"fp32", "bf16" or "fp16": the parameters' dtype (``mix_precision``)."""
+    mp = config.mix_precision
+    return "bf16" if mp.bf16 else "fp16" if mp.use_pure_fp16 else "fp32"
+
+
+def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
+    """Device bytes of model states that exist only during a step, beyond ``model_state_bytes``:
+    under stage 2 the full fp32 gradient buffer (4P, of which the 4P/N shard stays between steps);
+    under stage 3 the full parameters and fp32 gradients of what is gathered: without pipelining the
+    non-layer parameters (the root) and two decoder layers, with pipelining the whole stage (gathered at
+    its first forward, kept until the reduce-scatter after its last backward). Stage 1: none."""
+    d = config.distributed
+    tp, pp, sharding = d.mp_degree, d.pp_degree, d.sharding.sharding_degree
+    stage = sharding_stage(sharding, d.sharding.sharding_stage)
+    num_params = parameters_per_rank(config, tp, pp, pp_rank)
+    shard = -(-num_params // sharding)
+    if stage == 1:
+        return 0
+    if stage == 2:
+        return 4 * (num_params - shard)
+    param_bytes = 4 if training_precision(config) == "fp32" else 2
+    if pp > 1:
+        gathered = num_params
+    else:
+        layer = layer_parameters(config, tp)
+        gathered = num_params - config.model.num_layers * layer + min(2, config.model.num_layers) * layer
+    return (param_bytes + 4) * max(0, gathered - shard)
 
 
 def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> int:

@@ -13,6 +13,7 @@ micro-batches and ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import nullcontext
 from typing import Any
 
@@ -72,7 +73,8 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def run_pipeline_table(table: list[Action], forward_step: ForwardStep, micro_batches: Sequence[Any], chunks: list,
                        num_tokens: float, loss_scale: float, ps, shape: Sequence[int], dtype: torch.dtype,
-                       device: torch.device, stats: dict | None = None) -> torch.Tensor:
+                       device: torch.device, stats: dict | None = None,
+                       no_sync: Callable[[], ContextManager] | None = None) -> torch.Tensor:
     """Execute one rank's schedule table (see ``schedule_tables``) with real model chunks.
 
     Runs of consecutive communication actions are posted as one ``batch_isend_irecv``; sends are
@@ -82,8 +84,16 @@ def run_pipeline_table(table: list[Action], forward_step: ForwardStep, micro_bat
     stages backpropagate the received output gradient and return 0. ``stats``, if given, receives
     ``peak_in_flight``: the most micro-batch activations held at once (forwarded, not yet
     backwarded), the activation-memory measure of a schedule.
+
+    ``no_sync`` (a data-parallel model's): every backward runs inside it but each chunk's last one
+    in the table, during which the model's gradient hooks start the data-parallel reduction of the
+    buckets that chunk completes (as the last micro-batch does without pipelining; Megatron-LM's
+    ``is_last_microbatch``). A parameter belongs to one chunk, so its gradient is final then.
     """
     run = _TableRun(forward_step, micro_batches, chunks, ps, (tuple(shape), dtype, device), stats)
+    if no_sync is not None:
+        run.no_sync = no_sync
+        run.last_backward = {a.chunk: a for a in table if a.kind == "B"}  # the last one of each chunk wins
     i = 0
     while i < len(table):
         if table[i].kind in COMM:
@@ -115,6 +125,8 @@ class _TableRun:
         self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.pending: list[tuple[list, list]] = []  # (send works, sent tensors): each work waited for once
         self.total = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.no_sync: Callable[[], ContextManager] = nullcontext  # around every backward but ...
+        self.last_backward: dict[int, Action] = {}  # ... these: a chunk's last, with the gradient sync armed
 
     def compute(self, a: Action, scale: float) -> None:
         """``F``: forward of micro-batch ``a.micro_batch`` through chunk ``a.chunk`` (on the last virtual
@@ -123,7 +135,8 @@ class _TableRun:
         last = a.chunk * self.pp_size + self.pp_rank == self.last_virtual
         if a.kind == "B":
             output = self.outputs.pop(key)
-            _backward(output, None if last else self.output_grads.pop(key))
+            with nullcontext() if self.last_backward.get(a.chunk) == a else self.no_sync():
+                _backward(output, None if last else self.output_grads.pop(key))
             return
         chunk.set_input_tensor(self.inputs.get(key))
         output, loss_fn = self.forward_step(self.micro_batches[a.micro_batch], chunk)
@@ -172,8 +185,9 @@ def forward_backward_pipelining(forward_step: ForwardStep, micro_batches: Sequen
     """The pipelined counterpart of ``forward_backward_no_pipelining`` (same contract).
 
     ``schedule``: "1f1b" or "gpipe"; a model of several chunks (a ModuleList) runs the interleaved
-    1F1B. Gradients are only accumulated here (``no_sync``); the data-parallel reduction happens
-    once after the step's last backward (``finish_grad_sync``).
+    1F1B. A data-parallel model (one with ``no_sync()``) only accumulates gradients, except during
+    each chunk's last backward of the step: there its buckets' reductions start as they fill,
+    overlapping the rest of the schedule; ``finish_grad_sync()`` after it waits for them.
     """
     module = model.module if hasattr(model, "no_sync") else model
     chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
@@ -186,7 +200,7 @@ def forward_backward_pipelining(forward_step: ForwardStep, micro_batches: Sequen
         table = tables.one_f_one_b(pp, rank, m)
     if forward_only:  # the forwards (and their sends) of any valid table form a valid schedule
         table = [a for a in table if a.kind in ("F", "SEND_F", "RECV_F")]
-    no_sync = getattr(model, "no_sync", nullcontext)
-    with no_sync(), (torch.no_grad() if forward_only else nullcontext()):
+    no_sync = getattr(model, "no_sync", None)
+    with torch.no_grad() if forward_only else nullcontext():
         return run_pipeline_table(table, forward_step, micro_batches, chunks, num_tokens, loss_scale, ps, shape,
-                                  dtype, device)
+                                  dtype, device, no_sync=no_sync)

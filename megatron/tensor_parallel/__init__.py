@@ -8,7 +8,9 @@ from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_matmul,
     mark_sequence_parallel,
+    set_async_communication,
     shard_full_tensor,
 )
 from megatron.tensor_parallel.mappings import (
@@ -35,6 +37,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "checkpoint",
+    "column_parallel_matmul",
     "copy_to_tp_region",
     "gather_from_sequence_region",
     "gather_from_tp_region",
@@ -44,6 +47,7 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "set_async_communication",
     "shard_full_tensor",
     "tensor_parallel_seed",
     "token_cross_entropy",

@@ -4,10 +4,13 @@ With ``t`` ranks in the tensor-parallel group and activations ``[s, b, h]``:
 
 - ``ColumnParallelLinear``: ``Y = X A + b`` with ``A = [A_1 .. A_t]`` split by output
   columns; rank ``i`` holds ``A_i`` (weight ``[out/t, in]``) and ``b_i``, and computes
-  ``Y_i = X A_i + b_i``. Input through ``copy_to_tp_region`` (backward all-reduces dX, the
-  sum of every shard's contribution), or ``gather_from_sequence_region`` under sequence
-  parallelism (forward all-gathers the sequence, backward reduce-scatters dX).
-  ``gather_output`` all-gathers ``Y`` along the last dim.
+  ``Y_i = X A_i + b_i``. One autograd function (``_ColumnParallelMatmul``) owns the input's
+  communication: without sequence parallelism the forward takes ``X`` as it is and the backward
+  all-reduces dX (the sum of every shard's contribution); under sequence parallelism the forward
+  all-gathers the sequence ``[s/t, b, in] -> [s, b, in]`` but saves only the shard, and the
+  backward all-gathers it again and reduce-scatters dX. The backward's collectives run
+  asynchronously behind its matmuls (``async_communication``). ``gather_output`` all-gathers
+  ``Y`` along the last dim.
 - ``RowParallelLinear``: ``Y = X A + b`` with ``A`` split by input rows; rank ``i`` holds
   ``A_i`` (weight ``[out, in/t]``) and computes the partial ``X_i A_i``; the partials are
   summed by ``reduce_from_tp_region`` (all-reduce; backward identity), or
@@ -35,13 +38,16 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.tensor_parallel.mappings import (
-    copy_to_tp_region,
-    gather_from_sequence_region,
+    Pending,
     gather_from_tp_region,
     group_size_and_rank,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
+    resolve_group,
     scatter_to_tp_region,
+    start_all_gather,
+    start_all_reduce,
+    start_reduce_scatter,
 )
 
 
@@ -102,15 +108,80 @@ def _init_sharded(param: nn.Parameter, init) -> None:
         param.copy_(shard_full_tensor(full, param))
 
 
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``Y_i = X A_i + b_i`` on this rank's output columns, with the input's communication.
+
+    Forward: ``X`` ``[s, b, in]`` as it is, or, under ``sequence_parallel``, this rank's shard
+    ``[s/t, b, in]`` all-gathered along the sequence first; saved for the backward: the shard only
+    (``t`` times less than the gathered input) and the weight.
+
+    Backward, from ``dY_i`` ``[s, b, out/t]``; each collective starts before a matmul that does not
+    need its result and is waited for just before its result is used:
+
+    1. (sequence parallel) start the all-gather of the saved shard: ``X`` again;
+    2. ``dX_i = dY_i A_i^T`` ``[s, b, in]`` (needs only dY and the weight);
+    3. start the reduction of ``dX = sum_i dX_i``: a reduce-scatter to ``[s/t, b, in]`` under
+       sequence parallelism (after waiting for the gather of 1), else an all-reduce;
+    4. ``dA_i = dY_i^T X``, ``db_i = sum dY_i``; then wait for 3.
+
+    The weight gradient is returned to autograd, which accumulates it into ``weight.grad`` (the
+    fp32 main-grad view, or a bf16/fp16 gradient that the buffer's post-accumulate hook adds into
+    ``main_grad``), so the buffer's and the data-parallel wrapper's hooks see it as from any layer.
+    ``async_communication=False`` runs the same collectives synchronously, in the same order.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, async_communication):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.group = bias is not None, group
+        ctx.sequence_parallel, ctx.async_communication = sequence_parallel, async_communication
+        total = start_all_gather(x, group, async_op=False).wait() if sequence_parallel else x
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        group, async_op = ctx.group, ctx.async_communication
+        gather: Pending | None = None
+        if ctx.sequence_parallel and need_weight:
+            gather = start_all_gather(x, group, async_op)
+        grad_input = grad_out.matmul(weight) if need_input else None  # [s, b, in]: partial over the ranks
+        total = gather.wait() if gather is not None else x
+        reduction: Pending | None = None
+        if need_input:
+            start = start_reduce_scatter if ctx.sequence_parallel else start_all_reduce
+            reduction = start(grad_input, group, async_op)
+        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
+        grad_bias = grad_out_2d.sum(0) if ctx.has_bias and need_bias else None
+        if reduction is not None:
+            grad_input = reduction.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None,
+                           sequence_parallel: bool = False, async_communication: bool = True) -> torch.Tensor:
+    """``F.linear(X, weight, bias)`` for a column-parallel weight ``[out/t, in]``: see
+    ``_ColumnParallelMatmul`` (forward all-gather of the sequence under ``sequence_parallel``; backward
+    all-reduce or reduce-scatter of dX, hidden behind the weight-gradient matmul). One rank: ``F.linear``."""
+    group = resolve_group(group)
+    if group is None:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel, async_communication)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b``, ``A`` split by output columns: weight ``[out/t, in]``, bias ``[out/t]``.
 
     Input ``[s, b, in]`` (``[s/t, b, in]`` under sequence parallelism); output
-    ``[s, b, out/t]``, or ``[s, b, out]`` with ``gather_output``.
+    ``[s, b, out/t]``, or ``[s, b, out]`` with ``gather_output``. ``async_communication``: the
+    backward's collectives overlap its matmuls (False: the same collectives, one after the other;
+    ``set_async_communication`` switches every layer of a model).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 sequence_parallel: bool = False, group=None):
+                 sequence_parallel: bool = False, group=None, async_communication: bool = True):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("gather_output is not supported with sequence parallelism")
@@ -118,6 +189,7 @@ class ColumnParallelLinear(nn.Module):
         world, rank = group_size_and_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.async_communication = async_communication
         self.output_size_per_partition = _divide(out_features, world, "out_features")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
         set_tensor_parallel_attributes(self.weight, 0, (out_features, in_features), rank, world)
@@ -136,17 +208,23 @@ class ColumnParallelLinear(nn.Module):
             _init_sharded(self.bias, lambda b: nn.init.uniform_(b, -bound, bound))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = column_parallel_matmul(x, self.weight, self.bias, self.group, self.sequence_parallel,
+                                   self.async_communication)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(per rank {self.output_size_per_partition}), bias={self.bias is not None}, "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+def set_async_communication(model: nn.Module, enabled: bool) -> int:
+    """Turn the overlap of the column-parallel layers' backward collectives on or off in every layer
+    of ``model``; returns how many layers were set."""
+    layers = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
+    for layer in layers:
+        layer.async_communication = enabled
+    return len(layers)
 
 
 class RowParallelLinear(nn.Module):

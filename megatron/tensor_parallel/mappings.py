@@ -24,6 +24,10 @@ a gather (split <-> all-gather); the adjoint of "sum then keep my chunk" is "gat
 that of "gather" over a region whose consumers are themselves partial sums is "sum then
 keep my chunk" (all-gather <-> reduce-scatter).
 
+The ``start_*`` collectives return a ``Pending`` whose ``wait()`` gives the result: with
+``async_op`` they run in the background (NCCL's stream on GPUs, gloo's threads on the CPU) while
+the caller computes, which is how ``ColumnParallelLinear``'s backward hides its communication.
+
 Every mapping is the identity when the group is None (single process) or has one rank.
 Collectives never modify their input in place: autograd may share a tensor (the incoming
 gradient of an ``a + b`` reaches both branches as one tensor object).
@@ -59,10 +63,59 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 # ---------------------------------------------------------------------------- raw collectives
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+class Pending:
+    """A collective started with ``async_op`` (or already finished): ``wait()`` blocks until it is
+    done and returns its result. ``finish`` post-processes the raw output (a fallback's split)."""
+
+    def __init__(self, work: dist.Work | None, output: torch.Tensor, finish=None):
+        self._work, self._output, self._finish = work, output, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._output if self._finish is None else self._finish(self._output)
+
+
+def start_all_reduce(x: torch.Tensor, group, async_op: bool = True) -> Pending:
+    """Sum ``x`` over ``group`` into a copy (``x`` is left as it is)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
-    return out
+    return Pending(dist.all_reduce(out, group=group, async_op=async_op), out)
+
+
+def start_all_gather(x: torch.Tensor, group, async_op: bool = True) -> Pending:
+    """Concatenate every rank's ``x`` along dim 0: ``[d0, ...] -> [t * d0, ...]``."""
+    x = x.contiguous()
+    out = torch.empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    return Pending(_all_gather_flat(out, x, group=group, async_op=async_op), out)
+
+
+def start_reduce_scatter(x: torch.Tensor, group, async_op: bool = True) -> Pending:
+    """Sum ``x`` over ``group`` and keep this rank's chunk of dim 0: ``[t * d0, ...] -> [d0, ...]``.
+    A gloo without reduce_scatter gets an all-reduce and a split (detected on the first call; the
+    check fails the same way on every rank)."""
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by {world} ranks")
+    backend = str(dist.get_backend(group))
+    if backend != "gloo" or _NATIVE_REDUCE_SCATTER.get(backend, True):
+        x = x.contiguous()
+        out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        try:
+            work = _reduce_scatter_flat(out, x, group=group, async_op=async_op)
+            _NATIVE_REDUCE_SCATTER[backend] = True
+            return Pending(work, out)
+        except (RuntimeError, NotImplementedError, ValueError):
+            if backend != "gloo":
+                raise
+            _NATIVE_REDUCE_SCATTER[backend] = False
+    out = x.clone(memory_format=torch.contiguous_format)
+    return Pending(dist.all_reduce(out, group=group, async_op=async_op), out, lambda t: _split(t, 0, group))
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    return start_all_reduce(x, group, async_op=False).wait()
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -74,13 +127,11 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (one flat collective, then a layout fix)."""
-    world = dist.get_world_size(group)
-    x = x.contiguous()
-    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x, group=group)
+    out = start_all_gather(x, group, async_op=False).wait()
     if dim % x.dim() == 0:
         return out
     # [t * d0, ...] -> [t, d0, ..., d_dim, ...] -> move t next to d_dim and merge
+    world = dist.get_world_size(group)
     stacked = out.view((world,) + tuple(x.shape)).movedim(0, dim % x.dim())
     shape = list(x.shape)
     shape[dim] *= world
@@ -94,24 +145,7 @@ def reduce_scatter_fallback(x: torch.Tensor, group) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the ranks, then keep this rank's chunk of dim 0."""
-    world = dist.get_world_size(group)
-    if x.shape[0] % world:
-        raise ValueError(f"dimension 0 of size {x.shape[0]} is not divisible by {world} ranks")
-    backend = str(dist.get_backend(group))
-    if backend == "gloo" and not _NATIVE_REDUCE_SCATTER.get(backend, True):
-        return reduce_scatter_fallback(x, group)
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if backend != "gloo":
-        _reduce_scatter_flat(out, x, group=group)
-        return out
-    try:  # gloo gained reduce_scatter only recently; the check fails the same way on every rank
-        _reduce_scatter_flat(out, x, group=group)
-        _NATIVE_REDUCE_SCATTER[backend] = True
-        return out
-    except (RuntimeError, NotImplementedError, ValueError):
-        _NATIVE_REDUCE_SCATTER[backend] = False
-        return reduce_scatter_fallback(x, group)
+    return start_reduce_scatter(x, group, async_op=False).wait()
 
 
 # ---------------------------------------------------------------------------- autograd functions

@@ -134,6 +134,53 @@ def _check_sequence_parallel(tp: int, rank: int) -> None:
         _close(p.grad, p_ref.grad, f"sequence-parallel {name} grad")
 
 
+def _check_column_parallel_communication(tp: int, rank: int) -> None:
+    """ColumnParallelLinear's own autograd function (forward gather under sequence parallelism, backward
+    all-gather / reduce-scatter or all-reduce behind the matmuls) equals nn.Linear on one process; the
+    overlapped and the one-after-the-other collectives give bitwise the same gradients."""
+    ref = nn.Linear(H, 4 * H)
+    x, dy = torch.randn(S, B, H), torch.randn(S, B, 4 * H)
+    y_ref, dx_ref = _forward_backward(ref, x, dy)
+    for sp in (False, True):
+        runs = []
+        for async_communication in (True, False):
+            layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, async_communication=async_communication)
+            _load_shards(layer, ref)
+            y, dx = _forward_backward(layer, x.chunk(tp, 0)[rank] if sp else x, dy.chunk(tp, -1)[rank])
+            what = f"column(sequence_parallel={sp}, async={async_communication})"
+            _close(y, y_ref.chunk(tp, -1)[rank], f"{what} output")
+            _close(dx, dx_ref.chunk(tp, 0)[rank] if sp else dx_ref, f"{what} input grad")
+            for name in ("weight", "bias"):
+                param = getattr(layer, name)
+                _close(param.grad, shard_full_tensor(getattr(ref, name).grad, param), f"{what} {name} grad")
+            runs.append([dx, layer.weight.grad, layer.bias.grad])
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), f"sequence_parallel={sp}: async changed the bits"
+
+
+def _check_column_parallel_main_grads(tp: int, rank: int) -> None:
+    """bf16 parameters: the weight gradient that the function returns reaches the fp32 main grad through the
+    buffer's post-accumulate hook, accumulated over micro-batches, and ``param.grad`` is freed."""
+    from megatron.distributed.parallelize import ShardingPlan, build_buffer
+
+    ref = nn.Linear(H, 4 * H)
+    layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=True)
+    _load_shards(layer, ref)
+    layer.to(torch.bfloat16)
+    buffer = build_buffer(layer, ShardingPlan())
+    micro = [torch.randn(S, B, H) for _ in range(2)]
+    dys = [torch.randn(S, B, 4 * H) for _ in range(2)]
+    for x, dy in zip(micro, dys):
+        _forward_backward(layer, x.chunk(tp, 0)[rank].bfloat16(), dy.chunk(tp, -1)[rank].bfloat16())
+        _forward_backward(ref, x, dy)  # accumulates the fp32 reference
+    for name in ("weight", "bias"):
+        param = getattr(layer, name)
+        assert param.grad is None and param.main_grad.dtype == torch.float32
+        expected = shard_full_tensor(getattr(ref, name).grad, param)
+        diff = (param.main_grad - expected).abs().max().item()
+        assert diff < 2e-2 * expected.abs().max().item(), f"bf16 {name} main grad: max abs diff {diff}"
+    assert buffer.grad_data.abs().sum() > 0
+
+
 def _check_cross_entropy(tp: int, rank: int) -> None:
     n, padded = 12, 4 * tp
     # a full vocabulary, a padded one, and one whose last shard is padding only (tp > 2)
@@ -228,6 +275,8 @@ def _all_checks(rank: int, world_size: int, tp: int) -> str:
     torch.manual_seed(0)  # every rank draws the same references and inputs
     _check_linear_layers(tp, state.tp_rank)
     _check_sequence_parallel(tp, state.tp_rank)
+    _check_column_parallel_communication(tp, state.tp_rank)
+    _check_column_parallel_main_grads(tp, state.tp_rank)
     _check_cross_entropy(tp, state.tp_rank)
     _check_rng(state.group("tp"))
     _check_checkpoint()

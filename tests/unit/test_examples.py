@@ -51,11 +51,35 @@ def test_seed_model_sizes(name, millions):
 def test_estimate_memory_tool(capsys):
     import importlib.util
 
+    from megatron.memory.activations import activation_bytes_per_microbatch
+
     spec = importlib.util.spec_from_file_location("estimate_memory", ROOT / "tools" / "estimate_memory.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main(["-c", str(ROOT / "examples" / "configs" / "gpt_175b_mp8_pp16.yaml"), "--device", "cpu"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    config_175b = str(ROOT / "examples" / "configs" / "gpt_175b_mp8_pp16.yaml")
+    assert tool.main(["-c", config_175b, "--device", "cpu", "--device-memory-gb", "80"]) == 0
+    states, activations = capsys.readouterr().out.split("\n\n")
+    rows = [line.split() for line in states.splitlines()[2:]]
     assert [int(r[0]) for r in rows] == list(range(16))
     params = sum(float(r[1]) for r in rows) * 1e6 * 8  # x tp 8: the whole model
     assert params == pytest.approx(175e9, rel=0.01)  # GPT-3 175B (tied embedding counted on two stages)
+    lines = activations.splitlines()
+    assert lines[0].startswith("activations: micro-batch 1 x 2048 tokens, recompute full, sequence parallel, 1f1b")
+    table = [line.split() for line in lines[2:18]]
+    assert [int(r[0]) for r in table] == list(range(16))
+    assert [int(r[2]) for r in table] == [16 - stage for stage in range(16)]  # 1F1B: pp - stage in flight
+    for _, per_micro_batch, in_flight, acts, temps, states_gib, total in table:
+        assert float(acts) == pytest.approx(float(per_micro_batch) * int(in_flight), abs=0.005 * (int(in_flight) + 1))
+        assert float(total) == pytest.approx(float(acts) + float(temps) + float(states_gib), abs=0.02)
+    assert re.fullmatch(r"fits in 80 GiB: stage \d+ needs [\d.]+ GiB, [\d.]+ GiB to spare", lines[-1])
+
+    # without pipelining: the one-line figure, what the hooks measure for one micro-batch's forward
+    argv = ["-c", str(ROOT / "examples" / "configs" / "gpt_345m_single_card.yaml"), "--device", "cpu"]
+    assert tool.main(argv + ["--device-memory-gb", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    config = parse_config(argv)
+    validate(config)
+    expected = f"activations per micro-batch: {tool.format_bytes(activation_bytes_per_microbatch(config))}"
+    assert expected in out
+    assert re.fullmatch(r"activations per micro-batch: \d+\.\d\d (B|KiB|MiB|GiB|TiB)", expected)
+    assert re.fullmatch(r"does not fit in 8 GiB: stage 0 needs [\d.]+ GiB, [\d.]+ GiB over", out[-1])

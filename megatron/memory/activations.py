@@ -1,0 +1,361 @@
+"""Activation memory: the bytes one micro-batch's forward saves for the backward, for this model's
+exact ops, and the micro-batches a pipeline schedule keeps in flight.
+
+Notation (sizes on one rank): ``b`` micro-batch, ``s`` sequence, ``n = s b`` tokens, ``h`` hidden,
+``t`` tensor-parallel size, ``n' = n / t`` under sequence parallelism (else ``n``), ``a = nq / t``
+query heads and ``g = ng / t`` key/value groups of ``hd`` channels, ``f`` the MLP width / t, ``V`` the
+padded vocabulary / t, ``d`` bytes per activation element (4 fp32, 2 bf16/fp16). Dropout masks take
+``m`` bytes per element: ``d`` on the CPU (``at::dropout`` keeps a scaled mask in the input's dtype),
+1 on GPUs (``native_dropout``'s bool mask). LayerNorm's mean and rstd take ``d`` bytes each on the
+CPU, 4 on GPUs (``st``). The math kernel's probability mask takes ``m'`` = 4 bytes on the CPU (fp32
+inside), 1 on GPUs. Every storage is counted once (a view saved by two ops costs its storage once).
+
+One decoder layer, no recompute (``layer_terms``)::
+
+    norm1 (input x)     LayerNorm: n' h d + 2 n' st         RMSNorm: 8 n' h + 4 n'   (fp32 x, x rstd, rstd)
+    qkv input           n' h d                             (the norm's output; only the shard under sp)
+    attention core      flash: qkv_out + q* + k* + out + lse          (see ``attention_terms``)
+                        math:  4 (2 n a hd + b a s^2) + v [+ (m' + 4) b a s^2 with attention dropout]
+    dense input         n a hd d                           (flash: a view of its out, see below)
+    dropout mask 1      n' h m                             (hidden dropout only)
+    norm2               as norm1, on the residual sum
+    fc1 input           n' h d
+    MLP                 GELU: 2 n f d (fc1 out, gelu out); SwiGLU: 4 n f d (fc1 out 2f, silu, product)
+    dropout mask 2      n' h m
+
+with ``qkv_out = n (a + 2g) hd d`` (the QKV output: v, a view of it, keeps it whole), ``q* = n a hd d``
+when q is a tensor of its own (rope, or g > 1 groups of several queries), ``k* = n g hd d`` with rope,
+``out = n a hd d`` only with partial rope (otherwise the dense input is a view of it) and
+``lse = 4 n a``. Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's
+saves; ``only_attn`` keeps the layer input x instead of norm1 .. dropout mask 1; ``full`` keeps only x
+(``n' h d``); a unit of several layers (``recompute_method uniform``) keeps only its first input.
+
+Outside the layers: the embedding (token ids ``8n``, with tp > 1 the local ids and the ``n`` bool
+out-of-shard mask; learned position ids ``8n``; its dropout mask ``n' h m``), rope's cos/sin
+(``2 b s rot d`` per chunk), the final norm, the head's input (``n h d``, gathered under sp), the loss's
+``softmax - onehot`` (``n V d``) and ``loss_fn``'s mask (``4n``).
+
+Attention kernels: on the CPU ``F.scaled_dot_product_attention`` runs the fused flash kernel without
+attention dropout, and the math kernel with it (which upcasts bf16/fp16 to fp32). On GPUs the estimate
+assumes a fused kernel (FlashAttention-2 for bf16/fp16, memory-efficient for fp32): q, k, v, out and an
+fp32 log-sum-exp per (head, query); dropout is replayed from a seed, no mask is kept; grouped keys are
+read in place. The GPU figures are not measured here (the tests run on the CPU); ``kernel="math"``
+gives a non-fused kernel's figure. Eager mode: ``compile`` may save less.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from megatron.config.schema import Config
+from megatron.model.gpt import recompute_plan
+from megatron.model.transformer import attention_shape
+from megatron.pipeline_parallel import schedule_tables as tables
+from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+
+CE_CHUNK_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 25}  # tensor_parallel/cross_entropy.py's fp32 row chunk
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What the formula reads from a configuration: the sizes on one rank."""
+
+    b: int
+    s: int
+    h: int
+    f: int  # MLP width on this rank
+    a: int  # query heads on this rank
+    g: int  # key/value groups on this rank
+    hd: int
+    vocab: int  # padded vocabulary on this rank
+    tp: int
+    sp: bool
+    d: int  # bytes per activation element
+    hidden_dropout: bool
+    attn_dropout: bool
+    device: str  # "cpu" or "gpu"
+    kernel: str  # "flash" or "math"
+    rmsnorm: bool
+    swiglu: bool
+    rot: int  # rotated channels per head (0: no rope)
+    learned_positions: bool
+
+    @property
+    def n(self) -> int:
+        return self.b * self.s
+
+    @property
+    def n_sp(self) -> int:
+        """Tokens of the norm / dropout region: a sequence shard under sequence parallelism."""
+        return self.n // self.tp if self.sp else self.n
+
+    @property
+    def mask(self) -> int:
+        return 1 if self.device == "gpu" else self.d
+
+    @property
+    def stat(self) -> int:
+        return 4 if self.device == "gpu" else self.d
+
+
+def attention_kernel(config: Config) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` runs in training: see the module docstring."""
+    if config.device == "gpu":
+        return "flash"
+    return "math" if config.model.attention_probs_dropout_prob > 0 else "flash"
+
+
+def dims(config: Config, kernel: str | None = None) -> Dims:
+    """The sizes of a validated configuration; ``kernel`` overrides ``attention_kernel``."""
+    m, d = config.model, config.distributed
+    tp = d.mp_degree
+    nq, ng, hd = attention_shape(m)
+    kernel = kernel or attention_kernel(config)
+    if kernel not in ("flash", "math"):
+        raise ValueError(f"unknown attention kernel {kernel!r}: use 'flash' or 'math'")
+    return Dims(b=config.batch_size.micro_batch_size, s=config.dataset.max_seq_len, h=m.hidden_size,
+                f=m.ffn_hidden_size // tp, a=nq // tp, g=ng // tp, hd=hd, vocab=config.padded_vocab_size // tp,
+                tp=tp, sp=d.sequence_parallel and tp > 1, d=4 if config.params_dtype_name == "float32" else 2,
+                hidden_dropout=m.hidden_dropout_prob > 0, attn_dropout=m.attention_probs_dropout_prob > 0,
+                device="gpu" if config.device == "gpu" else "cpu", kernel=kernel,
+                rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu,
+                rot=int(hd * m.rotary_percent) if m.position_embedding_type == "rope" else 0,
+                learned_positions=m.position_embedding_type == "learned_absolute")
+
+
+# ---------------------------------------------------------------------------- one decoder layer
+
+
+def norm_bytes(D: Dims, tokens: int) -> int:
+    """A norm's saves, its input included. LayerNorm: the input, mean and rstd. RMSNorm
+    (``torch.nn.RMSNorm``, fp32 inside): the fp32 input (the input itself in fp32, else a copy),
+    the normalised fp32 ``x rstd`` and rstd."""
+    if D.rmsnorm:
+        return 8 * tokens * D.h + 4 * tokens
+    return tokens * D.h * D.d + 2 * tokens * D.stat
+
+
+def saves_input_itself(D: Dims) -> bool:
+    """Whether a norm saves its input tensor (LayerNorm; RMSNorm in fp32) rather than an fp32 copy."""
+    return not D.rmsnorm or D.d == 4
+
+
+def qkv_bytes(D: Dims) -> int:
+    """The storages of q, k and v: the QKV output (v is a view of it), plus q and k where they are
+    tensors of their own (rotated; q of grouped queries is a reshaped copy)."""
+    out = D.n * (D.a + 2 * D.g) * D.hd * D.d
+    q_own = D.rot > 0 or (D.g > 1 and D.a != D.g)  # one group: the query rows reshape as a view
+    return out + q_own * D.n * D.a * D.hd * D.d + (D.rot > 0) * D.n * D.g * D.hd * D.d
+
+
+def attention_terms(D: Dims) -> dict[str, int]:
+    """What ``F.scaled_dot_product_attention`` saves, by kernel.
+
+    flash: q, k, v (``qkv_bytes``), the output ``[b, a, s, hd]`` and the fp32 log-sum-exp ``[b, a, s]``.
+    The output is allocated in q's memory layout, ``[s, b, a, hd]`` (q is a view of the QKV output,
+    or its rotation), so the dense layer's input is a view of it, counted there; with partial rope
+    (``torch.cat``) q is contiguous ``[b, a, s, hd]`` and the dense input a copy (unless a = b = 1).
+    math (fp32 inside; grouped keys and values repeated to ``a`` heads): the scaled q and k, the
+    softmax ``[b, a, s, s]``, with dropout its mask and the dropped probabilities, and v (its fp32 or
+    repeated copy; in fp32 without grouping a view of the QKV output)."""
+    n, a, hd = D.n, D.a, D.hd
+    if D.kernel == "flash":
+        own_out = 0 < D.rot < hd and (a > 1 or D.b > 1)
+        return {"attention q, k, v": qkv_bytes(D), "attention out": own_out * n * a * hd * D.d,
+                "attention lse": 4 * n * a}
+    scores = D.b * a * D.s * D.s
+    v_view = D.d == 4 and D.a == D.g
+    terms = {"attention q, k scaled": 2 * 4 * n * a * hd, "attention probs": 4 * scores,
+             "attention v": D.n * (D.a + 2 * D.g) * D.hd * D.d if v_view else 4 * n * a * hd}
+    if D.attn_dropout:
+        terms["attention dropout"] = (D.mask if D.device == "gpu" else 4) * scores + 4 * scores
+    return terms
+
+
+def layer_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
+    """Bytes one decoder layer's forward saves, by term (``recompute``: its granularity or None)."""
+    x = D.n_sp * D.h * D.d  # the layer's input
+    if recompute == "full":
+        return {"layer input": x}
+    mask = D.n_sp * D.h * D.mask if D.hidden_dropout else 0
+    mlp = (4 if D.swiglu else 2) * D.n * D.f * D.d
+    terms = {"norm2": norm_bytes(D, D.n_sp), "fc1 input": D.n_sp * D.h * D.d, "mlp": mlp, "dropout mask 2": mask}
+    if recompute in ("only_attn", "full_attn"):
+        return {"layer input": x, **terms}
+    core = {"attention q, k, v": qkv_bytes(D)} if recompute == "core_attn" else attention_terms(D)
+    return {"norm1": norm_bytes(D, D.n_sp), "qkv input": D.n_sp * D.h * D.d, **core,
+            "dense input": D.n * D.a * D.hd * D.d, "dropout mask 1": mask, **terms}
+
+
+def layer_bytes(D: Dims, recompute: str | None = None) -> int:
+    return sum(layer_terms(D, recompute).values())
+
+
+# ---------------------------------------------------------------------------- chunks and stages
+
+
+def chunk_specs(config: Config, stage: int) -> list[tuple[range, bool, bool]]:
+    """(global layers, pre_process, post_process) of each model chunk of pipeline ``stage``, as
+    ``megatron.model.gpt.build_model`` builds them."""
+    d, layers, pp = config.distributed, config.model.num_layers, config.distributed.pp_degree
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is out of range for pp_degree {pp}")
+    if pp == 1:
+        return [(range(layers), True, True)]
+    if d.virtual_pp_degree == 1:
+        return [(stage_layers(segment(layers, pp, d.pipeline_partition), stage), stage == 0, stage == pp - 1)]
+    vpp = d.virtual_pp_degree
+    return [(chunk_layers(layers, pp, vpp, stage, c), stage == 0 and c == 0, stage == pp - 1 and c == vpp - 1)
+            for c in range(vpp)]
+
+
+def _recompute_units(config: Config, layers: range) -> tuple[dict[int, str | None], list[list[int]]]:
+    granularity = config.recompute_granularity if config.use_recompute else None
+    method = config.recompute_method if granularity else None
+    return recompute_plan(layers, granularity, config.no_recompute_layers, method, config.recompute_num_layers)
+
+
+def chunk_terms(config: Config, stage: int = 0, chunk: int = 0, kernel: str | None = None) -> dict[str, int]:
+    """Bytes one micro-batch's forward through ``chunk`` of ``stage`` saves, by term, summed over its layers.
+
+    Two terms are alive but not saved tensors, so ``saved_tensors_hooks`` do not see them: ``rope
+    tables (in checkpoints)``, cos/sin referenced only by recomputed regions (held by the checkpoint),
+    and ``received input``, a later stage's input when its first norm saves an fp32 copy instead (bf16
+    RMSNorm): the pipeline executor holds it for the backward."""
+    D = dims(config, kernel)
+    layers, pre, post = chunk_specs(config, stage)[chunk]
+    per_layer, units = _recompute_units(config, layers)
+    terms: Counter[str] = Counter()
+    if pre:
+        terms.update(embedding_terms(D))
+    for unit in units:
+        if len(unit) > 1:  # checkpointed as one: only the unit's input is kept
+            terms["layer input"] += D.n_sp * D.h * D.d
+            continue
+        terms.update(layer_terms(D, per_layer[unit[0]]))
+    first = per_layer[units[0][0]] if units and len(units[0]) == 1 else "full"
+    keeps_input = first in ("full", "only_attn", "full_attn") or saves_input_itself(D)
+    if pre and keeps_input and D.sp and not D.hidden_dropout and layers:
+        # scatter_to_sequence_region's shard is a view of the whole embedding output: kept whole
+        terms["embedding output (whole)"] += (D.n - D.n_sp) * D.h * D.d
+    if not pre and not keeps_input and layers:
+        terms["received input"] += D.n_sp * D.h * D.d  # held by the pipeline executor for the backward
+    if D.rot:
+        visible = any(len(u) == 1 and per_layer[u[0]] in (None, "core_attn") for u in units)
+        terms["rope tables" if visible else "rope tables (in checkpoints)"] += 2 * D.b * D.s * D.rot * D.d
+    if post:
+        terms.update(head_terms(D))
+    return {k: v for k, v in terms.items() if v}
+
+
+def embedding_terms(D: Dims) -> dict[str, int]:
+    """The embedding's saves: the token ids (with tp > 1 the local ids and the bool out-of-shard
+    mask), the position ids (learned positions), the dropout mask (on the shard under sp)."""
+    ids = 8 * D.n + (D.n if D.tp > 1 else 0)
+    return {"embedding ids": ids + (8 * D.n if D.learned_positions else 0),
+            "embedding dropout mask": D.n_sp * D.h * D.mask if D.hidden_dropout else 0}
+
+
+def head_terms(D: Dims) -> dict[str, int]:
+    """The final norm, the head's input (the whole sequence), the loss's saved ``softmax - onehot``
+    in the logits' dtype, and ``loss_fn``'s fp32 loss mask."""
+    return {"final norm": norm_bytes(D, D.n_sp), "head input": D.n * D.h * D.d, "loss grad": D.n * D.vocab * D.d,
+            "loss mask": 4 * D.n}
+
+
+def activation_terms(config: Config, stage: int = 0, chunk: int | None = None,
+                     kernel: str | None = None) -> dict[str, int]:
+    """``chunk_terms`` summed over the stage's chunks (or of one chunk)."""
+    chunks = range(len(chunk_specs(config, stage))) if chunk is None else [chunk]
+    total: Counter[str] = Counter()
+    for c in chunks:
+        total.update(chunk_terms(config, stage, c, kernel))
+    return dict(total)
+
+
+def activation_bytes_per_microbatch(config: Config, stage: int = 0, chunk: int | None = None,
+                                    kernel: str | None = None) -> int:
+    """Bytes saved for the backward by one micro-batch's forward on pipeline ``stage`` (all its chunks
+    when ``chunk`` is None): what ``megatron.memory.measure`` measures."""
+    return sum(activation_terms(config, stage, chunk, kernel).values())
+
+
+# ---------------------------------------------------------------------------- the pipeline schedule
+
+
+def schedule_table(config: Config, stage: int) -> list[tables.Action]:
+    """The table the run executes on ``stage`` (``schedules.forward_backward_pipelining``'s choice);
+    without pipelining one forward and one backward at a time."""
+    d, m = config.distributed, config.num_micro_batches
+    if d.pp_degree == 1:
+        return [tables.Action("F", 0), tables.Action("B", 0)]
+    if d.virtual_pp_degree > 1:
+        return tables.interleaved_one_f_one_b(d.pp_degree, stage, m, d.virtual_pp_degree)
+    make = tables.gpipe if d.pipeline_schedule == "gpipe" else tables.one_f_one_b
+    return make(d.pp_degree, stage, m)
+
+
+def in_flight_at_peak(config: Config, stage: int = 0, weights: list[int] | None = None) -> tuple[int, ...]:
+    """Per chunk, the micro-batches whose activations are alive on ``stage`` when their bytes peak
+    (``weights``: bytes per micro-batch of each chunk; default 1 each, i.e. the most activations held,
+    the simulator's ``peak_in_flight``). A stage executes its table in order, so walking it is exact."""
+    chunks = len(chunk_specs(config, stage))
+    weights = weights or [1] * chunks
+    held, best, best_value = [0] * chunks, [0] * chunks, -1
+    for action in schedule_table(config, stage):
+        if action.kind in ("F", "B"):
+            held[action.chunk] += 1 if action.kind == "F" else -1
+            value = sum(h * w for h, w in zip(held, weights))
+            if value > best_value:
+                best, best_value = list(held), value
+    return tuple(best)
+
+
+def peak_activation_bytes(config: Config, stage: int = 0, kernel: str | None = None) -> int:
+    """Saved activations alive on ``stage`` at the schedule's peak: per-chunk micro-batch bytes times
+    the micro-batches of each chunk in flight then."""
+    chunks = range(len(chunk_specs(config, stage)))
+    per_chunk = [activation_bytes_per_microbatch(config, stage, c, kernel) for c in chunks]
+    return sum(k * w for k, w in zip(in_flight_at_peak(config, stage, per_chunk), per_chunk))
+
+
+# ---------------------------------------------------------------------------- temporaries
+
+
+def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -> dict[str, int]:
+    """Transient buffers beyond the saved activations, the largest of each kind on ``stage``:
+
+    - ``loss``: the logits ``[n, V]`` (freed once the loss has its gradient) and two fp32 row chunks
+      of the fused cross entropy;
+    - ``attention scores`` (math kernel): two fp32 ``[b, a, s, s]`` (the scores before the softmax in
+      the forward; the gradients of the probabilities and of the scores in the backward);
+    - ``recompute``: what the backward's recompute of the largest checkpointed unit saves beyond what
+      its forward kept;
+    - ``sequence-parallel gather``: the all-gathered ``[s, b, h]`` input of a column-parallel layer.
+
+    Not counted: gradient buffers of activations (about one layer's saves), the allocator's slack."""
+    D = dims(config, kernel)
+    terms: Counter[str] = Counter()
+    for layers, _, post in chunk_specs(config, stage):
+        if post:
+            rows = min(D.n, max(1, CE_CHUNK_ELEMENTS[D.device] // D.vocab))
+            terms["loss"] = D.n * D.vocab * D.d + 2 * rows * D.vocab * 4
+        per_layer, units = _recompute_units(config, layers)
+        for unit in units:
+            recomputed = [per_layer[i] for i in unit] if len(unit) == 1 else ["unit"]
+            if recomputed[0] is None:
+                continue
+            full = len(unit) * layer_bytes(D, None)
+            kept = D.n_sp * D.h * D.d if recomputed[0] == "unit" else layer_bytes(D, recomputed[0])
+            terms["recompute"] = max(terms["recompute"], full - kept)
+    if D.kernel == "math":
+        terms["attention scores"] = 2 * 4 * D.b * D.a * D.s * D.s
+    if D.sp:
+        terms["sequence-parallel gather"] = D.n * D.h * D.d
+    return {k: v for k, v in terms.items() if v}
+
+
+def largest_temporary_bytes(config: Config, stage: int = 0, kernel: str | None = None) -> int:
+    """The largest transient buffer beyond the saved activations on ``stage`` (``temporary_terms``)."""
+    return max(temporary_terms(config, stage, kernel).values(), default=0)

@@ -1,0 +1,54 @@
+"""Per-rank memory of one pipeline stage: model states + saved activations + the largest temporary.
+
+``estimate(config, stage)`` adds:
+
+- ``model_states``: what the rank holds on the device between steps (``megatron/optimizer/memory.py``:
+  parameters, fp32 gradients, masters, AdamW states, by the sharding stage in effect; offloaded states
+  excluded) plus what exists only during a step (``step_transient_bytes``: stage 2's full gradient
+  buffer, stage 3's gathered parameters and gradients);
+- ``activations``: the bytes the micro-batches in flight on this stage have saved for the backward,
+  at the schedule's peak (``activations.peak_activation_bytes``);
+- ``temporaries``: the largest transient buffer (``activations.largest_temporary_bytes``).
+
+``total`` is their sum: a lower bound of the device's peak (no allocator slack, no CUDA context, no
+activation gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.schema import Config
+from megatron.memory import activations as act
+from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, step_transient_bytes, training_precision
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one device of pipeline ``stage``."""
+
+    stage: int
+    model_states: int  # on the device during a step (between steps + step_transient)
+    activations: int  # saved activations of the micro-batches in flight, at the peak
+    temporaries: int  # the largest transient buffer
+    total: int
+    activations_per_microbatch: int = 0  # one micro-batch's forward, all chunks of the stage
+    in_flight: tuple[int, ...] = ()  # micro-batches held per chunk at the peak
+    model_states_between_steps: int = 0
+    cpu: int = 0  # offloaded masters, AdamW states and gradient copy (host memory)
+
+
+def estimate(config: Config, stage: int = 0, kernel: str | None = None) -> MemoryEstimate:
+    """The memory of ``stage`` for a validated ``config`` (``kernel``: see ``activations.dims``)."""
+    d = config.distributed
+    num_params = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
+    states = model_state_bytes(num_params, training_precision(config), d.sharding.sharding_degree,
+                               d.sharding.sharding_stage, d.sharding.sharding_offload)
+    model_states = states.device_total + step_transient_bytes(config, stage)
+    per_chunk = [act.activation_bytes_per_microbatch(config, stage, c, kernel)
+                 for c in range(len(act.chunk_specs(config, stage)))]
+    in_flight = act.in_flight_at_peak(config, stage, per_chunk)
+    activations = sum(k * w for k, w in zip(in_flight, per_chunk))
+    temporaries = act.largest_temporary_bytes(config, stage, kernel)
+    return MemoryEstimate(stage, model_states, activations, temporaries, model_states + activations + temporaries,
+                          sum(per_chunk), in_flight, states.device_total, states.cpu_total)

@@ -1,0 +1,213 @@
+"""Activation memory: the formula (megatron/memory/activations.py) against what saved_tensors_hooks
+measure (megatron/memory/measure.py) for tiny models on the CPU, one process; the pipeline's
+micro-batches in flight against the schedule simulator; the estimate's parts.
+
+The prediction is exact (to the byte) for every case here; the only difference it allows is the rope
+cos/sin tables of a chunk whose every layer recomputes its attention: they are alive but referenced by
+the checkpoint, not saved, so the hooks cannot see them (2 b s rot d bytes). Tensor-parallel and
+pipeline cases run on gloo ranks: tests/distributed/test_activation_memory.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron.config import Config, parse_config, validate
+from megatron.data.loader import build_batch
+from megatron.data.mock_dataset import MockGPTDataset
+from megatron.memory import estimate
+from megatron.memory.activations import (
+    activation_bytes_per_microbatch,
+    activation_terms,
+    chunk_specs,
+    dims,
+    in_flight_at_peak,
+    largest_temporary_bytes,
+    layer_bytes,
+    peak_activation_bytes,
+    schedule_table,
+    temporary_terms,
+)
+from megatron.memory.measure import SavedActivations, measure_microbatch
+from megatron.model import build_model
+from megatron.optimizer.memory import model_state_bytes, parameters_per_rank
+from megatron.pipeline_parallel import schedule_tables as tables
+from pretrain_gpt import forward_step
+
+TINY = ("--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "200",
+        "--max-seq-len", "16", "--max-position-embeddings", "32", "--micro-batch-size", "2")
+LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--kv-channels", "24")
+NO_DROPOUT = ("--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0")
+RECOMPUTE = {"none": (), "selective": ("--use-recompute", "--recompute-granularity", "selective"),
+             "only_attn": ("--use-recompute", "--recompute-granularity", "only_attn"),
+             "full": ("--use-recompute", "--recompute-granularity", "full"),
+             "uniform2": ("--use-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "2"),
+             "block1": ("--use-recompute", "--recompute-granularity", "full", "--recompute-method", "block",
+                        "--recompute-num-layers", "1")}
+HIDDEN = "rope tables (in checkpoints)"
+
+
+def make_config(*argv: str, world_size: int = 1) -> Config:
+    config = parse_config(["--mock-data", "--device", "cpu", *TINY, *argv])
+    validate(config, world_size=world_size, cuda_available=False)
+    return config
+
+
+def measured_bytes(config: Config) -> int:
+    torch.manual_seed(0)
+    model = build_model(config).train()
+    data = MockGPTDataset(8, config.dataset.max_seq_len, config.model.vocab_size, seed=1)
+    samples = [data[i] for i in range(config.batch_size.micro_batch_size)]
+    # own storages: build_batch's tokens of one sample are a view of the [1, s + 1] sample
+    batch = {k: v.clone() for k, v in build_batch(samples, data.eod_id).items()}
+    return measure_microbatch(model, forward_step, batch)
+
+
+def assert_prediction_matches(config: Config) -> None:
+    terms = activation_terms(config)
+    predicted = activation_bytes_per_microbatch(config)
+    assert predicted == sum(terms.values())
+    visible = predicted - terms.get(HIDDEN, 0)  # what the hooks can see
+    measured = measured_bytes(config)
+    assert measured == pytest.approx(visible, rel=0.05)
+    assert measured == visible, terms  # exact, byte for byte
+
+
+GRID = list(itertools.product(("gpt2", "llama"), RECOMPUTE, ("dropout", "no-dropout"), ("fp32", "bf16")))
+
+
+@pytest.mark.parametrize("model, recompute, dropout, dtype", GRID, ids=["-".join(c) for c in GRID])
+def test_prediction_equals_measurement(model, recompute, dropout, dtype):
+    """Dropout on: the CPU runs the math attention kernel (the [b, a, s, s] probabilities, their mask);
+    off: the flash kernel (q, k, v, out, log-sum-exp). Llama: rope, RMSNorm, SwiGLU, GQA (2 groups of 2
+    heads), untied head, no biases, kv_channels 24 (nq hd != h)."""
+    argv = (*(LLAMA if model == "llama" else ()), *RECOMPUTE[recompute], *(NO_DROPOUT if dropout != "dropout" else ()),
+            *(("--bf16",) if dtype == "bf16" else ()))
+    assert_prediction_matches(make_config(*argv))
+
+
+@pytest.mark.parametrize("argv", [
+    ("--fp16",),
+    ("--micro-batch-size", "1", *NO_DROPOUT),  # b = 1
+    ("--micro-batch-size", "3", "--max-seq-len", "24"),
+    ("--group-query-attention", "--num-query-groups", "1", *NO_DROPOUT),  # one group: q is a view of the QKV output
+    ("--group-query-attention", "--num-query-groups", "2", "--bf16"),
+    ("--position-embedding-type", "rope", "--rotary-percent", "0.5", *NO_DROPOUT),  # partial rope: q is contiguous
+    ("--position-embedding-type", "rope", "--rotary-percent", "0.5", "--num-attention-heads", "1", *NO_DROPOUT),
+    ("--position-embedding-type", "none", "--bf16", *NO_DROPOUT),
+    ("--use-recompute", "--recompute-granularity", "core_attn", "--no-recompute-layers", "1"),
+    ("--use-recompute", "--recompute-granularity", "full_attn", *LLAMA),
+    ("--hidden-dropout-prob", "0"),  # attention dropout only: the math kernel, no hidden masks
+    ("--attention-probs-dropout-prob", "0", "--bf16"),  # hidden dropout only: flash and masks
+], ids=lambda a: " ".join(a))
+def test_prediction_equals_measurement_more_shapes(argv):
+    assert_prediction_matches(make_config(*argv))
+
+
+def test_hidden_rope_tables_are_what_full_recompute_hides():
+    config = make_config(*LLAMA, *RECOMPUTE["full"], "--bf16")
+    d = dims(config)
+    assert activation_terms(config)[HIDDEN] == 2 * d.b * d.s * d.rot * d.d
+    assert HIDDEN not in activation_terms(make_config(*LLAMA, *RECOMPUTE["block1"]))  # other layers save them
+
+
+def test_recompute_orders_the_saved_bytes():
+    """full < only_attn < selective < none; uniform units of 2 layers keep less than full."""
+    sizes = {name: activation_bytes_per_microbatch(make_config(*argv)) for name, argv in RECOMPUTE.items()}
+    assert sizes["uniform2"] < sizes["full"] < sizes["only_attn"] < sizes["selective"] < sizes["none"]
+    assert sizes["full"] < sizes["block1"] < sizes["none"]
+
+
+def test_saved_activations_live_and_peak():
+    """The meter's live bytes return to zero once the backward has released the graph."""
+    config = make_config(*NO_DROPOUT)
+    model = build_model(config).train()
+    tokens = torch.randint(0, 200, (2, 16))
+    with SavedActivations(exclude=model.parameters()) as meter:
+        loss = model(tokens, labels=tokens).sum()
+        assert meter.live == meter.total == meter.peak > 0
+        loss.backward()
+    assert meter.live == 0 and meter.peak == meter.total
+
+
+# ---------------------------------------------------------------------------- the pipeline
+
+
+def pipeline_config(pp: int, m: int, vpp: int = 1, schedule: str = "1f1b") -> Config:
+    return make_config("--num-layers", str(2 * pp * vpp), "--pp", str(pp), "--vpp", str(vpp),
+                       "--pipeline-schedule", schedule, "--global-batch-size", str(2 * m), world_size=pp)
+
+
+PIPELINES = [(2, 4, 1, "1f1b"), (4, 8, 1, "1f1b"), (4, 3, 1, "1f1b"), (4, 8, 1, "gpipe"), (3, 5, 1, "gpipe"),
+             (2, 4, 2, "1f1b"), (4, 8, 2, "1f1b"), (4, 8, 3, "1f1b"), (2, 2, 3, "1f1b")]
+
+
+@pytest.mark.parametrize("pp, m, vpp, schedule", PIPELINES, ids=[f"pp{p}-m{m}-vpp{v}-{s}" for p, m, v, s in PIPELINES])
+def test_in_flight_count_is_the_simulators(pp, m, vpp, schedule):
+    config = pipeline_config(pp, m, vpp, schedule)
+    assert config.num_micro_batches == m
+    sim = tables.simulate([schedule_table(config, r) for r in range(pp)], pp, vpp)
+    assert [sum(in_flight_at_peak(config, r)) for r in range(pp)] == list(sim["peak_in_flight"])
+    if vpp == 1:  # 1F1B keeps pp - rank micro-batches (at most m), GPipe all m
+        assert [sum(in_flight_at_peak(config, r)) for r in range(pp)] == \
+               [m if schedule == "gpipe" else min(pp - r, m) for r in range(pp)]
+    # the weighted peak, replayed from the simulator's timeline of each rank
+    for r in range(pp):
+        weights = [activation_bytes_per_microbatch(config, r, c) for c in range(vpp)]
+        held, best = [0] * vpp, 0
+        for action, _, _ in sim["timeline"][r]:
+            held[action.chunk] += 1 if action.kind == "F" else -1
+            best = max(best, sum(h * w for h, w in zip(held, weights)))
+        assert peak_activation_bytes(config, r) == best
+
+
+def test_no_pipelining_holds_one_micro_batch():
+    config = make_config("--global-batch-size", "8")  # 4 micro-batches of 2, accumulated one at a time
+    assert in_flight_at_peak(config) == (1,)
+    assert peak_activation_bytes(config) == activation_bytes_per_microbatch(config)
+
+
+def test_stage_chunks_follow_build_model():
+    config = pipeline_config(2, 4, vpp=2)
+    assert chunk_specs(config, 0) == [(range(0, 2), True, False), (range(4, 6), False, False)]
+    assert chunk_specs(config, 1) == [(range(2, 4), False, False), (range(6, 8), False, True)]
+    first, last = (activation_terms(config, s) for s in (0, 1))
+    assert "embedding ids" in first and "loss grad" not in first and "loss grad" in last
+
+
+# ---------------------------------------------------------------------------- temporaries and the estimate
+
+
+def test_temporaries():
+    config = make_config(*RECOMPUTE["full"])
+    d, terms = dims(config), temporary_terms(config)
+    assert terms["recompute"] == layer_bytes(d, None) - d.n_sp * d.h * d.d  # one layer's saves, but its input
+    assert terms["loss"] == d.n * d.vocab * d.d + 2 * d.n * d.vocab * 4  # logits + two fp32 chunks (all rows)
+    assert terms["attention scores"] == 2 * 4 * d.b * d.a * d.s**2  # dropout on: the math kernel
+    assert largest_temporary_bytes(config) == max(terms.values())
+    unit = make_config(*RECOMPUTE["uniform2"])
+    assert temporary_terms(unit)["recompute"] == 2 * layer_bytes(d, None) - d.n_sp * d.h * d.d
+    assert "attention scores" not in temporary_terms(make_config(*NO_DROPOUT))
+
+
+@pytest.mark.parametrize("sharding_stage", [1, 2, 3])
+def test_estimate_adds_its_parts(sharding_stage):
+    config = make_config("--bf16", "--sharding", "2", "--sharding-stage", str(sharding_stage), world_size=2)
+    e = estimate(config, 0)
+    assert e.total == e.model_states + e.activations + e.temporaries
+    assert e.activations == peak_activation_bytes(config) == e.activations_per_microbatch
+    assert e.temporaries == largest_temporary_bytes(config)
+    n = parameters_per_rank(config)
+    between = model_state_bytes(n, "bf16", 2, sharding_stage).device_total
+    assert e.model_states_between_steps == between
+    extra = {1: 0, 2: 4 * (n - n // 2)}.get(sharding_stage)
+    if extra is not None:
+        assert e.model_states == between + extra  # stage 2: the full fp32 gradient buffer during the step
+    else:
+        assert e.model_states > between  # stage 3: the root and two layers gathered
