@@ -1,9 +1,23 @@
-"""Device helpers: the only module that calls ``torch.cuda``."""
+"""Device helpers: the only module that calls ``torch.cuda``; what this machine can do fast.
+
+``half_precision("bf16" | "fp16", device)`` says whether 16-bit matmuls beat fp32 here: on a CPU it
+reads the flags of ``/proc/cpuinfo`` (AMX, AVX512-BF16, AVX512-FP16) and *measures* (a ~50 ms
+matmul race, once per process), since a flag alone does not say whether oneDNN's 16-bit matmul
+is faster. ``compile_problem(device)`` says whether torch.compile's default backend works here.
+``python -m megatron.device --fastest-precision`` prints ``bf16`` or ``fp32`` (the example scripts
+ask it), and the reason on stderr.
+"""
 
 from __future__ import annotations
 
+import argparse
+import functools
+import logging
+import math
 import resource
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -59,3 +73,168 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+# ----------------------------------------------------------------------------- 16-bit precision
+
+# The /proc/cpuinfo flags of native 16-bit matmul units, by precision, strongest first (display name).
+_HALF_FLAGS = {"bf16": (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")),
+               "fp16": (("amx_fp16", "AMX-FP16"), ("avx512_fp16", "AVX512-FP16"))}
+# A 16-bit matmul must beat fp32's by this factor to count as native (a tie is not worth the precision).
+NATIVE_SPEEDUP = 1.2
+_DISABLE = {"bf16": "--no-bf16", "fp16": "--no-use-pure-fp16 (drop --fp16)"}
+
+
+@dataclass(frozen=True)
+class HalfPrecision:
+    """What a 16-bit precision is worth on a device: ``speedup`` = fp32 matmul time / 16-bit matmul
+    time (measured; nan where not measured), ``flags`` the CPU flags seen for it."""
+
+    precision: str  # "bf16" or "fp16"
+    native: bool
+    speedup: float
+    flags: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``bf16: native, AMX, matmul 6.0x faster than fp32``, ``bf16: emulated, 4.1x slower than fp32``."""
+        p = self.precision
+        if math.isnan(self.speedup):
+            return f"{p}: {'native' if self.native else 'not supported'}"
+        if self.native:
+            units = dict(_HALF_FLAGS[p]).get(self.flags[0]) if self.flags else f"no {p} flag"
+            return f"{p}: native, {units}, matmul {self.speedup:.1f}x faster than fp32"
+        label = f"{' and '.join(self.flags)} present but" if self.flags else "emulated,"
+        if self.speedup < 1.0:
+            return f"{p}: {label} {1 / self.speedup:.1f}x slower than fp32"
+        return f"{p}: {label} no faster than fp32 ({self.speedup:.2f}x)"
+
+    def warning(self) -> str | None:
+        """One line when this precision was asked for but runs slower than fp32 here, else None."""
+        if self.native or math.isnan(self.speedup) or self.speedup >= 1.0:
+            return None
+        names = " or ".join(f for f, _ in _HALF_FLAGS[self.precision])
+        why = f"{' and '.join(self.flags)} present, yet slower" if self.flags else f"no {names}: emulated"
+        return (f"{self.precision} was asked for, but on this CPU its matmuls run {1 / self.speedup:.1f}x slower "
+                f"than fp32's ({why}); pass {_DISABLE[self.precision]} to train in fp32, faster here")
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The feature flags of the first processor in ``/proc/cpuinfo``'s text (empty if none)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def judge_half_precision(precision: str, flags: set[str], fp32_s: float, half_s: float) -> HalfPrecision:
+    """The decision from the flags and the measured matmul times (pure): native when the 16-bit
+    matmul is at least ``NATIVE_SPEEDUP`` times faster than fp32's."""
+    speedup = fp32_s / half_s if half_s > 0 else math.inf
+    seen = tuple(f for f, _ in _HALF_FLAGS[precision] if f in flags)
+    return HalfPrecision(precision, speedup >= NATIVE_SPEEDUP, speedup, seen)
+
+
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def matmul_race(half: torch.dtype, n: int = 384, budget_s: float = 0.05) -> tuple[float, float]:
+    """(fp32 seconds, ``half`` seconds) of an ``n``-square matmul on the CPU: interleaved runs after a
+    warm-up, at least 3 each and until ``budget_s`` has passed, each side's fastest run (other
+    processes only ever slow a run down)."""
+    a32, b32 = torch.randn(n, n), torch.randn(n, n)
+    a16, b16 = a32.to(half), b32.to(half)
+    best = {torch.float32: math.inf, half: math.inf}
+    start, rounds = time.perf_counter(), 0
+    while rounds < 4 or (time.perf_counter() - start < budget_s and rounds < 20):
+        for a, b in ((a32, b32), (a16, b16)):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            if rounds:  # round 0 warms up (oneDNN builds its kernels)
+                best[a.dtype] = min(best[a.dtype], time.perf_counter() - t)
+        rounds += 1
+    return best[torch.float32], best[half]
+
+
+@functools.cache
+def half_precision(precision: str, device_type: str = "cpu") -> HalfPrecision:
+    """Whether ``precision`` ("bf16" or "fp16") is native on this machine's ``device_type``; on the
+    CPU measured once per process (about 50 ms; more where the 16-bit matmul is slow)."""
+    if device_type == "cuda":
+        native = precision == "fp16" or torch.cuda.is_bf16_supported()
+        return HalfPrecision(precision, native, math.nan)
+    half = torch.bfloat16 if precision == "bf16" else torch.float16
+    return judge_half_precision(precision, cpu_flags(_read_cpuinfo()), *matmul_race(half))
+
+
+def describe_precision(device: torch.device, dtype_name: str) -> tuple[str, str | None]:
+    """For the start-up line: (the device and what bf16 (and fp16, when asked for) is worth on it,
+    e.g. ``cpu (bf16: native, AMX, matmul 6.0x faster than fp32)``; the warning when the asked
+    16-bit ``dtype_name`` ("bfloat16", "float16" or "float32") is emulated and slower than fp32, else None)."""
+    asked = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype_name)
+    shown = [half_precision(p, device.type) for p in ("bf16", "fp16") if p == "bf16" or p == asked]
+    warning = half_precision(asked, device.type).warning() if asked else None
+    return f"{device_name(device)} ({'; '.join(h.describe() for h in shown)})", warning
+
+
+def fastest_precision(device_type: str = "cpu") -> str:
+    """"bf16" where bf16 is native on ``device_type``, else "fp32"."""
+    return "bf16" if half_precision("bf16", device_type).native else "fp32"
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@functools.cache
+def compile_problem(device_type: str = "cpu") -> str | None:
+    """None when torch.compile's default backend compiles and runs a tiny function, forward and
+    backward, on ``device_type`` here; else the reason, in one line (no C++ compiler, no Triton...).
+    Once per process (a few seconds; the compiled kernel is cached on disk)."""
+    x = torch.ones(8, device=device_type, requires_grad=True)
+    inductor_log = logging.getLogger("torch._inductor")
+    level = inductor_log.level
+    inductor_log.setLevel(logging.CRITICAL + 1)  # a failure here is reported in one line, by the caller
+    try:
+        torch.compile(_compile_probe)(x).backward()
+    except Exception as err:  # any failure means: run eager, and say why
+        return first_line(err)
+    finally:
+        inductor_log.setLevel(level)
+    return None
+
+
+def _compile_probe(x: torch.Tensor) -> torch.Tensor:
+    return (x.sin() * 2.0).sum()
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """``Type: message`` in one line of at most ``limit`` characters; for torch.compile's
+    ``BackendCompilerFailed``, of the backend's own error (the cause, not the wrapper)."""
+    err = getattr(err, "inner_exception", None) or err
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if not text.split(" ", 1)[0].endswith(":"):  # some messages already start with their cause's name
+        text = f"{type(err).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron.device", description="What this machine does fast.")
+    parser.add_argument("--fastest-precision", action="store_true",
+                        help="print bf16 or fp32 (the faster training precision of this CPU); the reason on stderr")
+    args = parser.parse_args(argv)
+    bf16 = half_precision("bf16")
+    if args.fastest_precision:
+        print(fastest_precision())
+        print(f"fastest precision: {fastest_precision()} ({bf16.describe()})", file=sys.stderr)
+    else:
+        print(bf16.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

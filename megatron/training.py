@@ -482,9 +482,12 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
     plan = plan_sharding(config, ps)  # decided once: the model is built for it (stage 3: on the meta device)
     model = model_provider(config, device, meta_init=plan.meta_init)
     if ps.rank == 0:
+        described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
         log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
-                 f"device {dev.device_name(device)}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
+                 f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
                  f"pp {ps.pp_size}, sharding {ps.sharding_size})")
+        if precision_warning:
+            log.warning(precision_warning)
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
         _log_segmentation(config, ps, log)
     trainer = Trainer(config, model, forward_step, datasets_provider(config), device, plan)

@@ -116,10 +116,14 @@ class GPTModel(nn.Module):
         x = self.hidden_states(tokens, position_ids)
         if not self.post_process:
             return x  # [s, b, h] for the next stage
-        logits = self.parallel_logits(x)  # [s, b, V/tp]
         if labels is None:
-            return tp.gather_from_tp_region(logits).transpose(0, 1)
-        return tp.vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size).t()
+            return tp.gather_from_tp_region(self.parallel_logits(x)).transpose(0, 1)
+        return self.loss(x, labels)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token losses [b, s] (fp32) of the final hidden states x [s, b, h] against labels [b, s]:
+        the LM head on this rank's vocabulary shard, then the vocabulary-parallel cross entropy."""
+        return tp.vocab_parallel_cross_entropy(self.parallel_logits(x), labels.t(), self.cfg.vocab_size).t()
 
     def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                       kv_cache=None) -> torch.Tensor:
@@ -245,6 +249,8 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
         else:
             init_parameters(chunk, config.seed, m)
             chunks.append(chunk.to(device=device, dtype=dtype))
+    if config.compile:
+        compile_model(chunks, torch.device(device).type)
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
 
 
@@ -265,3 +271,101 @@ def _chunk_specs(config: Config, ps) -> list[tuple[range, bool, bool]]:
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- --compile
+
+def compile_model(chunks: list[GPTModel], device_type: str = "cpu") -> None:
+    """``--compile``: torch.compile, in place, what runs without collectives or checkpoints, as
+    torchtitan compiles each block: per decoder layer, the function ``tp.checkpoint`` recomputes.
+
+    - recompute none or ``full`` (any ``recompute_method``): the layer's ``_layer``;
+    - ``only_attn`` / ``full_attn``: ``_attention_block``, the second norm and the MLP;
+    - ``core_attn``: the two norms and the MLP (torch.compile cannot trace our checkpoint, which
+      replays the RNG tracker, so a compiled part never contains one: it is compiled inside it);
+    - on one tensor-parallel rank, the LM head and the cross entropy (``GPTModel.loss``; with more,
+      their collectives stay eager).
+
+    With tensor parallelism, the column- and row-parallel layers run eager (``torch.compiler.disable``):
+    their collectives fall between compiled pieces. Layers share one compiled graph. KV-cache calls
+    (inference) run eager. Module hooks stay outside the compiled code, so ZeRO stage 3's gathers
+    run before it reads the weights. Where torch.compile does not work (``device.compile_problem``)
+    or fails at a first call, everything runs eager after one warning naming the reason."""
+    from megatron import device as dev
+    from megatron import parallel_state
+
+    problem = dev.compile_problem(device_type)
+    state = _CompileState()
+    if problem is not None:
+        state.fail(problem)
+        return
+    tp_size = parallel_state.get().tp_size
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            if tp_size > 1:
+                for module in layer.modules():
+                    if isinstance(module, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
+                        module.forward = torch.compiler.disable(module.forward)
+            for owner, name, kv in _compiled_parts(layer):
+                setattr(owner, name, _Compiled(getattr(type(owner), name), owner, state, kv))
+        if chunk.post_process and tp_size == 1:
+            chunk.loss = _Compiled(_head_and_loss, chunk, state)
+
+
+def _compiled_parts(layer: TransformerDecoderLayer) -> list[tuple[nn.Module, str, bool]]:
+    """(owner, method name, whether its 2nd argument is the KV cache) of what ``compile_model`` compiles."""
+    if layer.recompute in (None, "full"):
+        return [(layer, "_layer", True)]
+    mlp_half = [(layer.post_attention_layernorm, "forward", False), (layer.mlp, "forward", False)]
+    if layer.recompute in ("only_attn", "full_attn"):
+        return [(layer, "_attention_block", True), *mlp_half]
+    return [(layer.input_layernorm, "forward", False), *mlp_half]
+
+
+def _head_and_loss(model: GPTModel, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``GPTModel.loss`` on one tensor-parallel rank in plain operations that torch.compile fuses
+    (the eager path's chunked cross entropy would be unrolled): ``logsumexp(z) - z_y`` over the real
+    vocabulary, in fp32. x [s, b, h], labels [b, s] -> [b, s]."""
+    logits = F.linear(x, model.head_weight)[..., :model.cfg.vocab_size].float()  # [s, b, V]
+    target = logits.gather(-1, labels.t().unsqueeze(-1)).squeeze(-1)
+    return (torch.logsumexp(logits, dim=-1) - target).t()
+
+
+def _compile_errors() -> tuple[type[Exception], ...]:
+    """Errors of torch.compile's tracing and code generation (not of the computation itself)."""
+    exc = torch._dynamo.exc
+    return exc.BackendCompilerFailed, exc.InternalTorchDynamoError, exc.Unsupported
+
+
+class _CompileState:
+    """Shared by a model's compiled parts: once one fails, all run eager (one warning)."""
+
+    def __init__(self):
+        self.problem: str | None = None
+
+    def fail(self, reason: str) -> None:
+        if self.problem is None:
+            self.problem = reason
+            from megatron.metrics import get_logger
+
+            get_logger().warning(f"--compile: torch.compile is unavailable here ({reason}); the model runs eager")
+
+
+class _Compiled:
+    """``fn(owner, ...)`` under torch.compile, in place of the method ``owner.fn``: compiled from the
+    function, so every layer shares its code (one graph). Eager for a KV-cache call (``kv``: the 2nd
+    argument is the cache) and once compiling failed; a compile error raised by a call is caught
+    and the call rerun eager (it fails before computing anything)."""
+
+    def __init__(self, fn: Callable, owner: nn.Module, state: _CompileState, kv: bool = False):
+        self.fn, self.compiled, self.owner, self.state, self.kv = fn, torch.compile(fn), owner, state, kv
+
+    def __call__(self, *args, **kwargs):
+        if self.state.problem is None and not (self.kv and len(args) > 1 and args[1] is not None):
+            try:
+                return self.compiled(self.owner, *args, **kwargs)
+            except _compile_errors() as err:
+                from megatron.device import first_line
+
+                self.state.fail(first_line(err))
+        return self.fn(self.owner, *args, **kwargs)
