@@ -1,0 +1,535 @@
+"""The layout planner: every valid parallel layout of a model on N devices, whether it fits in their
+memory, and an estimated step time (a model, not a measurement), every term kept.
+
+A layout is (tp, pp, vpp, dp, sharding degree and stage, offload, recompute, micro-batch size); the
+global batch is the configuration's. Sequence parallelism is on whenever tp > 1 and divides the
+sequence: it moves the same bytes as tp alone (an all-reduce is a reduce-scatter plus an all-gather)
+and keeps less activation memory, so it is never worse here. Each candidate is applied to a copy of
+the configuration and checked by ``megatron.config.validate``; a ``ConfigError`` drops it.
+
+Memory (per device, the worst pipeline stage): what ``megatron.memory.estimate(config, stage)`` adds up,
+i.e. the model states of ``megatron/optimizer/memory.py`` during a step (by the sharding plan's stage
+rule), the saved activations of the micro-batches the schedule keeps in flight on that stage
+(``activations.peak_activation_bytes``) and the largest temporary. Stages alike (same layer counts,
+neither first nor last) are evaluated at the first of them, which holds the most micro-batches. The
+estimate is a lower bound of the device's peak (no CUDA context, activation gradients or allocator
+slack): a layout fits when it is within the device memory less ``headroom`` (10%).
+
+Time (seconds per step; the slowest pipeline stage sets the pace), with ``m`` micro-batches of
+``b`` samples of ``s`` tokens, hidden size ``h``, activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
+
+- compute: the stage's matmul FLOPs (``metrics.model_flops_per_token``'s count: forward x 3, plus the
+  forward that recompute replays: the whole layer for ``full``, the attention block for ``only_attn``,
+  ``softmax(QK^T)V`` for ``core_attn``) / (tp x dp x sharding) / (peak TFLOP/s x efficiency).
+- tp comm: per micro-batch and layer 4 collectives of ``b s h a`` bytes (2 in the forward, 2 in the
+  backward; +2 per fully recomputed layer, +1 per recomputed attention block; +1 for the embedding
+  on the first stage and +1 for the LM head on the last), each moving ``2 (tp-1)/tp`` of it per rank
+  (ring all-reduce, or reduce-scatter + all-gather under sequence parallelism), over the intra-node
+  bandwidth (inter-node when tp spans nodes). Not overlapped.
+- dp comm: fp32 gradients (4 bytes per parameter of the rank with the most) and, with a sharding
+  group, the parameter all-gather after the step: stage 1 an all-reduce over dp x sharding (+ the
+  gather), stage 2 a reduce-scatter over the sharding group, an all-reduce of the shard over the dp
+  replicas and the gather, stage 3 the same with the gathers and reduce-scatters of every micro-batch
+  (once per step under pipelining). Over the inter-node bandwidth when the group spans nodes (rank grid:
+  tp fastest, then sharding, dp, pp). Hidden behind compute only with overlap_grad_reduce: the gradient
+  reduction behind the backward of the last micro-batch (under pipelining, each model chunk's last
+  backward arms it: ``schedules.run_pipeline_table``); under stage 3 without a pipeline, per micro-batch,
+  the prefetched gather behind its forward and the second gather and the reduce-scatter behind its
+  backward. The gather once per step (after it for stages 1 and 2, before it for stage 3 under
+  pipelining) and the replicas' all-reduce are exposed.
+- bubble: (pp - 1) / (m x vpp) x (compute + tp comm), 1F1B, interleaved and GPipe alike (GPipe's cost
+  is memory: all m micro-batches in flight, which the memory side counts).
+- p2p: 2 m vpp messages of ``b s h a`` bytes (``/ tp`` under sequence parallelism) per stage and step,
+  over the inter-node bandwidth when the job spans nodes (pp is the outermost dimension).
+- offload: the fp32 gradient shard to the CPU and the fp32 master shard back, 8 bytes per parameter of
+  the shard, over PCIe. The CPU's AdamW itself is not counted.
+
+Ranking: by step time, then the larger micro-batch (GPU kernels are more efficient on larger matmuls;
+not in the model), then the smaller memory. ``non_dominated`` drops the layouts another one beats or
+equals on all three.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from itertools import product
+
+from megatron.config import Config, ConfigError, validate
+from megatron.device import _PEAK_TFLOPS_16BIT as PEAK_TFLOPS_16BIT
+from megatron.distributed.parallelize import sharding_stage
+from megatron.memory import activations as act
+from megatron.metrics import model_flops_per_token
+from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, step_transient_bytes, training_precision
+from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+
+GIB = 2**30
+GB = 1e9  # bandwidths are in GB/s of 10^9 bytes
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The devices and the constants of the time model (each a flag of tools/plan_layout.py)."""
+
+    devices: int
+    devices_per_node: int = 8
+    device_memory_gb: float = 80.0  # GiB (2^30 bytes) of one device
+    peak_tflops: float = 312.0  # dense 16-bit peak of one device
+    efficiency: float = 0.5  # achieved fraction of the peak on the matmuls
+    intra_node_gbps: float = 150.0  # GB/s per device within a node (NVLink)
+    inter_node_gbps: float = 12.5  # GB/s per device across nodes (a 100 Gb/s NIC per device)
+    pcie_gbps: float = 12.0  # GB/s between a device and the CPU (PCIe 3.0 x16)
+    headroom: float = 0.1  # fraction of the memory kept for what the estimate leaves out
+
+    @property
+    def memory_bytes(self) -> float:
+        """What a layout's estimate may use: the estimate is a lower bound of the peak (no CUDA context,
+        activation gradients or allocator slack), so ``headroom`` of the device is kept free."""
+        return self.device_memory_gb * GIB * (1 - self.headroom)
+
+
+def gpu_peak_tflops(name: str) -> float:
+    """The dense 16-bit peak of a GPU named in megatron/device.py's table ("V100", "a100", ...)."""
+    for key, value in PEAK_TFLOPS_16BIT.items():
+        if key.lower() == name.lower():
+            return value
+    raise ValueError(f"unknown GPU {name!r}: known are {', '.join(sorted(PEAK_TFLOPS_16BIT))}; or give "
+                     f"--peak-tflops")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    sharding_degree: int
+    sharding_stage: int
+    offload: bool
+    recompute: str  # off, core_attn, only_attn, full, or block: full on block_layers of each model chunk
+    micro_batch_size: int
+    sequence_parallel: bool = False
+    block_layers: int = 0
+
+    def describe(self) -> str:
+        """``tp2 pp4 vpp2 dp1 zero2x4 offload mb1 rc:full``: what is not the default is named."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else []) + [f"dp{self.dp}"]
+        if self.sharding_degree > 1:
+            parts.append(f"zero{self.sharding_stage}x{self.sharding_degree}")
+        if self.offload:
+            parts.append("offload")
+        parts.append(f"mb{self.micro_batch_size}")
+        if self.recompute != "off":
+            parts.append("rc:" + (f"block{self.block_layers}" if self.recompute == "block" else self.recompute))
+        return " ".join(parts)
+
+    def apply(self, base: Config) -> Config:
+        """A copy of ``base`` (not validated) with this layout; the global batch and the rest kept."""
+        c = _copy_config(base)
+        d, b = c.distributed, c.batch_size
+        d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.dp_degree = self.tp, self.pp, self.vpp, self.dp
+        d.sharding.sharding_degree, d.sharding.sharding_stage = self.sharding_degree, self.sharding_stage
+        d.sharding.sharding_offload, d.use_distributed_optimizer = self.offload, False
+        d.sequence_parallel = self.sequence_parallel
+        b.local_batch_size, b.micro_batch_size = None, self.micro_batch_size
+        c.use_recompute = self.recompute != "off"
+        c.recompute_granularity = None if self.recompute == "off" else "full" if self.recompute == "block" \
+            else self.recompute
+        c.recompute_method = "block" if self.recompute == "block" else None
+        c.recompute_num_layers = self.block_layers if self.recompute == "block" else None
+        c.no_recompute_layers = None
+        c.device = "gpu"
+        return c
+
+
+def _copy_config(config):
+    """A copy of a Config whose sections and lists are new objects (the leaves are immutable): a
+    deepcopy's result at a fraction of its cost, which dominates a planning run."""
+    new = copy.copy(config)
+    sections, lists = _nested_fields(type(config))
+    for name in sections:
+        setattr(new, name, _copy_config(getattr(config, name)))
+    for name in lists:
+        value = getattr(config, name)
+        if value is not None:
+            setattr(new, name, list(value))
+    return new
+
+
+@functools.cache
+def _nested_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The section fields and the list-valued fields of a schema dataclass."""
+    return (tuple(f.name for f in fields(cls) if "section" in f.metadata),
+            tuple(f.name for f in fields(cls) if str(f.type).startswith("list")))
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Bytes per device at the worst stage. Activations and temporaries are None where a lower bound
+    already exceeded the limit (the schedule was not walked); ``total`` is then that bound."""
+
+    stage: int
+    model_states: int
+    activations: int | None
+    temporaries: int | None
+    total: int
+
+    @property
+    def estimated(self) -> bool:
+        return self.activations is not None
+
+
+@dataclass(frozen=True)
+class TimeTerms:
+    """Seconds per step (estimates). ``dp_comm`` is the whole data-parallel traffic, ``dp_exposed`` the
+    part not hidden behind compute; the step time counts the exposed part."""
+
+    compute: float
+    tp_comm: float
+    dp_comm: float
+    dp_exposed: float
+    bubble: float
+    p2p: float
+    offload: float
+    micro_batches: int
+    model_flops: float  # the whole step, all devices (metrics.model_flops_per_token x tokens)
+    hardware_flops: float  # the same with the recomputed forward
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.tp_comm + self.dp_exposed + self.bubble + self.p2p + self.offload
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    memory: MemoryTerms
+    time: TimeTerms | None  # None when it does not fit (not ranked)
+    fits: bool
+
+    def to_dict(self) -> dict:
+        time = None if self.time is None else {**asdict(self.time), "step": self.time.step}
+        return {"layout": {**asdict(self.layout), "name": self.layout.describe()}, "memory": asdict(self.memory),
+                "time": time, "fits": self.fits}
+
+
+@dataclass
+class PlanResult:
+    plans: list[Plan]  # the layouts that fit, best first
+    considered: int = 0
+    valid: int = 0
+    smallest: Plan | None = None  # the valid layout needing least memory (what to report when none fits)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def recompute_options(num_layers: int, pp: int, vpp: int) -> list[tuple[str, int]]:
+    """(granularity, block layers): off, core_attn, only_attn, full, and block with half of each model
+    chunk's layers (when a chunk has at least two)."""
+    chunk = -(-num_layers // (pp * vpp))
+    options = [("off", 0), ("core_attn", 0), ("only_attn", 0), ("full", 0)]
+    return options + ([("block", chunk // 2)] if chunk >= 2 else [])
+
+
+def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, max_vpp: int = 8) -> Iterator[Layout]:
+    """Every (tp, pp, vpp, dp, sharding, offload, recompute, micro-batch) with tp x pp x dp x sharding =
+    devices, tp within a node, vpp dividing each stage's layers up to ``max_vpp``, micro-batches the
+    powers of two up to ``max_micro_batch``. Not yet validated. Layouts with the same pipeline schedule
+    (pp, vpp, number of micro-batches) come one after the other: its tables are cached."""
+    layers, seq = config.model.num_layers, config.dataset.max_seq_len
+    micro_batches = [2**k for k in range(max_micro_batch.bit_length()) if 2**k <= max_micro_batch]
+    for tp in _divisors(hw.devices):
+        for pp in _divisors(hw.devices // tp) if tp <= hw.devices_per_node else []:
+            group = hw.devices // (tp * pp)  # dp x sharding
+            shardings = [(n, stage) for n in _divisors(group) for stage in ((1, 2, 3) if n > 1 else (1,))]
+            vpps = [1] + [v for v in _divisors(layers // pp) if 1 < v <= max_vpp and pp > 1 and not layers % pp]
+            for vpp, mb in product(vpps if pp <= layers else [], micro_batches):
+                for (n, stage), offload, (recompute, block) in product(shardings, (False, True),
+                                                                       recompute_options(layers, pp, vpp)):
+                    yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, tp > 1 and seq % tp == 0,
+                                 block)
+
+
+def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_size: int | None = None) -> Config:
+    """``layout`` applied to ``base`` and validated for ``devices`` GPUs; ConfigError if it is not a valid run."""
+    config = layout.apply(base)
+    validate(config, world_size=devices, cuda_available=True, tokenizer_vocab_size=tokenizer_vocab_size,
+             training_data=False)
+    return config
+
+
+def _stage_chunks(config: Config, stage: int) -> tuple[int, ...]:
+    """Decoder layers of each model chunk of a pipeline stage."""
+    d = config.distributed
+    return _chunks(config.model.num_layers, d.pp_degree, d.virtual_pp_degree, d.pipeline_partition, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(layers: int, pp: int, vpp: int, partition: str, stage: int) -> tuple[int, ...]:
+    if pp == 1:
+        return (layers,)
+    if vpp > 1:
+        return tuple(len(chunk_layers(layers, pp, vpp, stage, c)) for c in range(vpp))
+    return (len(stage_layers(segment(layers, pp, partition), stage)),)
+
+
+def representative_stages(config: Config) -> list[int]:
+    """The first stage of each distinct chunk signature, and the last stage (the LM head)."""
+    pp, seen, stages = config.distributed.pp_degree, set(), []
+    for stage in range(pp):
+        key = _stage_chunks(config, stage)
+        if stage == 0 or stage == pp - 1 or key not in seen:
+            stages.append(stage)
+        seen.add(key)
+    return stages
+
+
+def _model_states(config: Config, stage: int) -> tuple[int, int]:
+    """(between steps, during a step) device bytes of model states: memory.py's, as ``estimate``."""
+    d = config.distributed
+    n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
+    held = model_state_bytes(n, training_precision(config), d.sharding.sharding_degree, d.sharding.sharding_stage,
+                             d.sharding.sharding_offload).device_total
+    return held, held + step_transient_bytes(config, stage)
+
+
+def _chunk_key(config: Config, stage: int, kernel: str | None) -> tuple:
+    """What one micro-batch's saved activations and the temporaries of a stage depend on in one planning
+    run (the model is fixed): not dp, sharding, offload or the number of micro-batches."""
+    d = config.distributed
+    return (d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.sequence_parallel, d.pipeline_partition,
+            config.batch_size.micro_batch_size, config.use_recompute, config.recompute_granularity,
+            config.recompute_method, config.recompute_num_layers, stage, kernel)
+
+
+def _stage_activations(config: Config, stage: int, kernel: str | None, cache: dict) -> tuple[tuple[int, ...], int]:
+    """(bytes one micro-batch saves on each model chunk of ``stage``, the largest temporary), cached."""
+    key = _chunk_key(config, stage, kernel)
+    if key not in cache:
+        chunks = range(len(act.chunk_specs(config, stage)))
+        cache[key] = (tuple(act.activation_bytes_per_microbatch(config, stage, c, kernel) for c in chunks),
+                      act.largest_temporary_bytes(config, stage, kernel))
+    return cache[key]
+
+
+def walked_micro_batches(config: Config) -> int:
+    """The micro-batches whose interleaved schedule has the same peak as the step's: the warm-up only
+    adds and the cool-down only removes activations, and the steady state repeats every pp x vpp
+    forwards, so a steady state of two periods after the longest warm-up shows every held set. The
+    tables of a 1536-micro-batch step take seconds to build; this keeps them small."""
+    d, m = config.distributed, config.num_micro_batches
+    pp, vpp = d.pp_degree, d.virtual_pp_degree
+    if vpp == 1:
+        return m
+    warm_up = 2 * (pp - 1) + (vpp - 1) * pp
+    enough = -(-(warm_up + 2 * pp * vpp) // (vpp * pp)) * pp  # a multiple of pp, as the schedule needs
+    return min(m, enough)
+
+
+def _peak_activations(config: Config, stage: int, per_chunk: tuple[int, ...], cache: dict) -> int:
+    """``activations.peak_activation_bytes``: per-chunk bytes times the micro-batches of each chunk in
+    flight at the schedule's peak; the schedule walk cached by what it depends on."""
+    d, m = config.distributed, walked_micro_batches(config)
+    key = (d.pp_degree, d.virtual_pp_degree, d.pipeline_schedule, m, stage, per_chunk)
+    if key not in cache:
+        walked = config
+        if m != config.num_micro_batches:
+            walked = _copy_config(config)
+            walked.batch_size.local_batch_size = m * config.batch_size.micro_batch_size
+        cache[key] = act.in_flight_at_peak(walked, stage, list(per_chunk))
+    return sum(k * w for k, w in zip(cache[key], per_chunk))
+
+
+def layout_memory(config: Config, limit_bytes: float, kernel: str | None = None,
+                  cache: dict | None = None) -> MemoryTerms:
+    """Model states + peak saved activations + the largest temporary (``megatron.memory.estimate``'s
+    sum) at the worst stage. Where a stage's lower bound (its model states, one micro-batch's largest
+    chunk and its temporary) already exceeds ``limit_bytes`` the schedule is not walked and that bound
+    is returned (``activations`` None). ``cache``: figures already computed in this planning run."""
+    cache = {} if cache is None else cache
+    stages = representative_stages(config)
+    states = {s: _model_states(config, s) for s in stages}
+    heaviest = max(stages, key=lambda s: states[s][1])
+    if states[heaviest][0] > limit_bytes:
+        return MemoryTerms(heaviest, states[heaviest][1], None, None, states[heaviest][1])
+    chunks = {s: _stage_activations(config, s, kernel, cache) for s in stages}
+    bounds = {s: states[s][1] + max(chunks[s][0]) + chunks[s][1] for s in stages}
+    over = max(stages, key=lambda s: bounds[s])
+    if bounds[over] > limit_bytes:
+        return MemoryTerms(over, states[over][1], None, None, bounds[over])
+    worst = None
+    for s in stages:
+        activations = _peak_activations(config, s, chunks[s][0], cache)
+        terms = MemoryTerms(s, states[s][1], activations, chunks[s][1], states[s][1] + activations + chunks[s][1])
+        worst = terms if worst is None or terms.total > worst.total else worst
+    return worst
+
+
+def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
+    """Forward matmul FLOPs per token of one decoder layer, of its attention block and of its core
+    attention (QK^T and x V), from metrics.model_flops_per_token's count."""
+    m, s = config.model, config.dataset.max_seq_len
+    head = 2 * m.hidden_size * config.padded_vocab_size
+    layer = (model_flops_per_token(config) / 3 - head) / m.num_layers
+    mlp = (3 if m.swiglu else 2) * 2 * m.hidden_size * m.ffn_hidden_size
+    core = 4 * s * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    return layer, layer - mlp, core
+
+
+def _recomputed(config: Config, chunks: tuple[int, ...]) -> tuple[float, int]:
+    """Per token: the forward FLOPs recompute replays on a stage, and its extra tp collectives."""
+    if not config.use_recompute:
+        return 0.0, 0
+    layer, attention, core = _layer_forward_flops(config)
+    layers, g = sum(chunks), config.recompute_granularity
+    if g == "full":
+        if config.recompute_method == "block":
+            layers = sum(min(config.recompute_num_layers, n) for n in chunks)
+        return layers * layer, 2 * layers
+    if g in ("only_attn", "full_attn"):
+        return layers * attention, layers
+    return layers * core, 0  # core_attn
+
+
+def _ring(nbytes: float, ranks: int, all_reduce: bool) -> float:
+    """Bytes one rank sends in a ring collective over ``ranks`` on a tensor of ``nbytes``."""
+    return (2.0 if all_reduce else 1.0) * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+
+
+def _bandwidth(hw: Hardware, extent: int) -> float:
+    """Bytes/s of a group whose ranks lie within ``extent`` consecutive ranks."""
+    return (hw.intra_node_gbps if extent <= hw.devices_per_node else hw.inter_node_gbps) * GB
+
+
+def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float]:
+    """Of the slowest stage: (compute, tp comm) per step, (forward, backward) of one micro-batch, and the
+    parameters of the largest rank."""
+    m, d, s = config.model, config.distributed, config.dataset.max_seq_len
+    tp, pp, mb, count = d.mp_degree, d.pp_degree, config.batch_size.micro_batch_size, config.num_micro_batches
+    a = 4 if config.params_dtype_name == "float32" else 2  # bytes per activation element
+    layer, _, _ = _layer_forward_flops(config)
+    head = 2 * m.hidden_size * config.padded_vocab_size
+    flops_per_s = hw.peak_tflops * 1e12 * hw.efficiency
+    collective = _ring(mb * s * m.hidden_size * a, tp, all_reduce=True) / _bandwidth(hw, tp)
+    tokens = mb * s / tp  # per device and micro-batch
+    best = (-1.0, 0.0, 0.0, 0.0)
+    for stage in range(pp):
+        chunks = _stage_chunks(config, stage)
+        forward = sum(chunks) * layer + (head if stage == pp - 1 else 0.0)
+        replay, extra = _recomputed(config, chunks)
+        compute = count * tokens * (3 * forward + replay) / flops_per_s
+        tp_comm = count * (4 * sum(chunks) + extra + (stage == 0) + (stage == pp - 1)) * collective
+        if compute + tp_comm > best[0] + best[1]:
+            best = (compute, tp_comm, tokens * forward / flops_per_s, tokens * (2 * forward + replay) / flops_per_s)
+    params = max(parameters_per_rank(config, tp, pp, stage) for stage in representative_stages(config))
+    return (*best, params)
+
+
+def _dp_times(config: Config, hw: Hardware, params: float, forward: float, backward: float) -> tuple[float, float]:
+    """(all data-parallel traffic, the part not hidden) in seconds per step; ``forward`` and ``backward``:
+    one micro-batch's on the slowest stage."""
+    d = config.distributed
+    tp, pp, dp, n = d.mp_degree, d.pp_degree, d.dp_degree, d.sharding.sharding_degree
+    if dp * n == 1:
+        return 0.0, 0.0
+    stage, overlap = sharding_stage(n, d.sharding.sharding_stage), bool(d.overlap_grad_reduce)
+    grads, param_bytes = 4.0 * params, (4.0 if config.params_dtype_name == "float32" else 2.0) * params
+    shard_bw, replica_bw = _bandwidth(hw, tp * n), _bandwidth(hw, tp * n * dp)
+    gather = _ring(param_bytes, n, all_reduce=False) / shard_bw  # one all-gather of the rank's parameters
+    if stage == 1:
+        reduce, replicas = _ring(grads, dp * n, all_reduce=True) / replica_bw, 0.0
+    else:  # reduce-scatter in the sharding group, then the shards' all-reduce over the replicas (HSDP)
+        reduce, replicas = _ring(grads, n, False) / shard_bw, _ring(grads / n, dp, True) / replica_bw
+    if stage == 3 and pp == 1:  # every micro-batch: gathered for its forward, again for its backward, reduced
+        count = config.num_micro_batches
+        total = count * (2 * gather + reduce) + replicas
+        per_micro_batch = max(0.0, gather - forward) + max(0.0, gather + reduce - backward)
+        return total, (count * per_micro_batch + replicas) if overlap else total
+    total = reduce + replicas + gather  # once per step; the gather after the step (stage 3: before it)
+    return total, total - (min(reduce, backward) if overlap else 0.0)
+
+
+def layout_time(config: Config, hw: Hardware) -> TimeTerms:
+    """The step-time terms of a validated configuration on ``hw`` (see the module docstring)."""
+    m, d, s = config.model, config.distributed, config.dataset.max_seq_len
+    tp, pp, vpp, count = d.mp_degree, d.pp_degree, d.virtual_pp_degree, config.num_micro_batches
+    mb = config.batch_size.micro_batch_size
+    compute, tp_comm, forward, backward, params = _stage_times(config, hw)
+    dp_comm, dp_exposed = _dp_times(config, hw, params, forward, backward)
+    bubble = (pp - 1) / (count * vpp) * (compute + tp_comm)
+    a = 4 if config.params_dtype_name == "float32" else 2
+    message = mb * s * m.hidden_size * a / (tp if d.sequence_parallel else 1)
+    p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
+    n = d.sharding.sharding_degree
+    offload = 8.0 * -(-params // n) / (hw.pcie_gbps * GB) if d.sharding.sharding_offload else 0.0
+    tokens = config.batch_size.global_batch_size * s
+    model_flops = model_flops_per_token(config) * tokens
+    replay = sum(_recomputed(config, _stage_chunks(config, st))[0] for st in range(pp))
+    return TimeTerms(compute, tp_comm, dp_comm, dp_exposed, bubble, p2p, offload, count, model_flops,
+                     model_flops + replay * tokens)
+
+
+def configured_layout(config: Config) -> Layout:
+    """The layout a validated configuration runs (recompute in the planner's terms; a uniform recompute
+    of several layers per unit is counted as ``full``)."""
+    d, g = config.distributed, config.recompute_granularity if config.use_recompute else None
+    block = config.recompute_num_layers if g == "full" and config.recompute_method == "block" else 0
+    recompute = "off" if g is None else "block" if block else "only_attn" if g == "full_attn" else g
+    n = d.sharding.sharding_degree
+    return Layout(d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.dp_degree, n,
+                  sharding_stage(n, d.sharding.sharding_stage), d.sharding.sharding_offload, recompute,
+                  config.batch_size.micro_batch_size, d.sequence_parallel and d.mp_degree > 1, block)
+
+
+def evaluate_layout(base: Config, layout: Layout, hw: Hardware, tokenizer_vocab_size: int | None = None,
+                    kernel: str | None = None, cache: dict | None = None, complete: bool = False) -> Plan:
+    """One layout's memory and, when it fits, step time; ``complete``: the whole memory estimate and the
+    step time even when it does not fit. ConfigError if the layout is no valid run."""
+    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size)
+    memory = layout_memory(config, float("inf") if complete else hw.memory_bytes, kernel, cache)
+    fits = memory.estimated and memory.total <= hw.memory_bytes
+    return Plan(layout, memory, layout_time(config, hw) if fits or complete else None, fits)
+
+
+def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = None, max_micro_batch: int = 8,
+                 max_vpp: int = 8, kernel: str | None = None) -> PlanResult:
+    """Every valid layout of ``base``'s model and global batch on ``hw``: those that fit, ranked by the
+    estimated step time; when none fits, ``smallest`` is the valid layout needing least memory.
+    ``kernel``: the attention kernel of the activation estimate (``megatron.memory.activations.dims``)."""
+    result, cache = PlanResult(plans=[]), {}
+    for layout in candidate_layouts(base, hw, max_micro_batch, max_vpp):
+        result.considered += 1
+        try:
+            plan = evaluate_layout(base, layout, hw, tokenizer_vocab_size, kernel, cache)
+        except ConfigError:
+            continue
+        result.valid += 1
+        if plan.fits:
+            result.plans.append(plan)
+        if result.smallest is None or plan.memory.total < result.smallest.memory.total:
+            result.smallest = plan
+    result.plans.sort(key=rank_key)
+    return result
+
+
+def rank_key(plan: Plan) -> tuple:
+    """Step time, then the larger micro-batch, then the smaller memory."""
+    return plan.time.step, -plan.layout.micro_batch_size, plan.memory.total
+
+
+def non_dominated(plans: list[Plan]) -> list[Plan]:
+    """The ranked ``plans`` without those another layout beats or equals on all of step time, memory (to
+    0.1 GiB, as the table shows it) and micro-batch size: e.g. a recompute that saves no memory, or
+    ZeRO-3 where it holds what ZeRO-2 holds. Of exact ties the first is kept."""
+    kept, least_memory = [], {}  # micro-batch size -> least memory among the faster layouts kept so far
+    for plan in plans:
+        mb, total = plan.layout.micro_batch_size, round(plan.memory.total / GIB, 1)
+        if any(other >= mb and memory <= total for other, memory in least_memory.items()):
+            continue
+        kept.append(plan)
+        least_memory[mb] = min(total, least_memory.get(mb, total))
+    return kept
