@@ -9,7 +9,7 @@ Takes the same configuration as pretrain_gpt.py (its layout, micro-batch size an
 the planner varies; the global batch and the rest are kept). Every candidate (tp, pp, vpp, dp, sharding
 degree and stage, offload, recompute, micro-batch size) is validated as a run would be; its memory per
 device is megatron.memory.estimate at its worst pipeline stage (model states + activations + the
-largest temporary), its step time a documented model, every term printed (megatron/planner.py).
+largest temporary), its step time a documented model, every term printed (megatron/planner/).
 Exit status: 0 with a list, 1 when no layout fits, 2 on bad input.
 """
 
@@ -44,7 +44,7 @@ PROG = "plan_layout.py"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False,
                                 epilog="Every other flag (and -c CONFIG) is pretrain_gpt.py's; --peak-tflops "
-                                       "overrides the --gpu table. Times are estimates: see megatron/planner.py.")
+                                       "overrides the --gpu table. Times are estimates: see megatron/planner/time_model.py.")
     p.add_argument("--devices", type=int, required=True, help="Number of devices (GPUs).")
     p.add_argument("--devices-per-node", type=int, default=None, help="GPUs per node; default min(devices, 8).")
     p.add_argument("--device-memory-gb", type=float, default=80.0,

@@ -1,0 +1,34 @@
+"""Decoder layers per model chunk of each pipeline stage, and the stages worth evaluating."""
+
+from __future__ import annotations
+
+import functools
+
+from megatron.config import Config
+from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+
+
+def stage_chunks(config: Config, stage: int) -> tuple[int, ...]:
+    """Decoder layers of each model chunk of a pipeline stage."""
+    d = config.distributed
+    return _chunks(config.model.num_layers, d.pp_degree, d.virtual_pp_degree, d.pipeline_partition, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(layers: int, pp: int, vpp: int, partition: str, stage: int) -> tuple[int, ...]:
+    if pp == 1:
+        return (layers,)
+    if vpp > 1:
+        return tuple(len(chunk_layers(layers, pp, vpp, stage, c)) for c in range(vpp))
+    return (len(stage_layers(segment(layers, pp, partition), stage)),)
+
+
+def representative_stages(config: Config) -> list[int]:
+    """The first stage of each distinct chunk signature, and the last stage (the LM head)."""
+    pp, seen, stages = config.distributed.pp_degree, set(), []
+    for stage in range(pp):
+        key = stage_chunks(config, stage)
+        if stage == 0 or stage == pp - 1 or key not in seen:
+            stages.append(stage)
+        seen.add(key)
+    return stages

@@ -1,0 +1,201 @@
+"""The planner's step-time model: an estimate from FLOPs and communication volumes, not a measurement.
+
+Time (seconds per step; the slowest pipeline stage sets the pace), with ``m`` micro-batches of
+``b`` samples of ``s`` tokens, hidden size ``h``, activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
+
+- compute: the stage's matmul FLOPs (``metrics.model_flops_per_token``'s count: forward x 3, plus the
+  forward that recompute replays: the whole layer for ``full``, the attention block for ``only_attn``,
+  ``softmax(QK^T)V`` for ``core_attn``) / (tp x dp x sharding) / (peak TFLOP/s x efficiency).
+- tp comm: per micro-batch and layer 4 collectives of ``b s h a`` bytes (2 in the forward, 2 in the
+  backward; +2 per fully recomputed layer, +1 per recomputed attention block; +1 for the embedding
+  on the first stage and +1 for the LM head on the last), each moving ``2 (tp-1)/tp`` of it per rank
+  (ring all-reduce, or reduce-scatter + all-gather under sequence parallelism), over the intra-node
+  bandwidth (inter-node when tp spans nodes). Not overlapped.
+- dp comm: fp32 gradients (4 bytes per parameter of the rank with the most) and, with a sharding
+  group, the parameter all-gather after the step: stage 1 an all-reduce over dp x sharding (+ the
+  gather), stage 2 a reduce-scatter over the sharding group, an all-reduce of the shard over the dp
+  replicas and the gather, stage 3 the same with the gathers and reduce-scatters of every micro-batch
+  (once per step under pipelining). Over the inter-node bandwidth when the group spans nodes (rank grid:
+  tp fastest, then sharding, dp, pp). Hidden behind compute only with overlap_grad_reduce: the gradient
+  reduction behind the backward of the last micro-batch (under pipelining, each model chunk's last
+  backward arms it: ``schedules.run_pipeline_table``); under stage 3 without a pipeline, per micro-batch,
+  the prefetched gather behind its forward and the second gather and the reduce-scatter behind its
+  backward. The gather once per step (after it for stages 1 and 2, before it for stage 3 under
+  pipelining) and the replicas' all-reduce are exposed.
+- bubble: (pp - 1) / (m x vpp) x (compute + tp comm), 1F1B, interleaved and GPipe alike (GPipe's cost
+  is memory: all m micro-batches in flight, which the memory side counts).
+- p2p: 2 m vpp messages of ``b s h a`` bytes (``/ tp`` under sequence parallelism) per stage and step,
+  over the inter-node bandwidth when the job spans nodes (pp is the outermost dimension).
+- offload: the fp32 gradient shard to the CPU and the fp32 master shard back, 8 bytes per parameter of
+  the shard, over PCIe. The CPU's AdamW itself is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config import Config
+from megatron.device import _PEAK_TFLOPS_16BIT as PEAK_TFLOPS_16BIT
+from megatron.distributed.parallelize import sharding_stage
+from megatron.metrics import model_flops_per_token
+from megatron.optimizer.memory import parameters_per_rank
+from megatron.planner.stages import representative_stages
+from megatron.planner.stages import stage_chunks as _stage_chunks
+
+GIB = 2**30
+GB = 1e9  # bandwidths are in GB/s of 10^9 bytes
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The devices and the constants of the time model (each a flag of tools/plan_layout.py)."""
+
+    devices: int
+    devices_per_node: int = 8
+    device_memory_gb: float = 80.0  # GiB (2^30 bytes) of one device
+    peak_tflops: float = 312.0  # dense 16-bit peak of one device
+    efficiency: float = 0.5  # achieved fraction of the peak on the matmuls
+    intra_node_gbps: float = 150.0  # GB/s per device within a node (NVLink)
+    inter_node_gbps: float = 12.5  # GB/s per device across nodes (a 100 Gb/s NIC per device)
+    pcie_gbps: float = 12.0  # GB/s between a device and the CPU (PCIe 3.0 x16)
+    headroom: float = 0.1  # fraction of the memory kept for what the estimate leaves out
+
+    @property
+    def memory_bytes(self) -> float:
+        """What a layout's estimate may use: the estimate is a lower bound of the peak (no CUDA context,
+        activation gradients or allocator slack), so ``headroom`` of the device is kept free."""
+        return self.device_memory_gb * GIB * (1 - self.headroom)
+
+
+def gpu_peak_tflops(name: str) -> float:
+    """The dense 16-bit peak of a GPU named in megatron/device.py's table ("V100", "a100", ...)."""
+    for key, value in PEAK_TFLOPS_16BIT.items():
+        if key.lower() == name.lower():
+            return value
+    raise ValueError(f"unknown GPU {name!r}: known are {', '.join(sorted(PEAK_TFLOPS_16BIT))}; or give "
+                     f"--peak-tflops")
+
+
+@dataclass(frozen=True)
+class TimeTerms:
+    """Seconds per step (estimates). ``dp_comm`` is the whole data-parallel traffic, ``dp_exposed`` the
+    part not hidden behind compute; the step time counts the exposed part."""
+
+    compute: float
+    tp_comm: float
+    dp_comm: float
+    dp_exposed: float
+    bubble: float
+    p2p: float
+    offload: float
+    micro_batches: int
+    model_flops: float  # the whole step, all devices (metrics.model_flops_per_token x tokens)
+    hardware_flops: float  # the same with the recomputed forward
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.tp_comm + self.dp_exposed + self.bubble + self.p2p + self.offload
+
+
+def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
+    """Forward matmul FLOPs per token of one decoder layer, of its attention block and of its core
+    attention (QK^T and x V), from metrics.model_flops_per_token's count."""
+    m, s = config.model, config.dataset.max_seq_len
+    head = 2 * m.hidden_size * config.padded_vocab_size
+    layer = (model_flops_per_token(config) / 3 - head) / m.num_layers
+    mlp = (3 if m.swiglu else 2) * 2 * m.hidden_size * m.ffn_hidden_size
+    core = 4 * s * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    return layer, layer - mlp, core
+
+
+def _recomputed(config: Config, chunks: tuple[int, ...]) -> tuple[float, int]:
+    """Per token: the forward FLOPs recompute replays on a stage, and its extra tp collectives."""
+    if not config.use_recompute:
+        return 0.0, 0
+    layer, attention, core = _layer_forward_flops(config)
+    layers, g = sum(chunks), config.recompute_granularity
+    if g == "full":
+        if config.recompute_method == "block":
+            layers = sum(min(config.recompute_num_layers, n) for n in chunks)
+        return layers * layer, 2 * layers
+    if g in ("only_attn", "full_attn"):
+        return layers * attention, layers
+    return layers * core, 0  # core_attn
+
+
+def _ring(nbytes: float, ranks: int, all_reduce: bool) -> float:
+    """Bytes one rank sends in a ring collective over ``ranks`` on a tensor of ``nbytes``."""
+    return (2.0 if all_reduce else 1.0) * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
+
+
+def _bandwidth(hw: Hardware, extent: int) -> float:
+    """Bytes/s of a group whose ranks lie within ``extent`` consecutive ranks."""
+    return (hw.intra_node_gbps if extent <= hw.devices_per_node else hw.inter_node_gbps) * GB
+
+
+def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float]:
+    """Of the slowest stage: (compute, tp comm) per step, (forward, backward) of one micro-batch, and the
+    parameters of the largest rank."""
+    m, d, s = config.model, config.distributed, config.dataset.max_seq_len
+    tp, pp, mb, count = d.mp_degree, d.pp_degree, config.batch_size.micro_batch_size, config.num_micro_batches
+    a = 4 if config.params_dtype_name == "float32" else 2  # bytes per activation element
+    layer, _, _ = _layer_forward_flops(config)
+    head = 2 * m.hidden_size * config.padded_vocab_size
+    flops_per_s = hw.peak_tflops * 1e12 * hw.efficiency
+    collective = _ring(mb * s * m.hidden_size * a, tp, all_reduce=True) / _bandwidth(hw, tp)
+    tokens = mb * s / tp  # per device and micro-batch
+    best = (-1.0, 0.0, 0.0, 0.0)
+    for stage in range(pp):
+        chunks = _stage_chunks(config, stage)
+        forward = sum(chunks) * layer + (head if stage == pp - 1 else 0.0)
+        replay, extra = _recomputed(config, chunks)
+        compute = count * tokens * (3 * forward + replay) / flops_per_s
+        tp_comm = count * (4 * sum(chunks) + extra + (stage == 0) + (stage == pp - 1)) * collective
+        if compute + tp_comm > best[0] + best[1]:
+            best = (compute, tp_comm, tokens * forward / flops_per_s, tokens * (2 * forward + replay) / flops_per_s)
+    params = max(parameters_per_rank(config, tp, pp, stage) for stage in representative_stages(config))
+    return (*best, params)
+
+
+def _dp_times(config: Config, hw: Hardware, params: float, forward: float, backward: float) -> tuple[float, float]:
+    """(all data-parallel traffic, the part not hidden) in seconds per step; ``forward`` and ``backward``:
+    one micro-batch's on the slowest stage."""
+    d = config.distributed
+    tp, pp, dp, n = d.mp_degree, d.pp_degree, d.dp_degree, d.sharding.sharding_degree
+    if dp * n == 1:
+        return 0.0, 0.0
+    stage, overlap = sharding_stage(n, d.sharding.sharding_stage), bool(d.overlap_grad_reduce)
+    grads, param_bytes = 4.0 * params, (4.0 if config.params_dtype_name == "float32" else 2.0) * params
+    shard_bw, replica_bw = _bandwidth(hw, tp * n), _bandwidth(hw, tp * n * dp)
+    gather = _ring(param_bytes, n, all_reduce=False) / shard_bw  # one all-gather of the rank's parameters
+    if stage == 1:
+        reduce, replicas = _ring(grads, dp * n, all_reduce=True) / replica_bw, 0.0
+    else:  # reduce-scatter in the sharding group, then the shards' all-reduce over the replicas (HSDP)
+        reduce, replicas = _ring(grads, n, False) / shard_bw, _ring(grads / n, dp, True) / replica_bw
+    if stage == 3 and pp == 1:  # every micro-batch: gathered for its forward, again for its backward, reduced
+        count = config.num_micro_batches
+        total = count * (2 * gather + reduce) + replicas
+        per_micro_batch = max(0.0, gather - forward) + max(0.0, gather + reduce - backward)
+        return total, (count * per_micro_batch + replicas) if overlap else total
+    total = reduce + replicas + gather  # once per step; the gather after the step (stage 3: before it)
+    return total, total - (min(reduce, backward) if overlap else 0.0)
+
+
+def layout_time(config: Config, hw: Hardware) -> TimeTerms:
+    """The step-time terms of a validated configuration on ``hw`` (see the module docstring)."""
+    m, d, s = config.model, config.distributed, config.dataset.max_seq_len
+    tp, pp, vpp, count = d.mp_degree, d.pp_degree, d.virtual_pp_degree, config.num_micro_batches
+    mb = config.batch_size.micro_batch_size
+    compute, tp_comm, forward, backward, params = _stage_times(config, hw)
+    dp_comm, dp_exposed = _dp_times(config, hw, params, forward, backward)
+    bubble = (pp - 1) / (count * vpp) * (compute + tp_comm)
+    a = 4 if config.params_dtype_name == "float32" else 2
+    message = mb * s * m.hidden_size * a / (tp if d.sequence_parallel else 1)
+    p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
+    n = d.sharding.sharding_degree
+    offload = 8.0 * -(-params // n) / (hw.pcie_gbps * GB) if d.sharding.sharding_offload else 0.0
+    tokens = config.batch_size.global_batch_size * s
+    model_flops = model_flops_per_token(config) * tokens
+    replay = sum(_recomputed(config, _stage_chunks(config, st))[0] for st in range(pp))
+    return TimeTerms(compute, tp_comm, dp_comm, dp_exposed, bubble, p2p, offload, count, model_flops,
+                     model_flops + replay * tokens)
