@@ -8,6 +8,7 @@ import math
 import os
 import secrets
 import string
+import sys
 
 from megatron.config.cli import to_dict
 from megatron.config.schema import Config
@@ -22,11 +23,27 @@ class WandbError(RuntimeError):
     for W&B and trained without it would be a silent failure. The message is one line saying what to do."""
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (as logging's last-resort handler does),
+    not the stream of the moment the logger was first asked for, which a caller may have replaced since."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def get_logger() -> logging.Logger:
     """The project's logger, printing the seeds' ``[date time,ms] [    INFO] - message`` lines."""
     logger = logging.getLogger("megatron")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
