@@ -130,9 +130,10 @@ shape on the same batches, each eager and under torch.compile (the project's `--
 reference's `torch.compile(model)`, as nanoGPT does). The reference uses fp32 parameters with
 `torch.autocast` for bf16 and `torch.optim.AdamW` at its defaults; the project uses bf16 parameters
 with fp32 master weights and main grads, the fused AdamW over flat buffers, and its fused chunked
-cross entropy. MFU is model FLOPs (`megatron.metrics.model_flops_per_token`) over the peak of a
-2048^3 matmul measured in the same run, per precision. bf16 is measured where `megatron.device`
-finds it native. The compiled variants compile during the warm-up steps."""
+cross entropy (under `--compile`, a `logsumexp` form that inductor fuses). MFU is model FLOPs
+(`megatron.metrics.model_flops_per_token`) over the peak of a 2048^3 matmul measured in the same
+run, per precision. bf16 is measured where `megatron.device` finds it native. The compiled
+variants compile during the warm-up steps; docs/performance.md (torch.compile) has the profiles."""
 
 
 def bench_precision(args, precision: str) -> dict:

@@ -281,10 +281,13 @@ def compile_model(chunks: list[GPTModel], device_type: str = "cpu") -> None:
 
     - recompute none or ``full`` (any ``recompute_method``): the layer's ``_layer``;
     - ``only_attn`` / ``full_attn``: ``_attention_block``, the second norm and the MLP;
-    - ``core_attn``: the two norms and the MLP (torch.compile cannot trace our checkpoint, which
-      replays the RNG tracker, so a compiled part never contains one: it is compiled inside it);
+    - ``core_attn``: the two norms and the MLP;
     - on one tensor-parallel rank, the LM head and the cross entropy (``GPTModel.loss``; with more,
       their collectives stay eager).
+
+    A compiled part never contains a checkpoint (dynamo cannot trace ``tp.checkpoint``, whose
+    ``context_fn`` replays the RNG tracker): it is what the checkpoint runs, so the recompute runs the
+    same compiled code (and draws the same dropout masks) as the forward.
 
     With tensor parallelism, the column- and row-parallel layers run eager (``torch.compiler.disable``):
     their collectives fall between compiled pieces. Layers share one compiled graph. KV-cache calls
@@ -348,14 +351,16 @@ class _CompileState:
             self.problem = reason
             from megatron.metrics import get_logger
 
-            get_logger().warning(f"--compile: torch.compile is unavailable here ({reason}); the model runs eager")
+            get_logger().warning(f"--compile: torch.compile failed ({reason}); the model runs eager")
 
 
 class _Compiled:
     """``fn(owner, ...)`` under torch.compile, in place of the method ``owner.fn``: compiled from the
     function, so every layer shares its code (one graph). Eager for a KV-cache call (``kv``: the 2nd
     argument is the cache) and once compiling failed; a compile error raised by a call is caught
-    and the call rerun eager (it fails before computing anything)."""
+    and the call rerun eager. The error comes before the compiled code runs; at tp > 1 an eager piece
+    before it (a column-parallel layer and its collective) may have run, and runs again: on every
+    rank alike, as the same graphs fail alike."""
 
     def __init__(self, fn: Callable, owner: nn.Module, state: _CompileState, kv: bool = False):
         self.fn, self.compiled, self.owner, self.state, self.kv = fn, torch.compile(fn), owner, state, kv
