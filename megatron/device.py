@@ -147,7 +147,8 @@ def matmul_race(half: torch.dtype, n: int = 384, budget_s: float = 0.05) -> tupl
     """(fp32 seconds, ``half`` seconds) of an ``n``-square matmul on the CPU: interleaved runs after a
     warm-up, at least 3 each and until ``budget_s`` has passed, each side's fastest run (other
     processes only ever slow a run down)."""
-    a32, b32 = torch.randn(n, n), torch.randn(n, n)
+    generator = torch.Generator().manual_seed(0)  # never the global stream: dropout draws from it, on every rank alike
+    a32, b32 = torch.randn(n, n, generator=generator), torch.randn(n, n, generator=generator)
     a16, b16 = a32.to(half), b32.to(half)
     best = {torch.float32: math.inf, half: math.inf}
     start, rounds = time.perf_counter(), 0

@@ -91,3 +91,16 @@ def test_first_line_names_the_backend_error_not_its_wrapper():
     assert dev.first_line(wrapped) == "InvalidCxxCompiler: No working C++ compiler found"
     assert dev.first_line(ValueError("bad\nvalue")) == "ValueError: bad"
     assert len(dev.first_line(ValueError("x" * 500))) == 200
+
+
+def test_the_precision_probe_leaves_the_global_rng_alone():
+    """The matmul race runs on rank 0 only: drawing from the global stream would give rank 0 other dropout
+    masks than its tensor-parallel peers (and a resumed run other masks than the uninterrupted one)."""
+    import torch
+
+    from megatron import device as dev
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    dev.matmul_race(torch.bfloat16, n=16, budget_s=0.0)
+    assert torch.equal(torch.get_rng_state(), before)
