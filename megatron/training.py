@@ -449,7 +449,7 @@ class Trainer:
             if last_step < self.planned_steps and self.ps.rank == 0:
                 epochs = "" if c.num_train_epochs is None else f" (num_train_epochs {c.num_train_epochs})"
                 self.log.warning(f"stopped at step {s.step} of {asked}: the training data ran out{epochs}")
-            if save_steps and saved_at != s.step:
+            if c.save_load.save_at_end and saved_at != s.step:  # Megatron-LM: --save keeps the trained model
                 self.save()
             self._evaluate("valid", self.valid_ds)
             self._evaluate("test", self.test_ds)

@@ -86,7 +86,6 @@ ALIASES: dict[str, str] = {
     "--init-method-std": "initializer_range",
     "--initial-loss-scale": "scale_loss",
     "--sharding": "sharding_degree",
-    "--data-cache-path": "data_cache_path",
     "--norm-epsilon": "layernorm_epsilon",
     "--lr-warmup-init": "warmup_init",
     "--lr-decay-samples": "decay_samples",

@@ -204,6 +204,9 @@ class TokenizerConfig:
 @dataclass
 class SaveLoadConfig:
     save_steps: int | None = opt(None, "Save a checkpoint every this many steps.")
+    save_at_end: bool = opt(
+        True, "Save a checkpoint when training ends (its last step, or when the data ran out), as Megatron-LM does "
+              "with --save; --no-save-at-end saves only every save_steps.")
     output_dir: str = opt("./output", "Where config.yaml, metrics.jsonl, TensorBoard events and checkpoints go.")
     ckpt_dir: str | None = opt(None, "Checkpoint to load at start: a run's output_dir (its latest step) or a "
                                      "step_N folder; any parallel layout; checksums verified. The run's own "
@@ -267,6 +270,10 @@ class Config:
             "lowers the fp16 loss scale is not counted. 0 never stops.")
     loss_spike_factor: float = opt(
         3.0, "Warn when a step's loss exceeds this multiple of the mean of the previous 100 steps; 0 disables.")
+    memory_check: bool = opt(
+        True, "Before building anything, compare each rank's predicted peak memory (model states + activations, "
+              "megatron/memory/) with the device's (on the CPU: the machine's available RAM) and stop when it does "
+              "not fit; --no-memory-check starts anyway.")
     watchdog_timeout_minutes: float | None = opt(
         None, "A rank whose training makes no progress for this long writes every thread's stack to stderr and "
               "output_dir/hang/rank{r}.txt and exits (status 4); default distributed_timeout_minutes; 0 disables.")
