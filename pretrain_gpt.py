@@ -27,8 +27,8 @@ from megatron.data.mock_dataset import MockGPTDataset
 from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
 from megatron.model import build_model
+from megatron.pretrain import pretrain
 from megatron.tokenizer import Tokenizer, TokenizerError, configured_tokenizer
-from megatron.training import pretrain
 
 
 def model_provider(config: Config, device: torch.device, meta_init: bool = False) -> torch.nn.Module:

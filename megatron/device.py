@@ -67,6 +67,11 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def peak_memory_label(device: torch.device) -> str:
+    """What ``peak_memory_bytes`` measures, as the log line names it."""
+    return "max memory" if device.type == "cuda" else "max RSS"
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated device memory (CUDA) or the process's peak resident set (CPU)."""
     if device.type == "cuda":

@@ -9,6 +9,7 @@ import os
 import secrets
 import string
 import sys
+import time
 
 from megatron.config.cli import to_dict
 from megatron.config.schema import Config
@@ -91,12 +92,20 @@ def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost:
     return line
 
 
+def format_duration(seconds: float) -> str:
+    """``1:02:03`` (hours unbounded), ``2:03`` under an hour."""
+    total = int(round(max(seconds, 0.0)))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
 def scalars(record: dict) -> dict[str, float]:
     """``split/key`` -> value for the record's finite numbers: what TensorBoard and W&B plot (metrics.jsonl
     keeps the whole record)."""
     split = record["split"]
     return {f"{split}/{key}": value for key, value in record.items()
-            if key not in ("split", "step") and isinstance(value, (int, float)) and math.isfinite(value)}
+            if key not in ("split", "step", "time") and isinstance(value, (int, float)) and math.isfinite(value)}
 
 
 class MetricsWriter:
@@ -139,6 +148,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        record = {**record, "time": round(time.time(), 3)}  # when it was written: Unix seconds
         self._jsonl.write(json.dumps(record) + "\n")
         values = scalars(record)
         if self._tb is not None:

@@ -7,7 +7,6 @@ provider, the datasets provider and ``forward_step``), as in Megatron-LM.
 from __future__ import annotations
 
 import math
-import os
 import random
 import signal
 import time
@@ -29,7 +28,7 @@ from megatron.checkpoint import (
     same_folder,
     save_checkpoint,
 )
-from megatron.config import Config, save_yaml, to_yaml
+from megatron.config import Config
 from megatron.config.batch_schedule import build_batch_schedule, train_steps
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
@@ -37,16 +36,20 @@ from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.health import GoodCheckpoints, RunHealth, TrainingDiverged
-from megatron.initialize import initialize_distributed, launch_env
-from megatron.metrics import MetricsWriter, WandbError, format_log_line, get_logger, model_flops_per_token
-from megatron.model import num_parameters
+from megatron.metrics import (
+    MetricsWriter,
+    WandbError,
+    format_duration,
+    format_log_line,
+    get_logger,
+    model_flops_per_token,
+)
 from megatron.optimizer import MixedPrecisionOptimizer, StepResult, build_optimizer, build_param_schedule
 from megatron.pipeline_parallel.schedules import (
     ForwardStep,
     forward_backward_no_pipelining,
     forward_backward_pipelining,
 )
-from megatron.tensor_parallel import tensor_parallel_seed
 
 ModelProvider = Callable[..., torch.nn.Module]  # (config, device, meta_init=...) -> this rank's model
 DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each has __len__, __getitem__, eod_id
@@ -311,15 +314,25 @@ class Trainer:
                  "grad norm": None if result.grad_norm is None else f"{result.grad_norm:.5f}",
                  "TFLOP/s": f"{extras['tflops']:.2f}",
                  "MFU": None if extras["mfu"] is None else f"{100 * extras['mfu']:.2f}%",
-                 "max memory": f"{extras['max_memory_gb']:.2f} GB",
-                 "skipped steps": s.skipped_steps or None}
+                 dev.peak_memory_label(self.device): f"{extras['max_memory_gb']:.2f} GB",
+                 "skipped steps": s.skipped_steps or None,
+                 **self._progress()}
         self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, tokens_per_step,
                                       self.world_size, lr, shown))
         ips_total = tokens_per_step / batch_cost
         self.writer.write({"split": "train", "step": s.step, "epoch": epoch, "batch": batch_in_epoch, "loss": loss,
                            "learning_rate": lr, "ips_total": ips_total, "ips": ips_total / self.world_size,
                            "avg_reader_cost": reader, "avg_batch_cost": batch_cost,
-                           "consumed_samples": s.consumed_samples, "global_batch_size": global_batch, **extras})
+                           "consumed_samples": s.consumed_samples, "global_batch_size": global_batch,
+                           "elapsed_s": time.perf_counter() - self._started, **extras})
+
+    def _progress(self) -> dict[str, str]:
+        """Elapsed time since this process's first step, and the ETA of the last step at the pace so far
+        (evaluations and saves included, as the rest of the run will have them)."""
+        elapsed = time.perf_counter() - self._started
+        done, left = self.state.step - self._first_step, self._last_step - self.state.step
+        eta = elapsed / done * left if done else 0.0
+        return {"elapsed": format_duration(elapsed), "ETA": format_duration(eta)}
 
     def _evaluate(self, split: str, dataset) -> None:
         c = self.config
@@ -405,7 +418,7 @@ class Trainer:
         reader_time = batch_time = 0.0
         window = window_samples = 0
         dev.reset_peak_memory(self.device)
-        self._started = time.perf_counter()
+        self._started, self._first_step, self._last_step = time.perf_counter(), s.step, last_step
         save_steps = c.save_load.save_steps
         saved_at = s.step
         while s.step < last_step:
@@ -454,43 +467,3 @@ class Trainer:
             self._evaluate("valid", self.valid_ds)
             self._evaluate("test", self.test_ds)
         return s
-
-
-def _log_segmentation(config: Config, ps, log) -> None:
-    """The seed's "start segment network.. / segment result:0, 3, 7 / stage=..." lines."""
-    from megatron.pipeline_parallel.partition import item_descriptions, segment, segmentation_log
-
-    bounds = segment(config.model.num_layers, ps.pp_size, config.distributed.pipeline_partition)
-    owners = [ps.ranks["pp"][stage] for stage in range(ps.pp_size)]  # rank 0's pipeline: tp = dp = 0
-    for line in segmentation_log(bounds, item_descriptions(config.model, config.padded_vocab_size), owners):
-        log.info(line)
-
-
-def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
-             forward_step: ForwardStep, warnings: tuple[str, ...] = ()) -> TrainState:
-    """Build everything from ``config`` and train, on every rank of a torchrun launch."""
-    _, rank, local_rank = launch_env()
-    ps = initialize_distributed(config)
-    log = get_logger()
-    if ps.rank == 0:
-        for warning in warnings:
-            log.warning(warning)
-        log.info("resolved configuration:\n" + to_yaml(config))
-    set_seed(config.seed)
-    device = dev.get_device(config.device, local_rank)
-    tensor_parallel_seed(config.seed, ps.tp_rank, device)
-    plan = plan_sharding(config, ps)  # decided once: the model is built for it (stage 3: on the meta device)
-    model = model_provider(config, device, meta_init=plan.meta_init)
-    if ps.rank == 0:
-        described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
-        log.info(f"model: {num_parameters(model) / 1e6:.2f}M parameters, dtype {config.params_dtype_name}, "
-                 f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
-                 f"pp {ps.pp_size}, sharding {ps.sharding_size})")
-        if precision_warning:
-            log.warning(precision_warning)
-    if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
-        _log_segmentation(config, ps, log)
-    trainer = Trainer(config, model, forward_step, datasets_provider(config), device, plan)
-    if ps.rank == 0:  # once the checkpoint (if any) has loaded: a failed start overwrites nothing
-        save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
-    return trainer.run()

@@ -1,0 +1,67 @@
+"""``pretrain()``: the whole run on every rank of a launch, and what it logs at start.
+
+``pretrain_gpt.py`` supplies what is GPT-specific (the model provider, the datasets provider and
+``forward_step``), as in Megatron-LM; ``megatron/training.py`` holds the loop.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron import device as dev
+from megatron.config import Config, save_yaml, to_yaml
+from megatron.distributed.parallelize import plan_sharding
+from megatron.initialize import initialize_distributed, launch_env
+from megatron.metrics import get_logger
+from megatron.model import num_parameters
+from megatron.optimizer.memory import parameters_per_rank
+from megatron.tensor_parallel import tensor_parallel_seed
+from megatron.training import DatasetsProvider, ForwardStep, ModelProvider, Trainer, TrainState, set_seed
+
+
+def _parameters_shown(config: Config, on_rank: int, ps) -> str:
+    """Rank 0's parameter count; split by tp or pp, with the whole model's (as exported: unpadded by tp)."""
+    if ps.tp_size * ps.pp_size == 1:
+        return f"{on_rank / 1e6:.2f}M parameters"
+    whole = parameters_per_rank(config)
+    return f"{on_rank / 1e6:.2f}M parameters on rank 0 (tp rank 0, pipeline stage 0) of {whole / 1e6:.2f}M in the model"
+
+
+def _log_segmentation(config: Config, ps, log) -> None:
+    """The seed's "start segment network.. / segment result:0, 3, 7 / stage=..." lines."""
+    from megatron.pipeline_parallel.partition import item_descriptions, segment, segmentation_log
+
+    bounds = segment(config.model.num_layers, ps.pp_size, config.distributed.pipeline_partition)
+    owners = [ps.ranks["pp"][stage] for stage in range(ps.pp_size)]  # rank 0's pipeline: tp = dp = 0
+    for line in segmentation_log(bounds, item_descriptions(config.model, config.padded_vocab_size), owners):
+        log.info(line)
+
+
+def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
+             forward_step: ForwardStep, warnings: tuple[str, ...] = ()) -> TrainState:
+    """Build everything from ``config`` and train, on every rank of a torchrun launch."""
+    _, rank, local_rank = launch_env()
+    ps = initialize_distributed(config)
+    log = get_logger()
+    if ps.rank == 0:
+        for warning in warnings:
+            log.warning(warning)
+        log.info("resolved configuration:\n" + to_yaml(config))
+    set_seed(config.seed)
+    device = dev.get_device(config.device, local_rank)
+    tensor_parallel_seed(config.seed, ps.tp_rank, device)
+    plan = plan_sharding(config, ps)  # decided once: the model is built for it (stage 3: on the meta device)
+    model = model_provider(config, device, meta_init=plan.meta_init)
+    if ps.rank == 0:
+        described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
+        log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
+                 f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
+                 f"pp {ps.pp_size}, sharding {ps.sharding_size})")
+        if precision_warning:
+            log.warning(precision_warning)
+    if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
+        _log_segmentation(config, ps, log)
+    trainer = Trainer(config, model, forward_step, datasets_provider(config), device, plan)
+    if ps.rank == 0:  # once the checkpoint (if any) has loaded: a failed start overwrites nothing
+        save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
+    return trainer.run()
