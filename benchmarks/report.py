@@ -25,3 +25,14 @@ def write_section(name: str, heading: str, command: str, body: str, intro: str =
         text = text.rstrip("\n") + f"\n\n## {heading}\n\n" + (f"{intro}\n\n" if intro else "") + f"{block}\n"
     with open(DOCS, "w") as f:
         f.write(text)
+
+
+if __name__ == "__main__":  # a module of the benchmark scripts, not one of them
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="report.py", description=__doc__.splitlines()[0],
+                                     epilog="Not run on its own: each benchmarks/*.py script with --write calls it.")
+    parser.parse_args()
+    sys.exit("report.py: nothing to run: run a benchmark script with --write (e.g. python benchmarks/throughput.py "
+             "--write).")

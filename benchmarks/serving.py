@@ -138,3 +138,11 @@ def bench_server(args, ckpt: str, vocab: int) -> tuple[list[dict] | None, str]:
             proc.kill()
             proc.wait()
         log.close()
+
+
+if __name__ == "__main__":  # a module of benchmarks/generation.py, not a script of its own
+    import argparse
+
+    argparse.ArgumentParser(prog="serving.py", description=__doc__.split("\n\n")[0],
+                            epilog="Not run on its own: python benchmarks/generation.py runs it.").parse_args()
+    sys.exit("serving.py: nothing to run: python benchmarks/generation.py runs the server benchmark.")

@@ -27,12 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint import CheckpointError, resumed_config  # noqa: E402
 from megatron.config import ConfigError, validate  # noqa: E402
+from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.memory import estimate  # noqa: E402
 from megatron.memory.activations import activation_terms, attention_kernel, temporary_terms  # noqa: E402
 from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, training_precision  # noqa: E402
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
 
 GIB = 2**30
+PROG = "estimate_memory.py"
 
 
 def format_bytes(n: float) -> str:
@@ -43,12 +45,22 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's own flags; the rest of the command line is the configuration (``resumed_config``)."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=CONFIG_FLAGS_NOTE,
+                                allow_abbrev=False)  # --device is a config flag, not --device-memory-gb
+    p.add_argument("--device-memory-gb", type=float, default=None, metavar="G",
+                   help="Usable memory of one device, GiB (2^30 bytes): prints whether the run fits.")
+    p.add_argument("--attention-kernel", choices=("flash", "math"), default=None,
+                   help="Attention kernel of the activation estimate (default: what the run would use; see "
+                        "megatron/memory/activations.py).")
+    p.add_argument("--terms", action="store_true",
+                   help="Also print the bytes of one micro-batch's saved activations on stage 0, term by term.")
+    return p
+
+
 def _tool_flags(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --device is a config flag
-    p.add_argument("--device-memory-gb", type=float, default=None)
-    p.add_argument("--attention-kernel", choices=("flash", "math"), default=None)
-    p.add_argument("--terms", action="store_true")
-    return p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
 
 
 def _model_state_rows(config) -> None:
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         validate(config, world_size=world, cuda_available=config.device == "gpu",
                  tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
     except (ConfigError, CheckpointError, TokenizerError) as err:
-        print(f"estimate_memory.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     _model_state_rows(config)
     estimates = _activation_rows(config, tool.attention_kernel)

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import device as dev  # noqa: E402
 from megatron.checkpoint import CheckpointError, find_checkpoint, resumed_config  # noqa: E402
 from megatron.config import ConfigError, validate  # noqa: E402
+from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.evaluation.runner import Evaluator  # noqa: E402
 from megatron.evaluation.tasks import lambada_samples, perplexity_samples, read_texts, word_count  # noqa: E402
 from megatron.initialize import initialize_distributed, launch_env, shutdown  # noqa: E402
@@ -45,8 +46,11 @@ PROG = "evaluate.py"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                epilog="Any other flag is passed to the configuration (pretrain_gpt.py's flags).")
-    p.add_argument("--task", choices=("perplexity", "lambada"), required=True)
+                                epilog=f"{CONFIG_FLAGS_NOTE} The checkpoint's saved configuration is the base; "
+                                       "the flags given now set the layout (--tp, --pp, --dp, ...) and the "
+                                       "micro-batch size.")
+    p.add_argument("--task", choices=("perplexity", "lambada"), required=True,
+                   help="perplexity of a text, or LAMBADA cloze accuracy.")
     p.add_argument("--input", required=True, help="Text file (one document) or JSON lines with a text key.")
     p.add_argument("--json-key", default="text", help="The key of each JSON line's text.")
     p.add_argument("--overlapping-eval", type=int, default=None, metavar="STRIDE",

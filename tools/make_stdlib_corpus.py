@@ -51,7 +51,8 @@ def documents(stdlib: str) -> Iterator[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="make_stdlib_corpus.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="JSONL file to write.")
     parser.add_argument("--max-mb", type=float, default=20.0, help="Stop after this many MB of text.")
     args = parser.parse_args(argv)

@@ -32,7 +32,8 @@ def merge(prefixes: list[str], output_prefix: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="merge_datasets.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="Dataset prefixes or folders of them.")
     parser.add_argument("--output-prefix", required=True, help="Prefix of the merged .bin/.idx.")
     args = parser.parse_args(argv)

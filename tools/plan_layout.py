@@ -24,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config import Config, ConfigError, parse_config, validate  # noqa: E402
+from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.planner import (  # noqa: E402
     GIB,
     Hardware,
@@ -43,9 +44,8 @@ PROG = "plan_layout.py"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False,
-                                epilog="Every other flag (and -c CONFIG) is pretrain_gpt.py's; --peak-tflops "
-                                       "overrides the --gpu table. Times are estimates: see "
-                                       "megatron/planner/time_model.py.")
+                                epilog=f"{CONFIG_FLAGS_NOTE} --peak-tflops overrides the --gpu table. Times are "
+                                       "estimates: see megatron/planner/time_model.py.")
     p.add_argument("--devices", type=int, required=True, help="Number of devices (GPUs).")
     p.add_argument("--devices-per-node", type=int, default=None, help="GPUs per node; default min(devices, 8).")
     p.add_argument("--device-memory-gb", type=float, default=80.0,

@@ -293,7 +293,8 @@ def _check_not_empty(writers: list[IndexedDatasetWriter], keys: list[str], num_b
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="JSONL/.txt files, folders or globs.")
     p.add_argument("--output-prefix", required=True,
                    help="Output path prefix; _{key}_document.bin/.idx is added (_{key}_sentence.bin/.idx with "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -20,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from megatron.config import help as config_help
 from megatron.config import megatron_flags
 from megatron.config.schema import Config
 
@@ -116,26 +116,25 @@ SECTIONS: set[str] = {key for leaf in LEAVES.values() for key in leaf.path[:-1]}
 
 
 def _closest(word: str, candidates: Sequence[str]) -> str:
-    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else ""
+    found = config_help.hint(word, candidates, table=False)
+    return f"; {found}" if found else ""
 
 
-def _unknown_message(unknown: list[str], flags: list[str]) -> str:
-    """Every unknown flag of the command line in one sentence, each with its closest known flag, so a
-    script is fixed in one pass (the values that followed an unknown flag are not named again)."""
+def _unknown_message(unknown: list[str], flags: Sequence[str] | dict[str, str]) -> str:
+    """Every unknown flag of the command line in one sentence, each with a hint when a known flag is really
+    close or when it is another framework's name for one of ours (``help.hint``; a wrong hint is worse than
+    none), so a script is fixed in one pass (the values that followed an unknown flag are not named again).
+    ``flags``: the known flags, or each mapped to its dest (an alias and its flag are then suggested once)."""
     names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
     names = list(dict.fromkeys(names))
     if not names:
         return ""
-    flags = [f for f in flags if f.startswith("--")]  # a long flag is never meant as a one-letter one
+    meaning = flags if isinstance(flags, dict) else {f: f for f in flags}
+    meaning = {f: d for f, d in meaning.items() if f.startswith("--")}  # a long flag is never meant as a one-letter one
+    hints = {name: config_help.hint(name, meaning) if name.startswith("--") else "" for name in names}
     if len(names) == 1:
-        match = difflib.get_close_matches(names[0], flags, n=1, cutoff=0.7) if names[0].startswith("-") else []
-        hint = f"; did you mean '{match[0]}'?" if match else ""
-        return f"unknown argument '{names[0]}'{hint or '; see --help for the flags.'}"
-    described = []
-    for name in names:
-        match = difflib.get_close_matches(name, flags, n=1, cutoff=0.7)  # a wrong hint is worse than none
-        described.append(f"'{name}'" + (f" (did you mean '{match[0]}'?)" if match else ""))
+        return f"unknown argument '{names[0]}'; {hints[names[0]] or 'see --help for the flags.'}"
+    described = [f"'{name}'" + (f" ({hints[name]})" if hints[name] else "") for name in names]
     return f"{len(names)} unknown arguments: {', '.join(described)}; see --help for the flags."
 
 
@@ -280,30 +279,38 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="pretrain_gpt.py", allow_abbrev=False, argument_default=argparse.SUPPRESS,
-        description="Pretrain a GPT. Every YAML leaf key is a flag; precedence: default < -c YAML < -o < flags.")
-    parser.add_argument("-c", "--config", help="YAML config file (FleetX structure).")
+    """The command line of pretrain_gpt.py: -c, -o, one flag per schema leaf (grouped by section in --help, with
+    its aliases and default) and Megatron-LM's flags of megatron_flags' tables (hidden). Nothing has a default
+    in the namespace (``argument_default=SUPPRESS``): it holds exactly what was given."""
+    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, argument_default=argparse.SUPPRESS,
+                     usage=config_help.USAGE, description=config_help.DESCRIPTION, epilog=config_help.EPILOG,
+                     formatter_class=config_help.Formatter)
+    parser.add_argument("-c", "--config", metavar="CONFIG", help="YAML config file (FleetX structure).")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="Section.key=value",
-                        help="Override one YAML value; may repeat.")
+                        help="Override one YAML value (Model.hidden_size=512, or just hidden_size=512); may repeat.")
     for flag in [*megatron_flags.NO_EFFECT, *megatron_flags.ABSENT, *megatron_flags.DERIVED]:
         parser.add_argument(flag, dest=MEGATRON_DEST + flag, nargs="*", help=argparse.SUPPRESS)
     aliases: dict[str, list[str]] = {}
     for alias, name in ALIASES.items():
         aliases.setdefault(name, []).append(alias)
+    defaults, groups = Config(), {}
     for leaf in LEAVES.values():
+        group = config_help.group_of(parser, groups, leaf.path[:-1])
         names = [leaf.flag] + aliases.get(leaf.name, [])
         tp, _ = _strip_optional(leaf.type)
-        help_text = f"{leaf.help} [{leaf.dotted}]"
+        default = config_help.default_text(leaf.name, leaf.help, get(defaults, leaf.name),
+                                           megatron_flags.MEGATRON_DEFAULTS.get(leaf.name))
+        help_text = config_help.flag_help(leaf.help, leaf.choices, default)
         if tp is bool:
-            parser.add_argument(*names, dest=leaf.name, action=argparse.BooleanOptionalAction, help=help_text)
-        elif typing.get_origin(tp) is list:
-            parser.add_argument(*names, dest=leaf.name, nargs="*", help=help_text)
+            group.add_argument(*names, dest=leaf.name, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        metavar = config_help.metavar(leaf.name, tp, leaf.choices)
+        if typing.get_origin(tp) is list:
+            group.add_argument(*names, dest=leaf.name, nargs="*", metavar=metavar, help=help_text)
         elif leaf.name in DATA_PATH_LEAVES:  # Megatron's --data-path takes 'w1 p1 w2 p2'
-            parser.add_argument(*names, dest=leaf.name, nargs="+", help=help_text)
+            group.add_argument(*names, dest=leaf.name, nargs="+", metavar="PREFIX", help=help_text)
         else:  # values are coerced (and their choices checked) by coerce(), so argparse takes strings
-            choices = f" Choices: {', '.join(map(str, leaf.choices))}." if leaf.choices else ""
-            parser.add_argument(*names, dest=leaf.name, help=help_text + choices)
+            group.add_argument(*names, dest=leaf.name, metavar=metavar, help=help_text)
     return parser
 
 
@@ -326,7 +333,8 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
         them = "them" if len(refused) > 1 else "it"
         absent = (f"{'Not' if unknown else 'not'} available here: {', '.join(refused)}; remove {them} "
                   f"(docs/megatron.md lists Megatron-LM's flags)." if refused else "")
-        unknown_text = _unknown_message(unknown, [s for a in parser._actions for s in a.option_strings])
+        ours = {s: a.dest for a in parser._actions for s in a.option_strings if not a.dest.startswith(MEGATRON_DEST)}
+        unknown_text = _unknown_message(unknown, ours)  # hidden Megatron-LM flags are never suggested
         raise ConfigError(" ".join(part for part in (unknown_text, absent) if part))
     if "config" in given and not load_yaml(given["config"]) and warnings is not None:
         warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")
