@@ -23,7 +23,7 @@ from megatron.config import Config, ConfigError, validate
 from megatron.config.batch_schedule import total_train_samples
 from megatron.data.blended_dataset import build_datasets, build_per_split_datasets, parse_input_dir
 from megatron.data.indexed_dataset import DatasetError
-from megatron.data.mock_dataset import MockGPTDataset
+from megatron.data.mock_dataset import build_mock_datasets
 from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
 from megatron.model import build_model
@@ -46,8 +46,7 @@ def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tup
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
     num_samples = (total_train_samples(config), config.eval_iters * gbs, config.eval_iters * gbs)
     if d.mock_data:
-        make = partial(MockGPTDataset, seq_len=seq, vocab_size=config.model.vocab_size, seed=config.seed)
-        return tuple(make(n, split=name) for n, name in zip(num_samples, ("train", "valid", "test")))
+        return build_mock_datasets(num_samples, seq, config.model.vocab_size, config.seed, report=True)
     if tokenizer is None:
         raise ValueError("datasets_provider: real data needs the run's tokenizer (configured_tokenizer).")
     if d.train_data_path:  # each split its own data: no split applied, no validation without valid_data_path
@@ -55,7 +54,7 @@ def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tup
     else:
         build = partial(build_datasets, d.input_dir, d.split)
     return build(num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path, vocab_size=config.model.vocab_size,
-                 train_epochs=config.num_train_epochs, global_batch_size=gbs)
+                 train_epochs=config.num_train_epochs, global_batch_size=gbs, report=True)
 
 
 def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

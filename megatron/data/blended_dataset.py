@@ -20,6 +20,9 @@ the train samples are rounded down to whole global batches (``train_samples``).
 ``--test-data-path`` (Megatron Core's ``blend_per_split``): each path takes ``input_dir``'s syntax, each
 split is built from every sequence of its own datasets (no ``split``), the same way, except that a single
 prefix is used directly even with a weight (as Core); a split without a path is None.
+
+With ``report=True`` (``pretrain_gpt.py``'s datasets provider), both builders say what they build: the
+index cache being built or loaded, and one summary per split on global rank 0 (``megatron.data.summary``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import os
 import numpy as np
 
 from megatron.config import syntax
-from megatron.data import index_cache, indexed_dataset
+from megatron.data import index_cache, indexed_dataset, summary
 from megatron.data.gpt_dataset import GPTDataset, parse_split, split_ranges
 from megatron.data.helpers import build_blending_indices
 from megatron.data.index_cache import cache_folder, run_agreed
@@ -51,10 +54,12 @@ def normalize(weights: list[float]) -> list[float]:
 
 
 class BlendedDataset:
-    """``ds[i] = datasets[dataset_index[i]][dataset_sample_index[i]]`` for ``size`` samples."""
+    """``ds[i] = datasets[dataset_index[i]][dataset_sample_index[i]]`` for ``size`` samples; ``num_samples``
+    is the samples asked of the blend (``size`` is each member's share rounded up: a few more)."""
 
-    def __init__(self, datasets: list, weights: list[float], size: int):
+    def __init__(self, datasets: list, weights: list[float], size: int, num_samples: int | None = None):
         self.datasets, self.weights, self.size = datasets, normalize(weights), size
+        self.num_samples = size if num_samples is None else min(num_samples, size)
         self.dataset_index, self.dataset_sample_index = build_blending_indices(
             np.asarray(self.weights, dtype=np.float64), size)
         self.eod_id = datasets[0].eod_id
@@ -129,22 +134,29 @@ def _train_ranges(indexed: list[IndexedDataset], split: str, weights: list[float
 
 def build_datasets(input_dir: str, split: str, num_samples: tuple[int, int, int], seq_length: int, seed: int,
                    eod_id: int, cache_dir: str | None = None, vocab_size: int | None = None,
-                   train_epochs: int | None = None, global_batch_size: int = 1) -> tuple:
+                   train_epochs: int | None = None, global_batch_size: int = 1, report: bool = False) -> tuple:
     """(train, valid, test); a split with no sequences (or no samples requested) is None.
 
     With ``vocab_size``, every dataset's token ids are checked against it first (``token_check``). With
     ``train_epochs``, the train split holds exactly ``train_samples(...)`` samples: at most that many passes,
     in whole global batches. Every failure is a DatasetError raised on every rank (see ``index_cache``).
+    With ``report``, the index cache's builds and loads are logged, then a summary per split (``summary``).
     """
     prefixes, weights = parse_input_dir(input_dir)
-    return _build(prefixes, weights, len(prefixes) == 1 and weights is None, f"input_dir '{input_dir}'", split,
-                  num_samples, seq_length, seed, eod_id, cache_dir, vocab_size, train_epochs, global_batch_size)
+    datasets = _build(prefixes, weights, len(prefixes) == 1 and weights is None, f"input_dir '{input_dir}'", split,
+                      num_samples, seq_length, seed, eod_id, cache_dir, vocab_size, train_epochs, global_batch_size,
+                      report)
+    if report:
+        why = tuple("no samples asked" if num_samples[s] == 0 else f"split '{split}' gives it no sequences"
+                    for s in range(3))
+        summary.log_splits(datasets, seq_length, why)
+    return datasets
 
 
 def build_per_split_datasets(paths: tuple[str | None, str | None, str | None], num_samples: tuple[int, int, int],
                              seq_length: int, seed: int, eod_id: int, cache_dir: str | None = None,
                              vocab_size: int | None = None, train_epochs: int | None = None,
-                             global_batch_size: int = 1) -> tuple:
+                             global_batch_size: int = 1, report: bool = False) -> tuple:
     """(train, valid, test) from (train_data_path, valid_data_path, test_data_path): split ``s`` is built from
     every sequence of path ``s``'s datasets, for ``num_samples[s]`` samples, as ``build_datasets`` builds it; a
     split without a path (or without samples) is None. ``train_epochs`` counts passes over train_data_path."""
@@ -156,15 +168,20 @@ def build_per_split_datasets(paths: tuple[str | None, str | None, str | None], n
         prefixes, weights = parse_input_dir(path, name)
         wanted = tuple(n if i == s else 0 for i, n in enumerate(num_samples))
         out.append(_build(prefixes, weights, len(prefixes) == 1, f"{name} '{path}'", WHOLE[s], wanted, seq_length,
-                          seed, eod_id, cache_dir, vocab_size, train_epochs, global_batch_size)[s])
+                          seed, eod_id, cache_dir, vocab_size, train_epochs, global_batch_size, report)[s])
+    if report:
+        why = tuple(f"no {name}" if not path else "no samples asked" for name, path in zip(PER_SPLIT_NAMES, paths))
+        summary.log_splits(tuple(out), seq_length, why)
     return tuple(out)
 
 
 def _build(prefixes: list[str], weights: list[float] | None, single: bool, what: str, split: str,
            num_samples: tuple[int, ...], seq_length: int, seed: int, eod_id: int, cache_dir: str | None,
-           vocab_size: int | None, train_epochs: int | None, global_batch_size: int) -> tuple:
+           vocab_size: int | None, train_epochs: int | None, global_batch_size: int, report: bool = False) -> tuple:
     """The three splits of ``prefixes`` (``what`` names them in messages) cut by ``split``: one dataset's own
-    (``single``) or a blend."""
+    (``single``) or a blend. ``report``: log the index cache's builds and loads."""
+    log = summary.info if report else None
+
     def open_and_check() -> list[IndexedDataset]:
         indexed = open_datasets(prefixes)
         if num_samples[0] > 0:
@@ -174,17 +191,17 @@ def _build(prefixes: list[str], weights: list[float] | None, single: bool, what:
     indexed = run_agreed(open_and_check, f"opening the datasets of {what}")
     if vocab_size is not None:
         for ds in indexed:
-            token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size)
+            token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size, log)
     if train_epochs is not None and num_samples[0] > 0:
         per_epoch = samples_per_epoch(indexed, weights, split, seq_length)
         num_samples = (train_samples(num_samples[0], train_epochs, per_epoch, global_batch_size, seq_length),
                        *num_samples[1:])
     if single:
-        datasets = tuple(_single(indexed[0], split, s, n, seq_length, seed, eod_id, cache_dir)
+        datasets = tuple(_single(indexed[0], split, s, n, seq_length, seed, eod_id, cache_dir, log)
                          for s, n in enumerate(num_samples))
     else:
         weights = normalize(weights if weights is not None else [float(ds.num_tokens) for ds in indexed])
-        datasets = tuple(_blend(indexed, weights, split, s, n, seq_length, seed, eod_id, cache_dir)
+        datasets = tuple(_blend(indexed, weights, split, s, n, seq_length, seed, eod_id, cache_dir, log)
                          for s, n in enumerate(num_samples))
     if train_epochs is None or datasets[0] is None:
         return datasets
@@ -235,7 +252,7 @@ class FirstSamples:
 
 
 def _single(ds: IndexedDataset, split: str, s: int, n: int, seq_length: int, seed: int, eod_id: int,
-            cache_dir: str | None) -> GPTDataset | None:
+            cache_dir: str | None, log=None) -> GPTDataset | None:
     first, last = split_ranges(split, len(ds))[s]
     if n == 0:
         return None
@@ -243,11 +260,11 @@ def _single(ds: IndexedDataset, split: str, s: int, n: int, seq_length: int, see
         _warn_empty(ds, split, s)
         return None
     return GPTDataset(ds, SPLIT_NAMES[s], (first, last), n, seq_length, seed, cache_folder(ds.prefix, cache_dir),
-                      eod_id)
+                      eod_id, log)
 
 
 def _blend(indexed: list[IndexedDataset], weights: list[float], split: str, s: int, n: int, seq_length: int,
-           seed: int, eod_id: int, cache_dir: str | None) -> BlendedDataset | None:
+           seed: int, eod_id: int, cache_dir: str | None, log=None) -> BlendedDataset | None:
     """Megatron Core's sizes: member d built for ceil(ceil(n w_d) 1.005) samples, the blend sum_d ceil(n w_d).
     Members without sequences in this split (or weight 0) are left out and the rest re-weighted."""
     if n == 0:
@@ -262,12 +279,12 @@ def _blend(indexed: list[IndexedDataset], weights: list[float], split: str, s: i
             continue
         target = math.ceil(n * weight)
         members.append(GPTDataset(ds, SPLIT_NAMES[s], (first, last), math.ceil(target * (1 + SURPLUS)), seq_length,
-                                  seed, cache_folder(ds.prefix, cache_dir), eod_id))
+                                  seed, cache_folder(ds.prefix, cache_dir), eod_id, log))
         member_weights.append(weight)
         size += target
     if not members:
         return None
-    return BlendedDataset(members, member_weights, size)
+    return BlendedDataset(members, member_weights, size, n)
 
 
 def _warn_empty(ds: IndexedDataset, split: str, s: int) -> None:

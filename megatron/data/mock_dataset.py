@@ -53,3 +53,16 @@ class MockGPTDataset:
                 token = int(self.successors[prev, choice[t]])
             out[t] = prev = token
         return np.asarray(out, dtype=np.int64)
+
+
+def build_mock_datasets(num_samples: tuple[int, int, int], seq_len: int, vocab_size: int, seed: int,
+                        report: bool = False) -> tuple[MockGPTDataset, MockGPTDataset, MockGPTDataset]:
+    """(train, valid, test) of ``num_samples`` samples each; ``report``: say so on global rank 0, one line per
+    split (``megatron.data.summary.log_mock``)."""
+    datasets = tuple(MockGPTDataset(n, seq_len, vocab_size, seed, split=split)
+                     for n, split in zip(num_samples, SPLITS))
+    if report:
+        from megatron.data import summary
+
+        summary.log_mock(num_samples, seq_len, vocab_size)
+    return datasets
