@@ -269,7 +269,7 @@ def _blend(indexed: list[IndexedDataset], weights: list[float], split: str, s: i
     Members without sequences in this split (or weight 0) are left out and the rest re-weighted."""
     if n == 0:
         return None
-    members, member_weights, size = [], [], 0
+    kept = []  # (dataset, weight, its range in this split)
     for ds, weight in zip(indexed, weights):
         first, last = split_ranges(split, len(ds))[s]
         if weight == 0:
@@ -277,13 +277,17 @@ def _blend(indexed: list[IndexedDataset], weights: list[float], split: str, s: i
         if last == first:
             _warn_empty(ds, split, s)
             continue
-        target = math.ceil(n * weight)
-        members.append(GPTDataset(ds, SPLIT_NAMES[s], (first, last), math.ceil(target * (1 + SURPLUS)), seq_length,
-                                  seed, cache_folder(ds.prefix, cache_dir), eod_id, log))
-        member_weights.append(weight)
-        size += target
-    if not members:
+        kept.append((ds, weight, (first, last)))
+    if not kept:
         return None
+    total = sum(weight for _, weight, _ in kept)  # re-weighted: the blend still holds the n samples asked
+    members, member_weights, size = [], [], 0
+    for ds, weight, bounds in kept:
+        target = math.ceil(n * weight / total)
+        members.append(GPTDataset(ds, SPLIT_NAMES[s], bounds, math.ceil(target * (1 + SURPLUS)), seq_length,
+                                  seed, cache_folder(ds.prefix, cache_dir), eod_id, log))
+        member_weights.append(weight / total)
+        size += target
     return BlendedDataset(members, member_weights, size, n)
 
 

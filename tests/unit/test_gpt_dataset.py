@@ -314,3 +314,15 @@ def test_a_split_with_a_share_but_no_sequences_is_said(tmp_path, monkeypatch):
     lines.clear()
     build_datasets(str(tmp_path / "ds"), "90,10,0", (20, 8, 8), 8, 1, EOD, str(tmp_path / "c"))
     assert lines == []  # no share asked, nothing to say
+
+
+def test_a_blend_member_without_sequences_in_a_split_leaves_its_share_to_the_others(tmp_path):
+    """The member left out is re-weighted away: the blend still holds every sample asked (evaluation must
+    not silently run fewer batches), drawn from the members that have the split."""
+    _make(str(tmp_path / "big"), 3000, seed=1)  # test: documents [2997, 3000)
+    _make(str(tmp_path / "small"), 30, seed=2, doc_offset=500)  # 949,50,1 of 30: no test sequences
+    blend = f"0.7 {tmp_path}/big 0.3 {tmp_path}/small"
+    _, _, test = build_datasets(blend, "949,50,1", (20, 8, 8), 8, 1, EOD, str(tmp_path / "c"))
+    assert len(test) == 8
+    assert [len(m) >= 8 for m in test.datasets] == [True] and test.weights == [1.0]
+    assert all(np.array_equal(test[i], test.datasets[0][i]) for i in range(8))
