@@ -1,18 +1,21 @@
 """Convert checkpoints: to and from Hugging Face GPT-2 and Llama, and to another tensor-parallel size (offline, CPU).
 
-    python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16]
+    python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
-``config.json`` and ``model.safetensors``, loadable with ``LlamaForCausalLM.from_pretrained(OUT_DIR)``
-when the checkpoint's model is Llama-shaped (rope, RMSNorm and swiglu), else with
-``GPT2LMHeadModel.from_pretrained(OUT_DIR)``. ``from-hf`` reads ``config.json`` (a ``gpt2`` or ``llama``
-model_type) and ``model.safetensors`` (or sharded safetensors, or ``pytorch_model.bin``) and writes
-``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
-``pretrain_gpt.py --load OUT_DIR``. ``reshard`` writes ``OUT/step_N`` with one file per
-tensor-parallel rank, every kind (masters and AdamW states) kept. Exit status 2, with a one-line
-message, for a missing or damaged checkpoint or a model that cannot be converted.
+``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
+``LlamaForCausalLM.from_pretrained(OUT_DIR)`` when the checkpoint's model is Llama-shaped (rope, RMSNorm
+and swiglu), else with ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``, and the run's tokenizer
+(``tokenizer.json``, ``tokenizer_config.json``), so that ``transformers.pipeline("text-generation",
+model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from-hf`` reads ``config.json``
+(a ``gpt2`` or ``llama`` model_type) and ``model.safetensors`` (or sharded safetensors, or
+``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
+``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
+in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
+kind (masters and AdamW states) kept. Exit status 2, with a one-line message, for a missing or damaged
+checkpoint or a model that cannot be converted.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import yaml  # noqa: E402
 
 from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama  # noqa: E402
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
-from megatron.checkpoint.hf_common import ConversionError  # noqa: E402
+from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
-from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
 
 PROG = "convert_checkpoint.py"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -47,9 +50,22 @@ class ToolError(Exception):
 
 
 def _write_atomic(path: str, write) -> None:
+    """``write(tmp)`` then rename ``tmp`` to ``path``, the file's mode that of any new file (0666 less the
+    umask): some writers create theirs 0600 (safetensors' ``save_file`` does)."""
     tmp = path + ".tmp"
     write(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    _write_atomic(path, write)
 
 
 def converter_for_model(model_cfg):
@@ -72,20 +88,56 @@ def converter_for_hf(hf_cfg: dict):
                           f"(GPT2LMHeadModel) and llama (LlamaForCausalLM).")
 
 
-def to_hf(ckpt: str, out_dir: str, dtype: str = "float32") -> None:
+def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = True,
+          tokenizer_args: dict | None = None) -> None:
+    """Write the Hugging Face folder of ``ckpt``; ``tokenizer_args`` (``tokenizer_type``, ``vocab_file``,
+    ``merge_file``, ``tokenizer_model``, None for unset) replace the checkpoint's tokenizer settings."""
     from safetensors.torch import save_file
 
     reader, common, config = open_checkpoint(ckpt)
     hf = converter_for_model(config.model)
+    section = config.tokenizer
+    for name, value in (tokenizer_args or {}).items():
+        if value is not None:
+            setattr(section, name, value)
+    # the tokenizer first: a file that cannot be found stops the tool before anything is written
+    export = (export_tokenizer(section, config.model.vocab_size, reader.step_dir, config.model.max_position_embeddings)
+              if tokenizer else None)
     state = {name: t.to(DTYPES[dtype]) for name, t in hf.to_hf_state_dict(read_tensors(reader), config.model).items()}
     os.makedirs(out_dir, exist_ok=True)
     _write_atomic(os.path.join(out_dir, "model.safetensors"),
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    text = json.dumps(hf.hf_config(config.model, dtype), indent=2) + "\n"
-    _write_atomic(os.path.join(out_dir, "config.json"), lambda tmp: open(tmp, "w").write(text))
-    print(f"wrote {out_dir}/config.json and model.safetensors ({hf.hf_config(config.model)['architectures'][0]}) "
-          f"from {reader.step_dir} (step {common['step']}, {sum(t.numel() for t in state.values()):,} parameters, "
-          f"{dtype})")
+    hf_cfg = hf.hf_config(config.model, dtype)
+    hf_cfg.update(export.token_ids if export is not None else {})
+    eos = hf_cfg["eos_token_id"]
+    # max_length: generation stops at the model's positions at the latest (a pipeline's default of 256 new
+    # tokens would run past a smaller model's and fail)
+    generation = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": eos,
+                  **({"pad_token_id": eos} if eos is not None else {}),
+                  "max_length": config.model.max_position_embeddings}
+    _write_bytes(os.path.join(out_dir, "generation_config.json"), _json_bytes(generation))
+    _write_bytes(os.path.join(out_dir, "config.json"), _json_bytes(hf_cfg))
+    written = ["config.json", "generation_config.json", "model.safetensors"]
+    for name, data in (export.files if export is not None else {}).items():
+        _write_bytes(os.path.join(out_dir, name), data)
+        written.append(name)
+    print(f"wrote {out_dir}: {', '.join(written)} ({hf_cfg['architectures'][0]}) from {reader.step_dir} "
+          f"(step {common['step']}, {sum(t.numel() for t in state.values()):,} parameters, {dtype})")
+    if export is None:
+        print("the tokenizer is not exported (--no-tokenizer): give generate() the eos id and load a tokenizer "
+              "from elsewhere.")
+    else:
+        if export.files:
+            print(f"tokenizer: {export.tokenizer_type}, end-of-document id {export.token_ids['eos_token_id']} "
+                  f"(bos and eos); generate with transformers.pipeline('text-generation', model={out_dir!r})")
+        for line in export.notes:
+            print(line)
+        for line in export.warnings:
+            print(f"{PROG}: warning: {line}", file=sys.stderr)
+
+
+def _json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()
 
 
 def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
@@ -146,18 +198,77 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
             hf_cfg = json.load(f)
     except (OSError, ValueError) as err:
         raise ToolError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
-    config = hf_to_config(hf_cfg, flags)
+    found = _hf_tokenizer(hf_dir, hf_cfg, flags)
+    # validated with the tokenizer's files where they are; the checkpoint then names their copies
+    config = hf_to_config(hf_cfg, [*flags, *_tokenizer_flags(found, hf_dir)])
     state = read_hf_state_dict(hf_dir)
     # A vocab_size above the model's (flag) adds rows that start at zero, like the padding rows.
     as_saved = dataclasses.replace(config.model, vocab_size=int(hf_cfg["vocab_size"]))
     params = converter_for_hf(hf_cfg).from_hf_state_dict(state, as_saved, config.padded_vocab_size)
+    tokenizer_dir = os.path.abspath(os.path.join(out_dir, "tokenizer"))
+    if found is not None:
+        for name in ("vocab_file", "merge_file", "tokenizer_model"):
+            if found[0].get(name):
+                setattr(config.tokenizer, name, os.path.join(tokenizer_dir, found[0][name]))
     # A run loading the checkpoint takes its config.yaml as its base: only the model, which config.json
-    # fixes; the schedule, batch sizes and data are that run's own (derived from its flags, not pinned here).
-    model_only = yaml.safe_dump({"Model": to_dict(config)["Model"]}, sort_keys=False)
+    # fixes, and its tokenizer; the schedule, batch sizes and data are that run's own (derived from its
+    # flags, not pinned here).
+    sections = to_dict(config)
+    named = config.tokenizer.tokenizer_type is not None  # the folder's tokenizer, or one the flags name
+    base = {"Model": sections["Model"], **({"tokenizer": sections["tokenizer"]} if named else {})}
     step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
-                            force=force, resume_config=model_only)
+                            force=force, resume_config=yaml.safe_dump(base, sort_keys=False))
+    if found is not None:
+        os.makedirs(tokenizer_dir, exist_ok=True)
+        for name, source in found[1].items():
+            with open(source, "rb") as f:
+                _write_bytes(os.path.join(tokenizer_dir, name), f.read())
     print(f"wrote {step_dir} ({sum(t.numel() for t in params.values()):,} parameters, padded vocabulary "
           f"{config.padded_vocab_size}); continue pretraining with: pretrain_gpt.py ... --load {out_dir}")
+    if found is not None:
+        print(f"tokenizer: {found[0]['tokenizer_type']} from {hf_dir}, copied to {tokenizer_dir} and named in the "
+              f"checkpoint's config (tools/generate.py --load {out_dir} needs no tokenizer flags)")
+
+
+def _hf_tokenizer(hf_dir: str, hf_cfg: dict, flags: list[str]) -> tuple[dict, dict[str, str]] | None:
+    """The tokenizer of ``hf_dir`` (``find_hf_tokenizer``), if ``flags`` name none and ours can load it;
+    a line says why not otherwise."""
+    try:
+        given = parse_config(flags).tokenizer
+    except ConfigError:
+        return None  # hf_to_config reports it
+    if any(getattr(given, name) for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")):
+        return None  # the flags name the tokenizer
+    found = find_hf_tokenizer(hf_dir, hf_cfg)
+    if found is None:
+        print(f"{hf_dir} holds no tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model): the "
+              f"checkpoint names none; give --tokenizer-type and its files to name one.")
+        return None
+    settings = found[0]
+    try:
+        tokenizer = build_tokenizer(settings["tokenizer_type"], **{
+            name: os.path.join(hf_dir, settings[name]) for name in ("vocab_file", "merge_file", "tokenizer_model")
+            if settings.get(name)}, eod_token=settings.get("eod_token"))
+        if tokenizer.vocab_size > int(hf_cfg.get("vocab_size") or 0):
+            raise TokenizerError(f"it has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+                                 f"{hf_cfg.get('vocab_size')}")
+    except TokenizerError as err:
+        print(f"{PROG}: warning: the tokenizer in {hf_dir} is not imported ({str(err).rstrip('.')}); give "
+              f"--tokenizer-type and its files to name one.", file=sys.stderr)
+        return None
+    return found
+
+
+def _tokenizer_flags(found: tuple[dict, dict[str, str]] | None, folder: str) -> list[str]:
+    """Our flags for the settings of ``find_hf_tokenizer``, file names under ``folder``."""
+    if found is None:
+        return []
+    flags = []
+    for name, value in found[0].items():
+        if value is not None:
+            is_file = name in ("vocab_file", "merge_file", "tokenizer_model")
+            flags += ["--" + name.replace("_", "-"), os.path.join(folder, value) if is_file else value]
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,10 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", allow_abbrev=False,
                        help="Write a Hugging Face Llama (a rope + RMSNorm + swiglu model) or GPT-2 folder "
-                            "(config.json + model.safetensors).")
+                            "(config.json, model.safetensors and the run's tokenizer).")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="Dtype of the written weights.")
+    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                   help="Write the model only, without the run's tokenizer files (and no bos/eos ids).")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="Tokenizer to export (default: the one the checkpoint's config names).")
+    p.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json, where the config's is not found.")
+    p.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt, where the config's is not found.")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model, Hugging Face tokenizer.json or tiktoken vocabulary, where the "
+                        "config's is not found.")
     p = sub.add_parser("from-hf", allow_abbrev=False,
                        help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2 or Llama "
                             "folder; further arguments are pretrain_gpt.py flags.")
@@ -191,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "to-hf":
-            to_hf(args.ckpt, args.out_dir, args.dtype)
+            to_hf(args.ckpt, args.out_dir, args.dtype, args.tokenizer,
+                  {name: getattr(args, name) for name in ("tokenizer_type", "vocab_file", "merge_file",
+                                                          "tokenizer_model")})
         elif args.command == "from-hf":
             from_hf(args.hf_dir, args.out_dir, rest, args.force)
         else:

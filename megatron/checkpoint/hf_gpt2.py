@@ -172,7 +172,9 @@ def hf_config(model_cfg, dtype: str = "float32") -> dict:
     """``config.json`` of the equivalent ``GPT2LMHeadModel``."""
     check_model(model_cfg)
     m = model_cfg
-    eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
+    # GPT-2's <|endoftext|>, when the vocabulary has it; to-hf replaces both with the end-of-document id of
+    # the run's tokenizer
+    eod = 50256 if m.vocab_size > 50256 else None
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -216,7 +216,7 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
         "attention_dropout": m.attention_probs_dropout_prob,
         "initializer_range": m.initializer_range,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
-        "bos_token_id": None,  # the tokenizer is not part of the checkpoint
+        "bos_token_id": None,  # to-hf sets both to the end-of-document id of the run's tokenizer
         "eos_token_id": None,
         "pretraining_tp": 1,
         "use_cache": True,
