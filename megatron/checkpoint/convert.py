@@ -37,6 +37,7 @@ from megatron.checkpoint.format import (
     seal,
     write_text,
 )
+from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -78,6 +79,7 @@ def open_checkpoint(path: str) -> tuple[CheckpointReader, dict, Config]:
         raise CheckpointError(f"{step_dir} is damaged ({type(err).__name__}: {err}).") from err
     if config.model.vocab_size is None:
         raise CheckpointError(f"{reader.step_dir}: the saved config has no vocab_size; it is not a resolved config.")
+    find_tokenizer_files(config.tokenizer, step_dir)  # paths relative to where the run was launched
     return reader, common, config
 
 

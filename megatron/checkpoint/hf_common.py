@@ -13,6 +13,8 @@ import tokenizers
 import torch
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
+from megatron.checkpoint.tokenizer_files import locate
+
 
 class ConversionError(ValueError):
     """A state dict or configuration that does not describe our GPT (the message says what differs)."""
@@ -86,26 +88,6 @@ class TokenizerExport:
     token_ids: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-
-
-def locate(path: str, step_dir: str) -> str | None:
-    """The file or folder a checkpoint's config names as ``path``: as given (relative to the current
-    folder), else relative to each folder above the step folder (the run may have been launched from
-    any of them), else by its name in the step folder, the run folder or the run folder's
-    ``tokenizer/`` (files kept with the checkpoint, e.g. by ``from-hf``); None when none exists."""
-    step_dir = os.path.abspath(step_dir)
-    run_dir = os.path.dirname(step_dir)
-    candidates = [path]
-    if not os.path.isabs(path):
-        folder = step_dir
-        while True:
-            candidates.append(os.path.join(folder, path))
-            if os.path.dirname(folder) == folder:
-                break
-            folder = os.path.dirname(folder)
-    name = os.path.basename(os.path.normpath(path))
-    candidates += [os.path.join(d, name) for d in (step_dir, run_dir, os.path.join(run_dir, "tokenizer"))]
-    return next((os.path.abspath(c) for c in candidates if os.path.exists(c)), None)
 
 
 def resolve_tokenizer_section(section, step_dir: str):

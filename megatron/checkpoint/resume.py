@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 
 from megatron.checkpoint.format import find_checkpoint, verify_file
+from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, load_yaml, megatron_flags, parse_config, set_value
 from megatron.config.cli import megatron_defaults
 from megatron.config.schema import SaveLoadConfig
@@ -54,6 +55,7 @@ def resume_base(save_load: SaveLoadConfig) -> Config | None:
     for leaf, value in load_yaml(path):
         if leaf.path[0] != NOT_INHERITED_SECTION and leaf.name not in NOT_INHERITED:
             set_value(base, leaf, value)
+    find_tokenizer_files(base.tokenizer, os.path.dirname(path))  # paths relative to where the run was launched
     return base
 
 

@@ -148,8 +148,7 @@ def test_a_gpt2_export_generates_as_our_engine_with_the_runs_tokenizer(files, tm
     assert set(_modes(hf).values()) == {0o644}  # model.safetensors included (safetensors writes 0600)
     ours = build_tokenizer("GPT2BPETokenizer", files / "tok" / "vocab.json", files / "tok" / "merges.txt")
     _check_same_ids(hf, ours)
-    monkeypatch.chdir(files)  # our engine reads the run's tokenizer as its config names it
-    _check_generates(files / "gpt", hf, ours.eod)
+    _check_generates(files / "gpt", hf, ours.eod)  # our engine too finds the run's tokenizer from another folder
 
 
 def test_the_import_names_the_tokenizer_so_generate_needs_no_flags(files, tmp_path, monkeypatch, umask_022, capsys):
@@ -163,7 +162,6 @@ def test_the_import_names_the_tokenizer_so_generate_needs_no_flags(files, tmp_pa
     assert generate.main(["--load", str(tmp_path / "imported"), "--prompt", PROMPT, "--temperature", "0",
                           "--max-new-tokens", "8", "--ignore-eos", "--output-format", "jsonl"]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    monkeypatch.chdir(files)
     _, expected = _greedy(files / "gpt", PROMPT, 8)
     assert record["tokens"] == expected[:8]
     # and out again: the same tokenizer
