@@ -26,6 +26,7 @@ from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import build_mock_datasets
 from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
+from megatron.memory.check import check_memory
 from megatron.model import build_model
 from megatron.pretrain import pretrain
 from megatron.tokenizer import Tokenizer, TokenizerError, configured_tokenizer
@@ -70,8 +71,9 @@ def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Cal
 def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokenizer | None]:
     """The validated configuration and the run's tokenizer, before any process group exists: the command line
     over the resumed run's saved configuration, if any (``resumed_config``); the tokenizer built once, from
-    that configuration, its vocabulary size given to validation; the data prefixes must exist. Each failure is
-    a one-line error (ConfigError, CheckpointError, TokenizerError)."""
+    that configuration, its vocabulary size given to validation; the data prefixes must exist; the predicted
+    peak memory must fit (``megatron.memory.check``). Each failure is a one-line error (ConfigError,
+    CheckpointError, TokenizerError)."""
     config = resumed_config(argv, warnings)
     world_size, _, _ = launch_env()
     tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)  # NullTokenizer's --vocab-size
@@ -83,6 +85,7 @@ def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokeni
                 parse_input_dir(getattr(config.dataset, name), name)  # the prefixes exist (validation reads no files)
             except DatasetError as err:
                 raise ConfigError(f"{err}.") from None
+    check_memory(config)  # each rank alone: a predicted peak above its device's memory is a ConfigError
     return config, tokenizer
 
 

@@ -5,7 +5,9 @@
 
 Takes the same configuration as pretrain_gpt.py, plus:
 
-    --device-memory-gb G        usable memory of one device, GiB (2^30 bytes): prints the verdict
+    --device-memory-gb G        usable memory of one device, GiB (2^30 bytes): prints the verdict; without
+                                it, the verdict of pretrain_gpt.py's memory check on this machine (its
+                                available RAM for a CPU run, shared by the run's ranks; GPU 0's free memory)
     --attention-kernel K        flash or math (default: what the run would use; see megatron/memory/activations.py)
     --terms                     the bytes of one micro-batch's saved activations on stage 0, term by term
 
@@ -28,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.checkpoint import CheckpointError, resumed_config  # noqa: E402
 from megatron.config import ConfigError, validate  # noqa: E402
 from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
-from megatron.memory import estimate  # noqa: E402
+from megatron.device import cuda_available  # noqa: E402
+from megatron.memory import check, estimate  # noqa: E402
 from megatron.memory.activations import activation_terms, attention_kernel, temporary_terms  # noqa: E402
 from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, training_precision  # noqa: E402
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
@@ -136,6 +139,15 @@ def _verdict(estimates: list, device_gib: float | None) -> None:
         print(f"does not fit in {device_gib:g} GiB: {need}, {format_bytes(-spare)} over")
 
 
+def _this_machine(config, world: int) -> None:
+    """pretrain_gpt.py's memory check for this configuration here (megatron/memory/check.py): a CPU run's
+    ranks all on this machine, a GPU run's rank 0 on GPU 0; nothing for a GPU run on a machine without one."""
+    if config.device == "gpu" and not cuda_available():
+        return
+    _, line, _ = check.verdict(config, 0, world if config.device == "cpu" else 1)
+    print(f"on this machine: {line.removeprefix('memory: ')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     tool, rest = _tool_flags(argv)
     try:
@@ -153,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if tool.terms:
         _terms(config, tool.attention_kernel)
     _verdict(estimates, tool.device_memory_gb)
+    if tool.device_memory_gb is None:
+        _this_machine(config, world)
     return 0
 
 
