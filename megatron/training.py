@@ -193,7 +193,8 @@ class Trainer:
         self.log = get_logger()
         self.is_logging_rank = self.ps.rank == self.ps.world_size - 1  # last stage, last replica, as Megatron
         sl = config.save_load
-        check_output_dir(sl.output_dir, self.ps.rank, device)  # a bad --save stops every rank now, with one line
+        saves = bool(sl.save_at_end or sl.save_steps or sl.exit_interval or sl.exit_duration_in_mins)
+        check_output_dir(sl.output_dir, self.ps.rank, device, saves)  # a bad --save stops every rank now, in one line
         resume_step = self._load(sl.ckpt_dir) if sl.ckpt_dir else None  # writes nothing: a failure leaves no trace
         self.writer = on_every_rank(  # drops an earlier run's records past resume_step from metrics.jsonl
             lambda: _open_metrics(config, self.is_logging_rank, resume_step), device,

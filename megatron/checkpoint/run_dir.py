@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
+import socket
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -61,12 +63,49 @@ def ranks_with(flag: bool, device: torch.device) -> int:
     return int(count.item())
 
 
-def check_output_dir(output_dir: str, rank: int, device: torch.device) -> None:
+def check_output_dir(output_dir: str, rank: int, device: torch.device, saves: bool = True) -> None:
     """At start-up, before anything is trained: rank 0 creates ``output_dir`` if needed, checks that
     it can write there and that nothing is in the way of the files the run writes, and removes the
-    ``step_N.tmp`` folders of interrupted saves; any problem stops every rank with one line. Collective."""
+    ``step_N.tmp`` folders of interrupted saves; with ``saves`` (the run will checkpoint) and several
+    ranks, every rank must see rank 0's folder (``_check_shared``). Any problem stops every rank with
+    one line. Collective."""
     on_every_rank(lambda: _prepare(output_dir) if rank == 0 else None, device, f"cannot use the output folder "
                   f"{output_dir}", "fix it or give --save another folder")
+    if saves and _world() > 1:
+        _check_shared(output_dir, rank, device)
+
+
+def _check_shared(output_dir: str, rank: int, device: torch.device) -> None:
+    """Each rank writes its part of a checkpoint into rank 0's ``step_N.tmp``: a folder that is not the
+    same on every node (a local disk) would fail the first save, after hours of training. Rank 0 writes a
+    random token into the folder and broadcasts it; every rank must read it there. Collective."""
+    token = torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64, device=device)
+    marker = os.path.join(output_dir, ".shared_check")
+    error = None
+    if rank == 0:
+        try:
+            with open(marker, "w") as f:
+                f.write(str(int(token)))
+        except OSError as err:
+            error = f"cannot write {marker} ({err.strerror or err}); fix the folder or give --save another one."
+    all_ranks_ok(error, device)
+    try:
+        dist.broadcast(token, src=0)
+        if rank != 0:
+            try:
+                with open(marker) as f:
+                    seen = f.read().strip()
+            except OSError:
+                seen = None
+            if seen != str(int(token)):
+                error = (f"the output folder {output_dir} is not the one rank 0 writes to (rank {rank} on "
+                         f"{socket.gethostname()} does not see rank 0's files): checkpoints need a folder every "
+                         f"node shares; give --save a shared folder, or train without checkpoints "
+                         f"(--no-save-at-end and no --save-interval).")
+        all_ranks_ok(error, device)
+    finally:
+        if rank == 0 and os.path.exists(marker):
+            os.remove(marker)
 
 
 def _prepare(output_dir: str) -> None:

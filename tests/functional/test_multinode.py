@@ -48,7 +48,8 @@ def _flags(corpus: Path, data: Path, cache: Path, out: Path) -> list[str]:
             "--max-position-embeddings", "32", "--global-batch-size", "16", "--micro-batch-size", "4",
             "--max-steps", "12", "--eval-freq", "6", "--eval-iters", "2", "--lr", "5e-3", "--logging-freq", "1",
             "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0", "--num-workers", "0",
-            "--split", "90,8,2", "--distributed-timeout-minutes", "2", "--save", str(out)]
+            "--split", "90,8,2", "--distributed-timeout-minutes", "2", "--save", str(out),
+            "--no-save-at-end"]  # each node its own output folder: no checkpoints (they need a shared one)
 
 
 def _node(corpus: Path, root: Path) -> tuple[Path, Path, Path]:
