@@ -7,10 +7,13 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron.checkpoint.convert import open_checkpoint, read_tensors
 from megatron.config import parse_config, to_dict, validate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +42,7 @@ def test_pretrain_cli_end_to_end(tmp_path):
     # lr 1e-2 decaying to 1e-3 over 50 steps: the loss falls from ~ln(128) = 4.85 to ~2.2 (ratio ~0.45)
     flags = TINY + ["--max-steps", "50", "--logging-freq", "1", "--lr", "1e-2", "--min-lr", "1e-3",
                     "--save", str(out)]
+    started = time.time()
     proc = run_cli(*flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).splitlines()
@@ -59,6 +63,10 @@ def test_pretrain_cli_end_to_end(tmp_path):
     # observed ratio ~0.45; 0.75 leaves a wide margin while demanding real learning
     assert losses[-1] < 0.75 * losses[0], losses
     assert any("grad norm: " in m["extras"] for m in parsed)
+    # where the run is: max RSS (the CPU's peak), then elapsed and ETA, last; the ETA reaches 0 at the end
+    for m in parsed:
+        assert re.search(r", max RSS: \d+\.\d\d GB, elapsed: \d+:\d\d, ETA: \d+:\d\d$", m["extras"]), m["extras"]
+    assert parsed[-1]["extras"].endswith("ETA: 0:00")
     assert any("validation results at global step 50" in line for line in lines)
     assert any("test results at global step 50" in line for line in lines)
 
@@ -73,6 +81,10 @@ def test_pretrain_cli_end_to_end(tmp_path):
         assert r["learning_rate"] >= 0 and r["grad_norm"] > 0 and r["ips_total"] > 0 and r["tflops"] > 0
         assert r["ips"] == r["ips_total"]  # one process
         assert r["loss_scale"] is None  # fp32: no loss scaling
+    assert all(started <= r["time"] <= time.time() for r in records)  # when each record was written
+    assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+    elapsed = [r["elapsed_s"] for r in train]
+    assert elapsed == sorted(elapsed) and 0 < elapsed[0] < elapsed[-1] < time.time() - started
     # Each step trains at the schedule of the samples before it (Megatron-LM's): step 1 at warmup_init (0), the
     # warm-up being 0.01 x 50 x 16 = 8 samples; step 50 at 49 x 16 = 784 of the 800 decay samples, just above
     # min_lr (reached after the last step)
@@ -95,9 +107,20 @@ def test_pretrain_cli_end_to_end(tmp_path):
     events = list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert events and all(e.stat().st_size > 0 for e in events)
 
+    # --save and no --save-interval: the trained model is kept (Megatron-LM's final save), and loads
+    assert (out / "latest").read_text().strip() == "step_50" and any("saved checkpoint" in line for line in lines)
+    reader, common, config = open_checkpoint(str(out))
+    try:
+        params = read_tensors(reader)
+    finally:
+        reader.close()
+    assert common["step"] == 50 and config.model.num_layers == 2
+    assert params and all(torch.isfinite(t).all() for t in params.values())
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--use-recompute", "--recompute-granularity", "core_attn"], ["--bf16"]],
+@pytest.mark.parametrize("extra", [["--use-recompute", "--recompute-granularity", "core_attn", "--no-save-at-end"],
+                                   ["--bf16"]],
                          ids=["recompute-core-attn", "bf16"])
 def test_pretrain_cli_variants(tmp_path, extra):
     proc = run_cli(*TINY, "--max-steps", "4", "--save", str(tmp_path), *extra)
@@ -112,3 +135,4 @@ def test_pretrain_cli_variants(tmp_path, extra):
         assert saved.mix_precision.bf16 and saved.params_dtype_name == "bfloat16"
     else:
         assert saved.use_recompute and saved.recompute_granularity == "core_attn"
+    assert (tmp_path / "latest").exists() == ("--no-save-at-end" not in extra)  # the final save, unless refused
