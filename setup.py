@@ -38,7 +38,7 @@ setup(
                     "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
                     "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
                     "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
-                             "fastapi", "uvicorn", "matplotlib", "tiktoken"]},
+                             "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,
