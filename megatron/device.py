@@ -49,6 +49,68 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def wait_for_copies(device: torch.device) -> None:
+    """Until the work queued on ``device``'s current stream (non-blocking copies included) is done."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` becomes this process's current GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def free_memory_bytes(local_rank: int) -> int | None:
+    """Free memory of GPU ``local_rank`` (its CUDA context, created here, already taken out); None where
+    CUDA cannot say."""
+    try:
+        free, _ = torch.cuda.mem_get_info(local_rank)
+    except (RuntimeError, AssertionError):
+        return None
+    return int(free)
+
+
+# ----------------------------------------------------------------------------- random number generators
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of ``device``'s default generator."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def seeded_rng_state(seed: int, device: torch.device) -> torch.Tensor:
+    """The state a default generator of ``device`` has just after ``manual_seed(seed)``, without touching it."""
+    if device.type == "cuda":
+        saved = torch.cuda.get_rng_state(device)
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+        state = torch.cuda.get_rng_state(device)
+        torch.cuda.set_rng_state(saved, device)
+        return state
+    return torch.Generator().manual_seed(seed).get_state()
+
+
+def cuda_rng_state() -> torch.Tensor | None:
+    """The current GPU's generator state, for a checkpoint; None when CUDA has not been used here."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state()
+    return None
+
+
+def set_cuda_rng_state(state: torch.Tensor) -> None:
+    """Restore a checkpoint's GPU generator state (ignored where there is no GPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state)
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

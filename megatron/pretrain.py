@@ -29,7 +29,8 @@ def _parameters_shown(config: Config, on_rank: int, ps) -> str:
 
 def _log_segmentation(config: Config, ps, log) -> None:
     """The seed's "start segment network.. / segment result:0, 3, 7 / stage=..." lines."""
-    from megatron.pipeline_parallel.partition import item_descriptions, segment, segmentation_log
+    from megatron.config.layer_split import segment
+    from megatron.pipeline_parallel.partition import item_descriptions, segmentation_log
 
     bounds = segment(config.model.num_layers, ps.pp_size, config.distributed.pipeline_partition)
     owners = [ps.ranks["pp"][stage] for stage in range(ps.pp_size)]  # rank 0's pipeline: tp = dp = 0

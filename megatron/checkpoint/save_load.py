@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import device as dev
 from megatron.checkpoint.format import (
     CRC_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -110,8 +111,9 @@ def _rng_state() -> dict:
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "tracker": get_rng_tracker().get_states()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    cuda = dev.cuda_rng_state()
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
@@ -122,8 +124,8 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     get_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state:
+        dev.set_cuda_rng_state(state["cuda"])
 
 
 def _layout(ps: ParallelState, distributed: DistributedConfig) -> dict:

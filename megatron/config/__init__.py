@@ -1,7 +1,7 @@
 """Configuration: the schema, its flags and YAML form, and validation.
 
-The bottom layer: it imports nothing else of ``megatron`` (validation may import the pure, stdlib-only
-``megatron.pipeline_parallel.partition`` lazily, when a pipeline is configured; see docs/architecture.md).
+The bottom layer: it imports nothing else of ``megatron``. The layer-cutting rule of the pipeline lives here
+(``layer_split``), so that validation and the model cut the layers the same way.
 A resumed run's saved configuration reaches ``parse_config`` as its ``base`` (``megatron.checkpoint.resume``).
 """
 

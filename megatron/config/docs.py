@@ -1,13 +1,13 @@
 """Render the configuration reference (docs/configuration.md) from the schema.
 
     python -m megatron.config.docs > docs/configuration.md
-    python -m megatron.config.docs --megatron > docs/megatron.md   (megatron_flags.render_markdown)
+    python -m megatron.config.docs --megatron > docs/megatron.md   (from megatron_flags' tables)
 """
 
 from __future__ import annotations
 
-from megatron.config.cli import ALIASES, LEAVES, _strip_optional
-from megatron.config.megatron_flags import MEGATRON_DEFAULTS
+from megatron.config import megatron_flags as flags
+from megatron.config.cli import ALIASES, LEAVES, _strip_optional, get
 from megatron.config.schema import Config
 
 HEADER = """# Configuration reference
@@ -46,15 +46,71 @@ def render_markdown() -> str:
             value = getattr(value, attr)
         flag = ", ".join([f"`{leaf.flag}`"] + aliases.get(leaf.name, []))
         default = f"`{value}`"
-        if leaf.name in MEGATRON_DEFAULTS:
-            default += f" (Megatron-LM: `{MEGATRON_DEFAULTS[leaf.name]}`)"
+        if leaf.name in flags.MEGATRON_DEFAULTS:
+            default += f" (Megatron-LM: `{flags.MEGATRON_DEFAULTS[leaf.name]}`)"
         lines.append(f"| `{leaf.name}` | {flag} | {_type_name(leaf.type)} | {default} | {leaf.help} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- docs/megatron.md -------------------------------------------------------------------------------------
+MEGATRON_HEADER = """# Megatron-LM's flags here
+
+Generated from `megatron/config/megatron_flags.py` by `python -m megatron.config.docs --megatron`; a test keeps it
+in step with the tables the command line uses. A Megatron-LM `pretrain_gpt.py` script runs here unchanged:
+
+- **implemented** flags mean what they mean in Megatron-LM;
+- **accepted, no effect here** flags concern only Megatron's implementation; they are parsed and listed once
+  at start ("accepted, no effect here: ...");
+- **absent** flags name a feature this framework lacks; the run is refused with one line naming each, except
+  with the value that changes nothing (shown).
+
+Every unknown flag of a command line is reported in one message, each with its closest flag.
+
+## Defaults
+
+A command line that gives `--train-iters` or `--train-samples` (every Megatron-LM script does; FleetX's is
+`max_steps`) gets Megatron-LM's defaults where they differ from FleetX's; a YAML file, `-o` or a flag still
+sets each of them. The run's log says so at start, and the resolved configuration it prints shows the values.
+
+| key | FleetX default | Megatron-LM default |
+| --- | --- | --- |
+"""
+
+
+def _fleetx_default(name: str) -> object:
+    return get(Config(), name)
+
+
+def render_megatron_markdown() -> str:
+    """docs/megatron.md from the tables of ``megatron_flags``."""
+    by_flag = {leaf.flag: leaf for leaf in LEAVES.values()}
+    by_flag.update({"--no-" + leaf.flag[2:]: leaf for leaf in LEAVES.values()})
+    by_flag.update({alias: LEAVES[name] for alias, name in ALIASES.items()})
+    lines = [MEGATRON_HEADER.rstrip("\n")]
+    for name, value in flags.MEGATRON_DEFAULTS.items():
+        lines.append(f"| `{LEAVES[name].dotted}` | `{_fleetx_default(name)}` | `{value}` |")
+    lines += ["", "## Implemented", "", "| Megatron-LM flag | here | meaning |", "| --- | --- | --- |"]
+    for flag in flags.IMPLEMENTED:
+        if flag in flags.DERIVED:
+            lines.append(f"| `{flag}` | derived | {flags.DERIVED[flag]} |")
+            continue
+        leaf = by_flag[flag]
+        lines.append(f"| `{flag}` | `{leaf.dotted}` | {leaf.help} |")
+    for flag, (ours, meaning) in flags.REWRITES.items():
+        lines.append(f"| `{flag}` | `{' '.join(ours).replace('{}', 'VALUE')}` | {meaning} |")
+    lines += ["", "## Accepted, no effect here", "", "| Megatron-LM flag | why |", "| --- | --- |"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in flags.NO_EFFECT.items()]
+    lines += ["", "## Absent", "", "| Megatron-LM flag | missing feature | accepted as a no-op with |",
+              "| --- | --- | --- |"]
+    for flag, absent in flags.ABSENT.items():
+        noop = ", ".join(f"`{v}`" for v in absent.noop) or "-"
+        lines.append(f"| `{flag}` | {absent.feature} | {noop} |")
+    for prefix, feature in flags._ABSENT_PREFIXES.items():
+        lines.append(f"| `{prefix}*` | {feature} | - |")
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     import sys
 
-    from megatron.config import megatron_flags
-
-    print(megatron_flags.render_markdown() if sys.argv[1:] == ["--megatron"] else render_markdown(), end="")
+    print(render_megatron_markdown() if sys.argv[1:] == ["--megatron"] else render_markdown(), end="")

@@ -9,8 +9,9 @@ A Megatron-LM user's ``pretrain_gpt.py`` script runs unchanged. Each Megatron fl
 - **absent** (``ABSENT``): a feature this framework lacks; refused by name, except with the value
   that makes it a no-op (``--context-parallel-size 1``).
 
-``cli.parse_config`` consults this module; ``python -m megatron.config.docs --megatron`` renders
-docs/megatron.md from the same tables, so the two cannot drift (a test compares them).
+``cli.parse_config`` consults this module: plain data and the rewrite rule, importing nothing of ours.
+``python -m megatron.config.docs --megatron`` renders docs/megatron.md from the same tables, so the two
+cannot drift (a test compares them).
 
 A command line that names its training length the Megatron way (``--train-iters`` or
 ``--train-samples``; Megatron-LM has no default length, so every Megatron script has one) gets
@@ -290,66 +291,3 @@ def rewrite(argv: list[str]) -> list[str]:
             out.append(arg)
         i += 1
     return out
-
-
-# --- docs/megatron.md -------------------------------------------------------------------------------------
-HEADER = """# Megatron-LM's flags here
-
-Generated from `megatron/config/megatron_flags.py` by `python -m megatron.config.docs --megatron`; a test keeps it
-in step with the tables the command line uses. A Megatron-LM `pretrain_gpt.py` script runs here unchanged:
-
-- **implemented** flags mean what they mean in Megatron-LM;
-- **accepted, no effect here** flags concern only Megatron's implementation; they are parsed and listed once
-  at start ("accepted, no effect here: ...");
-- **absent** flags name a feature this framework lacks; the run is refused with one line naming each, except
-  with the value that changes nothing (shown).
-
-Every unknown flag of a command line is reported in one message, each with its closest flag.
-
-## Defaults
-
-A command line that gives `--train-iters` or `--train-samples` (every Megatron-LM script does; FleetX's is
-`max_steps`) gets Megatron-LM's defaults where they differ from FleetX's; a YAML file, `-o` or a flag still
-sets each of them. The run's log says so at start, and the resolved configuration it prints shows the values.
-
-| key | FleetX default | Megatron-LM default |
-| --- | --- | --- |
-"""
-
-
-def _fleetx_default(name: str) -> object:
-    from megatron.config.cli import get
-    from megatron.config.schema import Config
-
-    return get(Config(), name)
-
-
-def render_markdown() -> str:
-    from megatron.config.cli import ALIASES, LEAVES
-
-    by_flag = {leaf.flag: leaf for leaf in LEAVES.values()}
-    by_flag.update({"--no-" + leaf.flag[2:]: leaf for leaf in LEAVES.values()})
-    by_flag.update({alias: LEAVES[name] for alias, name in ALIASES.items()})
-    lines = [HEADER.rstrip("\n")]
-    for name, value in MEGATRON_DEFAULTS.items():
-        lines.append(f"| `{LEAVES[name].dotted}` | `{_fleetx_default(name)}` | `{value}` |")
-    lines += ["", "## Implemented", "", "| Megatron-LM flag | here | meaning |", "| --- | --- | --- |"]
-    for flag in IMPLEMENTED:
-        if flag in DERIVED:
-            lines.append(f"| `{flag}` | derived | {DERIVED[flag]} |")
-            continue
-        leaf = by_flag[flag]
-        lines.append(f"| `{flag}` | `{leaf.dotted}` | {leaf.help} |")
-    for flag, (ours, meaning) in REWRITES.items():
-        lines.append(f"| `{flag}` | `{' '.join(ours).replace('{}', 'VALUE')}` | {meaning} |")
-    lines += ["", "## Accepted, no effect here", "", "| Megatron-LM flag | why |", "| --- | --- |"]
-    lines += [f"| `{flag}` | {why} |" for flag, why in NO_EFFECT.items()]
-    lines += ["", "## Absent", "", "| Megatron-LM flag | missing feature | accepted as a no-op with |",
-              "| --- | --- | --- |"]
-    for flag, absent in ABSENT.items():
-        noop = ", ".join(f"`{v}`" for v in absent.noop) or "-"
-        lines.append(f"| `{flag}` | {absent.feature} | {noop} |")
-    for prefix, feature in _ABSENT_PREFIXES.items():
-        lines.append(f"| `{prefix}*` | {feature} | - |")
-    return "\n".join(lines) + "\n"
-

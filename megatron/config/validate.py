@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from megatron.config.cli import fail as _fail
+from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
 from megatron.config.validate_schedule import (
@@ -205,16 +206,12 @@ def _check_distributed(config: Config, world_size: int) -> None:
 
 
 def _check_pipeline(config: Config) -> None:
-    """The layers cut into stages (and chunks) by the pipeline's own rule. Only when a pipeline is configured,
-    ``pipeline_parallel.partition`` (pure, standard library only) is imported here, lazily: the one exception
-    to config being the bottom layer (docs/architecture.md, Configuration)."""
+    """The layers cut into stages (and chunks) by the rule the model is built with (``layer_split``)."""
     d, layers = config.distributed, config.model.num_layers
     if d.virtual_pp_degree > 1 and d.pp_degree == 1:
         _fail("virtual_pp_degree > 1 interleaves model chunks over pipeline stages: it needs pp_degree > 1.")
     if d.pp_degree == 1:
         return
-    from megatron.pipeline_parallel.partition import chunk_layers, segment
-
     try:
         if d.virtual_pp_degree > 1:
             chunk_layers(layers, d.pp_degree, d.virtual_pp_degree, 0, 0)

@@ -48,11 +48,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from megatron.config.layer_split import chunk_layers, segment, stage_layers
 from megatron.config.schema import Config
 from megatron.model.gpt import recompute_plan
 from megatron.model.transformer import attention_shape
 from megatron.pipeline_parallel import schedule_tables as tables
-from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
 
 CE_CHUNK_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 25}  # tensor_parallel/cross_entropy.py's fp32 row chunk
 

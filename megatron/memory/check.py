@@ -8,7 +8,7 @@
   the device is the host's RAM, so the need adds what lives there too: the offloaded states (ZeRO
   offload) and the process itself (Python, torch, the data loader: ``CPU_PROCESS_BYTES``);
 - with what the device has (``available_bytes``): on a GPU the free memory of this rank's device
-  (``torch.cuda.mem_get_info`` of LOCAL_RANK: its CUDA context, created there, is already out of it);
+  (``megatron.device.free_memory_bytes`` of LOCAL_RANK: its CUDA context, created there, is already out of it);
   on the CPU this rank's share of the host's available RAM (MemAvailable, or less under a cgroup
   memory limit, over torchrun's LOCAL_WORLD_SIZE ranks) plus what the process already holds.
 
@@ -143,18 +143,6 @@ def host_available_bytes() -> int | None:
     return available
 
 
-def cuda_free_bytes(local_rank: int) -> int | None:
-    """Free memory of this rank's GPU (its CUDA context, created here, already taken out); None where
-    CUDA cannot say (the run's own start will then say why)."""
-    import torch
-
-    try:
-        free, _ = torch.cuda.mem_get_info(local_rank)
-    except (RuntimeError, AssertionError):
-        return None
-    return int(free)
-
-
 def process_rss_bytes() -> int:
     """This process's resident memory now (Linux ``/proc/self/statm``; 0 where unknown)."""
     try:
@@ -177,7 +165,9 @@ def available_bytes(device: str, local_rank: int = 0, local_ranks: int = 1) -> t
     CPU its share of the host's available RAM over the ``local_ranks`` ranks on this machine, plus the
     RAM the process already holds (part of the need, not of MemAvailable). None where nothing says."""
     if device == "gpu":
-        free = cuda_free_bytes(local_rank)
+        from megatron.device import free_memory_bytes  # torch, only for a GPU run
+
+        free = free_memory_bytes(local_rank)
         return free, f"free on GPU {local_rank}" if free is not None else "GPU memory"
     host = host_available_bytes()
     if host is None:

@@ -256,7 +256,7 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
 
 def _chunk_specs(config: Config, ps) -> list[tuple[range, bool, bool]]:
     """(global layer indices, pre_process, post_process) of each model chunk this rank holds."""
-    from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+    from megatron.config.layer_split import chunk_layers, segment, stage_layers
 
     d, m = config.distributed, config.model
     if ps.pp_size == 1:

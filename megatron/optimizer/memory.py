@@ -107,7 +107,7 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
     split over tp, the word embedding (split over tp) and the learned position embedding on the first
     stage, the final norm and the LM head on the last: the untied output layer (split over tp), or
     under pipelining the tied embedding's copy."""
-    from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+    from megatron.config.layer_split import chunk_layers, segment, stage_layers
 
     m, d = config.model, config.distributed
     if pp == 1:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import device as dev
 from megatron import parallel_state
 from megatron.config.schema import OptimizerConfig
 from megatron.distributed.parallelize import ShardingPlan
@@ -149,8 +150,7 @@ class MixedPrecisionOptimizer:
         if self.offload:
             for cpu, grad in zip(self.cpu_grad.split([g.numel() for g in grads]), grads):
                 cpu.copy_(grad, non_blocking=True)
-            if self.buffer.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            dev.wait_for_copies(self.buffer.device)
         for group in self.inner.param_groups:
             group["lr"] = lr
             if group["decays"] and weight_decay is not None:

@@ -1,127 +1,12 @@
-"""Cutting the GPT model into pipeline stages (FleetX's ``SegmentLayers``) and interleaved model chunks.
-
-The model is a flat list of ``num_layers + 3`` items: item 0 is the embedding, items ``1..L`` are the
-``L`` decoder layers, item ``L + 1`` is the final LayerNorm and item ``L + 2`` the (tied) LM head. A
-segmentation is the list of ``num_stages + 1`` item boundaries: stage ``s`` holds items
-``boundaries[s]:boundaries[s + 1]``; the first boundary is 0, the last ``num_layers + 3``.
-
-Whatever the method there can be no more stages than decoder layers, every stage holds at least one item,
-the embedding is on the first stage and the head on the last. With the default and the explicit methods every
-stage also holds at least one decoder layer and the final norm is on the last stage, with the head; "uniform"
-may leave the last stage(s) without a decoder layer and put the norm on the stage before the head's.
-"""
+"""FleetX's segmentation log (``_segment_network``) of a pipeline's stages; the rule that cuts the layers
+is ``megatron.config.layer_split``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-DEFAULT_METHOD = "layer:TransformerDecoderLayer"
 LOSS_NAME = "GPTPretrainingCriterionPipe"
-
-
-def _even(total: int, parts: int) -> list[int]:
-    """``total`` split into ``parts`` sizes differing by at most one; the earlier parts get the extra ones."""
-    return [total // parts + (1 if p < total % parts else 0) for p in range(parts)]
-
-
-def _parse_counts(method: str | Sequence[int]) -> list[int] | None:
-    """Explicit per-stage layer counts ("2,3,3" or [2, 3, 3]), or None when ``method`` is not such a list."""
-    if isinstance(method, str):
-        try:
-            return [int(tok) for tok in method.split(",")]
-        except ValueError:
-            return None
-    return [int(c) for c in method]
-
-
-def segment(num_layers: int, num_stages: int, method: str | Sequence[int] = DEFAULT_METHOD) -> list[int]:
-    """The ``num_stages + 1`` boundaries of the flat item list (length ``num_layers + 3``).
-
-    Methods:
-
-    * ``"layer:TransformerDecoderLayer"`` (default, FleetX's): the decoder layers are spread as evenly as
-      possible; when ``num_layers`` is not divisible by ``num_stages`` the *earlier* stages get one layer
-      more. The embedding is added to the first stage, the final norm and the head to the last.
-      4 layers over 2 stages give ``[0, 3, 7]``.
-    * ``"uniform"``: all ``num_layers + 3`` items are split as evenly as possible, the earlier stages
-      getting one item more; the embedding stays first and the head last, but the last stage may hold only
-      the norm and the head, or the head alone (the norm then ends the stage before): 5 layers over 5 stages
-      give ``[0, 2, 4, 6, 7, 8]``.
-    * explicit per-stage decoder-layer counts, ``"2,3,3"`` or ``[2, 3, 3]``: one count per stage, each
-      at least 1, summing to ``num_layers``; the embedding goes to the first stage, norm and head to the last.
-
-    Raises ValueError for fewer than one stage or layer, more stages than decoder layers, wrong counts,
-    or an unknown method.
-    """
-    if num_layers < 1 or num_stages < 1:
-        raise ValueError(f"num_layers ({num_layers}) and the number of pipeline stages ({num_stages}) must be "
-                         f">= 1.")
-    if num_stages > num_layers:
-        raise ValueError(f"Cannot cut {num_layers} decoder layers into {num_stages} pipeline stages: every stage "
-                         f"needs at least one layer; lower pp_degree to at most {num_layers} or add layers.")
-    num_items = num_layers + 3
-    if method == "uniform":
-        sizes = _even(num_items, num_stages)
-    else:
-        if method == DEFAULT_METHOD:
-            counts = _even(num_layers, num_stages)
-        else:
-            counts = _parse_counts(method)
-            if counts is None:
-                raise ValueError(f"Unknown pipeline segmentation method {method!r}: use '{DEFAULT_METHOD}', "
-                                 f"'uniform', or per-stage decoder-layer counts such as '2,3,3'.")
-            if len(counts) != num_stages:
-                raise ValueError(f"Got {len(counts)} per-stage layer counts {counts} for {num_stages} pipeline "
-                                 f"stages: give exactly one count per stage.")
-            if min(counts) < 1:
-                raise ValueError(f"Per-stage layer counts {counts} contain a count below 1: every pipeline "
-                                 f"stage must hold at least one decoder layer.")
-            if sum(counts) != num_layers:
-                raise ValueError(f"Per-stage layer counts {counts} sum to {sum(counts)}, not to num_layers "
-                                 f"({num_layers}): make them add up to the number of decoder layers.")
-        sizes = list(counts)
-        sizes[0] += 1  # the embedding
-        sizes[-1] += 2  # the final norm and the head
-    boundaries = [0]
-    for size in sizes:
-        boundaries.append(boundaries[-1] + size)
-    return boundaries
-
-
-def _check_stage(boundaries: Sequence[int], stage: int) -> None:
-    if not 0 <= stage < len(boundaries) - 1:
-        raise ValueError(f"Stage {stage} is out of range: this segmentation has {len(boundaries) - 1} stages.")
-
-
-def stage_layers(boundaries: Sequence[int], stage: int) -> range:
-    """The decoder layers (0-based, global indices) on ``stage``; decoder layer ``i`` is item ``i + 1``."""
-    _check_stage(boundaries, stage)
-    num_layers = boundaries[-1] - 3
-    first = max(boundaries[stage], 1)
-    last = min(boundaries[stage + 1], num_layers + 1)
-    return range(first - 1, max(last, first) - 1)
-
-
-def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> range:
-    """The decoder layers of model chunk ``chunk`` of pipeline stage ``pp_rank`` (interleaved schedule).
-
-    Megatron-LM's assignment: the layers are cut into ``pp * vpp`` equal consecutive chunks and model chunk
-    ``c`` of stage ``r`` holds chunk number ``c * pp + r``. Requires ``num_layers % (pp * vpp) == 0``. The
-    embedding belongs to chunk 0 of stage 0, the final norm and the head to chunk ``vpp - 1`` of stage
-    ``pp - 1``.
-    """
-    if pp < 1 or vpp < 1:
-        raise ValueError(f"pp ({pp}) and vpp ({vpp}) must both be >= 1.")
-    if num_layers % (pp * vpp) != 0:
-        raise ValueError(f"The interleaved schedule needs num_layers ({num_layers}) divisible by "
-                         f"pp x vpp ({pp} x {vpp} = {pp * vpp}): change num_layers, pp_degree or "
-                         f"virtual_pp_degree.")
-    if not 0 <= pp_rank < pp or not 0 <= chunk < vpp:
-        raise ValueError(f"pp_rank {pp_rank} / chunk {chunk} out of range for pp={pp}, vpp={vpp}.")
-    size = num_layers // (pp * vpp)
-    index = chunk * pp + pp_rank
-    return range(index * size, (index + 1) * size)
 
 
 def segmentation_log(boundaries: Sequence[int], descriptions: Sequence[str],

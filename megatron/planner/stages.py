@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from megatron.config import Config
-from megatron.pipeline_parallel.partition import chunk_layers, segment, stage_layers
+from megatron.config.layer_split import chunk_layers, segment, stage_layers
 
 
 def stage_chunks(config: Config, stage: int) -> tuple[int, ...]:

@@ -26,35 +26,12 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from megatron import device as dev
+
 # The per-tensor-parallel-rank stream. Its name is Megatron-LM's, and the key of the state saved in
 # checkpoints' RNG files: keep it, or older checkpoints lose the stream on resume.
 TENSOR_PARALLEL_RNG = "model-parallel"
 TENSOR_PARALLEL_SEED_OFFSET = 2718
-
-
-def _get_rng_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
-
-
-def _fresh_state(seed: int, device: torch.device) -> torch.Tensor:
-    """The state of a default generator of ``device`` just seeded with ``seed`` (without touching it)."""
-    if device.type == "cuda":
-        saved = torch.cuda.get_rng_state(device)
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
-        state = torch.cuda.get_rng_state(device)
-        torch.cuda.set_rng_state(saved, device)
-        return state
-    return torch.Generator().manual_seed(seed).get_state()
 
 
 class RNGStatesTracker:
@@ -77,7 +54,7 @@ class RNGStatesTracker:
         if name in self._states:
             raise ValueError(f"RNG state {name!r} already tracked")
         self._seeds.add(seed)
-        self._states[name] = _fresh_state(seed, self.device)
+        self._states[name] = dev.seeded_rng_state(seed, self.device)
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of every tracked state (to save, or to restore with ``set_states``)."""
@@ -91,13 +68,13 @@ class RNGStatesTracker:
         """Run the block with the default generator in the tracked state ``name``."""
         if name not in self._states:
             raise KeyError(f"RNG state {name!r} is not tracked (call tensor_parallel_seed first)")
-        outside = _get_rng_state(self.device)
-        _set_rng_state(self._states[name], self.device)
+        outside = dev.rng_state(self.device)
+        dev.set_rng_state(self._states[name], self.device)
         try:
             yield
         finally:
-            self._states[name] = _get_rng_state(self.device)
-            _set_rng_state(outside, self.device)
+            self._states[name] = dev.rng_state(self.device)
+            dev.set_rng_state(outside, self.device)
 
 
 _TRACKER = RNGStatesTracker()
@@ -113,8 +90,7 @@ def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | N
     tensor-parallel stream (``TENSOR_PARALLEL_RNG``) seeded with ``seed + 2718 + tp_rank`` (distinct
     per rank) on ``device`` (default: torch's default device)."""
     device = torch.get_default_device() if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = dev.with_index(device)
     torch.manual_seed(seed)
     _TRACKER.reset(device)
     _TRACKER.add(TENSOR_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
@@ -141,15 +117,15 @@ class _ReplayRNG:
 
     def __init__(self, tracker: RNGStatesTracker):
         self.tracker = tracker
-        self.forward = (tracker.get_states(), _get_rng_state(tracker.device))
+        self.forward = (tracker.get_states(), dev.rng_state(tracker.device))
         self._outer: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        self._outer.append((self.tracker.get_states(), _get_rng_state(self.tracker.device)))
+        self._outer.append((self.tracker.get_states(), dev.rng_state(self.tracker.device)))
         self.tracker.set_states(self.forward[0])
-        _set_rng_state(self.forward[1], self.tracker.device)
+        dev.set_rng_state(self.forward[1], self.tracker.device)
 
     def __exit__(self, *exc: object) -> None:
         states, default = self._outer.pop()
         self.tracker.set_states(states)
-        _set_rng_state(default, self.tracker.device)
+        dev.set_rng_state(default, self.tracker.device)

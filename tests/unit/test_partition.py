@@ -6,14 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from megatron.config.layer_split import chunk_layers, segment, stage_layers
 from megatron.config.schema import ModelConfig
-from megatron.pipeline_parallel.partition import (
-    chunk_layers,
-    item_descriptions,
-    segment,
-    segmentation_log,
-    stage_layers,
-)
+from megatron.pipeline_parallel.partition import item_descriptions, segmentation_log
 
 # The seed's (FleetX's) log, prefixes "2022-... [pp_layers.py:...:_segment_network] " stripped.
 SEED_LINES = [
