@@ -15,8 +15,9 @@ from megatron.initialize import initialize_distributed, launch_env
 from megatron.metrics import get_logger
 from megatron.model import num_parameters
 from megatron.optimizer.memory import parameters_per_rank
+from megatron.pipeline_parallel.schedules import ForwardStep
 from megatron.tensor_parallel import tensor_parallel_seed
-from megatron.training import DatasetsProvider, ForwardStep, ModelProvider, Trainer, TrainState, set_seed
+from megatron.training import DatasetsProvider, ModelProvider, Trainer, TrainState, set_seed
 
 
 def _parameters_shown(config: Config, on_rank: int, ps) -> str:

@@ -33,13 +33,14 @@ from megatron import device as dev  # noqa: E402
 from megatron.checkpoint import CheckpointError, find_checkpoint, resumed_config  # noqa: E402
 from megatron.config import ConfigError, validate  # noqa: E402
 from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
+from megatron.distributed.parallelize import plan_sharding  # noqa: E402
 from megatron.evaluation.runner import Evaluator  # noqa: E402
 from megatron.evaluation.tasks import lambada_samples, perplexity_samples, read_texts, word_count  # noqa: E402
 from megatron.initialize import initialize_distributed, launch_env, shutdown  # noqa: E402
 from megatron.model import build_model  # noqa: E402
 from megatron.tensor_parallel import tensor_parallel_seed  # noqa: E402
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
-from megatron.training import parallel_model, plan_sharding  # noqa: E402
+from megatron.training import parallel_model  # noqa: E402
 
 PROG = "evaluate.py"
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.training import Trainer
+from megatron.training.stopping import StopRequests
 from tests.functional.test_pretrain_cli import REPO, TINY, run_cli
 
 
@@ -94,11 +94,11 @@ def test_ctrl_c_saves_and_exits_and_a_second_stops_at_once(tmp_path):
                          output)[1])
     assert (tmp_path / "latest").read_text().strip() == f"step_{step}"
     assert "Traceback" not in output
-    stopping = SimpleNamespace(_stop_signal=None)
-    Trainer._on_signal(stopping, signal.SIGINT, None)
-    assert stopping._stop_signal == "SIGINT"
+    stopping = SimpleNamespace(signal_name=None)
+    StopRequests.on_signal(stopping, signal.SIGINT, None)
+    assert stopping.signal_name == "SIGINT"
     with pytest.raises(KeyboardInterrupt):
-        Trainer._on_signal(stopping, signal.SIGINT, None)
+        StopRequests.on_signal(stopping, signal.SIGINT, None)
 
 
 def test_a_finished_run_launched_again_trains_and_evaluates_nothing(tmp_path):

@@ -201,7 +201,7 @@ def test_the_trainer_applies_the_schedule_of_applied_samples(tmp_path):
 def test_a_checkpoint_from_before_the_schedule_position_resumes_at_its_applied_steps(tmp_path, monkeypatch):
     """A checkpoint without ``schedule_samples`` (written before it existed, always with a constant batch)
     resumes the schedule at (step - skipped_steps) x global_batch_size; one with it, at its value."""
-    import megatron.training as training
+    import megatron.training.checkpointing as checkpointing
 
     config = parse_config(["--mock-data", "--device", "cpu", "--num-layers", "1", "--hidden-size", "32",
                            "--num-attention-heads", "4", "--vocab-size", "64", "--max-seq-len", "16",
@@ -211,8 +211,8 @@ def test_a_checkpoint_from_before_the_schedule_position_resumes_at_its_applied_s
     saved = {"step": 5, "consumed_samples": 40, "skipped_steps": 2, "path": str(tmp_path / "old"),
              "same_layout": True}
     for extra, position in (({}, (5 - 2) * 8), ({"schedule_samples": 16}, 16)):
-        monkeypatch.setattr(training, "load_checkpoint", lambda *args, extra=extra, **kwargs: {**saved, **extra})
+        monkeypatch.setattr(checkpointing, "load_checkpoint", lambda *args, extra=extra, **kwargs: {**saved, **extra})
         trainer = Trainer(config, build_model(config), pretrain_gpt.forward_step, (None, None, None),
                           torch.device("cpu"))
         assert (trainer.state.step, trainer.state.consumed_samples, trainer.state.schedule_samples) == (5, 40, position)
-        trainer.writer.close()
+        trainer.step_log.close(exit_code=0)

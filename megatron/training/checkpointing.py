@@ -1,0 +1,96 @@
+"""The run's checkpoints: what it loads at start, when it saves (every ``save_steps``, on a stop, at the end),
+and never a state the run's health forbids."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron import watchdog
+from megatron.checkpoint import check_output_dir, load_checkpoint, same_folder, save_checkpoint
+from megatron.config import Config
+from megatron.health import GoodCheckpoints
+from megatron.metrics import get_logger
+from megatron.parallel_state import ParallelState
+from megatron.training.step import ParallelModel, TrainState
+from megatron.training.step_health import StepHealth
+
+
+class CheckpointCadence:
+    def __init__(self, config: Config, run: ParallelModel, ps: ParallelState, device: torch.device,
+                 state: TrainState, health: StepHealth):
+        self.config, self.run, self.ps, self.state, self.health = config, run, ps, state, health
+        sl = config.save_load
+        self.good = GoodCheckpoints(sl.output_dir, sl.keep_last_checkpoints, ps.rank == 0)
+        self.saved_at = 0  # the step of the last checkpoint saved (or refused) or loaded
+        self.log = get_logger()
+        saves = bool(sl.save_at_end or sl.save_steps or sl.exit_interval or sl.exit_duration_in_mins)
+        check_output_dir(sl.output_dir, ps.rank, device, saves)  # a bad --save stops every rank now, in one line
+
+    def load(self) -> int | None:
+        """Load ``--load`` on every rank, if given; the step the run continues from (None: it starts afresh or
+        fine-tunes). A run whose --load is its own --save folder and holds no checkpoint yet starts from scratch
+        (0). Writes nothing: a failure leaves no trace."""
+        sl, s = self.config.save_load, self.state
+        if not sl.ckpt_dir:
+            return None
+        loaded = load_checkpoint(sl.ckpt_dir, self.run.model, self.run.optimizer, self.ps, self.config,
+                                 load_optim=sl.load_optim and not sl.finetune, load_rng=sl.load_rng and not sl.finetune,
+                                 fresh_if_empty=same_folder(sl.ckpt_dir, sl.output_dir))
+        if loaded is None:
+            if self.ps.rank == 0:
+                self.log.info(f"no checkpoint in {sl.ckpt_dir}: starting from scratch")
+            return 0
+        if not sl.finetune:
+            s.step, s.consumed_samples, s.skipped_steps = (loaded["step"], loaded["consumed_samples"],
+                                                           loaded["skipped_steps"])
+            gbs = self.config.batch_size.global_batch_size  # a checkpoint from before batch-size schedules: its
+            s.schedule_samples = loaded.get("schedule_samples", (s.step - s.skipped_steps) * gbs)  # applied steps
+            self.saved_at = s.step
+        self.good.loaded(loaded["step"], loaded["path"])
+        if self.ps.rank == 0:
+            how = "weights only (finetune)" if sl.finetune else f"resuming at step {s.step}"
+            layout = "" if loaded["same_layout"] else ", resharded from another parallel layout"
+            self.log.info(f"loaded checkpoint {loaded['path']}: {how}{layout}")
+        return None if sl.finetune else s.step
+
+    def save(self) -> None:
+        """Checkpoint the current state, unless the run's health forbids it (a non-finite loss, or skips
+        pending): a diverged state must never replace, or through pruning delete, a good checkpoint."""
+        s = self.state
+        self.saved_at = s.step  # attempted: a refused save is not tried again at this step
+        refused = self.health.why_not_save()
+        if refused is not None:
+            if self.ps.rank == 0:
+                self.log.warning(f"not saving a checkpoint at step {s.step}: {refused}")
+            return
+        watchdog.beat(f"saving the checkpoint of step {s.step}")
+        path = save_checkpoint(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer, self.ps,
+                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
+                                             "schedule_samples": s.schedule_samples})
+        watchdog.beat(f"after saving the checkpoint of step {s.step}")
+        self.good.saved(s.step, path)  # pruned here, and again once the next step confirms it
+        if self.ps.rank == 0:
+            self.log.info(f"saved checkpoint {path}")
+
+    def after_step(self, loss: float, applied: bool) -> None:
+        """A step is done: it confirms the checkpoint before it (when it trained), and one is due every
+        ``save_steps``."""
+        self.good.step_done(loss, applied)
+        every = self.config.save_load.save_steps
+        if every and self.state.step % every == 0:
+            self.save()
+
+    def on_stop(self, reason: str) -> None:
+        """The run stops early (a signal or a limit): keep this step, unless it was just saved."""
+        if self.ps.rank == 0:
+            self.log.warning(f"{reason}: saving at step {self.state.step} and exiting")
+        if self.saved_at != self.state.step:
+            self.save()
+
+    def at_end(self) -> None:
+        """Training is over: keep the trained model (Megatron-LM's --save), unless this step was just saved."""
+        if self.config.save_load.save_at_end and self.saved_at != self.state.step:
+            self.save()
+
+    def after_divergence(self) -> str:
+        return self.good.after_divergence()

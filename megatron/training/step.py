@@ -1,0 +1,145 @@
+"""One optimizer step and one evaluation pass, under any layout; the model made ready to run them.
+
+``train_step`` and ``evaluate`` are what the Trainer repeats; benchmarks and tools call them directly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state, watchdog
+from megatron.config import Config
+from megatron.data.loader import build_loader, split_micro_batches
+from megatron.distributed.data_parallel import DataParallel
+from megatron.distributed.finalize_grads import finalize_model_grads
+from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
+from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.optimizer import MixedPrecisionOptimizer, StepResult, build_optimizer
+from megatron.pipeline_parallel.schedules import (
+    ForwardStep,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining,
+)
+
+ModelProvider = Callable[..., torch.nn.Module]  # (config, device, meta_init=...) -> this rank's model
+DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each has __len__, __getitem__, eod_id
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (applied or skipped)
+    consumed_samples: int = 0  # by every step, skipped ones too: the data position and the batch-size schedule's
+    skipped_steps: int = 0
+    schedule_samples: int = 0  # the samples of the applied steps: the learning-rate / weight-decay position
+    losses: list = field(default_factory=list)  # every step's global-batch loss
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(value, group=group)
+    return value
+
+
+def data_loader(config: Config, ps: parallel_state.ParallelState, dataset, consumed: int = 0, num_workers: int = 0,
+                batches=None):
+    """This data-parallel rank's batches of ``dataset`` from sample ``consumed``, of ``batches`` samples per global
+    batch (a number, or consumed -> global batch; default: global_batch_size)."""
+    return build_loader(dataset, consumed, batches or config.batch_size.global_batch_size, dataset.eod_id,
+                        config.dataset.eod_mask_loss, ps.data_parallel_rank, ps.data_parallel_size,
+                        num_workers=num_workers)
+
+
+def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,
+               optimizer: MixedPrecisionOptimizer, lr: float, micro_batch_size: int, dp_group=None,
+               forward_backward: Callable = None, pp_group=None,
+               weight_decay: float | None = None) -> tuple[float, StepResult]:
+    """One optimizer step over this rank's share of the global batch (any size: it is cut into as many
+    micro-batches as it holds); returns (token-mean loss of the global batch, step result). ``model``,
+    ``buffer``: as ``parallelize`` returns them; ``dp_group``: the data-parallel group (None: one replica);
+    ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group, over
+    which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one)."""
+    forward_backward = forward_backward or forward_backward_no_pipelining
+    num_tokens = float(all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
+    optimizer.zero_grad()
+    model.train()
+    loss_sum = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, num_tokens,
+                                optimizer.loss_scale)
+    loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
+    if isinstance(model, DataParallel):
+        model.finish_grad_sync()
+    finalize_model_grads(model, parallel_state.get(), buffer)
+    result = optimizer.step(lr, weight_decay)
+    return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
+
+
+@torch.no_grad()
+def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_batch_size: int,
+             max_batches: int, device: torch.device, dp_group=None, forward_backward: Callable = None,
+             pp_group=None) -> float | None:
+    """Token-mean loss over the first ``max_batches`` global batches (None if there are none)."""
+    forward_backward = forward_backward or forward_backward_no_pipelining
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        watchdog.beat(f"evaluation batch {i + 1}")
+        batch = to_device(batch, device)
+        loss = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, 1.0,
+                                forward_only=True)
+        sums += torch.stack([all_reduce_sum(loss, pp_group).double(), batch["loss_mask"].sum().double()])
+    model.train()
+    total, tokens = all_reduce_sum(sums, dp_group).tolist()
+    return total / tokens if tokens else None
+
+
+@dataclass
+class ParallelModel:
+    """A model made ready to run under the launch's layout (training, or evaluation through the same
+    forward): its parameter buffer and hooks (``parallelize``), the optimizer whose masters a checkpoint
+    loads into, the groups its sums are reduced over, and the schedule that runs micro-batches through
+    it (pipelined when pp > 1)."""
+
+    model: torch.nn.Module
+    buffer: object
+    fully_sharded: bool
+    optimizer: object
+    plan: ShardingPlan
+    dp_group: object
+    pp_group: object
+    forward_backward: Callable
+
+
+def parallel_model(config: Config, model: torch.nn.Module, device: torch.device,
+                   plan: ShardingPlan | None = None) -> ParallelModel:
+    ps = parallel_state.get()
+    plan = plan or plan_sharding(config, ps)  # what is sharded, over which ranks: decided once
+    model, buffer, fully_sharded = parallelize(model, plan)
+    optimizer = build_optimizer(buffer, plan, config)
+    pp_group, forward_backward = None, forward_backward_no_pipelining
+    if ps.pp_size > 1:
+        d, b = config.distributed, config.batch_size
+        seq = config.dataset.max_seq_len // (ps.tp_size if d.sequence_parallel else 1)
+        pp_group = ps.group("pp")
+        forward_backward = partial(forward_backward_pipelining, ps=ps, schedule=d.pipeline_schedule,
+                                   shape=(seq, b.micro_batch_size, config.model.hidden_size),
+                                   dtype=getattr(torch, config.params_dtype_name), device=device)
+    return ParallelModel(model, buffer, fully_sharded, optimizer, plan, plan.data_parallel_group, pp_group,
+                         forward_backward)

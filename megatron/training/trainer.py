@@ -1,0 +1,124 @@
+"""The Trainer: the run as a recipe, read top to bottom. Each part has one job and its own module:
+
+- ``step.py``          the model made ready for the layout (``parallel_model``), one optimizer step, one evaluation
+- ``checkpointing.py`` what is loaded at start, when a checkpoint is written, which is known good
+- ``step_health.py``   a skipped step or a loss spike warned about; too many bad steps stop the run (exit 3)
+- ``stopping.py``      SIGTERM / SIGUSR1 / Ctrl-C and the time limits, agreed by every rank
+- ``step_log.py``      the log line, metrics.jsonl / TensorBoard / W&B, evaluation results, elapsed and ETA
+- ``run_length.py``    how many steps the run takes (and why fewer than asked)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron import parallel_state, watchdog
+from megatron.config import Config
+from megatron.config.batch_schedule import build_batch_schedule
+from megatron.distributed.parallelize import ShardingPlan
+from megatron.metrics import get_logger
+from megatron.optimizer import StepResult, build_param_schedule
+from megatron.pipeline_parallel.schedules import ForwardStep
+from megatron.training.checkpointing import CheckpointCadence
+from megatron.training.run_length import steps_of_run
+from megatron.training.step import TrainState, data_loader, evaluate, parallel_model, to_device, train_step
+from megatron.training.step_health import StepHealth
+from megatron.training.step_log import StepLog
+from megatron.training.stopping import StopRequests
+
+
+class Trainer:
+    """Holds what the loop needs; ``run()`` trains, evaluates and tests."""
+
+    def __init__(self, config: Config, model: torch.nn.Module, forward_step: ForwardStep, datasets: tuple,
+                 device: torch.device, plan: ShardingPlan | None = None):
+        self.config, self.forward_step, self.device = config, forward_step, device
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.ps = parallel_state.get()
+        self.parallel = parallel_model(config, model, device, plan)  # buffer, hooks, optimizer, schedule
+        self.optimizer = self.parallel.optimizer
+        self.schedule = build_param_schedule(config)  # lr and weight decay by samples of applied steps
+        self.batches = build_batch_schedule(config)  # the global batch by consumed samples
+        self.state = TrainState()
+        self.health = StepHealth(config, self.optimizer, logs=self.ps.rank == self.ps.world_size - 1)
+        self.checkpoints = CheckpointCadence(config, self.parallel, self.ps, device, self.state, self.health)
+        resume_step = self.checkpoints.load()
+        self.step_log = StepLog(config, self.ps, device, self.optimizer, self.batches, self.train_ds, self.state,
+                                resume_step)
+        self.stops = StopRequests(config, device, self.ps.world_size)
+        self.log = get_logger()
+
+    def run(self) -> TrainState:
+        """Train, evaluate and test with this rank's hang watchdog armed (megatron/watchdog.py) and the stop
+        signals handled, both undone however the loop ends, so that neither outlives it in an in-process
+        caller."""
+        watchdog.start(self.config.watchdog_timeout_minutes, self.config.save_load.output_dir, self.ps.rank,
+                       f"training step {self.state.step + 1}")
+        finished = False
+        try:
+            with self.stops.handled():
+                state, finished = self._train(), True
+            return state
+        finally:
+            watchdog.stop()
+            self.step_log.close(exit_code=0 if finished else 1)  # a run that raised: its W&B run is marked failed
+
+    def _train(self) -> TrainState:
+        c, s = self.config, self.state
+        last_step, planned_steps = steps_of_run(c, self.batches, self.schedule, self.train_ds, self.ps.rank == 0)
+        asked = f"max_steps {c.max_steps}" if c.train_samples is None else f"train_samples {c.train_samples}"
+        if s.step >= last_step:  # a finished run launched again: evaluating again would log its results twice
+            if self.ps.rank == 0:
+                self.log.warning(f"nothing to train: the run is at step {s.step} and stops at step {last_step}; "
+                                 f"raise {asked.split()[0]} to train further")
+            return s
+        loader = iter(data_loader(c, self.ps, self.train_ds, s.consumed_samples, c.dataset.num_workers, self.batches))
+        self.step_log.start(last_step)
+        while s.step < last_step:
+            watchdog.beat(f"training step {s.step + 1}")
+            self.step_log.step_started()
+            batch = to_device(next(loader), self.device)
+            self.step_log.batch_ready()
+            loss, result = self._step(batch)
+            self.health.after_step(s.step, loss, result, self.checkpoints.after_divergence)
+            self.checkpoints.after_step(loss, result.applied)
+            stop = self.stops.agreed(s.step)
+            if stop:
+                self.checkpoints.on_stop(stop)
+                break
+            if s.step % c.eval_freq == 0 and s.step < last_step:
+                self.evaluate("valid", self.valid_ds)
+        else:
+            if last_step < planned_steps and self.ps.rank == 0:
+                epochs = "" if c.num_train_epochs is None else f" (num_train_epochs {c.num_train_epochs})"
+                self.log.warning(f"stopped at step {s.step} of {asked}: the training data ran out{epochs}")
+            self.checkpoints.at_end()
+            self.evaluate("valid", self.valid_ds)
+            self.evaluate("test", self.test_ds)
+        return s
+
+    def _step(self, batch: dict) -> tuple[float, StepResult]:
+        """One optimizer step on the global batch the schedule gives at this point, and its bookkeeping."""
+        c, s, p = self.config, self.state, self.parallel
+        global_batch = self.batches(s.consumed_samples)  # the loader's size for this step
+        s.step += 1
+        lr, wd = self.schedule.lr(s.schedule_samples), self.schedule.weight_decay(s.schedule_samples)
+        self.health.before_step()
+        loss, result = train_step(self.forward_step, batch, p.model, p.buffer, self.optimizer, lr,
+                                  c.batch_size.micro_batch_size, p.dp_group, p.forward_backward, p.pp_group,
+                                  weight_decay=wd)
+        s.consumed_samples += global_batch
+        s.schedule_samples += global_batch if result.applied else 0  # Megatron: only a successful update
+        s.skipped_steps += 0 if result.applied else 1
+        s.losses.append(loss)
+        self.step_log.step_done(loss, lr, result, global_batch)
+        return loss, result
+
+    def evaluate(self, split: str, dataset) -> None:
+        """``eval_iters`` global batches of ``dataset`` (none when it holds fewer than one)."""
+        c, p = self.config, self.parallel
+        if dataset is None or len(dataset) < c.batch_size.global_batch_size or c.eval_iters == 0:
+            return
+        loss = evaluate(self.forward_step, data_loader(c, self.ps, dataset), p.model, c.batch_size.micro_batch_size,
+                        c.eval_iters, self.device, p.dp_group, p.forward_backward, p.pp_group)
+        self.step_log.evaluation(split, loss)
