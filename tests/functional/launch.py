@@ -1,10 +1,12 @@
-"""Run pretrain_gpt.py in one process or under torchrun and read back its per-step losses."""
+"""Run pretrain_gpt.py in one process or under torchrun and read back its per-step losses; run the parity layouts
+of one world size in one launch (``several_runs.py``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,3 +76,78 @@ def assert_matches_reference(out: Path, reference: tuple, *args: str, nproc: int
     for got, want in zip(curves(out), reference):
         assert len(got) == len(want)
         assert got == pytest.approx(want, rel=1e-5)
+
+
+# The single-process runs the parity layouts are compared with: name -> pretrain_gpt.py arguments. All are
+# trained by one launch, once per session (conftest's ``references``); test modules may add theirs.
+REFERENCES: dict[str, list[str]] = {"tiny": TINY, "tiny4": [*TINY, "--num-layers", "4"]}
+
+# Every parity layout of the functional tests: name -> (processes, pretrain_gpt.py arguments). The test modules
+# register theirs (``parity_layouts``); ``ParityRuns`` trains those a session selects, by world size.
+PARITY: dict[str, tuple[int, list[str]]] = {}
+
+
+def parity_layouts(cases: dict[str, tuple[int, list[str]]]) -> list[str]:
+    """Register ``cases`` (names unique over the suite); their names, to parametrize a test's ``layout``."""
+    for name, case in cases.items():
+        assert PARITY.setdefault(name, case) == case, f"parity layout {name!r} registered twice"
+    return list(cases)
+
+
+def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Each (folder, args) of ``runs`` trained in turn by one launch of ``nproc`` ranks (``several_runs.py``):
+    the folder gets the run's checkpoints and metrics, ``rank{r}.log`` and ``rank{r}.rc``."""
+    plan = runs[0][0].parent / f"plan-{runs[0][0].name}.json"
+    plan.write_text(json.dumps([{"out": str(out), "args": list(args)} for out, args in runs]))
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]
+    return subprocess.run([*launcher, str(ROOT / "tests" / "functional" / "several_runs.py"), str(plan)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class RunOutcome:
+    out: Path
+    returncode: int | None  # rank 0's; None when the launch never finished the run
+    log: str  # every rank's output, and the launch's when a rank has no exit code
+
+    def check(self) -> Path:
+        assert self.returncode == 0, self.log[-4000:]
+        return self.out
+
+
+def outcome(out: Path, nproc: int, launch: subprocess.CompletedProcess) -> RunOutcome:
+    codes = [(out / f"rank{r}.rc").read_text() if (out / f"rank{r}.rc").exists() else None for r in range(nproc)]
+    log = "".join(f"--- rank {r}\n" + (out / f"rank{r}.log").read_text() for r in range(nproc)
+                  if (out / f"rank{r}.log").exists())
+    if None in codes:
+        log += f"--- the launch (exit code {launch.returncode})\n{launch.stderr[-4000:]}"
+    worst = None if None in codes else max((int(c) for c in codes), key=abs)
+    return RunOutcome(out, worst, log)
+
+
+class ParityRuns:
+    """The layouts that must reproduce a single-process run, each trained once per test session: the first test
+    that asks for a layout of world size N launches every selected layout of size N together."""
+
+    def __init__(self, root: Path, cases: dict[str, tuple[int, list[str]]]):
+        self.root, self.cases, self.done = root, cases, {}
+
+    def outcome(self, name: str) -> RunOutcome:
+        if name not in self.done:
+            nproc = self.cases[name][0]
+            batch = [n for n, (size, _) in self.cases.items() if size == nproc and n not in self.done]
+            runs = [(self.root / n, self.cases[n][1]) for n in batch]
+            launch = run_several(runs, nproc)
+            self.done.update({n: outcome(self.root / n, nproc, launch) for n in batch})
+        return self.done[name]
+
+    def assert_matches(self, name: str, reference: tuple) -> None:
+        """Every step's train and validation loss and gradient norm within 1e-5 of ``reference``, relative
+        (``assert_matches_reference``)."""
+        import pytest
+
+        out = self.outcome(name).check()
+        for got, want in zip(curves(out), reference):
+            assert len(got) == len(want)
+            assert got == pytest.approx(want, rel=1e-5)

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, assert_matches_reference, run
+from tests.functional.launch import TINY, parity_layouts, run
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, []),                                           # 2 replicas x 2 micro-batches; on the CPU one
-                                                       # all-reduce after the backward by default
-    (2, ["--overlap-grad-reduce", "--bucket-size-mb", "0.001"]),  # overlapped, a bucket per parameter
-    (2, ["--overlap-grad-reduce"]),                    # overlapped, one bucket
-    (4, ["--micro-batch-size", "2", "--overlap-grad-reduce", "--bucket-size-mb", "0.05"]),  # 4 replicas
-])
-def test_dp_losses_equal_single_process(tmp_path, reference, nproc, extra):
-    assert_matches_reference(tmp_path, reference, *TINY, *extra, nproc=nproc)
+LAYOUTS = parity_layouts({
+    "dp2": (2, TINY),  # 2 replicas x 2 micro-batches; on the CPU one all-reduce after the backward by default
+    "dp2-overlap-bucket-per-param": (2, [*TINY, "--overlap-grad-reduce", "--bucket-size-mb", "0.001"]),
+    "dp2-overlap-one-bucket": (2, [*TINY, "--overlap-grad-reduce"]),
+    "dp4-overlap": (4, [*TINY, "--micro-batch-size", "2", "--overlap-grad-reduce", "--bucket-size-mb", "0.05"]),
+})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dp_losses_equal_single_process(parity, reference, layout):
+    parity.assert_matches(layout, reference)
 
 
 def test_world_size_mismatch_fails_on_every_rank(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, assert_matches_reference, curves, losses, run
+from tests.functional.launch import REFERENCES, TINY, losses, parity_layouts, run
 
 pytestmark = pytest.mark.slow
 
@@ -19,29 +19,29 @@ BLOCK1 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-met
           "--recompute-num-layers", "1"]
 
 
+REFERENCES["llama"] = LLAMA
+
+
 @pytest.fixture(scope="module")
-def llama_reference(tmp_path_factory):
+def llama_reference(references):
     """(train losses, validation losses, gradient norms) of the Llama-shaped TINY in one process."""
-    out = tmp_path_factory.mktemp("llama-single")
-    result = run(out, *LLAMA)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return curves(out)
+    return references["llama"]
 
 
-CASES = {
-    "tp2": (2, ["--tp", "2"]),
-    "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
+LAYOUTS = parity_layouts({
+    "llama-tp2": (2, [*LLAMA, "--tp", "2"]),
+    "llama-tp2-sp": (2, [*LLAMA, "--tp", "2", "--sequence-parallel"]),
     # interleaved pipeline: each of the 4 chunks recomputes its first (only) layer; untied head on the last stage
-    "pp2-vpp2-block": (2, ["--pp", "2", "--vpp", "2", *BLOCK1]),
+    "llama-pp2-vpp2-block": (2, [*LLAMA, "--pp", "2", "--vpp", "2", *BLOCK1]),
     # stage 3 gathers each layer around its use, also inside a two-layer recompute unit's replay
-    "stage3-dp2-sharding2-uniform2": (4, ["--dp", "2", "--sharding", "2", "--sharding-stage", "3", *UNIFORM2]),
-}
+    "llama-stage3-dp2-sharding2-uniform2": (4, [*LLAMA, "--dp", "2", "--sharding", "2", "--sharding-stage", "3",
+                                                *UNIFORM2]),
+})
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_llama_shaped_losses_equal_single_process(tmp_path, llama_reference, case):
-    nproc, extra = CASES[case]
-    assert_matches_reference(tmp_path, llama_reference, *LLAMA, *extra, nproc=nproc)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llama_shaped_losses_equal_single_process(parity, llama_reference, layout):
+    parity.assert_matches(layout, llama_reference)
 
 
 def test_query_groups_not_divisible_by_tp_fail_before_any_process_group(tmp_path):

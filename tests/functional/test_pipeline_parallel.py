@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, assert_matches_reference, run
+from tests.functional.launch import TINY, parity_layouts, run
 
 pytestmark = pytest.mark.slow
 
 FOUR_LAYERS = [*TINY, "--num-layers", "4"]  # enough layers for pp 4 and for pp 2 x vpp 2
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, ["--pp", "2"]),
-    (4, ["--pp", "4"]),
-    (2, ["--pp", "2", "--pipeline-schedule", "gpipe"]),
-    (2, ["--pp", "2", "--vpp", "2"]),
-    (2, ["--pp", "2", "--use-recompute"]),
-    (4, ["--pp", "2", "--tp", "2", "--sequence-parallel"]),
-    (4, ["--pp", "2", "--dp", "2"]),
-    (8, ["--pp", "2", "--dp", "2", "--tp", "2"]),
-], ids=["pp2", "pp4", "pp2-gpipe", "pp2-vpp2", "pp2-recompute", "tp2-pp2-sp", "dp2-pp2", "dp2-tp2-pp2"])
-def test_pp_losses_equal_single_process(tmp_path, reference4, nproc, extra):
-    assert_matches_reference(tmp_path, reference4, *FOUR_LAYERS, *extra, nproc=nproc)
+LAYOUTS = parity_layouts({
+    "pp2": (2, [*FOUR_LAYERS, "--pp", "2"]),
+    "pp4": (4, [*FOUR_LAYERS, "--pp", "4"]),
+    "pp2-gpipe": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-schedule", "gpipe"]),
+    "pp2-vpp2": (2, [*FOUR_LAYERS, "--pp", "2", "--vpp", "2"]),
+    "pp2-recompute": (2, [*FOUR_LAYERS, "--pp", "2", "--use-recompute"]),
+    "tp2-pp2-sp": (4, [*FOUR_LAYERS, "--pp", "2", "--tp", "2", "--sequence-parallel"]),
+    "dp2-pp2": (4, [*FOUR_LAYERS, "--pp", "2", "--dp", "2"]),
+    "dp2-tp2-pp2": (8, [*FOUR_LAYERS, "--pp", "2", "--dp", "2", "--tp", "2"]),
+})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pp_losses_equal_single_process(parity, reference4, layout):
+    parity.assert_matches(layout, reference4)
 
 def test_segmentation_log_is_the_seeds(tmp_path):
     result = run(tmp_path, *FOUR_LAYERS, "--pp", "2", "--max-steps", "1", nproc=2)

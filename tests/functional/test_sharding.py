@@ -4,41 +4,40 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, assert_matches_reference, losses, run, run_ranks
+from tests.functional.launch import TINY, losses, parity_layouts, run, run_ranks
 
 pytestmark = pytest.mark.slow
 
-
-CASES = {
-    "sharding2": (2, ["--sharding", "2"]),
-    "sharding4": (4, ["--sharding", "4", "--micro-batch-size", "2"]),
-    "dp2-sharding2": (4, ["--sharding", "2", "--dp", "2"]),
-    "tp2-sharding2": (4, ["--sharding", "2", "--tp", "2"]),
-    "pp2-sharding2": (4, ["--sharding", "2", "--pp", "2"]),
-    "stage2-sharding2": (2, ["--sharding", "2", "--sharding-stage", "2"]),
-    "stage2-sharding4": (4, ["--sharding", "4", "--sharding-stage", "2", "--micro-batch-size", "2"]),
-    "stage2-dp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--dp", "2"]),
-    "stage2-tp2-sp-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--tp", "2", "--sequence-parallel"]),
-    "stage2-pp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "2", "--pp", "2"]),
-    "stage2-overlap": (2, ["--sharding", "2", "--sharding-stage", "2", "--overlap-grad-reduce"]),
-    "stage2-offload": (2, ["--sharding", "2", "--sharding-stage", "2", "--sharding-offload"]),
-    "stage3-sharding2": (2, ["--sharding", "2", "--sharding-stage", "3"]),
-    "stage3-sharding4": (4, ["--sharding", "4", "--sharding-stage", "3", "--micro-batch-size", "2"]),
-    "stage3-dp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--dp", "2"]),
-    "stage3-tp2-sp-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--tp", "2", "--sequence-parallel"]),
-    "stage3-pp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--pp", "2"]),
-    "stage3-pp2-vpp2-sharding2": (4, ["--sharding", "2", "--sharding-stage", "3", "--pp", "2", "--vpp", "2",
+LAYOUTS = parity_layouts({
+    "sharding2": (2, [*TINY, "--sharding", "2"]),
+    "sharding4": (4, [*TINY, "--sharding", "4", "--micro-batch-size", "2"]),
+    "dp2-sharding2": (4, [*TINY, "--sharding", "2", "--dp", "2"]),
+    "tp2-sharding2": (4, [*TINY, "--sharding", "2", "--tp", "2"]),
+    "pp2-sharding2": (4, [*TINY, "--sharding", "2", "--pp", "2"]),
+    "stage2-sharding2": (2, [*TINY, "--sharding", "2", "--sharding-stage", "2"]),
+    "stage2-sharding4": (4, [*TINY, "--sharding", "4", "--sharding-stage", "2", "--micro-batch-size", "2"]),
+    "stage2-dp2-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "2", "--dp", "2"]),
+    "stage2-tp2-sp-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "2", "--tp", "2",
+                                    "--sequence-parallel"]),
+    "stage2-pp2-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "2", "--pp", "2"]),
+    "stage2-overlap": (2, [*TINY, "--sharding", "2", "--sharding-stage", "2", "--overlap-grad-reduce"]),
+    "stage2-offload": (2, [*TINY, "--sharding", "2", "--sharding-stage", "2", "--sharding-offload"]),
+    "stage3-sharding2": (2, [*TINY, "--sharding", "2", "--sharding-stage", "3"]),
+    "stage3-sharding4": (4, [*TINY, "--sharding", "4", "--sharding-stage", "3", "--micro-batch-size", "2"]),
+    "stage3-dp2-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "3", "--dp", "2"]),
+    "stage3-tp2-sp-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "3", "--tp", "2",
+                                    "--sequence-parallel"]),
+    "stage3-pp2-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "3", "--pp", "2"]),
+    "stage3-pp2-vpp2-sharding2": (4, [*TINY, "--sharding", "2", "--sharding-stage", "3", "--pp", "2", "--vpp", "2",
                                       "--num-layers", "4"]),
-    "stage3-offload": (2, ["--sharding", "2", "--sharding-stage", "3", "--sharding-offload"]),
-    "stage3-recompute": (2, ["--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
-}
+    "stage3-offload": (2, [*TINY, "--sharding", "2", "--sharding-stage", "3", "--sharding-offload"]),
+    "stage3-recompute": (2, [*TINY, "--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
+})
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_sharded_losses_equal_single_process(tmp_path, reference, reference4, case):
-    nproc, extra = CASES[case]
-    expected = reference4 if "--num-layers" in extra else reference
-    assert_matches_reference(tmp_path, expected, *TINY, *extra, nproc=nproc)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_losses_equal_single_process(parity, reference, reference4, layout):
+    parity.assert_matches(layout, reference4 if layout == "stage3-pp2-vpp2-sharding2" else reference)
 
 
 @pytest.mark.parametrize("extra, nproc, message", [

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, assert_matches_reference, losses, run
+from tests.functional.launch import TINY, losses, parity_layouts, run
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, ["--tp", "2"]),
-    (4, ["--tp", "4"]),
-    (4, ["--tp", "2", "--dp", "2"]),
-    (2, ["--tp", "2", "--sequence-parallel"]),
-    (2, ["--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
-], ids=["tp2", "tp4", "tp2-dp2", "tp2-sp", "tp2-recompute"])
-def test_tp_losses_equal_single_process(tmp_path, reference, nproc, extra):
-    assert_matches_reference(tmp_path, reference, *TINY, *extra, nproc=nproc)
+LAYOUTS = parity_layouts({
+    "tp2": (2, [*TINY, "--tp", "2"]),
+    "tp4": (4, [*TINY, "--tp", "4"]),
+    "tp2-dp2": (4, [*TINY, "--tp", "2", "--dp", "2"]),
+    "tp2-sp": (2, [*TINY, "--tp", "2", "--sequence-parallel"]),
+    "tp2-recompute": (2, [*TINY, "--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
+})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tp_losses_equal_single_process(parity, reference, layout):
+    parity.assert_matches(layout, reference)
 
 def test_dropout_runs_are_reproducible(tmp_path):
     """With dropout on, two runs of one layout give identical losses (seeded per-rank streams)."""
