@@ -6,8 +6,10 @@ two ranks of one node when LOCAL_RANK is 0 and 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import torch.distributed as dist
@@ -27,8 +29,9 @@ def _make(prefix: str) -> None:
             writer.add_document(rng.integers(1, 500, size=int(rng.integers(1, 30))))
 
 
-def _counting() -> dict:
-    """Count index builds and token scans in this process."""
+@contextlib.contextmanager
+def _counting() -> Iterator[dict]:
+    """Count index builds and token scans in this process while the block runs."""
     counts = {"indices": 0, "scans": 0}
     build, scan = gpt_dataset.build_indices, token_check.scan_token_range
 
@@ -41,7 +44,10 @@ def _counting() -> dict:
         return scan(*args)
 
     gpt_dataset.build_indices, token_check.scan_token_range = counted_build, counted_scan
-    return counts
+    try:
+        yield counts
+    finally:
+        gpt_dataset.build_indices, token_check.scan_token_range = build, scan
 
 
 def _build(prefix: str, cache: str, vocab_size: int = 500):
@@ -49,16 +55,16 @@ def _build(prefix: str, cache: str, vocab_size: int = 500):
 
 
 def _nodes(rank: int, world_size: int, root: str) -> dict:
-    counts = _counting()
-    # Two nodes, no shared disk: each has its own copy of the data (another path) and its own cache folder.
-    os.environ["LOCAL_RANK"] = "0"
-    train, valid, test = _build(os.path.join(root, f"node{rank}", "ds"), os.path.join(root, f"cache{rank}"))
-    per_node = dict(counts)
-    # One node, one shared cache folder: only global rank 0 builds.
-    os.environ["LOCAL_RANK"] = str(rank)
-    counts.update(indices=0, scans=0)
-    _build(os.path.join(root, "node0", "ds"), os.path.join(root, "shared"))
-    shared = dict(counts)
+    with _counting() as counts:
+        # Two nodes, no shared disk: each has its own copy of the data (another path) and its own cache folder.
+        os.environ["LOCAL_RANK"] = "0"
+        train, valid, test = _build(os.path.join(root, f"node{rank}", "ds"), os.path.join(root, f"cache{rank}"))
+        per_node = dict(counts)
+        # One node, one shared cache folder: only global rank 0 builds.
+        os.environ["LOCAL_RANK"] = str(rank)
+        counts.update(indices=0, scans=0)
+        _build(os.path.join(root, "node0", "ds"), os.path.join(root, "shared"))
+        shared = dict(counts)
     return {"per_node": per_node, "shared": shared, "files": sorted(os.listdir(os.path.join(root, f"cache{rank}"))),
             "samples": [ds[i].tolist() for ds in (train, valid, test) for i in range(len(ds))]}
 
