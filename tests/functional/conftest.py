@@ -40,4 +40,4 @@ def reference4(references):
 
 @pytest.fixture(scope="session")
 def parity(tmp_path_factory) -> ParityRuns:
-    return ParityRuns(tmp_path_factory.mktemp("parity"), {n: c for n, c in PARITY.items() if n in _SELECTED})
+    return ParityRuns(tmp_path_factory.mktemp("parity"), PARITY, _SELECTED)

@@ -64,30 +64,17 @@ def curves(out: Path) -> tuple[list[float], list[float], list[float]]:
     return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
 
 
-def assert_matches_reference(out: Path, reference: tuple, *args: str, nproc: int) -> None:
-    """Run ``args`` on ``nproc`` processes and compare every step with the single-process reference.
-
-    Relative 1e-5: a parallel layout sums the same products in another order (fp32 round-off,
-    ~1e-7 observed), which Adam carries forward over the steps."""
-    import pytest
-
-    result = run(out, *args, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for got, want in zip(curves(out), reference):
-        assert len(got) == len(want)
-        assert got == pytest.approx(want, rel=1e-5)
-
-
 # The single-process runs the parity layouts are compared with: name -> pretrain_gpt.py arguments. All are
 # trained by one launch, once per session (conftest's ``references``); test modules may add theirs.
 REFERENCES: dict[str, list[str]] = {"tiny": TINY, "tiny4": [*TINY, "--num-layers", "4"]}
 
-# Every parity layout of the functional tests: name -> (processes, pretrain_gpt.py arguments). The test modules
-# register theirs (``parity_layouts``); ``ParityRuns`` trains those a session selects, by world size.
-PARITY: dict[str, tuple[int, list[str]]] = {}
+# Every run the functional tests share: name -> (processes, pretrain_gpt.py arguments[, runs it needs first]).
+# "{runs}" in an argument stands for the folder that holds every run's folder (``--load {runs}/a/step_5``). The
+# test modules register theirs (``parity_layouts``); ``ParityRuns`` trains those a session selects, by world size.
+PARITY: dict[str, tuple] = {}
 
 
-def parity_layouts(cases: dict[str, tuple[int, list[str]]]) -> list[str]:
+def parity_layouts(cases: dict[str, tuple]) -> list[str]:
     """Register ``cases`` (names unique over the suite); their names, to parametrize a test's ``layout``."""
     for name, case in cases.items():
         assert PARITY.setdefault(name, case) == case, f"parity layout {name!r} registered twice"
@@ -127,27 +114,47 @@ def outcome(out: Path, nproc: int, launch: subprocess.CompletedProcess) -> RunOu
 
 
 class ParityRuns:
-    """The layouts that must reproduce a single-process run, each trained once per test session: the first test
-    that asks for a layout of world size N launches every selected layout of size N together."""
+    """The shared runs, each trained once per test session: the first test that asks for a run of world size N
+    launches every selected run of size N whose prerequisites are trained (or come before it in that launch)."""
 
-    def __init__(self, root: Path, cases: dict[str, tuple[int, list[str]]]):
+    def __init__(self, root: Path, cases: dict[str, tuple], selected: set[str]):
         self.root, self.cases, self.done = root, cases, {}
+        self.wanted = set()
+        for name in selected & set(cases):
+            self._want(name)
+
+    def _want(self, name: str) -> None:
+        self.wanted.add(name)
+        for before in self._after(name):
+            self._want(before)
+
+    def _after(self, name: str) -> tuple[str, ...]:
+        return tuple(self.cases[name][2]) if len(self.cases[name]) > 2 else ()
 
     def outcome(self, name: str) -> RunOutcome:
         if name not in self.done:
-            nproc = self.cases[name][0]
-            batch = [n for n, (size, _) in self.cases.items() if size == nproc and n not in self.done]
-            runs = [(self.root / n, self.cases[n][1]) for n in batch]
+            for before in self._after(name):
+                self.outcome(before)
+            nproc, batch = self.cases[name][0], []
+            for n in self.cases:  # registration order: a prerequisite of the same size runs first
+                if (n in self.wanted | {name} and n not in self.done and self.cases[n][0] == nproc
+                        and all(b in self.done or b in batch for b in self._after(n))):
+                    batch.append(n)
+            runs = [(self.root / n, [a.replace("{runs}", str(self.root)) for a in self.cases[n][1]]) for n in batch]
             launch = run_several(runs, nproc)
             self.done.update({n: outcome(self.root / n, nproc, launch) for n in batch})
         return self.done[name]
 
+    def curves(self, name: str) -> tuple[list[float], list[float], list[float]]:
+        """(train losses, validation losses, gradient norms) of a run that must have succeeded."""
+        return curves(self.outcome(name).check())
+
     def assert_matches(self, name: str, reference: tuple) -> None:
-        """Every step's train and validation loss and gradient norm within 1e-5 of ``reference``, relative
-        (``assert_matches_reference``)."""
+        """Every step's train and validation loss and gradient norm within 1e-5 of ``reference``, relative: a
+        parallel layout sums the same products in another order (fp32 round-off, ~1e-7 observed), which Adam
+        carries forward over the steps."""
         import pytest
 
-        out = self.outcome(name).check()
-        for got, want in zip(curves(out), reference):
+        for got, want in zip(self.curves(name), reference):
             assert len(got) == len(want)
             assert got == pytest.approx(want, rel=1e-5)

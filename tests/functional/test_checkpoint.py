@@ -17,48 +17,58 @@ from pathlib import Path
 import pytest
 
 from megatron.checkpoint import CheckpointReader
-from tests.functional.launch import ROOT, TINY, losses, run
+from tests.functional.launch import ROOT, TINY, losses, parity_layouts, run
 
 pytestmark = pytest.mark.slow
 
 FOUR_LAYERS = [*TINY, "--num-layers", "4"]
 
 
-def _train_saving(out, *layout, nproc):
-    result = run(out, *FOUR_LAYERS, *layout, "--save-interval", "5", nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "latest").read_text() == "step_10"
-    return losses(out)
+def _save_then_resume(name: str, saved: tuple[int, list[str]], resumed: tuple[int, list[str]]) -> str:
+    """Register a run that saves at step 5 (of 10) under one layout and one that resumes it under another, as
+    ``{name}-saved`` and ``{name}``; the resumed run's name."""
+    (nproc_saved, saved_args), (nproc_resumed, resumed_args) = saved, resumed
+    parity_layouts({f"{name}-saved": (nproc_saved, [*saved_args, "--save-interval", "5"]),
+                    name: (nproc_resumed, [*resumed_args, "--load", f"{{runs}}/{name}-saved/step_5"],
+                           (f"{name}-saved",))})
+    return name
 
 
-def _resume(out, checkpoint, *layout, nproc):
-    result = run(out, *FOUR_LAYERS, *layout, "--load", str(checkpoint), nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return losses(out)
+def _saved_and_resumed(parity, name: str) -> tuple[list[float], list[float]]:
+    """The train losses of the saving run (which ended with step 10's checkpoint) and of the resumed one."""
+    saved = parity.outcome(f"{name}-saved").check()
+    assert (saved / "latest").read_text() == "step_10"
+    return losses(saved), losses(parity.outcome(name).check())
 
 
 DROPOUT = ["--hidden-dropout-prob", "0.1", "--attention-probs-dropout-prob", "0.1", "--eval-freq", "3"]
+SAME_LAYOUT = [_save_then_resume(f"resume-{name}", (nproc, [*FOUR_LAYERS, *layout]), (nproc, [*FOUR_LAYERS, *layout]))
+               for name, nproc, layout in [
+                   ("single", 1, []), ("single-dropout", 1, DROPOUT),
+                   ("tp2-pp2-dropout", 4, ["--tp", "2", "--pp", "2", *DROPOUT]),
+                   ("sharding2-stage3-fp16", 2, ["--sharding", "2", "--sharding-stage", "3", "--fp16"])]]
 
 
-@pytest.mark.parametrize("layout, nproc", [([], 1), (DROPOUT, 1), (["--tp", "2", "--pp", "2", *DROPOUT], 4),
-                                           (["--sharding", "2", "--sharding-stage", "3", "--fp16"], 2)],
-                         ids=["single", "single-dropout", "tp2-pp2-dropout", "sharding2-stage3-fp16"])
-def test_resume_in_the_same_layout_is_bitwise_identical(tmp_path, layout, nproc):
-    full = _train_saving(tmp_path / "full", *layout, nproc=nproc)
-    resumed = _resume(tmp_path / "resumed", tmp_path / "full" / "step_5", *layout, nproc=nproc)
+@pytest.mark.parametrize("layout", SAME_LAYOUT)
+def test_resume_in_the_same_layout_is_bitwise_identical(parity, layout):
+    full, resumed = _saved_and_resumed(parity, layout)
     # exactly: same masters, AdamW states, scaler, RNG streams (dropout; the save at step 5 is not an
     # evaluation step) and data position
     assert resumed == full[5:]
 
 
-@pytest.mark.parametrize("saved, nproc_saved, loaded, nproc_loaded", [
-    (["--tp", "2", "--pp", "2"], 4, ["--dp", "2"], 2),
-    (["--dp", "2", "--sharding", "2", "--sharding-stage", "3"], 4, ["--tp", "2"], 2),
-    (["--pp", "2", "--vpp", "2"], 2, [], 1),
-], ids=["tp2-pp2-to-dp2", "dp2-sharding2-stage3-to-tp2", "pp2-vpp2-to-pp1"])
-def test_resume_in_another_layout_continues_the_run(tmp_path, reference4, saved, nproc_saved, loaded, nproc_loaded):
-    _train_saving(tmp_path / "saved", *saved, nproc=nproc_saved)
-    resumed = _resume(tmp_path / "resumed", tmp_path / "saved" / "step_5", *loaded, nproc=nproc_loaded)
+ANOTHER_LAYOUT = [_save_then_resume(f"resume-{name}", (saved_n, [*FOUR_LAYERS, *saved]),
+                                    (loaded_n, [*FOUR_LAYERS, *loaded]))
+                  for name, saved, saved_n, loaded, loaded_n in [
+                      ("tp2-pp2-to-dp2", ["--tp", "2", "--pp", "2"], 4, ["--dp", "2"], 2),
+                      ("dp2-sharding2-stage3-to-tp2", ["--dp", "2", "--sharding", "2", "--sharding-stage", "3"], 4,
+                       ["--tp", "2"], 2),
+                      ("pp2-vpp2-to-pp1", ["--pp", "2", "--vpp", "2"], 2, [], 1)]]
+
+
+@pytest.mark.parametrize("layout", ANOTHER_LAYOUT)
+def test_resume_in_another_layout_continues_the_run(parity, reference4, layout):
+    _, resumed = _saved_and_resumed(parity, layout)
     # the uninterrupted single-process run, steps 6-10 (fp32 round-off of the other layouts only)
     assert resumed == pytest.approx(reference4[0][5:], rel=1e-5)
 
@@ -76,15 +86,17 @@ runpy.run_path("pretrain_gpt.py", run_name="__main__")
 """
 
 
-def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path, parity):
     out = tmp_path / "killed"
     killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SECOND_SAVE, *FOUR_LAYERS, "--save", str(out),
                              "--save-interval", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL
     assert (out / "latest").read_text() == "step_5" and not (out / "step_10").exists()
     assert (out / "step_10.tmp").is_dir()  # the partial save, never renamed into place
-    full = _train_saving(tmp_path / "full", nproc=1)
-    assert _resume(tmp_path / "resumed", out, nproc=1) == full[5:]  # the run folder resolves to step_5
+    full, _ = _saved_and_resumed(parity, "resume-single")  # the same run, uninterrupted
+    resumed = run(tmp_path / "resumed", *FOUR_LAYERS, "--load", str(out))  # the run folder resolves to step_5
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(tmp_path / "resumed") == full[5:]
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
@@ -255,38 +267,44 @@ def test_an_unusable_output_folder_stops_the_run_at_start(tmp_path, saved_dp2, o
         assert CheckpointReader(str(out / "step_2")).verify_all()[0] > 0  # the checkpoint is whole: every checksum
 
 
-def test_keep_last_checkpoints_and_finetune_from_weights_only(tmp_path):
-    saved = tmp_path / "saved"
-    result = run(saved, *TINY, "--save-interval", "2", "--keep-last-checkpoints", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
+parity_layouts({"keep-last-2": (1, [*TINY, "--save-interval", "2", "--keep-last-checkpoints", "2"]),
+                "finetune": (1, [*TINY, "--load", "{runs}/keep-last-2", "--finetune"], ("keep-last-2",))})
+
+
+@pytest.mark.parametrize("layout", ["finetune"])
+def test_keep_last_checkpoints_and_finetune_from_weights_only(parity, layout):
+    saved = parity.outcome("keep-last-2").check()
     assert sorted(p.name for p in saved.glob("step_*")) == ["step_10", "step_8"]
     fresh = losses(saved)
-    tuned = tmp_path / "tuned"
-    result = run(tuned, *TINY, "--load", str(saved), "--finetune")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "weights only (finetune)" in result.stderr
-    tuned_losses = losses(tuned)
+    tuned = parity.outcome(layout)
+    assert "weights only (finetune)" in tuned.log
+    tuned_losses = losses(tuned.check())
     assert len(tuned_losses) == 10  # the step count starts again from zero, with a new optimizer
     assert tuned_losses[0] < fresh[0] - 0.1  # but from the trained weights
 
 
-@pytest.mark.parametrize("head", [[], ["--untie-embeddings-and-output-weights"]], ids=["tied", "untied"])
-def test_resume_under_another_tp_repads_the_vocabulary(tmp_path, head):
+REPAD = [_save_then_resume(f"repad-{name}", (1, [*FOUR_LAYERS, "--vocab-size", "300", *head]),
+                           (2, [*FOUR_LAYERS, "--vocab-size", "300", *head, "--tp", "2"]))
+         for name, head in [("tied", []), ("untied", ["--untie-embeddings-and-output-weights"])]]
+
+
+@pytest.mark.parametrize("layout", REPAD)
+def test_resume_under_another_tp_repads_the_vocabulary(parity, layout):
     """Vocabulary 300 pads to 384 rows at tp 1 and to 512 at tp 2: the rows past 300 are padding (of the
     word embedding, and of the untied output layer)."""
-    vocab = ["--vocab-size", "300", *head]
-    full = _train_saving(tmp_path / "tp1", *vocab, nproc=1)
-    resumed = _resume(tmp_path / "tp2", tmp_path / "tp1" / "step_5", *vocab, "--tp", "2", nproc=2)
+    full, resumed = _saved_and_resumed(parity, layout)
     assert resumed == pytest.approx(full[5:], rel=1e-5)
 
 
-@pytest.mark.parametrize("flags, reason, step", [
-    (["--exit-duration-in-mins", "0.0001"], "exit_duration_in_mins (0.0001) reached", 1),
-    (["--exit-interval", "3"], "exit_interval (3) reached", 3),
-], ids=["exit-duration", "exit-interval"])
-def test_exit_duration_and_interval_save_and_exit_0(tmp_path, flags, reason, step):
-    out = tmp_path / "run"
-    result = run(out, *TINY, "--max-steps", "100000", *flags)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{reason}: saving at step {step} and exiting" in result.stderr
+EXITS = {"exit-duration": (["--exit-duration-in-mins", "0.0001"], "exit_duration_in_mins (0.0001) reached", 1),
+         "exit-interval": (["--exit-interval", "3"], "exit_interval (3) reached", 3)}
+parity_layouts({name: (1, [*TINY, "--max-steps", "100000", *flags]) for name, (flags, _, _) in EXITS.items()})
+
+
+@pytest.mark.parametrize("layout", list(EXITS))
+def test_exit_duration_and_interval_save_and_exit_0(parity, layout):
+    _, reason, step = EXITS[layout]
+    result = parity.outcome(layout)
+    out = result.check()
+    assert f"{reason}: saving at step {step} and exiting" in result.log
     assert (out / "latest").read_text() == f"step_{step}"
