@@ -22,18 +22,18 @@ LAYOUTS = parity_layouts({
 def test_tp_losses_equal_single_process(parity, reference, layout):
     parity.assert_matches(layout, reference)
 
-def test_dropout_runs_are_reproducible(tmp_path):
-    """With dropout on, two runs of one layout give identical losses (seeded per-rank streams)."""
-    dropout_flags = {"--hidden-dropout-prob", "--attention-probs-dropout-prob"}
-    args = [a for i, a in enumerate(TINY) if a not in dropout_flags and TINY[i - 1] not in dropout_flags]
-    args += ["--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1",
-             "--attention-probs-dropout-prob", "0.1"]
-    curves = []
-    for name in ("a", "b"):
-        result = run(tmp_path / name, *args, nproc=2)
-        assert result.returncode == 0, result.stderr[-3000:]
-        curves.append(losses(tmp_path / name))
-    assert curves[0] == curves[1]
+_DROPOUT_FLAGS = {"--hidden-dropout-prob", "--attention-probs-dropout-prob"}
+_DROPOUT = [*(a for i, a in enumerate(TINY) if a not in _DROPOUT_FLAGS and TINY[i - 1] not in _DROPOUT_FLAGS),
+            "--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1", "--attention-probs-dropout-prob", "0.1"]
+
+
+@pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-dropout": (2, _DROPOUT)}))
+def test_dropout_runs_are_reproducible(tmp_path, parity, layout):
+    """With dropout on, two runs of one layout in two launches give identical losses (seeded per-rank streams,
+    nothing of the process)."""
+    result = run(tmp_path, *_DROPOUT, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(tmp_path) == parity.curves(layout)[0]
 
 
 def test_three_processes_with_tp2_fail_with_a_message(tmp_path):
