@@ -1,7 +1,7 @@
 """``pretrain()``: the whole run on every rank of a launch, and what it logs at start.
 
 ``pretrain_gpt.py`` supplies what is GPT-specific (the model provider, the datasets provider and
-``forward_step``), as in Megatron-LM; ``megatron/training.py`` holds the loop.
+``forward_step``), as in Megatron-LM; ``megatron/training/`` holds the loop.
 """
 
 from __future__ import annotations

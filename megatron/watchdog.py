@@ -178,7 +178,7 @@ def describe_wait(frame: FrameType | None) -> str:
     """Where the thread of ``frame`` is, in one clause.
 
     The public ``torch.distributed`` function it is inside and the repository frame that called it
-    ("waiting in torch.distributed.all_reduce called from megatron/training.py:63 _all_reduce_sum");
+    ("waiting in torch.distributed.all_reduce called from megatron/training/step.py:66 all_reduce_sum");
     for an asynchronous operation's ``wait()`` (native code, no Python frame), the operation's kind
     from the work object; otherwise the innermost repository frame and its source line."""
     frames = _frames(frame)

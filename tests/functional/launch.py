@@ -64,10 +64,6 @@ def curves(out: Path) -> tuple[list[float], list[float], list[float]]:
     return losses(out), losses(out, "valid"), losses(out, key="grad_norm")
 
 
-# The single-process runs the parity layouts are compared with: name -> pretrain_gpt.py arguments. All are
-# trained by one launch, once per session (conftest's ``references``); test modules may add theirs.
-REFERENCES: dict[str, list[str]] = {"tiny": TINY, "tiny4": [*TINY, "--num-layers", "4"]}
-
 # Every run the functional tests share: name -> (processes, pretrain_gpt.py arguments[, runs it needs first]).
 # "{runs}" in an argument stands for the folder that holds every run's folder (``--load {runs}/a/step_5``). The
 # test modules register theirs (``parity_layouts``); ``ParityRuns`` trains those a session selects, by world size.
@@ -79,6 +75,20 @@ def parity_layouts(cases: dict[str, tuple]) -> list[str]:
     for name, case in cases.items():
         assert PARITY.setdefault(name, case) == case, f"parity layout {name!r} registered twice"
     return list(cases)
+
+
+# The single-process runs others are compared with: trained whenever any shared run is, in the one-process
+# launch (conftest's ``references``: name -> (train losses, validation losses, gradient norms)).
+REFERENCES: set[str] = set()
+
+
+def reference_runs(cases: dict[str, list[str]]) -> None:
+    """Register single-process reference runs: name -> pretrain_gpt.py arguments."""
+    parity_layouts({name: (1, args) for name, args in cases.items()})
+    REFERENCES.update(cases)
+
+
+reference_runs({"tiny": TINY, "tiny4": [*TINY, "--num-layers", "4"]})
 
 
 def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -46,7 +46,7 @@ def test_a_stopped_rank_makes_its_peer_dump_its_stacks_and_the_job_end(tmp_path)
     # the collective (or p2p) it waits in, and where in the repository it was called
     assert re.search(r"torch\.distributed[ .](all_reduce|all_gather|reduce_scatter|broadcast|barrier|send|recv)\b.*"
                      r" (called from|at) megatron/\S+\.py:\d+ \w+", header), header
-    assert "most recent call first" in result.dump and "in _run_loop" in result.dump
+    assert "most recent call first" in result.dump and "in _train" in result.dump
     assert header in result.log and "exiting with status 4." in result.log  # on the rank's stderr too
     assert re.search(r"exitcode\s*: 4 ", result.log)  # torchrun's summary: the root cause is the watchdog's exit
     assert re.search(r"exitcode\s*: -9 ", result.log)  # and torchrun, not the test, SIGKILLed the stopped rank

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import REFERENCES, TINY, losses, parity_layouts, run
+from tests.functional.launch import TINY, losses, parity_layouts, reference_runs, run
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ BLOCK1 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-met
           "--recompute-num-layers", "1"]
 
 
-REFERENCES["llama"] = LLAMA
+reference_runs({"llama": LLAMA})
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import REFERENCES, TINY, parity_layouts, run_ranks
+from tests.functional.launch import TINY, parity_layouts, reference_runs, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_bad_sharding_fails_on_every_rank(tmp_path, extra, nproc, message):
         assert result.returncode == 2 and result.stderr.count(message) == 1, result.stderr[-2000:]
 
 
-REFERENCES.update({"tiny-bf16": [*TINY, "--bf16"], "tiny-fp16": [*TINY, "--fp16"]})
+reference_runs({"tiny-bf16": [*TINY, "--bf16"], "tiny-fp16": [*TINY, "--fp16"]})
 LOW_PRECISION = parity_layouts({f"{precision}-stage{stage}-sharding2": (2, [*TINY, f"--{precision}", "--sharding", "2",
                                                                             "--sharding-stage", stage])
                                 for stage in ("1", "2", "3") for precision in ("bf16", "fp16")})

@@ -22,6 +22,16 @@ LAYOUTS = parity_layouts({
 def test_tp_losses_equal_single_process(parity, reference, layout):
     parity.assert_matches(layout, reference)
 
+
+@pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-recompute-compile": (
+    2, [*TINY, "--tp", "2", "--sequence-parallel", "--use-recompute", "--recompute-granularity", "full",
+        "--compile"])}))
+def test_tp2_compiled_matches_one_eager_process(parity, reference, layout):
+    """tp2 with sequence parallelism and full recompute, compiled: the column- and row-parallel layers
+    (and their collectives) run eager between compiled pieces; the loss curve is the eager one's."""
+    parity.assert_matches(layout, reference)
+    assert "--compile:" not in parity.outcome(layout).log  # compiled: no fallback
+
 _DROPOUT_FLAGS = {"--hidden-dropout-prob", "--attention-probs-dropout-prob"}
 _DROPOUT = [*(a for i, a in enumerate(TINY) if a not in _DROPOUT_FLAGS and TINY[i - 1] not in _DROPOUT_FLAGS),
             "--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1", "--attention-probs-dropout-prob", "0.1"]

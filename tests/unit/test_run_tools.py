@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron.run_metrics import RunError, format_steps, load_run, reading_note
-from tests.functional.launch import TINY, run
+from tests.functional.launch import TINY, parity_layouts, reference_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, GBS, SEQ = 10, 16, 32  # TINY's --max-steps, --global-batch-size, --max-seq-len
@@ -31,19 +31,17 @@ plot_runs = _tool("plot_runs")
 compare_runs = _tool("compare_runs")
 
 
+reference_runs({"tiny-again": TINY})
+parity_layouts({"tp2-seed4321": (2, [*TINY, "--tp", "2", "--seed", "4321"])})
+pytestmark = pytest.mark.shared_runs("tp2-seed4321")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """Three real runs: ``a`` and ``b`` with the same flags (bitwise equal on CPU), ``tp`` on two
-    tensor-parallel ranks with another seed. One intra-op thread each, as torchrun gives its ranks: on
-    a busy two-core machine torch's default thread pool made each run two to three times slower."""
-    root = tmp_path_factory.mktemp("runs")
-    launches = {"a": ((*TINY,), 1), "b": ((*TINY,), 1), "tp": ((*TINY, "--tp", "2", "--seed", "4321"), 2)}
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OMP_NUM_THREADS", "1")
-        for name, (args, nproc) in launches.items():
-            result = run(root / name, *args, nproc=nproc)
-            assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-    return {name: root / name for name in launches}
+def runs(parity) -> dict[str, Path]:
+    """Three real runs (shared): ``a`` and ``b`` with the same flags (bitwise equal on CPU), ``tp`` on two
+    tensor-parallel ranks with another seed."""
+    return {name: parity.outcome(run).check() for name, run in (("a", "tiny"), ("b", "tiny-again"),
+                                                               ("tp", "tp2-seed4321"))}
 
 
 def write_metrics(folder: Path, records: list[dict], tail: str = "", config: bool = True) -> Path:

@@ -1,0 +1,43 @@
+"""Runs the tests share, each trained once per session (``tests/functional/launch.py``): the single-process
+references that every parallel layout is compared with, and the shared runs, those of one world size trained
+by one launch (``ParityRuns``). A test names the run it checks as its ``layout`` parameter (or in a
+``shared_runs`` mark); only the runs of the selected tests (and what they need first) are trained."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import PARITY, REFERENCES, ParityRuns
+
+_SELECTED: set[str] = set()  # the shared runs of the tests this session runs
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        if "parity" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec"):
+            _SELECTED.add(item.callspec.params["layout"])
+        for mark in item.iter_markers("shared_runs"):  # runs a test reads through a fixture
+            _SELECTED.update(mark.args)
+
+
+@pytest.fixture(scope="session")
+def parity(tmp_path_factory) -> ParityRuns:
+    return ParityRuns(tmp_path_factory.mktemp("shared-runs"), PARITY, _SELECTED | REFERENCES)
+
+
+@pytest.fixture(scope="session")
+def references(parity) -> dict[str, tuple]:
+    """{name: (train losses, validation losses, gradient norms)} of every reference run."""
+    return {name: parity.curves(name) for name in sorted(REFERENCES)}
+
+
+@pytest.fixture(scope="session")
+def reference(references):
+    """TINY in one process (two decoder layers)."""
+    return references["tiny"]
+
+
+@pytest.fixture(scope="session")
+def reference4(references):
+    """The same with four decoder layers (enough for pp 4, and for pp 2 x vpp 2)."""
+    return references["tiny4"]
