@@ -91,11 +91,14 @@ def reference_runs(cases: dict[str, list[str]]) -> None:
 reference_runs({"tiny": TINY, "tiny4": [*TINY, "--num-layers", "4"]})
 
 
-def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Each (folder, args) of ``runs`` trained in turn by one launch of ``nproc`` ranks (``several_runs.py``):
-    the folder gets the run's checkpoints and metrics, ``rank{r}.log`` and ``rank{r}.rc``."""
+def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900,
+                program: str = "pretrain_gpt.py") -> subprocess.CompletedProcess:
+    """Each (folder, args) of ``runs`` run in turn by one launch of ``nproc`` ranks (``several_runs.py``) of
+    ``program`` (a path in the repository whose ``main(argv)`` returns the exit status): the folder gets the
+    run's files (a training run's checkpoints and metrics), ``rank{r}.log`` (stderr), ``rank{r}.out`` (stdout)
+    and ``rank{r}.rc``."""
     plan = runs[0][0].parent / f"plan-{runs[0][0].name}.json"
-    plan.write_text(json.dumps([{"out": str(out), "args": list(args)} for out, args in runs]))
+    plan.write_text(json.dumps([{"out": str(out), "args": list(args), "program": program} for out, args in runs]))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(nproc)]
     return subprocess.run([*launcher, str(ROOT / "tests" / "functional" / "several_runs.py"), str(plan)], cwd=ROOT,
@@ -105,8 +108,13 @@ def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float =
 @dataclass
 class RunOutcome:
     out: Path
-    returncode: int | None  # rank 0's; None when the launch never finished the run
-    log: str  # every rank's output, and the launch's when a rank has no exit code
+    returncode: int | None  # the worst rank's; None when the launch never finished the run
+    log: str  # every rank's stderr, and the launch's when a rank has no exit code
+
+    @property
+    def stdout(self) -> str:
+        """Rank 0's standard output."""
+        return (self.out / "rank0.out").read_text()
 
     def check(self) -> Path:
         assert self.returncode == 0, self.log[-4000:]

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from megatron.checkpoint import CheckpointReader
-from tests.functional.launch import ROOT, TINY, losses, parity_layouts, run
+from tests.functional.launch import ROOT, TINY, losses, outcome, parity_layouts, run, run_several
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_runs("saved-dp2")]
 
 FOUR_LAYERS = [*TINY, "--num-layers", "4"]
 
@@ -116,14 +116,14 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert "SIGTERM received: saving at step" in stderr
 
 
+parity_layouts({"saved-dp2": (2, [*TINY, "--max-steps", "2", "--save-interval", "2"])})
+
+
 @pytest.fixture(scope="module")
-def saved_dp2(tmp_path_factory):
+def saved_dp2(parity):
     """A 2-rank (dp 2) run folder saved at step 2: rank0.bin, rank1.bin (empty: a replica) and an RNG
     file per rank. Tests copy it (``_copy_run``) before damaging it."""
-    out = tmp_path_factory.mktemp("saved_dp2")
-    result = run(out, *TINY, "--max-steps", "2", "--save-interval", "2", nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return parity.outcome("saved-dp2").check()
 
 
 def _copy_run(saved: Path, to: Path) -> Path:
@@ -158,22 +158,39 @@ DAMAGE = {
 }
 
 
+@pytest.fixture(scope="module")
+def damaged(saved_dp2, tmp_path_factory) -> dict[str, tuple]:
+    """Every DAMAGE case on its own copy of the run, launched with ``--save X --load X`` (the ranks of one
+    world size in one launch): name -> (the outcome, the copy, its files before the launch)."""
+    root, cases = tmp_path_factory.mktemp("damaged"), {}
+    for name, (harm, nproc, _) in DAMAGE.items():
+        out = _copy_run(saved_dp2, root / name)
+        if harm is not None:
+            harm(out / "step_2")
+        load = root / "nowhere" if name == "missing" else out
+        extra = ["--hidden-size", "128"] if name == "other-model" else []
+        cases[name] = (nproc, out, _snapshot(out), [*TINY, *extra, "--save", str(out), "--load", str(load)])
+    results = {}
+    for nproc in {case[0] for case in cases.values()}:
+        batch = {name: case for name, case in cases.items() if case[0] == nproc}
+        launch = run_several([(root / f"{name}-logs", case[3]) for name, case in batch.items()], nproc)
+        results.update({name: (outcome(root / f"{name}-logs", nproc, launch), out, before)
+                        for name, (_, out, before, _) in batch.items()})
+    return results
+
+
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_bad_checkpoint_stops_every_rank_before_anything_is_written(tmp_path, saved_dp2, damage):
+def test_a_bad_checkpoint_stops_every_rank_before_anything_is_written(damaged, damage):
     """``--save X --load X`` on a damaged X (or --load of a folder that is not there): every rank stops
     with the same one line (exit 2), and nothing in X is written, created or removed."""
-    harm, nproc, message = DAMAGE[damage]
-    out = _copy_run(saved_dp2, tmp_path / "run")
-    if harm is not None:
-        harm(out / "step_2")
-    before = _snapshot(out)
-    load = tmp_path / "nowhere" if damage == "missing" else out
-    extra = ["--hidden-size", "128"] if damage == "other-model" else []
-    result = run(out, *TINY, *extra, "--load", str(load), nproc=nproc, timeout=120)
-    assert result.returncode == (2 if nproc == 1 else 1)  # torchrun reports the ranks' exit status 2 as 1
-    assert result.stderr.count("pretrain_gpt.py: error: ") == nproc
-    assert result.stderr.count(message) == nproc  # every rank says why; none waits in a collective
-    assert f'File "{ROOT}' not in result.stderr  # no traceback from our code (torchrun prints its own)
+    _, nproc, message = DAMAGE[damage]
+    result, out, before = damaged[damage]
+    for rank in range(nproc):
+        log = (result.out / f"rank{rank}.log").read_text()
+        assert (result.out / f"rank{rank}.rc").read_text() == "2", result.log[-3000:]
+        assert log.count("pretrain_gpt.py: error: ") == 1, result.log[-3000:]
+        assert log.count(message) == 1  # every rank says why; none waits in a collective
+        assert "Traceback" not in log  # no traceback from our code
     assert _snapshot(out) == before  # nothing written (no metrics.jsonl, no config.yaml, no checkpoint)
 
 

@@ -15,10 +15,15 @@ import pytest
 import torch
 
 from megatron.inference import initialize, load_model, tokenizer_for
+from tests.functional.launch import outcome, run_several
 from tests.inference.conftest import ROOT
 
 SEQ = 64  # evaluation windows of 64 tokens (the model has 96 positions)
 STRIDE = 32
+TASKS = ("perplexity", "lambada")
+LAYOUT_ARGS = ["--overlapping-eval", str(STRIDE), "--micro-batch-size", "2"]
+LAYOUTS = {"tp2": ("lambada", ["--tp", "2"]), "pp2": ("perplexity", ["--pp", "2"]), "dp2": ("lambada", ["--dp", "2"]),
+           "sharding2-stage3": ("perplexity", ["--sharding", "2", "--sharding-stage", "3"])}
 
 
 def _document() -> str:
@@ -28,13 +33,17 @@ def _document() -> str:
     return text[:1500]
 
 
-def _evaluate(*args: str, nproc: int = 1) -> dict:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc-per-node", str(nproc)]
-    result = subprocess.run([*launcher, "tools/evaluate.py", *args, "--max-seq-len", str(SEQ)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+def _evaluations(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, dict]:
+    """Each named tools/evaluate.py command line run by one launch of ``nproc`` ranks (the launch is what
+    costs): name -> its JSON result."""
+    planned = [(root / name, [*args, "--max-seq-len", str(SEQ)]) for name, args in runs.items()]
+    launch = run_several(planned, nproc, program="tools/evaluate.py")
+    results = {}
+    for out, _ in planned:
+        done = outcome(out, nproc, launch)
+        done.check()
+        results[out.name] = json.loads(done.stdout.splitlines()[-1])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +85,24 @@ def files(checkpoint, tmp_path_factory):
     return str(document), str(lambada), tokenizer
 
 
-def test_perplexity_equals_transformers_strided_recipe(checkpoint, hf, files):
+def _args(task: str, files, checkpoint: str) -> list[str]:
+    document, lambada, _ = files
+    return ["--task", task, "--input", lambada if task == "lambada" else document, "--load", checkpoint]
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoint, files, tmp_path_factory) -> dict[str, dict]:
+    """The one-process results, by one launch: each task as given, and with micro-batches of 2 (and overlapping
+    windows for both) as the layout tests run it."""
+    runs = {"perplexity": [*_args("perplexity", files, checkpoint), "--overlapping-eval", str(STRIDE)],
+            "lambada": _args("lambada", files, checkpoint)}
+    runs.update({f"{task}-layouts": [*_args(task, files, checkpoint), *LAYOUT_ARGS] for task in TASKS})
+    return _evaluations(tmp_path_factory.mktemp("evaluate-one"), runs, nproc=1)
+
+
+def test_perplexity_equals_transformers_strided_recipe(one_process, hf, files):
     document, _, tokenizer = files
-    result = _evaluate("--task", "perplexity", "--input", document, "--load", checkpoint,
-                       "--overlapping-eval", str(STRIDE))
+    result = one_process["perplexity"]
     ids = torch.tensor([tokenizer.tokenize(Path(document).read_text())])
     # transformers' documentation, "Perplexity of fixed-length models", with max_length = SEQ + 1
     max_length, seq_len = SEQ + 1, ids.size(1)
@@ -124,9 +147,9 @@ def _hf_cloze(hf, tokenizer, text: str, strict: bool) -> bool:
     return predicted == tokens[-len(target):]
 
 
-def test_lambada_decisions_equal_a_transformers_reference_in_both_modes(checkpoint, hf, files):
+def test_lambada_decisions_equal_a_transformers_reference_in_both_modes(one_process, hf, files):
     _, lambada, tokenizer = files
-    result = _evaluate("--task", "lambada", "--input", lambada, "--load", checkpoint)
+    result = one_process["lambada"]
     texts = [json.loads(line)["text"] for line in Path(lambada).read_text().splitlines()]
     assert result["examples"] == len(texts)
     for mode, strict in (("strict", True), ("non_strict", False)):
@@ -138,29 +161,17 @@ def test_lambada_decisions_equal_a_transformers_reference_in_both_modes(checkpoi
 
 
 @pytest.fixture(scope="module")
-def single(checkpoint, files):
-    """Each task's results on one process, computed once for the layout tests."""
-    document, lambada, _ = files
-    cache = {}
-
-    def results(task: str) -> tuple[list[str], dict]:
-        args = ["--task", task, "--input", lambada if task == "lambada" else document, "--load", checkpoint,
-                "--overlapping-eval", str(STRIDE), "--micro-batch-size", "2"]
-        if task not in cache:
-            cache[task] = _evaluate(*args)
-        return args, cache[task]
-
-    return results
+def layouts(checkpoint, files, tmp_path_factory) -> dict[str, dict]:
+    """Each layout's results, all by one two-rank launch."""
+    runs = {name: [*_args(task, files, checkpoint), *LAYOUT_ARGS, *layout] for name, (task, layout) in LAYOUTS.items()}
+    return _evaluations(tmp_path_factory.mktemp("evaluate-layouts"), runs, nproc=2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task, layout", [
-    ("lambada", ["--tp", "2"]), ("perplexity", ["--pp", "2"]), ("lambada", ["--dp", "2"]),
-    ("perplexity", ["--sharding", "2", "--sharding-stage", "3"]),
-], ids=["tp2", "pp2", "dp2", "sharding2-stage3"])
-def test_every_layout_gives_the_one_process_results(single, task, layout):
-    args, expected = single(task)
-    parallel = _evaluate(*args, *layout, nproc=2)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_gives_the_one_process_results(one_process, layouts, layout):
+    task = LAYOUTS[layout][0]
+    expected, parallel = one_process[f"{task}-layouts"], layouts[layout]
     for key in ("strict_correct", "non_strict_correct", "tokens", "windows"):
         assert parallel.get(key) == expected.get(key)
     if task == "perplexity":

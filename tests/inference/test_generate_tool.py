@@ -4,6 +4,7 @@ tensor-parallel cut load, prompts come from flags, files and stdin, and bad inpu
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -12,7 +13,9 @@ import pytest
 
 from megatron.checkpoint.convert import reshard
 from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model, tokenizer_for
-from tests.inference.conftest import PROMPTS, ROOT
+from tests.inference.conftest import PROMPTS, ROOT, _tool
+
+GENERATE = _tool("generate")
 
 
 def _generate(*args: str, nproc: int = 1, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -20,6 +23,17 @@ def _generate(*args: str, nproc: int = 1, stdin: str | None = None) -> subproces
                                                     "--nproc-per-node", str(nproc)]
     return subprocess.run([*launcher, "tools/generate.py", *args], cwd=ROOT, capture_output=True, text=True,
                           input=stdin, timeout=300)
+
+
+def _generate_here(capsys, monkeypatch, *args: str, stdin: str | None = None) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of tools/generate.py's main in this process (one rank: no process group);
+    the subprocess form (``_generate``) is kept for torchrun."""
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    status = GENERATE.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def _engine(path: str) -> InferenceEngine:
@@ -64,18 +78,18 @@ def test_a_checkpoint_of_another_tensor_parallel_cut_generates_the_same(checkpoi
         [c.tokens for c in _engine(checkpoint).generate(requests)]
 
 
-def test_prompts_from_flags_and_stdin_print_their_continuations(checkpoint):
+def test_prompts_from_flags_and_stdin_print_their_continuations(checkpoint, capsys, monkeypatch):
     engine = _engine(checkpoint)
     expected = engine.generate([Request(engine.tokenizer.tokenize(p), SamplingParams(max_tokens=8, temperature=0))
                                 for p in PROMPTS[:2]])
-    flags = _generate("--load", checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "8",
-                      "--temperature", "0")
-    assert flags.returncode == 0, flags.stderr
-    assert f"{PROMPTS[0]}{expected[0].text}\n" in flags.stdout and f"{PROMPTS[1]}{expected[1].text}\n" in flags.stdout
-    piped = _generate("--load", checkpoint, "--max-new-tokens", "8", "--temperature", "0",
-                      stdin=f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n")
-    assert piped.returncode == 0, piped.stderr
-    assert piped.stdout == f"{expected[0].text}\n{expected[1].text}\n"
+    status, out, err = _generate_here(capsys, monkeypatch, "--load", checkpoint, "--prompt", PROMPTS[0], "--prompt",
+                                      PROMPTS[1], "--max-new-tokens", "8", "--temperature", "0")
+    assert status == 0, err
+    assert f"{PROMPTS[0]}{expected[0].text}\n" in out and f"{PROMPTS[1]}{expected[1].text}\n" in out
+    status, out, err = _generate_here(capsys, monkeypatch, "--load", checkpoint, "--max-new-tokens", "8",
+                                      "--temperature", "0", stdin=f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n")
+    assert status == 0, err
+    assert out == f"{expected[0].text}\n{expected[1].text}\n"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -84,13 +98,13 @@ def test_prompts_from_flags_and_stdin_print_their_continuations(checkpoint):
     (["--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
     (["--prompts-file", str(ROOT / "tests" / "inference" / "bad_prompts.jsonl")], "unknown field 'temprature'"),
 ])
-def test_bad_input_is_one_line_and_exit_status_2(checkpoint, args, message):
-    result = _generate("--load", checkpoint, *args)
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
+def test_bad_input_is_one_line_and_exit_status_2(checkpoint, args, message, capsys, monkeypatch):
+    status, _, err = _generate_here(capsys, monkeypatch, "--load", checkpoint, *args)
+    assert status == 2
+    assert message in err and "Traceback" not in err
 
 
-def test_a_missing_checkpoint_is_one_line(tmp_path):
-    result = _generate("--load", str(tmp_path / "nothing"), "--prompt", "x")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "nothing" in result.stderr.splitlines()[-1]
+def test_a_missing_checkpoint_is_one_line(tmp_path, capsys, monkeypatch):
+    status, _, err = _generate_here(capsys, monkeypatch, "--load", str(tmp_path / "nothing"), "--prompt", "x")
+    assert status == 2 and "Traceback" not in err
+    assert "nothing" in err.splitlines()[-1]
