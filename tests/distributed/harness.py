@@ -118,7 +118,7 @@ _POOLS: dict[int, _Pool] = {}
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from tests.functional.launch import TINY, losses, run
+from tests.functional.launch import TINY, losses, parity_layouts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_runs("ramp-mbs2")]
 
 LENGTHLESS = [a for i, a in enumerate(TINY) if a != "--max-steps" and TINY[i - 1] != "--max-steps"]
 # global batch 16 reached from 4 by 4 over 24 samples: 4 below 8 samples, 8 below 16, 12 up to 24, then 16
@@ -27,47 +27,48 @@ def _logged_batches(stderr: str) -> list[int]:
     return [int(n) for n in re.findall(r" - global step \d+,.*, global batch size: (\d+)", stderr)]
 
 
-def test_rampup_batches_consumed_samples_and_an_exact_resume(tmp_path):
-    full = run(tmp_path / "full", *RAMP, "--save-interval", "3")
-    assert full.returncode == 0, full.stderr[-3000:]
-    train = _records(tmp_path / "full")
+parity_layouts({"ramp": (1, [*RAMP, "--save-interval", "3"]),
+                "ramp-resumed": (1, [*RAMP, "--load", "{runs}/ramp/step_3"], ("ramp",)),
+                "ramp-mbs2": (1, [*RAMP, "--micro-batch-size", "2"]),
+                "ramp-dp2": (2, [*RAMP, "--micro-batch-size", "2"]),
+                "step-schedule": (1, [*LENGTHLESS, "--train-iters", "6", "--step-batch-size-schedule", "0:8 512:16"])})
+
+
+@pytest.mark.parametrize("layout", ["ramp-resumed"])
+def test_rampup_batches_consumed_samples_and_an_exact_resume(parity, layout):
+    full = parity.outcome("ramp")
+    train = _records(full.check())
     assert [r["global_batch_size"] for r in train] == RAMP_BATCHES
     consumed = [sum(RAMP_BATCHES[:k + 1]) for k in range(10)]
     assert [r["consumed_samples"] for r in train] == consumed and consumed[-1] == 124
-    assert _logged_batches(full.stderr) == RAMP_BATCHES
+    assert _logged_batches(full.log) == RAMP_BATCHES
     # tokens/s counts the step's own batch: the 16-sample steps move ~4x the tokens of the 4-sample ones
     assert train[-1]["ips_total"] * train[-1]["avg_batch_cost"] == pytest.approx(16 * 32)
     assert train[0]["ips_total"] * train[0]["avg_batch_cost"] == pytest.approx(4 * 32)
     # saved at step 3 (16 samples, mid-ramp): the resumed run takes the same batches and reproduces every loss
-    resumed = run(tmp_path / "resumed", *RAMP, "--load", str(tmp_path / "full" / "step_3"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = _records(tmp_path / "resumed")
+    again = _records(parity.outcome(layout).check())
     assert [r["step"] for r in again] == list(range(4, 11))
     assert [r["global_batch_size"] for r in again] == RAMP_BATCHES[3:]
     assert [r["consumed_samples"] for r in again] == consumed[3:]
     assert [r["learning_rate"] for r in again] == [r["learning_rate"] for r in train[3:]]
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[3:]
+    assert [r["loss"] for r in again] == [r["loss"] for r in train[3:]]
 
 
-def test_rampup_under_data_parallelism_matches_one_process(tmp_path):
+@pytest.mark.parametrize("layout", ["ramp-dp2"])
+def test_rampup_under_data_parallelism_matches_one_process(parity, layout):
     """dp 2: each rank reads its half of every step's batch (1, 1, 2, 3, then 4 micro-batches of 2): the
     losses are those of one process (fp32 round-off of the summed gradients only)."""
-    flags = [*RAMP, "--micro-batch-size", "2"]
-    single = run(tmp_path / "single", *flags)
-    assert single.returncode == 0, single.stderr[-3000:]
-    dp2 = run(tmp_path / "dp2", *flags, nproc=2)
-    assert dp2.returncode == 0, dp2.stderr[-3000:]
-    assert [r["global_batch_size"] for r in _records(tmp_path / "dp2")] == RAMP_BATCHES
-    assert losses(tmp_path / "dp2") == pytest.approx(losses(tmp_path / "single"), rel=1e-5)
+    dp2 = parity.outcome(layout).check()
+    assert [r["global_batch_size"] for r in _records(dp2)] == RAMP_BATCHES
+    assert losses(dp2) == pytest.approx(losses(parity.outcome("ramp-mbs2").check()), rel=1e-5)
 
 
-def test_step_schedule_by_consumed_tokens(tmp_path):
+@pytest.mark.parametrize("layout", ["step-schedule"])
+def test_step_schedule_by_consumed_tokens(parity, layout):
     """'0:8 512:16' with 32-token samples: 8 until 512 tokens (16 samples) are consumed, then 16 (the global
     batch, given equal to the last one as Megatron's 175B example does), for --train-iters 6."""
-    out = tmp_path / "out"
-    result = run(out, *LENGTHLESS, "--train-iters", "6", "--step-batch-size-schedule", "0:8 512:16")
-    assert result.returncode == 0, result.stderr[-3000:]
-    train = _records(out)
+    result = parity.outcome(layout)
+    train = _records(result.check())
     assert [r["global_batch_size"] for r in train] == [8, 8, 16, 16, 16, 16]
     assert [r["consumed_samples"] for r in train] == [8, 16, 32, 48, 64, 80]
-    assert _logged_batches(result.stderr) == [8, 8, 16, 16, 16, 16]
+    assert _logged_batches(result.log) == [8, 8, 16, 16, 16, 16]

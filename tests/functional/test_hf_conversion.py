@@ -15,9 +15,7 @@ from megatron.checkpoint import CheckpointReader, resolve_checkpoint
 from megatron.config import parse_config, validate
 from megatron.model import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
-from tests.functional.launch import ROOT, TINY, losses, run
-
-pytestmark = pytest.mark.slow
+from tests.functional.launch import ROOT, TINY, losses, parity_layouts, run
 
 VOCAB = 250  # pads to 256 (tp 1 and 2): the padding rows are exercised
 
@@ -32,10 +30,20 @@ def _train(out, *args: str, nproc: int = 1) -> list[float]:
     return losses(out)
 
 
-def test_a_trained_run_exports_to_hf_with_the_same_logits(tmp_path):
+SCHEDULE = ("--max-steps", "3", "--decay-steps", "3", "--warmup-steps", "0")  # not the saved run's
+parity_layouts({
+    "hf-saved": (1, [*TINY, "--vocab-size", str(VOCAB), "--max-steps", "2", "--save-interval", "2"]),
+    # the original weights, fresh optimizer and step 0 (--finetune)
+    "hf-finetune": (1, [*TINY, "--vocab-size", str(VOCAB), *SCHEDULE, "--load", "{runs}/hf-saved", "--finetune"],
+                    ("hf-saved",)),
+    "hf-vocab300": (1, [*TINY, "--vocab-size", "300", "--max-steps", "4", "--save-interval", "2"])})
+pytestmark = [pytest.mark.slow, pytest.mark.shared_runs("hf-saved", "hf-finetune", "hf-vocab300")]
+
+
+def test_a_trained_run_exports_to_hf_with_the_same_logits(tmp_path, parity):
     transformers = pytest.importorskip("transformers")
-    _train(tmp_path / "run", "--max-steps", "2", "--save-interval", "2")
-    result = _tool("tools/convert_checkpoint.py", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf"))
+    run_dir = parity.outcome("hf-saved").check()
+    result = _tool("tools/convert_checkpoint.py", "to-hf", str(run_dir), str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
 
@@ -44,37 +52,35 @@ def test_a_trained_run_exports_to_hf_with_the_same_logits(tmp_path):
     parallel_state.initialize()
     tensor_parallel_seed(config.seed, 0, torch.device("cpu"))
     model = build_model(config).eval()
-    reader = CheckpointReader(resolve_checkpoint(str(tmp_path / "run")))
+    reader = CheckpointReader(resolve_checkpoint(str(run_dir)))
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(reader.full("param", name))
         torch.testing.assert_close(model(ids)[..., :VOCAB], hf(ids).logits, rtol=0, atol=1e-4)
 
-    info = _tool("tools/checkpoint_info.py", str(tmp_path / "run"))
+    info = _tool("tools/checkpoint_info.py", str(run_dir))
     assert info.returncode == 0 and "step: 2 " in info.stdout
 
 
-def test_an_hf_import_continues_pretraining_like_the_original_weights(tmp_path):
+def test_an_hf_import_continues_pretraining_like_the_original_weights(tmp_path, parity):
     pytest.importorskip("transformers")
-    _train(tmp_path / "run", "--max-steps", "2", "--save-interval", "2")
-    schedule = ("--max-steps", "3", "--decay-steps", "3", "--warmup-steps", "0")  # not the saved run's
-    # the original weights, fresh optimizer and step 0 (--finetune) ...
-    original = _train(tmp_path / "finetune", *schedule, "--load", str(tmp_path / "run"), "--finetune")
+    run_dir = parity.outcome("hf-saved").check()
+    original = losses(parity.outcome("hf-finetune").check())
     # ... and the same weights through Hugging Face and back (a step-0, weights-only checkpoint)
-    for args in (("to-hf", str(tmp_path / "run"), str(tmp_path / "hf")),
+    for args in (("to-hf", str(run_dir), str(tmp_path / "hf")),
                  ("from-hf", str(tmp_path / "hf"), str(tmp_path / "imported"))):
         result = _tool("tools/convert_checkpoint.py", *args)
         assert result.returncode == 0, result.stderr
-    imported = _train(tmp_path / "continued", *schedule, "--load", str(tmp_path / "imported"))
+    imported = _train(tmp_path / "continued", *SCHEDULE, "--load", str(tmp_path / "imported"))
     assert len(imported) == 3 and imported == original  # bitwise: the round trip is exact
 
 
-def test_a_checkpoint_resharded_to_tp2_resumes_a_tp2_run(tmp_path):
+def test_a_checkpoint_resharded_to_tp2_resumes_a_tp2_run(tmp_path, parity):
     # vocab 300: 384 rows under tp 1, 512 under tp 2; reshard re-pads them
-    full = _train(tmp_path / "run", "--vocab-size", "300", "--max-steps", "4", "--save-interval", "2")
-    result = _tool("tools/convert_checkpoint.py", "reshard", str(tmp_path / "run" / "step_2"), str(tmp_path / "tp2"),
-                   "--tp", "2")
+    saved = parity.outcome("hf-vocab300").check()
+    full = losses(saved)
+    result = _tool("tools/convert_checkpoint.py", "reshard", str(saved / "step_2"), str(tmp_path / "tp2"), "--tp", "2")
     assert result.returncode == 0, result.stderr
     resumed = _train(tmp_path / "resumed", "--vocab-size", "300", "--max-steps", "4", "--tp", "2", "--load",
                      str(tmp_path / "tp2"), nproc=2)
