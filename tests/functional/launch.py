@@ -26,6 +26,21 @@ def run(out: Path, *args: str, nproc: int = 1, timeout: float = 300) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """``pretrain_gpt.py args`` in this process, for a run that stops before training (a configuration, data or
+    checkpoint error): what it prints and its exit status, as a launch would give them, without starting an
+    interpreter and importing torch again (seconds on a small machine)."""
+    import contextlib
+    import io
+
+    import pretrain_gpt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = pretrain_gpt.main(list(args))
+    return subprocess.CompletedProcess(["pretrain_gpt.py", *args], status, out.getvalue(), err.getvalue())
+
+
 def run_ranks(out: Path, *args: str, nproc: int, timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Start ``nproc`` ranks as torchrun would (its environment variables), but without torchrun, whose
     agent kills the other ranks as soon as one exits: each rank runs to its own end, so a test can

@@ -14,6 +14,7 @@ import pytest
 from megatron.checkpoint import resumed_config
 from megatron.config import Config, ConfigError, megatron_flags, parse_config, save_yaml, to_dict, to_yaml, validate
 from megatron.config.cli import LEAVES, MEGATRON_DEST, build_parser, iter_leaves
+from tests.functional.launch import run_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -302,8 +303,7 @@ def test_missing_config_file(tmp_path):
     (["-c", "/nonexistent/dir/config.yaml"], "does not exist"),
 ], ids=["flag", "type", "batch", "heads", "missing-file"])
 def test_pretrain_gpt_reports_one_line(argv, needle):
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_here(*argv)  # in this process: the interpreter and torch are not started again
     assert proc.returncode != 0
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
