@@ -8,12 +8,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from megatron.training.stopping import StopRequests
+from tests.functional.launch import parity_layouts
 from tests.functional.test_pretrain_cli import REPO, TINY, run_cli
 
 
@@ -21,23 +21,29 @@ def _steps_logged(output: str) -> list[int]:
     return [int(s) for s in re.findall(r" - global step (\d+),", output)]
 
 
-def test_diverged_run_stops_and_keeps_the_good_checkpoint(tmp_path):
+_CKPT = ["--save", "{runs}/health-saved", "--load", "{runs}/health-saved", "--save-interval", "1",
+         "--keep-last-checkpoints", "1"]
+_FP16 = [*TINY, "--fp16", "--lr", "1e-3", "--max-consecutive-skipped-steps", "3", "--eval-iters", "0"]
+parity_layouts({
+    "health-saved": (1, [*TINY, "--max-steps", "3", "--lr", "1e-3", *_CKPT]),
+    "health-diverged": (1, [*TINY, "--max-steps", "40", "--lr", "1e6", "--min-lr", "1e6",
+                            "--max-consecutive-skipped-steps", "4", *_CKPT], ("health-saved",)),
+    "fp16-static-1e30": (1, [*_FP16, "--max-steps", "30", "--no-dynamic-loss-scale", "--initial-loss-scale", "1e30"]),
+    "fp16-dynamic-backs-off": (1, [*_FP16, "--max-steps", "50", "--initial-loss-scale", str(2.0 ** 60),
+                                   "--hysteresis", "1"])})
+
+
+@pytest.mark.parametrize("layout", ["health-diverged"])
+def test_diverged_run_stops_and_keeps_the_good_checkpoint(parity, layout):
     """A run saves every step with keep-last 1; resumed at lr 1e6, step 4's loss is still finite (it uses
     step_3's weights, which confirms step_3) but its update explodes the weights that step_4 holds.
     The run stops after 4 bad steps in a row with exit 3, step_3 is never pruned, and 'latest' names
     it again, so a plain relaunch does not resume from the poisoned step_4."""
-    out = tmp_path / "out"
-    ckpt = ["--save", str(out), "--load", str(out), "--save-interval", "1", "--keep-last-checkpoints", "1"]
-    proc = run_cli(*TINY, "--max-steps", "3", "--lr", "1e-3", *ckpt)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (out / "latest").read_text().strip() == "step_3"
-    start = time.monotonic()
-    proc = run_cli(*TINY, "--max-steps", "40", "--lr", "1e6", "--min-lr", "1e6", "--max-consecutive-skipped-steps",
-                   "4", *ckpt)
-    assert time.monotonic() - start < 100
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    output = proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    out = parity.outcome("health-saved").check()
+    diverged = parity.outcome(layout)
+    assert diverged.returncode == 3, diverged.log[-3000:]
+    output = diverged.log + diverged.stdout
+    errors = [line for line in diverged.log.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert len(errors) == 1 and "training diverged: 4 steps in a row up to step 8" in errors[0], errors
     assert f"last good checkpoint: {out / 'step_3'}, which 'latest' now names again" in errors[0]
     assert _steps_logged(output) == [4, 5, 6, 7, 8]  # stopped at once, not at max_steps
@@ -49,25 +55,23 @@ def test_diverged_run_stops_and_keeps_the_good_checkpoint(tmp_path):
     assert all(math.isfinite(x) for x in losses[:4]) and not any(math.isfinite(x) for x in losses[4:])
 
 
-@pytest.mark.parametrize("scale_flags, stops_at", [
-    (["--no-dynamic-loss-scale", "--initial-loss-scale", "1e30"], 3),  # static: every skip counts
+@pytest.mark.parametrize("layout, stops_at", [
+    ("fp16-static-1e30", 3),  # static: every skip counts
     # dynamic from 2^60 with hysteresis 1: it halves on every overflow (~40 in a row), which is the
     # scaler's search, not divergence; it trains once the scale fits fp16 and the run ends normally
-    (["--initial-loss-scale", str(2.0 ** 60), "--hysteresis", "1"], None),
-], ids=["static-1e30", "dynamic-backs-off"])
-def test_fp16_overflow_policy(tmp_path, scale_flags, stops_at):
-    proc = run_cli(*TINY, "--fp16", "--max-steps", "50" if stops_at is None else "30", "--lr", "1e-3",
-                   "--max-consecutive-skipped-steps", "3", "--eval-iters", "0", "--output-dir", str(tmp_path),
-                   *scale_flags, timeout=300)
-    output = proc.stdout + proc.stderr
+    ("fp16-dynamic-backs-off", None),
+])
+def test_fp16_overflow_policy(parity, layout, stops_at):
+    result = parity.outcome(layout)
+    output = result.log + result.stdout
     if stops_at is not None:
-        assert proc.returncode == 3, proc.stderr[-3000:]
-        assert f"training diverged: 3 steps in a row up to step {stops_at}" in proc.stderr
-        assert "loss scale 1e+30" in proc.stderr
+        assert result.returncode == 3, result.log[-3000:]
+        assert f"training diverged: 3 steps in a row up to step {stops_at}" in result.log
+        assert "loss scale 1e+30" in result.log
         assert _steps_logged(output)[-1] == stops_at
     else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        out = result.check()
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         last = records[-1]
         assert last["step"] == 50 and math.isfinite(last["loss"])
         # every skip halved the scale once (hysteresis 1), and far more skips came in a row than the 3 allowed
