@@ -182,6 +182,16 @@ class ParityRuns:
         """(train losses, validation losses, gradient norms) of a run that must have succeeded."""
         return curves(self.outcome(name).check())
 
+    def assert_fails_on_every_rank(self, name: str, message: str) -> None:
+        """The run stopped on every rank with exit status 2 and one line holding ``message``, no traceback:
+        none was left waiting in a collective for the others."""
+        result = self.outcome(name)
+        for rank in range(self.cases[name][0]):
+            log = (result.out / f"rank{rank}.log").read_text()
+            assert (result.out / f"rank{rank}.rc").read_text() == "2", result.log[-3000:]
+            assert log.count("pretrain_gpt.py: error: ") == log.count(message) == 1, result.log[-3000:]
+            assert "Traceback" not in log
+
     def assert_matches(self, name: str, reference: tuple) -> None:
         """Every step's train and validation loss and gradient norm within 1e-5 of ``reference``, relative: a
         parallel layout sums the same products in another order (fp32 round-off, ~1e-7 observed), which Adam

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts, run
+from tests.functional.launch import TINY, parity_layouts
 
 pytestmark = pytest.mark.slow
 
@@ -22,11 +22,9 @@ def test_dp_losses_equal_single_process(parity, reference, layout):
     parity.assert_matches(layout, reference)
 
 
-def test_world_size_mismatch_fails_on_every_rank(tmp_path):
-    result = run(tmp_path, *TINY, "--dp", "3", nproc=2, timeout=120)
-    assert result.returncode != 0
-    message = "dp_degree x mp_degree x pp_degree x sharding_degree = 3 but 2 process(es) were launched"
-    # Every rank checks before any collective and exits; torchrun may stop the second rank before
-    # it prints, so at least one copy is guaranteed. The only traceback is torchrun's own report.
-    assert result.stderr.count(message) >= 1
-    assert "megatron/" not in result.stderr and "pretrain_gpt.py\", line" not in result.stderr
+@pytest.mark.parametrize("layout", parity_layouts({"bad-dp3-on-2": (2, [*TINY, "--dp", "3"])}))
+def test_world_size_mismatch_fails_on_every_rank(parity, layout):
+    """Every rank checks before any collective and exits with one line (the torchrun path of such an error:
+    test_tensor_parallel.py::test_three_processes_with_tp2_fail_with_a_message)."""
+    parity.assert_fails_on_every_rank(
+        layout, "dp_degree x mp_degree x pp_degree x sharding_degree = 3 but 2 process(es) were launched")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, losses, parity_layouts, reference_runs, run
+from tests.functional.launch import TINY, parity_layouts, reference_runs
 
 pytestmark = pytest.mark.slow
 
@@ -44,17 +44,18 @@ def test_llama_shaped_losses_equal_single_process(parity, llama_reference, layou
     parity.assert_matches(layout, llama_reference)
 
 
-def test_query_groups_not_divisible_by_tp_fail_before_any_process_group(tmp_path):
-    result = run(tmp_path, *LLAMA, "--num-query-groups", "1", "--tp", "2", nproc=2, timeout=120)
-    assert result.returncode != 0
-    assert "Model.num_query_groups (1) must be divisible by the tensor-parallel size mp_degree (2)" in result.stderr
+@pytest.mark.parametrize("layout", parity_layouts({"bad-llama-query-groups-tp2": (
+    2, [*LLAMA, "--num-query-groups", "1", "--tp", "2"])}))
+def test_query_groups_not_divisible_by_tp_fail_before_any_process_group(parity, layout):
+    parity.assert_fails_on_every_rank(
+        layout, "Model.num_query_groups (1) must be divisible by the tensor-parallel size mp_degree (2)")
 
 
-def test_resume_under_another_layout_continues_the_run(tmp_path, llama_reference):
+@pytest.mark.parametrize("layout", parity_layouts({
+    "llama-pp2-vpp2-saved": (2, [*LLAMA, "--pp", "2", "--vpp", "2", "--save-interval", "5"]),
+    "llama-resumed-tp2": (2, [*LLAMA, "--tp", "2", "--load", "{runs}/llama-pp2-vpp2-saved/step_5"],
+                          ("llama-pp2-vpp2-saved",))})[1:])
+def test_resume_under_another_layout_continues_the_run(parity, llama_reference, layout):
     """Saved under pp2 x vpp2 (the untied output layer on the last stage is written, as every parameter of
     its own) and resumed under tp2: the single-process run's steps 6-10."""
-    saved = run(tmp_path / "saved", *LLAMA, "--pp", "2", "--vpp", "2", "--save-interval", "5", nproc=2)
-    assert saved.returncode == 0, saved.stderr[-3000:]
-    resumed = run(tmp_path / "resumed", *LLAMA, "--tp", "2", "--load", str(tmp_path / "saved" / "step_5"), nproc=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert losses(tmp_path / "resumed") == pytest.approx(llama_reference[0][5:], rel=1e-5)
+    assert parity.curves(layout)[0] == pytest.approx(llama_reference[0][5:], rel=1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts, run
+from tests.functional.launch import TINY, parity_layouts
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +40,17 @@ def test_segmentation_log_is_the_seeds(parity):
     assert "loss: GPTPretrainingCriterionPipe" in lines
 
 
-@pytest.mark.parametrize("nproc, extra, message", [
-    (4, ["--pp", "4", "--num-layers", "2"], "Cannot cut 2 decoder layers into 4 pipeline stages"),
-    (2, ["--pp", "2", "--vpp", "2", "--num-layers", "2"], "num_layers (2) divisible by pp x vpp (2 x 2 = 4)"),
-    (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "6", "--micro-batch-size", "2"],
-     "micro_batch_size = 3) to be a multiple of pp_degree (2)"),
-])
-def test_bad_pipeline_settings_fail_on_every_rank(tmp_path, nproc, extra, message):
-    result = run(tmp_path, *TINY, *extra, nproc=nproc, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stderr
+BAD = {  # name: (processes, flags, the message every rank prints)
+    "bad-pp4-2-layers": (4, ["--pp", "4", "--num-layers", "2"], "Cannot cut 2 decoder layers into 4 pipeline stages"),
+    "bad-vpp-2-layers": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "2"],
+                         "num_layers (2) divisible by pp x vpp (2 x 2 = 4)"),
+    "bad-vpp-micro-batches": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "6",
+                                  "--micro-batch-size", "2"],
+                              "micro_batch_size = 3) to be a multiple of pp_degree (2)"),
+}
+parity_layouts({name: (nproc, [*TINY, *extra]) for name, (nproc, extra, _) in BAD.items()})
+
+
+@pytest.mark.parametrize("layout", list(BAD))
+def test_bad_pipeline_settings_fail_on_every_rank(parity, layout):
+    parity.assert_fails_on_every_rank(layout, BAD[layout][2])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts, reference_runs, run_ranks
+from tests.functional.launch import TINY, parity_layouts, reference_runs
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +40,15 @@ def test_sharded_losses_equal_single_process(parity, reference, reference4, layo
     parity.assert_matches(layout, reference4 if layout == "stage3-pp2-vpp2-sharding2" else reference)
 
 
-@pytest.mark.parametrize("extra, nproc, message", [
-    (["--sharding-stage", "4"], 2, "sharding_stage must be one of 1, 2, 3, got 4"),
-    (["--sharding", "4"], 2, "world size 2 is not divisible by mp_degree x pp_degree x sharding_degree = 4"),
-], ids=["stage-4", "degree-does-not-divide"])
-def test_bad_sharding_fails_on_every_rank(tmp_path, extra, nproc, message):
-    results = run_ranks(tmp_path, *TINY, "--sharding", "2", *extra, nproc=nproc)
-    for result in results:  # each rank says why and exits; none waits in a collective
-        assert result.returncode == 2 and result.stderr.count(message) == 1, result.stderr[-2000:]
+BAD = {"bad-sharding-stage-4": "sharding_stage must be one of 1, 2, 3, got 4",
+       "bad-sharding-degree": "world size 2 is not divisible by mp_degree x pp_degree x sharding_degree = 4"}
+parity_layouts({"bad-sharding-stage-4": (2, [*TINY, "--sharding", "2", "--sharding-stage", "4"]),
+                "bad-sharding-degree": (2, [*TINY, "--sharding", "4"])})
+
+
+@pytest.mark.parametrize("layout", list(BAD))
+def test_bad_sharding_fails_on_every_rank(parity, layout):
+    parity.assert_fails_on_every_rank(layout, BAD[layout])
 
 
 reference_runs({"tiny-bf16": [*TINY, "--bf16"], "tiny-fp16": [*TINY, "--fp16"]})

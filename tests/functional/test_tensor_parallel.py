@@ -52,8 +52,7 @@ def test_three_processes_with_tp2_fail_with_a_message(tmp_path):
     assert "world size 3 is not divisible by mp_degree x pp_degree x sharding_degree = 2" in result.stderr
 
 
-def test_heads_not_divisible_by_tp_fails_on_every_rank(tmp_path):
-    result = run(tmp_path, *TINY, "--tp", "2", "--num-attention-heads", "3", "--hidden-size", "63", nproc=2,
-                 timeout=120)
-    assert result.returncode != 0
-    assert "mp_degree (2) must divide Model.num_attention_heads (3)" in result.stderr
+@pytest.mark.parametrize("layout", parity_layouts({"bad-heads-tp2": (
+    2, [*TINY, "--tp", "2", "--num-attention-heads", "3", "--hidden-size", "63"])}))
+def test_heads_not_divisible_by_tp_fails_on_every_rank(parity, layout):
+    parity.assert_fails_on_every_rank(layout, "mp_degree (2) must divide Model.num_attention_heads (3)")
