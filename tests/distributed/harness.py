@@ -102,15 +102,12 @@ class _Pool:
         errors = [f"rank {r}:\n{value}" for r, (status, value) in sorted(outcomes.items()) if status == "error"]
         return [outcomes[r][1] for r in range(self.world_size)], errors
 
-    def close(self, kill: bool = False) -> None:
-        for proc, task in zip(self.procs, self.tasks):
-            if not kill and proc.is_alive():
-                task.put(None)
+    def close(self) -> None:
+        """Kill the ranks: they hold nothing to save, and a rank may be stuck in a collective."""
         for proc in self.procs:
-            proc.join(timeout=0 if kill else 10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.kill()
+        for proc in self.procs:
+            proc.join()
         shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
@@ -128,7 +125,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _Pool(world_size))
     results, errors = pool.run(fn, args, timeout)
     if errors:
-        _POOLS.pop(world_size).close(kill=True)  # a rank may be inside a collective: start afresh next time
+        _POOLS.pop(world_size).close()  # a rank may be inside a collective: start afresh next time
         print("\n".join(errors), file=sys.stderr)
         raise AssertionError("distributed test failed:\n" + "\n".join(errors))
     return results

@@ -16,6 +16,8 @@ from megatron.training.stopping import StopRequests
 from tests.functional.launch import parity_layouts
 from tests.functional.test_pretrain_cli import REPO, TINY, run_cli
 
+pytestmark = pytest.mark.slow  # runs training processes end to end, as every functional module
+
 
 def _steps_logged(output: str) -> list[int]:
     return [int(s) for s in re.findall(r" - global step (\d+),", output)]

@@ -18,6 +18,8 @@ from megatron.inference import initialize, load_model, tokenizer_for
 from tests.functional.launch import outcome, run_several
 from tests.inference.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # launches tools/evaluate.py
+
 SEQ = 64  # evaluation windows of 64 tokens (the model has 96 positions)
 STRIDE = 32
 TASKS = ("perplexity", "lambada")
@@ -167,7 +169,6 @@ def layouts(checkpoint, files, tmp_path_factory) -> dict[str, dict]:
     return _evaluations(tmp_path_factory.mktemp("evaluate-layouts"), runs, nproc=2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_the_one_process_results(one_process, layouts, layout):
     task = LAYOUTS[layout][0]

@@ -358,6 +358,7 @@ def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # starts each tool
 @pytest.mark.parametrize("tool, args", [
     ("convert_checkpoint", ("to-hf", "{missing}", "{out}")),
     ("convert_checkpoint", ("reshard", "{missing}", "{out}", "--tp", "2")),

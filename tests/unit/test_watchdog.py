@@ -118,6 +118,7 @@ def _run_two_ranks(function: str, *args) -> tuple[int, str, str]:
     return procs[0].returncode, stdout, stderr
 
 
+@pytest.mark.slow  # starts processes
 @linux_only
 @pytest.mark.parametrize("how, clause", [
     ("all_reduce", r"waiting in torch\.distributed\.all_reduce called from tests/unit/test_watchdog\.py:\d+ _hang"),
@@ -166,6 +167,7 @@ def _collective_timeout(rank: int, port: int, folder: str) -> None:
             print(f"{name} {time.monotonic() - start:.2f}", flush=True)
 
 
+@pytest.mark.slow  # starts processes
 @linux_only
 def test_the_configured_timeout_bounds_collectives_on_every_group(tmp_path):
     _, stdout, stderr = _run_two_ranks("_collective_timeout", str(tmp_path))
@@ -194,6 +196,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow  # starts processes
 @linux_only
 @pytest.mark.parametrize("mechanism", ["prctl", "poll"])
 def test_a_worker_dies_with_its_launcher(mechanism):
