@@ -14,8 +14,9 @@ _SELECTED: set[str] = set()  # the shared runs of the tests this session runs
 
 def pytest_collection_finish(session):
     for item in session.items:
-        if "parity" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec"):
-            _SELECTED.add(item.callspec.params["layout"])
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if "parity" in getattr(item, "fixturenames", ()) and "layout" in params:
+            _SELECTED.add(params["layout"])
         for mark in item.iter_markers("shared_runs"):  # runs a test reads through a fixture
             _SELECTED.update(mark.args)
 
