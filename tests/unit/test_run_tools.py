@@ -111,7 +111,7 @@ def test_compare_perturbed_tp2_run_differs(runs, capsys):
     assert compare_runs.main([str(runs["a"]), str(runs["tp"]), "--assert-equal"]) == 1
     captured = capsys.readouterr()
     assert "runs differ" in captured.err and "step 1: loss is" in captured.err  # another seed: from the first step
-    assert "loss [tp vs a]: largest relative gap" in captured.out
+    assert f"loss [{runs['tp'].name} vs {runs['a'].name}]: largest relative gap" in captured.out  # named by folder
     assert compare_runs.main([str(runs["a"]), str(runs["tp"])]) == 0  # a report, not a check
     assert compare_runs.main([str(runs["a"]), str(runs["tp"]), "--assert-equal", "--rtol", "1"]) == 0
 
