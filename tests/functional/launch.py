@@ -152,6 +152,7 @@ class ParityRuns:
 
     def __init__(self, root: Path, cases: dict[str, tuple], selected: set[str]):
         self.root, self.cases, self.done = root, cases, {}
+        self.preparing: set[int] = set()  # world sizes whose launch waits for prerequisites of other sizes
         self.wanted = set()
         for name in selected & set(cases):
             self._want(name)
@@ -166,9 +167,17 @@ class ParityRuns:
 
     def outcome(self, name: str) -> RunOutcome:
         if name not in self.done:
-            for before in self._after(name):
-                self.outcome(before)
+            self._want(name)  # asked for without being selected: it, and what it needs, are wanted now
             nproc, batch = self.cases[name][0], []
+            self.preparing.add(nproc)
+            for n in [name, *self.wanted]:  # what this launch's runs need from launches of other sizes, first
+                if self.cases[n][0] == nproc and n not in self.done:
+                    for before in self._after(n):
+                        if self.cases[before][0] not in self.preparing:
+                            self.outcome(before)
+            self.preparing.discard(nproc)
+            if name in self.done:
+                return self.done[name]
             for n in self.cases:  # registration order: a prerequisite of the same size runs first
                 if (n in self.wanted | {name} and n not in self.done and self.cases[n][0] == nproc
                         and all(b in self.done or b in batch for b in self._after(n))):
