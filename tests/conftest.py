@@ -5,6 +5,9 @@ by one launch (``ParityRuns``). A test names the run it checks as its ``layout``
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
@@ -13,6 +16,13 @@ _SELECTED: set[str] = set()  # the shared runs of the tests this session runs
 
 
 def pytest_collection_finish(session):
+    """What the selected tests need: their shared runs; and the jobs of ``starts_early`` tests started now, to
+    wait (for a fixed grace of a launcher, say) while the other tests run."""
+    started = set()
+    for item in session.items:
+        if item.get_closest_marker("starts_early") and item.module not in started:
+            started.add(item.module)
+            item.module.start_early(Path(tempfile.mkdtemp(prefix=f"{item.module.__name__.split('.')[-1]}-")))
     for item in session.items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
         if "parity" in getattr(item, "fixturenames", ()) and "layout" in params:
