@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.launch import run
+from tests.functional.launch import outcome, run_several
 from tests.functional.test_pretrain_data import corpus  # noqa: F401  (the fixture: a tiny BPE corpus)
 from tests.unit.megatron_flag_sets import FUNCTIONAL
 
@@ -42,20 +42,24 @@ def _records(out: Path) -> list[dict]:
 
 
 def test_megatron_llama_command_line_trains_and_resumes(corpus, tmp_path):  # noqa: F811
+    """The command line trains; the same with a longer --train-iters, launched again (after it, by the same
+    torchrun: ``run_several``), resumes from the checkpoint --save wrote at the end."""
     out = tmp_path / "ckpt"
-    first = run(out, *_command_line(corpus, out), "--device", "cpu", nproc=2)
-    assert first.returncode == 0, first.stderr[-3000:]
-    log = first.stdout + first.stderr
+    launch = run_several([(tmp_path / "first", [*_command_line(corpus, out), "--device", "cpu"]),
+                          (tmp_path / "second", [*_command_line(corpus, out, **{"--train-iters": "8"}),
+                                                 "--device", "cpu"])], nproc=2)
+    first, second = (outcome(tmp_path / name, 2, launch) for name in ("first", "second"))
+    first.check()
+    log = first.log + first.stdout
     assert "accepted, no effect here: --deterministic-mode, --manual-gc, --use-mcore-models" in log
     assert "Megatron-LM command line" in log
-    train = [r for r in _records(out) if r["split"] == "train"]
+    train = [r for r in _records(out) if r["split"] == "train"][:6]  # the first run's (the second adds 7-8)
     assert [r["step"] for r in train] == list(range(1, 7))
     # Megatron-LM's schedule for these flags: no warm-up (--lr-warmup-samples 0), its default linear decay to
     # its default min_lr 0 over --train-iters; iteration k trains at the rate after k - 1 iterations.
     assert [r["learning_rate"] for r in train] == pytest.approx([3e-4 * (1 - k / 6) for k in range(6)], rel=1e-6)
     assert all(r["consumed_samples"] == 8 * r["step"] for r in train)
     # the same command line with a longer --train-iters resumes from the checkpoint --save wrote at the end
-    second = run(out, *_command_line(corpus, out, **{"--train-iters": "8"}), "--device", "cpu", nproc=2)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resuming at step 6" in second.stdout + second.stderr
+    second.check()
+    assert "resuming at step 6" in second.log + second.stdout
     assert [r["step"] for r in _records(out) if r["split"] == "train"] == list(range(1, 9))
