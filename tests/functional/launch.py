@@ -41,6 +41,26 @@ def run_here(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["pretrain_gpt.py", *args], status, out.getvalue(), err.getvalue())
 
 
+def run_tool_here(path: str, *args: str) -> subprocess.CompletedProcess:
+    """A tool of the repository (``tools/x.py``, whose ``main(argv)`` returns its exit status) in this process:
+    what it prints and its status, without starting an interpreter and importing torch again."""
+    import contextlib
+    import importlib.util
+    import io
+
+    name = Path(path).stem
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__file__", None) != str(ROOT / path):
+        spec = importlib.util.spec_from_file_location(name, ROOT / path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = module.main(list(args))
+    return subprocess.CompletedProcess([path, *args], status, out.getvalue(), err.getvalue())
+
+
 def run_ranks(out: Path, *args: str, nproc: int, timeout: float = 120) -> list[subprocess.CompletedProcess]:
     """Start ``nproc`` ranks as torchrun would (its environment variables), but without torchrun, whose
     agent kills the other ranks as soon as one exits: each rank runs to its own end, so a test can

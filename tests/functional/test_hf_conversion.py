@@ -5,7 +5,6 @@ to tp 2 resumes a tp-2 run (vocabulary re-padded)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,13 +14,13 @@ from megatron.checkpoint import CheckpointReader, resolve_checkpoint
 from megatron.config import parse_config, validate
 from megatron.model import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
-from tests.functional.launch import ROOT, TINY, losses, parity_layouts, run
+from tests.functional.launch import TINY, losses, parity_layouts, run, run_tool_here
 
 VOCAB = 250  # pads to 256 (tp 1 and 2): the padding rows are exercised
 
 
-def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _tool(path: str, *args: str) -> subprocess.CompletedProcess:
+    return run_tool_here(path, *args)  # the converters' main in this process
 
 
 def _train(out, *args: str, nproc: int = 1) -> list[float]:

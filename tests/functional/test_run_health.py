@@ -14,7 +14,7 @@ import pytest
 
 from megatron.training.stopping import StopRequests
 from tests.functional.launch import parity_layouts
-from tests.functional.test_pretrain_cli import REPO, TINY, run_cli
+from tests.functional.test_pretrain_cli import REPO, TINY
 
 pytestmark = pytest.mark.slow  # runs training processes end to end, as every functional module
 
@@ -107,12 +107,17 @@ def test_ctrl_c_saves_and_exits_and_a_second_stops_at_once(tmp_path):
         StopRequests.on_signal(stopping, signal.SIGINT, None)
 
 
-def test_a_finished_run_launched_again_trains_and_evaluates_nothing(tmp_path):
-    flags = [*TINY, "--max-steps", "3", "--save", str(tmp_path), "--load", str(tmp_path), "--save-interval", "3"]
-    assert run_cli(*flags).returncode == 0
-    proc = run_cli(*flags)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "nothing to train: the run is at step 3 and stops at step 3" in proc.stderr
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+_FINISHED = [*TINY, "--max-steps", "3", "--save", "{runs}/finished", "--load", "{runs}/finished",
+             "--save-interval", "3"]
+parity_layouts({"finished": (1, _FINISHED), "finished-again": (1, _FINISHED, ("finished",))})
+
+
+@pytest.mark.parametrize("layout", ["finished-again"])
+def test_a_finished_run_launched_again_trains_and_evaluates_nothing(parity, layout):
+    out = parity.outcome("finished").check()
+    again = parity.outcome(layout)
+    again.check()
+    assert "nothing to train: the run is at step 3 and stops at step 3" in again.log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["split"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("train", 3), ("valid", 3),
                                                           ("test", 3)]
