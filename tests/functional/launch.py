@@ -61,34 +61,6 @@ def run_tool_here(path: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([path, *args], status, out.getvalue(), err.getvalue())
 
 
-def run_ranks(out: Path, *args: str, nproc: int, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """Start ``nproc`` ranks as torchrun would (its environment variables), but without torchrun, whose
-    agent kills the other ranks as soon as one exits: each rank runs to its own end, so a test can
-    check what every rank said."""
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *args, "--save", str(out)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        finally:
-            for other in procs:
-                if other.poll() is None and proc.returncode is None:
-                    other.kill()
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    return results
-
-
 def losses(out: Path, split: str = "train", key: str = "loss") -> list[float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in records if r["split"] == split]
