@@ -324,9 +324,11 @@ def test_an_idle_scheduler_on_several_ranks_sends_keepalives_then_the_stop_batch
     scheduler = Scheduler(engine, keepalive_seconds=0.05)
     scheduler.tp = 2  # as on rank 0 of two (the engine itself is one rank)
     scheduler.start()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 10
+    while len(sent) < 3 and time.monotonic() < deadline:  # three keepalives (every 0.05 s), then stop
+        time.sleep(0.01)
     scheduler.stop()
-    assert len(sent) >= 3 and sent[:-1] == [[]] * (len(sent) - 1) and sent[-1] is None
+    assert len(sent) >= 4 and sent[:-1] == [[]] * (len(sent) - 1) and sent[-1] is None
 
 
 # The command line -------------------------------------------------------------------------------------
