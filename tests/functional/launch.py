@@ -41,12 +41,9 @@ def run_here(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["pretrain_gpt.py", *args], status, out.getvalue(), err.getvalue())
 
 
-def run_tool_here(path: str, *args: str) -> subprocess.CompletedProcess:
-    """A tool of the repository (``tools/x.py``, whose ``main(argv)`` returns its exit status) in this process:
-    what it prints and its status, without starting an interpreter and importing torch again."""
-    import contextlib
+def program_module(path: str):
+    """A script of the repository (``tools/x.py``, ``pretrain_gpt.py``) as a module, loaded once under its stem."""
     import importlib.util
-    import io
 
     name = Path(path).stem
     module = sys.modules.get(name)
@@ -55,6 +52,16 @@ def run_tool_here(path: str, *args: str) -> subprocess.CompletedProcess:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
+    return module
+
+
+def run_tool_here(path: str, *args: str) -> subprocess.CompletedProcess:
+    """A tool of the repository (``tools/x.py``, whose ``main(argv)`` returns its exit status) in this process:
+    what it prints and its status, without starting an interpreter and importing torch again."""
+    import contextlib
+    import io
+
+    module = program_module(path)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = module.main(list(args))

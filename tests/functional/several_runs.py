@@ -16,7 +16,6 @@ default group, whose rendezvous could not be repeated in one process.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import sys
@@ -30,21 +29,14 @@ sys.path.insert(0, str(ROOT))
 import torch.distributed as dist  # noqa: E402
 
 from megatron import parallel_state  # noqa: E402
-
-_PROGRAMS: dict[str, ModuleType] = {}
+from tests.functional.launch import program_module  # noqa: E402
 
 
 def _program(path: str) -> ModuleType:
-    """The program's module, loaded once, its ``shutdown`` keeping the default group for the next run."""
-    if path not in _PROGRAMS:
-        name = Path(path).stem
-        spec = importlib.util.spec_from_file_location(name, ROOT / path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        module.shutdown = parallel_state.destroy
-        _PROGRAMS[path] = module
-    return _PROGRAMS[path]
+    """The program's module, its ``shutdown`` keeping the default group for the next run."""
+    module = program_module(path)
+    module.shutdown = parallel_state.destroy
+    return module
 
 
 def _run(program: str, args: list[str], out: Path, rank: int) -> int:
