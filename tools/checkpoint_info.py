@@ -4,7 +4,7 @@
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``--tensors`` lists every
 tensor with its global shape, tensor-parallel split and the kinds saved for it. ``--verify`` reads
-the whole checkpoint and checks every checksum (every piece of every rank file, common.pt,
+the whole checkpoint and checks every checksum (every piece of every rank file, common.json,
 config.yaml, the RNG files). Exit status 2, with a one-line message, for a missing or damaged
 checkpoint (a checksum mismatch included).
 """

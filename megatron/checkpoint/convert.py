@@ -1,7 +1,7 @@
 """Offline checkpoint reading and writing, without a training process (used by ``tools/``).
 
 ``write_checkpoint`` produces what ``megatron.checkpoint.save_checkpoint`` produces (the same
-``metadata.json``, ``rank{r}.bin``, ``common.pt`` and ``config.yaml``, read by the same
+``metadata.json``, ``rank{r}.bin``, ``common.json`` and ``config.yaml``, read by the same
 ``CheckpointReader`` and ``load_checkpoint``) from full tensors held by one process: one file per
 tensor-parallel rank, each tensor-parallel parameter cut along its ``partition_dim`` (its slice
 ``r`` in ``rank{r}.bin``), each replicated parameter whole in ``rank0.bin``, as a tp-T, pp-1, dp-1 run
@@ -34,9 +34,10 @@ from megatron.checkpoint.format import (
     fsync_dir,
     is_vocab_padded,
     resolve_checkpoint,
-    seal,
+    write_bytes,
     write_text,
 )
+from megatron.checkpoint import small_files
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 
@@ -44,7 +45,7 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def config_from_yaml(text: str) -> Config:
-    """The ``Config`` of a YAML text (a checkpoint's ``common.pt["config"]``: the resolved config)."""
+    """The ``Config`` of a YAML text (a checkpoint's ``common.json "config"``: the resolved config)."""
     config = Config()
     for leaf, value in flatten_yaml(yaml.safe_load(text) or {}, "the checkpoint's config"):
         set_value(config, leaf, value)
@@ -68,11 +69,11 @@ def tensor_layout(config: Config, padded_vocab: int | None = None) -> dict[str, 
 
 
 def open_checkpoint(path: str) -> tuple[CheckpointReader, dict, Config]:
-    """(reader, common.pt, config) of a run folder (its latest step) or a step folder; CheckpointError
+    """(reader, common, config) of a run folder (its latest step) or a step folder; CheckpointError
     with a one-line message when it is missing or damaged."""
     step_dir = resolve_checkpoint(path)
     reader = CheckpointReader(step_dir)  # checks metadata.json's structure
-    common = reader.common()  # checks common.pt's checksum and keys
+    common = reader.common()  # checks common.json's checksum and fields
     try:
         config = config_from_yaml(common["config"])
     except (KeyError, TypeError, AttributeError, yaml.YAMLError, ConfigError) as err:
@@ -190,11 +191,11 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
               "grad_scaler": grad_scaler,
               "train_state": train_state if train_state is not None else {"consumed_samples": 0, "skipped_steps": 0},
               "config": to_yaml(config)}
-    torch.save(common, os.path.join(tmp, "common.pt"))
+    common_crc = write_bytes(os.path.join(tmp, small_files.COMMON_FILE), small_files.to_json_bytes(common))
     layout_info = {"world_size": tp, "tp": tp, "pp": 1, "dp": 1, "sharding": 1, "vpp": 1,
                    "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload,
                    "converted_by": converted_by}
-    files = {"common.pt": seal(os.path.join(tmp, "common.pt")), "config.yaml": config_crc}
+    files = {small_files.COMMON_FILE: common_crc, "config.yaml": config_crc}
     metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info,
                 "checksum": {"algorithm": "crc32", "chunk_bytes": CRC_CHUNK_BYTES}, "files": files, "pieces": pieces}
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))

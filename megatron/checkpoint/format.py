@@ -4,15 +4,20 @@ A step folder holds:
 
 - ``rank{r}.bin``: the pieces rank r wrote, raw little-endian fp32, back to back. Reading a piece
   is a seek and a read of its bytes: no pickle, no memory map that would keep pages resident.
-- ``rank{r}.rng.pt``: that rank's RNG streams (restored only under the same layout).
+- ``rank{r}.rng.json``: that rank's RNG streams (restored only under the same layout).
 - ``metadata.json``: the layout saved under and every piece: ``kind`` (param = fp32 master
   weight, exp_avg, exp_avg_sq), global ``name`` and ``global_shape``, the tensor-parallel slice it
   belongs to (``partition_dim``, ``tp_rank`` of ``tp_size``, ``local_shape``), its flat range
   ``[lo, hi)`` in that slice, where it is (``rank``, byte ``offset``) and ``crc32``: the zlib CRC-32
   of each ``checksum.chunk_bytes`` (4 MiB) chunk of its bytes. ``files`` holds the CRC-32 of
-  ``common.pt``, ``config.yaml`` and every ``rank{r}.rng.pt``.
-- ``common.pt`` (step, consumed samples, AdamW step, loss scaler, configuration) and
+  ``common.json``, ``config.yaml`` and every ``rank{r}.rng.json``.
+- ``common.json`` (step, consumed samples, AdamW step, loss scaler, configuration) and
   ``config.yaml``.
+
+Nothing in a step folder is code: every file is raw numbers or JSON/YAML text, read without any
+unpickling (``small_files``). Formats 2 and 3 kept ``common.pt`` and ``rank{r}.rng.pt`` as pickles;
+they are read by PyTorch's restricted unpickler with an explicit allow-list, and refused when they
+name anything else.
 
 Every byte read is checked against its checksum: a piece read in part is checked over the chunks
 it touches (at most two chunks more than asked are read), so a mismatch is never loaded. Format 2
@@ -29,8 +34,10 @@ import zlib
 import numpy as np
 import torch
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # 2: no checksums (read unverified)
+from megatron.checkpoint import small_files
+
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # 2: no checksums (read unverified); 2 and 3: pickled small files
 CRC_CHUNK_BYTES = 4 << 20  # one CRC-32 per 4 MiB of a piece: a partial read checks at most 8 MiB more
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # param: the fp32 master weight
 PIECE_FIELDS = ("offset", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
@@ -64,14 +71,6 @@ def write_bytes(path: str, data: bytes) -> int:
 def write_text(path: str, text: str) -> int:
     """Write ``text`` durably and atomically; returns the CRC-32 of its bytes."""
     return write_bytes(path, text.encode())
-
-
-def seal(path: str) -> int:
-    """fsync a file written by someone else (``torch.save``) and return its CRC-32."""
-    with open(path, "rb") as f:
-        crc = zlib.crc32(f.read())
-        os.fsync(f.fileno())
-    return crc
 
 
 def fsync_dir(path: str) -> None:
@@ -299,7 +298,7 @@ class CheckpointReader:
                                       f"{earlier_checkpoint(self.step_dir)}.")
 
     def verify_file(self, name: str) -> None:
-        """``name`` (common.pt, config.yaml, rank{r}.rng.pt) matches its recorded checksum."""
+        """``name`` (common.json, config.yaml, rank{r}.rng.json) matches its recorded checksum."""
         verify_file(self.step_dir, name, self.metadata)
 
     def verify_all(self) -> tuple[int, int]:
@@ -409,29 +408,37 @@ class CheckpointReader:
         local = full if partition_dim is None or tp_size == 1 else full.chunk(tp_size, dim=partition_dim)[tp_rank]
         return local.reshape(-1)[lo:hi].clone()
 
-    def _load_pt(self, name: str, keys: tuple[str, ...]) -> dict:
-        """``torch.load`` of a small file of the step folder, checked against its checksum and for ``keys``."""
+    @property
+    def legacy_small_files(self) -> bool:
+        """Formats 2 and 3 keep common and RNG states in pickles (``.pt``), read restricted."""
+        return self.metadata["format_version"] < 4
+
+    def _load_small(self, name: str, decode):
+        """A small file of the step folder, checked against its checksum, read as plain data and checked
+        by ``decode`` (a crafted or damaged one is one CheckpointError; a pickle never runs code)."""
         self.verify_file(name)
         path = os.path.join(self.step_dir, name)
         try:
-            value = torch.load(path, map_location="cpu", weights_only=False)
+            raw = small_files.read_legacy_pt(path) if name.endswith(".pt") else small_files.read_json(path)
+            return decode(raw)
+        except small_files.UnsafeCheckpoint as err:
+            raise CheckpointError(f"refusing {path}: {err}; do not use this checkpoint unless you trust who made "
+                                  f"it: {earlier_checkpoint(self.step_dir)}.") from err
         except Exception as err:
             raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {' '.join(str(err).split())}); the "
                                   f"checkpoint is damaged: {earlier_checkpoint(self.step_dir)}.") from err
-        lacking = [key for key in keys if not isinstance(value, dict) or key not in value]
-        if lacking:
-            raise CheckpointError(f"{path} lacks {lacking[0]!r}; the checkpoint is damaged: "
-                                  f"{earlier_checkpoint(self.step_dir)}.")
-        return value
 
     def common(self) -> dict:
-        """``common.pt``: step, AdamW step, loss scaler, train state and the resolved configuration."""
-        return self._load_pt("common.pt", ("step", "adam_step", "grad_scaler", "train_state", "config"))
+        """``common.json`` (``common.pt`` before format 4): step, AdamW step, loss scaler, train state and the
+        resolved configuration, every field checked."""
+        name = small_files.LEGACY_COMMON_FILE if self.legacy_small_files else small_files.COMMON_FILE
+        return self._load_small(name, small_files.check_common)
 
     def rng_state(self, rank: int) -> dict | None:
         """Rank ``rank``'s RNG streams, or None when the checkpoint has none for it (a converted one)."""
-        name = f"rank{rank}.rng.pt"
+        legacy = self.legacy_small_files
+        name = small_files.rng_file(rank, legacy)
         recorded = name in (self.metadata.get("files") or {})
         if not recorded and not os.path.isfile(os.path.join(self.step_dir, name)):
             return None
-        return self._load_pt(name, ("python", "numpy", "torch", "tracker"))
+        return self._load_small(name, lambda raw: small_files.decode_rng(raw, legacy))

@@ -11,8 +11,8 @@ global shape) and its flat range in that slice. Tensor-parallel replicated param
 tp rank 0; the last pipeline stage's copy of the tied embedding is not written.
 
 Files in ``step_{N}/`` (``megatron/checkpoint/format.py``): ``rank{r}.bin`` (that rank's pieces,
-raw fp32), ``rank{r}.rng.pt`` (its RNG streams), ``metadata.json`` (every piece of every rank,
-the global shapes, the layout), ``common.pt`` (step, consumed samples, loss scaler, the resolved
+raw fp32), ``rank{r}.rng.json`` (its RNG streams), ``metadata.json`` (every piece of every rank,
+the global shapes, the layout), ``common.json`` (step, consumed samples, loss scaler, the resolved
 configuration), ``config.yaml`` (the same configuration: a run resumed with ``ckpt_dir`` takes it
 as its base, under the YAML file and flags given now). Every piece and file carries a CRC-32,
 checked on load. A save is written into ``step_{N}.tmp`` and renamed when every rank has finished;
@@ -55,9 +55,10 @@ from megatron.checkpoint.format import (
     fsync_dir,
     is_vocab_padded,
     same_folder,
-    seal,
+    write_bytes,
     write_text,
 )
+from megatron.checkpoint import small_files
 from megatron.checkpoint.run_dir import on_every_rank, ranks_with, remove_leftover
 from megatron.config import Config, to_yaml
 from megatron.config.schema import DistributedConfig
@@ -195,20 +196,20 @@ def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) 
                                    "tp_size": where.tp_size, "local_shape": list(p.shape)})
     finally:
         writer.close()
-    rng = os.path.join(tmp, f"rank{ps.rank}.rng.pt")
-    torch.save(_rng_state(), rng)
-    return pieces, {os.path.basename(rng): seal(rng)}
+    rng = small_files.rng_file(ps.rank)
+    return pieces, {rng: write_bytes(os.path.join(tmp, rng), small_files.to_json_bytes(
+        small_files.encode_rng(_rng_state())))}
 
 
 def _write_common(tmp: str, step: int, optimizer, ps: ParallelState, config: Config, train_state: dict,
                   gathered: list) -> None:
-    """Rank 0: ``common.pt``, ``config.yaml`` and, last, ``metadata.json`` with every checksum."""
+    """Rank 0: ``common.json``, ``config.yaml`` and, last, ``metadata.json`` with every checksum."""
     adam_steps = [float(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
     common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
               "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
               "train_state": train_state, "config": to_yaml(config)}
-    torch.save(common, os.path.join(tmp, "common.pt"))
-    files = {"common.pt": seal(os.path.join(tmp, "common.pt")),
+    name = small_files.COMMON_FILE
+    files = {name: write_bytes(os.path.join(tmp, name), small_files.to_json_bytes(common)),
              "config.yaml": write_text(os.path.join(tmp, "config.yaml"), common["config"])}  # a resumed run's base
     for _, rank_files in gathered:
         files.update(rank_files)
@@ -338,7 +339,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, ps: ParallelState, c
 
 
 def _open(path: str, model: nn.Module, ps: ParallelState, config: Config, model_names: set[str], load_rng: bool):
-    """(reader, common.pt, this rank's RNG state or None, same layout), every small file read and
+    """(reader, common, this rank's RNG state or None, same layout), every small file read and
     checked, the rank files' sizes checked; None when ``path`` holds no checkpoint at all."""
     step_dir = find_checkpoint(path)
     if step_dir is None:

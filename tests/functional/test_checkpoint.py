@@ -151,7 +151,7 @@ DAMAGE = {
     "truncated": (lambda d: (d / "rank0.bin").write_bytes((d / "rank0.bin").read_bytes()[:1000]), 2,
                   "the checkpoint is incomplete or damaged"),
     "bit-flip": (lambda d: _flip(d / "rank0.bin", 5000), 2, "rank0.bin: checksum mismatch in "),
-    "rank1-rng": (lambda d: _flip(d / "rank1.rng.pt"), 2, "rank1.rng.pt does not match its checksum"),
+    "rank1-rng": (lambda d: _flip(d / "rank1.rng.json"), 2, "rank1.rng.json does not match its checksum"),
     "other-model": (None, 2, "has shape [256, 64] in the checkpoint but [256, 128] in the model"),
     "dangling-latest": (lambda d: (d.parent / "latest").write_text("step_9"), 1, "which holds no checkpoint"),
     "config": (lambda d: _flip(d / "config.yaml", 10), 1, "config.yaml does not match its checksum"),

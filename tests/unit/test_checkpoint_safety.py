@@ -19,6 +19,7 @@ from megatron.checkpoint.resume import resume_base, resumed_config
 from megatron.checkpoint.save_load import prune_checkpoints, save_checkpoint
 from megatron.config import parse_config
 from megatron.metrics import MetricsWriter, drop_records_after, get_logger
+from tests.unit.legacy_checkpoints import as_legacy_format
 from tests.unit.test_checkpoint_tools import (
     build_buffer_and_optimizer,
     info,
@@ -64,8 +65,8 @@ def load(path, **kwargs):
 def test_every_piece_and_file_carries_a_checksum(run_dir):
     step = run_dir / "step_2"
     metadata = json.loads((step / "metadata.json").read_text())
-    assert metadata["format_version"] == 3 and metadata["checksum"] == {"algorithm": "crc32", "chunk_bytes": 4 << 20}
-    assert set(metadata["files"]) == {"common.pt", "config.yaml", "rank0.rng.pt"}
+    assert metadata["format_version"] == 4 and metadata["checksum"] == {"algorithm": "crc32", "chunk_bytes": 4 << 20}
+    assert set(metadata["files"]) == {"common.json", "config.yaml", "rank0.rng.json"}
     for name, crc in metadata["files"].items():
         assert zlib.crc32((step / name).read_bytes()) == crc
     data = (step / "rank0.bin").read_bytes()
@@ -76,8 +77,8 @@ def test_every_piece_and_file_carries_a_checksum(run_dir):
 
 @pytest.mark.parametrize("target, message", [
     ("rank0.bin", "rank0.bin: checksum mismatch in exp_avg 'layers.1.mlp.dense_4h_to_h.weight'"),
-    ("common.pt", "common.pt does not match its checksum in metadata.json: the file is corrupt"),
-    ("rank0.rng.pt", "rank0.rng.pt does not match its checksum in metadata.json: the file is corrupt"),
+    ("common.json", "common.json does not match its checksum in metadata.json: the file is corrupt"),
+    ("rank0.rng.json", "rank0.rng.json does not match its checksum in metadata.json: the file is corrupt"),
     ("config.yaml", "config.yaml does not match its checksum in metadata.json: the file is corrupt"),
 ], ids=["rank-file", "common", "rng", "config"])
 def test_a_flipped_byte_stops_the_load_naming_the_file_and_an_earlier_checkpoint(run_dir, target, message):
@@ -117,13 +118,7 @@ def test_a_partial_read_checks_every_chunk_it_touches_and_only_those(tmp_path):
 
 
 def test_format_2_without_checksums_loads_with_a_warning(run_dir, caplog, capsys):
-    path = run_dir / "step_2" / "metadata.json"
-    metadata = json.loads(path.read_text())
-    for key in ("checksum", "files"):
-        del metadata[key]
-    for piece in metadata["pieces"]:
-        del piece["crc32"]
-    path.write_text(json.dumps({**metadata, "format_version": 2}))
+    as_legacy_format(run_dir / "step_2", version=2)
     get_logger().addHandler(caplog.handler)  # the project's logger does not propagate to the root
     try:
         assert load(run_dir)["step"] == 2

@@ -249,7 +249,7 @@ def test_imported_checkpoint_loads_through_load_checkpoint_with_hf_logits(tmp_pa
 
 def test_a_run_loading_an_import_takes_only_the_model_from_it(tmp_path, hf_dir):
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "ours"), "--max-steps", "77"]) == 0
-    assert open_checkpoint(str(tmp_path / "ours"))[2].max_steps == 77  # common.pt: the whole resolved config
+    assert open_checkpoint(str(tmp_path / "ours"))[2].max_steps == 77  # common.json: the whole resolved config
     config = resumed_config(["--load", str(tmp_path / "ours"), "--mock-data", "--device", "cpu", "--max-seq-len", "16"])
     m = config.model
     assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.vocab_size, m.max_position_embeddings) == (
