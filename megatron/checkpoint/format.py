@@ -302,11 +302,15 @@ class CheckpointReader:
         verify_file(self.step_dir, name, self.metadata)
 
     def verify_all(self) -> tuple[int, int]:
-        """Check every checksum (every piece, whole, and every recorded file); returns (pieces, bytes)
-        checked. Reads the whole checkpoint, one chunk at a time."""
+        """Check every checksum (every piece, whole, and every recorded file) and that every small file is
+        plain checkpoint data; returns (pieces, bytes) checked. Reads the whole checkpoint, one chunk at a time."""
         self.verify()
         for name in sorted((self.metadata.get("files") or {}) if self.checksummed else ()):
             self.verify_file(name)
+        self.common()  # and every small file is plain data (a crafted pickle is refused, never run)
+        for rank in sorted({int(m.group(1)) for name in os.listdir(self.step_dir)
+                            if (m := re.fullmatch(r"rank(\d+)\.rng\.(?:json|pt)", name))}):
+            self.rng_state(rank)
         pieces = nbytes = 0
         step = self.chunk_bytes // 4
         for piece in self.metadata["pieces"]:

@@ -1,0 +1,162 @@
+"""A checkpoint is data, never code. Every loader (``pretrain_gpt.py --load``, ``tools/generate.py``,
+``tools/evaluate.py``, ``tools/serve.py``, ``convert_checkpoint.py to-hf`` / ``reshard``,
+``checkpoint_info.py --verify``) refuses a checkpoint whose pickles name anything but plain data, in
+one line, without running it; the checkpoints written before format 4 (pickled ``common.pt`` and
+``rank{r}.rng.pt``) still load, to the same state as their JSON form; a crafted JSON file is a
+one-line refusal too."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.checkpoint import CheckpointError
+from megatron.tensor_parallel import get_rng_tracker
+from tests.functional.launch import run_here, run_tool_here
+from tests.unit.legacy_checkpoints import as_legacy_format, plant_payload
+from tests.unit.test_checkpoint_safety import load
+from tests.unit.test_checkpoint_tools import TINY, make_config, trained_checkpoint
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run folder saved by training's save_checkpoint (format 4), copied by each test that changes it."""
+    return trained_checkpoint(tmp_path_factory.mktemp("trust") / "run", make_config(), steps=2)
+
+
+@pytest.fixture
+def legacy(saved, tmp_path):
+    """A copy of ``saved`` in format 3 (pickled common.pt and rank0.rng.pt, as before format 4)."""
+    run = tmp_path / "legacy"
+    shutil.copytree(saved, run)
+    as_legacy_format(run / "step_2", version=3)
+    return run
+
+
+def _loaders(tmp_path, ckpt):
+    text = tmp_path / "text.txt"
+    text.write_text("11 12 13 14 15\n")  # NullTokenizer: token ids
+    infer = ["--load", str(ckpt), "--tokenizer-type", "NullTokenizer"]
+    return {
+        "pretrain_gpt --load": lambda: run_here("--mock-data", "--device", "cpu", *TINY, "--global-batch-size", "4",
+                                                "--micro-batch-size", "4", "--max-steps", "3", "--num-workers", "0",
+                                                "--load", str(ckpt), "--save", str(tmp_path / "resumed")),
+        "generate": lambda: run_tool_here("tools/generate.py", *infer, "--prompt", "1 2 3", "--max-new-tokens", "2"),
+        "evaluate": lambda: run_tool_here("tools/evaluate.py", "--task", "perplexity", "--input", str(text),
+                                          "--load", str(ckpt), "--tokenizer-type", "NullTokenizer"),
+        # an address no machine has: a loader that went past the checkpoint fails to bind (it never serves)
+        "serve": lambda: run_tool_here("tools/serve.py", *infer, "--host", "256.0.0.1", "--port", "0"),
+        "convert to-hf": lambda: run_tool_here("tools/convert_checkpoint.py", "to-hf", str(ckpt), str(tmp_path / "hf"),
+                                               "--no-tokenizer"),
+        "convert reshard": lambda: run_tool_here("tools/convert_checkpoint.py", "reshard", str(ckpt),
+                                                 str(tmp_path / "tp2"), "--tp", "2"),
+        "checkpoint_info --verify": lambda: run_tool_here("tools/checkpoint_info.py", str(ckpt), "--verify"),
+    }
+
+
+LOADERS = ("pretrain_gpt --load", "generate", "evaluate", "serve", "convert to-hf", "convert reshard",
+           "checkpoint_info --verify")
+
+
+@pytest.mark.parametrize("planted", ["common.pt", "rank0.rng.pt"])
+def test_a_crafted_pickle_is_refused_by_every_loader_and_never_runs(legacy, tmp_path, planted):
+    """The payload (``os.system('touch MARKER')``) sits inside otherwise valid content and its checksum is
+    recorded, as whoever crafted the file would do: the checksums are no defence, the reader is."""
+    marker = tmp_path / "payload-ran"
+    plant_payload(legacy / "step_2", planted, f"touch {marker}")
+    loaders = _loaders(tmp_path, legacy)
+    # common.pt is read by every loader; a rank's RNG file by a resume under the same layout, and by --verify
+    names = LOADERS if planted == "common.pt" else ("pretrain_gpt --load", "checkpoint_info --verify")
+    for name in names:
+        result = loaders[name]()
+        text = (result.stderr + result.stdout).strip()
+        assert not marker.exists(), f"{name} ran the payload"
+        assert result.returncode != 0, f"{name} accepted the checkpoint: {text[-300:]}"
+        lines = [line for line in text.splitlines() if "refusing" in line]
+        assert lines, f"{name}: {text[-500:]}"
+        assert f"refusing {legacy / 'step_2' / planted}: its pickle names posix.system, which a checkpoint never " \
+               f"holds" in lines[0], f"{name}: {lines[0]}"
+
+
+def test_checkpoint_info_verify_refuses_a_crafted_rng_file_it_would_otherwise_only_checksum(legacy, tmp_path):
+    marker = tmp_path / "payload-ran"
+    plant_payload(legacy / "step_2", "rank0.rng.pt", f"touch {marker}")
+    result = run_tool_here("tools/checkpoint_info.py", str(legacy), "--verify")
+    assert result.returncode == 2 and not marker.exists()
+    assert "refusing" in result.stderr and result.stderr.count("\n") == 1
+
+
+def _state_after_load(run):
+    loaded = load(run)
+    return loaded, (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state(),
+                    get_rng_tracker().get_states())
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_checkpoint_of_an_earlier_format_loads_to_the_same_state(saved, tmp_path, version):
+    """Formats 2 and 3 (pickled small files) load through the restricted unpickler to exactly the state the
+    JSON files of format 4 give: the train state, the loss scaler and every RNG stream."""
+    current, current_rng = _state_after_load(saved)
+    old = tmp_path / "old"
+    shutil.copytree(saved, old)
+    as_legacy_format(old / "step_2", version=version)
+    assert (old / "step_2" / "common.pt").exists() and not (old / "step_2" / "common.json").exists()
+    loaded, rng = _state_after_load(old)
+    assert {k: loaded[k] for k in ("step", "consumed_samples", "skipped_steps")} == \
+        {k: current[k] for k in ("step", "consumed_samples", "skipped_steps")}
+    assert rng[0] == current_rng[0] and np.array_equal(rng[1], current_rng[1])
+    assert torch.equal(rng[2], current_rng[2])
+    assert rng[3].keys() == current_rng[3].keys() and all(torch.equal(rng[3][k], current_rng[3][k]) for k in rng[3])
+
+
+def _rewrite_json(step_dir, name, change):
+    path = step_dir / name
+    value = json.loads(path.read_text())
+    change(value)
+    path.write_text(json.dumps(value))
+    _record_checksum(step_dir, name)
+
+
+def _record_checksum(step_dir, name):
+    """A crafted file comes with its checksum: whoever wrote it wrote metadata.json too."""
+    metadata = json.loads((step_dir / "metadata.json").read_text())
+    metadata["files"][name] = zlib.crc32((step_dir / name).read_bytes())
+    (step_dir / "metadata.json").write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("common.json", lambda v: v.update(step="2; rm -rf /"), "step is '2; rm -rf /', not an integer >= 0"),
+    ("common.json", lambda v: v.update(step=-1), "step is -1, not an integer >= 0"),
+    ("common.json", lambda v: v.update(grad_scaler={"scale": "1e30"}), "grad_scaler.scale is '1e30', not a finite"),
+    ("common.json", lambda v: v["train_state"].update(consumed_samples=[1] * 1000), "train_state.consumed_samples"),
+    ("common.json", lambda v: v.pop("config"), "it lacks 'config'"),
+    ("rank0.rng.json", lambda v: v.update(torch="not base64!"), "torch is not base64"),
+    ("rank0.rng.json", lambda v: v.update(torch="AAAA"), "torch is not a generator state of"),
+    ("rank0.rng.json", lambda v: v["python"]["state"].pop(), "its Python RNG state is not 624 32-bit words"),
+    ("rank0.rng.json", lambda v: v["numpy"].update(keys=[-1] * 624), "its NumPy RNG state is not an MT19937"),
+], ids=["step-text", "step-negative", "scale-text", "samples-list", "no-config", "rng-text", "rng-size",
+        "python-rng", "numpy-rng"])
+def test_a_crafted_json_file_is_one_line(saved, tmp_path, name, change, message):
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    _rewrite_json(run / "step_2", name, change)
+    with pytest.raises(CheckpointError) as raised:
+        load(run)
+    text = str(raised.value)
+    assert f"refusing {run / 'step_2' / name}: {message}" in text and "\n" not in text
+
+
+def test_a_non_finite_number_is_not_json(saved, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    path = run / "step_2" / "common.json"
+    path.write_text(path.read_text().replace('"adam_step": 2.0', '"adam_step": NaN'))
+    _record_checksum(run / "step_2", "common.json")
+    with pytest.raises(CheckpointError, match="it is not valid JSON .*NaN is not a number a checkpoint holds"):
+        load(run)
