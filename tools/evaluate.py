@@ -65,7 +65,7 @@ def configure(rest: list[str]):
     """The evaluation's validated configuration (the checkpoint's, with the layout given now) and the
     tokenizer; ConfigError, CheckpointError or TokenizerError with one line."""
     warnings: list[str] = []
-    config = resumed_config(rest, warnings)
+    config = resumed_config(rest, warnings, training=False)
     if not config.save_load.ckpt_dir:
         raise ConfigError("--load CKPT is required: the checkpoint to evaluate.")
     if find_checkpoint(config.save_load.ckpt_dir) is None:

@@ -307,16 +307,16 @@ class CheckpointReader:
         self.verify()
         for name in sorted((self.metadata.get("files") or {}) if self.checksummed else ()):
             self.verify_file(name)
-        self.common()  # and every small file is plain data (a crafted pickle is refused, never run)
-        for rank in sorted({int(m.group(1)) for name in os.listdir(self.step_dir)
-                            if (m := re.fullmatch(r"rank(\d+)\.rng\.(?:json|pt)", name))}):
-            self.rng_state(rank)
         pieces = nbytes = 0
         step = self.chunk_bytes // 4
         for piece in self.metadata["pieces"]:
             for lo in range(piece["lo"], piece["hi"], step):
                 self.read_piece(piece, lo, min(lo + step, piece["hi"]))
             pieces, nbytes = pieces + 1, nbytes + 4 * (piece["hi"] - piece["lo"])
+        self.common()  # and every small file is plain data (a crafted pickle is refused, never run)
+        for rank in sorted({int(m.group(1)) for name in os.listdir(self.step_dir)
+                            if (m := re.fullmatch(r"rank(\d+)\.rng\.(?:json|pt)", name))}):
+            self.rng_state(rank)
         return pieces, nbytes
 
     def _handle(self, rank: int):

@@ -20,10 +20,11 @@ from megatron.config import Config, ConfigError, load_yaml, megatron_flags, pars
 from megatron.config.cli import megatron_defaults
 from megatron.config.schema import SaveLoadConfig
 
-__all__ = ["NOT_INHERITED", "resume_base", "resumed_config", "saved_config_path", "schedule_kept_warning"]
+__all__ = ["NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_config", "saved_config_path",
+           "schedule_kept_warning"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
-                 "exit_interval", "use_checkpoint_args")
+                 "exit_interval", "use_checkpoint_args", "override_data_order")
 NOT_INHERITED_SECTION = "Distributed"  # the parallel layout is the launch's
 
 
@@ -71,6 +72,62 @@ def schedule_kept_warning(base: Config, config: Config) -> str | None:
             f"{decay_steps} steps (its decay_steps, kept); pass --lr-decay-iters (decay_steps) to change it.")
 
 
+# What a resume may not change. The model's settings that no tensor shape shows (heads over the same hidden size,
+# RoPE's base, the norm's epsilon, ...): the saved weights would be read as another model. Those that decide which
+# sample comes next (once the saved run has consumed any): the data would be another order from here on.
+MODEL_NOT_CHANGED = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "max_position_embeddings", "type_vocab_size", "layernorm_epsilon", "position_embedding_type",
+                     "rotary_base", "rotary_percent", "rotary_interleaved", "normalization", "swiglu",
+                     "group_query_attention", "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights",
+                     "disable_bias_linear")
+DATA_ORDER_NOT_CHANGED = (("seed",), ("dataset", "input_dir"), ("dataset", "train_data_path"), ("dataset", "split"),
+                          ("dataset", "max_seq_len"), ("dataset", "mock_data"), ("tokenizer", "tokenizer_type"),
+                          ("tokenizer", "eod_token"))
+
+
+def _get(config: Config, path: tuple[str, ...]):
+    value = config
+    for name in path:
+        value = getattr(value, name)
+    return value
+
+
+def _data_words(value):
+    """A data path setting as what decides the order: its weights and its datasets' file names (a folder
+    moved, or a node-local copy, is the same data)."""
+    if not isinstance(value, str):
+        return value
+    return [w if _is_number(w) else os.path.basename(os.path.normpath(w)) for w in value.split()]
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def check_resume_settings(base: Config, config: Config, ckpt_dir: str, saved_step: int) -> None:
+    """ConfigError, one line naming both values, when ``config`` (a resume over the saved ``base``) changes a
+    setting that shapes the model, or (once the saved run has trained: ``saved_step`` > 0) the data order,
+    unless ``override_data_order`` is given for the latter."""
+    for name in MODEL_NOT_CHANGED:
+        now, saved = getattr(config.model, name), getattr(base.model, name)
+        if now != saved:
+            raise ConfigError(f"resuming {ckpt_dir} with {name} {now!r}, but the saved run has {saved!r}: a setting "
+                              f"that shapes the model must stay as saved; drop it, or start a new run from these "
+                              f"weights with --finetune.")
+    if saved_step == 0 or config.save_load.override_data_order:
+        return
+    for path in DATA_ORDER_NOT_CHANGED:
+        now, saved = _get(config, path), _get(base, path)
+        if _data_words(now) != _data_words(saved):
+            raise ConfigError(f"resuming {ckpt_dir} with {path[-1]} {now!r}, but the saved run has {saved!r}: the "
+                              f"data would be read in another order from step {saved_step} on; drop it, pass "
+                              f"--override-data-order to change the data from here on, or use --finetune.")
+
+
 # --use-checkpoint-args (Megatron-LM's load_args_from_checkpoint): the model's shape comes from the checkpoint
 # unless given now; its kind (these keys) comes from the checkpoint even when given now.
 CHECKPOINT_SHAPE = ("Model", "Tokenizer", "max_seq_len")
@@ -91,13 +148,17 @@ def _checkpoint_model(save_load: SaveLoadConfig) -> list:
             if leaf.path[0] in ("Model", "tokenizer") or leaf.name == "max_seq_len"]
 
 
-def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None = None) -> Config:
+def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None = None,
+                   training: bool = True) -> Config:
     """The (not yet validated) configuration of a run started with ``argv``: parsed once to learn where it
     loads from, then again over that checkpoint's saved configuration (``resume_base``), if any. Warnings
     (an empty YAML file, a kept schedule) are appended to ``warnings`` when a list is given.
 
     ``--use-checkpoint-args`` (also with ``--finetune``): the checkpoint's model and tokenizer are the base
-    of those given now, and its ``CHECKPOINT_FORCED`` keys replace what is given now, as Megatron-LM does."""
+    of those given now, and its ``CHECKPOINT_FORCED`` keys replace what is given now, as Megatron-LM does.
+
+    A resume that changes a setting shaping the model (or, ``training``, the data order) is a ConfigError
+    (``check_resume_settings``); an evaluation (not ``training``) may read other data and tokenizers."""
     first = parse_config(argv)
     base = resume_base(first.save_load)
     saved_model = _checkpoint_model(first.save_load) if first.save_load.use_checkpoint_args else []
@@ -109,10 +170,23 @@ def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None
     for leaf, value in saved_model:
         if leaf.name in CHECKPOINT_FORCED:
             set_value(config, leaf, value)
+    if base is not None and not first.save_load.finetune:
+        saved_step = _saved_step(first.save_load.ckpt_dir) if training else 0  # 0: no data order to keep
+        check_resume_settings(base, config, first.save_load.ckpt_dir, saved_step)
     kept = None if base is None else schedule_kept_warning(base, config)
     if kept is not None and warnings is not None:
         warnings.append(kept)
     return config
+
+
+def _saved_step(ckpt_dir: str) -> int:
+    """The step of the checkpoint ``ckpt_dir`` resolves to (0 for an import: no data consumed yet)."""
+    import json
+
+    step_dir = find_checkpoint(ckpt_dir)
+    with open(os.path.join(step_dir, "metadata.json")) as f:
+        step = json.load(f).get("step", 0)
+    return step if isinstance(step, int) else 0
 
 
 def _argv(argv: Sequence[str] | None) -> list[str]:

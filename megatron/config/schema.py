@@ -217,6 +217,10 @@ class SaveLoadConfig:
     load_optim: bool = opt(True, "Load the optimizer states and loss scaler; --no-load-optim starts them afresh.")
     load_rng: bool = opt(True, "Restore the RNG streams (same layout only); --no-load-rng reseeds.")
     finetune: bool = opt(False, "Load the weights only: step, data position and optimizer start from zero.")
+    override_data_order: bool = opt(
+        False, "Resume with other data settings (seed, data paths or weights, split, max_seq_len, tokenizer) than "
+               "the saved run's: the data is read in another order from the saved step on. Without it such a change "
+               "is refused.")
     exit_duration_in_mins: float | None = opt(
         None, "Save and exit (status 0) once the run has trained this many minutes (a job's time limit).")
     exit_interval: int | None = opt(

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from megatron.checkpoint import CheckpointError
+from megatron.checkpoint.resume import NOT_INHERITED, check_resume_settings, resumed_config
+from megatron.config import ConfigError, parse_config
 from megatron.tensor_parallel import get_rng_tracker
 from tests.functional.launch import run_here, run_tool_here
 from tests.unit.legacy_checkpoints import as_legacy_format, plant_payload
@@ -160,3 +162,56 @@ def test_a_non_finite_number_is_not_json(saved, tmp_path):
     _record_checksum(run / "step_2", "common.json")
     with pytest.raises(CheckpointError, match="it is not valid JSON .*NaN is not a number a checkpoint holds"):
         load(run)
+
+
+# ---------------------------------------------------------------- what a resume may not change
+
+
+def _resume(ckpt, *flags):
+    return resumed_config(["--load", str(ckpt), "--mock-data", "--device", "cpu", *flags])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--num-attention-heads", "8"), "with num_attention_heads 8, but the saved run has 4: a setting that shapes the "
+                                     "model must stay as saved; drop it, or start a new run from these weights with "
+                                     "--finetune."),
+    (("--layernorm-epsilon", "1e-06"), "with layernorm_epsilon 1e-06, but the saved run has 1e-05"),
+    (("--seed", "7"), "with seed 7, but the saved run has 1024: the data would be read in another order from step 2 "
+                      "on; drop it, pass --override-data-order to change the data from here on, or use --finetune."),
+    (("--max-seq-len", "16"), "with max_seq_len 16, but the saved run has 32"),
+    (("--split", "90,10,0"), "with split '90,10,0', but the saved run has '949,50,1'"),
+], ids=["heads", "epsilon", "seed", "seq-len", "split"])
+def test_a_resume_that_changes_the_model_or_the_data_order_is_one_line(saved, flags, message):
+    """Heads over the same hidden size or another epsilon load without a shape error, and would be read as
+    another model; another seed, sequence length or split would read the data in another order."""
+    with pytest.raises(ConfigError) as raised:
+        _resume(saved, *flags)
+    assert f"resuming {saved} {message}" in str(raised.value)
+
+
+def test_what_a_resume_may_change(saved):
+    assert _resume(saved, "--seed", "7", "--override-data-order").seed == 7  # said on purpose
+    assert _resume(saved, "--seed", "7", "--finetune").seed == 7  # a new run from the weights
+    assert _resume(saved, "--seed", "1024", "--lr", "1e-4").optimizer.lr.max_lr == 1e-4  # the same value; the lr
+    assert _resume(saved, "--hidden-dropout", "0.2").model.hidden_dropout_prob == 0.2  # dropout shapes neither
+    assert _resume(saved, "--override-data-order").save_load.override_data_order  # not inherited by the next resume
+    assert "override_data_order" in NOT_INHERITED
+
+
+def test_a_moved_data_folder_is_the_same_data():
+    base = parse_config(["--input-dir", "0.3 /data/a/web_text_document 0.7 /data/b/code_text_document"])
+    moved = parse_config(["--input-dir", "0.3 /local/ssd/web_text_document 0.7 /local/ssd/code_text_document"])
+    check_resume_settings(base, moved, "run", 10)
+    reweighted = parse_config(["--input-dir", "0.5 /data/a/web_text_document 0.5 /data/b/code_text_document"])
+    with pytest.raises(ConfigError, match="with input_dir '0.5 /data/a/web_text_document 0.5 /data/b/code_text_docu"):
+        check_resume_settings(base, reweighted, "run", 10)
+    check_resume_settings(base, reweighted, "run", 0)  # nothing consumed yet (an import): no order to keep
+
+
+def test_pretrain_refuses_the_changed_resume_in_one_line_before_training(saved, tmp_path):
+    result = run_here("--mock-data", "--device", "cpu", *TINY, "--global-batch-size", "4", "--micro-batch-size", "4",
+                      "--max-steps", "3", "--num-workers", "0", "--load", str(saved), "--save", str(tmp_path / "out"),
+                      "--num-attention-heads", "8")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "with num_attention_heads 8, but the saved run has 4" in result.stderr
+    assert not (tmp_path / "out" / "latest").exists()
