@@ -74,13 +74,14 @@ def test_resume_in_another_layout_continues_the_run(parity, reference4, layout):
 
 
 _KILL_DURING_SECOND_SAVE = """
-import os, runpy, signal, sys, torch
-real_save = torch.save
-def save(obj, f, *args, **kwargs):
-    real_save(obj, f, *args, **kwargs)
-    if "step_10" in str(f):  # the first file of the second checkpoint is written: die as kill -9 would
+import os, runpy, signal, sys
+from megatron.checkpoint.format import RankFileWriter
+real_close = RankFileWriter.close
+def close(self):
+    real_close(self)
+    if "step_10" in self._file.name:  # the first file of the second checkpoint is written: die as kill -9 would
         os.kill(os.getpid(), signal.SIGKILL)
-torch.save = save
+RankFileWriter.close = close
 sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
 runpy.run_path("pretrain_gpt.py", run_name="__main__")
 """
