@@ -211,6 +211,31 @@ def verify_file(step_dir: str, name: str, metadata: dict | None = None) -> None:
                               f"{earlier_checkpoint(step_dir)}.")
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _wrong_field(piece: dict) -> str | None:
+    """The first field of a piece whose type or value the format never writes (a crafted metadata.json must
+    not steer a read outside the step folder, or fail as a traceback), else None."""
+    for field in ("offset", "rank", "lo", "hi", "tp_rank", "tp_size"):
+        if not _is_count(piece[field]):
+            return field
+    if piece["kind"] not in KINDS:
+        return "kind"
+    if not isinstance(piece["name"], str):
+        return "name"
+    for field in ("global_shape", "local_shape"):
+        if not isinstance(piece[field], list) or not all(_is_count(n) for n in piece[field]):
+            return field
+    dim = piece["partition_dim"]
+    if dim is not None and not (_is_count(dim) and dim < len(piece["global_shape"])):
+        return "partition_dim"
+    if piece["tp_rank"] >= max(piece["tp_size"], 1):
+        return "tp_rank"
+    return None
+
+
 def _numel(shape) -> int:
     return int(np.prod(shape)) if len(shape) else 1
 
@@ -263,6 +288,9 @@ class CheckpointReader:
         lacking = [field for field in PIECE_FIELDS if not isinstance(piece, dict) or field not in piece]
         if lacking:
             return f"a piece lacks {lacking[0]!r}"
+        wrong = _wrong_field(piece)
+        if wrong:
+            return f"a piece's {wrong!r} is {str(piece[wrong])[:40]!r}, not what the format holds"
         if not 0 <= piece["lo"] < piece["hi"]:
             return f"a piece of {piece['name']!r} has the range [{piece['lo']}, {piece['hi']})"
         chunks = -(-4 * (piece["hi"] - piece["lo"]) // self.chunk_bytes)

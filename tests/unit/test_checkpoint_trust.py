@@ -215,3 +215,20 @@ def test_pretrain_refuses_the_changed_resume_in_one_line_before_training(saved, 
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "with num_attention_heads 8, but the saved run has 4" in result.stderr
     assert not (tmp_path / "out" / "latest").exists()
+
+
+@pytest.mark.parametrize("field, value", [("rank", "/../../../etc/passwd"), ("offset", -4), ("lo", "0"),
+                                          ("global_shape", [64, "x"]), ("kind", "os.system"), ("tp_rank", 3)])
+def test_a_crafted_metadata_field_is_one_line_and_reads_nothing_outside(saved, tmp_path, field, value):
+    """metadata.json steers every read (which rank file, where in it): a field of another type or range than the
+    format writes (a path in place of a rank, a negative offset) is refused before any read."""
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    path = run / "step_2" / "metadata.json"
+    metadata = json.loads(path.read_text())
+    metadata["pieces"][3][field] = value
+    path.write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError) as raised:
+        load(run)
+    assert f"metadata.json is damaged (a piece's '{field}' is" in str(raised.value)
+    assert "\n" not in str(raised.value)
