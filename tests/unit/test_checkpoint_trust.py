@@ -208,6 +208,19 @@ def test_a_moved_data_folder_is_the_same_data():
     check_resume_settings(base, reweighted, "run", 0)  # nothing consumed yet (an import): no order to keep
 
 
+def test_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(saved):
+    """What the configuration check cannot see (a --finetune, a checkpoint without its config): the shapes."""
+    from megatron import parallel_state
+    from megatron.checkpoint import load_checkpoint
+    from tests.unit.test_checkpoint_tools import build_buffer_and_optimizer, our_model
+
+    config = make_config("--hidden-size", "128")
+    model = our_model(config)
+    _, optimizer = build_buffer_and_optimizer(model, config)
+    with pytest.raises(CheckpointError, match=r"has shape \[256, 64\] in the checkpoint but \[256, 128\] in the model"):
+        load_checkpoint(str(saved), model, optimizer, parallel_state.get(), config, load_optim=False)
+
+
 def test_pretrain_refuses_the_changed_resume_in_one_line_before_training(saved, tmp_path):
     result = run_here("--mock-data", "--device", "cpu", *TINY, "--global-batch-size", "4", "--micro-batch-size", "4",
                       "--max-steps", "3", "--num-workers", "0", "--load", str(saved), "--save", str(tmp_path / "out"),
