@@ -11,6 +11,10 @@ and whether the step was applied: the gradient norm and the fp16 overflow check 
 - A checkpoint is written only while the last step's loss is finite and no bad steps are
   pending, so a diverged state never replaces (or, through keep-last pruning, deletes) a good
   checkpoint.
+- A run that *ends* inside bad steps (its last step was bad: the last of ``max_steps``, a stop on a
+  signal or a time limit, data that ran out) did not recover from them: it stops as a diverged run
+  does (:class:`TrainingDiverged`, exit status 3, ``latest`` back on the last good checkpoint), never
+  with exit 0 and a final state that could not be saved.
 - A *loss spike* (a finite loss above ``loss_spike_factor`` x the mean of the previous
   ``SPIKE_WINDOW`` finite losses, once ``SPIKE_MIN_HISTORY`` are known) is a warning with its step.
 """
@@ -67,6 +71,16 @@ class RunHealth:
                            f"{len(self._history)} steps ({mean:.6g})")
         self._history.append(loss)
         return warning
+
+    def why_not_finished(self) -> str | None:
+        """None when the run may end here (after its last step, or on a stop), else why it did not recover."""
+        if not self.consecutive_bad:
+            return None
+        first = self.last_step - self.consecutive_bad + 1
+        steps = f"step {first}" if first == self.last_step else f"steps {first}-{self.last_step}"
+        return (f"training ended inside {self.consecutive_bad} bad step(s) in a row ({steps} skipped or gave a "
+                f"non-finite loss; last loss {self.last_loss:g}): the run did not recover; lower the learning rate "
+                f"(or the fp16 loss scale), or resume from the last good checkpoint")
 
     def why_not_save(self) -> str | None:
         """None when the current state may be checkpointed, else the reason it may not."""

@@ -61,6 +61,22 @@ def test_what_may_be_saved():
     assert health.why_not_save() is None
 
 
+def test_a_run_may_not_end_inside_bad_steps():
+    health = RunHealth(max_consecutive_bad=10, spike_factor=0)
+    assert health.why_not_finished() is None  # nothing trained (a finished run launched again)
+    health.observe(1, 3.0, applied=True)
+    assert health.why_not_finished() is None
+    health.observe(2, math.nan, applied=False)
+    assert "1 bad step(s) in a row (step 2 skipped" in health.why_not_finished()
+    health.observe(3, 3.0, applied=False)  # a finite loss whose gradients were not: still not recovered
+    assert "2 bad step(s) in a row (steps 2-3 skipped or gave a non-finite loss; last loss 3)" in \
+        health.why_not_finished()
+    health.observe(4, 3.0, applied=True)
+    assert health.why_not_finished() is None
+    health.observe(5, 3.0, applied=False, scale_lowered=True)  # the fp16 scaler backing off: not bad
+    assert health.why_not_finished() is None
+
+
 def test_loss_spike_warns_with_the_step():
     health = RunHealth(max_consecutive_bad=10, spike_factor=3.0)
     for step in range(1, SPIKE_MIN_HISTORY):  # too little history: no judgement yet
