@@ -11,10 +11,11 @@ and whether the step was applied: the gradient norm and the fp16 overflow check 
 - A checkpoint is written only while the last step's loss is finite and no bad steps are
   pending, so a diverged state never replaces (or, through keep-last pruning, deletes) a good
   checkpoint.
-- A run that *ends* inside bad steps (its last step was bad: the last of ``max_steps``, a stop on a
-  signal or a time limit, data that ran out) did not recover from them: it stops as a diverged run
-  does (:class:`TrainingDiverged`, exit status 3, ``latest`` back on the last good checkpoint), never
-  with exit 0 and a final state that could not be saved.
+- A run that *ends* (its last step, a stop on a signal or a time limit, data that ran out) with a
+  non-finite loss since its last step that trained (applied, finite loss) did not recover from it:
+  it stops as a diverged run does (:class:`TrainingDiverged`, exit status 3, ``latest`` back on the
+  last good checkpoint), never with exit 0 and a final state that could not be saved. Skips with
+  finite losses alone (an fp16 overflow) leave the weights as they were and may end a run.
 - A *loss spike* (a finite loss above ``loss_spike_factor`` x the mean of the previous
   ``SPIKE_WINDOW`` finite losses, once ``SPIKE_MIN_HISTORY`` are known) is a warning with its step.
 """
@@ -37,6 +38,7 @@ class RunHealth:
         self.max_consecutive_bad = max_consecutive_bad
         self.spike_factor = spike_factor
         self.consecutive_bad = 0
+        self.unrecovered: tuple[int, float] | None = None  # (step, loss): the first non-finite one since a step trained
         self.last_loss = math.nan
         self.last_step = 0
         self._history: deque[float] = deque(maxlen=SPIKE_WINDOW)
@@ -48,8 +50,10 @@ class RunHealth:
         self.last_loss, self.last_step = loss, step
         finite = math.isfinite(loss)
         if applied and finite:
-            self.consecutive_bad = 0
+            self.consecutive_bad, self.unrecovered = 0, None
             return self._spike(step, loss)
+        if not finite and self.unrecovered is None:
+            self.unrecovered = (step, loss)
         if not (scale_lowered and finite):  # a forward that overflowed is not mended by a lower scale
             self.consecutive_bad += 1
         why = "its loss is not finite" if not finite else "its gradients are not finite"
@@ -73,13 +77,16 @@ class RunHealth:
         return warning
 
     def why_not_finished(self) -> str | None:
-        """None when the run may end here (after its last step, or on a stop), else why it did not recover."""
-        if not self.consecutive_bad:
+        """None when the run may end here (after its last step, or on a stop), else why: a non-finite loss since
+        the last step that trained. (Skips with finite losses alone leave the weights as a finite step left
+        them: the run may end, its final save refused while they are pending.)"""
+        if self.unrecovered is None:
             return None
-        first = self.last_step - self.consecutive_bad + 1
-        steps = f"step {first}" if first == self.last_step else f"steps {first}-{self.last_step}"
-        return (f"training ended inside {self.consecutive_bad} bad step(s) in a row ({steps} skipped or gave a "
-                f"non-finite loss; last loss {self.last_loss:g}): the run did not recover; lower the learning rate "
+        first, loss = self.unrecovered
+        steps = f"step {first} did not train (loss {loss:g})" if first == self.last_step else (
+            f"steps {first}-{self.last_step} did not train (step {first}'s loss {loss:g}, the last one's "
+            f"{self.last_loss:g})")
+        return (f"training ended without recovering from a non-finite loss: {steps}; lower the learning rate "
                 f"(or the fp16 loss scale), or resume from the last good checkpoint")
 
     def why_not_save(self) -> str | None:

@@ -1,5 +1,5 @@
 """Run health after each step (the policy is ``megatron.health``): a skipped step or a loss spike is a
-warning; too many bad steps in a row stop the run, and so does a run that ends inside bad steps."""
+warning; too many bad steps in a row stop the run, and so does a run that ends inside non-finite losses."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class StepHealth:
             get_logger().warning(warning)
 
     def at_end(self, last_good: Callable[[], str]) -> None:
-        """The run ends here (its last step, or a stop): raise TrainingDiverged, on every rank, when its last
-        step was bad (``RunHealth.why_not_finished``), naming the last good checkpoint."""
+        """The run ends here (its last step, or a stop): raise TrainingDiverged, on every rank, when it did not
+        recover from a non-finite loss (``RunHealth.why_not_finished``), naming the last good checkpoint."""
         why = self.policy.why_not_finished()
         if why is not None:
             raise TrainingDiverged(f"{why} ({last_good()})")

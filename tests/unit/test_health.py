@@ -61,20 +61,20 @@ def test_what_may_be_saved():
     assert health.why_not_save() is None
 
 
-def test_a_run_may_not_end_inside_bad_steps():
+def test_a_run_may_not_end_inside_non_finite_losses():
     health = RunHealth(max_consecutive_bad=10, spike_factor=0)
     assert health.why_not_finished() is None  # nothing trained (a finished run launched again)
     health.observe(1, 3.0, applied=True)
+    health.observe(2, 3.0, applied=False)  # an overflow skip (fp16 hysteresis): the weights are step 1's
     assert health.why_not_finished() is None
-    health.observe(2, math.nan, applied=False)
-    assert "1 bad step(s) in a row (step 2 skipped" in health.why_not_finished()
-    health.observe(3, 3.0, applied=False)  # a finite loss whose gradients were not: still not recovered
-    assert "2 bad step(s) in a row (steps 2-3 skipped or gave a non-finite loss; last loss 3)" in \
-        health.why_not_finished()
-    health.observe(4, 3.0, applied=True)
+    health.observe(3, math.nan, applied=False)
+    assert "step 3 did not train (loss nan)" in health.why_not_finished()
+    health.observe(4, 3.0, applied=False)  # a finite loss whose gradients were not: still not recovered
+    assert "steps 3-4 did not train (step 3's loss nan, the last one's 3)" in health.why_not_finished()
+    health.observe(5, 3.0, applied=True)
     assert health.why_not_finished() is None
-    health.observe(5, 3.0, applied=False, scale_lowered=True)  # the fp16 scaler backing off: not bad
-    assert health.why_not_finished() is None
+    health.observe(6, math.inf, applied=False, scale_lowered=True)  # a lower scale does not mend a forward
+    assert "step 6 did not train (loss inf)" in health.why_not_finished()
 
 
 def test_loss_spike_warns_with_the_step():
