@@ -26,7 +26,7 @@ class StepHealth:
         scale = self.optimizer.loss_scale if self.optimizer.grad_scaler else None
         lowered = scale is not None and scale < self.scale_before
         try:
-            warning = self.policy.observe(step, loss, result.applied, lowered, scale)
+            warning = self.policy.observe(step, loss, result.applied, lowered, scale, result.grad_norm)
         except TrainingDiverged as err:
             raise TrainingDiverged(f"{err} ({last_good()})") from None
         if warning and self.logs:

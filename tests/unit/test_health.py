@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from megatron.health import SPIKE_MIN_HISTORY, RunHealth, TrainingDiverged
+from megatron.metrics import get_logger
+from megatron.optimizer import StepResult
+from megatron.training.step_health import StepHealth
 
 
 def test_consecutive_bad_steps_stop_the_run():
@@ -87,6 +92,34 @@ def test_loss_spike_warns_with_the_step():
     assert warning is not None and warning.startswith("loss spike at step 40: 12 is 4.0x")
     assert health.observe(41, 2.0, applied=True) is None
     assert RunHealth(10, spike_factor=0).observe(1, 1e9, applied=True) is None
+
+
+def test_gradients_that_are_all_zero_are_said_once():
+    """fp16 with a static scale of 1e-10: every gradient underflows, the steps apply and nothing trains."""
+    health = RunHealth(max_consecutive_bad=10, spike_factor=0)
+    said = [health.observe(step, 5.5, applied=True, loss_scale=1e-10, grad_norm=0.0) for step in range(1, 31)]
+    assert said[:9] == [None] * 9 and said[10:] == [None] * 20
+    assert said[9].startswith("steps 1-10 had a gradient norm of 0: nothing trains; the fp16 loss scale 1e-10 is "
+                              "too small") and "--initial-loss-scale" in said[9]
+    health.observe(31, 5.5, applied=True, grad_norm=0.5)  # a gradient: a new streak is said again
+    said = [health.observe(step, 5.5, applied=True, grad_norm=0.0) for step in range(32, 42)]
+    assert said[-1].startswith("steps 32-41 had a gradient norm of 0") and "masked" in said[-1]
+    # the Trainer's health passes each step's gradient norm and loss scale on, and logs the line
+    static = SimpleNamespace(loss_scale=1e-10, grad_scaler=object())
+    health = StepHealth(SimpleNamespace(max_consecutive_skipped_steps=10, loss_spike_factor=3.0), static, logs=True)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    get_logger().addHandler(handler)
+    try:
+        for step in range(1, 11):
+            health.before_step()
+            health.after_step(step, 5.5, StepResult(True, 0.0), lambda: "")
+    finally:
+        get_logger().removeHandler(handler)
+    assert messages == ["steps 1-10 had a gradient norm of 0: nothing trains; the fp16 loss scale 1e-10 is too small: "
+                        "the scaled gradients underflow to zero in fp16; raise it (--initial-loss-scale) or use the "
+                        "dynamic loss scale"]
 
 
 def test_a_checkpoint_is_good_once_the_next_step_is(tmp_path, monkeypatch):
