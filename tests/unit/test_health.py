@@ -94,6 +94,20 @@ def test_loss_spike_warns_with_the_step():
     assert RunHealth(10, spike_factor=0).observe(1, 1e9, applied=True) is None
 
 
+def test_the_trainer_ends_a_run_inside_non_finite_losses_as_a_diverged_one():
+    """StepHealth.at_end, which the Trainer calls after its last step and before the save on a stop: exit 3
+    (TrainingDiverged), naming the last good checkpoint, unless a step trained since the non-finite loss."""
+    health = StepHealth(SimpleNamespace(max_consecutive_skipped_steps=10, loss_spike_factor=3.0),
+                        SimpleNamespace(loss_scale=1.0, grad_scaler=None), logs=False)
+    health.after_step(1, 5.0, StepResult(True, 0.5), lambda: "")
+    health.at_end(lambda: "unused")
+    health.after_step(2, math.nan, StepResult(False, None), lambda: "")
+    with pytest.raises(TrainingDiverged, match=r"step 2 did not train \(loss nan\).*\(last good checkpoint: x/step_1"):
+        health.at_end(lambda: "last good checkpoint: x/step_1")
+    health.after_step(3, 4.9, StepResult(True, 0.5), lambda: "")
+    health.at_end(lambda: "unused")
+
+
 def test_gradients_that_are_all_zero_are_said_once():
     """fp16 with a static scale of 1e-10: every gradient underflows, the steps apply and nothing trains."""
     health = RunHealth(max_consecutive_bad=10, spike_factor=0)
