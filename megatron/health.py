@@ -80,7 +80,8 @@ class RunHealth:
         if loss_scale is None:
             return f"{said}; check that the loss reaches the parameters (is every target masked out?)"
         return (f"{said}; the fp16 loss scale {loss_scale:g} is too small: the scaled gradients underflow to zero in "
-                f"fp16; raise it (--initial-loss-scale) or use the dynamic loss scale")
+                f"fp16; raise it (static: --initial-loss-scale, or drop --no-dynamic-loss-scale; dynamic: "
+                f"--min-loss-scale)")
 
     def _spike(self, step: int, loss: float) -> str | None:
         warning = None

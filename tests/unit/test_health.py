@@ -132,8 +132,8 @@ def test_gradients_that_are_all_zero_are_said_once():
     finally:
         get_logger().removeHandler(handler)
     assert messages == ["steps 1-10 had a gradient norm of 0: nothing trains; the fp16 loss scale 1e-10 is too small: "
-                        "the scaled gradients underflow to zero in fp16; raise it (--initial-loss-scale) or use the "
-                        "dynamic loss scale"]
+                        "the scaled gradients underflow to zero in fp16; raise it (static: --initial-loss-scale, or "
+                        "drop --no-dynamic-loss-scale; dynamic: --min-loss-scale)"]
 
 
 def test_a_checkpoint_is_good_once_the_next_step_is(tmp_path, monkeypatch):
