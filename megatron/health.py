@@ -11,8 +11,17 @@ and whether the step was applied: the gradient norm and the fp16 overflow check 
 - A checkpoint is written only while the last step's loss is finite and no bad steps are
   pending, so a diverged state never replaces (or, through keep-last pruning, deletes) a good
   checkpoint.
+- A run that *ends* (its last step, a stop on a signal or a time limit, data that ran out) with a
+  non-finite loss since its last step that trained (applied, finite loss) did not recover from it:
+  it stops as a diverged run does (:class:`TrainingDiverged`, exit status 3, ``latest`` back on the
+  last good checkpoint), never with exit 0 and a final state that could not be saved. Skips with
+  finite losses alone (an fp16 overflow) leave the weights as they were and may end a run.
 - A *loss spike* (a finite loss above ``loss_spike_factor`` x the mean of the previous
   ``SPIKE_WINDOW`` finite losses, once ``SPIKE_MIN_HISTORY`` are known) is a warning with its step.
+- ``ZERO_GRADIENT_STEPS`` applied steps in a row whose gradient norm is exactly 0 train nothing: one
+  warning for the streak (under fp16, a loss scale so small that the scaled gradients underflow,
+  a static one above all: it names the scale and how to raise it). A static scale that overflows
+  every step is counted as bad steps above and stops the run.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from collections import deque
 
 SPIKE_WINDOW = 100
 SPIKE_MIN_HISTORY = 10
+ZERO_GRADIENT_STEPS = 10
 
 
 class TrainingDiverged(RuntimeError):
@@ -33,19 +43,25 @@ class RunHealth:
         self.max_consecutive_bad = max_consecutive_bad
         self.spike_factor = spike_factor
         self.consecutive_bad = 0
+        self.unrecovered: tuple[int, float] | None = None  # (step, loss): the first non-finite one since a step trained
+        self.zero_gradients = 0  # applied steps in a row with a gradient norm of exactly 0
         self.last_loss = math.nan
         self.last_step = 0
         self._history: deque[float] = deque(maxlen=SPIKE_WINDOW)
 
     def observe(self, step: int, loss: float, applied: bool, scale_lowered: bool = False,
-                loss_scale: float | None = None) -> str | None:
-        """Record one step; return a warning to log (a loss spike, a bad step), or None.
-        Raises TrainingDiverged once too many bad steps came in a row."""
+                loss_scale: float | None = None, grad_norm: float | None = None) -> str | None:
+        """Record one step; return a warning to log (a loss spike, a bad step, gradients that are all zero), or
+        None. Raises TrainingDiverged once too many bad steps came in a row."""
         self.last_loss, self.last_step = loss, step
         finite = math.isfinite(loss)
         if applied and finite:
-            self.consecutive_bad = 0
-            return self._spike(step, loss)
+            self.consecutive_bad, self.unrecovered = 0, None
+            spike = self._spike(step, loss)
+            self.zero_gradients = self.zero_gradients + 1 if grad_norm == 0 else 0
+            return self._zero_gradients(step, loss_scale) if self.zero_gradients == ZERO_GRADIENT_STEPS else spike
+        if not finite and self.unrecovered is None:
+            self.unrecovered = (step, loss)
         if not (scale_lowered and finite):  # a forward that overflowed is not mended by a lower scale
             self.consecutive_bad += 1
         why = "its loss is not finite" if not finite else "its gradients are not finite"
@@ -58,6 +74,15 @@ class RunHealth:
         return (f"step {step} skipped: {why} (loss {loss:g}{scale}; {self.consecutive_bad} bad step(s) in a row, "
                 f"the run stops at {self.max_consecutive_bad or 'never'})")
 
+    @staticmethod
+    def _zero_gradients(step: int, loss_scale: float | None) -> str:
+        said = f"steps {step - ZERO_GRADIENT_STEPS + 1}-{step} had a gradient norm of 0: nothing trains"
+        if loss_scale is None:
+            return f"{said}; check that the loss reaches the parameters (is every target masked out?)"
+        return (f"{said}; the fp16 loss scale {loss_scale:g} is too small: the scaled gradients underflow to zero in "
+                f"fp16; raise it (static: --initial-loss-scale, or drop --no-dynamic-loss-scale; dynamic: "
+                f"--min-loss-scale)")
+
     def _spike(self, step: int, loss: float) -> str | None:
         warning = None
         if self.spike_factor and len(self._history) >= SPIKE_MIN_HISTORY:
@@ -67,6 +92,19 @@ class RunHealth:
                            f"{len(self._history)} steps ({mean:.6g})")
         self._history.append(loss)
         return warning
+
+    def why_not_finished(self) -> str | None:
+        """None when the run may end here (after its last step, or on a stop), else why: a non-finite loss since
+        the last step that trained. (Skips with finite losses alone leave the weights as a finite step left
+        them: the run may end, its final save refused while they are pending.)"""
+        if self.unrecovered is None:
+            return None
+        first, loss = self.unrecovered
+        steps = f"step {first} did not train (loss {loss:g})" if first == self.last_step else (
+            f"steps {first}-{self.last_step} did not train (step {first}'s loss {loss:g}, the last one's "
+            f"{self.last_loss:g})")
+        return (f"training ended without recovering from a non-finite loss: {steps}; lower the learning rate "
+                f"(or the fp16 loss scale), or resume from the last good checkpoint")
 
     def why_not_save(self) -> str | None:
         """None when the current state may be checkpointed, else the reason it may not."""

@@ -116,13 +116,19 @@ class MetricsWriter:
     ``resume_step``: the run continues from that step (a resume, or 0 for a fresh start in the
     folder of a run that never saved). Records of later steps left by an earlier run in the same
     folder are dropped first (``drop_records_after``), and TensorBoard hides that run's later events
-    (``purge_step``), so no step appears twice."""
+    (``purge_step``), so no step appears twice.
+
+    A sink that cannot be written once the run is going (a full disk: ENOSPC, or any OSError) is one
+    warning and is then left alone for the rest of the run: the metrics are a report, and training goes
+    on (a checkpoint that cannot be written still stops the run). TensorBoard writes from a thread of its
+    own; its file errors are caught there (``_quiet_event_file``) and said at the next record."""
 
     def __init__(self, output_dir: str, tensorboard_dir: str | None, enabled: bool = True,
                  resume_step: int | None = None, config: Config | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._tb_error: list[OSError] = []  # what TensorBoard's writer thread could not write
         self._wandb = None
         if not enabled:
             return
@@ -136,37 +142,92 @@ class MetricsWriter:
                                   f"where this run continues")
         if config is not None and config.save_load.wandb_project:  # first: if it cannot start, nothing is left open
             self._wandb = start_wandb(config, output_dir, resume_step, dropped)
-        self._jsonl = open(path, "a", buffering=1)
+        self._jsonl, self._jsonl_path = open(path, "a", buffering=1), path
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # tensorboard is a dependency, but do not die over an optional sink
             get_logger().warning("tensorboard is not installed; writing metrics.jsonl only.")
         else:
-            self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(output_dir, "tensorboard"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
+            self._tb_dir = tensorboard_dir or os.path.join(output_dir, "tensorboard")
+            self._tb = SummaryWriter(log_dir=self._tb_dir, purge_step=None if resume_step is None else resume_step + 1)
+            _quiet_event_file(self._tb, self._tb_error)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {**record, "time": round(time.time(), 3)}  # when it was written: Unix seconds
-        self._jsonl.write(json.dumps(record) + "\n")
+        if self._jsonl is not None:
+            try:
+                self._jsonl.write(json.dumps(record) + "\n")
+            except OSError as err:
+                self._jsonl = self._give_up(self._jsonl, self._jsonl_path, err)
         values = scalars(record)
         if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, record["step"])
+            try:
+                for key, value in values.items():
+                    self._tb.add_scalar(key, value, record["step"])
+            except OSError as err:
+                self._tb_error.append(err)
+            if self._tb_error:
+                self._tb = self._give_up(self._tb, f"the TensorBoard events in {self._tb_dir}", self._tb_error[0])
         if self._wandb is not None:
             self._wandb.log(values, step=record["step"])
+
+    @staticmethod
+    def _give_up(sink, what: str, err: OSError) -> None:
+        """One warning for a sink that cannot be written, closed as far as it goes; None, to stop writing it."""
+        get_logger().warning(f"cannot write {what} ({err.strerror or err}): no more metrics are written there "
+                             f"this run; training goes on (free space to have them again after a resume)")
+        try:
+            sink.close()
+        except OSError:
+            pass
+        return None
 
     def close(self, exit_code: int = 0) -> None:
         """Close every sink; a non-zero ``exit_code`` (the run raised) marks the W&B run failed, not finished.
         W&B last: its finish uploads what is pending and is the one that may be slow or fail."""
         if self._jsonl is not None:
-            self._jsonl.close()
+            try:
+                self._jsonl.close()
+            except OSError as err:  # the buffered last line
+                self._give_up(self._jsonl, self._jsonl_path, err)
+            self._jsonl = None
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as err:
+                self._tb_error.append(err)
+            if self._tb_error:
+                self._give_up(self._tb, f"the TensorBoard events in {self._tb_dir}", self._tb_error[0])
+            self._tb = None
         if self._wandb is not None:
             run, self._wandb = self._wandb, None
             run.finish(exit_code=exit_code)
+
+
+def _quiet_event_file(writer, errors: list[OSError]) -> None:
+    """Make the record writer behind ``writer`` (a SummaryWriter), which TensorBoard's own thread calls, keep
+    its first OSError in ``errors`` and write nothing more, instead of dying with a traceback on stderr and
+    raising it at the next record. A TensorBoard whose writer is not where this looks is left as it is (its
+    errors still reach ``MetricsWriter.write``, with the thread's traceback)."""
+    try:
+        record_writer = writer.file_writer.event_writer._async_writer._writer
+    except AttributeError:
+        return
+
+    def guarded(method, after_an_error: bool):
+        def call(*args, **kwargs):
+            if errors and not after_an_error:
+                return None
+            try:
+                return method(*args, **kwargs)
+            except OSError as err:
+                errors.append(err)
+        return call
+
+    for name, after_an_error in (("write", False), ("flush", False), ("close", True)):  # the file is closed anyway
+        setattr(record_writer, name, guarded(getattr(record_writer, name), after_an_error))
 
 
 def start_wandb(config: Config, output_dir: str, resume_step: int | None, earlier_records: int = 0):

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from megatron.data.worker_signals import blocked, ignore_in_worker
+
 
 class GlobalBatchSampler:
     """Yields this data-parallel rank's sample indices for each global batch, in order, while the whole
@@ -63,14 +65,29 @@ def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool 
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
 
 
+class _Loader(DataLoader):
+    """A DataLoader whose workers leave ``stop_signals`` to the trainer (``megatron.data.worker_signals``)."""
+
+    def __init__(self, *args, stop_signals: Sequence[int] = (), **kwargs):
+        self.stop_signals = tuple(stop_signals) if kwargs.get("num_workers") else ()
+        init = partial(ignore_in_worker, self.stop_signals) if self.stop_signals else None
+        super().__init__(*args, worker_init_fn=init, **kwargs)
+
+    def __iter__(self):
+        with blocked(self.stop_signals):  # the workers start here: none can be hit before it ignores them
+            return super().__iter__()
+
+
 def build_loader(dataset, consumed_samples: int, global_batch_size: int | Callable[[int], int], eod_id: int,
-                 eod_mask_loss: bool, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0) -> DataLoader:
+                 eod_mask_loss: bool, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
+                 stop_signals: Sequence[int] = ()) -> DataLoader:
+    """``stop_signals``: the signals the caller handles, which its workers (if any) then ignore."""
     sampler = GlobalBatchSampler(len(dataset), consumed_samples, global_batch_size, dp_rank, dp_size)
     collate = partial(build_batch, eod_id=eod_id, eod_mask_loss=eod_mask_loss)
     # Its own generator: starting an iteration must not draw from the global RNG, which dropout uses
     # (a resumed run would otherwise be one draw off the uninterrupted one).
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, generator=torch.Generator())
+    return _Loader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                   persistent_workers=num_workers > 0, generator=torch.Generator(), stop_signals=stop_signals)
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:

@@ -27,6 +27,7 @@ from megatron.pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
 )
+from megatron.training.stopping import SIGNALS
 
 ModelProvider = Callable[..., torch.nn.Module]  # (config, device, meta_init=...) -> this rank's model
 DatasetsProvider = Callable[[Config], tuple]  # -> (train, valid, test); each has __len__, __getitem__, eod_id
@@ -60,10 +61,11 @@ def all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
 def data_loader(config: Config, ps: parallel_state.ParallelState, dataset, consumed: int = 0, num_workers: int = 0,
                 batches=None):
     """This data-parallel rank's batches of ``dataset`` from sample ``consumed``, of ``batches`` samples per global
-    batch (a number, or consumed -> global batch; default: global_batch_size)."""
+    batch (a number, or consumed -> global batch; default: global_batch_size). Its workers ignore the signals
+    the run stops on (``stopping.SIGNALS``): a preemption signals the whole process group."""
     return build_loader(dataset, consumed, batches or config.batch_size.global_batch_size, dataset.eod_id,
                         config.dataset.eod_mask_loss, ps.data_parallel_rank, ps.data_parallel_size,
-                        num_workers=num_workers)
+                        num_workers=num_workers, stop_signals=SIGNALS)
 
 
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,

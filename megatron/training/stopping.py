@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron.config import Config
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # the training loader workers ignore them (data_loader)
 
 
 class StopRequests:

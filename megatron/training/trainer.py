@@ -2,7 +2,8 @@
 
 - ``step.py``          the model made ready for the layout (``parallel_model``), one optimizer step, one evaluation
 - ``checkpointing.py`` what is loaded at start, when a checkpoint is written, which is known good
-- ``step_health.py``   a skipped step or a loss spike warned about; too many bad steps stop the run (exit 3)
+- ``step_health.py``   a skipped step or a loss spike warned about; too many bad steps, or a run that ends
+                       inside non-finite losses, stop it (exit 3)
 - ``stopping.py``      SIGTERM / SIGUSR1 / Ctrl-C and the time limits, agreed by every rank
 - ``step_log.py``      the log line, metrics.jsonl / TensorBoard / W&B, evaluation results, elapsed and ETA
 - ``run_length.py``    how many steps the run takes (and why fewer than asked)
@@ -84,6 +85,7 @@ class Trainer:
             self.checkpoints.after_step(loss, result.applied)
             stop = self.stops.agreed(s.step)
             if stop:
+                self.health.at_end(self.checkpoints.after_divergence)  # a stop inside non-finite losses: exit 3
                 self.checkpoints.on_stop(stop)
                 break
             if s.step % c.eval_freq == 0 and s.step < last_step:
@@ -92,6 +94,7 @@ class Trainer:
             if last_step < planned_steps and self.ps.rank == 0:
                 epochs = "" if c.num_train_epochs is None else f" (num_train_epochs {c.num_train_epochs})"
                 self.log.warning(f"stopped at step {s.step} of {asked}: the training data ran out{epochs}")
+            self.health.at_end(self.checkpoints.after_divergence)  # never exit 0 inside non-finite losses
             self.checkpoints.at_end()
             self.evaluate("valid", self.valid_ds)
             self.evaluate("test", self.test_ds)

@@ -4,6 +4,7 @@ and metrics.jsonl after a resume."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -11,13 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
 
 from megatron.checkpoint import CheckpointReader
-from tests.functional.launch import ROOT, TINY, losses, outcome, parity_layouts, run, run_several
+from tests.functional.launch import ROOT, TINY, losses, outcome, parity_layouts, run, run_here, run_several
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_runs("saved-dp2")]
 
@@ -100,21 +101,59 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     assert losses(tmp_path / "resumed") == full[5:]
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
+# TINY's first ten steps in a run that trains until it is stopped: the schedule pinned to TINY's (decay_steps
+# 10), and data-loader workers, which a preemption signals with the rest of the process group.
+_UNTIL_STOPPED = [*TINY, "--num-workers", "1", "--max-steps", "100000", "--lr-decay-iters", "10"]
+parity_layouts({"dp2": (2, TINY)})  # the uninterrupted runs: this and the reference "tiny"
+
+
+def _signal_the_group_at_step(command: list[str], step: int) -> tuple[int, str]:
+    """Start ``command`` in a process group of its own and SIGTERM the whole group (as ``kill -- -PGID``,
+    ``scancel`` or systemd would) once training step ``step`` is logged; its exit status and output."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    guard = threading.Timer(300, os.killpg, (process.pid, signal.SIGKILL))  # a hang fails the test, not the suite
+    guard.start()
+    output = []
+    try:
+        for line in process.stdout:
+            output.append(line)
+            if f" - global step {step}," in line:
+                os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+    finally:
+        guard.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, "".join(output)
+
+
+@pytest.mark.shared_runs("dp2")
+@pytest.mark.parametrize("nproc, uninterrupted", [(1, "tiny"), (2, "dp2")])
+def test_sigterm_to_the_process_group_saves_and_the_run_resumes_bitwise(tmp_path, parity, nproc, uninterrupted):
+    """SIGTERM to the run's whole process group, data-loader workers included (under torchrun: to torchrun's
+    group; torchrun sends it on to each rank's group): the step finishes, the run saves and its ranks exit 0
+    (torchrun itself exits 1: it re-raises the signal), and a resume from that save trains the losses of the
+    run that was never stopped, bitwise."""
     out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *FOUR_LAYERS, "--max-steps", "100000",
-                                "--eval-freq", "100000", "--save", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-3000:]
-    step = len(losses(out))
-    assert step >= 3 and (out / "latest").read_text() == f"step_{step}"
-    assert "SIGTERM received: saving at step" in stderr
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc-per-node", str(nproc)]
+    status, output = _signal_the_group_at_step([*launcher, str(ROOT / "pretrain_gpt.py"), *_UNTIL_STOPPED,
+                                                "--save", str(out)], 3)
+    assert status == (0 if nproc == 1 else 1), output[-3000:]
+    stopped = int((out / "latest").read_text().removeprefix("step_"))
+    assert 3 <= stopped < 10 and f"saving at step {stopped} and exiting" in output
+    assert f"saved checkpoint {out / f'step_{stopped}'}" in output and "DataLoader worker" not in output
+    assert ("Traceback" not in output) if nproc == 1 else ("ChildFailedError" not in output)  # every rank exited 0
+    resume = [*_UNTIL_STOPPED, "--load", str(out), "--exit-interval", "10"]
+    if nproc == 1:
+        resumed = run_here(*resume, "--save", str(out))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    else:
+        resumed = run(out, *resume, nproc=nproc)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {stopped}" in resumed.stderr
+    assert losses(out) == parity.curves(uninterrupted)[0]  # metrics.jsonl: the stopped run's steps, then the resumed
 
 
 parity_layouts({"saved-dp2": (2, [*TINY, "--max-steps", "2", "--save-interval", "2"])})

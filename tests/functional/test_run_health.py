@@ -57,6 +57,29 @@ def test_diverged_run_stops_and_keeps_the_good_checkpoint(parity, layout):
     assert all(math.isfinite(x) for x in losses[:4]) and not any(math.isfinite(x) for x in losses[4:])
 
 
+parity_layouts({"health-nan-at-end": (1, [*TINY, "--max-steps", "5", "--lr", "1e6", "--min-lr", "1e6", "--eval-iters",
+                                         "0", "--save-interval", "1", "--keep-last-checkpoints", "1"])})
+
+
+@pytest.mark.parametrize("layout", ["health-nan-at-end"])
+def test_a_run_that_ends_inside_non_finite_losses_exits_3_with_latest_on_a_good_checkpoint(parity, layout):
+    """At lr 1e6 step 2 trains (its finite loss confirms step_1) and explodes the weights step_2 holds; steps 3-5
+    are NaN, fewer than the 10 in a row that stop a run. The run still must not end with exit 0 and 'latest'
+    on step_2: it exits 3 with one line, and 'latest' names step_1 again, so a relaunch resumes good weights."""
+    result = parity.outcome(layout)
+    assert result.returncode == 3, result.log[-3000:]
+    out = result.out
+    errors = [line for line in result.log.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "steps 3-5 did not train (step 3's loss nan" in errors[0], errors
+    assert f"last good checkpoint: {out / 'step_1'}, which 'latest' now names again" in errors[0]
+    assert "Traceback" not in result.log
+    assert (out / "latest").read_text().strip() == "step_1"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r["loss"] for r in records if r["split"] == "train"]
+    assert all(math.isfinite(x) for x in train[:2]) and not any(math.isfinite(x) for x in train[2:])
+    assert len(train) == 5
+
+
 @pytest.mark.parametrize("layout, stops_at", [
     ("fp16-static-1e30", 3),  # static: every skip counts
     # dynamic from 2^60 with hysteresis 1: it halves on every overflow (~40 in a row), which is the
