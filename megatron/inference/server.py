@@ -98,11 +98,12 @@ class CompletionBody(BaseModel):
     user: str | None = None
 
 
-def create_app(scheduler: Scheduler, model_name: str, limits: Limits = Limits(), api_key: str | None = None) -> Guard:
+def create_app(scheduler: Scheduler, model_name: str, limits: Limits | None = None,
+               api_key: str | None = None) -> Guard:
     """The ASGI app serving ``scheduler``'s engine under the name ``model_name``: FastAPI's, behind the
     ``Guard`` of ``api_key`` (None: no key) and ``limits``."""
     engine, created = scheduler.engine, int(time.time())
-    tokenizer = engine.tokenizer
+    tokenizer, limits = engine.tokenizer, limits or Limits()
     app = FastAPI(title="megatron-gpt", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -440,7 +441,7 @@ class HTTPServer(uvicorn.Server):
 
 
 def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          limits: Limits = Limits(), api_key: str | None = None) -> int:
+          limits: Limits | None = None, api_key: str | None = None) -> int:
     """Run the server until SIGINT/SIGTERM (or a fatal scheduler error); then stop the scheduler, which
     tells the other tensor-parallel ranks to stop. Exit status: 0, or 1 after a fatal error."""
     log = get_logger()

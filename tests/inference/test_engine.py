@@ -222,7 +222,8 @@ def test_out_of_range_fields_are_refused_before_any_work(engine, params, field):
 
 EXTREMES = [{"temperature": 1e-300}, {"temperature": 1e-300, "top_k": 10**9}, {"top_p": 1e-12},
             {"top_k": 1, "temperature": 1e300}, {"temperature": 0.5, "top_k": 10**6, "top_p": 1e-300}]
-WILD = [{"temperature": 1e300}, {"temperature": 1e300, "top_k": 10**9}, {"repetition_penalty": 1e-300, "temperature": 2.0},
+WILD = [{"temperature": 1e300}, {"temperature": 1e300, "top_k": 10**9},
+        {"repetition_penalty": 1e-300, "temperature": 2.0},
         {"repetition_penalty": 1e300, "presence_penalty": -2, "frequency_penalty": -2}]
 
 

@@ -488,8 +488,9 @@ def test_serve_tool_on_two_tensor_parallel_ranks(engine, checkpoint):
                 return error.param
 
         with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(send, [dict(prompt=PROMPTS[0]), dict(prompt="a", seed=2**64), dict(prompt=PROMPTS[1]),
-                                           dict(prompt=PROMPTS[2]), dict(prompt="a", seed=2**63), dict(prompt=PROMPTS[3])]))
+            answers = list(pool.map(send, [dict(prompt=PROMPTS[0]), dict(prompt="a", seed=2**64),
+                                           dict(prompt=PROMPTS[1]), dict(prompt=PROMPTS[2]),
+                                           dict(prompt="a", seed=2**63), dict(prompt=PROMPTS[3])]))
         texts = [answers[i] for i in (0, 2, 3, 5)]
         assert answers[1] == answers[4] == "seed"
         assert texts == [alone(engine, p, max_tokens=6, temperature=0).text for p in PROMPTS]
