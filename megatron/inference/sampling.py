@@ -199,7 +199,8 @@ def choose(logits: torch.Tensor, rows: list[RowState], shard: VocabShard) -> Cho
     lse = shard.log_normalizer(raw) if any(n is not None for n in wanted) else None
     # A penalty can overflow a logit to +inf (several +inf would make the probabilities NaN): the
     # largest finite float keeps the order; NaN (a broken model) is never a candidate.
-    scaled = torch.nan_to_num(apply_penalties(raw, rows, shard), nan=-math.inf, posinf=torch.finfo(raw.dtype).max)
+    scaled = torch.nan_to_num(apply_penalties(raw, rows, shard), nan=-math.inf, posinf=torch.finfo(raw.dtype).max,
+                              neginf=-math.inf)
     counts = [1 if r.params.greedy else min(r.params.top_k or shard.vocab_size, shard.vocab_size) for r in rows]
     values, ids = shard.top(scaled, max(counts))  # the temperature does not change the order: applied in _sample
     values, ids = values.cpu(), ids.cpu()
@@ -224,19 +225,20 @@ def choose(logits: torch.Tensor, rows: list[RowState], shard: VocabShard) -> Cho
 
 def _sample(values: torch.Tensor, ids: torch.Tensor, row: RowState, vocab_size: int) -> int:
     """One id from candidates sorted by (penalised) logit, with the row's temperature, top-p and
-    generator. Only real ids (``< vocab_size``) with a finite logit are candidates, and the chosen one
-    has a non-zero probability, whatever the temperature (1e-30 or 1e30)."""
-    real = (ids < vocab_size) & (values > -math.inf)
-    if not bool(real[0]):  # every logit -inf or NaN (a broken model): the first real id
-        return int(ids[real][0]) if bool(real.any()) else int(ids[ids < vocab_size][0])
-    values, ids = values[real].double(), ids[real]
+    generator. Only ids with a finite logit are candidates (a prefix: the padding ids are -inf), so
+    the choice is a real id whatever the temperature (1e-300 or 1e300) or the logits."""
+    values = values.double()
+    if values[-1] == -math.inf:
+        finite = int((values > -math.inf).sum())
+        if finite == 0:  # every logit -inf or NaN (a broken model): the first real id
+            return int(ids[ids < vocab_size][0])
+        values = values[:finite]
     # Subtracting the largest first keeps a tiny temperature finite: 0 for the best, -inf at worst.
-    probs = torch.softmax((values - values[0]) / row.params.temperature, dim=-1)
+    probs = torch.softmax(values.sub(values[0]).div_(row.params.temperature), dim=-1)
     cumulative = probs.cumsum(dim=-1)
     if row.params.top_p < 1:
         keep = int(((cumulative - probs) < row.params.top_p).sum())  # the smallest prefix reaching top_p
         cumulative = cumulative[:max(1, keep)]
     u = torch.rand((), generator=row.generator, dtype=torch.float64) * cumulative[-1]
-    positive = int((probs[:cumulative.numel()] > 0).sum())  # the candidates that can be drawn (a prefix)
-    index = min(int(torch.searchsorted(cumulative, u, right=True)), positive - 1)
+    index = min(int(torch.searchsorted(cumulative, u, right=True)), cumulative.numel() - 1)
     return int(ids[index])

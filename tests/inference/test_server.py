@@ -336,6 +336,15 @@ def test_the_api_key(engine, caplog, monkeypatch):
         get_logger().removeHandler(caplog.handler)
 
 
+@pytest.mark.parametrize("flag", ["--max-request-bytes", "--max-stop-strings", "--max-stop-chars"])
+def test_serve_tool_refuses_a_limit_below_one(flag, capsys):
+    from tests.inference.conftest import _tool
+
+    assert _tool("serve").main(["--load", "/nonexistent", flag, "0"]) == 2  # before the checkpoint is read
+    message = f"serve.py: error: {flag} must be a positive integer, got 0."
+    assert capsys.readouterr().err.strip().splitlines() == [message]
+
+
 def test_unknown_model_and_malformed_bodies(served, client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.completions.create(model="gpt-5", prompt="a", max_tokens=1)
