@@ -82,6 +82,7 @@ class _Row:
         self.state = RowState(request.params, list(request.prompt), generator)
         self.text = TextTracker(detokenize, request.params.stop, request.prompt)
         self.last = request.prompt[-1]
+        self.rest = ""  # the text held back until the row ended (set when it ends)
 
 
 class InferenceEngine:
@@ -197,7 +198,7 @@ class InferenceEngine:
                 why[i] = why[i] or ("cancelled" if flag else None)
             for row, reason in zip(rows, why, strict=True):
                 if reason is not None:
-                    events.append(Event(row.index, None, "" if reason == "cancelled" else row.text.finish(),
+                    events.append(Event(row.index, None, "" if reason == "cancelled" else row.rest,
                                         finish_reason=reason))
             keep = [i for i, reason in enumerate(why) if reason is None]
             if len(keep) < len(rows) and keep:
@@ -220,7 +221,8 @@ class InferenceEngine:
                 events.append(Event(row.index, token, text, choice.logprobs[i], choice.top_logprobs[i]))
                 ended = ended or ("stop" if row.text.stopped else None)
             why[i] = "stop" if ended == "eod" else ended
-
+            if why[i] is not None:
+                row.rest = row.text.finish()  # the text held back, final now
     def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run ``tokens`` [b, s] through the model after the cached slots; the hidden states [s, b, h]."""
         count = tokens.shape[1]
