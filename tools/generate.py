@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens already seen.")
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None, help="Makes sampling reproducible.")
+    s.add_argument("--seed", type=int, default=None, help="Makes sampling reproducible (a 64-bit signed integer).")
     s.add_argument("--stop", action="append", default=[], help="Stop when this text is generated (repeatable).")
     s.add_argument("--ignore-eos", action="store_true", help="Do not stop at the end-of-document token.")
     s.add_argument("--logprobs", type=int, default=None, metavar="N",

@@ -10,7 +10,10 @@ Endpoints: ``POST /v1/completions`` (OpenAI's legacy completions, with ``stream`
 Under torchrun, rank 0 serves HTTP and the other ranks run each batch with it. Logs
 ``serving MODEL on http://HOST:PORT (tp N)`` when ready (``--port 0``: a free port, shown there);
 SIGINT/SIGTERM stop it. Exit status 2, with a one-line message, for a missing extra, a missing or
-damaged checkpoint or a bad flag; 1 after a fatal error while serving.
+damaged checkpoint or a bad flag; 1 after a fatal error while serving. With ``--api-key`` (or the
+``MEGATRON_API_KEY`` environment variable, which keeps the key out of ``ps``) every request but
+``GET /health`` must send ``Authorization: Bearer <key>``; listening beyond the loopback without a
+key logs a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint import CheckpointError  # noqa: E402
+from megatron.inference.guard import API_KEY_ENV, Limits  # noqa: E402
 from megatron.inference.launch import add_model_arguments, build_engine, describe  # noqa: E402
 from megatron.inference.scheduler import Scheduler, follow  # noqa: E402
 from megatron.metrics import get_logger  # noqa: E402
@@ -41,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Rows (prompts) generated together; requests that arrive meanwhile join the next batch.")
     g.add_argument("--model-name", default=None,
                    help="The name clients give as 'model' (default: the checkpoint folder's name).")
+    g.add_argument("--api-key", default=None,
+                   help=f"Require 'Authorization: Bearer KEY' on every request but GET /health (default: the "
+                   f"{API_KEY_ENV} environment variable; neither: no key).")
+    limits = Limits()
+    g.add_argument("--max-request-bytes", type=int, default=limits.max_request_bytes,
+                   help="A larger request body is refused (413) before it is read.")
+    g.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                   help="Stop strings a request may give.")
+    g.add_argument("--max-stop-chars", type=int, default=limits.max_stop_chars,
+                   help="Characters a stop string may have.")
     return p
 
 
@@ -51,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}.")
+        limits = Limits(args.max_request_bytes, args.max_stop_strings, args.max_stop_chars)
+        limits.check()
+        api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
         from megatron.inference import server  # the [serve] extra: checked on every rank, before any collective
 
         engine = build_engine(args)
@@ -66,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         get_logger().info(describe(engine, args.load))
-        return server.serve(Scheduler(engine, args.max_batch_size), name, args.host, args.port)
+        return server.serve(Scheduler(engine, args.max_batch_size), name, args.host, args.port, limits, api_key)
     except (ImportError, ValueError, OSError, CheckpointError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

@@ -8,8 +8,12 @@ document token, a stop string, its ``max_tokens``, the model's last position, or
 then dropped from the cache, so finished rows cost nothing. The model is the training model
 (``GPTModel.hidden_states`` with a ``KVCache``): the attention is the same code with and without it.
 
-Cancellation (a server's client that went away) is decided on tensor-parallel rank 0 and broadcast
-with each step, so every rank drops the same rows.
+Cancellation (a server's client that went away) is decided on tensor-parallel rank 0 and shared
+with each step, so every rank drops the same rows. The same exchange carries each rank's "this step
+failed" flag (an error in the host-side work between the collectives: setting up the batch, the text
+of a token): every rank then raises ``BatchError`` at the same point, so the ranks stay in step and
+a server can fail that batch and keep serving. An error inside a collective (the model's forward)
+cannot be agreed on that way.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class Completion:
     finish_reason: str | None = None
 
 
+class BatchError(RuntimeError):
+    """The batch failed on some tensor-parallel rank, and every rank raised this at the same step: the
+    ranks are still in step (the next batch can run)."""
+
+
 class PromptError(RequestError):
     """A prompt this model cannot take (empty, out of the vocabulary, or with ``max_tokens`` longer than
     its positions); ``param`` is ``prompt`` or ``max_tokens``."""
@@ -73,6 +82,7 @@ class _Row:
         self.state = RowState(request.params, list(request.prompt), generator)
         self.text = TextTracker(detokenize, request.params.stop, request.prompt)
         self.last = request.prompt[-1]
+        self.rest = ""  # the text held back until the row ended (set when it ends)
 
 
 class InferenceEngine:
@@ -88,7 +98,11 @@ class InferenceEngine:
         self.eod = tokenizer.eod if tokenizer is not None else None
         padded = config.padded_vocab_size
         per_rank = padded // self.tp_size
-        self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, config.model.vocab_size,
+        # The ids a prompt may hold and sampling may choose: the model's (never the padding rows of the
+        # padded vocabulary), and only those the tokenizer can decode.
+        self.vocab_size = config.model.vocab_size if tokenizer is None else \
+            min(config.model.vocab_size, tokenizer.vocab_size)
+        self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, self.vocab_size,
                                 self.tp_group, self.tp_size)
         attention = next(iter(model.layers.values())).self_attention
         self.heads, self.head_dim = attention.num_kv_heads, attention.head_dim  # the cache holds key/value heads
@@ -106,8 +120,8 @@ class InferenceEngine:
             tokens = f"{n} token{'s' if n != 1 else ''}"
             raise PromptError(f"prompt has {tokens} and max_tokens is {wanted}, but the model has {room} positions: "
                               f"shorten the prompt or lower max_tokens.", "max_tokens" if wanted >= room else "prompt")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in request.prompt if not 0 <= t < vocab]
+        vocab = self.vocab_size
+        bad = [t for t in request.prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise PromptError(f"prompt has token id {bad[0]}, outside the vocabulary (0..{vocab - 1}).", "prompt")
 
@@ -143,17 +157,28 @@ class InferenceEngine:
         parallel rank 0; the other ranks' answers are ignored) drops a request at the next step. Every rank
         must call this with the same requests."""
         for r in requests:
-            self.check(r)
+            self.check(r)  # the same answer on every rank, before any collective
         if not requests:
             return
-        seeds = self._seeds(requests)
-        rows = [_Row(i, r, s, self.detokenize) for i, r, s in zip(range(len(requests)), requests, seeds, strict=True)]
-        longest = max(len(r.prompt) for r in requests)
-        layers = [layer.self_attention.layer_number for layer in self.model.layers.values()]
-        pad = torch.tensor([longest - len(r.prompt) for r in requests])
-        cache = KVCache(layers, len(rows), longest + max(r.params.max_tokens for r in requests), self.heads,
-                        self.head_dim, pad, self.dtype, self.device)
-        tokens = torch.tensor([[0] * (longest - len(r.prompt)) + list(r.prompt) for r in requests], device=self.device)
+        failure, rows = None, []
+        try:
+            longest = max(len(r.prompt) for r in requests)
+            layers = [layer.self_attention.layer_number for layer in self.model.layers.values()]
+            pad = torch.tensor([longest - len(r.prompt) for r in requests])
+            cache = KVCache(layers, len(requests), longest + max(r.params.max_tokens for r in requests), self.heads,
+                            self.head_dim, pad, self.dtype, self.device)
+            tokens = torch.tensor([[0] * (longest - len(r.prompt)) + list(r.prompt) for r in requests],
+                                  device=self.device)
+        except Exception as error:  # out of memory, say: agreed below, before the first forward
+            failure = error
+        seeds = self._agree([r.params.seed if r.params.seed is not None else random.SystemRandom().randrange(2**62)
+                             for r in requests], failure, "setting up the batch")
+        try:
+            rows = [_Row(i, r, s, self.detokenize) for i, r, s in zip(range(len(requests)), requests, seeds,
+                                                                       strict=True)]
+        except Exception as error:
+            failure = error
+        self._agree([], failure, "setting up the batch")
         hidden = self._forward(tokens, cache)
         first = self._prompt_scores(hidden, tokens, rows, cache)
         logits = self.model.parallel_logits(hidden[-1])
@@ -162,22 +187,18 @@ class InferenceEngine:
         yield events
         while rows:
             choice = choose(logits, [r.state for r in rows], self.shard)
-            events, why = [], []
-            for i, row in enumerate(rows):
-                token = choice.tokens[i]
-                row.state.output.append(token)
-                row.last = token
-                ended = self._ended(row, token)
-                if ended != "eod":  # the end-of-document token ends the text; it is not part of it
-                    text = row.text.add(token)
-                    events.append(Event(row.index, token, text, choice.logprobs[i], choice.top_logprobs[i]))
-                    ended = ended or ("stop" if row.text.stopped else None)
-                why.append("stop" if ended == "eod" else ended)
-            for i, flag in enumerate(self._cancellations(rows, cancelled)):
+            events, why, failure = [], [None] * len(rows), None
+            try:
+                self._step(rows, choice, events, why)
+            except Exception as error:
+                failure = error
+            flags = [bool(cancelled(row.index)) if cancelled is not None and self.tp_rank == 0 else False
+                     for row in rows]
+            for i, flag in enumerate(self._agree(flags, failure, "a generation step")):
                 why[i] = why[i] or ("cancelled" if flag else None)
             for row, reason in zip(rows, why, strict=True):
                 if reason is not None:
-                    events.append(Event(row.index, None, "" if reason == "cancelled" else row.text.finish(),
+                    events.append(Event(row.index, None, "" if reason == "cancelled" else row.rest,
                                         finish_reason=reason))
             keep = [i for i, reason in enumerate(why) if reason is None]
             if len(keep) < len(rows) and keep:
@@ -188,6 +209,20 @@ class InferenceEngine:
                 step = torch.tensor([[row.last for row in rows]], device=self.device).t()
                 logits = self.model.parallel_logits(self._forward(step, cache)[-1])
 
+    def _step(self, rows: list[_Row], choice, events: list, why: list) -> None:
+        """Record each row's chosen token: its events and, in ``why``, why the row ends (or None)."""
+        for i, row in enumerate(rows):
+            token = choice.tokens[i]
+            row.state.output.append(token)
+            row.last = token
+            ended = self._ended(row, token)
+            if ended != "eod":  # the end-of-document token ends the text; it is not part of it
+                text = row.text.add(token)
+                events.append(Event(row.index, token, text, choice.logprobs[i], choice.top_logprobs[i]))
+                ended = ended or ("stop" if row.text.stopped else None)
+            why[i] = "stop" if ended == "eod" else ended
+            if why[i] is not None:
+                row.rest = row.text.finish()  # the text held back, final now
     def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run ``tokens`` [b, s] through the model after the cached slots; the hidden states [s, b, h]."""
         count = tokens.shape[1]
@@ -250,22 +285,30 @@ class InferenceEngine:
 
     # Agreement between tensor-parallel ranks ----------------------------------------------------
 
-    def _seeds(self, requests: list[Request]) -> list[int]:
-        """Each request's seed; those not given are drawn on rank 0 and broadcast."""
-        seeds = torch.tensor([r.params.seed if r.params.seed is not None else random.SystemRandom().randrange(2**62)
-                              for r in requests], dtype=torch.long, device=self.device)
+    def _agree(self, values: list[int], failure: Exception | None, where: str) -> list[int]:
+        """Tensor-parallel rank 0's ``values`` (seeds, cancellation flags), on every rank; then, when
+        any rank's ``failure`` is set, ``BatchError`` on every rank at this same point. One all-reduce
+        (a sum: the other ranks add zeros) carries both; one rank needs none."""
+        failed = [self.tp_rank] if failure is not None else []
         if self.tp_size > 1:
-            dist.broadcast(seeds, self.tp_source, group=self.tp_group)
-        return seeds.tolist()
+            box = torch.zeros(len(values) + self.tp_size, dtype=torch.long, device=self.device)
+            if self.tp_rank == 0:
+                box[:len(values)] = torch.tensor(values, dtype=torch.long)
+            box[len(values) + self.tp_rank] = failure is not None
+            dist.all_reduce(box, group=self.tp_group)
+            values = box[:len(values)].tolist()
+            failed = [r for r, flag in enumerate(box[len(values):].tolist()) if flag]
+        if failed:
+            if failure is not None:
+                raise BatchError(f"{where} failed: {type(failure).__name__}: {_first_line(failure)}") from failure
+            raise BatchError(f"{where} failed on tensor-parallel rank{'s' if len(failed) > 1 else ''} "
+                             f"{', '.join(map(str, failed))} (its log says why)")
+        return values
 
-    def _cancellations(self, rows: list[_Row], cancelled: Callable[[int], bool] | None) -> list[bool]:
-        """Rank 0's answers, on every rank (broadcast at every step under tp, whoever passed a callback)."""
-        flags = [bool(cancelled(row.index)) if cancelled is not None else False for row in rows]
-        if self.tp_size > 1:
-            t = torch.tensor(flags, dtype=torch.uint8, device=self.device)
-            dist.broadcast(t, self.tp_source, group=self.tp_group)
-            flags = [bool(x) for x in t.tolist()]
-        return flags
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 @dataclass

@@ -34,6 +34,8 @@ class RequestError(ValueError):
 
 
 MAX_LOGPROBS = 20  # top alternatives per token a request may ask for (OpenAI's API allows 5; vLLM 20)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+SEED_RANGE = (-2**63, 2**63 - 1)  # what torch.Generator.manual_seed and an int64 broadcast both take
 
 
 @dataclass
@@ -81,8 +83,12 @@ class SamplingParams:
             bad("top_p", "in (0, 1]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "positive")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", "an integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                bad(name, f"from {-MAX_PENALTY} to {MAX_PENALTY}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]} (a 64-bit signed integer)")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a list of non-empty strings")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
@@ -191,17 +197,17 @@ def choose(logits: torch.Tensor, rows: list[RowState], shard: VocabShard) -> Cho
     raw = shard.real(logits)
     wanted = [r.params.logprobs for r in rows]
     lse = shard.log_normalizer(raw) if any(n is not None for n in wanted) else None
-    scaled = apply_penalties(raw, rows, shard)
-    temperature = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows],
-                               device=raw.device).unsqueeze(-1)
-    scaled = scaled / temperature
-    counts = [1 if r.params.greedy else (r.params.top_k or shard.vocab_size) for r in rows]
-    values, ids = shard.top(scaled, max(counts))
+    # A penalty can overflow a logit to +inf (several +inf would make the probabilities NaN): the
+    # largest finite float keeps the order; NaN (a broken model) is never a candidate.
+    scaled = torch.nan_to_num(apply_penalties(raw, rows, shard), nan=-math.inf, posinf=torch.finfo(raw.dtype).max,
+                              neginf=-math.inf)
+    counts = [1 if r.params.greedy else min(r.params.top_k or shard.vocab_size, shard.vocab_size) for r in rows]
+    values, ids = shard.top(scaled, max(counts))  # the temperature does not change the order: applied in _sample
     values, ids = values.cpu(), ids.cpu()
     tokens = []
     for i, row in enumerate(rows):
         k = counts[i]
-        tokens.append(int(ids[i, 0]) if k == 1 else _sample(values[i, :k], ids[i, :k], row))
+        tokens.append(int(ids[i, 0]) if k == 1 else _sample(values[i, :k], ids[i, :k], row, shard.vocab_size))
     if lse is None:  # no row asked for log-probabilities: nothing more to compute
         return Choice(tokens, [None] * len(rows), [None] * len(rows))
     chosen = torch.tensor(tokens, device=raw.device)
@@ -217,9 +223,18 @@ def choose(logits: torch.Tensor, rows: list[RowState], shard: VocabShard) -> Cho
     return Choice(tokens, [lp if n is not None else None for lp, n in zip(logprob, wanted, strict=True)], top_lp)
 
 
-def _sample(values: torch.Tensor, ids: torch.Tensor, row: RowState) -> int:
-    """One id from candidates sorted by value, with the row's top-p and generator."""
-    probs = torch.softmax(values.double(), dim=-1)
+def _sample(values: torch.Tensor, ids: torch.Tensor, row: RowState, vocab_size: int) -> int:
+    """One id from candidates sorted by (penalised) logit, with the row's temperature, top-p and
+    generator. Only ids with a finite logit are candidates (a prefix: the padding ids are -inf), so
+    the choice is a real id whatever the temperature (1e-300 or 1e300) or the logits."""
+    values = values.double()
+    if values[-1] == -math.inf:
+        finite = int((values > -math.inf).sum())
+        if finite == 0:  # every logit -inf or NaN (a broken model): the first real id
+            return int(ids[ids < vocab_size][0])
+        values = values[:finite]
+    # Subtracting the largest first keeps a tiny temperature finite: 0 for the best, -inf at worst.
+    probs = torch.softmax(values.sub(values[0]).div_(row.params.temperature), dim=-1)
     cumulative = probs.cumsum(dim=-1)
     if row.params.top_p < 1:
         keep = int(((cumulative - probs) < row.params.top_p).sum())  # the smallest prefix reaching top_p

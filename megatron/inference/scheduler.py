@@ -14,6 +14,14 @@ With tensor parallelism, rank 0 runs this scheduler and broadcasts each batch's 
 running it; the other ranks ``follow``: receive a batch, run the same ``engine.stream``, repeat,
 until the ``None`` batch. While idle, rank 0 sends an empty batch every ``KEEPALIVE_SECONDS`` so
 the followers' waiting broadcast never reaches the process group's timeout.
+
+Only requests the engine's ``check`` accepts are queued (the HTTP side checks every field first),
+so a bad request never reaches a batch or a collective. A batch that fails anyway fails only its
+own requests (a 500), and the server keeps serving: on every rank when the engine raised
+``BatchError`` (every rank left the batch at the same step); on rank 0 alone when delivering the
+events failed, after which rank 0 cancels the batch's rows and runs the engine to their end so the
+other ranks finish the batch with it. Any other error from the engine under tensor parallelism may
+have left the ranks out of step (one inside a collective the others skipped): the server stops.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.inference.engine import Event, InferenceEngine, Request
+from megatron.inference.engine import BatchError, Event, InferenceEngine, Request
+from megatron.inference.sampling import RequestError
 from megatron.metrics import get_logger
 
 DONE = None  # put on a job's queue after its last row ended
@@ -189,32 +198,52 @@ class Scheduler:
         self.stats.batches += 1
         self.stats.rows += len(requests)
         self.stats.largest_batch = max(self.stats.largest_batch, len(requests))
+        failed: list[Exception] = []  # delivering the events failed: every row is cancelled at the next step
         try:
             share_batch(requests, self.engine.device)
-            for items in self.engine.stream(requests, cancelled=lambda i: owner[i][0].cancelled):
-                by_job: dict[int, tuple[Job, list]] = {}
-                for item in items:
-                    job, local = owner[item.index]
-                    by_job.setdefault(job.id, (job, []))[1].append(dataclasses.replace(item, index=local))
-                    if isinstance(item, Event):
-                        produced[item.index] += item.token is not None
-                        if item.finish_reason is not None:
-                            left[job.id] -= 1
-                            self.ended.append(RowEnd(job.id, local, item.finish_reason, produced[item.index]))
-                for job, its in by_job.values():
-                    job.put(its)
-                    if left[job.id] == 0:
-                        job.put(DONE)
+            for items in self.engine.stream(requests, cancelled=lambda i: bool(failed) or owner[i][0].cancelled):
+                if failed:
+                    continue  # run the engine to the rows' end, in step with the other ranks
+                try:
+                    self._deliver(items, owner, left, produced)
+                except Exception as error:
+                    failed.append(error)
+                    get_logger().exception(f"delivering a step's tokens failed: {_one_line(error)}")
+        except (BatchError, RequestError) as error:  # raised at the same step on every rank
+            failed.append(error)
         except Exception as error:
             message = f"generation failed: {_one_line(error)}"
             unfinished = [job for job in batch if left[job.id] > 0]
             if self.tp > 1:  # the ranks may now be out of step: stop rather than risk a hang
                 self._die(f"{message} (tp {self.tp}: the ranks may be out of step, so the server stops)", unfinished)
                 return
-            get_logger().exception(f"{message}; failing the {len(unfinished)} request(s) of this batch")
+            failed.append(error)
+        finally:
+            self.stats.tokens += sum(produced)
+            self._running = []
+        if failed:
+            message = f"generation failed: {_one_line(failed[0])}"
+            unfinished = [job for job in batch if left[job.id] > 0]
+            get_logger().error(f"{message}; failing the {len(unfinished)} request(s) of this batch",
+                               exc_info=failed[0])
             for job in unfinished:
                 job.put(BatchFailed(f"{message}: the server logged it and keeps serving; send the request again."))
-        finally:
+
+    def _deliver(self, items: list, owner: list, left: dict, produced: list) -> None:
+        """Hand one step's events to their jobs (``DONE`` after a job's last row)."""
+        by_job: dict[int, tuple[Job, list]] = {}
+        for item in items:
+            job, local = owner[item.index]
+            by_job.setdefault(job.id, (job, []))[1].append(dataclasses.replace(item, index=local))
+            if isinstance(item, Event):
+                produced[item.index] += item.token is not None
+                if item.finish_reason is not None:
+                    left[job.id] -= 1
+                    self.ended.append(RowEnd(job.id, local, item.finish_reason, produced[item.index]))
+        for job, its in by_job.values():
+            job.put(its)
+            if left[job.id] == 0:
+                job.put(DONE)
             self.stats.tokens += sum(produced)
             self._running = []
 
@@ -255,5 +284,9 @@ def follow(engine: InferenceEngine) -> None:
         batch = share_batch(None, engine.device)
         if batch is None:
             return
-        for _ in engine.stream(batch):  # the cancellations come from rank 0
-            pass
+        try:
+            for _ in engine.stream(batch):  # the cancellations come from rank 0
+                pass
+        except (BatchError, RequestError) as error:  # every rank left this batch at the same step
+            get_logger().error(f"rank {dist.get_rank()}: a batch failed ({_one_line(error)}); rank 0 fails its "
+                               "requests and the server keeps serving", exc_info=error)

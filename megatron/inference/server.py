@@ -6,9 +6,14 @@ handed to the ``Scheduler`` (``scheduler.py``), whose thread batches it with wha
 The step events come back on the job's asyncio queue and are shaped into OpenAI's ``text_completion``
 objects: the whole response, or one server-sent event per step with ``stream``.
 
+Every field is checked here, on the rank that parses HTTP, before the request is queued: one
+request's error never reaches a batch (nor, under tensor parallelism, the other ranks). The
+``Guard`` (``guard.py``) answers first: the API key (401) and the body size (413).
+
 Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-field (FastAPI's 422 for a malformed body included), 404 ``model_not_found`` for another model's
-name, 500 when the batch the request ran in failed, 503 while shutting down.
+field (FastAPI's 422 for a malformed body included), 401 for a missing or wrong API key, 404
+``model_not_found`` for another model's name, 413 for a body over ``--max-request-bytes``, 500 when
+the batch the request ran in failed, 503 while shutting down.
 
 FastAPI and uvicorn are the optional ``[serve]`` extra: only this module imports them.
 """
@@ -39,6 +44,7 @@ except ImportError as error:  # pragma: no cover - depends on the installation
         from error
 
 from megatron.inference.engine import PromptScores, Request
+from megatron.inference.guard import Guard, Limits, is_loopback
 from megatron.inference.sampling import RequestError, SamplingParams
 from megatron.inference.scheduler import DONE, BatchFailed, Scheduler, Unavailable
 from megatron.metrics import get_logger
@@ -92,10 +98,12 @@ class CompletionBody(BaseModel):
     user: str | None = None
 
 
-def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
-    """The FastAPI app serving ``scheduler``'s engine under the name ``model_name``."""
+def create_app(scheduler: Scheduler, model_name: str, limits: Limits | None = None,
+               api_key: str | None = None) -> Guard:
+    """The ASGI app serving ``scheduler``'s engine under the name ``model_name``: FastAPI's, behind the
+    ``Guard`` of ``api_key`` (None: no key) and ``limits``."""
     engine, created = scheduler.engine, int(time.time())
-    tokenizer = engine.tokenizer
+    tokenizer, limits = engine.tokenizer, limits or Limits()
     app = FastAPI(title="megatron-gpt", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -126,11 +134,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
             raise ApiError(404, f"model {body.model!r} does not exist: this server serves {model_name!r}.",
                            "model", "model_not_found")
         _unsupported(body)
-        prompts = _prompts(body.prompt, tokenizer)
-        if len(prompts) > scheduler.max_batch_size:
-            raise ApiError(400, f"prompt has {len(prompts)} prompts but a batch holds at most "
-                           f"{scheduler.max_batch_size} (--max-batch-size): send fewer per request.", "prompt")
-        params = _sampling_params(body)
+        params = _sampling_params(body, limits)
+        prompts = await _prompts(body.prompt, engine, scheduler.max_batch_size)
         rows = [Request(ids, replace(params, stop=list(params.stop))) for ids, _ in prompts]
         job = _submit(scheduler, rows)
         choices = [_Choice(i, ids, text if body.echo else None, params.logprobs, tokenizer.detokenize)
@@ -146,7 +151,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
             job.cancel()  # a no-op once done; stops the work when the client left or the server stops
         return {**head, "choices": [c.whole() for c in choices], "usage": _usage(choices)}
 
-    return app
+    return Guard(app, limits.max_request_bytes, api_key)
 
 
 # Request parsing -----------------------------------------------------------------------------------
@@ -182,9 +187,11 @@ def _unsupported(body: CompletionBody) -> None:
                            name)
 
 
-def _prompts(value: Any, tokenizer) -> list[tuple[list[int], str]]:
+async def _prompts(value: Any, engine, most: int) -> list[tuple[list[int], str]]:
     """(token ids, text) of each prompt: a string, a list of strings, a list of token ids or a list
-    of such lists."""
+    of such lists; at most ``most`` of them. Token ids are checked against the vocabulary and the
+    model's positions before they are decoded; texts are tokenized off the event loop (a long one
+    does not hold up the other clients)."""
     if value is None:
         raise ApiError(400, "prompt is required.", "prompt")
     if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
@@ -194,30 +201,54 @@ def _prompts(value: Any, tokenizer) -> list[tuple[list[int], str]]:
                        f"lists, got {str(value)[:40]!r}.", "prompt")
     if not value:
         raise ApiError(400, "prompt is empty: give a string, a list of strings or token ids.", "prompt")
-    out = []
-    for prompt in value:
+    if len(value) > most:
+        raise ApiError(400, f"prompt has {len(value)} prompts but a batch holds at most {most} (--max-batch-size): "
+                       "send fewer per request.", "prompt")
+    which = (lambda i: f"prompt {i} ") if len(value) > 1 else (lambda i: "prompt ")
+    texts = {}
+    for i, prompt in enumerate(value):
         if isinstance(prompt, str):
-            out.append((tokenizer.tokenize(prompt), prompt))
+            texts[i] = prompt
         elif isinstance(prompt, list) and all(_is_id(t) for t in prompt):
-            out.append((list(prompt), tokenizer.detokenize(list(prompt))))
+            if len(prompt) > engine.max_positions:
+                raise ApiError(400, f"{which(i)}has {len(prompt)} tokens but the model has {engine.max_positions} "
+                               "positions: shorten it.", "prompt")
+            bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"{which(i)}has token id {bad}, outside the vocabulary (0..{engine.vocab_size - 1}"
+                               ").", "prompt")
         else:
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                            f"token-id lists, got {str(prompt)[:40]!r}.", "prompt")
-    return out
+    tokenize, detokenize = engine.tokenizer.tokenize, engine.tokenizer.detokenize
+    return await asyncio.to_thread(lambda: [(tokenize(texts[i]), texts[i]) if i in texts
+                                            else (list(p), detokenize(list(p))) for i, p in enumerate(value)])
 
 
 def _is_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _sampling_params(body: CompletionBody) -> SamplingParams:
+def _sampling_params(body: CompletionBody, limits: Limits) -> SamplingParams:
+    """The request's sampling fields, every one checked (ApiError naming the first bad one)."""
     given = {name: getattr(body, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                     "presence_penalty", "frequency_penalty", "repetition_penalty")}
     params = SamplingParams(**{k: v for k, v in given.items() if v is not None})
     params.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(params.stop) > limits.max_stop_strings:
+        raise ApiError(400, f"stop has {len(params.stop)} strings, more than this server's "
+                       f"{limits.max_stop_strings} (--max-stop-strings).", "stop")
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise ApiError(400, f"stop has a string of {longest} characters, longer than this server's "
+                       f"{limits.max_stop_chars} (--max-stop-chars).", "stop")
     params.ignore_eos = bool(body.ignore_eos)
     params.logprobs = body.logprobs
     params.prompt_logprobs = bool(body.echo) and body.logprobs is not None
+    try:
+        params.check()
+    except RequestError as error:
+        raise ApiError(400, str(error), error.param) from error
     return params
 
 
@@ -409,12 +440,17 @@ class HTTPServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> int:
+def serve(scheduler: Scheduler, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          limits: Limits | None = None, api_key: str | None = None) -> int:
     """Run the server until SIGINT/SIGTERM (or a fatal scheduler error); then stop the scheduler, which
     tells the other tensor-parallel ranks to stop. Exit status: 0, or 1 after a fatal error."""
     log = get_logger()
-    server = HTTPServer(create_app(scheduler, model_name), host, port, on_ready=lambda bound: log.info(
-        f"serving {model_name} on http://{host}:{bound} (tp {scheduler.tp})"))
+    if not api_key and not is_loopback(host):
+        log.warning(f"serving on {host} without an API key: anyone who can reach this port can use the model; set "
+                    "--api-key or MEGATRON_API_KEY (clients send it as 'Authorization: Bearer <key>').")
+    server = HTTPServer(create_app(scheduler, model_name, limits, api_key), host, port,
+                        on_ready=lambda bound: log.info(f"serving {model_name} on http://{host}:{bound} "
+                                                        f"(tp {scheduler.tp})"))
 
     def fatal():
         server.should_exit = True

@@ -206,6 +206,58 @@ def test_bad_requests_are_refused_naming_the_field(engine, params, field):
         engine.generate([Request(engine.tokenizer.tokenize("the model reads"), SamplingParams(**params))])
 
 
+@pytest.mark.parametrize("params, field", [
+    ({"seed": 2**64}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -1e30}, "frequency_penalty"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_k": -1}, "top_k"),
+])
+def test_out_of_range_fields_are_refused_before_any_work(engine, params, field):
+    """A seed torch or the seed broadcast cannot take (today: an overflow inside the batch), a penalty
+    beyond OpenAI's [-2, 2]: refused by ``check``, which every caller runs before a batch."""
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        engine.check(Request([1, 2], SamplingParams(**params)))
+    engine.check(Request([1, 2], SamplingParams(seed=2**63 - 1)))  # the ends of the range are seeds
+    engine.check(Request([1, 2], SamplingParams(seed=-2**63)))
+
+
+EXTREMES = [{"temperature": 1e-300}, {"temperature": 1e-300, "top_k": 10**9}, {"top_p": 1e-12},
+            {"top_k": 1, "temperature": 1e300}, {"temperature": 0.5, "top_k": 10**6, "top_p": 1e-300}]
+WILD = [{"temperature": 1e300}, {"temperature": 1e300, "top_k": 10**9},
+        {"repetition_penalty": 1e-300, "temperature": 2.0},
+        {"repetition_penalty": 1e300, "presence_penalty": -2, "frequency_penalty": -2}]
+
+
+def test_extreme_sampling_settings_give_real_tokens(engine):
+    """One batch, a row per setting. A temperature that underflows (today: NaN probabilities, and with
+    top_k beyond the padded vocabulary a padding id) or a top_p that keeps one candidate chooses what
+    greedy chooses; a huge temperature or penalty samples real ids, nearly uniformly."""
+    ids = engine.tokenizer.tokenize(PROMPTS[0])
+    greedy = engine.generate([Request(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))])[0]
+    out = engine.generate([Request(ids, SamplingParams(max_tokens=8, seed=5, ignore_eos=True, **params))
+                           for params in EXTREMES + WILD])
+    assert [c.tokens for c in out[:len(EXTREMES)]] == [greedy.tokens] * len(EXTREMES)
+    wild = [t for c in out[len(EXTREMES):] for t in c.tokens]
+    assert len(wild) == 32 and all(0 <= t < engine.config.model.vocab_size for t in wild)
+    assert len(set(wild)) > 8  # not one stuck id
+
+
+def test_padding_ids_are_never_candidates():
+    """Logits of the padded vocabulary's extra rows (any value) are never sampled, even with top_k
+    beyond the padded size, a temperature that underflows, or every real logit -inf."""
+    from megatron.inference.sampling import RowState, VocabShard, choose
+
+    shard = VocabShard(0, 384, 300)
+    logits = torch.randn(3, 384)
+    logits[:, 300:] = 1e4
+    logits[2, :300] = -float("inf")
+    for params in ({"temperature": 1e-300, "top_k": 10**9}, {"temperature": 1e300, "top_k": 1000}, {"top_p": 1e-9}):
+        rows = [RowState(SamplingParams(**params), [1], torch.Generator().manual_seed(s)) for s in range(3)]
+        tokens = choose(logits, rows, shard).tokens
+        assert all(t < 300 for t in tokens), (params, tokens)
+        if params.get("temperature", 1) < 1:
+            assert tokens[:2] == logits[:2, :300].argmax(-1).tolist()
+
+
 def test_empty_and_out_of_vocabulary_prompts_are_refused(engine):
     with pytest.raises(PromptError, match="empty"):
         engine.generate([Request([], SamplingParams())])

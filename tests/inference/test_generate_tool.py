@@ -97,6 +97,8 @@ def test_prompts_from_flags_and_stdin_print_their_continuations(checkpoint, caps
     (["--prompt", "x", "--temperature", "-1"], "temperature"),
     (["--prompts-file", "/nonexistent/prompts.txt"], "No such file"),
     (["--prompts-file", str(ROOT / "tests" / "inference" / "bad_prompts.jsonl")], "unknown field 'temprature'"),
+    (["--prompt", "x", "--seed", str(2**64)], "seed must be an integer from -9223372036854775808 to"),  # today: an
+    (["--prompt", "x", "--seed", str(-2**63 - 1)], "seed must be an integer from"),  # overflow inside the batch
 ])
 def test_bad_input_is_one_line_and_exit_status_2(checkpoint, args, message, capsys, monkeypatch):
     status, _, err = _generate_here(capsys, monkeypatch, "--load", checkpoint, *args)

@@ -39,10 +39,10 @@ def engine(checkpoint):
 
 
 @contextmanager
-def running(engine, **scheduler_options):
+def running(engine, api_key=None, **scheduler_options):
     """A server on a free port in a background thread: (base url, its scheduler)."""
     scheduler = Scheduler(engine, **scheduler_options).start()
-    server = HTTPServer(create_app(scheduler, MODEL), "127.0.0.1", 0)
+    server = HTTPServer(create_app(scheduler, MODEL, api_key=api_key), "127.0.0.1", 0)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -229,6 +229,16 @@ BAD = [
     ({"max_tokens": True}, "max_tokens"),
     ({"stream": "yes"}, "stream"),
     ({"max_token": 3}, "max_token"),
+    ({"seed": 2**64}, "seed"),  # today: a 500 for every request of its batch
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"top_k": -1}, "top_k"),
+    ({"stop": ["x"] * 17}, "stop"),  # --max-stop-strings 16
+    ({"stop": "x" * 257}, "stop"),  # --max-stop-chars 256
+    ({"prompt": [300, 301]}, "prompt"),  # beyond the tokenizer's vocabulary (and the model's)
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [1] * 97}, "prompt"),  # more ids than the model's 96 positions, refused before decoding
+    ({"prompt": ["a"] * 33}, "prompt"),  # more prompts than --max-batch-size
 ]
 
 
@@ -242,6 +252,97 @@ def test_bad_requests_are_openai_400s_and_the_server_stays_up(served, client, fi
     assert set(error.body) == {"message", "type", "param", "code"} and "\n" not in error.body["message"]
     assert get(served[0] + "/health")[0] == 200
     assert client.completions.create(model=MODEL, prompt="a", max_tokens=1).choices[0].finish_reason
+
+
+def test_a_bad_request_never_touches_the_batch_it_would_have_joined(engine):
+    """While a batch runs, good requests and bad ones (a seed out of range: today a 500 for every
+    request of the next batch) queue together: each bad one gets its 400, the good ones share the
+    next batch and get what they get alone."""
+    with running(_TestEngine(engine, step_seconds=0.02)) as (url, scheduler):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        busy = client.completions.create(model=MODEL, prompt="a", max_tokens=40, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+        next(iter(busy))  # a batch is running: what comes now queues up for the next one
+        good = [dict(prompt=p, max_tokens=5, temperature=0.8, seed=i) for i, p in enumerate(PROMPTS)]
+        bad = [dict(prompt=PROMPTS[0], max_tokens=5, seed=2**64), dict(prompt=PROMPTS[1], max_tokens=5, top_p=0)]
+
+        def send(kwargs):
+            try:
+                return client.completions.create(model=MODEL, **kwargs).choices[0].text
+            except openai.BadRequestError as error:
+                return error.status_code, error.param
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(send, [good[0], bad[0], good[1], bad[1], good[2], good[3]]))
+        list(busy)
+        batches = scheduler.stats.batches
+        assert answers[1] == (400, "seed") and answers[3] == (400, "top_p")
+        assert [answers[i] for i in (0, 2, 4, 5)] == [alone(engine, **g).text for g in good]
+        assert batches <= 3 and scheduler.stats.largest_batch == 4  # the busy one, then the four good together
+
+
+def test_request_size_limits(engine):
+    """A body over --max-request-bytes is a 413, by its Content-Length before a byte of it is read
+    (here: never sent) and while read when it has none (chunked); the server answers afterwards."""
+    import http.client
+
+    with running(engine) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(10_000_000))
+        connection.endheaders()  # the 10 MB never follow
+        response = connection.getresponse()
+        assert response.status == 413 and "--max-request-bytes" in json.loads(response.read())["error"]["message"]
+        connection.close()
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        prompt = json.dumps({"prompt": "the model reads " * 70_000, "max_tokens": 1}).encode()  # 1.1 MB
+        connection.request("POST", "/v1/completions", body=iter([prompt[i:i + 65536] for i in range(0, len(prompt),
+                                                                                                    65536)]),
+                           headers={"Content-Type": "application/json"}, encode_chunked=True)
+        response = connection.getresponse()
+        assert response.status == 413, response.read()
+        connection.close()
+        assert post(url + "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 1}).encode())[0] == 200
+
+
+def test_the_api_key(engine, caplog, monkeypatch):
+    """With a key, every path but /health needs 'Authorization: Bearer <key>' (401 otherwise, before
+    the body is read); serving beyond the loopback without a key logs a warning."""
+    from megatron.inference import server as server_module
+    from megatron.inference.guard import Limits
+    from megatron.metrics import get_logger
+
+    with running(engine, api_key="s3cret") as (url, _):
+        for key in ("wrong", "s3cret0", "S3CRET"):
+            with pytest.raises(openai.AuthenticationError) as raised:
+                openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).completions.create(
+                    model=MODEL, prompt="a", max_tokens=1)
+            assert raised.value.code == "invalid_api_key"
+        assert post(url + "/v1/completions", b'{"prompt": "a"}')[0] == 401
+        assert get(url + "/v1/models")[0] == 401 and get(url + "/health")[0] == 200
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="a", max_tokens=1).usage.completion_tokens == 1
+    get_logger().addHandler(caplog.handler)
+    monkeypatch.setattr(HTTPServer, "run", lambda self: None)  # no socket: only the start-up lines matter
+    try:
+        for host, key in (("0.0.0.0", None), ("::1", None), ("10.1.2.3", "k")):
+            caplog.clear()
+            assert server_module.serve(Scheduler(engine), MODEL, host, 0, Limits(), key) == 0
+            warned = [r.message for r in caplog.records if "without an API key" in r.message]
+            assert len(warned) == (host == "0.0.0.0"), (host, warned)
+    finally:
+        get_logger().removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize("flag", ["--max-request-bytes", "--max-stop-strings", "--max-stop-chars"])
+def test_serve_tool_refuses_a_limit_below_one(flag, capsys):
+    from tests.inference.conftest import _tool
+
+    assert _tool("serve").main(["--load", "/nonexistent", flag, "0"]) == 2  # before the checkpoint is read
+    message = f"serve.py: error: {flag} must be a positive integer, got 0."
+    assert capsys.readouterr().err.strip().splitlines() == [message]
 
 
 def test_unknown_model_and_malformed_bodies(served, client):
@@ -334,10 +435,10 @@ def test_an_idle_scheduler_on_several_ranks_sends_keepalives_then_the_stop_batch
 # The command line -------------------------------------------------------------------------------------
 
 @contextmanager
-def launched(command: list[str], timeout: float = 60):
+def launched(command: list[str], timeout: float = 60, env: dict | None = None):
     """``command`` (tools/serve.py) until its ready line: (process, base url, lines so far)."""
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
     reader.start()
@@ -383,12 +484,24 @@ def test_serve_tool_without_fastapi_is_a_one_line_error(checkpoint):
 def test_serve_tool_on_two_tensor_parallel_ranks(engine, checkpoint):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "tools/serve.py", "--load", checkpoint, "--tp", "2", "--port", "0", "--model-name", MODEL]
-    with launched(command, timeout=90) as (process, url, lines):
+    with launched(command, timeout=90, env={"MEGATRON_API_KEY": "k2"}) as (process, url, lines):
         assert f"serving {MODEL} on" in "".join(lines) and "(tp 2)" in "".join(lines)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-        with ThreadPoolExecutor(4) as pool:
-            texts = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,
-                                                                      temperature=0).choices[0].text, PROMPTS))
+        with pytest.raises(openai.AuthenticationError):  # the key from the environment
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k2", max_retries=0, timeout=60)
+
+        def send(kwargs):  # bad seeds among them: today a 500 for the batch, and the tp-2 server stops
+            try:
+                return client.completions.create(model=MODEL, max_tokens=6, temperature=0, **kwargs).choices[0].text
+            except openai.BadRequestError as error:
+                return error.param
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(send, [dict(prompt=PROMPTS[0]), dict(prompt="a", seed=2**64),
+                                           dict(prompt=PROMPTS[1]), dict(prompt=PROMPTS[2]),
+                                           dict(prompt="a", seed=2**63), dict(prompt=PROMPTS[3])]))
+        texts = [answers[i] for i in (0, 2, 3, 5)]
+        assert answers[1] == answers[4] == "seed"
         assert texts == [alone(engine, p, max_tokens=6, temperature=0).text for p in PROMPTS]
         stream = client.completions.create(model=MODEL, prompt="a", max_tokens=80, stream=True,
                                            extra_body={"ignore_eos": True})
@@ -402,33 +515,57 @@ def test_serve_tool_on_two_tensor_parallel_ranks(engine, checkpoint):
     assert "stopped serving" in output and "exitcode" not in output, output  # both ranks ended cleanly
 
 
-FAILING_RANK_0 = """
+FAILING = """
 import os, runpy, sys
 sys.path.insert(0, os.getcwd())
 from megatron.inference.engine import InferenceEngine
-real = InferenceEngine.stream
-def stream(self, requests, cancelled=None):
+from megatron.inference.scheduler import Scheduler
+rank = os.environ["RANK"]
+real, real_step, real_deliver = InferenceEngine.stream, InferenceEngine._step, Scheduler._deliver
+def stream(self, requests, cancelled=None):  # seed 666, rank 0: outside the engine, the other rank in a collective
     for n, events in enumerate(real(self, requests, cancelled)):
-        if n == 1 and os.environ["RANK"] == "0" and any(r.params.seed == 666 for r in requests):
+        if n == 1 and rank == "0" and any(r.params.seed == 666 for r in requests):
             raise RuntimeError("injected failure")
         yield events
-InferenceEngine.stream = stream
+def step(self, rows, choice, events, why):  # seed 777, rank 1: between the collectives, on one rank
+    if rank == "1" and any(r.params.seed == 777 for r in rows):
+        raise RuntimeError("injected step failure")
+    return real_step(self, rows, choice, events, why)
+def deliver(self, items, owner, left, produced):  # seed 555, rank 0: handing the tokens to their requests
+    if any(job.rows[0].params.seed == 555 for job, _ in owner):
+        raise RuntimeError("injected delivery failure")
+    return real_deliver(self, items, owner, left, produced)
+InferenceEngine.stream, InferenceEngine._step, Scheduler._deliver = stream, step, deliver
 sys.argv[0] = "serve.py"
 runpy.run_path("tools/serve.py", run_name="__main__")
 """
 
 
 @pytest.mark.slow
-def test_a_failed_batch_on_two_ranks_stops_the_server_with_a_clear_line(checkpoint, tmp_path):
+def test_failed_batches_on_two_ranks(engine, checkpoint, tmp_path):
+    """A batch that fails where the ranks can agree (on rank 1 between collectives; on rank 0 while
+    delivering the tokens) fails only its requests (500) and the server keeps serving, the same answers
+    as before; one that fails on rank 0 while rank 1 is inside a collective stops the server with a
+    clear line."""
     script = tmp_path / "failing_serve.py"
-    script.write_text(FAILING_RANK_0)
+    script.write_text(FAILING)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
                "--load", checkpoint, "--tp", "2", "--port", "0", "--model-name", MODEL]
     with launched(command, timeout=90) as (process, url, lines):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        expected = alone(engine, PROMPTS[0], max_tokens=5, temperature=0).text
+        for seed, message in ((777, "a generation step failed on tensor-parallel rank 1"),
+                              (555, "injected delivery failure")):
+            with pytest.raises(openai.InternalServerError, match=message):
+                client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=seed)
+            out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+            assert out.choices[0].text == expected
+        assert process.poll() is None
         with pytest.raises(openai.InternalServerError, match="injected failure"):
             client.completions.create(model=MODEL, prompt="a", max_tokens=5, seed=666)
         assert process.wait(30) != 0
     output = "".join(lines)
+    assert "rank 1: a batch failed (BatchError: a generation step failed: RuntimeError: injected step failure)" \
+        in output, output
     assert "generation failed: RuntimeError: injected failure (tp 2: the ranks may be out of step" in output
     assert f"stopped serving {MODEL} after that error" in output and "rank 1: stopped: lost rank 0" in output, output
