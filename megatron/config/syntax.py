@@ -1,4 +1,5 @@
-"""The syntax of the two config values that are small languages: ``split`` and ``input_dir``.
+"""The syntax of the two config values that are small languages (``split`` and ``input_dir``), and of a
+user's YAML (a key given twice in one mapping is an error, never last-wins).
 
 The configuration layer owns what its values mean as text, so validation checks them without
 importing the data layer; ``megatron.data`` applies them (and reports the same messages as
@@ -9,10 +10,47 @@ layer's question (``megatron.data.blended_dataset.parse_input_dir``).
 from __future__ import annotations
 
 import math
+from typing import IO, Any
 
 import numpy as np
+import yaml
 
-__all__ = ["input_dir_words", "parse_split"]
+__all__ = ["RepeatedKey", "input_dir_words", "parse_split", "read_yaml"]
+
+
+class RepeatedKey(yaml.YAMLError):
+    """A mapping of a YAML document gives one key twice (lines are 1-based)."""
+
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"key '{key}' repeated at line {line} (first at line {first_line})")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key repeated in one mapping (a value or a whole section) raises
+    ``RepeatedKey`` instead of the last one silently winning. Merge keys (``<<: *anchor``) keep their meaning:
+    a key of the mapping itself overrides the merged one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the safe loader's own error says so
+                continue
+            if first is not None:
+                raise RepeatedKey(key, key_node.start_mark.line + 1, first)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(stream: str | IO) -> Any:
+    """``yaml.safe_load`` that refuses a key repeated in one mapping (``RepeatedKey``, a ``yaml.YAMLError``):
+    the reader of every YAML a user writes (``-c`` files, ``-o`` values, a run's config.yaml)."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_split(split: str) -> list[float]:

@@ -272,6 +272,28 @@ def test_key_under_wrong_section(tmp_path):
         parse_config(["-c", path])
 
 
+@pytest.mark.parametrize("text, key, line, first", [
+    ("Model:\n  hidden_size: 64\n  num_layers: 2\n  hidden_size: 128\n", "hidden_size", 4, 2),
+    ("Model:\n  hidden_size: 64\nOptimizer:\n  grad_clip: 0.5\nModel:\n  num_layers: 2\n", "Model", 5, 1),
+    ("PreTraining:\n  seed: 1\n  Optimizer:\n    lr:\n      max_lr: 1.0e-3\n      max_lr: 2.0e-3\n", "max_lr", 6, 5),
+    ("max_steps: 3\nmax_steps: 4\n", "max_steps", 2, 1),
+])
+def test_repeated_yaml_key_or_section_refused(tmp_path, text, key, line, first):
+    """A key or a whole section given twice is one line naming the key, the file and both lines: PyYAML's
+    last-wins would drop the first silently (a second ``Model:`` erased the first one's values)."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(["-c", path])
+    assert str(err.value).startswith(f"{path} line {line}: key '{key}' is repeated (first at line {first})")
+
+
+def test_yaml_merge_keys_are_not_repeats(tmp_path):
+    """A merge key (``<<:``) keeps YAML's meaning: the mapping's own key overrides the merged one."""
+    text = "Model:\n  <<: {hidden_size: 64, num_layers: 2}\n  hidden_size: 128\n"
+    config = parse_config(["-c", write(tmp_path, text)])
+    assert (config.model.hidden_size, config.model.num_layers) == (128, 2)
+
+
 def test_wrong_types(tmp_path):
     with pytest.raises(ConfigError, match="Model.hidden_size must be an integer, got 'abc'"):
         parse_config(["-c", write(tmp_path, "Model:\n  hidden_size: abc\n")])
