@@ -332,6 +332,36 @@ def test_pretrain_gpt_reports_one_line(argv, needle):
     assert needle in lines[0] and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("env, needle", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK and LOCAL_RANK and MASTER_ADDR and MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "MASTER_ADDR and MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     "RANK=2 is not a rank of WORLD_SIZE=2 (0..1)"),
+    ({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "1", "RANK": "-1"}, "RANK=-1 is not a rank of WORLD_SIZE=1"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     "LOCAL_RANK=2 is not a rank of this node"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
+     "MASTER_PORT='http' is not a port number"),
+], ids=["world-only", "no-master", "rank-too-big", "not-int", "negative-rank", "local-rank", "port"])
+def test_launch_environment_set_by_hand_is_one_line_at_once(monkeypatch, tmp_path, env, needle):
+    """torchrun's variables set by hand (without torchrun) or inconsistent: one line, exit 2, before any
+    rendezvous (on main: a ValueError traceback from init_process_group, or a wait for ranks that never
+    come) and before the output folder is made."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    proc = run_here("--mock-data", "--device", "cpu", "--num-layers", "1", "--hidden-size", "32",
+                    "--num-attention-heads", "2", "--max-seq-len", "16", "--vocab-size", "64", "--max-steps", "1",
+                    "--distributed-timeout-minutes", "0.02", "--output-dir", str(out))
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "torchrun" in lines[0], proc.stderr
+    assert not out.exists()
+
+
 def test_an_explicit_base_is_under_the_yaml_and_the_flags_and_left_unchanged(tmp_path):
     base = parse_config(["--hidden-size", "96", "--num-attention-heads", "4", "--max-steps", "50", "--lr", "1e-3"])
     before = to_dict(base)
