@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -152,6 +153,45 @@ def test_a_damaged_cached_index_is_rebuilt_with_a_warning(tmp_path, monkeypatch,
         np.testing.assert_array_equal(got, expected)
     assert len(lines) == 1 and "rebuilding it" in lines[0]
     assert not [f for f in os.listdir(cache) if ".tmp" in f]
+
+
+@pytest.mark.parametrize("foreign", ["whole entry", "one array", "old format"])
+def test_a_foreign_or_stale_cache_entry_is_never_used(tmp_path, monkeypatch, foreign):
+    """The entry of another configuration (here seed 2: the same shapes, other contents) copied under this
+    one's names, or only one of its arrays, or an entry of the previous format: the key stored inside the
+    entry (or an array's digest) differs, so it is rebuilt with a warning, and the indices are this
+    configuration's. (Before, shapes and dtypes were all that was checked: the seed-2 shuffle was used.)"""
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    args = dict(split="train", sequence_range=(0, 30), num_samples=50, seq_length=8, cache_dir=cache, eod_id=EOD)
+    mine = GPTDataset(IndexedDataset(prefix), seed=1, **args)
+    want = [np.array(a) for a in (mine.doc_idx, mine.sample_idx, mine.shuffle_idx)]
+    other = GPTDataset(IndexedDataset(prefix), seed=2, **args)
+    assert not np.array_equal(other.shuffle_idx, want[2])
+    del mine, other
+    files = sorted(os.listdir(cache))
+    mine_key = gpt_dataset.IndexSpec(**IndexedDataset(prefix).content_key(), split="train", first_sequence=0,
+                                     last_sequence=30, num_samples=50, seq_length=8, seed=1).key()
+    (theirs_key,) = {f.split("-")[0] for f in files} - {mine_key}
+    suffixes = {"whole entry": ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy", "_description.json"],
+                "one array": ["_shuffle_idx.npy"], "old format": []}[foreign]
+    for suffix in suffixes:
+        shutil.copyfile(os.path.join(cache, f"{theirs_key}-train{suffix}"), os.path.join(cache, f"{mine_key}-train{suffix}"))
+    if foreign == "old format":
+        path = os.path.join(cache, f"{mine_key}-train_description.json")
+        description = json.loads(open(path).read())
+        old = {**description["key"], "arrays": {k: {"shape": v["shape"], "dtype": v["dtype"]}
+                                                for k, v in description["arrays"].items()}}
+        with open(path, "w") as f:
+            json.dump(old, f)
+    lines = _log_lines(monkeypatch)
+    again = GPTDataset(IndexedDataset(prefix), seed=1, **args)
+    for got, expected in zip((again.doc_idx, again.sample_idx, again.shuffle_idx), want):
+        np.testing.assert_array_equal(got, expected)
+    assert len(lines) == 1 and "rebuilding it" in lines[0], lines
+    reason = {"whole entry": "was built for another dataset or configuration (seed 2, here 1)",
+              "one array": "is not the file its description was written with", "old format": "holds no key"}[foreign]
+    assert reason in lines[0]
 
 
 @pytest.mark.parametrize("cache_state", ["missing", "damaged"])
