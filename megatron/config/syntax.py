@@ -10,12 +10,13 @@ layer's question (``megatron.data.blended_dataset.parse_input_dir``).
 from __future__ import annotations
 
 import math
+import shlex
 from typing import IO, Any
 
 import numpy as np
 import yaml
 
-__all__ = ["RepeatedKey", "input_dir_words", "parse_split", "read_yaml"]
+__all__ = ["RepeatedKey", "input_dir_words", "parse_split", "quote_word", "read_yaml", "split_words"]
 
 
 class RepeatedKey(yaml.YAMLError):
@@ -78,12 +79,29 @@ def _is_number(word: str) -> bool:
     return True
 
 
+def split_words(text: str) -> list[str]:
+    """The words of a data-path value: split at whitespace, except inside quotes ("/my data/ds" or '/my data/ds')
+    or after a backslash (/my\\ data/ds), as a shell would. A value without quotes or backslashes is split at
+    whitespace only (a path holding a lone quote stays as it is)."""
+    if not any(c in text for c in "\"'\\"):
+        return text.split()
+    try:
+        return shlex.split(text)
+    except ValueError:  # an unbalanced quote: a path that holds one
+        return text.split()
+
+
+def quote_word(word: str) -> str:
+    """``word`` as ``split_words`` reads it back as one word (quoted only when it needs to be)."""
+    return shlex.quote(word) if any(c.isspace() or c in "\"'\\" for c in word) else word
+
+
 def input_dir_words(input_dir: str, name: str = "input_dir") -> tuple[list[str], list[float] | None]:
     """-> (words, weights): Megatron's ``w1 prefix1 w2 prefix2 ...`` gives its prefixes and weights (finite,
     non-negative, positive sum); anything else gives its words (prefixes or folders, not yet resolved) and
-    None (weighting by token count). ``name`` is the setting's name in the messages (input_dir,
-    train_data_path, ...). Raises ValueError with a hint."""
-    words = input_dir.split()
+    None (weighting by token count). A path with spaces is quoted (``split_words``). ``name`` is the setting's
+    name in the messages (input_dir, train_data_path, ...). Raises ValueError with a hint."""
+    words = split_words(input_dir)
     if not (len(words) > 1 and _is_number(words[0])):
         return words, None
     if len(words) % 2 or not all(_is_number(w) for w in words[::2]):

@@ -34,12 +34,12 @@ import os
 import numpy as np
 
 from megatron.config import syntax
-from megatron.data import index_cache, indexed_dataset, summary
+from megatron.data import fingerprint, index_cache, indexed_dataset, summary
 from megatron.data.gpt_dataset import GPTDataset, parse_split, split_ranges
 from megatron.data.helpers import build_blending_indices
 from megatron.data.index_cache import cache_folder, run_agreed
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset
-from megatron.data.token_check import token_range
+from megatron.data.token_check import scanned
 
 SPLIT_NAMES = ("train", "valid", "test")
 PER_SPLIT_NAMES = ("train_data_path", "valid_data_path", "test_data_path")
@@ -82,6 +82,9 @@ def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str],
     (``megatron.config.syntax.input_dir_words``); folders are expanded here and every prefix must have its
     .bin and .idx. ``name`` is the setting in the messages (input_dir, train_data_path, ...). Raises
     DatasetError with a hint."""
+    whole = input_dir.strip()
+    if _names_data(whole):  # one path that holds spaces, given unquoted (a YAML value): the path it names
+        return _expand(whole, name), None
     try:
         words, weights = syntax.input_dir_words(input_dir, name)
     except ValueError as err:
@@ -89,9 +92,19 @@ def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str],
     prefixes = words if weights is not None else [prefix for word in words for prefix in _expand(word, name)]
     for prefix in prefixes:
         if not indexed_dataset.exists(prefix):
+            spaces = (" (a path with spaces is quoted: '0.5 \"/my data/a\" 0.5 /data/b', or one argument each on the "
+                      "command line)" if len(prefixes) > 1 else "")
             raise DatasetError(f"no dataset at '{prefix}': expected {prefix}.bin and {prefix}.idx ({name} takes a "
-                               f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2')")
+                               f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2'){spaces}")
     return prefixes, weights
+
+
+def _names_data(path: str) -> bool:
+    """Whether ``path`` (with its spaces) is a dataset prefix, its .bin or .idx, or a folder of them."""
+    if " " not in path:
+        return False
+    return os.path.isdir(path) or indexed_dataset.exists(path) or (
+        path.endswith((".bin", ".idx")) and indexed_dataset.exists(path[:-4]))
 
 
 def _expand(word: str, name: str) -> list[str]:
@@ -189,9 +202,10 @@ def _build(prefixes: list[str], weights: list[float] | None, single: bool, what:
         return indexed
 
     indexed = run_agreed(open_and_check, f"opening the datasets of {what}")
-    if vocab_size is not None:
-        for ds in indexed:
-            token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size, log)
+    for ds in indexed:  # with vocab_size (a run's): the token ids checked and the .bin hashed, in one cached scan
+        entry = scanned(ds, cache_folder(ds.prefix, cache_dir), vocab_size, log) if vocab_size is not None else {}
+        fingerprint.record(ds, entry)
+    fingerprint.agree(indexed, what)  # a node whose copy differs stops every rank
     if train_epochs is not None and num_samples[0] > 0:
         per_epoch = samples_per_epoch(indexed, weights, split, seq_length)
         num_samples = (train_samples(num_samples[0], train_epochs, per_epoch, global_batch_size, seq_length),

@@ -366,3 +366,89 @@ def test_a_blend_member_without_sequences_in_a_split_leaves_its_share_to_the_oth
     assert len(test) == 8
     assert [len(m) >= 8 for m in test.datasets] == [True] and test.weights == [1.0]
     assert all(np.array_equal(test[i], test.datasets[0][i]) for i in range(8))
+
+
+def _rewrite_one_token(prefix: str, keep_mtime: bool) -> None:
+    before = os.stat(prefix + ".bin")
+    tokens = np.fromfile(prefix + ".bin", np.int32)
+    tokens[0] += 1
+    with open(prefix + ".bin", "r+b") as f:  # in place: the same size, the same inode, the same .idx
+        f.write(tokens.tobytes())
+    if keep_mtime:
+        os.utime(prefix + ".bin", ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["rewritten", "rewritten-keeping-mtime"])
+def test_a_bin_changed_under_the_run_is_detected(tmp_path, keep_mtime):
+    """A .bin rewritten while the run trains (even with its size and mtime kept): ``verify_unchanged`` (every
+    rank, before a checkpoint) raises a one-line DatasetError naming it, and so does a data-loader worker that
+    re-opens the files (unpickling); the run's data fingerprint no longer matches a resume's."""
+    import pickle
+
+    from megatron.data import fingerprint
+
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    datasets = build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000)
+    recorded = fingerprint.of_datasets(datasets)
+    fingerprint.verify_unchanged(datasets)  # nothing changed: no error
+    worker_copy = pickle.dumps(datasets[0].indexed)
+    pickle.loads(worker_copy)
+    _rewrite_one_token(prefix, keep_mtime)
+    with pytest.raises(DatasetError) as err:
+        fingerprint.verify_unchanged(datasets)
+    assert str(err.value).startswith(f"{prefix}.bin (or its .idx) changed since the run opened it")
+    if not keep_mtime:
+        with pytest.raises(DatasetError, match="changed since the run opened it"):
+            pickle.loads(worker_copy)
+    resumed = build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000)
+    # a resume sees other data: the full hash (rescanned: a new mtime) or the sampled blocks (its first changed)
+    assert fingerprint.compare(recorded, fingerprint.of_datasets(resumed)).startswith("the data differs")
+
+
+def test_the_data_fingerprint_follows_the_content_not_the_path(tmp_path):
+    from megatron.data import fingerprint
+
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    recorded = fingerprint.of_datasets(build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000))
+    copy = str(tmp_path / "node copy" / "ds")
+    os.makedirs(os.path.dirname(copy))
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(prefix + suffix, copy + suffix)
+    again = fingerprint.of_datasets(build_datasets(copy, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000))
+    assert fingerprint.compare(recorded, again) is None and again["datasets"][0]["bin_blake2b"]
+    _make(str(tmp_path / "other"), 30, seed=3)
+    other = fingerprint.of_datasets(build_datasets(str(tmp_path / "other"), "1,0,0", (50, 0, 0), 8, 1, EOD, cache,
+                                                   vocab_size=40000))
+    message = fingerprint.compare(recorded, other)
+    assert message.startswith(f"the data differs from the checkpoint's run: {prefix} as it was then, ")
+
+
+def test_paths_with_spaces_work_for_data_cache_save_and_load(tmp_path):
+    """--data-path with a space in a weighted prefix (one argument each), --data-cache-path, --save and --load
+    with spaces: the run trains, caches, saves and resumes. (Before, '0.5 /a b/ds 0.5 ...' was cut at the
+    space: 'weights and prefixes must alternate' or 'no dataset at /a'.) A YAML value holding one unquoted path
+    with spaces names that path; a quoted one in a weighted list is one word."""
+    from tests.functional.launch import TINY, run_here
+
+    root = tmp_path / "my data"
+    (root / "part one").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix in (root / "part one" / "ds", root / "two"):  # token ids within TINY's vocabulary of 256
+        with IndexedDatasetWriter(str(prefix), np.int32) as writer:
+            for _ in range(20):
+                writer.add_document(rng.integers(1, 256, size=20))
+    cache, out = tmp_path / "index cache", tmp_path / "run output"
+    model = [a for a in TINY if a != "--mock-data"]
+    data = ["--data-path", "0.5", str(root / "part one" / "ds"), "0.5", str(root / "two"), "--tokenizer-type",
+            "NullTokenizer", "--data-cache-path", str(cache), "--eval-iters", "1"]
+    first = run_here(*model, *data, "--max-steps", "1", "--save", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert any(f.endswith("_shuffle_idx.npy") for f in os.listdir(cache)) and (out / "latest").exists()
+    again = run_here(*model, *data, "--max-steps", "2", "--save", str(out), "--load", str(out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "latest").read_text().strip().endswith("2") and "resuming at step 1" in again.stderr
+    assert parse_input_dir(f"  {root / 'part one' / 'ds'}  ") == ([str(root / "part one" / "ds")], None)
+    quoted = f"0.3 '{root / 'part one' / 'ds'}' 0.7 \"{root / 'two'}\""
+    assert parse_input_dir(quoted) == ([str(root / "part one" / "ds"), str(root / "two")], [0.3, 0.7])
