@@ -83,7 +83,7 @@ def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str],
     .bin and .idx. ``name`` is the setting in the messages (input_dir, train_data_path, ...). Raises
     DatasetError with a hint."""
     whole = input_dir.strip()
-    if _names_data(whole):  # one path that holds spaces, given unquoted (a YAML value): the path it names
+    if _names_data(whole):  # one existing path, taken whole: with spaces, quotes or backslashes (a YAML value)
         return _expand(whole, name), None
     try:
         words, weights = syntax.input_dir_words(input_dir, name)
@@ -100,8 +100,8 @@ def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str],
 
 
 def _names_data(path: str) -> bool:
-    """Whether ``path`` (with its spaces) is a dataset prefix, its .bin or .idx, or a folder of them."""
-    if " " not in path:
+    """Whether ``path`` (with its spaces) is a dataset prefix, its .bin or .idx, or a folder."""
+    if not path:
         return False
     return os.path.isdir(path) or indexed_dataset.exists(path) or (
         path.endswith((".bin", ".idx")) and indexed_dataset.exists(path[:-4]))

@@ -1,7 +1,7 @@
 """What the run's data is, by content: agreed by every rank at start, recorded for a resume, re-checked later.
 
 A dataset's **fingerprint** is its content, never its path: the ``.idx`` size and BLAKE2b hash and the
-``.bin`` size (``IndexedDataset.content_key``), the BLAKE2b of every byte of the ``.bin`` (``bin_blake2b``,
+``.bin`` size (``IndexedDataset.content_key``), the CRC-32 of every byte of the ``.bin`` (``bin_crc32``,
 computed by the token-id scan in the same pass and cached with it: ``token_check.scanned``, keyed by the
 ``.bin``'s mtime), and ``bin_sample``, a hash of 64 blocks spread over the ``.bin`` read afresh at every
 open (``sample_digest``: a change that kept the size and the mtime, as ``cp -p`` or ``rsync -t`` of other
@@ -32,7 +32,7 @@ from megatron.data.indexed_dataset import DatasetError, IndexedDataset, data_fil
 
 SAMPLE_BLOCKS = 64
 SAMPLE_BLOCK_BYTES = 4096
-CONTENT = ("idx_size", "idx_blake2b", "bin_size", "bin_blake2b", "bin_sample")  # what must agree
+CONTENT = ("idx_size", "idx_blake2b", "bin_size", "bin_crc32", "bin_sample")  # what must agree
 
 
 def sample_digest(path: str, blocks: int = SAMPLE_BLOCKS, block: int = SAMPLE_BLOCK_BYTES) -> str:
@@ -53,10 +53,10 @@ def sample_digest(path: str, blocks: int = SAMPLE_BLOCKS, block: int = SAMPLE_BL
 
 def record(indexed: IndexedDataset, scan_entry: dict) -> dict:
     """Set and return ``indexed.fingerprint`` from its token-scan entry (``token_check.scanned``; without one,
-    as the builders' callers without a vocabulary, ``bin_blake2b`` is None) and a fresh ``bin_sample``;
+    as the builders' callers without a vocabulary, ``bin_crc32`` is None) and a fresh ``bin_sample``;
     ``indexed.identity`` is what ``verify_unchanged`` compares with later."""
     indexed.identity = file_identity(indexed.prefix)
-    indexed.fingerprint = {**indexed.content_key(), "bin_blake2b": scan_entry.get("bin_blake2b"),
+    indexed.fingerprint = {**indexed.content_key(), "bin_crc32": scan_entry.get("bin_crc32"),
                            "bin_sample": sample_digest(data_file(indexed.prefix))}
     return indexed.fingerprint
 

@@ -10,7 +10,9 @@ keyed by the dataset's content key *and* the ``.bin``'s modification time: the c
 apart by its mtime (a copy elsewhere is rescanned too). The scan follows ``index_cache.load_or_build``
 (global rank 0, then each node's local rank 0, then every rank reads it), and the verdict is agreed,
 so a bad dataset stops every rank with one ``DatasetError``. Given a ``report`` (a logging function), the
-rank that scans says so before and after (a scan of 10^10 tokens takes about 10 s).
+rank that scans says so before and after (a scan of 10^10 tokens takes about 10 s from disk). The same pass
+computes the ``.bin``'s CRC-32, kept in the entry (``bin_crc32``: the data's fingerprint, ``megatron.data.fingerprint``;
+about 1.5 s more per 10^9 two-byte tokens on one core).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -29,8 +32,22 @@ from megatron.data.indexed_dataset import DatasetError, IndexedDataset, data_fil
 SCAN_CHUNK_BYTES = 256 << 20
 
 
+class Crc32:
+    """CRC-32 of a stream of bytes (zlib's): the .bin's checksum, five times as fast as BLAKE2b here and enough to
+    tell a copy or a rewrite apart (no one is assumed to forge one)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 def scan_token_range(indexed: IndexedDataset, chunk_bytes: int = SCAN_CHUNK_BYTES,
-                     digest: "hashlib._Hash | None" = None) -> tuple[int | None, int]:
+                     digest: Crc32 | None = None) -> tuple[int | None, int]:
     """(smallest id or None for an unsigned token type, largest id; -1 for no tokens), chunk by chunk; each
     chunk's bytes also go into ``digest`` when one is given (the ``.bin``'s hash, in the same pass)."""
     tokens = indexed.bin
@@ -68,7 +85,7 @@ def token_range(indexed: IndexedDataset, folder: str, vocab_size: int | None = N
 def scanned(indexed: IndexedDataset, folder: str, vocab_size: int | None = None,
             report: Callable[[str], None] | None = None) -> dict:
     """``token_range``'s cache entry: the content key, the .bin's mtime, ``min_token_id``, ``max_token_id`` and
-    ``bin_blake2b`` (the hash of every byte of the .bin, computed by the same scan: ``megatron.data.fingerprint``)."""
+    ``bin_crc32`` (the checksum of every byte of the .bin, computed by the same scan: ``megatron.data.fingerprint``)."""
     path, content = _entry_path(indexed, folder)
 
     def build() -> None:
@@ -78,13 +95,13 @@ def scanned(indexed: IndexedDataset, folder: str, vocab_size: int | None = None,
             report(f"{summary.PREFIX} scanning the token ids of {bin_path} ({summary.tokens(indexed.num_tokens)} "
                    f"tokens){where}...")
             start = time.perf_counter()
-        digest = hashlib.blake2b(digest_size=16)
+        digest = Crc32()
         low, high = scan_token_range(indexed, SCAN_CHUNK_BYTES, digest)
         if report is not None:
             ids = f"largest token id {high}" if low is None else f"token ids {low}..{high}"
             report(f"{summary.PREFIX} scanned {bin_path} in {summary.seconds(time.perf_counter() - start)}: {ids}, "
                    f"cached in {path}{where}")
-        entry = {**content, "min_token_id": low, "max_token_id": high, "bin_blake2b": digest.hexdigest()}
+        entry = {**content, "min_token_id": low, "max_token_id": high, "bin_crc32": digest.hexdigest()}
         text = json.dumps(entry, indent=2, sort_keys=True)
         with index_cache.writable(folder):
             os.makedirs(folder, exist_ok=True)
