@@ -57,14 +57,14 @@ def read_yaml(stream: str | IO) -> Any:
 def parse_split(split: str) -> list[float]:
     """'949,50,1' (or '949/50/1') -> three fractions summing to 1 (normalized in float64, as Megatron Core).
 
-    Up to three non-negative numbers with a positive sum; missing ones are 0. Raises ValueError."""
+    Up to three finite non-negative numbers with a positive sum; missing ones are 0. Raises ValueError."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
     try:
         weights = [float(p) for p in parts]
     except ValueError:
         raise ValueError(f"split '{split}' must be up to three numbers like '949,50,1'") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split '{split}' must be up to three non-negative numbers with a positive sum")
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split '{split}' must be up to three finite non-negative numbers with a positive sum")
     weights += [0.0] * (3 - len(weights))
     w = np.asarray(weights, dtype=np.float64)
     return (w / np.sum(w)).tolist()

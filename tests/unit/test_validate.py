@@ -150,6 +150,13 @@ def test_every_numeric_flag_refuses_negative_and_non_finite_spellings_in_one_lin
                 assert "\n" not in message
 
 
+@pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,-1e-3,1", "-inf"])
+def test_a_split_of_non_finite_or_negative_numbers_refused(split):
+    """'--split nan,1,1' was normalized to NaN fractions (and 'inf,1,1' to nan, 0, 0) without a word."""
+    with pytest.raises(ConfigError, match=f"split '{re.escape(split)}' must be up to three finite non-negative"):
+        check(valid_config("--split", split))
+
+
 def test_yaml_negative_and_non_finite_values_refused(tmp_path):
     for leaf in _numeric_leaves():
         nested = ""
