@@ -125,8 +125,16 @@ def initialize_distributed(config: Config, timeout_minutes: float | None = None)
     world_size, rank, _ = launch_env()
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if config.device == "gpu" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
+        except dist.DistError as err:  # the others never came (variables set by hand), or the address is wrong
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise ConfigError(f"rank {rank} of WORLD_SIZE={world_size} could not meet the other processes at {where} "
+                              f"within distributed_timeout_minutes ({timeout_minutes:g}): "
+                              f"{(str(err).splitlines() or [type(err).__name__])[0].rstrip('.')}; start every rank (torchrun "
+                              f"--nproc-per-node N, on each node), or unset WORLD_SIZE for a one-process run."
+                              ) from None
     d = config.distributed
     return parallel_state.initialize(tp=d.mp_degree, pp=d.pp_degree, dp=d.dp_degree,
                                      sharding=d.sharding.sharding_degree, timeout_minutes=timeout_minutes)

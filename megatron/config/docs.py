@@ -34,7 +34,9 @@ What is refused, each in one line before anything starts (`pretrain_gpt.py: erro
   `RANK`, `LOCAL_RANK`, `MASTER_ADDR` or `MASTER_PORT`, a `MASTER_PORT` that is not a port: e.g.
   `WORLD_SIZE=2 is set but RANK and LOCAL_RANK and MASTER_ADDR and MASTER_PORT are not: the processes could
   not find each other; launch with torchrun ...`, at once, instead of a rendezvous that waits and ends in a
-  traceback (`megatron/initialize.launch_env`, the one reader).
+  traceback (`megatron/initialize.launch_env`, the one reader). All of them set but the other processes never
+  started: the rendezvous waits `distributed_timeout_minutes`, then one line (`rank 0 of WORLD_SIZE=2 could not
+  meet the other processes at host:port within distributed_timeout_minutes (10): ...`).
 - **A data path with spaces** is one argument of `--data-path` (`--data-path 0.5 "/my data/a" 0.5 /data/b`),
   or quoted inside a YAML value (`input_dir: "0.5 '/my data/a' 0.5 /data/b"`); a YAML value that is one
   existing path with spaces needs no quotes. `--data-cache-path`, `--save` and `--load` take any path.

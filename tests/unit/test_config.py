@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import sys
 import textwrap
@@ -343,23 +344,31 @@ def test_pretrain_gpt_reports_one_line(argv, needle):
      "LOCAL_RANK=2 is not a rank of this node"),
     ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
      "MASTER_PORT='http' is not a port number"),
-], ids=["world-only", "no-master", "rank-too-big", "not-int", "negative-rank", "local-rank", "port"])
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "free"},
+     "rank 0 of WORLD_SIZE=2 could not meet the other processes at 127.0.0.1:"),
+], ids=["world-only", "no-master", "rank-too-big", "not-int", "negative-rank", "local-rank", "port", "alone"])
 def test_launch_environment_set_by_hand_is_one_line_at_once(monkeypatch, tmp_path, env, needle):
     """torchrun's variables set by hand (without torchrun) or inconsistent: one line, exit 2, before any
     rendezvous (on main: a ValueError traceback from init_process_group, or a wait for ranks that never
-    come) and before the output folder is made."""
+    come ending in a DistStoreError traceback) and, when refused from the variables alone, before the output
+    folder is made. All set but one process started: the rendezvous waits its timeout, then one line."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
+        if value == "free":  # all set, one process started: it waits distributed_timeout_minutes (1.2 s) alone
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                value = str(sock.getsockname()[1])
         monkeypatch.setenv(name, value)
     out = tmp_path / "out"
     proc = run_here("--mock-data", "--device", "cpu", "--num-layers", "1", "--hidden-size", "32",
                     "--num-attention-heads", "2", "--max-seq-len", "16", "--vocab-size", "64", "--max-steps", "1",
                     "--distributed-timeout-minutes", "0.02", "--output-dir", str(out))
     assert proc.returncode == 2
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "torchrun" in lines[0], proc.stderr
-    assert not out.exists()
+    errors = [line for line in proc.stderr.splitlines() if "error" in line or "Traceback" in line]
+    assert len(errors) == 1 and needle in errors[0] and "torchrun" in errors[0], proc.stderr
+    if not needle.startswith("rank 0 of"):  # refused from the variables alone: not even the start-up lines
+        assert len(proc.stderr.splitlines()) == 1 and not out.exists(), proc.stderr
 
 
 def test_an_explicit_base_is_under_the_yaml_and_the_flags_and_left_unchanged(tmp_path):
