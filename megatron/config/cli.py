@@ -24,7 +24,7 @@ import yaml
 from megatron.config import help as config_help
 from megatron.config import megatron_flags
 from megatron.config.schema import Config
-from megatron.config.syntax import RepeatedKey, quote_word, read_yaml
+from megatron.config.syntax import RepeatedKey, read_yaml
 
 
 class ConfigError(ValueError):
@@ -441,8 +441,8 @@ def _layered(config: Config, given: dict) -> Config:
     for text in given.pop("override", []):
         set_value(config, *parse_override(text))
     for name, value in given.items():
-        if name in DATA_PATH_LEAVES and isinstance(value, list):  # each argument one word: a path with spaces quoted
-            value = " ".join(quote_word(word) for word in value)
+        if name in DATA_PATH_LEAVES and isinstance(value, list):  # 'w1 p1 w2 p2', one argument or several
+            value = " ".join(value)
         set_value(config, LEAVES[name], value)
     return config
 

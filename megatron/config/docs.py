@@ -37,9 +37,11 @@ What is refused, each in one line before anything starts (`pretrain_gpt.py: erro
   traceback (`megatron/initialize.launch_env`, the one reader). All of them set but the other processes never
   started: the rendezvous waits `distributed_timeout_minutes`, then one line (`rank 0 of WORLD_SIZE=2 could not
   meet the other processes at host:port within distributed_timeout_minutes (10): ...`).
-- **A data path with spaces** is one argument of `--data-path` (`--data-path 0.5 "/my data/a" 0.5 /data/b`),
-  or quoted inside a YAML value (`input_dir: "0.5 '/my data/a' 0.5 /data/b"`); a YAML value that is one
-  existing path with spaces needs no quotes. `--data-cache-path`, `--save` and `--load` take any path.
+- **A data path with spaces** works: one argument of `--data-path` (`--data-path 0.5 "/my data/a" 0.5 /data/b`:
+  in the weighted form the words between two weights are one prefix), unquoted in YAML (without weights, the runs
+  of words that name existing data are joined), or quoted (`input_dir: "0.5 '/my data/a' 0.5 /data/b"`). A blend
+  given as one argument (`--data-path "0.5 a 0.5 b"`) is still a blend. `--data-cache-path`, `--save` and
+  `--load` take any path.
 """
 
 

@@ -16,7 +16,7 @@ from typing import IO, Any
 import numpy as np
 import yaml
 
-__all__ = ["RepeatedKey", "input_dir_words", "parse_split", "quote_word", "read_yaml", "split_words"]
+__all__ = ["RepeatedKey", "input_dir_words", "parse_split", "read_yaml", "split_words"]
 
 
 class RepeatedKey(yaml.YAMLError):
@@ -91,23 +91,38 @@ def split_words(text: str) -> list[str]:
         return text.split()
 
 
-def quote_word(word: str) -> str:
-    """``word`` as ``split_words`` reads it back as one word (quoted only when it needs to be)."""
-    return shlex.quote(word) if any(c.isspace() or c in "\"'\\" for c in word) else word
+def _weighted(words: list[str]) -> tuple[list[str], list[str]] | None:
+    """(weights, prefixes) of ``w1 prefix1 w2 prefix2 ...`` where a prefix is the words up to the next number (a
+    path with spaces, given as one argument of --data-path, arrives as several words), the first word after a
+    weight always a prefix's (a prefix may be named 2024); None when a weight has no prefix."""
+    weights, prefixes, i = [], [], 0
+    while i < len(words):
+        if i + 1 >= len(words) or not _is_number(words[i]):
+            return None
+        weights.append(words[i])
+        j = i + 2
+        while j < len(words) and not _is_number(words[j]):
+            j += 1
+        prefixes.append(" ".join(words[i + 1:j]))
+        i = j
+    return weights, prefixes
 
 
 def input_dir_words(input_dir: str, name: str = "input_dir") -> tuple[list[str], list[float] | None]:
     """-> (words, weights): Megatron's ``w1 prefix1 w2 prefix2 ...`` gives its prefixes and weights (finite,
     non-negative, positive sum); anything else gives its words (prefixes or folders, not yet resolved) and
-    None (weighting by token count). A path with spaces is quoted (``split_words``). ``name`` is the setting's
-    name in the messages (input_dir, train_data_path, ...). Raises ValueError with a hint."""
+    None (weighting by token count). A path with spaces may be quoted (``split_words``); in the weighted form the
+    words between two weights are one prefix. ``name`` is the setting's name in the messages (input_dir,
+    train_data_path, ...). Raises ValueError with a hint."""
     words = split_words(input_dir)
     if not (len(words) > 1 and _is_number(words[0])):
         return words, None
-    if len(words) % 2 or not all(_is_number(w) for w in words[::2]):
+    found = _weighted(words)
+    if found is None:
         raise ValueError(f"{name} '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
-    weights, prefixes = [float(w) for w in words[::2]], list(words[1::2])
-    bad = [w for w in words[::2] if not math.isfinite(float(w))]
+    texts, prefixes = found
+    weights = [float(w) for w in texts]
+    bad = [w for w in texts if not math.isfinite(float(w))]
     if bad:
         raise ValueError(f"{name} '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
                          f"non-negative weights, e.g. '0.3 prefix1 0.7 prefix2'")

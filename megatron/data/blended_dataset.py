@@ -89,14 +89,31 @@ def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str],
         words, weights = syntax.input_dir_words(input_dir, name)
     except ValueError as err:
         raise DatasetError(str(err)) from None
+    if weights is None:
+        words = _group_paths(words)
     prefixes = words if weights is not None else [prefix for word in words for prefix in _expand(word, name)]
     for prefix in prefixes:
         if not indexed_dataset.exists(prefix):
-            spaces = (" (a path with spaces is quoted: '0.5 \"/my data/a\" 0.5 /data/b', or one argument each on the "
-                      "command line)" if len(prefixes) > 1 else "")
+            if weights is not None and " " in prefix and prefix not in input_dir.replace("'", '"').split('"'):
+                raise DatasetError(f"{name} '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2' "
+                                   f"(no dataset at '{prefix}'; a path with spaces is one argument of the flag, or "
+                                   f"quoted: '0.5 \"/my data/a\" 0.5 /data/b')")
             raise DatasetError(f"no dataset at '{prefix}': expected {prefix}.bin and {prefix}.idx ({name} takes a "
-                               f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2'){spaces}")
+                               f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2')")
     return prefixes, weights
+
+
+def _group_paths(words: list[str]) -> list[str]:
+    """Unweighted words, with the runs of words that together name existing data (a path with spaces given
+    unquoted) joined: each word that is not data alone starts the longest run that is."""
+    grouped, i = [], 0
+    while i < len(words):
+        end = i + 1
+        if not _names_data(words[i]):
+            end = next((j for j in range(len(words), i + 1, -1) if _names_data(" ".join(words[i:j]))), i + 1)
+        grouped.append(" ".join(words[i:end]))
+        i = end
+    return grouped
 
 
 def _names_data(path: str) -> bool:

@@ -428,8 +428,9 @@ def test_the_data_fingerprint_follows_the_content_not_the_path(tmp_path):
 def test_paths_with_spaces_work_for_data_cache_save_and_load(tmp_path):
     """--data-path with a space in a weighted prefix (one argument each), --data-cache-path, --save and --load
     with spaces: the run trains, caches, saves and resumes. (Before, '0.5 /a b/ds 0.5 ...' was cut at the
-    space: 'weights and prefixes must alternate' or 'no dataset at /a'.) A YAML value holding one unquoted path
-    with spaces names that path; a quoted one in a weighted list is one word."""
+    space: 'weights and prefixes must alternate' or 'no dataset at /a'.) In the weighted form the words between
+    two weights are one prefix; unweighted, the runs of words that name existing data; quotes work too; a
+    blend given as one argument still is a blend."""
     from tests.functional.launch import TINY, run_here
 
     root = tmp_path / "my data"
@@ -450,5 +451,9 @@ def test_paths_with_spaces_work_for_data_cache_save_and_load(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert (out / "latest").read_text().strip().endswith("2") and "resuming at step 1" in again.stderr
     assert parse_input_dir(f"  {root / 'part one' / 'ds'}  ") == ([str(root / "part one" / "ds")], None)
-    quoted = f"0.3 '{root / 'part one' / 'ds'}' 0.7 \"{root / 'two'}\""
-    assert parse_input_dir(quoted) == ([str(root / "part one" / "ds"), str(root / "two")], [0.3, 0.7])
+    one, two = str(root / "part one" / "ds"), str(root / "two")
+    assert parse_input_dir(f"0.3 '{one}' 0.7 \"{two}\"") == ([one, two], [0.3, 0.7])  # quoted (YAML)
+    assert parse_input_dir(f"0.3 {one} 0.7 {two}") == ([one, two], [0.3, 0.7])  # a whole blend in one argument
+    assert parse_input_dir(f"{one} {two}") == ([one, two], None)  # unweighted: runs of words that name data
+    with pytest.raises(DatasetError, match=re.escape(f"input_dir '1 {two} x' must alternate weights and prefixes")):
+        parse_input_dir(f"1 {two} x")
