@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pretrain(config, model_provider, partial(datasets_provider, tokenizer=tokenizer), forward_step,
                  tuple(warnings))
-    except (DatasetError, CheckpointError, ConfigError) as err:  # data, checkpoint or launch that cannot serve: one line
+    except (DatasetError, CheckpointError, ConfigError) as err:  # data, checkpoint or launch that cannot serve the run
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops at the end of the step)

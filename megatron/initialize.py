@@ -61,8 +61,9 @@ def launch_env() -> tuple[int, int, int]:
     if world > 1 and not dist.is_initialized():
         missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
         if missing:
-            raise ConfigError(f"WORLD_SIZE={world} is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
-                              f" not: the processes could not find each other; {_LAUNCH_HINT}.")
+            verb = "is" if len(missing) == 1 else "are"
+            raise ConfigError(f"WORLD_SIZE={world} is set but {' and '.join(missing)} {verb} not: the processes could "
+                              f"not find each other; {_LAUNCH_HINT}.")
         port = env["MASTER_PORT"].strip()
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"environment variable MASTER_PORT={env['MASTER_PORT']!r} is not a port number "
@@ -130,10 +131,10 @@ def initialize_distributed(config: Config, timeout_minutes: float | None = None)
                                     timeout=datetime.timedelta(minutes=timeout_minutes))
         except dist.DistError as err:  # the others never came (variables set by hand), or the address is wrong
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            why = (str(err).splitlines() or [type(err).__name__])[0].rstrip(".")
             raise ConfigError(f"rank {rank} of WORLD_SIZE={world_size} could not meet the other processes at {where} "
-                              f"within distributed_timeout_minutes ({timeout_minutes:g}): "
-                              f"{(str(err).splitlines() or [type(err).__name__])[0].rstrip('.')}; start every rank (torchrun "
-                              f"--nproc-per-node N, on each node), or unset WORLD_SIZE for a one-process run."
+                              f"within distributed_timeout_minutes ({timeout_minutes:g}): {why}; start every rank "
+                              f"(torchrun --nproc-per-node N, on each node), or unset WORLD_SIZE for a one-process run."
                               ) from None
     d = config.distributed
     return parallel_state.initialize(tp=d.mp_degree, pp=d.pp_degree, dp=d.dp_degree,

@@ -81,8 +81,9 @@ def agree(indexed: list[IndexedDataset], what: str) -> None:
         for d, ((path0, print0), (path, fingerprint)) in enumerate(zip(first, datasets)):
             differs = _differences(print0, fingerprint)
             if differs:
-                raise DatasetError(  # the same words on every rank: the setting's name, not this rank's paths
-                    f"dataset {d} of {what.split(' ')[0]} differs between ranks: rank 0 (host {host0}) reads {path0}, rank {rank} "
+                setting = what.split(" ")[0]  # the same words on every rank: the setting, not this rank's paths
+                raise DatasetError(
+                    f"dataset {d} of {setting} differs between ranks: rank 0 (host {host0}) reads {path0}, rank {rank} "
                     f"(host {host}) reads {path}, and their {', '.join(differs)} differ; every node must hold the "
                     f"same files: copy them again (or give every rank the same path)")
 

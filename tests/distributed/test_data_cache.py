@@ -115,7 +115,8 @@ def _differing_copies(rank: int, world_size: int, root: str) -> dict:
     outcome = {}
     for case in ("same", "other_bytes"):
         try:
-            train, _, _ = _build(os.path.join(root, case, f"node{rank}", "ds"), os.path.join(root, case, f"cache{rank}"))
+            node = os.path.join(root, case, f"node{rank}")
+            train, _, _ = _build(os.path.join(node, "ds"), os.path.join(root, case, f"cache{rank}"))
             outcome[case] = len(train)
         except DatasetError as err:
             outcome[case] = str(err)

@@ -176,7 +176,8 @@ def test_a_foreign_or_stale_cache_entry_is_never_used(tmp_path, monkeypatch, for
     suffixes = {"whole entry": ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy", "_description.json"],
                 "one array": ["_shuffle_idx.npy"], "old format": []}[foreign]
     for suffix in suffixes:
-        shutil.copyfile(os.path.join(cache, f"{theirs_key}-train{suffix}"), os.path.join(cache, f"{mine_key}-train{suffix}"))
+        shutil.copyfile(os.path.join(cache, f"{theirs_key}-train{suffix}"),
+                        os.path.join(cache, f"{mine_key}-train{suffix}"))
     if foreign == "old format":
         path = os.path.join(cache, f"{mine_key}-train_description.json")
         description = json.loads(open(path).read())
