@@ -74,8 +74,8 @@ def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokeni
     that configuration, its vocabulary size given to validation; the data prefixes must exist; the predicted
     peak memory must fit (``megatron.memory.check``). Each failure is a one-line error (ConfigError,
     CheckpointError, TokenizerError)."""
+    world_size, _, _ = launch_env()  # torchrun's variables, checked before anything else
     config = resumed_config(argv, warnings)
-    world_size, _, _ = launch_env()
     tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)  # NullTokenizer's --vocab-size
     warnings += validate(config, world_size=world_size, cuda_available=dev.cuda_available(),
                          tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pretrain(config, model_provider, partial(datasets_provider, tokenizer=tokenizer), forward_step,
                  tuple(warnings))
-    except (DatasetError, CheckpointError) as err:  # data or checkpoint that cannot serve the run: one line
+    except (DatasetError, CheckpointError, ConfigError) as err:  # data, checkpoint or launch that cannot serve the run
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops at the end of the step)

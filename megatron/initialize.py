@@ -20,6 +20,7 @@ import time
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.config import ConfigError
 from megatron.config.schema import Config
 from megatron.parallel_state import ParallelState
 
@@ -27,9 +28,47 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_POLL_SECONDS = 1.0  # the fallback's check interval, where prctl is not available
 
 
+_LAUNCH_HINT = ("launch with torchrun (it sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each "
+                "process), or unset them for a one-process run")
+
+
 def launch_env() -> tuple[int, int, int]:
-    """(world size, rank, local rank) as set by torchrun; (1, 0, 0) for a plain ``python`` launch."""
-    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    """(world size, rank, local rank) as set by torchrun; (1, 0, 0) for a plain ``python`` launch.
+
+    The variables are checked here, the one reader, before any rendezvous: a value that is not an integer,
+    RANK or LOCAL_RANK out of range, WORLD_SIZE > 1 without RANK, LOCAL_RANK, MASTER_ADDR or MASTER_PORT (set
+    by hand, without torchrun) is a ConfigError at once, instead of ``init_process_group`` waiting for ranks
+    that never come and ending in a traceback."""
+    env = os.environ
+    given: dict[str, int] = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if name in env:
+            try:
+                given[name] = int(env[name].strip())
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer; {_LAUNCH_HINT}."
+                                  ) from None
+    world, rank, local = given.get("WORLD_SIZE", 1), given.get("RANK", 0), given.get("LOCAL_RANK", 0)
+    if world < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={world} must be at least 1; {_LAUNCH_HINT}.")
+    if not 0 <= rank < world:
+        raise ConfigError(f"environment variable RANK={rank} is not a rank of WORLD_SIZE={world} (0..{world - 1}); "
+                          f"{_LAUNCH_HINT}.")
+    local_world = given.get("LOCAL_WORLD_SIZE", world)
+    if not 0 <= local < min(world, local_world):
+        raise ConfigError(f"environment variable LOCAL_RANK={local} is not a rank of this node (0.."
+                          f"{min(world, local_world) - 1}); {_LAUNCH_HINT}.")
+    if world > 1 and not dist.is_initialized():
+        missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            verb = "is" if len(missing) == 1 else "are"
+            raise ConfigError(f"WORLD_SIZE={world} is set but {' and '.join(missing)} {verb} not: the processes could "
+                              f"not find each other; {_LAUNCH_HINT}.")
+        port = env["MASTER_PORT"].strip()
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"environment variable MASTER_PORT={env['MASTER_PORT']!r} is not a port number "
+                              f"(1..65535); {_LAUNCH_HINT}.")
+    return world, rank, local
 
 
 def launched_by_torchrun() -> bool:
@@ -87,8 +126,16 @@ def initialize_distributed(config: Config, timeout_minutes: float | None = None)
     world_size, rank, _ = launch_env()
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if config.device == "gpu" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
+        except dist.DistError as err:  # the others never came (variables set by hand), or the address is wrong
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            why = (str(err).splitlines() or [type(err).__name__])[0].rstrip(".")
+            raise ConfigError(f"rank {rank} of WORLD_SIZE={world_size} could not meet the other processes at {where} "
+                              f"within distributed_timeout_minutes ({timeout_minutes:g}): {why}; start every rank "
+                              f"(torchrun --nproc-per-node N, on each node), or unset WORLD_SIZE for a one-process run."
+                              ) from None
     d = config.distributed
     return parallel_state.initialize(tp=d.mp_degree, pp=d.pp_degree, dp=d.dp_degree,
                                      sharding=d.sharding.sharding_degree, timeout_minutes=timeout_minutes)

@@ -95,10 +95,16 @@ def samples_for(task: str, texts: list[str], tokenizer, seq_len: int, stride: in
             for mode in ("strict", "non_strict")}
 
 
-def evaluate(args: argparse.Namespace, config, tokenizer) -> dict:
+def read_input(args: argparse.Namespace) -> list[str]:
+    """The texts of ``--input``; ValueError when it holds no words (empty, blank lines: a perplexity of
+    whitespace tokens, per a word count of 0, would be a number that means nothing)."""
     texts = read_texts(args.input, args.json_key)
-    if not texts:
-        raise ValueError(f"{args.input} holds no text.")
+    if not any(text.split() for text in texts):
+        raise ValueError(f"{args.input} holds no words (it is empty, or only blank lines): nothing to evaluate.")
+    return texts
+
+
+def evaluate(args: argparse.Namespace, config, tokenizer, texts: list[str]) -> dict:
     samples = samples_for(args.task, texts, tokenizer, config.dataset.max_seq_len, args.overlapping_eval)
     ps = initialize_distributed(config)
     device = dev.get_device(config.device, launch_env()[2])
@@ -138,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))
     try:
+        texts = read_input(args)  # a bad input is said before the checkpoint is read
         config, tokenizer = configure(rest)
-        result = evaluate(args, config, tokenizer)
+        result = evaluate(args, config, tokenizer, texts)
         if rank == 0:
             text = json.dumps(result)
             if args.output:

@@ -17,6 +17,31 @@ it in step. Every key is a YAML leaf (at the path shown) and a flag. Precedence:
 default < `-c` YAML < `-o Section.key=value` < flags. A default of `None` is derived during
 validation unless set. Where Megatron-LM's default differs it is shown too: it applies to a command line
 that gives `--train-iters` or `--train-samples` (a Megatron-LM script; see docs/megatron.md).
+
+What is refused, each in one line before anything starts (`pretrain_gpt.py: error: ...`, exit 2):
+
+- **A key or a section given twice** in one mapping of a YAML file (`-c`, a checkpoint's `config.yaml`):
+  `cfg.yaml line 4: key 'hidden_size' is repeated (first at line 2); ...`. YAML's usual last-wins would
+  drop the first silently. Merge keys (`<<: *anchor`) keep their meaning.
+- **A number out of its range**, however it is spelled: `--lr -1`, `--lr=-1e-3`, `--clip-grad -inf`,
+  `--seed -5`, `nan`, `inf` (on the command line, in YAML as `-1`, `.nan`, `-.inf`, or in `-o`) all reach
+  validation, which names the key and its range (`max_lr and min_lr must be >= 0, got -0.001 ...`,
+  `Optimizer.grad_clip must be a finite number, got '-inf'.`). No numeric key takes a negative value or a
+  non-finite one; keys unused by the run (`rotary_base` without rope, `wsd_decay_steps` without WSD) are
+  checked too.
+- **torchrun's environment set by hand or inconsistent**: `WORLD_SIZE`, `RANK`, `LOCAL_RANK`,
+  `LOCAL_WORLD_SIZE` that are not integers, `RANK` or `LOCAL_RANK` out of range, `WORLD_SIZE > 1` without
+  `RANK`, `LOCAL_RANK`, `MASTER_ADDR` or `MASTER_PORT`, a `MASTER_PORT` that is not a port: e.g.
+  `WORLD_SIZE=2 is set but RANK and LOCAL_RANK and MASTER_ADDR and MASTER_PORT are not: the processes could
+  not find each other; launch with torchrun ...`, at once, instead of a rendezvous that waits and ends in a
+  traceback (`megatron/initialize.launch_env`, the one reader). All of them set but the other processes never
+  started: the rendezvous waits `distributed_timeout_minutes`, then one line (`rank 0 of WORLD_SIZE=2 could not
+  meet the other processes at host:port within distributed_timeout_minutes (10): ...`).
+- **A data path with spaces** works: one argument of `--data-path` (`--data-path 0.5 "/my data/a" 0.5 /data/b`:
+  in the weighted form the words between two weights are one prefix), unquoted in YAML (without weights, the runs
+  of words that name existing data are joined), or quoted (`input_dir: "0.5 '/my data/a' 0.5 /data/b"`). A blend
+  given as one argument (`--data-path "0.5 a 0.5 b"`) is still a blend. `--data-cache-path`, `--save` and
+  `--load` take any path.
 """
 
 

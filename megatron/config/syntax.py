@@ -1,4 +1,5 @@
-"""The syntax of the two config values that are small languages: ``split`` and ``input_dir``.
+"""The syntax of the two config values that are small languages (``split`` and ``input_dir``), and of a
+user's YAML (a key given twice in one mapping is an error, never last-wins).
 
 The configuration layer owns what its values mean as text, so validation checks them without
 importing the data layer; ``megatron.data`` applies them (and reports the same messages as
@@ -9,23 +10,61 @@ layer's question (``megatron.data.blended_dataset.parse_input_dir``).
 from __future__ import annotations
 
 import math
+import shlex
+from typing import IO, Any
 
 import numpy as np
+import yaml
 
-__all__ = ["input_dir_words", "parse_split"]
+__all__ = ["RepeatedKey", "input_dir_words", "parse_split", "read_yaml", "split_words"]
+
+
+class RepeatedKey(yaml.YAMLError):
+    """A mapping of a YAML document gives one key twice (lines are 1-based)."""
+
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"key '{key}' repeated at line {line} (first at line {first_line})")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key repeated in one mapping (a value or a whole section) raises
+    ``RepeatedKey`` instead of the last one silently winning. Merge keys (``<<: *anchor``) keep their meaning:
+    a key of the mapping itself overrides the merged one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the safe loader's own error says so
+                continue
+            if first is not None:
+                raise RepeatedKey(key, key_node.start_mark.line + 1, first)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(stream: str | IO) -> Any:
+    """``yaml.safe_load`` that refuses a key repeated in one mapping (``RepeatedKey``, a ``yaml.YAMLError``):
+    the reader of every YAML a user writes (``-c`` files, ``-o`` values, a run's config.yaml)."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def parse_split(split: str) -> list[float]:
     """'949,50,1' (or '949/50/1') -> three fractions summing to 1 (normalized in float64, as Megatron Core).
 
-    Up to three non-negative numbers with a positive sum; missing ones are 0. Raises ValueError."""
+    Up to three finite non-negative numbers with a positive sum; missing ones are 0. Raises ValueError."""
     parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
     try:
         weights = [float(p) for p in parts]
     except ValueError:
         raise ValueError(f"split '{split}' must be up to three numbers like '949,50,1'") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split '{split}' must be up to three non-negative numbers with a positive sum")
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split '{split}' must be up to three finite non-negative numbers with a positive sum")
     weights += [0.0] * (3 - len(weights))
     w = np.asarray(weights, dtype=np.float64)
     return (w / np.sum(w)).tolist()
@@ -40,18 +79,50 @@ def _is_number(word: str) -> bool:
     return True
 
 
+def split_words(text: str) -> list[str]:
+    """The words of a data-path value: split at whitespace, except inside quotes ("/my data/ds" or '/my data/ds')
+    or after a backslash (/my\\ data/ds), as a shell would. A value without quotes or backslashes is split at
+    whitespace only (a path holding a lone quote stays as it is)."""
+    if not any(c in text for c in "\"'\\"):
+        return text.split()
+    try:
+        return shlex.split(text)
+    except ValueError:  # an unbalanced quote: a path that holds one
+        return text.split()
+
+
+def _weighted(words: list[str]) -> tuple[list[str], list[str]] | None:
+    """(weights, prefixes) of ``w1 prefix1 w2 prefix2 ...`` where a prefix is the words up to the next number (a
+    path with spaces, given as one argument of --data-path, arrives as several words), the first word after a
+    weight always a prefix's (a prefix may be named 2024); None when a weight has no prefix."""
+    weights, prefixes, i = [], [], 0
+    while i < len(words):
+        if i + 1 >= len(words) or not _is_number(words[i]):
+            return None
+        weights.append(words[i])
+        j = i + 2
+        while j < len(words) and not _is_number(words[j]):
+            j += 1
+        prefixes.append(" ".join(words[i + 1:j]))
+        i = j
+    return weights, prefixes
+
+
 def input_dir_words(input_dir: str, name: str = "input_dir") -> tuple[list[str], list[float] | None]:
     """-> (words, weights): Megatron's ``w1 prefix1 w2 prefix2 ...`` gives its prefixes and weights (finite,
     non-negative, positive sum); anything else gives its words (prefixes or folders, not yet resolved) and
-    None (weighting by token count). ``name`` is the setting's name in the messages (input_dir,
+    None (weighting by token count). A path with spaces may be quoted (``split_words``); in the weighted form the
+    words between two weights are one prefix. ``name`` is the setting's name in the messages (input_dir,
     train_data_path, ...). Raises ValueError with a hint."""
-    words = input_dir.split()
+    words = split_words(input_dir)
     if not (len(words) > 1 and _is_number(words[0])):
         return words, None
-    if len(words) % 2 or not all(_is_number(w) for w in words[::2]):
+    found = _weighted(words)
+    if found is None:
         raise ValueError(f"{name} '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2'")
-    weights, prefixes = [float(w) for w in words[::2]], list(words[1::2])
-    bad = [w for w in words[::2] if not math.isfinite(float(w))]
+    texts, prefixes = found
+    weights = [float(w) for w in texts]
+    bad = [w for w in texts if not math.isfinite(float(w))]
     if bad:
         raise ValueError(f"{name} '{input_dir}': weight '{bad[0]}' is not a finite number; give finite "
                          f"non-negative weights, e.g. '0.3 prefix1 0.7 prefix2'")

@@ -46,6 +46,8 @@ def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data:
     infer_tokenizer_type(t)
     _check_data_sources(config, training_data)
     _check_syntax(parse_split, d.split)
+    if t.tiktoken_num_special_tokens < 0:
+        _fail(f"tiktoken_num_special_tokens must be >= 0, got {t.tiktoken_num_special_tokens}.")
     if d.num_workers < 0:
         _fail(f"num_workers must be >= 0, got {d.num_workers}.")
     for name in ("input_dir", "train_data_path", "valid_data_path", "test_data_path"):
@@ -104,6 +106,8 @@ def _check_model(config: Config) -> None:
         _fail(f"Model.ffn_hidden_size must be at least 1, got {m.ffn_hidden_size}; leave it unset for 4 x hidden_size.")
     if config.dataset.max_seq_len < 1:
         _fail(f"dataset.max_seq_len must be at least 1, got {config.dataset.max_seq_len}.")
+    if m.type_vocab_size < 0:
+        _fail(f"Model.type_vocab_size must be >= 0 (GPT does not use it), got {m.type_vocab_size}.")
     if m.initializer_range <= 0:
         _fail(f"Model.initializer_range (the init std) must be positive, got {m.initializer_range}.")
     if m.layernorm_epsilon <= 0:
@@ -134,6 +138,9 @@ def _check_model_variants(config: Config) -> None:
         if groups % tp:
             _fail(f"Model.num_query_groups ({groups}) must be divisible by the tensor-parallel size mp_degree "
                   f"({tp}): each tensor-parallel rank holds whole key/value groups.")
+    if m.rotary_base < 1 or not 0.0 < m.rotary_percent <= 1.0:  # refused even when rope is off: never meant
+        _fail(f"rotary_base must be at least 1 and rotary_percent in (0, 1], got {m.rotary_base} and "
+              f"{m.rotary_percent}.")
     if m.kv_channels is not None and m.kv_channels < 1:
         _fail(f"Model.kv_channels must be at least 1, got {m.kv_channels}; leave it unset for hidden_size / "
               f"num_attention_heads.")

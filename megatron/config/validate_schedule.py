@@ -54,6 +54,9 @@ def _check_lr_lengths(config: Config) -> None:
     if warmup >= decay:
         _fail(f"the warm-up ({warmup:g} {unit}) must end before the decay does (decay_{unit} {decay}), as in "
               f"Megatron-LM; shorten the warm-up or lengthen the decay.")
+    for name in ("wsd_decay_steps", "wsd_decay_samples"):  # refused even when unused: a negative length is no length
+        if getattr(lr, name) is not None and getattr(lr, name) < 1:
+            _fail(f"{name} must be at least 1, got {getattr(lr, name)}.")
     if lr.decay_style == "WSD" and (wsd is None or wsd < 1):
         _fail(f"decay_style WSD needs the length of its final decay: wsd_decay_{unit} (--lr-wsd-decay-{flag}) of "
               f"at least 1, got {wsd}.")

@@ -34,12 +34,12 @@ import os
 import numpy as np
 
 from megatron.config import syntax
-from megatron.data import index_cache, indexed_dataset, summary
+from megatron.data import fingerprint, index_cache, indexed_dataset, summary
 from megatron.data.gpt_dataset import GPTDataset, parse_split, split_ranges
 from megatron.data.helpers import build_blending_indices
 from megatron.data.index_cache import cache_folder, run_agreed
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset
-from megatron.data.token_check import token_range
+from megatron.data.token_check import scanned
 
 SPLIT_NAMES = ("train", "valid", "test")
 PER_SPLIT_NAMES = ("train_data_path", "valid_data_path", "test_data_path")
@@ -82,16 +82,46 @@ def parse_input_dir(input_dir: str, name: str = "input_dir") -> tuple[list[str],
     (``megatron.config.syntax.input_dir_words``); folders are expanded here and every prefix must have its
     .bin and .idx. ``name`` is the setting in the messages (input_dir, train_data_path, ...). Raises
     DatasetError with a hint."""
+    whole = input_dir.strip()
+    if _names_data(whole):  # one existing path, taken whole: with spaces, quotes or backslashes (a YAML value)
+        return _expand(whole, name), None
     try:
         words, weights = syntax.input_dir_words(input_dir, name)
     except ValueError as err:
         raise DatasetError(str(err)) from None
+    if weights is None:
+        words = _group_paths(words)
     prefixes = words if weights is not None else [prefix for word in words for prefix in _expand(word, name)]
     for prefix in prefixes:
         if not indexed_dataset.exists(prefix):
+            if weights is not None and " " in prefix and prefix not in input_dir.replace("'", '"').split('"'):
+                raise DatasetError(f"{name} '{input_dir}' must alternate weights and prefixes: 'w1 prefix1 w2 prefix2' "
+                                   f"(no dataset at '{prefix}'; a path with spaces is one argument of the flag, or "
+                                   f"quoted: '0.5 \"/my data/a\" 0.5 /data/b')")
             raise DatasetError(f"no dataset at '{prefix}': expected {prefix}.bin and {prefix}.idx ({name} takes a "
                                f"prefix, a folder of prefixes, or 'w1 prefix1 w2 prefix2')")
     return prefixes, weights
+
+
+def _group_paths(words: list[str]) -> list[str]:
+    """Unweighted words, with the runs of words that together name existing data (a path with spaces given
+    unquoted) joined: each word that is not data alone starts the longest run that is."""
+    grouped, i = [], 0
+    while i < len(words):
+        end = i + 1
+        if not _names_data(words[i]):
+            end = next((j for j in range(len(words), i + 1, -1) if _names_data(" ".join(words[i:j]))), i + 1)
+        grouped.append(" ".join(words[i:end]))
+        i = end
+    return grouped
+
+
+def _names_data(path: str) -> bool:
+    """Whether ``path`` (with its spaces) is a dataset prefix, its .bin or .idx, or a folder."""
+    if not path:
+        return False
+    return os.path.isdir(path) or indexed_dataset.exists(path) or (
+        path.endswith((".bin", ".idx")) and indexed_dataset.exists(path[:-4]))
 
 
 def _expand(word: str, name: str) -> list[str]:
@@ -189,9 +219,10 @@ def _build(prefixes: list[str], weights: list[float] | None, single: bool, what:
         return indexed
 
     indexed = run_agreed(open_and_check, f"opening the datasets of {what}")
-    if vocab_size is not None:
-        for ds in indexed:
-            token_range(ds, cache_folder(ds.prefix, cache_dir), vocab_size, log)
+    for ds in indexed:  # with vocab_size (a run's): the token ids checked and the .bin hashed, in one cached scan
+        entry = scanned(ds, cache_folder(ds.prefix, cache_dir), vocab_size, log) if vocab_size is not None else {}
+        fingerprint.record(ds, entry)
+    fingerprint.agree(indexed, what)  # a node whose copy differs stops every rank
     if train_epochs is not None and num_samples[0] > 0:
         per_epoch = samples_per_epoch(indexed, weights, split, seq_length)
         num_samples = (train_samples(num_samples[0], train_epochs, per_epoch, global_batch_size, seq_length),

@@ -184,7 +184,7 @@ def load_or_build_indices(spec: IndexSpec, sizes: np.ndarray, cache_dir: str,
                    f"{epochs}), cached in {files}{where}")
 
     arrays = index_cache.load_or_build(f"the {spec.split} indices in {cache_dir}",
-                                       lambda: index_cache.load_arrays(base, ARRAYS), build)
+                                       lambda: index_cache.load_arrays(base, ARRAYS, asdict(spec)), build)
     if report is not None and not built and summary.is_rank0():
         epochs = summary.many(len(arrays["doc_idx"]) // max(spec.last_sequence - spec.first_sequence, 1), "epoch")
         report(f"{summary.PREFIX} sample index of split {spec.split}{of} loaded from the cache {files} "

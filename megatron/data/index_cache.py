@@ -20,12 +20,20 @@ rank 0. Files are written under unique temporary names and renamed into place, t
 last, so concurrent builders on a shared disk are harmless and a killed build leaves no entry that
 looks complete. An entry that cannot be read back (a truncated or corrupt ``.npy``, a shape or dtype
 that disagrees with its description) is rebuilt with a warning.
+
+**Foreign or stale entries.** The file name is only a hash: the entry itself says what it is. Its
+description holds the whole key (every field of what it was built from) and, per array, a digest of its
+``.npy`` file (size, first and last MiB: ``file_digest``); on load the key stored inside is compared with
+the key asked for, and each array's digest with its file. An entry built for another dataset or
+configuration, a file copied in from another entry or cache folder, a stale or half-replaced one: rebuilt,
+with a warning that says which field or file differs. Never used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -40,7 +48,9 @@ from megatron.data.indexed_dataset import DatasetError
 
 T = TypeVar("T")
 
-CACHE_FORMAT = 2  # 1: keyed by path and mtime, split by document; 2: keyed by content, split by sequence
+CACHE_FORMAT = 3  # 1: keyed by path and mtime, split by document; 2: keyed by content, split by sequence;
+# 3: the key and each array's digest stored in the entry, checked on load; the token-range entry holds the .bin's hash
+DIGEST_SPAN = 1 << 20  # file_digest reads this much at each end of a file
 DEFAULT_FOLDER = "index-cache"
 
 
@@ -160,30 +170,61 @@ def write_atomic(path: str, data: bytes | np.ndarray) -> None:
             os.remove(tmp)
 
 
+def file_digest(path: str, span: int = DIGEST_SPAN) -> str:
+    """BLAKE2b of a file's size and of its first and last ``span`` bytes (all of a small file): cheap at any
+    size, and different for a file copied in from another entry (whose bytes differ at the ends)."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(str(size).encode())
+        digest.update(f.read(span))
+        if size > span:
+            f.seek(max(span, size - span))
+            digest.update(f.read(span))
+    return digest.hexdigest()
+
+
 def save_arrays(base: str, arrays: dict[str, np.ndarray], description: dict) -> None:
-    """``{base}_{name}.npy`` per array, then ``{base}_description.json`` (with each array's shape and
-    dtype) which marks the set complete."""
+    """``{base}_{name}.npy`` per array, then ``{base}_description.json`` (the key ``description``, each array's
+    shape, dtype and file digest) which marks the set complete."""
     folder = os.path.dirname(base)
     with writable(folder):
         os.makedirs(folder, exist_ok=True)
         for name, arr in arrays.items():
             write_atomic(f"{base}_{name}.npy", arr)
-        shapes = {name: {"shape": list(arr.shape), "dtype": arr.dtype.str} for name, arr in arrays.items()}
-        text = json.dumps({**description, "arrays": shapes}, indent=2, sort_keys=True)
+        shapes = {name: {"shape": list(arr.shape), "dtype": arr.dtype.str, "digest": file_digest(f"{base}_{name}.npy")}
+                  for name, arr in arrays.items()}
+        text = json.dumps({"key": description, "arrays": shapes}, indent=2, sort_keys=True)
         write_atomic(f"{base}_description.json", text.encode())
 
 
-def load_arrays(base: str, names: tuple[str, ...]) -> tuple[dict[str, np.ndarray] | None, str | None]:
-    """Memory-mapped arrays saved by ``save_arrays``: ``(arrays, None)``, ``(None, None)`` if the set is
-    absent, or ``(None, why)`` if a file is unreadable or disagrees with the description."""
+def _key_difference(stored: object, key: dict) -> str | None:
+    """Why the key stored in an entry is not ``key`` (None when it is)."""
+    if not isinstance(stored, dict):
+        return "holds no key (written by another version)"
+    for name in sorted(set(key) | set(stored)):
+        if stored.get(name) != key.get(name):
+            return (f"was built for another dataset or configuration ({name} {stored.get(name)!r}, here "
+                    f"{key.get(name)!r})")
+    return None
+
+
+def load_arrays(base: str, names: tuple[str, ...], key: dict) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """Memory-mapped arrays saved by ``save_arrays`` under ``key``: ``(arrays, None)``, ``(None, None)`` if the
+    set is absent, or ``(None, why)`` if a file is unreadable, disagrees with the description, or the key stored
+    in the entry is not ``key`` (a foreign or stale entry)."""
     desc_path = f"{base}_description.json"
     if not os.path.exists(desc_path):
         return None, None
     try:
         with open(desc_path) as f:
-            expected = json.load(f)["arrays"]
+            description = json.load(f)
+        expected = description["arrays"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         return None, f"{desc_path} is unreadable ({type(err).__name__})"
+    differs = _key_difference(description.get("key"), key)
+    if differs:
+        return None, f"{desc_path} {differs}"
     arrays = {}
     for name in names:
         path = f"{base}_{name}.npy"
@@ -195,6 +236,8 @@ def load_arrays(base: str, names: tuple[str, ...]) -> tuple[dict[str, np.ndarray
         if list(arr.shape) != want.get("shape") or arr.dtype.str != want.get("dtype"):
             return None, (f"{path} holds {arr.dtype.str}{list(arr.shape)} but its description says "
                           f"{want.get('dtype')}{want.get('shape')}")
+        if file_digest(path) != want.get("digest"):
+            return None, f"{path} is not the file its description was written with (copied in, or replaced)"
         arrays[name] = arr
     return arrays, None
 

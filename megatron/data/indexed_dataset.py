@@ -58,6 +58,15 @@ def exists(prefix: str) -> bool:
     return os.path.isfile(data_file(prefix)) and os.path.isfile(index_file(prefix))
 
 
+def file_identity(prefix: str) -> dict:
+    """The ``.bin`` and ``.idx``'s [size, mtime in ns, inode]: what any rewrite or replacement changes."""
+    out = {}
+    for kind, path in (("bin", data_file(prefix)), ("idx", index_file(prefix))):
+        st = os.stat(path)
+        out[kind] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return out
+
+
 def best_dtype(vocab_size: int) -> type:
     """uint16 when every token id fits, else int32 (Megatron-LM's rule)."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
@@ -123,10 +132,22 @@ class IndexedDataset:
                 raise IndexedDatasetError(f"{path}: byte offsets do not match the sequence lengths.")
 
     def __getstate__(self) -> dict:
-        return {"prefix": self.prefix}
+        state = {"prefix": self.prefix}
+        for name in ("identity", "fingerprint"):  # set by megatron.data.fingerprint when the run opened the files
+            if hasattr(self, name):
+                state[name] = getattr(self, name)
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        """Re-open in another process (a data-loader worker): files changed since the run opened them (another
+        size, mtime or inode) are a DatasetError, never read as the same data."""
         self.__init__(state["prefix"], check_offsets=False)
+        if "identity" in state:
+            if file_identity(self.prefix) != state["identity"]:
+                raise DatasetError(f"{data_file(self.prefix)} (or its .idx) changed since the run opened it: a dataset "
+                                   f"must not be rewritten under a running job; restore it, or start a new run on the "
+                                   f"new data")
+            self.identity, self.fingerprint = state["identity"], state.get("fingerprint")
 
     @property
     def bin(self) -> np.ndarray:

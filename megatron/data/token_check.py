@@ -10,7 +10,9 @@ keyed by the dataset's content key *and* the ``.bin``'s modification time: the c
 apart by its mtime (a copy elsewhere is rescanned too). The scan follows ``index_cache.load_or_build``
 (global rank 0, then each node's local rank 0, then every rank reads it), and the verdict is agreed,
 so a bad dataset stops every rank with one ``DatasetError``. Given a ``report`` (a logging function), the
-rank that scans says so before and after (a scan of 10^10 tokens takes about 10 s).
+rank that scans says so before and after (a scan of 10^10 tokens takes about 10 s from disk). The same pass
+computes the ``.bin``'s CRC-32, kept in the entry (``bin_crc32``: the data's fingerprint, ``megatron.data.fingerprint``;
+about 1.5 s more per 10^9 two-byte tokens on one core).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from collections.abc import Callable
+
+import numpy as np
 
 from megatron.data import index_cache, summary
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset, data_file
@@ -27,14 +32,32 @@ from megatron.data.indexed_dataset import DatasetError, IndexedDataset, data_fil
 SCAN_CHUNK_BYTES = 256 << 20
 
 
-def scan_token_range(indexed: IndexedDataset, chunk_bytes: int = SCAN_CHUNK_BYTES) -> tuple[int | None, int]:
-    """(smallest id or None for an unsigned token type, largest id; -1 for no tokens), chunk by chunk."""
+class Crc32:
+    """CRC-32 of a stream of bytes (zlib's): the .bin's checksum, five times as fast as BLAKE2b here and enough to
+    tell a copy or a rewrite apart (no one is assumed to forge one)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def scan_token_range(indexed: IndexedDataset, chunk_bytes: int = SCAN_CHUNK_BYTES,
+                     digest: Crc32 | None = None) -> tuple[int | None, int]:
+    """(smallest id or None for an unsigned token type, largest id; -1 for no tokens), chunk by chunk; each
+    chunk's bytes also go into ``digest`` when one is given (the ``.bin``'s hash, in the same pass)."""
     tokens = indexed.bin
     step = max(chunk_bytes // tokens.dtype.itemsize, 1)
     signed = tokens.dtype.kind != "u"
     low, high = None, -1
     for start in range(0, len(tokens), step):
         chunk = tokens[start:start + step]
+        if digest is not None:
+            digest.update(memoryview(np.ascontiguousarray(chunk)).cast("B"))
         high = max(high, int(chunk.max()))
         if signed:
             low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
@@ -55,6 +78,14 @@ def token_range(indexed: IndexedDataset, folder: str, vocab_size: int | None = N
     """The cached (smallest, largest) token id of ``indexed`` (scanned on the builder ranks if not cached in
     ``folder``). With ``vocab_size``, raise ``DatasetError`` on every rank if an id is outside
     ``[0, vocab_size)``. With ``report``, the scanning rank says when it starts and ends."""
+    entry = scanned(indexed, folder, vocab_size, report)
+    return entry["min_token_id"], entry["max_token_id"]
+
+
+def scanned(indexed: IndexedDataset, folder: str, vocab_size: int | None = None,
+            report: Callable[[str], None] | None = None) -> dict:
+    """``token_range``'s cache entry: the content key, the .bin's mtime, ``min_token_id``, ``max_token_id`` and
+    ``bin_crc32`` (the checksum of every byte of the .bin, computed by the same scan: ``megatron.data.fingerprint``)."""
     path, content = _entry_path(indexed, folder)
 
     def build() -> None:
@@ -64,12 +95,14 @@ def token_range(indexed: IndexedDataset, folder: str, vocab_size: int | None = N
             report(f"{summary.PREFIX} scanning the token ids of {bin_path} ({summary.tokens(indexed.num_tokens)} "
                    f"tokens){where}...")
             start = time.perf_counter()
-        low, high = scan_token_range(indexed)
+        digest = Crc32()
+        low, high = scan_token_range(indexed, SCAN_CHUNK_BYTES, digest)
         if report is not None:
             ids = f"largest token id {high}" if low is None else f"token ids {low}..{high}"
             report(f"{summary.PREFIX} scanned {bin_path} in {summary.seconds(time.perf_counter() - start)}: {ids}, "
                    f"cached in {path}{where}")
-        text = json.dumps({**content, "min_token_id": low, "max_token_id": high}, indent=2, sort_keys=True)
+        entry = {**content, "min_token_id": low, "max_token_id": high, "bin_crc32": digest.hexdigest()}
+        text = json.dumps(entry, indent=2, sort_keys=True)
         with index_cache.writable(folder):
             os.makedirs(folder, exist_ok=True)
             index_cache.write_atomic(path, text.encode())
@@ -78,9 +111,8 @@ def token_range(indexed: IndexedDataset, folder: str, vocab_size: int | None = N
         if vocab_size is not None:
             check_range(data_file(indexed.prefix), entry["min_token_id"], entry["max_token_id"], vocab_size)
 
-    entry = index_cache.load_or_build(f"the token-id scan of {data_file(indexed.prefix)}",
-                                      lambda: index_cache.load_json(path, content), build, verify)
-    return entry["min_token_id"], entry["max_token_id"]
+    return index_cache.load_or_build(f"the token-id scan of {data_file(indexed.prefix)}",
+                                     lambda: index_cache.load_json(path, content), build, verify)
 
 
 def check_range(bin_path: str, low: int | None, high: int, vocab_size: int) -> None:

@@ -108,3 +108,39 @@ def test_a_failure_on_one_node_stops_every_rank(tmp_path):
     assert first["unwritable"] == second["unwritable"]  # every rank says the failing rank's line
     assert first["vocab"] == second["vocab"]
     assert "holds token id 499 but the model's vocabulary has 100 ids" in first["vocab"]
+
+
+def _differing_copies(rank: int, world_size: int, root: str) -> dict:
+    os.environ["LOCAL_RANK"] = "0"  # two nodes, each with its own copy of the data and its own cache
+    outcome = {}
+    for case in ("same", "other_bytes"):
+        try:
+            node = os.path.join(root, case, f"node{rank}")
+            train, _, _ = _build(os.path.join(node, "ds"), os.path.join(root, case, f"cache{rank}"))
+            outcome[case] = len(train)
+        except DatasetError as err:
+            outcome[case] = str(err)
+    dist.barrier()  # every rank is still in step
+    return outcome
+
+
+def test_a_node_local_copy_that_differs_stops_every_rank(tmp_path):
+    """Two nodes, each with its own copy: identical copies train; a copy whose .bin holds other tokens (same
+    .idx, same size: the content key alone cannot tell) is one line on every rank naming both hosts and paths.
+    (Before, each node silently trained on its own data.)"""
+    for case in ("same", "other_bytes"):
+        for node in ("node0", "node1"):
+            (tmp_path / case / node).mkdir(parents=True)
+        _make(str(tmp_path / case / "node0" / "ds"))
+        for suffix in (".bin", ".idx"):
+            shutil.copy2(tmp_path / case / "node0" / f"ds{suffix}", tmp_path / case / "node1" / f"ds{suffix}")
+    tokens = np.fromfile(tmp_path / "other_bytes" / "node1" / "ds.bin", np.uint16)
+    tokens[len(tokens) // 3] = (tokens[len(tokens) // 3] + 1) % 500  # one token of node 1's copy
+    tokens.tofile(tmp_path / "other_bytes" / "node1" / "ds.bin")
+    first, second = run_distributed(_differing_copies, 2, str(tmp_path))
+    assert isinstance(first["same"], int) and first["same"] == second["same"]
+    assert first["other_bytes"] == second["other_bytes"], (first, second)
+    message = first["other_bytes"]
+    assert message.startswith("dataset 0 of input_dir ") and "differs between ranks" in message, message
+    assert f"{tmp_path}/other_bytes/node0/ds" in message and f"{tmp_path}/other_bytes/node1/ds" in message
+    assert "bin_crc32" in message and "\n" not in message

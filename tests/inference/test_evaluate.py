@@ -186,3 +186,19 @@ def test_a_missing_checkpoint_or_input_is_one_line(checkpoint, tmp_path):
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert message in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("task, suffix, text", [("perplexity", ".txt", "\n\n\n   \n\t\n"), ("perplexity", ".txt", ""),
+                                               ("lambada", ".jsonl", "\n \n")], ids=["blank-lines", "empty", "lambada"])
+def test_an_input_without_words_is_one_line(checkpoint, tmp_path, task, suffix, text):
+    """An empty file, or one of blank lines (or JSON lines whose texts are blank): exit 2 and one line saying the
+    input holds no words, never a perplexity of whitespace tokens (adjusted by a word count of 0) or a traceback."""
+    from tests.functional.launch import run_tool_here
+
+    path = tmp_path / f"blank{suffix}"
+    path.write_text(text if suffix == ".txt" else "".join(json.dumps({"text": t}) + "\n" for t in text.split("\n")))
+    done = run_tool_here("tools/evaluate.py", "--task", task, "--input", str(path), "--load", checkpoint)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [f"evaluate.py: error: {path} holds no words (it is empty, or only "
+                                                f"blank lines): nothing to evaluate."], done.stderr
+    assert done.stdout == ""

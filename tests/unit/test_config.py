@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import sys
 import textwrap
@@ -272,6 +273,28 @@ def test_key_under_wrong_section(tmp_path):
         parse_config(["-c", path])
 
 
+@pytest.mark.parametrize("text, key, line, first", [
+    ("Model:\n  hidden_size: 64\n  num_layers: 2\n  hidden_size: 128\n", "hidden_size", 4, 2),
+    ("Model:\n  hidden_size: 64\nOptimizer:\n  grad_clip: 0.5\nModel:\n  num_layers: 2\n", "Model", 5, 1),
+    ("PreTraining:\n  seed: 1\n  Optimizer:\n    lr:\n      max_lr: 1.0e-3\n      max_lr: 2.0e-3\n", "max_lr", 6, 5),
+    ("max_steps: 3\nmax_steps: 4\n", "max_steps", 2, 1),
+])
+def test_repeated_yaml_key_or_section_refused(tmp_path, text, key, line, first):
+    """A key or a whole section given twice is one line naming the key, the file and both lines: PyYAML's
+    last-wins would drop the first silently (a second ``Model:`` erased the first one's values)."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(["-c", path])
+    assert str(err.value).startswith(f"{path} line {line}: key '{key}' is repeated (first at line {first})")
+
+
+def test_yaml_merge_keys_are_not_repeats(tmp_path):
+    """A merge key (``<<:``) keeps YAML's meaning: the mapping's own key overrides the merged one."""
+    text = "Model:\n  <<: {hidden_size: 64, num_layers: 2}\n  hidden_size: 128\n"
+    config = parse_config(["-c", write(tmp_path, text)])
+    assert (config.model.hidden_size, config.model.num_layers) == (128, 2)
+
+
 def test_wrong_types(tmp_path):
     with pytest.raises(ConfigError, match="Model.hidden_size must be an integer, got 'abc'"):
         parse_config(["-c", write(tmp_path, "Model:\n  hidden_size: abc\n")])
@@ -308,6 +331,44 @@ def test_pretrain_gpt_reports_one_line(argv, needle):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK and LOCAL_RANK and MASTER_ADDR and MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "MASTER_ADDR and MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     "RANK=2 is not a rank of WORLD_SIZE=2 (0..1)"),
+    ({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "1", "RANK": "-1"}, "RANK=-1 is not a rank of WORLD_SIZE=1"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+     "LOCAL_RANK=2 is not a rank of this node"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
+     "MASTER_PORT='http' is not a port number"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "free"},
+     "rank 0 of WORLD_SIZE=2 could not meet the other processes at 127.0.0.1:"),
+], ids=["world-only", "no-master", "rank-too-big", "not-int", "negative-rank", "local-rank", "port", "alone"])
+def test_launch_environment_set_by_hand_is_one_line_at_once(monkeypatch, tmp_path, env, needle):
+    """torchrun's variables set by hand (without torchrun) or inconsistent: one line, exit 2, before any
+    rendezvous (on main: a ValueError traceback from init_process_group, or a wait for ranks that never
+    come ending in a DistStoreError traceback) and, when refused from the variables alone, before the output
+    folder is made. All set but one process started: the rendezvous waits its timeout, then one line."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        if value == "free":  # all set, one process started: it waits distributed_timeout_minutes (1.2 s) alone
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                value = str(sock.getsockname()[1])
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    proc = run_here("--mock-data", "--device", "cpu", "--num-layers", "1", "--hidden-size", "32",
+                    "--num-attention-heads", "2", "--max-seq-len", "16", "--vocab-size", "64", "--max-steps", "1",
+                    "--distributed-timeout-minutes", "0.02", "--output-dir", str(out))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line or "Traceback" in line]
+    assert len(errors) == 1 and needle in errors[0] and "torchrun" in errors[0], proc.stderr
+    if not needle.startswith("rank 0 of"):  # refused from the variables alone: not even the start-up lines
+        assert len(proc.stderr.splitlines()) == 1 and not out.exists(), proc.stderr
 
 
 def test_an_explicit_base_is_under_the_yaml_and_the_flags_and_left_unchanged(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -152,6 +153,46 @@ def test_a_damaged_cached_index_is_rebuilt_with_a_warning(tmp_path, monkeypatch,
         np.testing.assert_array_equal(got, expected)
     assert len(lines) == 1 and "rebuilding it" in lines[0]
     assert not [f for f in os.listdir(cache) if ".tmp" in f]
+
+
+@pytest.mark.parametrize("foreign", ["whole entry", "one array", "old format"])
+def test_a_foreign_or_stale_cache_entry_is_never_used(tmp_path, monkeypatch, foreign):
+    """The entry of another configuration (here seed 2: the same shapes, other contents) copied under this
+    one's names, or only one of its arrays, or an entry of the previous format: the key stored inside the
+    entry (or an array's digest) differs, so it is rebuilt with a warning, and the indices are this
+    configuration's. (Before, shapes and dtypes were all that was checked: the seed-2 shuffle was used.)"""
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    args = dict(split="train", sequence_range=(0, 30), num_samples=50, seq_length=8, cache_dir=cache, eod_id=EOD)
+    mine = GPTDataset(IndexedDataset(prefix), seed=1, **args)
+    want = [np.array(a) for a in (mine.doc_idx, mine.sample_idx, mine.shuffle_idx)]
+    other = GPTDataset(IndexedDataset(prefix), seed=2, **args)
+    assert not np.array_equal(other.shuffle_idx, want[2])
+    del mine, other
+    files = sorted(os.listdir(cache))
+    mine_key = gpt_dataset.IndexSpec(**IndexedDataset(prefix).content_key(), split="train", first_sequence=0,
+                                     last_sequence=30, num_samples=50, seq_length=8, seed=1).key()
+    (theirs_key,) = {f.split("-")[0] for f in files} - {mine_key}
+    suffixes = {"whole entry": ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy", "_description.json"],
+                "one array": ["_shuffle_idx.npy"], "old format": []}[foreign]
+    for suffix in suffixes:
+        shutil.copyfile(os.path.join(cache, f"{theirs_key}-train{suffix}"),
+                        os.path.join(cache, f"{mine_key}-train{suffix}"))
+    if foreign == "old format":
+        path = os.path.join(cache, f"{mine_key}-train_description.json")
+        description = json.loads(open(path).read())
+        old = {**description["key"], "arrays": {k: {"shape": v["shape"], "dtype": v["dtype"]}
+                                                for k, v in description["arrays"].items()}}
+        with open(path, "w") as f:
+            json.dump(old, f)
+    lines = _log_lines(monkeypatch)
+    again = GPTDataset(IndexedDataset(prefix), seed=1, **args)
+    for got, expected in zip((again.doc_idx, again.sample_idx, again.shuffle_idx), want):
+        np.testing.assert_array_equal(got, expected)
+    assert len(lines) == 1 and "rebuilding it" in lines[0], lines
+    reason = {"whole entry": "was built for another dataset or configuration (seed 2, here 1)",
+              "one array": "is not the file its description was written with", "old format": "holds no key"}[foreign]
+    assert reason in lines[0]
 
 
 @pytest.mark.parametrize("cache_state", ["missing", "damaged"])
@@ -326,3 +367,94 @@ def test_a_blend_member_without_sequences_in_a_split_leaves_its_share_to_the_oth
     assert len(test) == 8
     assert [len(m) >= 8 for m in test.datasets] == [True] and test.weights == [1.0]
     assert all(np.array_equal(test[i], test.datasets[0][i]) for i in range(8))
+
+
+def _rewrite_one_token(prefix: str, keep_mtime: bool) -> None:
+    before = os.stat(prefix + ".bin")
+    tokens = np.fromfile(prefix + ".bin", np.int32)
+    tokens[0] += 1
+    with open(prefix + ".bin", "r+b") as f:  # in place: the same size, the same inode, the same .idx
+        f.write(tokens.tobytes())
+    if keep_mtime:
+        os.utime(prefix + ".bin", ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["rewritten", "rewritten-keeping-mtime"])
+def test_a_bin_changed_under_the_run_is_detected(tmp_path, keep_mtime):
+    """A .bin rewritten while the run trains (even with its size and mtime kept): ``verify_unchanged`` (every
+    rank, before a checkpoint) raises a one-line DatasetError naming it, and so does a data-loader worker that
+    re-opens the files (unpickling); the run's data fingerprint no longer matches a resume's."""
+    import pickle
+
+    from megatron.data import fingerprint
+
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    datasets = build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000)
+    recorded = fingerprint.of_datasets(datasets)
+    fingerprint.verify_unchanged(datasets)  # nothing changed: no error
+    worker_copy = pickle.dumps(datasets[0].indexed)
+    pickle.loads(worker_copy)
+    _rewrite_one_token(prefix, keep_mtime)
+    with pytest.raises(DatasetError) as err:
+        fingerprint.verify_unchanged(datasets)
+    assert str(err.value).startswith(f"{prefix}.bin (or its .idx) changed since the run opened it")
+    if not keep_mtime:
+        with pytest.raises(DatasetError, match="changed since the run opened it"):
+            pickle.loads(worker_copy)
+    resumed = build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000)
+    # a resume sees other data: the full hash (rescanned: a new mtime) or the sampled blocks (its first changed)
+    assert fingerprint.compare(recorded, fingerprint.of_datasets(resumed)).startswith("the data differs")
+
+
+def test_the_data_fingerprint_follows_the_content_not_the_path(tmp_path):
+    from megatron.data import fingerprint
+
+    prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    _make(prefix, 30)
+    recorded = fingerprint.of_datasets(build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000))
+    copy = str(tmp_path / "node copy" / "ds")
+    os.makedirs(os.path.dirname(copy))
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(prefix + suffix, copy + suffix)
+    again = fingerprint.of_datasets(build_datasets(copy, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=40000))
+    assert fingerprint.compare(recorded, again) is None and again["datasets"][0]["bin_crc32"]
+    _make(str(tmp_path / "other"), 30, seed=3)
+    other = fingerprint.of_datasets(build_datasets(str(tmp_path / "other"), "1,0,0", (50, 0, 0), 8, 1, EOD, cache,
+                                                   vocab_size=40000))
+    message = fingerprint.compare(recorded, other)
+    assert message.startswith(f"the data differs from the checkpoint's run: {prefix} as it was then, ")
+
+
+def test_paths_with_spaces_work_for_data_cache_save_and_load(tmp_path):
+    """--data-path with a space in a weighted prefix (one argument each), --data-cache-path, --save and --load
+    with spaces: the run trains, caches, saves and resumes. (Before, '0.5 /a b/ds 0.5 ...' was cut at the
+    space: 'weights and prefixes must alternate' or 'no dataset at /a'.) In the weighted form the words between
+    two weights are one prefix; unweighted, the runs of words that name existing data; quotes work too; a
+    blend given as one argument still is a blend."""
+    from tests.functional.launch import TINY, run_here
+
+    root = tmp_path / "my data"
+    (root / "part one").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix in (root / "part one" / "ds", root / "two"):  # token ids within TINY's vocabulary of 256
+        with IndexedDatasetWriter(str(prefix), np.int32) as writer:
+            for _ in range(20):
+                writer.add_document(rng.integers(1, 256, size=20))
+    cache, out = tmp_path / "index cache", tmp_path / "run output"
+    model = [a for a in TINY if a != "--mock-data"]
+    data = ["--data-path", "0.5", str(root / "part one" / "ds"), "0.5", str(root / "two"), "--tokenizer-type",
+            "NullTokenizer", "--data-cache-path", str(cache), "--eval-iters", "0"]
+    first = run_here(*model, *data, "--max-steps", "1", "--save", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert any(f.endswith("_shuffle_idx.npy") for f in os.listdir(cache)) and (out / "latest").exists()
+    again = run_here(*model, *data, "--max-steps", "2", "--save", str(out), "--load", str(out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "latest").read_text().strip().endswith("2") and "resuming at step 1" in again.stderr
+    assert parse_input_dir(f"  {root / 'part one' / 'ds'}  ") == ([str(root / "part one" / "ds")], None)
+    one, two = str(root / "part one" / "ds"), str(root / "two")
+    assert parse_input_dir(f"0.3 '{one}' 0.7 \"{two}\"") == ([one, two], [0.3, 0.7])  # quoted (YAML)
+    assert parse_input_dir(f"0.3 {one} 0.7 {two}") == ([one, two], [0.3, 0.7])  # a whole blend in one argument
+    assert parse_input_dir(f"{one} {two}") == ([one, two], None)  # unweighted: runs of words that name data
+    with pytest.raises(DatasetError, match=re.escape(f"input_dir '1 {two} x' must alternate weights and prefixes")):
+        parse_input_dir(f"1 {two} x")

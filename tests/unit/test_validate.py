@@ -130,6 +130,44 @@ def test_values_that_cannot_train_refused(argv, message):
         check(valid_config(*argv))
 
 
+def _numeric_leaves() -> list:
+    from megatron.config.cli import LEAVES, _strip_optional
+    return [leaf for leaf in LEAVES.values() if _strip_optional(leaf.type)[0] in (int, float)]
+
+
+def test_every_numeric_flag_refuses_negative_and_non_finite_spellings_in_one_line():
+    """``--lr -1e-3``, ``--clip-grad=-inf``, ``--max-steps -1``: the value reaches validation (argparse alone
+    takes only -1 and -.5 for values: '--lr -1e-3' was "expected one argument"), and every numeric key refuses
+    it naming itself. No numeric key has a meaning for a negative value."""
+    spellings = ["-1", "-1e-3", "-.5", "-inf", "-Infinity", "nan", "inf", "-nan"]
+    for leaf in _numeric_leaves():
+        for value in spellings:
+            for argv in ([leaf.flag, value], [f"{leaf.flag}={value}"]):
+                with pytest.raises(ConfigError) as err:
+                    check(valid_config(*argv))
+                message = str(err.value)
+                assert leaf.name in message and "expected one argument" not in message, (argv, message)
+                assert "\n" not in message
+
+
+@pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,-1e-3,1", "-inf"])
+def test_a_split_of_non_finite_or_negative_numbers_refused(split):
+    """'--split nan,1,1' was normalized to NaN fractions (and 'inf,1,1' to nan, 0, 0) without a word."""
+    with pytest.raises(ConfigError, match=f"split '{re.escape(split)}' must be up to three finite non-negative"):
+        check(valid_config("--split", split))
+
+
+def test_yaml_negative_and_non_finite_values_refused(tmp_path):
+    for leaf in _numeric_leaves():
+        nested = ""
+        for depth, key in enumerate(leaf.path[:-1]):
+            nested += "  " * depth + key + ":\n"
+        for value in ("-1", "-1.0e-3", ".nan", "-.inf", ".inf"):
+            text = nested + "  " * (len(leaf.path) - 1) + f"{leaf.name}: {value}\n"
+            with pytest.raises(ConfigError, match=leaf.name):
+                check(valid_config("-c", write(tmp_path, text)))
+
+
 def test_watchdog_timeout_defaults_to_the_collective_timeout():
     config = valid_config("--distributed-timeout-minutes", "3")
     check(config)
