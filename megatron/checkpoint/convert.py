@@ -39,6 +39,7 @@ from megatron.checkpoint.format import (
 )
 from megatron.checkpoint import small_files
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
+from megatron.config.syntax import read_yaml
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -47,7 +48,7 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 def config_from_yaml(text: str) -> Config:
     """The ``Config`` of a YAML text (a checkpoint's ``common.json "config"``: the resolved config)."""
     config = Config()
-    for leaf, value in flatten_yaml(yaml.safe_load(text) or {}, "the checkpoint's config"):
+    for leaf, value in flatten_yaml(read_yaml(text) or {}, "the checkpoint's config"):
         set_value(config, leaf, value)
     return config
 

@@ -18,6 +18,7 @@ from megatron.checkpoint.format import find_checkpoint, verify_file
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, load_yaml, megatron_flags, parse_config, set_value
 from megatron.config.cli import megatron_defaults
+from megatron.config.syntax import input_dir_words
 from megatron.config.schema import SaveLoadConfig
 
 __all__ = ["NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_config", "saved_config_path",
@@ -94,18 +95,14 @@ def _get(config: Config, path: tuple[str, ...]):
 
 def _data_words(value):
     """A data path setting as what decides the order: its weights and its datasets' file names (a folder
-    moved, or a node-local copy, is the same data)."""
+    moved, or a node-local copy, is the same data; the content itself is compared at load, by fingerprint)."""
     if not isinstance(value, str):
         return value
-    return [w if _is_number(w) else os.path.basename(os.path.normpath(w)) for w in value.split()]
-
-
-def _is_number(word: str) -> bool:
     try:
-        float(word)
+        prefixes, weights = input_dir_words(value)
     except ValueError:
-        return False
-    return True
+        return value.split()
+    return [os.path.basename(os.path.normpath(p)) for p in prefixes], weights
 
 
 def check_resume_settings(base: Config, config: Config, ckpt_dir: str, saved_step: int) -> None:

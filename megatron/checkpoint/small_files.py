@@ -141,6 +141,17 @@ def _number(value, what: str) -> float:
     return float(value)
 
 
+def _is_plain(value, depth: int = 0) -> bool:
+    """JSON's own kinds of value (None, booleans, numbers, text, lists and text-keyed mappings), nested a little."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth >= 8:
+        return False
+    if isinstance(value, list):
+        return all(_is_plain(v, depth + 1) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in value.items())
+
+
 def _show(value) -> str:
     text = repr(value)
     return f"a {type(value).__name__}" if len(text) > 40 else text
@@ -165,7 +176,7 @@ def check_common(value: object) -> dict:
     if not isinstance(state, dict):
         raise UnsafeCheckpoint(f"train_state is {_show(state)}, not a mapping")
     for k, v in state.items():
-        if not isinstance(k, str) or not (v is None or isinstance(v, (str, int, float, list))):
+        if not isinstance(k, str) or not _is_plain(v):
             raise UnsafeCheckpoint(f"train_state holds {_show(k)}: {_show(v)}, which is not plain data")
     for k in ("consumed_samples", "skipped_steps", "schedule_samples"):
         if k in state:

@@ -152,4 +152,4 @@ def compare(saved: dict | None, now: dict) -> str | None:
         return None
     return (f"the data differs from the checkpoint's run: {', '.join(gone) or 'nothing'} as it was then, "
             f"{', '.join(new) or 'nothing'} as it is now (its content changed, or other datasets are given); "
-            f"restore the run's data, or start a new run (--finetune to keep only the weights)")
+            f"restore the run's data, or start a new run from its weights (--finetune)")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from megatron import watchdog
-from megatron.checkpoint import check_output_dir, load_checkpoint, same_folder, save_checkpoint
+from megatron.checkpoint import CheckpointError, check_output_dir, load_checkpoint, same_folder, save_checkpoint
 from megatron.config import Config
+from megatron.data import fingerprint
 from megatron.health import GoodCheckpoints
 from megatron.metrics import get_logger
 from megatron.parallel_state import ParallelState
@@ -17,8 +18,9 @@ from megatron.training.step_health import StepHealth
 
 class CheckpointCadence:
     def __init__(self, config: Config, run: ParallelModel, ps: ParallelState, device: torch.device,
-                 state: TrainState, health: StepHealth):
+                 state: TrainState, health: StepHealth, datasets: tuple = ()):
         self.config, self.run, self.ps, self.state, self.health = config, run, ps, state, health
+        self.datasets = datasets  # (train, valid, test): their content is recorded with each checkpoint
         sl = config.save_load
         self.good = GoodCheckpoints(sl.output_dir, sl.keep_last_checkpoints, ps.rank == 0)
         self.saved_at = 0  # the step of the last checkpoint saved (or refused) or loaded
@@ -41,6 +43,7 @@ class CheckpointCadence:
                 self.log.info(f"no checkpoint in {sl.ckpt_dir}: starting from scratch")
             return 0
         if not sl.finetune:
+            self._check_same_data(loaded)
             s.step, s.consumed_samples, s.skipped_steps = (loaded["step"], loaded["consumed_samples"],
                                                            loaded["skipped_steps"])
             gbs = self.config.batch_size.global_batch_size  # a checkpoint from before batch-size schedules: its
@@ -53,6 +56,17 @@ class CheckpointCadence:
             self.log.info(f"loaded checkpoint {loaded['path']}: {how}{layout}")
         return None if sl.finetune else s.step
 
+    def _check_same_data(self, loaded: dict) -> None:
+        """A resume continues the saved run's data position: on other data (by content: a copy elsewhere is the
+        same data) that position means nothing, so it is one line on every rank (the fingerprints are agreed at
+        start), unless ``override_data_order`` says so on purpose."""
+        if self.config.save_load.override_data_order or not loaded["step"]:
+            return
+        differs = fingerprint.compare(loaded.get("data_fingerprint"), fingerprint.of_datasets(self.datasets))
+        if differs is not None:
+            raise CheckpointError(f"cannot resume {loaded['path']}: {differs}; or pass --override-data-order to "
+                                  f"train on this data from step {loaded['step']} on.")
+
     def save(self) -> None:
         """Checkpoint the current state, unless the run's health forbids it (a non-finite loss, or skips
         pending): a diverged state must never replace, or through pruning delete, a good checkpoint."""
@@ -64,9 +78,11 @@ class CheckpointCadence:
                 self.log.warning(f"not saving a checkpoint at step {s.step}: {refused}")
             return
         watchdog.beat(f"saving the checkpoint of step {s.step}")
+        fingerprint.verify_unchanged(self.datasets)  # every rank: never record data the run did not train on
         path = save_checkpoint(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer, self.ps,
                                self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
-                                             "schedule_samples": s.schedule_samples})
+                                             "schedule_samples": s.schedule_samples,
+                                             "data_fingerprint": fingerprint.of_datasets(self.datasets)})
         watchdog.beat(f"after saving the checkpoint of step {s.step}")
         self.good.saved(s.step, path)  # pruned here, and again once the next step confirms it
         if self.ps.rank == 0:

@@ -42,7 +42,7 @@ class Trainer:
         self.batches = build_batch_schedule(config)  # the global batch by consumed samples
         self.state = TrainState()
         self.health = StepHealth(config, self.optimizer, logs=self.ps.rank == self.ps.world_size - 1)
-        self.checkpoints = CheckpointCadence(config, self.parallel, self.ps, device, self.state, self.health)
+        self.checkpoints = CheckpointCadence(config, self.parallel, self.ps, device, self.state, self.health, datasets)
         resume_step = self.checkpoints.load()
         self.step_log = StepLog(config, self.ps, device, self.optimizer, self.batches, self.train_ds, self.state,
                                 resume_step)
