@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 import yaml
 
+from megatron.checkpoint import small_files
 from megatron.checkpoint.format import (
     CRC_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -37,10 +38,9 @@ from megatron.checkpoint.format import (
     write_bytes,
     write_text,
 )
-from megatron.checkpoint import small_files
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
-from megatron.config.syntax import read_yaml
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
+from megatron.config.syntax import read_yaml
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 

@@ -18,8 +18,8 @@ from megatron.checkpoint.format import find_checkpoint, verify_file
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, load_yaml, megatron_flags, parse_config, set_value
 from megatron.config.cli import megatron_defaults
-from megatron.config.syntax import input_dir_words
 from megatron.config.schema import SaveLoadConfig
+from megatron.config.syntax import input_dir_words
 
 __all__ = ["NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_config", "saved_config_path",
            "schedule_kept_warning"]

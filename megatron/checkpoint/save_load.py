@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import device as dev
+from megatron.checkpoint import small_files
 from megatron.checkpoint.format import (
     CRC_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -58,7 +59,6 @@ from megatron.checkpoint.format import (
     write_bytes,
     write_text,
 )
-from megatron.checkpoint import small_files
 from megatron.checkpoint.run_dir import on_every_rank, ranks_with, remove_leftover
 from megatron.config import Config, to_yaml
 from megatron.config.schema import DistributedConfig
