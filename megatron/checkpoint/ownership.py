@@ -16,18 +16,15 @@ in one line (``claim``), unless ``--overwrite-output-dir`` asks to delete that r
 whose ``--load`` is its own ``--save`` folder (or a step folder in it) always continues the folder's run.
 
 **A live writer** holds ``run.lock`` in the folder: rank 0 (the rank that writes ``latest``, ``run.json``,
-``config.yaml`` and commits the step folders) takes ``fcntl.flock`` on it for as long as the run lives, so a
-second launch into the same folder is refused at once (``lock``), and a killed run's lock is gone with its
-process (the kernel drops it): nothing stale to clean up. ``flock`` over NFS is turned into an NFS lock
-(Linux >= 2.6.12, with the lock service running); a file system mounted without locks (NFS ``nolock``,
-Lustre without ``-o flock``) cannot say whether another node holds the folder: where ``flock`` is not
-supported the run goes on with a warning, and where locks are node-local two launches on different nodes
-are not detected.
+``config.yaml`` and commits the step folders; every launch into the folder has one) takes ``fcntl.flock`` on it
+for as long as the run lives (``megatron/file_lock.py``), so a second launch into the same folder is refused at
+once (``lock``), and a killed run's lock is gone with its process (the kernel drops it): nothing stale to clean
+up. Where the file system refuses ``flock`` the run goes on with a warning; where locks are node-local (NFS
+mounted ``nolock``) two launches on different nodes are not detected.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -37,6 +34,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from megatron import file_lock
 from megatron.checkpoint.format import CheckpointError, same_folder, write_text
 
 RUN_FILE, LOCK_FILE = "run.json", "run.lock"
@@ -54,41 +52,30 @@ def new_run_id() -> str:
 def lock(output_dir: str) -> str | None:
     """Rank 0 at start-up: hold ``output_dir/run.lock`` until ``release`` (or this process ends). CheckpointError,
     one line, when another live process holds it; a warning (returned) where the file system has no locks."""
-    import fcntl
-
-    if os.path.realpath(output_dir) in _HELD:  # this process holds it: an in-process caller's earlier run
+    key = os.path.realpath(output_dir)
+    if key in _HELD:  # this process holds it: an in-process caller's earlier run
         return None
     path = os.path.join(output_dir, LOCK_FILE)
     try:
-        f = open(path, "a+")
+        _HELD[key] = file_lock.hold(path)
+    except file_lock.Busy as busy:
+        raise CheckpointError(f"another run is writing to {output_dir} ({busy.holder}, holding {path}): two runs in "
+                              f"one folder would replace each other's checkpoints; wait for it to end, stop it, or "
+                              f"give --save another folder.") from None
+    except file_lock.Unsupported as err:
+        return (f"cannot lock {path} ({err}): this file system has no locks, so a second run writing to "
+                f"{output_dir} at the same time would not be detected.")
     except OSError as err:
         raise CheckpointError(f"cannot open {path} ({err.strerror or err}); fix the folder or give --save another "
                               f"one.") from err
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        f.seek(0)
-        holder = " ".join(f.read().split()) or "another process"
-        f.close()
-        if err.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-            raise CheckpointError(f"another run is writing to {output_dir} ({holder}, holding {path}): two runs in "
-                                  f"one folder would replace each other's checkpoints; wait for it to end, stop it, "
-                                  f"or give --save another folder.") from None
-        return (f"cannot lock {path} ({err.strerror or err}): this file system has no locks, so a second run "
-                f"writing to {output_dir} at the same time would not be detected.")
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    _HELD[os.path.realpath(output_dir)] = f
     return None
 
 
 def release(output_dir: str) -> None:
-    """Drop this process's lock on ``output_dir``, if it holds one (the end of a run, however it ends)."""
+    """Drop this process's lock on ``output_dir`` (and its file), if it holds one: the end of a run."""
     f = _HELD.pop(os.path.realpath(output_dir), None)
     if f is not None:
-        f.close()  # closing the file releases the flock
+        file_lock.drop(f, os.path.join(output_dir, LOCK_FILE))
 
 
 def release_all() -> None:

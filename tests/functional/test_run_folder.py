@@ -27,7 +27,7 @@ def tiny(steps: int, *extra: str) -> list[str]:
 def snapshot(folder: Path) -> dict:
     """Every file under ``folder`` (but the lock, which records its last holder) and its bytes."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "run.lock"}
+            if p.is_file() and p.name != "run.lock"}  # (a refused run's test holds it)
 
 
 def run_id(folder: Path) -> str:
@@ -109,4 +109,4 @@ def test_a_second_live_writer_is_refused_until_the_first_ends(saved, tmp_path):
     assert snapshot(a) == before  # its step_N.tmp (a save in progress) would not even have been removed
     result = run_here(*tiny(3, "--load", str(a), "--save", str(a)))  # the lock went with its holder
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (a / "latest").read_text() == "step_3"
+    assert (a / "latest").read_text() == "step_3" and not (a / "run.lock").exists()  # released at the end

@@ -101,13 +101,14 @@ def test_a_lock_held_by_another_process_refuses_and_a_killed_holder_leaves_none(
         assert (tmp_path / "run.lock").read_text().startswith(f"pid {os.getpid()} on ")
     finally:
         ownership.release(str(tmp_path))
+    assert not (tmp_path / "run.lock").exists()  # released: the file goes with it
 
 
 def test_a_file_system_without_locks_warns(tmp_path, monkeypatch):
     def no_locks(*args):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(fcntl, "flock", no_locks)  # as NFS mounted without the lock service
     try:
         warning = ownership.lock(str(tmp_path))
     finally:
