@@ -78,11 +78,6 @@ def release(output_dir: str) -> None:
         file_lock.drop(f, os.path.join(output_dir, LOCK_FILE))
 
 
-def release_all() -> None:
-    for key in list(_HELD):
-        release(key)
-
-
 # The run a folder holds ------------------------------------------------------------------------------------
 
 @dataclass

@@ -23,7 +23,8 @@ from megatron.checkpoint.format import CheckpointError
 from megatron.metrics import get_logger
 
 T = TypeVar("T")
-_IN_THE_WAY = ("latest", "latest.tmp", "metrics.jsonl", "config.yaml", ownership.RUN_FILE, ownership.LOCK_FILE)  # files the run writes into output_dir
+# files the run writes into output_dir
+_IN_THE_WAY = ("latest", "latest.tmp", "metrics.jsonl", "config.yaml", ownership.RUN_FILE, ownership.LOCK_FILE)
 
 
 def _world() -> int:

@@ -13,8 +13,14 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.checkpoint import CheckpointError, CheckpointReader, check_output_dir, find_checkpoint, load_checkpoint
-from megatron.checkpoint import ownership
+from megatron.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    check_output_dir,
+    find_checkpoint,
+    load_checkpoint,
+    ownership,
+)
 from megatron.checkpoint.format import RankFileWriter, write_text
 from megatron.checkpoint.resume import resume_base, resumed_config
 from megatron.checkpoint.save_load import prune_checkpoints, save_checkpoint
