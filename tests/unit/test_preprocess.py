@@ -355,3 +355,14 @@ def test_a_second_writer_of_one_prefix_is_refused(tmp_path, tokenizer_files, cap
     assert os.listdir(tmp_path / "out") == []
     assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c") == 0  # once it has ended
     assert sorted(os.listdir(tmp_path / "out")) == ["c_text_document.bin", "c_text_document.idx"]  # no lock left
+
+
+def test_a_zst_input_without_zstandard_says_what_to_install(tmp_path, tokenizer_files, capsys):
+    if importlib.util.find_spec("zstandard") is not None:
+        pytest.skip("zstandard is installed: .zst inputs are read")
+    (tmp_path / "in.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl.zst"], tmp_path / "out" / "c") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"preprocess_data.py: error: {tmp_path}/in.jsonl.zst is zstd-compressed: reading it needs the "
+                   f"zstandard package (pip install zstandard), or decompress it first (zstd -d)."]
+    assert os.listdir(tmp_path / "out") == []
