@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from megatron import device as dev
+from megatron.checkpoint.ownership import release as release_output_dir
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.distributed.parallelize import plan_sharding
 from megatron.initialize import initialize_distributed, launch_env
@@ -63,7 +64,10 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
             log.warning(precision_warning)
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
         _log_segmentation(config, ps, log)
-    trainer = Trainer(config, model, forward_step, datasets_provider(config), device, plan)
-    if ps.rank == 0:  # once the checkpoint (if any) has loaded: a failed start overwrites nothing
-        save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
-    return trainer.run()
+    try:
+        trainer = Trainer(config, model, forward_step, datasets_provider(config), device, plan)
+        if ps.rank == 0:  # once the checkpoint (if any) has loaded: a failed start overwrites nothing
+            save_yaml(config, os.path.join(config.save_load.output_dir, "config.yaml"))
+        return trainer.run()
+    finally:
+        release_output_dir(config.save_load.output_dir)  # the folder's lock (rank 0's), however the run ended

@@ -10,22 +10,25 @@ writes ``data/corpus_text_document.bin`` / ``.idx`` (one pair per ``--json-keys`
 sentences are found by the rule in ``megatron/data/sentences.py`` (no nltk download).
 ``--tokenizer-type NullTokenizer --vocab-size N`` reads text that is already token ids (``"11 325 97"``).
 
-Input: JSONL files (one JSON object per line; ``.gz`` too), a folder or glob of them, or
-plain ``.txt`` files (one document per file, or per blank-line-separated block with
-``--txt-mode paragraph``). Memory stays flat: lines are streamed in, tokenized by worker
-processes in batches with a bounded number in flight, and streamed out in input order.
-Output is written under temporary names and renamed when complete. Bad lines (invalid JSON,
-a missing or non-string key, undecodable bytes) are counted and reported; ``--fail-on-error``
-stops at the first. An input that gives no tokens, or a tokenizer that produces an id outside its
-own vocabulary, stops with one line and exit 2, leaving no output files.
+Input: JSONL files (one JSON object per line), a folder or glob of them, or plain ``.txt`` files
+(one document per file, or per blank-line-separated block with ``--txt-mode paragraph``); each may be
+compressed (``.gz``, ``.bz2``, ``.xz``; ``.zst`` with the zstandard package) and may start with a UTF-8
+byte order mark. Memory stays flat: lines are streamed in, tokenized by worker processes in batches with a
+bounded number in flight, and streamed out in input order; the tokenizer sees at most ``CHUNK_CHARS``
+characters at a time (a longer document is tokenized in pieces, cut before a space between two words).
+Output is written under temporary names and renamed when complete, by one writer at a time: a second
+``preprocess_data.py`` with the same ``--output-prefix`` is refused while the first holds
+``{prefix}.lock``. Records that cannot be encoded (invalid JSON, a missing or non-string key,
+undecodable bytes, a lone surrogate, text the tokenizer fails on) are skipped, counted by kind in the
+summary line and the first few named; ``--fail-on-error`` stops at the first. A corrupt or truncated
+input file, an input that gives no tokens, or a tokenizer that produces an id outside its own vocabulary
+stops with one line and exit 2, leaving no output files.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import multiprocessing
 import os
@@ -37,55 +40,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron import file_lock  # noqa: E402
+from megatron.data.corpus_files import CorpusError, expand_inputs, read_records  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetWriter, best_dtype  # noqa: E402
 from megatron.data.sentences import split_sentences  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 
-INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".txt", ".txt.gz")
+CHUNK_CHARS = 1 << 20  # the most characters the tokenizer is given at once
 
 
 class PreprocessError(Exception):
     pass
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
-    files: list[str] = []
-    for pattern in patterns:
-        if os.path.isdir(pattern):
-            found = sorted(p for p in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
-                           if p.endswith(INPUT_SUFFIXES) and os.path.isfile(p))
-        else:
-            found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        if not found or not all(os.path.isfile(p) for p in found):
-            raise PreprocessError(f"--input '{pattern}' matches no file; give JSONL/.txt files, a folder or a glob.")
-        files.extend(found)
-    return files
-
-
-def _open(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def read_records(files: list[str], txt_mode: str) -> Iterator[tuple[str, int, bytes]]:
-    """Yield (where, kind, raw) per document candidate: kind 0 = a JSON line, 1 = plain text."""
-    for path in files:
-        is_txt = path.endswith((".txt", ".txt.gz"))
-        with _open(path) as f:
-            if is_txt and txt_mode == "file":
-                yield path, 1, f.read()
-                continue
-            block: list[bytes] = []
-            for number, line in enumerate(f, 1):
-                if not is_txt:
-                    if line.strip():
-                        yield f"{path}:{number}", 0, line
-                elif line.strip():
-                    block.append(line)
-                elif block:
-                    yield f"{path}:{number}", 1, b"".join(block)
-                    block = []
-            if block:
-                yield f"{path}:end", 1, b"".join(block)
 
 
 class Encoder:
@@ -102,10 +67,10 @@ class Encoder:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         Encoder.tokenizer = tokenizer_of(a)
 
-    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[list[np.ndarray]]], int, list[str],
-                                                                    str | None]:
-        """-> (per key, per good document of the batch, its sequences' token arrays; bytes read; error messages;
-        a fatal error: the first id outside the tokenizer's vocabulary, or None)."""
+    def encode(self, batch: list[tuple[str, int, bytes]]) -> tuple[list[list[list[np.ndarray]]], int,
+                                                                    list[tuple[str, str]], str | None]:
+        """-> (per key, per good document of the batch, its sequences' token arrays; bytes read; the bad records,
+        each (kind, message); a fatal error: the first id outside the tokenizer's vocabulary, or None)."""
         keys, tokenizer, errors = self.args.json_keys, Encoder.tokenizer, []
         texts: list[list[str]] = [[] for _ in keys]
         wheres: list[str] = []
@@ -119,37 +84,131 @@ class Encoder:
             wheres.append(where)
             for column, field in zip(texts, fields):
                 column.append(field)
-        out = []
+        out, failed = [], {}
         for key, column in zip(keys, texts):
             try:
-                sequences = self._sequences(column)
+                docs = self._sequences(column)
             except TokenizerError as err:  # text the tokenizer cannot read (NullTokenizer: not integer ids)
                 return [], size, errors, f"{wheres[0]} to {wheres[-1]} (key '{key}'): {err}"
-            arrays, bad = _to_arrays(sequences, tokenizer.vocab_size)
-            if bad is not None:
-                return [], size, errors, (f"{wheres[bad[0]]} (key '{key}'): the tokenizer produced id {bad[1]} but "
+            except _OutOfVocabulary as bad:
+                return [], size, errors, (f"{wheres[bad.doc]} (key '{key}'): the tokenizer produced id {bad.id} but "
                                           f"its vocabulary has {tokenizer.vocab_size} ids; the tokenizer files "
                                           f"are inconsistent: check them, or use the files the model was made with.")
-            out.append(arrays)
+            for d, doc in enumerate(docs):
+                if isinstance(doc, str) and d not in failed:  # this key's text of the record: a tokenizer failure
+                    failed[d] = ("the tokenizer failed", f"{wheres[d]} (key '{key}'): the tokenizer failed ({doc})")
+            out.append(docs)
+        if failed:  # the record is left out under every key
+            errors.extend(failed[d] for d in sorted(failed))
+            out = [[doc for d, doc in enumerate(docs) if d not in failed] for docs in out]
         return out, size, errors, None
 
-    def _sequences(self, column: list[str]) -> list[list[list[int]]]:
-        """Per document, the token ids of its sequences: the whole text, or with --split-sentences each sentence
-        that gives tokens (as Megatron-LM). --append-eod ends the document's last sequence."""
-        a, tokenizer = self.args, Encoder.tokenizer
+    def _sequences(self, column: list[str]) -> list[list[np.ndarray] | str]:
+        """Per document, the token arrays of its sequences (the whole text, or with --split-sentences each sentence
+        that gives tokens, as Megatron-LM), or why the tokenizer failed on it. --append-eod ends the document's last
+        sequence."""
+        a, eod = self.args, Encoder.tokenizer.eod
         if not a.split_sentences:
-            encoded = tokenizer.tokenize_batch(column) if column else []
-            return [[ids + [tokenizer.eod]] if a.append_eod else [ids] for ids in encoded]
-        per_doc = [split_sentences(text, a.keep_newlines) for text in column]
-        flat = [s for sentences in per_doc for s in sentences]
-        encoded = iter(tokenizer.tokenize_batch(flat) if flat else [])
-        docs = []
-        for sentences in per_doc:
-            seqs = [ids for ids in (next(encoded) for _ in sentences) if ids]
-            if seqs and a.append_eod:
-                seqs[-1] = seqs[-1] + [tokenizer.eod]
-            docs.append(seqs)
+            docs = [ids if isinstance(ids, str) else [ids] for ids in self._arrays(column)]
+        else:
+            per_doc = [split_sentences(text, a.keep_newlines) for text in column]
+            encoded = iter(self._arrays([s for sentences in per_doc for s in sentences]))
+            docs = []
+            for sentences in per_doc:
+                seqs = [next(encoded) for _ in sentences]
+                failure = next((ids for ids in seqs if isinstance(ids, str)), None)
+                docs.append(failure if failure is not None else [ids for ids in seqs if len(ids)])
+        if a.append_eod:
+            for doc in docs:
+                if not isinstance(doc, str) and doc:
+                    doc[-1] = np.append(doc[-1], np.asarray(eod, dtype=doc[-1].dtype))
         return docs
+
+    def _arrays(self, texts: list[str]) -> list[np.ndarray | str]:
+        """Each text's token ids as an array of the output's dtype, or why the tokenizer failed on it. The tokenizer
+        is given at most CHUNK_CHARS characters at once (texts in groups, a longer text in pieces), so its working
+        memory does not grow with a document's length. _OutOfVocabulary for an id outside the vocabulary."""
+        out: list = [None] * len(texts)
+        group: list[int] = []
+        size = 0
+        for i, text in enumerate(texts):
+            if len(text) > CHUNK_CHARS:
+                out[i] = self._long(i, text)
+                continue
+            group.append(i)
+            size += len(text)
+            if size >= CHUNK_CHARS:
+                self._tokenize(texts, group, out)
+                group, size = [], 0
+        self._tokenize(texts, group, out)
+        return out
+
+    def _long(self, i: int, text: str) -> np.ndarray | str:
+        parts = []
+        for piece in pieces(text, CHUNK_CHARS):
+            result: list = [None]
+            self._tokenize([piece], [0], result, doc=i)
+            if isinstance(result[0], str):
+                return result[0]
+            parts.append(result[0])
+        return np.concatenate(parts) if parts else np.zeros(0, best_dtype(Encoder.tokenizer.vocab_size))
+
+    def _tokenize(self, texts: list[str], group: list[int], out: list, doc: int | None = None) -> None:
+        """Tokenize ``texts[i]`` for i in ``group`` into ``out[i]``; when the batch call fails (not a TokenizerError),
+        each text alone, the failing ones getting their error's message."""
+        if not group:
+            return
+        tokenizer = Encoder.tokenizer
+        try:
+            results = tokenizer.tokenize_batch([texts[i] for i in group])
+        except TokenizerError:
+            raise
+        except Exception:
+            results = []
+            for i in group:
+                try:
+                    results.append(tokenizer.tokenize(texts[i]))
+                except TokenizerError:
+                    raise
+                except Exception as err:
+                    results.append(" ".join(f"{type(err).__name__}: {err}".split())[:200])
+        for i, ids in zip(group, results):
+            out[i] = ids if isinstance(ids, str) else _array(ids, tokenizer.vocab_size, i if doc is None else doc)
+
+
+class _OutOfVocabulary(Exception):
+    def __init__(self, doc: int, id: int):
+        super().__init__(doc, id)
+        self.doc, self.id = doc, id
+
+
+def _array(ids: list[int], vocab_size: int, doc: int) -> np.ndarray:
+    """``ids`` as an array of the output's dtype; _OutOfVocabulary(doc, id) for an id >= vocab_size."""
+    try:
+        arr = np.asarray(ids, dtype=best_dtype(vocab_size))
+    except OverflowError:  # an id too large for the dtype, hence for the vocabulary
+        raise _OutOfVocabulary(doc, max(ids)) from None
+    if len(arr) and int(arr.max()) >= vocab_size:
+        raise _OutOfVocabulary(doc, int(arr.max()))
+    return arr
+
+
+def pieces(text: str, limit: int) -> Iterator[str]:
+    """``text`` in pieces of at most ``limit`` characters, each cut just before a space between two words
+    ("word| next"), where byte-level BPE (GPT-2, tiktoken), SentencePiece's default normalization and
+    pre-tokenized ids split anyway: the pieces' tokens are the whole text's. A stretch of ``limit`` characters
+    without such a space is cut at the limit (its tokens at the cut may differ from the whole text's)."""
+    start, n = 0, len(text)
+    while n - start > limit:
+        end = start + limit
+        cut = text.rfind(" ", start + 1, end)
+        while cut > start and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.rfind(" ", start + 1, cut)
+        if cut <= start:
+            cut = end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def tokenizer_of(args: argparse.Namespace):
@@ -163,40 +222,32 @@ def tokenizer_of(args: argparse.Namespace):
                            args.eod_token, **extra)
 
 
-def _fields(where: str, kind: int, raw: bytes, keys: list[str]) -> tuple[list[str] | None, str | None]:
-    """(the text of each key, None), or (None, why the record is bad)."""
+def _fields(where: str, kind: int, raw: bytes, keys: list[str]) -> tuple[list[str] | None, tuple[str, str] | None]:
+    """(the text of each key, None), or (None, (the kind of bad record, why))."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        return None, f"{where}: undecodable UTF-8 ({err.reason} at byte {err.start})"
+        return None, ("undecodable UTF-8", f"{where}: undecodable UTF-8 ({err.reason} at byte {err.start})")
     if kind == 1:
         return [text] * len(keys), None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
-        return None, f"{where}: invalid JSON ({err.msg})"
+        return None, ("invalid JSON", f"{where}: invalid JSON ({err.msg})")
+    except RecursionError:
+        return None, ("invalid JSON", f"{where}: invalid JSON (nested too deeply)")
     missing = [k for k in keys if not isinstance(doc, dict) or not isinstance(doc.get(k), str)]
     if missing:
-        return None, f"{where}: no string value for key '{missing[0]}'"
-    return [doc[k] for k in keys], None
-
-
-def _to_arrays(docs: list[list[list[int]]], vocab_size: int) -> tuple[list[list[np.ndarray]], tuple[int, int] | None]:
-    """Each document's sequences as arrays of the format's dtype, and (document, id) of the first id >= vocab_size
-    (else None)."""
-    dtype, arrays = best_dtype(vocab_size), []
-    for d, sequences in enumerate(docs):
-        doc = []
-        for ids in sequences:
+        return None, ("no string value for a key", f"{where}: no string value for key '{missing[0]}'")
+    fields = [doc[k] for k in keys]
+    if "\\u" in text:  # only a \uXXXX escape can make a lone surrogate: a str that is not text
+        for key, field in zip(keys, fields):
             try:
-                arr = np.asarray(ids, dtype=dtype)
-            except OverflowError:  # an id too large for the dtype, hence for the vocabulary
-                return arrays, (d, max(ids))
-            if len(arr) and int(arr.max()) >= vocab_size:
-                return arrays, (d, int(arr.max()))
-            doc.append(arr)
-        arrays.append(doc)
-    return arrays, None
+                field.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return None, ("a lone surrogate", f"{where}: key '{key}' holds a lone surrogate "
+                                                  f"(\\u{ord(field[err.start]):04x}), which is not text")
+    return fields, None
 
 
 def _batches(records: Iterator, batch_size: int) -> Iterator[list]:
@@ -249,23 +300,53 @@ def preprocess(args: argparse.Namespace) -> dict:
     dtype = best_dtype(probe.vocab_size)
     level = "sentence" if args.split_sentences else "document"  # Megatron-LM's names
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
-    writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]
-    progress, bad = Progress(args.log_interval), []
+    lock = _hold_prefix(args.output_prefix)
+    try:
+        return _write(args, files, encoder, [IndexedDatasetWriter(p, dtype) for p in prefixes], prefixes)
+    finally:
+        if lock is not None:
+            file_lock.drop(lock, args.output_prefix + ".lock")
+
+
+def _hold_prefix(prefix: str):
+    """The lock on ``{prefix}.lock`` while this process writes the prefix's files: a second writer of the same
+    prefix would take over its temporary files. PreprocessError when another one holds it; None (and a warning)
+    where the file system has no locks."""
+    path = prefix + ".lock"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return file_lock.hold(path)
+    except file_lock.Busy as busy:
+        raise PreprocessError(f"another preprocess_data.py is writing --output-prefix {prefix} ({busy.holder}, "
+                              f"holding {path}): wait for it to end, or give another --output-prefix.") from None
+    except file_lock.Unsupported as err:
+        print(f"preprocess_data.py: warning: cannot lock {path} ({err}): a second writer of the same "
+              f"--output-prefix would not be detected.", file=sys.stderr)
+        return None
+    except OSError as err:
+        raise PreprocessError(f"cannot write {path} ({err.strerror or err}); give a writable --output-prefix.") \
+            from None
+
+
+def _write(args: argparse.Namespace, files: list[str], encoder: Encoder, writers: list[IndexedDatasetWriter],
+           prefixes: list[str]) -> dict:
+    progress, bad, kinds = Progress(args.log_interval), [], collections.Counter()
     try:
         records = read_records(files, args.txt_mode)
         for encoded, size, errors, fatal in _results(encoder, _batches(records, args.batch_size), args.workers):
             if fatal is not None:
                 raise PreprocessError(fatal)
             if errors and args.fail_on_error:
-                raise PreprocessError(f"bad input at {errors[0]} (--fail-on-error is set).")
-            bad.extend(errors[: max(0, 5 - len(bad))])
+                raise PreprocessError(f"bad input at {errors[0][1]} (--fail-on-error is set).")
+            bad.extend(message for _, message in errors[: max(0, 5 - len(bad))])
+            kinds.update(kind for kind, _ in errors)
             progress.bad += len(errors)
             for writer, docs in zip(writers, encoded):
                 for sequences in docs:
                     for sequence in sequences:
                         writer.add_item(sequence)
                     writer.end_document()
-            progress.update(len(encoded[0]), size)
+            progress.update(len(encoded[0]) if encoded else 0, size)
         _check_not_empty(writers, args.json_keys, progress.bad, bad)
     except BaseException:
         for writer in writers:
@@ -275,7 +356,9 @@ def preprocess(args: argparse.Namespace) -> dict:
         writer.finalize()
     progress.update(0, 0, final=True)
     if progress.bad:
-        print(f"skipped {progress.bad} bad record(s); the first: " + "; ".join(bad), file=sys.stderr)
+        counts = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+        print(f"skipped {progress.bad} bad record(s) of {progress.docs + progress.bad} ({counts}); the first: "
+              + "; ".join(bad), file=sys.stderr)
     for prefix in prefixes:
         print(f"wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
     return {"documents": progress.docs, "bad": progress.bad, "bytes": progress.bytes, "prefixes": prefixes}
@@ -334,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         preprocess(args)
-    except (PreprocessError, TokenizerError) as err:
+    except (PreprocessError, CorpusError, TokenizerError) as err:
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -12,7 +12,7 @@ from megatron.checkpoint.format import (
     same_folder,
 )
 from megatron.checkpoint.resume import resume_base, resumed_config, schedule_kept_warning
-from megatron.checkpoint.run_dir import check_output_dir, on_every_rank
+from megatron.checkpoint.run_dir import check_output_dir, claim_output_dir, on_every_rank
 from megatron.checkpoint.save_load import (
     check_compatible,
     global_name,
@@ -23,7 +23,7 @@ from megatron.checkpoint.save_load import (
     save_checkpoint,
 )
 
-__all__ = ["KINDS", "CheckpointError", "CheckpointReader", "check_compatible", "check_output_dir", "find_checkpoint",
-           "global_name", "load_checkpoint", "on_every_rank", "owned_pieces", "point_latest", "prune_checkpoints",
-           "resolve_checkpoint", "resume_base", "resumed_config", "same_folder", "save_checkpoint",
-           "schedule_kept_warning"]
+__all__ = ["KINDS", "CheckpointError", "CheckpointReader", "check_compatible", "check_output_dir",
+           "claim_output_dir", "find_checkpoint", "global_name", "load_checkpoint", "on_every_rank", "owned_pieces",
+           "point_latest", "prune_checkpoints", "resolve_checkpoint", "resume_base", "resumed_config", "same_folder",
+           "save_checkpoint", "schedule_kept_warning"]

@@ -18,10 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.agreement import first_failure
+from megatron.checkpoint import ownership
 from megatron.checkpoint.format import CheckpointError
+from megatron.metrics import get_logger
 
 T = TypeVar("T")
-_IN_THE_WAY = ("latest", "latest.tmp", "metrics.jsonl", "config.yaml")  # files the run writes into output_dir
+# files the run writes into output_dir
+_IN_THE_WAY = ("latest", "latest.tmp", "metrics.jsonl", "config.yaml", ownership.RUN_FILE, ownership.LOCK_FILE)
 
 
 def _world() -> int:
@@ -65,12 +68,15 @@ def ranks_with(flag: bool, device: torch.device) -> int:
 
 def check_output_dir(output_dir: str, rank: int, device: torch.device, saves: bool = True) -> None:
     """At start-up, before anything is trained: rank 0 creates ``output_dir`` if needed, checks that
-    it can write there and that nothing is in the way of the files the run writes, and removes the
+    it can write there, takes the folder's lock for the run's lifetime (``ownership.lock``: a second live
+    run there is refused), checks that nothing is in the way of the files the run writes, and removes the
     ``step_N.tmp`` folders of interrupted saves; with ``saves`` (the run will checkpoint) and several
     ranks, every rank must see rank 0's folder (``_check_shared``). Any problem stops every rank with
-    one line. Collective."""
-    on_every_rank(lambda: _prepare(output_dir) if rank == 0 else None, device, f"cannot use the output folder "
-                  f"{output_dir}", "fix it or give --save another folder")
+    one line. Collective. The lock is dropped by ``ownership.release`` (or when the process ends)."""
+    warning = on_every_rank(lambda: _prepare(output_dir) if rank == 0 else None, device, f"cannot use the output "
+                            f"folder {output_dir}", "fix it or give --save another folder")
+    if warning:
+        get_logger().warning(warning)
     if saves and _world() > 1:
         _check_shared(output_dir, rank, device)
 
@@ -108,7 +114,23 @@ def _check_shared(output_dir: str, rank: int, device: torch.device) -> None:
             os.remove(marker)
 
 
-def _prepare(output_dir: str) -> None:
+def claim_output_dir(start: ownership.Start, rank: int, device: torch.device, overwrite: bool,
+                     tensorboard_dir: str | None) -> str | None:
+    """After loading, before the run writes anything: rank 0 checks that ``output_dir`` holds no other run
+    (``ownership.claim``: refused in one line on every rank, or deleted with ``overwrite``) and records this
+    run there. The run's id on rank 0 (None elsewhere). Collective."""
+    claimed = on_every_rank(lambda: ownership.claim(start, overwrite, tensorboard_dir) if rank == 0 else None,
+                            device, f"cannot claim the output folder {start.output_dir}",
+                            "fix it or give --save another folder")
+    if claimed is None:
+        return None
+    run_id, note = claimed
+    if note:
+        get_logger().warning(note)
+    return run_id
+
+
+def _prepare(output_dir: str) -> str | None:
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         raise CheckpointError(f"the output folder {output_dir} is a file; give --save a folder, or move the file.")
     try:
@@ -120,15 +142,24 @@ def _prepare(output_dir: str) -> None:
     except OSError as err:
         raise CheckpointError(f"the output folder {output_dir} is not writable ({err.strerror or err}); fix its "
                               f"permissions or give --save another folder.") from err
-    for name in _IN_THE_WAY:
-        path = os.path.join(output_dir, name)
-        if os.path.lexists(path) and not os.path.isfile(path):
-            kind = "a directory" if os.path.isdir(path) else "not a regular file"
-            raise CheckpointError(f"{path} is in the way: the run writes a file there but it is {kind}; move it "
-                                  f"away.")
-    for name in sorted(os.listdir(output_dir)):
-        if re.fullmatch(r"step_\d+\.tmp", name):
-            remove_leftover(os.path.join(output_dir, name))
+    _not_in_the_way(os.path.join(output_dir, ownership.LOCK_FILE))
+    warning = ownership.lock(output_dir)  # before touching anything: a live run's step_N.tmp is its save
+    try:
+        for name in _IN_THE_WAY:
+            _not_in_the_way(os.path.join(output_dir, name))
+        for name in sorted(os.listdir(output_dir)):
+            if re.fullmatch(r"step_\d+\.tmp", name):
+                remove_leftover(os.path.join(output_dir, name))
+    except Exception:
+        ownership.release(output_dir)
+        raise
+    return warning
+
+
+def _not_in_the_way(path: str) -> None:
+    if os.path.lexists(path) and not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise CheckpointError(f"{path} is in the way: the run writes a file there but it is {kind}; move it away.")
 
 
 def remove_leftover(path: str) -> None:

@@ -208,6 +208,10 @@ class SaveLoadConfig:
         True, "Save a checkpoint when training ends (its last step, or when the data ran out), as Megatron-LM does "
               "with --save; --no-save-at-end saves only every save_steps.")
     output_dir: str = opt("./output", "Where config.yaml, metrics.jsonl, TensorBoard events and checkpoints go.")
+    overwrite_output_dir: bool = opt(
+        False, "Start this run in output_dir even though it holds another run (one this run does not resume): "
+               "that run's step_N folders, latest, metrics.jsonl, config.yaml and default TensorBoard events are "
+               "deleted first; without it such a start is refused.")
     ckpt_dir: str | None = opt(None, "Checkpoint to load at start: a run's output_dir (its latest step) or a "
                                      "step_N folder; any parallel layout; checksums verified. The run's own "
                                      "output_dir holding no checkpoint yet (--save X --load X) starts from scratch.")

@@ -6,7 +6,15 @@ from __future__ import annotations
 import torch
 
 from megatron import watchdog
-from megatron.checkpoint import CheckpointError, check_output_dir, load_checkpoint, same_folder, save_checkpoint
+from megatron.checkpoint import (
+    CheckpointError,
+    check_output_dir,
+    claim_output_dir,
+    load_checkpoint,
+    same_folder,
+    save_checkpoint,
+)
+from megatron.checkpoint.ownership import Start
 from megatron.config import Config
 from megatron.data import fingerprint
 from megatron.health import GoodCheckpoints
@@ -19,11 +27,12 @@ from megatron.training.step_health import StepHealth
 class CheckpointCadence:
     def __init__(self, config: Config, run: ParallelModel, ps: ParallelState, device: torch.device,
                  state: TrainState, health: StepHealth, datasets: tuple = ()):
-        self.config, self.run, self.ps, self.state, self.health = config, run, ps, state, health
+        self.config, self.run, self.ps, self.state, self.health, self.device = config, run, ps, state, health, device
         self.datasets = datasets  # (train, valid, test): their content is recorded with each checkpoint
         sl = config.save_load
         self.good = GoodCheckpoints(sl.output_dir, sl.keep_last_checkpoints, ps.rank == 0)
         self.saved_at = 0  # the step of the last checkpoint saved (or refused) or loaded
+        self.run_id = None  # the run's id (rank 0, which writes it into every checkpoint), set by load()
         self.log = get_logger()
         saves = bool(sl.save_at_end or sl.save_steps or sl.exit_interval or sl.exit_duration_in_mins)
         check_output_dir(sl.output_dir, ps.rank, device, saves)  # a bad --save stops every rank now, in one line
@@ -31,7 +40,18 @@ class CheckpointCadence:
     def load(self) -> int | None:
         """Load ``--load`` on every rank, if given; the step the run continues from (None: it starts afresh or
         fine-tunes). A run whose --load is its own --save folder and holds no checkpoint yet starts from scratch
-        (0). Writes nothing: a failure leaves no trace."""
+        (0). Then the output folder is claimed for this run (refused if it holds another one). Writes nothing
+        before that claim: a failure leaves no trace."""
+        sl = self.config.save_load
+        loaded = self._load()
+        start = Start(sl.output_dir, sl.ckpt_dir, loaded and loaded["path"], loaded and loaded.get("run_id"),
+                      sl.finetune)
+        self.run_id = claim_output_dir(start, self.ps.rank, self.device, sl.overwrite_output_dir, sl.tensorboard_dir)
+        if not sl.ckpt_dir or sl.finetune:
+            return None
+        return self.state.step
+
+    def _load(self) -> dict | None:
         sl, s = self.config.save_load, self.state
         if not sl.ckpt_dir:
             return None
@@ -41,7 +61,7 @@ class CheckpointCadence:
         if loaded is None:
             if self.ps.rank == 0:
                 self.log.info(f"no checkpoint in {sl.ckpt_dir}: starting from scratch")
-            return 0
+            return None
         if not sl.finetune:
             self._check_same_data(loaded)
             s.step, s.consumed_samples, s.skipped_steps = (loaded["step"], loaded["consumed_samples"],
@@ -54,7 +74,7 @@ class CheckpointCadence:
             how = "weights only (finetune)" if sl.finetune else f"resuming at step {s.step}"
             layout = "" if loaded["same_layout"] else ", resharded from another parallel layout"
             self.log.info(f"loaded checkpoint {loaded['path']}: {how}{layout}")
-        return None if sl.finetune else s.step
+        return loaded
 
     def _check_same_data(self, loaded: dict) -> None:
         """A resume continues the saved run's data position: on other data (by content: a copy elsewhere is the
@@ -81,7 +101,7 @@ class CheckpointCadence:
         fingerprint.verify_unchanged(self.datasets)  # every rank: never record data the run did not train on
         path = save_checkpoint(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer, self.ps,
                                self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
-                                             "schedule_samples": s.schedule_samples,
+                                             "schedule_samples": s.schedule_samples, "run_id": self.run_id,
                                              "data_fingerprint": fingerprint.of_datasets(self.datasets)})
         watchdog.beat(f"after saving the checkpoint of step {s.step}")
         self.good.saved(s.step, path)  # pruned here, and again once the next step confirms it

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from megatron.checkpoint import CheckpointError, check_output_dir
+from megatron.checkpoint import CheckpointError, check_output_dir, ownership
 from tests.distributed.harness import run_distributed
 
 CPU = torch.device("cpu")
@@ -22,6 +22,8 @@ def _check(rank: int, world_size: int, root: str, shared: bool, saves: bool) -> 
         check_output_dir(folder, rank, CPU, saves)
     except CheckpointError as err:
         return str(err)
+    finally:
+        ownership.release(folder)  # the run's end (pretrain's): its lock (rank 0's run.lock) goes
     return None
 
 

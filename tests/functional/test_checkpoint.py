@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -195,6 +196,10 @@ DAMAGE = {
     "other-model": (None, 2, "with hidden_size 128, but the saved run has 64: a setting that shapes the model"),
     "dangling-latest": (lambda d: (d.parent / "latest").write_text("step_9"), 1, "which holds no checkpoint"),
     "config": (lambda d: _flip(d / "config.yaml", 10), 1, "config.yaml does not match its checksum"),
+    # the folder belongs to another run (--load saved-dp2 --save X), or another live run holds X's lock
+    "another-run": (lambda d: (d.parent / "run.json").write_text('{"run_id": "0123456789abcdef"}'), 2,
+                    "holds another run (run 0123456789abcdef, latest step_2) than the checkpoint loaded from"),
+    "live-writer": (None, 2, "another run is writing to"),
 }
 
 
@@ -207,22 +212,29 @@ def damaged(saved_dp2, tmp_path_factory) -> dict[str, tuple]:
         out = _copy_run(saved_dp2, root / name)
         if harm is not None:
             harm(out / "step_2")
-        load = root / "nowhere" if name == "missing" else out
+        load = {"missing": root / "nowhere", "another-run": saved_dp2}.get(name, out)
         extra = ["--hidden-size", "128"] if name == "other-model" else []
+        if name == "live-writer":  # a run writing there now (a lock belongs to the open file: this one)
+            writer = open(out / "run.lock", "w")
+            fcntl.flock(writer, fcntl.LOCK_EX | fcntl.LOCK_NB)
         cases[name] = (nproc, out, _snapshot(out), [*TINY, *extra, "--save", str(out), "--load", str(load)])
     results = {}
-    for nproc in {case[0] for case in cases.values()}:
-        batch = {name: case for name, case in cases.items() if case[0] == nproc}
-        launch = run_several([(root / f"{name}-logs", case[3]) for name, case in batch.items()], nproc)
-        results.update({name: (outcome(root / f"{name}-logs", nproc, launch), out, before)
-                        for name, (_, out, before, _) in batch.items()})
+    try:
+        for nproc in {case[0] for case in cases.values()}:
+            batch = {name: case for name, case in cases.items() if case[0] == nproc}
+            launch = run_several([(root / f"{name}-logs", case[3]) for name, case in batch.items()], nproc)
+            results.update({name: (outcome(root / f"{name}-logs", nproc, launch), out, before)
+                            for name, (_, out, before, _) in batch.items()})
+    finally:
+        writer.close()
     return results
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_bad_checkpoint_stops_every_rank_before_anything_is_written(damaged, damage):
-    """``--save X --load X`` on a damaged X (or --load of a folder that is not there): every rank stops
-    with the same one line (exit 2), and nothing in X is written, created or removed."""
+    """``--save X --load X`` on a damaged X (or --load of a folder that is not there, or of another run's
+    checkpoint into X, or X locked by a live run): every rank stops with the same one line (exit 2), and
+    nothing in X is written, created or removed."""
     _, nproc, message = DAMAGE[damage]
     result, out, before = damaged[damage]
     for rank in range(nproc):

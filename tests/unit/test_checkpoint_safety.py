@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.checkpoint import CheckpointError, CheckpointReader, check_output_dir, find_checkpoint, load_checkpoint
+from megatron.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    check_output_dir,
+    find_checkpoint,
+    load_checkpoint,
+    ownership,
+)
 from megatron.checkpoint.format import RankFileWriter, write_text
 from megatron.checkpoint.resume import resume_base, resumed_config
 from megatron.checkpoint.save_load import prune_checkpoints, save_checkpoint
@@ -265,7 +272,9 @@ def test_the_output_folder_check(tmp_path, obstacle):
         (out / "step_4.tmp" / "rank0.bin").write_bytes(b"partial")
     if message is None:
         check_output_dir(str(out), 0, CPU)
-        assert sorted(os.listdir(out)) == []  # the interrupted save removed, no probe file left
+        assert sorted(os.listdir(out)) == ["run.lock"]  # the interrupted save removed, no probe file left
+        ownership.release(str(out))  # the end of the run: its lock goes
+        assert sorted(os.listdir(out)) == []
         return
     with pytest.raises(CheckpointError, match=message):
         check_output_dir(str(out), 0, CPU)

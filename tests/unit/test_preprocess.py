@@ -209,3 +209,160 @@ def test_the_sentence_rule(text, sentences):
 
     assert split_sentences(text) == sentences
     assert split_sentences("A first one.\nThe second.\n\n", keep_newlines=True) == ["A first one.\n", "The second.\n\n"]
+
+
+# ------------------------------------------- records it cannot encode, long documents, damaged input, two writers
+
+
+def _main(tool, tokenizer_files, inputs, prefix, *extra) -> int:
+    vocab, merges = tokenizer_files
+    return tool.main(["--input", *map(str, inputs), "--output-prefix", str(prefix), "--tokenizer-type",
+                      "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, *extra])
+
+
+def test_records_it_cannot_encode_are_skipped_and_counted_by_kind(tmp_path, tokenizer_files, capsys, monkeypatch):
+    """Every kind of record that cannot become tokens is left out (under every key) and counted, never the end
+    of the run; a BOM before the first record is not part of it."""
+    tool = _tool("preprocess_data")
+    real = tool.tokenizer_of
+
+    def failing_on_boom(args):  # a tokenizer that fails on one text (as a library might on odd input)
+        tok = real(args)
+        tokenize = tok.tokenize
+
+        def batch(texts):
+            return [tok.tokenize(t) for t in texts]
+
+        def one(text):
+            if "BOOM" in text:
+                raise ValueError("cannot tokenize this")
+            return tokenize(text)
+        tok.tokenize_batch, tok.tokenize = batch, one
+        return tok
+
+    monkeypatch.setattr(tool, "tokenizer_of", failing_on_boom)
+    texts = _texts(9, seed=5)
+    docs = [{"text": t, "title": f"title {i}"} for i, t in enumerate(texts)]
+    lines = [json.dumps(d).encode() for d in docs]
+    bad = {1: b'{"text": "lone \\ud800 surrogate", "title": "x"}', 3: b'{"text": ' + b"[" * 100000 + b"]" * 100000
+           + b"}", 5: json.dumps({"text": "fine", "title": "BOOM"}).encode(), 7: b'{"text": "\xff", "title": "x"}'}
+    for i, line in bad.items():
+        lines[i] = line
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")  # a BOM before record 1
+    assert _main(tool, tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c", "--json-keys", "text",
+                 "title") == 0
+    summary = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("skipped"))
+    assert summary.startswith("skipped 4 bad record(s) of 9 (")
+    for kind in ("1 a lone surrogate", "1 invalid JSON", "1 the tokenizer failed", "1 undecodable UTF-8"):
+        assert kind in summary
+    assert "in.jsonl:2: key 'text' holds a lone surrogate (\\ud800), which is not text" in summary
+    assert "in.jsonl:4: invalid JSON (nested too deeply)" in summary
+    assert "in.jsonl:6 (key 'title'): the tokenizer failed (ValueError: cannot tokenize this)" in summary
+    tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)
+    good = [d for i, d in enumerate(docs) if i not in bad]
+    for key in ("text", "title"):  # the record the tokenizer failed on under 'title' is out of 'text' too
+        assert [d.tolist() for d in IndexedDataset(str(tmp_path / "out" / f"c_{key}_document"))] == \
+            [tok.tokenize(d[key]) for d in good]
+
+
+def test_a_bom_is_not_part_of_the_first_record(tmp_path, tokenizer_files):
+    tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)
+    (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "the model"}).encode() + b"\n")
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfthe model")
+    for name in ("b.jsonl", "b.txt"):
+        assert _run(tokenizer_files, [tmp_path / name], tmp_path / "out" / name) == 0
+        assert [d.tolist() for d in IndexedDataset(str(tmp_path / "out" / f"{name}_text_document"))] == \
+            [tok.tokenize("the model")]
+
+
+def test_a_long_document_reaches_the_tokenizer_in_bounded_pieces_with_the_same_tokens(tmp_path, tokenizer_files,
+                                                                                     monkeypatch):
+    """A document longer than CHUNK_CHARS is tokenized in pieces cut before a space between two words: the
+    tokenizer never holds more than CHUNK_CHARS characters (its memory, ~150 bytes per character for Hugging
+    Face's, is what made a 50 MB document take 7.3 GB), and the tokens are the whole text's."""
+    tool = _tool("preprocess_data")
+    monkeypatch.setattr(tool, "CHUNK_CHARS", 300)
+    seen, real = [], tool.tokenizer_of
+
+    def spying(args):
+        tok = real(args)
+        batch = tok.tokenize_batch
+
+        def spy(texts):
+            seen.append(sum(map(len, texts)))
+            return batch(texts)
+        tok.tokenize_batch = spy
+        return tok
+
+    monkeypatch.setattr(tool, "tokenizer_of", spying)
+    long = " ".join(_texts(60, seed=6)).replace(". ", ".  \n ")  # ~6,000 characters, runs of whitespace too
+    docs = [long, "a short one.", long[:250]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    for extra, sub in (([], "d"), (["--split-sentences"], "s")):
+        seen.clear()
+        assert _main(tool, tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / sub / "c", "--append-eod",
+                     *extra) == 0
+        assert len(docs[0]) > 10 * 300 and max(seen) <= 300
+    tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)
+    assert [d.tolist() for d in IndexedDataset(str(tmp_path / "d" / "c_text_document"))] == \
+        [tok.tokenize(t) + [tok.eod] for t in docs]
+    text = "x" * 700 + " tail"  # no space between words for 700 characters: cut at the limit
+    assert [len(p) for p in tool.pieces(text, 300)] == [300, 300, 105] and "".join(tool.pieces(text, 300)) == text
+    assert list(tool.pieces("aaa bbb  ccc ddd", 9)) == ["aaa", " bbb  ccc", " ddd"]  # never in a run of spaces
+
+
+@pytest.mark.parametrize("name, damage", [("in.jsonl.gz", "truncate"), ("in.jsonl.gz", "flip"),
+                                          ("in.jsonl.bz2", "truncate"), ("in.jsonl.xz", "flip"),
+                                          ("in.txt.gz", "not-compressed")])
+def test_a_corrupt_compressed_input_is_one_line(tmp_path, tokenizer_files, capsys, name, damage):
+    import bz2
+    import lzma
+
+    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[Path(name).suffix]
+    data = compress("".join(json.dumps({"text": t}) + "\n" for t in _texts(400, seed=7)).encode())
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / name).write_bytes(data)
+    assert _run(tokenizer_files, [tmp_path / "good" / name], tmp_path / "ok" / "c") == 0  # read when whole
+    capsys.readouterr()
+    damaged = {"truncate": data[: len(data) // 2], "flip": data[:40] + bytes([data[40] ^ 0xFF]) + data[41:],
+               "not-compressed": b"plain text, not gzip\n"}[damage]
+    (tmp_path / name).write_bytes(damaged)
+    assert _run(tokenizer_files, [tmp_path / name], tmp_path / "out" / "c") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("processed")]
+    packed = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz"}[Path(name).suffix]
+    assert len(err) == 1 and err[0].startswith(f"preprocess_data.py: error: cannot read {tmp_path / name}: its "
+                                               f"{packed} data is corrupt or truncated (")
+    assert err[0].endswith("; fetch or compress it again, or leave it out of --input.")
+    assert os.listdir(tmp_path / "out") == []  # no output, not even a partial one
+
+
+def test_a_second_writer_of_one_prefix_is_refused(tmp_path, tokenizer_files, capsys):
+    """Two preprocess_data.py writing one --output-prefix at once would take each other's temporary files (one
+    then said it wrote an .idx that did not exist): the second is refused while the first holds the lock."""
+    from megatron import file_lock
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(5, seed=8)))
+    (tmp_path / "out").mkdir()
+    held = file_lock.hold(str(tmp_path / "out" / "c.lock"))  # the first writer (a lock is per open file)
+    try:
+        assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c") == 2
+    finally:
+        file_lock.drop(held, str(tmp_path / "out" / "c.lock"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"preprocess_data.py: error: another preprocess_data.py is writing "
+                                               f"--output-prefix {tmp_path}/out/c (pid {os.getpid()} on ")
+    assert err[0].endswith("wait for it to end, or give another --output-prefix.")
+    assert os.listdir(tmp_path / "out") == []
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c") == 0  # once it has ended
+    assert sorted(os.listdir(tmp_path / "out")) == ["c_text_document.bin", "c_text_document.idx"]  # no lock left
+
+
+def test_a_zst_input_without_zstandard_says_what_to_install(tmp_path, tokenizer_files, capsys):
+    if importlib.util.find_spec("zstandard") is not None:
+        pytest.skip("zstandard is installed: .zst inputs are read")
+    (tmp_path / "in.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    assert _run(tokenizer_files, [tmp_path / "in.jsonl.zst"], tmp_path / "out" / "c") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"preprocess_data.py: error: {tmp_path}/in.jsonl.zst is zstd-compressed: reading it needs the "
+                   f"zstandard package (pip install zstandard), or decompress it first (zstd -d)."]
+    assert os.listdir(tmp_path / "out") == []
