@@ -32,6 +32,7 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron import file_lock
@@ -156,10 +157,11 @@ def _run_of(start: Start, held: HeldRun | None) -> str:
     return new_run_id()
 
 
-def claim(start: Start, overwrite: bool, tensorboard_dir: str | None) -> tuple[str, str | None]:
+def claim(start: Start, overwrite: bool, tensorboard_dir: str | None,
+          tidy: Callable[[], None] | None = None) -> tuple[str, str | None]:
     """Rank 0, after loading and before the run writes anything: the run's id, and a line to log when
     ``overwrite`` deleted another run. CheckpointError (one line) when ``output_dir`` holds another run.
-    Records the run in ``run.json``."""
+    ``tidy`` runs once the folder is this run's, before the run is recorded in ``run.json``."""
     out = start.output_dir
     held = held_run(out)
     run_id = _run_of(start, held)
@@ -168,6 +170,8 @@ def claim(start: Start, overwrite: bool, tensorboard_dir: str | None) -> tuple[s
         if not overwrite:
             raise CheckpointError(_refusal(start, held, run_id))
         note = _remove_run(out, held, tensorboard_dir)
+    if tidy is not None:
+        tidy()
     write_text(os.path.join(out, RUN_FILE), json.dumps({"run_id": run_id, "host": socket.gethostname(),
                                                         "written": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     return run_id, note

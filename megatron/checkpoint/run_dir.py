@@ -69,8 +69,9 @@ def ranks_with(flag: bool, device: torch.device) -> int:
 def check_output_dir(output_dir: str, rank: int, device: torch.device, saves: bool = True) -> None:
     """At start-up, before anything is trained: rank 0 creates ``output_dir`` if needed, checks that
     it can write there, takes the folder's lock for the run's lifetime (``ownership.lock``: a second live
-    run there is refused), checks that nothing is in the way of the files the run writes, and removes the
-    ``step_N.tmp`` folders of interrupted saves; with ``saves`` (the run will checkpoint) and several
+    run there is refused) and checks that nothing is in the way of the files the run writes (the
+    ``step_N.tmp`` folders of interrupted saves are removed once the folder is claimed: ``claim_output_dir``);
+    with ``saves`` (the run will checkpoint) and several
     ranks, every rank must see rank 0's folder (``_check_shared``). Any problem stops every rank with
     one line. Collective. The lock is dropped by ``ownership.release`` (or when the process ends)."""
     warning = on_every_rank(lambda: _prepare(output_dir) if rank == 0 else None, device, f"cannot use the output "
@@ -119,7 +120,7 @@ def claim_output_dir(start: ownership.Start, rank: int, device: torch.device, ov
     """After loading, before the run writes anything: rank 0 checks that ``output_dir`` holds no other run
     (``ownership.claim``: refused in one line on every rank, or deleted with ``overwrite``) and records this
     run there. The run's id on rank 0 (None elsewhere). Collective."""
-    claimed = on_every_rank(lambda: ownership.claim(start, overwrite, tensorboard_dir) if rank == 0 else None,
+    claimed = on_every_rank(lambda: _claim(start, overwrite, tensorboard_dir) if rank == 0 else None,
                             device, f"cannot claim the output folder {start.output_dir}",
                             "fix it or give --save another folder")
     if claimed is None:
@@ -128,6 +129,22 @@ def claim_output_dir(start: ownership.Start, rank: int, device: torch.device, ov
     if note:
         get_logger().warning(note)
     return run_id
+
+
+def _claim(start: ownership.Start, overwrite: bool, tensorboard_dir: str | None):
+    """Rank 0: claim the folder, then remove the ``step_N.tmp`` of its run's interrupted saves (never those of
+    a run the claim refused)."""
+    def tidy() -> None:
+        for path in _leftovers(start.output_dir):
+            remove_leftover(path)
+
+    return ownership.claim(start, overwrite, tensorboard_dir, tidy)
+
+
+def _leftovers(output_dir: str) -> list[str]:
+    """The ``step_N.tmp`` entries of ``output_dir``: the folders of interrupted saves."""
+    return [os.path.join(output_dir, name) for name in sorted(os.listdir(output_dir))
+            if re.fullmatch(r"step_\d+\.tmp", name)]
 
 
 def _prepare(output_dir: str) -> str | None:
@@ -147,9 +164,9 @@ def _prepare(output_dir: str) -> str | None:
     try:
         for name in _IN_THE_WAY:
             _not_in_the_way(os.path.join(output_dir, name))
-        for name in sorted(os.listdir(output_dir)):
-            if re.fullmatch(r"step_\d+\.tmp", name):
-                remove_leftover(os.path.join(output_dir, name))
+        for path in _leftovers(output_dir):  # removed once the folder is this run's (claim_output_dir)
+            if os.path.islink(path) or not os.path.isdir(path):
+                remove_leftover(path)  # in the way: one line
     except Exception:
         ownership.release(output_dir)
         raise

@@ -17,6 +17,7 @@ from megatron.checkpoint import (
     CheckpointError,
     CheckpointReader,
     check_output_dir,
+    claim_output_dir,
     find_checkpoint,
     load_checkpoint,
     ownership,
@@ -256,6 +257,18 @@ OUTPUT_DIRS = {"a-file": "is a file; give --save a folder", "latest-is-a-dir": "
                "tmp-is-a-file": "step_4.tmp is in the way of saves", "leftover-tmp": None}
 
 
+def test_a_refused_run_leaves_the_other_runs_interrupted_save(run_dir):
+    """The step_N.tmp of another run's interrupted save is removed only by a run the folder belongs to."""
+    (run_dir / "step_3.tmp").mkdir()
+    check_output_dir(str(run_dir), 0, CPU)
+    try:
+        with pytest.raises(CheckpointError, match="holds another run"):
+            claim_output_dir(ownership.Start(str(run_dir), None, None, None, False), 0, CPU, False, None)
+    finally:
+        ownership.release(str(run_dir))
+    assert (run_dir / "step_3.tmp").is_dir()
+
+
 @pytest.mark.parametrize("obstacle", list(OUTPUT_DIRS))
 def test_the_output_folder_check(tmp_path, obstacle):
     out, message = tmp_path / "out", OUTPUT_DIRS[obstacle]
@@ -272,9 +285,11 @@ def test_the_output_folder_check(tmp_path, obstacle):
         (out / "step_4.tmp" / "rank0.bin").write_bytes(b"partial")
     if message is None:
         check_output_dir(str(out), 0, CPU)
-        assert sorted(os.listdir(out)) == ["run.lock"]  # the interrupted save removed, no probe file left
+        assert sorted(os.listdir(out)) == ["run.lock", "step_4.tmp"]  # no probe file left; the leftover waits
+        claim_output_dir(ownership.Start(str(out), None, None, None, False), 0, CPU, False, None)
+        assert sorted(os.listdir(out)) == ["run.json", "run.lock"]  # the folder is this run's: its leftover goes
         ownership.release(str(out))  # the end of the run: its lock goes
-        assert sorted(os.listdir(out)) == []
+        assert sorted(os.listdir(out)) == ["run.json"]
         return
     with pytest.raises(CheckpointError, match=message):
         check_output_dir(str(out), 0, CPU)
