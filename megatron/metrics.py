@@ -118,8 +118,8 @@ class MetricsWriter:
     folder are dropped first (``drop_records_after``), and TensorBoard hides that run's later events
     (``purge_step``), so no step appears twice.
 
-    A sink that cannot be written once the run is going (a full disk: ENOSPC, or any OSError) is one
-    warning and is then left alone for the rest of the run: the metrics are a report, and training goes
+    A sink that cannot be written once the run is going (a full disk: ENOSPC, or any OSError; any error of
+    W&B's) is one warning and is then left alone for the rest of the run: the metrics are a report, and training goes
     on (a checkpoint that cannot be written still stops the run). TensorBoard writes from a thread of its
     own; its file errors are caught there (``_quiet_event_file``) and said at the next record."""
 
@@ -171,7 +171,18 @@ class MetricsWriter:
             if self._tb_error:
                 self._tb = self._give_up(self._tb, f"the TensorBoard events in {self._tb_dir}", self._tb_error[0])
         if self._wandb is not None:
-            self._wandb.log(values, step=record["step"])
+            try:
+                self._wandb.log(values, step=record["step"])
+            except Exception as err:  # noqa: BLE001 - wandb raises its own errors (a full disk, a dead service)
+                self._wandb = self._give_up_wandb(err)
+
+    @staticmethod
+    def _give_up_wandb(err: Exception) -> None:
+        """W&B that cannot log any more (its disk full, its service process gone): one warning, and the run's
+        other sinks and training go on; the W&B run is left as it is (finishing it could fail the same way)."""
+        get_logger().warning(f"cannot log to Weights & Biases ({type(err).__name__}: {' '.join(str(err).split())}): "
+                             f"no more metrics go there this run; training goes on (metrics.jsonl keeps them)")
+        return None
 
     @staticmethod
     def _give_up(sink, what: str, err: OSError) -> None:
@@ -203,7 +214,10 @@ class MetricsWriter:
             self._tb = None
         if self._wandb is not None:
             run, self._wandb = self._wandb, None
-            run.finish(exit_code=exit_code)
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as err:  # noqa: BLE001 - as in write: never a traceback at the end of a run
+                self._give_up_wandb(err)
 
 
 def _quiet_event_file(writer, errors: list[OSError]) -> None:

@@ -76,3 +76,41 @@ def test_a_full_disk_under_the_tensorboard_events_is_one_warning_and_no_tracebac
     # metrics.jsonl, on another disk here, has every record
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3, 4, 5]
+
+
+class _FailingWandbRun:
+    """A W&B run whose service died after the first record (wandb raises its own errors, or OSError)."""
+
+    def __init__(self):
+        self.logged, self.finished = [], False
+
+    def log(self, values, step):
+        if self.logged:
+            raise RuntimeError("wandb service process exited\nwith code 1")
+        self.logged.append(step)
+
+    def finish(self, exit_code=0):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_weights_and_biases_failing_is_one_warning_and_training_goes_on(tmp_path, warnings):
+    writer = MetricsWriter(str(tmp_path), None)
+    run = writer._wandb = _FailingWandbRun()
+    for step in range(1, 5):
+        writer.write(_record(step))  # no exception
+    writer.close()  # neither at the end
+    assert run.logged == [1]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    said = [m for m in warnings if "Weights & Biases" in m]
+    assert said == ["cannot log to Weights & Biases (RuntimeError: wandb service process exited with code 1): no more "
+                    "metrics go there this run; training goes on (metrics.jsonl keeps them)"]
+
+
+def test_weights_and_biases_failing_to_finish_is_one_warning(tmp_path, warnings):
+    writer = MetricsWriter(str(tmp_path), None)
+    writer._wandb = _FailingWandbRun()
+    writer.write(_record(1))
+    writer.close()  # finish fails: said, not raised
+    assert [m for m in warnings if "Weights & Biases" in m] == [
+        "cannot log to Weights & Biases (OSError: [Errno 28] No space left on device): no more metrics go there this "
+        "run; training goes on (metrics.jsonl keeps them)"]
