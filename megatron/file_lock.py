@@ -20,6 +20,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 
 _BUSY = (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN)
@@ -41,7 +42,7 @@ def hold(path: str):
     """The open file holding the lock on ``path`` (created if needed); Busy, Unsupported, or the OSError of
     opening it."""
     for _ in range(10):
-        f = open(path, "a+")
+        f = _open_regular(path)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -64,6 +65,16 @@ def hold(path: str):
         f.flush()
         return f
     raise Busy("writers that keep replacing the lock file")
+
+
+def _open_regular(path: str):
+    """``path`` opened for appending, created if needed; never through a symbolic link (a lock file linked to
+    another file would have its holder line written there) and only a regular file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return os.fdopen(fd, "a+")
 
 
 def drop(f, path: str) -> None:

@@ -35,14 +35,16 @@ import numpy as np
 import torch
 
 from megatron.checkpoint import small_files
+from megatron.checkpoint.piece_checks import KINDS, overlap, wrong_field  # noqa: F401 - KINDS: format.KINDS
 
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (2, 3, 4)  # 2: no checksums (read unverified); 2 and 3: pickled small files
 CRC_CHUNK_BYTES = 4 << 20  # one CRC-32 per 4 MiB of a piece: a partial read checks at most 8 MiB more
-KINDS = ("param", "exp_avg", "exp_avg_sq")  # param: the fp32 master weight
+# KINDS (param: the fp32 master weight, exp_avg, exp_avg_sq) comes from piece_checks, which checks them
 PIECE_FIELDS = ("offset", "rank", "kind", "name", "lo", "hi", "global_shape", "partition_dim", "tp_rank", "tp_size",
                 "local_shape")
 VOCAB_PADDED = ("word_embeddings.weight", "output_layer.weight")  # rows: the vocabulary padded for tp
+SMALL_FILE = re.compile(r"common\.(json|pt)|config\.yaml|rank\d+\.rng\.(json|pt)")  # what 'files' may name
 
 
 def is_vocab_padded(name: str) -> bool:
@@ -156,8 +158,8 @@ def find_checkpoint(path: str) -> str | None:
 
 def _follow_latest(path: str, latest: str) -> str:
     try:
-        with open(latest) as f:
-            name = f.read().strip()
+        with open(latest, errors="replace") as f:
+            name = f.read(256).strip()  # a step folder's name: never read more (a link to /dev/zero)
     except OSError as err:
         raise CheckpointError(f"cannot read {latest} ({err.strerror or err}); remove it or load a step folder "
                               f"directly.") from err
@@ -201,6 +203,10 @@ def verify_file(step_dir: str, name: str, metadata: dict | None = None) -> None:
         return
     path = os.path.join(step_dir, name)
     try:
+        size = os.path.getsize(path)
+        if size > small_files.MAX_SMALL_FILE_BYTES:
+            raise CheckpointError(f"refusing {path}: it is {size:,} bytes, more than any checkpoint's small file; "
+                                  f"{earlier_checkpoint(step_dir)}.")
         with open(path, "rb") as f:
             crc = zlib.crc32(f.read())
     except OSError as err:
@@ -209,31 +215,6 @@ def verify_file(step_dir: str, name: str, metadata: dict | None = None) -> None:
     if crc != files[name]:
         raise CheckpointError(f"{path} does not match its checksum in metadata.json: the file is corrupt; "
                               f"{earlier_checkpoint(step_dir)}.")
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _wrong_field(piece: dict) -> str | None:
-    """The first field of a piece whose type or value the format never writes (a crafted metadata.json must
-    not steer a read outside the step folder, or fail as a traceback), else None."""
-    for field in ("offset", "rank", "lo", "hi", "tp_rank", "tp_size"):
-        if not _is_count(piece[field]):
-            return field
-    if piece["kind"] not in KINDS:
-        return "kind"
-    if not isinstance(piece["name"], str):
-        return "name"
-    for field in ("global_shape", "local_shape"):
-        if not isinstance(piece[field], list) or not all(_is_count(n) for n in piece[field]):
-            return field
-    dim = piece["partition_dim"]
-    if dim is not None and not (_is_count(dim) and dim < len(piece["global_shape"])):
-        return "partition_dim"
-    if piece["tp_rank"] >= max(piece["tp_size"], 1):
-        return "tp_rank"
-    return None
 
 
 def _numel(shape) -> int:
@@ -276,10 +257,15 @@ class CheckpointReader:
             self.chunk_bytes = checksum.get("chunk_bytes") if checksum.get("algorithm") == "crc32" else None
             if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0 or self.chunk_bytes % 4:
                 problem = f"checksum {checksum!r} is not crc32 over chunks of a multiple of 4 bytes"
+        files = meta.get("files", {})
+        if problem is None and (not isinstance(files, dict) or not all(
+                isinstance(k, str) and SMALL_FILE.fullmatch(k) and isinstance(v, int) for k, v in files.items())):
+            problem = "'files' names a file the format does not write"
         for piece in meta["pieces"] if problem is None else ():
             problem = self._piece_problem(piece)
             if problem:
                 break
+        problem = problem or overlap(meta["pieces"])
         if problem:
             raise CheckpointError(f"{self.step_dir}/metadata.json is damaged ({problem}); "
                                   f"{earlier_checkpoint(self.step_dir)}.")
@@ -288,7 +274,7 @@ class CheckpointReader:
         lacking = [field for field in PIECE_FIELDS if not isinstance(piece, dict) or field not in piece]
         if lacking:
             return f"a piece lacks {lacking[0]!r}"
-        wrong = _wrong_field(piece)
+        wrong = wrong_field(piece)
         if wrong:
             return f"a piece's {wrong!r} is {str(piece[wrong])[:40]!r}, not what the format holds"
         if not 0 <= piece["lo"] < piece["hi"]:

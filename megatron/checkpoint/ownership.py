@@ -85,12 +85,13 @@ def release(output_dir: str) -> None:
 class HeldRun:
     run_id: str | None  # None: a folder written before run ids
     what: str  # "run 3f2a..., latest step_40", for messages
+    latest: str | None = None  # None: metrics only, no checkpoint to resume
 
 
 def _latest_step(output_dir: str) -> str | None:
     try:
-        with open(os.path.join(output_dir, "latest")) as f:
-            return f.read().strip() or None
+        with open(os.path.join(output_dir, "latest"), errors="replace") as f:
+            return f.read(256).strip() or None  # a step folder's name: never read more
     except OSError:
         steps = [int(m.group(1)) for d in os.listdir(output_dir) if (m := _STEP.fullmatch(d))]
         return f"step_{max(steps)}" if steps else None
@@ -125,7 +126,7 @@ def held_run(output_dir: str) -> HeldRun | None:
         return None
     run_id = run_json_id(output_dir)
     who = f"run {run_id}" if run_id else "a run from before run ids"
-    return HeldRun(run_id, f"{who}, latest {latest}" if latest else f"{who}: metrics.jsonl, no checkpoint")
+    return HeldRun(run_id, f"{who}, latest {latest}" if latest else f"{who}: metrics.jsonl, no checkpoint", latest)
 
 
 # The claim of a run starting now ---------------------------------------------------------------------------
@@ -151,10 +152,7 @@ class Start:
 def _run_of(start: Start, held: HeldRun | None) -> str:
     if start.own_folder():
         return (held.run_id if held else None) or start.checkpoint_run or run_json_id(start.output_dir) or new_run_id()
-    if start.loaded and not start.finetune:
-        return (start.checkpoint_run or run_json_id(os.path.dirname(os.path.normpath(start.loaded)))
-                or new_run_id())
-    return new_run_id()
+    return new_run_id()  # a fresh start, a --finetune, or a branch: --load A --save B continues A as a new run
 
 
 def claim(start: Start, overwrite: bool, tensorboard_dir: str | None,
@@ -180,10 +178,13 @@ def claim(start: Start, overwrite: bool, tensorboard_dir: str | None,
 def _refusal(start: Start, held: HeldRun, run_id: str) -> str:
     out = start.output_dir
     ways = (f"resume that run with --load {out}, give --save another folder, or pass --overwrite-output-dir to "
-            f"delete it and write this run there")
+            f"delete it and write this run there") if held.latest else (
+        "it saved no checkpoint to resume (a relaunch would start it again and drop its metrics): give --save another "
+        "folder, or pass --overwrite-output-dir to delete its metrics and write this run there")
     if start.loaded and not start.finetune:
-        return (f"{out} holds another run ({held.what}) than the checkpoint loaded from {start.ckpt_dir} "
-                f"(run {run_id}): writing there would replace that run's checkpoints and metrics; {ways}.")
+        return (f"{out} holds another run ({held.what}), and a run loaded from {start.ckpt_dir} that saves "
+                f"elsewhere is a new run (a branch): writing there would replace that run's checkpoints and metrics; "
+                f"{ways}.")
     new = "a --finetune run is a new run" if start.finetune else "a run without --load is a new run"
     return (f"{out} holds another run ({held.what}) and {new}: writing there would replace that run's checkpoints "
             f"and metrics; {ways}.")

@@ -25,7 +25,9 @@ __all__ = ["NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_con
            "schedule_kept_warning"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
-                 "exit_interval", "use_checkpoint_args", "override_data_order", "overwrite_output_dir")
+                 "exit_interval", "use_checkpoint_args", "override_data_order", "overwrite_output_dir",
+                 # where this launch writes: never steered by a checkpoint (a copy, or one downloaded)
+                 "output_dir", "tensorboard_dir", "wandb_save_dir", "data_cache_path")
 NOT_INHERITED_SECTION = "Distributed"  # the parallel layout is the launch's
 
 

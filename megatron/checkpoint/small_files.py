@@ -22,6 +22,7 @@ import json
 import math
 import os
 import pickle
+import zipfile
 
 import numpy as np
 import torch
@@ -103,6 +104,11 @@ def read_legacy_pt(path: str) -> object:
     if size > MAX_SMALL_FILE_BYTES:
         raise UnsafeCheckpoint(f"it is {size:,} bytes, more than any checkpoint's small file "
                                f"({MAX_SMALL_FILE_BYTES:,})")
+    if zipfile.is_zipfile(path):  # torch.save's format: what it unpacks to is bounded too (a deflated tensor)
+        with zipfile.ZipFile(path) as archive:
+            unpacked = sum(info.file_size for info in archive.infolist())
+        if unpacked > MAX_SMALL_FILE_BYTES:
+            raise UnsafeCheckpoint(f"it unpacks to {unpacked:,} bytes, more than any checkpoint's small file")
     try:
         with torch.serialization.safe_globals(_numpy_allowed()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -135,21 +141,36 @@ def _int(value, what: str, low: int = 0) -> int:
     return value
 
 
+def _at_most(value, high: int, what: str) -> int:
+    if _int(value, what) > high:
+        raise UnsafeCheckpoint(f"{what} is {value}, not an integer from 0 to {high}")
+    return value
+
+
 def _number(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UnsafeCheckpoint(f"{what} is {_show(value)}, not a finite number")
     return float(value)
 
 
-def _is_plain(value, depth: int = 0) -> bool:
-    """JSON's own kinds of value (None, booleans, numbers, text, lists and text-keyed mappings), nested a little."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if depth >= 8:
-        return False
-    if isinstance(value, list):
-        return all(_is_plain(v, depth + 1) for v in value)
-    return isinstance(value, dict) and all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in value.items())
+def _is_plain(value, limit: int = 100_000) -> bool:
+    """JSON's own kinds of value (None, booleans, numbers, text, lists and text-keyed mappings), nested at most 8
+    deep and ``limit`` values in all (a pickle may share one list many times over: never walked without bound)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        item, depth = stack.pop()
+        seen += 1
+        if seen > limit or depth > 8:
+            return False
+        if item is None or isinstance(item, (bool, int, float, str)):
+            continue
+        if isinstance(item, list):
+            stack += [(v, depth + 1) for v in item[:limit]]
+        elif isinstance(item, dict) and all(isinstance(k, str) for k in list(item)[:limit]):
+            stack += [(v, depth + 1) for v in list(item.values())[:limit]]
+        else:
+            return False
+    return True
 
 
 def _show(value) -> str:
@@ -165,7 +186,8 @@ def check_common(value: object) -> dict:
         if key not in value:
             raise UnsafeCheckpoint(f"it lacks {key!r}")
     _int(value["step"], "step")
-    _number(value["adam_step"], "adam_step")
+    if _number(value["adam_step"], "adam_step") < 0:
+        raise UnsafeCheckpoint(f"adam_step is {value['adam_step']}, below 0")
     scaler = value["grad_scaler"]
     if scaler is not None:
         if not isinstance(scaler, dict) or not all(isinstance(k, str) for k in scaler):
@@ -218,8 +240,10 @@ def decode_rng(value: object, legacy: bool = False) -> dict:
         py, npy = value["python"], value["numpy"]
         if not (isinstance(py, tuple) and len(py) == 3 and isinstance(py[1], tuple)):
             raise UnsafeCheckpoint("its Python RNG state is not (version, words, gauss)")
+        if len(py[1]) != 625:
+            raise UnsafeCheckpoint("its Python RNG state is not 624 32-bit words and a position")
         python = {"version": py[0], "state": list(py[1]), "gauss_next": py[2]}
-        if not (isinstance(npy, tuple) and len(npy) == 5 and isinstance(npy[1], np.ndarray)):
+        if not (isinstance(npy, tuple) and len(npy) == 5 and isinstance(npy[1], np.ndarray) and npy[1].size == 624):
             raise UnsafeCheckpoint("its NumPy RNG state is not (name, keys, pos, has_gauss, cached)")
         numpy = {"name": npy[0], "keys": npy[1].tolist(), "pos": npy[2], "has_gauss": npy[3],
                  "cached_gaussian": npy[4]}
@@ -237,7 +261,8 @@ def decode_rng(value: object, legacy: bool = False) -> dict:
     if not isinstance(words, list) or len(words) != 625 or not all(
             isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2**32 for w in words[:624]):
         raise UnsafeCheckpoint("its Python RNG state is not 624 32-bit words and a position")
-    _int(words[624], "the Python RNG position")
+    if _int(words[624], "the Python RNG position") > 624:
+        raise UnsafeCheckpoint(f"the Python RNG position is {words[624]}, beyond its 624 words")
     gauss = python.get("gauss_next")
     keys = numpy.get("keys")
     if numpy.get("name") != "MT19937" or not isinstance(keys, list) or len(keys) != 624 or not all(
@@ -248,8 +273,8 @@ def decode_rng(value: object, legacy: bool = False) -> dict:
     state = {
         "python": (_int(python.get("version"), "the Python RNG version"), tuple(words),
                    None if gauss is None else _number(gauss, "the Python RNG's gauss_next")),
-        "numpy": ("MT19937", np.array(keys, dtype=np.uint32), _int(numpy.get("pos"), "the NumPy RNG position"),
-                  _int(numpy.get("has_gauss"), "the NumPy RNG's has_gauss"),
+        "numpy": ("MT19937", np.array(keys, dtype=np.uint32), _at_most(numpy.get("pos"), 624, "the NumPy RNG position"),
+                  _at_most(numpy.get("has_gauss"), 1, "the NumPy RNG's has_gauss"),
                   _number(numpy.get("cached_gaussian"), "the NumPy RNG's cached gaussian")),
         "torch": _generator_state(torch_state, "torch", like),
         "tracker": {k: _generator_state(v, f"tracker.{k}") for k, v in tracker.items()},  # CPU or GPU ones

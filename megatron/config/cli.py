@@ -154,6 +154,8 @@ def coerce(leaf: Leaf, value: Any) -> Any:
     where = leaf.dotted
     if tp is str and leaf.choices and isinstance(value, str) and value in leaf.choices:
         return value  # a choice spelled like an empty value: position_embedding_type none
+    if isinstance(value, (list, dict, tuple, set)) and tp in (bool, int, float, str):
+        raise ConfigError(f"{where} must be a single {tp.__name__}, got a {type(value).__name__}.")
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
             return None

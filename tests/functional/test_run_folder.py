@@ -65,21 +65,23 @@ def test_a_new_run_into_a_folder_holding_another_is_refused(saved, tmp_path):
         assert snapshot(a) == before  # no step folder replaced, latest and metrics.jsonl as they were
 
 
-def test_load_a_save_b_is_refused_when_b_holds_another_run_and_carries_the_run_into_an_empty_b(saved, tmp_path):
+def test_load_a_save_b_is_refused_when_b_holds_another_run_and_branches_into_an_empty_b(saved, tmp_path):
     a, b = saved, copy(saved, tmp_path / "B")
     (b / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef"}))  # B: another run's folder
     before = snapshot(b)
     line = error_line(run_here(*tiny(3, "--load", str(a), "--save", str(b))))
-    assert (f"{b} holds another run (run 0123456789abcdef, latest step_2) than the checkpoint loaded from {a} "
-            f"(run {run_id(a)})") in line
+    assert (f"{b} holds another run (run 0123456789abcdef, latest step_2), and a run loaded from {a} that saves "
+            f"elsewhere is a new run (a branch)") in line
     assert snapshot(b) == before  # metrics.jsonl not trimmed, latest not repointed
 
-    c = tmp_path / "C"  # an empty folder: the run continues there, and C is A's run (into a B holding A's run:
-    # tests/unit/test_run_ownership.py)
+    c = tmp_path / "C"  # an empty folder: the branch continues there as a run of its own
     result = run_here(*tiny(3, "--load", str(a / "step_1"), "--save", str(c)))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert run_id(c) == run_id(a)
-    assert CheckpointReader(str(c / "step_3")).common()["train_state"]["run_id"] == run_id(a)
+    assert run_id(c) not in (None, run_id(a))
+    assert CheckpointReader(str(c / "step_3")).common()["train_state"]["run_id"] == run_id(c)
+    before = snapshot(c)  # another branch of A into C is refused: C's steps are never spliced with another's
+    line = error_line(run_here(*tiny(3, "--load", str(a / "step_1"), "--save", str(c), "--lr", "1e-3")))
+    assert f"{c} holds another run (run {run_id(c)}, latest step_3)" in line and snapshot(c) == before
 
 
 def test_overwrite_output_dir_replaces_the_other_run_and_is_not_inherited(saved, tmp_path):

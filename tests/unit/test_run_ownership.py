@@ -59,7 +59,8 @@ def test_which_starts_may_write_into_a_folder(tmp_path):
     assert claim(Start(a, a, f"{a}/step_2", "aaaa"), False, None)[0] == "aaaa"  # --load A --save A
     assert claim(Start(a, f"{a}/step_1", f"{a}/step_1", None), False, None)[0] == "aaaa"  # an earlier step of A
     b = str(run_folder(tmp_path / "b", run_id="aaaa", steps=(3,)))
-    assert claim(Start(b, a, f"{a}/step_2", "aaaa"), False, None)[0] == "aaaa"  # B holds the same run
+    with pytest.raises(CheckpointError, match="a run loaded from .* that saves elsewhere is a new run"):
+        claim(Start(b, a, f"{a}/step_2", "aaaa"), False, None)  # B holds another branch of A's run: never spliced
     legacy_ckpt = str(run_folder(tmp_path / "legacy", run_id=None))
     assert claim(Start(legacy_ckpt, legacy_ckpt, f"{legacy_ckpt}/step_2", None), False, None)[0]  # adopted
     assert (tmp_path / "legacy" / "run.json").exists()
