@@ -174,8 +174,12 @@ def _is_plain(value, limit: int = 100_000) -> bool:
 
 
 def _show(value) -> str:
-    text = repr(value)
-    return f"a {type(value).__name__}" if len(text) > 40 else text
+    """A short rendering for a message (never the repr of a container: a crafted one may be vast)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        text = repr(value) if not isinstance(value, str) or len(value) <= 40 else ""
+        if text and len(text) <= 40:
+            return text
+    return f"a {type(value).__name__}"
 
 
 def check_common(value: object) -> dict:

@@ -245,3 +245,105 @@ def test_a_crafted_metadata_field_is_one_line_and_reads_nothing_outside(saved, t
         load(run)
     assert f"metadata.json is damaged (a piece's '{field}' is" in str(raised.value)
     assert "\n" not in str(raised.value)
+
+
+# ---------------------------------------------------------------- crafted to exhaust, or to reach outside
+
+
+def _crafted(saved, tmp_path, harm):
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    harm(run / "step_2")
+    return run
+
+
+def _files(step, name, crc=0):
+    metadata = json.loads((step / "metadata.json").read_text())
+    metadata["files"][name] = crc
+    (step / "metadata.json").write_text(json.dumps(metadata))
+
+
+def _duplicate_piece(step):
+    metadata = json.loads((step / "metadata.json").read_text())
+    metadata["pieces"].append(dict(metadata["pieces"][3]))
+    (step / "metadata.json").write_text(json.dumps(metadata))
+
+
+def _huge_common(step):
+    with open(step / "common.json", "r+b") as f:
+        f.truncate(65 << 20)  # sparse: 65 MiB that read as zeros
+
+
+def _rng_position(step):
+    value = json.loads((step / "rank0.rng.json").read_text())
+    value["numpy"]["pos"] = 10**6  # NumPy would read past its 624 words (a segfault)
+    (step / "rank0.rng.json").write_text(json.dumps(value))
+    _record_checksum(step, "rank0.rng.json")
+
+
+@pytest.mark.parametrize("harm, message", [
+    (lambda s: _files(s, "../../../../etc/hostname"), "'files' names a file the format does not write"),
+    (lambda s: _files(s, "/dev/zero"), "'files' names a file the format does not write"),
+    (_duplicate_piece, "two pieces of "),
+    (_huge_common, "common.json: it is 68,157,440 bytes, more than any checkpoint's small file"),
+    (_rng_position, "the NumPy RNG position is 1000000, not an integer from 0 to 624"),
+], ids=["files-outside", "files-device", "duplicate-piece", "huge-small-file", "rng-position"])
+def test_a_checkpoint_crafted_to_reach_outside_or_exhaust_is_one_line(saved, tmp_path, harm, message):
+    run = _crafted(saved, tmp_path, harm)
+    with pytest.raises(CheckpointError) as raised:
+        load(run)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    result = run_tool_here("tools/checkpoint_info.py", str(run), "--verify")
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-500:]
+
+
+def test_a_latest_linked_to_an_endless_file_is_read_no_further_than_a_name(saved, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved, run)
+    (run / "latest").unlink()
+    (run / "latest").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="not a step folder name"):
+        load(run)
+
+
+def test_legacy_pickles_that_would_exhaust_memory_or_time_are_refused(legacy, tmp_path):
+    """Only allowed names, but a shared list nested deep (exponential to walk), a NumPy state of 2e8 words, and a
+    deflated tensor far larger than its file: each refused before the cost."""
+    step = legacy / "step_2"
+    common = torch.load(step / "common.pt", weights_only=False)
+    shared = [1]
+    for _ in range(7):
+        shared = [shared] * 200
+    torch.save({**common, "train_state": {**common["train_state"], "x": shared}}, step / "common.pt")
+    _record_checksum(step, "common.pt")
+    with pytest.raises(CheckpointError, match="train_state holds 'x'"):
+        load(legacy)
+    rng = torch.load(step / "rank0.rng.pt", weights_only=False)
+    name, keys, *rest = rng["numpy"]
+    torch.save({**rng, "numpy": (name, np.zeros(10**6, dtype=np.uint32), *rest)}, step / "rank0.rng.pt")
+    _record_checksum(step, "rank0.rng.pt")
+    torch.save(common, step / "common.pt")
+    _record_checksum(step, "common.pt")
+    with pytest.raises(CheckpointError, match="its NumPy RNG state is not"):
+        load(legacy)
+
+
+def test_a_resume_of_a_copied_folder_never_writes_into_the_original(saved, tmp_path):
+    """The saved config names the folder it was written to (and a downloaded one could name any): where this
+    launch writes is this launch's (its --save, else the default), never inherited."""
+    from megatron.config import Config
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    config = _resume(copy)
+    assert config.save_load.output_dir == Config().save_load.output_dir != str(saved)
+    assert config.save_load.tensorboard_dir is None
+
+
+def test_a_yaml_alias_bomb_for_a_number_is_one_line(tmp_path):
+    levels = ["&a [x, x, x, x, x, x, x, x, x, x]"] + [f"&{c} [{', '.join(['*' + p] * 10)}]"
+                                                       for p, c in zip("abcdefg", "bcdefgh")]
+    bomb = f"max_steps: [{', '.join(levels)}]\n"  # 10^8 leaves if expanded (a saved config.yaml could hold it)
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    with pytest.raises(ConfigError, match="max_steps must be a single int, got a list"):
+        parse_config(["-c", str(tmp_path / "bomb.yaml")])
