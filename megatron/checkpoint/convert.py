@@ -38,6 +38,7 @@ from megatron.checkpoint.format import (
     write_bytes,
     write_text,
 )
+from megatron.checkpoint.ownership import held_run
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 from megatron.config.syntax import read_yaml
@@ -143,6 +144,10 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
         raise CheckpointError(f"{final} is the checkpoint being read; write to another folder.")
     if os.path.exists(final) and not force:
         raise CheckpointError(f"{final} already exists; choose another output folder or pass --force.")
+    held = held_run(run_dir)
+    if held is not None and not force:  # a run's folder: its relaunch would resume this instead of its own steps
+        raise CheckpointError(f"{run_dir} holds a run ({held.what}): writing a checkpoint there would repoint its "
+                              f"'latest'; choose another output folder, or pass --force.")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -272,6 +272,15 @@ def test_from_hf_flags_and_refusals(tmp_path, hf_dir):
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "y")]) == 2
 
 
+def test_a_converter_never_writes_into_a_runs_folder(tmp_path, hf_dir, capsys):
+    """A run folder's relaunch resumes what its 'latest' names: an import written there would replace its run."""
+    run = trained_checkpoint(tmp_path / "run", make_config(), steps=2)
+    (run / "metrics.jsonl").write_text('{"split": "train", "step": 1, "loss": 5.0}\n')
+    assert convert.main(["from-hf", str(hf_dir), str(run)]) == 2
+    assert f"{run} holds a run (" in capsys.readouterr().err and (run / "latest").read_text() == "step_2"
+    assert not (run / "step_0").exists()  # reshard writes through the same write_checkpoint
+
+
 # ---------------------------------------------------------------- reshard
 
 
