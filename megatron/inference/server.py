@@ -221,7 +221,22 @@ async def _prompts(value: Any, engine, most: int) -> list[tuple[list[int], str]]
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                            f"token-id lists, got {str(prompt)[:40]!r}.", "prompt")
     tokenize, detokenize = engine.tokenizer.tokenize, engine.tokenizer.detokenize
-    return await asyncio.to_thread(lambda: [(tokenize(texts[i]), texts[i]) if i in texts
+
+    def encode(i: int) -> list[int]:
+        """A text prompt's ids: a text the tokenizer refuses (NullTokenizer's non-ids, a lone surrogate) or ids it
+        gives outside the model's vocabulary are the client's 400, never a 500."""
+        try:
+            ids = list(tokenize(texts[i]))
+        except Exception as err:  # noqa: BLE001 - any tokenizer's refusal of this text
+            raise ApiError(400, f"{which(i)}cannot be tokenized ({type(err).__name__}: "
+                           f"{' '.join(str(err).split())[:200]}).", "prompt") from None
+        bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"{which(i)}gives token id {bad}, outside the vocabulary (0..{engine.vocab_size - 1}).",
+                           "prompt")
+        return ids
+
+    return await asyncio.to_thread(lambda: [(encode(i), texts[i]) if i in texts
                                             else (list(p), detokenize(list(p))) for i, p in enumerate(value)])
 
 

@@ -242,6 +242,15 @@ BAD = [
 ]
 
 
+def test_a_prompt_the_tokenizer_refuses_is_a_400(served):
+    """A lone surrogate (valid JSON: an escape) that the tokenizer cannot encode: was a 500 with a traceback."""
+    status, body = post(served[0] + "/v1/completions", b'{"model": "%s", "prompt": "caf\\ud800", "max_tokens": 2}'
+                        % MODEL.encode())
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert body["error"]["message"].startswith("prompt cannot be tokenized (")
+    assert get(served[0] + "/health")[0] == 200
+
+
 @pytest.mark.parametrize("fields,param", BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_requests_are_openai_400s_and_the_server_stays_up(served, client, fields, param):
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2, **fields}
