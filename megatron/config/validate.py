@@ -22,6 +22,7 @@ from megatron.config.validate_schedule import (
     resolve_batch_schedule,
 )
 
+MAX_TIMEOUT_MINUTES = 525_600  # a year: beyond it a timer overflows (threading.TIMEOUT_MAX, timedelta)
 
 def _check_syntax(parse: Callable[[str], object], text: str) -> None:
     """``parse(text)`` (a ``syntax`` parser) succeeds; its ValueError becomes the ConfigError."""
@@ -208,8 +209,9 @@ def _check_distributed(config: Config, world_size: int) -> None:
     _check_pipeline(config)
     if d.bucket_size_mb <= 0:
         _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
-    if d.distributed_timeout_minutes <= 0:
-        _fail(f"distributed_timeout_minutes must be positive, got {d.distributed_timeout_minutes}.")
+    if not 0 < d.distributed_timeout_minutes <= MAX_TIMEOUT_MINUTES:
+        _fail(f"distributed_timeout_minutes must be positive and at most {MAX_TIMEOUT_MINUTES:g} (a year), got "
+              f"{d.distributed_timeout_minutes}.")
 
 
 def _check_pipeline(config: Config) -> None:
@@ -324,9 +326,9 @@ def _check_run_health(config: Config) -> None:
         _fail(f"loss_spike_factor must be above 1 (or 0 to disable), got {config.loss_spike_factor}.")
     if config.watchdog_timeout_minutes is None:
         config.watchdog_timeout_minutes = config.distributed.distributed_timeout_minutes
-    if config.watchdog_timeout_minutes < 0:
-        _fail(f"watchdog_timeout_minutes must be >= 0 (0 disables the watchdog), got "
-              f"{config.watchdog_timeout_minutes}.")
+    if not 0 <= config.watchdog_timeout_minutes <= MAX_TIMEOUT_MINUTES:
+        _fail(f"watchdog_timeout_minutes must be from 0 (0 disables the watchdog) to {MAX_TIMEOUT_MINUTES:g} (a "
+              f"year), got {config.watchdog_timeout_minutes}.")
 
 
 def _resolve_distributed_optimizer(config: Config, world_size: int) -> None:

@@ -117,7 +117,10 @@ def test_derived_defaults():
     (["--max-steps", "0"], "max_steps must be at least 1, got 0"),
     (["--hysteresis", "0"], "hysteresis at least 1"),
     (["--distributed-timeout-minutes", "0"], "distributed_timeout_minutes must be positive"),
-    (["--watchdog-timeout-minutes=-1"], "watchdog_timeout_minutes must be >= 0"),
+    (["--watchdog-timeout-minutes=-1"], "watchdog_timeout_minutes must be from 0"),
+    (["--watchdog-timeout-minutes", "1e9"], "watchdog_timeout_minutes must be from 0 .0 disables the watchdog. to "
+                                            "525600"),  # was accepted: the watchdog's timer overflowed, silently
+    (["--distributed-timeout-minutes", "1e308"], "distributed_timeout_minutes must be positive and at most 525600"),
     (["--max-consecutive-skipped-steps=-1"], "max_consecutive_skipped_steps must be >= 0"),
     (["--loss-spike-factor", "0.5"], "loss_spike_factor must be above 1"),
     (["--seed=-1"], r"seed must be in \[0, 2\^32 - 1\]"),
