@@ -29,6 +29,7 @@ import torch
 
 COMMON_FILE = "common.json"
 LEGACY_COMMON_FILE = "common.pt"  # formats 2 and 3
+COUNT_MAX = 2**53  # steps and samples: beyond it they are not even exact as floats (metrics, schedules)
 MAX_SMALL_FILE_BYTES = 64 << 20  # common.json / rng files are kilobytes; a bigger one is not a checkpoint's
 
 
@@ -189,7 +190,7 @@ def check_common(value: object) -> dict:
     for key in ("step", "adam_step", "grad_scaler", "train_state", "config"):
         if key not in value:
             raise UnsafeCheckpoint(f"it lacks {key!r}")
-    _int(value["step"], "step")
+    _at_most(value["step"], COUNT_MAX, "step")
     if _number(value["adam_step"], "adam_step") < 0:
         raise UnsafeCheckpoint(f"adam_step is {value['adam_step']}, below 0")
     scaler = value["grad_scaler"]
@@ -206,7 +207,7 @@ def check_common(value: object) -> dict:
             raise UnsafeCheckpoint(f"train_state holds {_show(k)}: {_show(v)}, which is not plain data")
     for k in ("consumed_samples", "skipped_steps", "schedule_samples"):
         if k in state:
-            _int(state[k], f"train_state.{k}")
+            _at_most(state[k], COUNT_MAX, f"train_state.{k}")
     if not isinstance(value["config"], str):
         raise UnsafeCheckpoint(f"config is {_show(value['config'])}, not YAML text")
     return value

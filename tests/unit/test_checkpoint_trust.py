@@ -135,6 +135,8 @@ def _record_checksum(step_dir, name):
 @pytest.mark.parametrize("name, change, message", [
     ("common.json", lambda v: v.update(step="2; rm -rf /"), "step is '2; rm -rf /', not an integer >= 0"),
     ("common.json", lambda v: v.update(step=-1), "step is -1, not an integer >= 0"),
+    ("common.json", lambda v: v["train_state"].update(consumed_samples=10**30),
+     "train_state.consumed_samples is 1000000000000000000000000000000, not an integer from 0 to 9007199254740992"),
     ("common.json", lambda v: v.update(grad_scaler={"scale": "1e30"}), "grad_scaler.scale is '1e30', not a finite"),
     ("common.json", lambda v: v["train_state"].update(consumed_samples=[1] * 1000), "train_state.consumed_samples"),
     ("common.json", lambda v: v.pop("config"), "it lacks 'config'"),
@@ -142,7 +144,7 @@ def _record_checksum(step_dir, name):
     ("rank0.rng.json", lambda v: v.update(torch="AAAA"), "torch is not a generator state of"),
     ("rank0.rng.json", lambda v: v["python"]["state"].pop(), "its Python RNG state is not 624 32-bit words"),
     ("rank0.rng.json", lambda v: v["numpy"].update(keys=[-1] * 624), "its NumPy RNG state is not an MT19937"),
-], ids=["step-text", "step-negative", "scale-text", "samples-list", "no-config", "rng-text", "rng-size",
+], ids=["step-text", "step-negative", "samples-huge", "scale-text", "samples-list", "no-config", "rng-text", "rng-size",
         "python-rng", "numpy-rng"])
 def test_a_crafted_json_file_is_one_line(saved, tmp_path, name, change, message):
     run = tmp_path / "run"
