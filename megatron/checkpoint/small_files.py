@@ -29,6 +29,7 @@ import torch
 
 COMMON_FILE = "common.json"
 LEGACY_COMMON_FILE = "common.pt"  # formats 2 and 3
+CUDA_STATE_BYTES = 16  # a CUDA generator's state: its seed and offset
 COUNT_MAX = 2**53  # steps and samples: beyond it they are not even exact as floats (metrics, schedules)
 MAX_SMALL_FILE_BYTES = 64 << 20  # common.json / rng files are kilobytes; a bigger one is not a checkpoint's
 
@@ -223,12 +224,13 @@ def _bytes_tensor(text, what: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
-def _generator_state(t, what: str, like: torch.Tensor | None = None) -> torch.Tensor:
-    """A torch generator state: a 1-D uint8 tensor (of ``like``'s size: the CPU generator's)."""
+def _generator_state(t, what: str, like: torch.Tensor | None = None, other: int | None = None) -> torch.Tensor:
+    """A torch generator state: a 1-D uint8 tensor (of ``like``'s size, the CPU generator's, or ``other`` bytes)."""
+    sizes = [n for n in (None if like is None else like.numel(), other) if n is not None]
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or (
-            like is not None and t.numel() != like.numel()) or t.numel() > 1 << 20:
-        raise UnsafeCheckpoint(f"{what} is not a generator state" + (f" of {like.numel()} bytes" if like is not None
-                                                                      else ""))
+            sizes and t.numel() not in sizes) or t.numel() > 1 << 20:
+        raise UnsafeCheckpoint(f"{what} is not a generator state" + (
+            f" of {' or '.join(map(str, sizes))} bytes" if sizes else ""))
     return t
 
 
@@ -282,7 +284,7 @@ def decode_rng(value: object, legacy: bool = False) -> dict:
                   _at_most(numpy.get("has_gauss"), 1, "the NumPy RNG's has_gauss"),
                   _number(numpy.get("cached_gaussian"), "the NumPy RNG's cached gaussian")),
         "torch": _generator_state(torch_state, "torch", like),
-        "tracker": {k: _generator_state(v, f"tracker.{k}") for k, v in tracker.items()},  # CPU or GPU ones
+        "tracker": {k: _generator_state(v, f"tracker.{k}", like, CUDA_STATE_BYTES) for k, v in tracker.items()},
     }
     if cuda is not None:
         state["cuda"] = _generator_state(cuda, "cuda")

@@ -142,9 +142,11 @@ def _record_checksum(step_dir, name):
     ("common.json", lambda v: v.pop("config"), "it lacks 'config'"),
     ("rank0.rng.json", lambda v: v.update(torch="not base64!"), "torch is not base64"),
     ("rank0.rng.json", lambda v: v.update(torch="AAAA"), "torch is not a generator state of"),
+    ("rank0.rng.json", lambda v: v["tracker"].update({k: "AAAA" for k in v["tracker"]}),
+     "tracker.model-parallel is not a generator state of 5056 or 16 bytes"),
     ("rank0.rng.json", lambda v: v["python"]["state"].pop(), "its Python RNG state is not 624 32-bit words"),
     ("rank0.rng.json", lambda v: v["numpy"].update(keys=[-1] * 624), "its NumPy RNG state is not an MT19937"),
-], ids=["step-text", "step-negative", "samples-huge", "scale-text", "samples-list", "no-config", "rng-text", "rng-size",
+], ids=["step-text", "step-negative", "samples-huge", "scale-text", "samples-list", "no-config", "rng-text", "rng-size", "tracker-size",
         "python-rng", "numpy-rng"])
 def test_a_crafted_json_file_is_one_line(saved, tmp_path, name, change, message):
     run = tmp_path / "run"
