@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from megatron.checkpoint.format import find_checkpoint, verify_file
+from megatron.checkpoint.format import find_checkpoint, same_folder, verify_file
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, load_yaml, megatron_flags, parse_config, set_value
 from megatron.config.cli import megatron_defaults
@@ -25,9 +25,10 @@ __all__ = ["NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_con
            "schedule_kept_warning"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
-                 "exit_interval", "use_checkpoint_args", "override_data_order", "overwrite_output_dir",
-                 # where this launch writes: never steered by a checkpoint (a copy, or one downloaded)
-                 "output_dir", "tensorboard_dir", "wandb_save_dir", "data_cache_path")
+                 "exit_interval", "use_checkpoint_args", "override_data_order", "overwrite_output_dir")
+# Where a run writes: inherited only by a resume of the run's own folder (the saved output_dir is the folder
+# loaded from); a copy of a run folder, or a downloaded one, never steers this launch's writes elsewhere.
+WRITE_PATHS = ("output_dir", "tensorboard_dir", "wandb_save_dir", "data_cache_path")
 NOT_INHERITED_SECTION = "Distributed"  # the parallel layout is the launch's
 
 
@@ -56,8 +57,12 @@ def resume_base(save_load: SaveLoadConfig) -> Config | None:
     if path is None:
         return None
     base = Config()
-    for leaf, value in load_yaml(path):
-        if leaf.path[0] != NOT_INHERITED_SECTION and leaf.name not in NOT_INHERITED:
+    saved = load_yaml(path)
+    output_dir = next((value for leaf, value in saved if leaf.name == "output_dir"), None)
+    own = isinstance(output_dir, str) and same_folder(output_dir, os.path.dirname(os.path.dirname(path)))
+    for leaf, value in saved:
+        if leaf.path[0] != NOT_INHERITED_SECTION and leaf.name not in NOT_INHERITED and (
+                own or leaf.name not in WRITE_PATHS):
             set_value(base, leaf, value)
     find_tokenizer_files(base.tokenizer, os.path.dirname(path))  # paths relative to where the run was launched
     return base

@@ -198,7 +198,7 @@ DAMAGE = {
     "config": (lambda d: _flip(d / "config.yaml", 10), 1, "config.yaml does not match its checksum"),
     # the folder belongs to another run (--load saved-dp2 --save X), or another live run holds X's lock
     "another-run": (lambda d: (d.parent / "run.json").write_text('{"run_id": "0123456789abcdef"}'), 2,
-                    "holds another run (run 0123456789abcdef, latest step_2) than the checkpoint loaded from"),
+                    "holds another run (run 0123456789abcdef, latest step_2), and a run loaded from"),
     "live-writer": (None, 2, "another run is writing to"),
 }
 

@@ -335,12 +335,23 @@ def test_legacy_pickles_that_would_exhaust_memory_or_time_are_refused(legacy, tm
 def test_a_resume_of_a_copied_folder_never_writes_into_the_original(saved, tmp_path):
     """The saved config names the folder it was written to (and a downloaded one could name any): where this
     launch writes is this launch's (its --save, else the default), never inherited."""
+    import yaml
+
     from megatron.config import Config
 
+    own = tmp_path / "own"
+    shutil.copytree(saved, own)
+    step = own / "step_2"
+    saved_config = yaml.safe_load((step / "config.yaml").read_text())
+    saved_config["save_load"]["output_dir"], saved_config["save_load"]["tensorboard_dir"] = str(own), str(tmp_path / "tb")
+    (step / "config.yaml").write_text(yaml.safe_dump(saved_config))
+    _record_checksum(step, "config.yaml")
+    inherited = _resume(own).save_load  # the run's own folder: its settings, where it writes included
+    assert (inherited.output_dir, inherited.tensorboard_dir) == (str(own), str(tmp_path / "tb"))
     copy = tmp_path / "copy"
-    shutil.copytree(saved, copy)
-    config = _resume(copy)
-    assert config.save_load.output_dir == Config().save_load.output_dir != str(saved)
+    shutil.copytree(own, copy)
+    config = _resume(copy)  # a copy names the original: nothing of where to write is taken
+    assert config.save_load.output_dir == Config().save_load.output_dir
     assert config.save_load.tensorboard_dir is None
 
 
