@@ -146,7 +146,8 @@ def _record_checksum(step_dir, name):
      "tracker.model-parallel is not a generator state of 5056 or 16 bytes"),
     ("rank0.rng.json", lambda v: v["python"]["state"].pop(), "its Python RNG state is not 624 32-bit words"),
     ("rank0.rng.json", lambda v: v["numpy"].update(keys=[-1] * 624), "its NumPy RNG state is not an MT19937"),
-], ids=["step-text", "step-negative", "samples-huge", "scale-text", "samples-list", "no-config", "rng-text", "rng-size", "tracker-size",
+], ids=["step-text", "step-negative", "samples-huge", "scale-text", "samples-list", "no-config", "rng-text",
+        "rng-size", "tracker-size",
         "python-rng", "numpy-rng"])
 def test_a_crafted_json_file_is_one_line(saved, tmp_path, name, change, message):
     run = tmp_path / "run"
@@ -343,7 +344,7 @@ def test_a_resume_of_a_copied_folder_never_writes_into_the_original(saved, tmp_p
     shutil.copytree(saved, own)
     step = own / "step_2"
     saved_config = yaml.safe_load((step / "config.yaml").read_text())
-    saved_config["save_load"]["output_dir"], saved_config["save_load"]["tensorboard_dir"] = str(own), str(tmp_path / "tb")
+    saved_config["save_load"].update(output_dir=str(own), tensorboard_dir=str(tmp_path / "tb"))
     (step / "config.yaml").write_text(yaml.safe_dump(saved_config))
     _record_checksum(step, "config.yaml")
     inherited = _resume(own).save_load  # the run's own folder: its settings, where it writes included
