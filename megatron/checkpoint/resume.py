@@ -112,12 +112,23 @@ def _data_words(value):
     return [os.path.basename(os.path.normpath(p)) for p in prefixes], weights
 
 
+def _effective(model, name: str):
+    """A model setting as the model uses it: an unset kv_channels or num_query_groups is its derived value (a
+    resume that gives the derived value explicitly changes nothing, and a refusal names numbers)."""
+    value = getattr(model, name)
+    if value is None and name == "kv_channels" and model.hidden_size and model.num_attention_heads:
+        return model.hidden_size // model.num_attention_heads
+    if value is None and name == "num_query_groups" and not model.group_query_attention:
+        return model.num_attention_heads
+    return value
+
+
 def check_resume_settings(base: Config, config: Config, ckpt_dir: str, saved_step: int) -> None:
     """ConfigError, one line naming both values, when ``config`` (a resume over the saved ``base``) changes a
     setting that shapes the model, or (once the saved run has trained: ``saved_step`` > 0) the data order,
     unless ``override_data_order`` is given for the latter."""
     for name in MODEL_NOT_CHANGED:
-        now, saved = getattr(config.model, name), getattr(base.model, name)
+        now, saved = _effective(config.model, name), _effective(base.model, name)
         if now != saved:
             raise ConfigError(f"resuming {ckpt_dir} with {name} {now!r}, but the saved run has {saved!r}: a setting "
                               f"that shapes the model must stay as saved; drop it, or start a new run from these "

@@ -181,11 +181,12 @@ def _resume(ckpt, *flags):
                                      "model must stay as saved; drop it, or start a new run from these weights with "
                                      "--finetune."),
     (("--layernorm-epsilon", "1e-06"), "with layernorm_epsilon 1e-06, but the saved run has 1e-05"),
+    (("--kv-channels", "8"), "with kv_channels 8, but the saved run has 16"),  # the derived value, not None
     (("--seed", "7"), "with seed 7, but the saved run has 1024: the data would be read in another order from step 2 "
                       "on; drop it, pass --override-data-order to change the data from here on, or use --finetune."),
     (("--max-seq-len", "16"), "with max_seq_len 16, but the saved run has 32"),
     (("--split", "90,10,0"), "with split '90,10,0', but the saved run has '949,50,1'"),
-], ids=["heads", "epsilon", "seed", "seq-len", "split"])
+], ids=["heads", "epsilon", "kv-channels", "seed", "seq-len", "split"])
 def test_a_resume_that_changes_the_model_or_the_data_order_is_one_line(saved, flags, message):
     """Heads over the same hidden size or another epsilon load without a shape error, and would be read as
     another model; another seed, sequence length or split would read the data in another order."""
@@ -199,6 +200,7 @@ def test_what_a_resume_may_change(saved):
     assert _resume(saved, "--seed", "7", "--finetune").seed == 7  # a new run from the weights
     assert _resume(saved, "--seed", "1024", "--lr", "1e-4").optimizer.lr.max_lr == 1e-4  # the same value; the lr
     assert _resume(saved, "--hidden-dropout", "0.2").model.hidden_dropout_prob == 0.2  # dropout shapes neither
+    assert _resume(saved, "--kv-channels", "16").model.kv_channels == 16  # the derived value, given explicitly
     assert _resume(saved, "--override-data-order").save_load.override_data_order  # not inherited by the next resume
     assert "override_data_order" in NOT_INHERITED
 
