@@ -58,3 +58,13 @@ def checkpoint(tmp_path_factory) -> str:
     run = folder / "run"
     write_params(str(run), config, {n: p.detach() for n, p in model.named_parameters()})
     return str(run)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """The inference engine on ``checkpoint`` (one per test module)."""
+    from megatron.inference import InferenceEngine, initialize, load_model, tokenizer_for
+
+    initialize()
+    model, config = load_model(checkpoint)
+    return InferenceEngine(model, config, tokenizer_for(config))

@@ -16,18 +16,10 @@ from megatron.inference import (
     PromptError,
     Request,
     SamplingParams,
-    initialize,
     load_model,
     tokenizer_for,
 )
 from tests.inference.conftest import PROMPTS, ROOT
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    initialize()
-    model, config = load_model(checkpoint)
-    return InferenceEngine(model, config, tokenizer_for(config))
 
 
 def _requests(engine, **params) -> list[Request]:
