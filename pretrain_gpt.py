@@ -64,7 +64,8 @@ def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.
 
 
 def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-    token_losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    token_losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                         document_ids=batch.get("document_ids"))
     return token_losses, partial(loss_fn, batch["loss_mask"])
 
 

@@ -138,7 +138,8 @@ def initialize_distributed(config: Config, timeout_minutes: float | None = None)
                               ) from None
     d = config.distributed
     return parallel_state.initialize(tp=d.mp_degree, pp=d.pp_degree, dp=d.dp_degree,
-                                     sharding=d.sharding.sharding_degree, timeout_minutes=timeout_minutes)
+                                     sharding=d.sharding.sharding_degree, timeout_minutes=timeout_minutes,
+                                     cp=d.context_parallel_size)
 
 
 def shutdown() -> None:

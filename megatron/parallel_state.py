@@ -1,22 +1,27 @@
 """The rank grid and its process groups: the one piece of global state.
 
-world = pp x dp x sharding x tp, tp varying fastest and pp slowest, so a tensor-parallel
-group is a block of neighbouring ranks (one node) and pipeline stages span nodes. For
-rank r::
+world = pp x dp x sharding x cp x tp, tp varying fastest, then cp, and pp slowest (Megatron-LM's
+order: tp, cp, dp, pp, with the ZeRO shards part of dp), so a tensor-parallel group is a block of
+neighbouring ranks (one node), context-parallel rings are next to it, and pipeline stages span
+nodes. For rank r::
 
     tp_rank       = r % tp
-    sharding_rank = (r // tp) % sharding
-    dp_rank       = (r // (tp * sharding)) % dp
-    pp_rank       = r // (tp * sharding * dp)
+    cp_rank       = (r // tp) % cp
+    sharding_rank = (r // (tp * cp)) % sharding
+    dp_rank       = (r // (tp * cp * sharding)) % dp
+    pp_rank       = r // (tp * cp * sharding * dp)
 
 ``rank_grid()`` builds every group's rank lists from the sizes alone (a pure function,
 testable without torch.distributed); ``initialize()`` creates the groups once and stores
 them in one frozen ``ParallelState``; ``get()`` returns it. Groups:
 
-- tp: same (pp, dp, sharding) coordinates; pp: same (dp, sharding, tp);
-- sharding: same (pp, dp, tp); dp: same (pp, sharding, tp) (the replicas of a shard);
-- data_parallel: same (pp, tp): every rank holding a distinct slice of the batch (dp x sharding);
-- model_parallel: same (dp, sharding): tp x pp, the ranks that together hold one model;
+- tp: same (pp, dp, sharding, cp) coordinates; pp: same (dp, sharding, cp, tp);
+- cp: same (pp, dp, sharding, tp): the ranks that share each sample, each holding 2 of its 2 x cp chunks;
+- sharding: same (pp, dp, cp, tp); dp: same (pp, sharding, tp): the replicas of a shard (dp x cp: the
+  context-parallel ranks hold the same parameters and sum their gradients like replicas);
+- data_parallel: same (pp, tp): every rank whose gradients and token counts are summed (dp x sharding x cp);
+  the batch is cut over dp x sharding only (``data_parallel_rank``): the cp ranks of a sample read the same one;
+- model_parallel: same (dp, sharding, cp): tp x pp, the ranks that together hold one model;
 - embedding: the first and last pipeline stage of each pipeline (tied word embeddings).
 """
 
@@ -27,27 +32,29 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-GROUP_NAMES = ("tp", "pp", "dp", "sharding", "data_parallel", "model_parallel", "embedding")
+GROUP_NAMES = ("tp", "cp", "pp", "dp", "sharding", "data_parallel", "model_parallel", "embedding")
 
 
-def coordinates(rank: int, tp: int, pp: int, dp: int, sharding: int = 1) -> dict[str, int]:
-    return {"tp": rank % tp, "sharding": (rank // tp) % sharding, "dp": (rank // (tp * sharding)) % dp,
-            "pp": rank // (tp * sharding * dp)}
+def coordinates(rank: int, tp: int, pp: int, dp: int, sharding: int = 1, cp: int = 1) -> dict[str, int]:
+    return {"tp": rank % tp, "cp": (rank // tp) % cp, "sharding": (rank // (tp * cp)) % sharding,
+            "dp": (rank // (tp * cp * sharding)) % dp, "pp": rank // (tp * cp * sharding * dp)}
 
 
-def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: int = 1) -> dict[str, list[list[int]]]:
+def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: int = 1,
+              cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group's rank lists, each list sorted, the lists in order of their smallest rank."""
-    if tp * pp * dp * sharding != world_size:
-        raise ValueError(f"tp x pp x dp x sharding = {tp * pp * dp * sharding} != world size {world_size}")
+    if tp * pp * dp * sharding * cp != world_size:
+        raise ValueError(f"tp x cp x pp x dp x sharding = {tp * cp * pp * dp * sharding} != world size {world_size}")
     keys = {
-        "tp": ("pp", "dp", "sharding"), "pp": ("dp", "sharding", "tp"), "sharding": ("pp", "dp", "tp"),
-        "dp": ("pp", "sharding", "tp"), "data_parallel": ("pp", "tp"), "model_parallel": ("dp", "sharding"),
+        "tp": ("pp", "dp", "sharding", "cp"), "cp": ("pp", "dp", "sharding", "tp"),
+        "pp": ("dp", "sharding", "cp", "tp"), "sharding": ("pp", "dp", "cp", "tp"),
+        "dp": ("pp", "sharding", "tp"), "data_parallel": ("pp", "tp"), "model_parallel": ("dp", "sharding", "cp"),
     }
     grid: dict[str, list[list[int]]] = {}
     for name, shared in keys.items():
         buckets: dict[tuple, list[int]] = {}
         for r in range(world_size):
-            c = coordinates(r, tp, pp, dp, sharding)
+            c = coordinates(r, tp, pp, dp, sharding, cp)
             buckets.setdefault(tuple(c[k] for k in shared), []).append(r)
         grid[name] = sorted(buckets.values())
     grid["embedding"] = sorted(sorted({g[0], g[-1]}) for g in grid["pp"])
@@ -70,10 +77,23 @@ class ParallelState:
     sharding_rank: int
     groups: dict = field(default_factory=dict, repr=False)  # name -> ProcessGroup or None
     ranks: dict = field(default_factory=dict, repr=False)  # name -> this rank's group's rank list
+    cp_size: int = 1
+    cp_rank: int = 0
 
     @property
     def data_parallel_size(self) -> int:
+        """The ranks the batch is cut over (dp x sharding; the cp ranks of a sample read the same samples)."""
         return self.dp_size * self.sharding_size
+
+    @property
+    def gradient_sum_size(self) -> int:
+        """The ranks whose gradients and token counts are summed: the ``data_parallel`` group (dp x sharding x cp)."""
+        return self.dp_size * self.sharding_size * self.cp_size
+
+    @property
+    def replica_size(self) -> int:
+        """The ranks holding the same shard: the ``dp`` group (dp x cp)."""
+        return self.dp_size * self.cp_size
 
     @property
     def data_parallel_rank(self) -> int:
@@ -100,15 +120,15 @@ def single_process_state() -> ParallelState:
 
 
 def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 1,
-               timeout_minutes: float = 10.0) -> ParallelState:
+               timeout_minutes: float = 10.0, cp: int = 1) -> ParallelState:
     """Create every group once (all ranks call this with the same sizes) and store the state."""
     global _STATE
     if not dist.is_initialized():
         _STATE = single_process_state()
         return _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = dp if dp is not None else world // (tp * pp * sharding)
-    grid = rank_grid(world, tp, pp, dp, sharding)
+    dp = dp if dp is not None else world // (tp * pp * sharding * cp)
+    grid = rank_grid(world, tp, pp, dp, sharding, cp)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     groups, ranks = {}, {}
     for name, lists in grid.items():
@@ -116,8 +136,9 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
             group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 groups[name], ranks[name] = group, members
-    c = coordinates(rank, tp, pp, dp, sharding)
-    _STATE = ParallelState(world, rank, tp, pp, dp, sharding, c["tp"], c["pp"], c["dp"], c["sharding"], groups, ranks)
+    c = coordinates(rank, tp, pp, dp, sharding, cp)
+    _STATE = ParallelState(world, rank, tp, pp, dp, sharding, c["tp"], c["pp"], c["dp"], c["sharding"], groups, ranks,
+                           cp, c["cp"])
     return _STATE
 
 

@@ -59,7 +59,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
         log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
                  f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
-                 f"pp {ps.pp_size}, sharding {ps.sharding_size})")
+                 f"pp {ps.pp_size}, sharding {ps.sharding_size}{f', cp {ps.cp_size}' if ps.cp_size > 1 else ''})")
         if precision_warning:
             log.warning(precision_warning)
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:

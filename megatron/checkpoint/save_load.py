@@ -133,9 +133,12 @@ def _layout(ps: ParallelState, distributed: DistributedConfig) -> dict:
     """The parallel layout a checkpoint records (and a load compares): the rank grid and the Distributed section's
     virtual stages and sharding."""
     s = distributed.sharding
-    return {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
-            "sharding": ps.sharding_size, "vpp": distributed.virtual_pp_degree,
-            "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
+    layout = {"world_size": ps.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
+              "sharding": ps.sharding_size, "vpp": distributed.virtual_pp_degree,
+              "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
+    if ps.cp_size > 1:  # recorded only when used: a checkpoint saved before the cp axis reads as the same layout
+        layout["cp"] = ps.cp_size
+    return layout
 
 
 def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps: ParallelState, config: Config,
@@ -179,7 +182,7 @@ def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) 
     """This rank's pieces into ``rank{r}.bin`` and its RNG streams; returns (pieces, {file: CRC-32})."""
     writer, pieces = RankFileWriter(tmp, ps.rank), []
     try:
-        if ps.dp_rank == 0:  # replicas hold the same shard
+        if ps.dp_rank == 0 and ps.cp_rank == 0:  # replicas (dp x cp) hold the same shard
             for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
                 if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False)
                                                           or ps.tp_rank == 0):

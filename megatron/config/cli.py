@@ -64,6 +64,7 @@ ALIASES: dict[str, str] = {
     "--tensor-model-parallel-size": "mp_degree",
     "--pp": "pp_degree",
     "--pipeline-model-parallel-size": "pp_degree",
+    "--cp": "context_parallel_size",
     "--dp": "dp_degree",
     "--data-parallel-size": "dp_degree",
     "--vpp": "virtual_pp_degree",

@@ -7,7 +7,7 @@ A Megatron-LM user's ``pretrain_gpt.py`` script runs unchanged. Each Megatron fl
 - **accepted, no effect here** (``NO_EFFECT``): it concerns only Megatron's implementation (fusions,
   Transformer Engine, its checkpoint formats, logging we always do); parsed and listed once at start;
 - **absent** (``ABSENT``): a feature this framework lacks; refused by name, except with the value
-  that makes it a no-op (``--context-parallel-size 1``).
+  that makes it a no-op (``--expert-model-parallel-size 1``).
 
 ``cli.parse_config`` consults this module: plain data and the rewrite rule, importing nothing of ours.
 ``python -m megatron.config.docs --megatron`` renders docs/megatron.md from the same tables, so the two
@@ -109,7 +109,6 @@ NO_EFFECT: dict[str, str] = {
     "--rerun-mode": "a non-finite loss stops the run here (exit 3) without saving",
     "--calculate-per-token-loss": "always the case here: the loss is the global batch's token mean",
     "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
-    "--cp-comm-type": "context parallelism is absent here, so its communication has nothing to choose",
 }
 
 # --- absent: a feature this framework lacks ---------------------------------------------------------------
@@ -125,8 +124,9 @@ class Absent:
 
 
 ABSENT: dict[str, Absent] = {
-    "--context-parallel-size": Absent("context parallelism", ("1",)),
-    "--hierarchical-context-parallel-sizes": Absent("context parallelism"),
+    "--hierarchical-context-parallel-sizes": Absent(
+        "hierarchical context parallelism (--cp-comm-type a2a+p2p: all-to-all within a node, a ring across nodes); "
+        "choose one of p2p, all_gather or a2a over the whole context-parallel group"),
     "--expert-model-parallel-size": Absent("mixture of experts", ("1",)),
     "--expert-tensor-parallel-size": Absent("mixture of experts", ("1",)),
     "--num-experts": Absent("mixture of experts"),

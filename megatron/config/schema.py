@@ -131,6 +131,13 @@ class DistributedConfig:
     pipeline_partition: str = opt("layer:TransformerDecoderLayer", "How layers are cut into stages: "
                                   "'layer:TransformerDecoderLayer' (even), 'uniform', or counts per stage '4,6,6'.")
     sequence_parallel: bool = opt(False, "Split LayerNorm/dropout regions along the sequence across TP ranks.")
+    context_parallel_size: int = opt(
+        1, "Context parallelism: each sample's sequence cut into 2 x this many chunks, rank r of the group keeping "
+           "chunks r and 2 cp - 1 - r (every rank the same causal work); attention exchanges keys and values.")
+    cp_comm_type: str = opt(
+        "p2p", "How context-parallel attention exchanges keys and values: p2p (ring attention: blocks sent round "
+               "the ring, overlapped with compute), all_gather (keys and values gathered), a2a (Ulysses: "
+               "all-to-all to whole sequences of a subset of the heads).", ("p2p", "all_gather", "a2a"))
     use_distributed_optimizer: bool = opt(
         False, "Megatron-LM's distributed optimizer: ZeRO stage 1 over the whole data-parallel group (sets "
                "sharding_degree to it, sharding_stage 1).")
@@ -186,6 +193,12 @@ class DatasetConfig:
     num_workers: int = opt(1, "DataLoader worker processes that prefetch batches (0: load in the main process).")
     eod_mask_loss: bool = opt(
         True, "Mask the loss where the input token is end-of-document; --no-eod-mask-loss keeps it.")
+    reset_attention_mask: bool = opt(
+        False, "Packed documents: attention stays inside each document (the token after an end-of-document "
+               "starts a new one), as Megatron-LM's flag; computed from document boundaries, no sequence x "
+               "sequence mask.")
+    reset_position_ids: bool = opt(
+        False, "Packed documents: positions restart at 0 after each end-of-document token (Megatron-LM's flag).")
 
 
 @dataclass
@@ -302,6 +315,7 @@ class Config:
 
     @property
     def data_parallel_size(self) -> int:
+        """The ranks the global batch is cut over (context-parallel ranks share their samples)."""
         return self.distributed.dp_degree * self.distributed.sharding.sharding_degree
 
     @property

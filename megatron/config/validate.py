@@ -15,6 +15,7 @@ from megatron.config.cli import fail as _fail
 from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
+from megatron.config.validate_context import check_context_parallel
 from megatron.config.validate_schedule import (
     check_batch_schedule,
     check_optimizer,
@@ -182,7 +183,7 @@ def _check_recompute(config: Config) -> None:
 
 def _check_distributed(config: Config, world_size: int) -> None:
     d = config.distributed
-    for name in ("mp_degree", "pp_degree", "virtual_pp_degree"):
+    for name in ("mp_degree", "pp_degree", "virtual_pp_degree", "context_parallel_size"):
         if getattr(d, name) < 1:
             _fail(f"Distributed.{name} must be at least 1, got {getattr(d, name)}.")
     if d.sharding.sharding_degree < 1:
@@ -197,14 +198,16 @@ def _check_distributed(config: Config, world_size: int) -> None:
     if d.sequence_parallel and config.dataset.max_seq_len % tp:
         _fail(f"sequence_parallel splits the sequence over mp_degree ({tp}) ranks: max_seq_len "
               f"({config.dataset.max_seq_len}) must be divisible by it.")
-    ranks_per_replica = d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+    check_context_parallel(config)
+    cp = d.context_parallel_size
+    ranks_per_replica = d.mp_degree * d.pp_degree * d.sharding.sharding_degree * cp
+    names = "mp_degree x pp_degree x sharding_degree" + (" x context_parallel_size" if cp > 1 else "")
     if d.dp_degree is None:
         if world_size % ranks_per_replica:
-            _fail(f"world size {world_size} is not divisible by mp_degree x pp_degree x sharding_degree "
-                  f"= {ranks_per_replica}.")
+            _fail(f"world size {world_size} is not divisible by {names} = {ranks_per_replica}.")
         d.dp_degree = world_size // ranks_per_replica
     if d.dp_degree < 1 or d.dp_degree * ranks_per_replica != world_size:
-        _fail(f"dp_degree x mp_degree x pp_degree x sharding_degree = {d.dp_degree * ranks_per_replica} "
+        _fail(f"dp_degree x {names} = {d.dp_degree * ranks_per_replica} "
               f"but {world_size} process(es) were launched; make them equal.")
     _check_pipeline(config)
     if d.bucket_size_mb <= 0:
@@ -333,11 +336,12 @@ def _check_run_health(config: Config) -> None:
 
 def _resolve_distributed_optimizer(config: Config, world_size: int) -> None:
     """Megatron-LM's --use-distributed-optimizer: the optimizer states sharded (ZeRO stage 1 unless another
-    stage is asked for) over the whole data-parallel group, i.e. sharding_degree = world / (tp x pp)."""
+    stage is asked for) over the whole data-parallel group, i.e. sharding_degree = world / (tp x pp x cp); the
+    context-parallel ranks hold the same shards."""
     d = config.distributed
     if not d.use_distributed_optimizer:
         return
-    replica = d.mp_degree * d.pp_degree
+    replica = d.mp_degree * d.pp_degree * max(1, d.context_parallel_size)
     if d.mp_degree < 1 or d.pp_degree < 1 or world_size % replica:
         return  # _check_distributed says what is wrong with the layout
     group = world_size // replica

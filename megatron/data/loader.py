@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from megatron.context_parallel.layout import split_batch
+from megatron.data.packing import document_ids, reset_positions
 from megatron.data.worker_signals import blocked, ignore_in_worker
 
 
@@ -54,15 +56,28 @@ class GlobalBatchSampler:
             yield list(range(first, first + local))
 
 
-def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool = True) -> dict[str, torch.Tensor]:
-    """Samples of ``seq_len + 1`` tokens -> tokens, labels, loss_mask, position_ids, all [b, s]."""
+def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool = True,
+                reset_position_ids: bool = False, reset_attention_mask: bool = False, cp_rank: int = 0,
+                cp_size: int = 1) -> dict[str, torch.Tensor]:
+    """Samples of ``seq_len + 1`` tokens -> tokens, labels, loss_mask, position_ids, all [b, s] (Megatron-LM's
+    ``get_batch``): the loss masked where the input token is end-of-document (``eod_mask_loss``); positions
+    restarting at each document (``reset_position_ids``) and ``document_ids`` [b, s] for attention within
+    documents (``reset_attention_mask``), both from ``megatron.data.packing``. Under context parallelism
+    (``cp_size`` > 1) the per-token fields are this rank's two chunks (``context_parallel.split_batch``);
+    ``document_ids`` stays whole."""
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     if eod_mask_loss:
         loss_mask[tokens == eod_id] = 0.0
-    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if reset_position_ids:
+        position_ids = reset_positions(tokens, eod_id)
+    else:
+        position_ids = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if reset_attention_mask:
+        batch["document_ids"] = document_ids(tokens, eod_id)
+    return split_batch(batch, cp_rank, cp_size)
 
 
 class _Loader(DataLoader):
@@ -80,10 +95,11 @@ class _Loader(DataLoader):
 
 def build_loader(dataset, consumed_samples: int, global_batch_size: int | Callable[[int], int], eod_id: int,
                  eod_mask_loss: bool, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0,
-                 stop_signals: Sequence[int] = ()) -> DataLoader:
-    """``stop_signals``: the signals the caller handles, which its workers (if any) then ignore."""
+                 stop_signals: Sequence[int] = (), **batch_options) -> DataLoader:
+    """``stop_signals``: the signals the caller handles, which its workers (if any) then ignore;
+    ``batch_options``: ``build_batch``'s packed-document and context-parallel arguments."""
     sampler = GlobalBatchSampler(len(dataset), consumed_samples, global_batch_size, dp_rank, dp_size)
-    collate = partial(build_batch, eod_id=eod_id, eod_mask_loss=eod_mask_loss)
+    collate = partial(build_batch, eod_id=eod_id, eod_mask_loss=eod_mask_loss, **batch_options)
     # Its own generator: starting an iteration must not draw from the global RNG, which dropout uses
     # (a resumed run would otherwise be one draw off the uninterrupted one).
     return _Loader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,

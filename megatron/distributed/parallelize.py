@@ -46,8 +46,9 @@ class ShardingPlan:
 
     ``stage``: the stage in effect (``sharding_stage``); ``sharding_group``: ZeRO over these ranks (None:
     no sharding); ``replica_group``: the data-parallel replicas of the sharding group whose gradient
-    shards are all-reduced (HSDP, stages 2 and 3); ``data_parallel_group``: every rank holding a copy
-    of these parameters (dp x sharding; the token count and the stage-1 all-reduce);
+    shards are all-reduced (HSDP, stages 2 and 3; with context parallelism the cp ranks too: dp x cp);
+    ``data_parallel_group``: every rank whose gradients are summed (dp x sharding x cp; the token count and
+    the stage-1 all-reduce);
     ``model_parallel_group``: tp x pp, over which the gradient norm is summed. ``meta_init``: built on
     the meta device, initialised straight into the shards (stage 3). ``offload``: masters and AdamW
     states on the CPU. ``overlap``: reduce buckets during the backward. ``every_micro_batch``: reduce
@@ -85,8 +86,8 @@ def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
     return ShardingPlan(
         stage=stage,
         sharding_group=ps.group("sharding") if ps.sharding_size > 1 else None,
-        replica_group=ps.group("dp") if stage >= 2 and ps.dp_size > 1 else None,
-        data_parallel_group=ps.group("data_parallel") if ps.data_parallel_size > 1 else None,
+        replica_group=ps.group("dp") if stage >= 2 and ps.replica_size > 1 else None,
+        data_parallel_group=ps.group("data_parallel") if ps.gradient_sum_size > 1 else None,
         model_parallel_group=ps.group("model_parallel") if ps.tp_size * ps.pp_size > 1 else None,
         meta_init=stage == 3,
         offload=d.sharding.sharding_offload,

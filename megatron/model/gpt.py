@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import Config, ModelConfig
+from megatron.context_parallel import AttentionPlan
 from megatron.model.init import defer_initialization, init_parameters
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import Rotary, TransformerDecoderLayer, attention_shape, make_norm, parallel_dropout
@@ -76,9 +78,10 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
                  no_recompute_layers: list[int] | None = None, sequence_parallel: bool = False,
                  layers: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 recompute_method: str | None = None, recompute_num_layers: int | None = None):
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
-        self.cfg, self.sequence_parallel = cfg, sequence_parallel
+        self.cfg, self.sequence_parallel, self.cp_comm_type = cfg, sequence_parallel, cp_comm_type
         self.pre_process, self.post_process = pre_process, post_process
         self.untied = cfg.untie_embeddings_and_output_weights
         layers = range(cfg.num_layers) if layers is None else layers
@@ -112,8 +115,10 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.hidden_states(tokens, position_ids)
+                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` [b, s] (packed documents, the whole sequence even under context parallelism):
+        attention stays inside each document; None: each sample is one document."""
+        x = self.hidden_states(tokens, position_ids, document_ids=document_ids)
         if not self.post_process:
             return x  # [s, b, h] for the next stage
         if labels is None:
@@ -126,26 +131,36 @@ class GPTModel(nn.Module):
         return tp.vocab_parallel_cross_entropy(self.parallel_logits(x), labels.t(), self.cfg.vocab_size).t()
 
     def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      kv_cache=None) -> torch.Tensor:
+                      kv_cache=None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder's output [s, b, h]: after the final norm on the last stage (the whole
         sequence, gathered under sequence parallelism), else for the next stage. ``position_ids``
         [b, s] (default 0..s-1) place each token for the position embedding or the rotary one (every
-        stage receives them). ``kv_cache`` (inference): see ``SelfAttention.forward``."""
+        stage receives them). ``kv_cache`` (inference): see ``SelfAttention.forward``. Under context
+        parallelism ``tokens`` and ``position_ids`` are this rank's chunks (``megatron.context_parallel``)."""
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids, x.dtype) if self.rotary is not None else None
+        plan = self.attention_plan(document_ids) if kv_cache is None else None
         for unit in self.recompute_units:
             layers = [self.layers[key] for key in unit]
             if len(layers) > 1 and kv_cache is None and torch.is_grad_enabled():
-                x = tp.checkpoint(_checkpointed_unit(layers), x, rotary)
+                x = tp.checkpoint(_checkpointed_unit(layers), x, rotary, plan)
                 continue
             for layer in layers:
-                x = layer(x, kv_cache, rotary)
+                x = layer(x, kv_cache, rotary, plan)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
         return tp.gather_from_sequence_region(x) if self.sequence_parallel else x
+
+    def attention_plan(self, document_ids: torch.Tensor | None) -> AttentionPlan | None:
+        """What this micro-batch's attention respects beyond causality (one plan for every layer): the
+        context-parallel split of the launch and the packed documents; None for neither."""
+        ps = parallel_state.get()
+        if ps.cp_size == 1 and document_ids is None:
+            return None
+        return AttentionPlan(ps.cp_size, ps.cp_rank, ps.group("cp"), self.cp_comm_type, document_ids)
 
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
@@ -208,14 +223,14 @@ def _checkpointed_unit(layers: list[nn.Module]) -> Callable:
     inside the backward)."""
     calls = 0
 
-    def run(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def run(x: torch.Tensor, rotary: Rotary, plan: AttentionPlan | None) -> torch.Tensor:
         nonlocal calls
         calls += 1
         for layer in layers:
             if calls == 1:
-                x = layer(x, None, rotary)
+                x = layer(x, None, rotary, plan)
                 continue
-            args = (x, None, rotary)
+            args = (x, None, rotary, plan)
             for hook in layer._forward_pre_hooks.values():
                 result = hook(layer, args)
                 if result is not None:
@@ -232,8 +247,6 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
 
     ``meta_init`` (ZeRO stage 3: ``ShardingPlan.meta_init``): built on the meta device, each parameter
     initialised later by the buffer, bucket by bucket, straight into the shards."""
-    from megatron import parallel_state
-
     recompute = config.recompute_granularity if config.use_recompute else None
     ps, d, m = parallel_state.get(), config.distributed, config.model
     dtype = getattr(torch, config.params_dtype_name)
@@ -242,7 +255,7 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
         with torch.device("meta") if meta_init else nullcontext():
             chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
                              layers, pre, post, config.recompute_method if recompute else None,
-                             config.recompute_num_layers)
+                             config.recompute_num_layers, d.cp_comm_type)
         if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
             chunks.append(chunk)
@@ -250,7 +263,8 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
             init_parameters(chunk, config.seed, m)
             chunks.append(chunk.to(device=device, dtype=dtype))
     if config.compile:
-        compile_model(chunks, torch.device(device).type)
+        compile_model(chunks, torch.device(device).type,
+                      attention_eager=d.context_parallel_size > 1 or config.dataset.reset_attention_mask)
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
 
 
@@ -275,7 +289,7 @@ def num_parameters(model: nn.Module) -> int:
 
 # ----------------------------------------------------------------------------- --compile
 
-def compile_model(chunks: list[GPTModel], device_type: str = "cpu") -> None:
+def compile_model(chunks: list[GPTModel], device_type: str = "cpu", attention_eager: bool = False) -> None:
     """``--compile``: torch.compile, in place, what runs without collectives or checkpoints, as
     torchtitan compiles each block: per decoder layer, the function ``tp.checkpoint`` recomputes.
 
@@ -284,6 +298,9 @@ def compile_model(chunks: list[GPTModel], device_type: str = "cpu") -> None:
     - ``core_attn``: the two norms and the MLP;
     - on one tensor-parallel rank, the LM head and the cross entropy (``GPTModel.loss``; with more,
       their collectives stay eager).
+
+    ``attention_eager`` (context parallelism, packed documents): attention runs eager whatever the
+    recompute (its exchanges and per-document calls), the two norms and the MLP compiled.
 
     A compiled part never contains a checkpoint (dynamo cannot trace ``tp.checkpoint``, whose
     ``context_fn`` replays the RNG tracker): it is what the checkpoint runs, so the recompute runs the
@@ -309,18 +326,18 @@ def compile_model(chunks: list[GPTModel], device_type: str = "cpu") -> None:
                 for module in layer.modules():
                     if isinstance(module, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
                         module.forward = torch.compiler.disable(module.forward)
-            for owner, name, kv in _compiled_parts(layer):
+            for owner, name, kv in _compiled_parts(layer, attention_eager):
                 setattr(owner, name, _Compiled(getattr(type(owner), name), owner, state, kv))
         if chunk.post_process and tp_size == 1:
             chunk.loss = _Compiled(_head_and_loss, chunk, state)
 
 
-def _compiled_parts(layer: TransformerDecoderLayer) -> list[tuple[nn.Module, str, bool]]:
+def _compiled_parts(layer: TransformerDecoderLayer, attention_eager: bool = False) -> list[tuple[nn.Module, str, bool]]:
     """(owner, method name, whether its 2nd argument is the KV cache) of what ``compile_model`` compiles."""
-    if layer.recompute in (None, "full"):
+    if layer.recompute in (None, "full") and not attention_eager:
         return [(layer, "_layer", True)]
     mlp_half = [(layer.post_attention_layernorm, "forward", False), (layer.mlp, "forward", False)]
-    if layer.recompute in ("only_attn", "full_attn"):
+    if layer.recompute in ("only_attn", "full_attn") and not attention_eager:
         return [(layer, "_attention_block", True), *mlp_half]
     return [(layer.input_layernorm, "forward", False), *mlp_half]
 

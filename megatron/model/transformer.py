@@ -30,6 +30,7 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.context_parallel import AttentionPlan, attend
 from megatron.model.rotary import apply_rotary
 
 RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
@@ -125,11 +126,24 @@ class SelfAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
 
-    def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
+    @torch.compiler.disable  # its collectives and per-document calls stay outside compiled graphs
+    def planned_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          plan: AttentionPlan) -> torch.Tensor:
+        """``core_attention`` across a context-parallel split and/or within packed documents
+        (``megatron.context_parallel``)."""
+        dropout = self.attn_dropout if self.training else 0.0
+        if dropout and parallel_state.get().tp_size > 1:
+            with tp.get_rng_tracker().fork():
+                return attend(q, k, v, plan, dropout)
+        return attend(q, k, v, plan, dropout)
+
+    def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
+                plan: AttentionPlan | None = None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. ``rotary``: (cos, sin) of the tokens' positions (rope), or None.
         ``kv_cache`` (inference, ``megatron.inference.KVCache``): this call's (rotated) keys and values
         are written into the cache after those of the earlier calls, and the queries attend to all of
-        them under the cache's mask (padding, causality)."""
+        them under the cache's mask (padding, causality). ``plan``: the context-parallel split and packed
+        documents the attention respects (None: whole sequences, one document each)."""
         qkv = self.query_key_value(x)  # [s, b, (nq + 2 ng) hd / tp] (the sequence gathered under sequence parallel)
         s, b, _ = qkv.shape
         per_group = self.num_heads // self.num_kv_heads
@@ -138,7 +152,9 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, per_group].permute(1, 2, 0, 3), qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
         if rotary is not None:
             q, k = (apply_rotary(t, *rotary, interleaved=self.rotary_interleaved) for t in (q, k))
-        if kv_cache is None:
+        if kv_cache is None and plan is not None:
+            ctx = _maybe_checkpoint(self.recompute_core, self.planned_attention, q, k, v, plan)
+        elif kv_cache is None:
             ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
         else:
             k, v = kv_cache.store(self.layer_number, k, v)
@@ -205,22 +221,26 @@ class TransformerDecoderLayer(nn.Module):
     def extra_repr(self) -> str:
         return self._desc
 
-    def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
-        out = self.self_attention(self.input_layernorm(x), kv_cache, rotary)
+    def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
+                         plan: AttentionPlan | None = None) -> torch.Tensor:
+        out = self.self_attention(self.input_layernorm(x), kv_cache, rotary, plan)
         return parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def _layer(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
+    def _layer(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
+               plan: AttentionPlan | None = None) -> torch.Tensor:
         if kv_cache is None:
             x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x, None,
-                                      rotary)
+                                      rotary, plan)
         else:  # inference: no autograd, nothing to recompute
             x = x + self._attention_block(x, kv_cache, rotary)
         out = self.mlp(self.post_attention_layernorm(x))
         return x + parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None) -> torch.Tensor:
-        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel). ``rotary`` and ``kv_cache``:
-        see ``SelfAttention.forward`` (the cache in inference only)."""
+    def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
+                plan: AttentionPlan | None = None) -> torch.Tensor:
+        """x: [s, b, h] -> [s, b, h] ([s/tp, b, h] under sequence parallel; s this rank's share of the sequence
+        under context parallelism). ``rotary``, ``kv_cache`` and ``plan``: see ``SelfAttention.forward`` (the
+        cache in inference only)."""
         if kv_cache is not None:
             return self._layer(x, kv_cache, rotary)
-        return _maybe_checkpoint(self.recompute == "full", self._layer, x, None, rotary)
+        return _maybe_checkpoint(self.recompute == "full", self._layer, x, None, rotary, plan)

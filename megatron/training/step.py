@@ -61,11 +61,14 @@ def all_reduce_sum(value: torch.Tensor, group) -> torch.Tensor:
 def data_loader(config: Config, ps: parallel_state.ParallelState, dataset, consumed: int = 0, num_workers: int = 0,
                 batches=None):
     """This data-parallel rank's batches of ``dataset`` from sample ``consumed``, of ``batches`` samples per global
-    batch (a number, or consumed -> global batch; default: global_batch_size). Its workers ignore the signals
-    the run stops on (``stopping.SIGNALS``): a preemption signals the whole process group."""
+    batch (a number, or consumed -> global batch; default: global_batch_size); under context parallelism its
+    share of each sample. Its workers ignore the signals the run stops on (``stopping.SIGNALS``): a
+    preemption signals the whole process group."""
+    d = config.dataset
     return build_loader(dataset, consumed, batches or config.batch_size.global_batch_size, dataset.eod_id,
-                        config.dataset.eod_mask_loss, ps.data_parallel_rank, ps.data_parallel_size,
-                        num_workers=num_workers, stop_signals=SIGNALS)
+                        d.eod_mask_loss, ps.data_parallel_rank, ps.data_parallel_size,
+                        num_workers=num_workers, stop_signals=SIGNALS, reset_position_ids=d.reset_position_ids,
+                        reset_attention_mask=d.reset_attention_mask, cp_rank=ps.cp_rank, cp_size=ps.cp_size)
 
 
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,
@@ -138,7 +141,7 @@ def parallel_model(config: Config, model: torch.nn.Module, device: torch.device,
     pp_group, forward_backward = None, forward_backward_no_pipelining
     if ps.pp_size > 1:
         d, b = config.distributed, config.batch_size
-        seq = config.dataset.max_seq_len // (ps.tp_size if d.sequence_parallel else 1)
+        seq = config.dataset.max_seq_len // ps.cp_size // (ps.tp_size if d.sequence_parallel else 1)
         pp_group = ps.group("pp")
         forward_backward = partial(forward_backward_pipelining, ps=ps, schedule=d.pipeline_schedule,
                                    shape=(seq, b.micro_batch_size, config.model.hidden_size),

@@ -1,0 +1,268 @@
+"""Causal self-attention over a sequence split by context parallelism, and over packed documents.
+
+``AttentionPlan`` (built once per micro-batch by the model, shared by its layers) says what attention
+must respect beyond the lower triangle: the context-parallel group this rank's tokens are split over
+(``layout.py``'s chunks) and the documents of packed samples (``document_ids``, [b, s] over the whole
+sequence). ``attend(q, k, v, plan)`` dispatches on the communication type:
+
+- ``p2p`` (ring attention, ``RingAttention``): the keys and values go round the cp ring by send/recv; at
+  step t rank r holds those of rank r - t and merges its block result by log-sum-exp rescaling; the next
+  transfer runs while the current block computes. The backward sends the keys and values round again,
+  with the accumulating dK/dV, which arrive at their owner after the last step.
+- ``all_gather``: every rank's keys and values gathered for the local queries (gathered again in the
+  backward rather than kept); their gradients reduce-scattered.
+- ``a2a`` (Ulysses): an all-to-all turns [local tokens, all heads] into [all tokens, heads / cp]; attention
+  runs over whole sequences; a second all-to-all turns the result back.
+
+Which blocks of (query chunk, key chunk) are computed: with rank r's chunks (r, 2cp-1-r) and rank j's,
+j = r: the lower triangle of the local tokens; j < r: every local query against j's first chunk; j > r:
+the second local chunk against all of j's tokens; the rest is above the diagonal, skipped. Each step then
+costs the same. With packed documents each block is cut into its documents' sub-blocks (no sequence x
+sequence mask is built); a pair that shares no document is skipped.
+
+Attention dropout is drawn only where a whole sequence is attended by ``F.scaled_dot_product_attention``
+(``a2a``, and packed documents without context parallelism); validation refuses it with p2p and all_gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.context_parallel.blocks import (
+    Block,
+    blocks_backward,
+    blocks_forward,
+    dense_blocks,
+    document_blocks,
+    merge,
+)
+from megatron.context_parallel.layout import local_positions, merge_chunks, scatter_chunks
+
+RING_OVERLAP = {"enabled": True}
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # benchmarks turn the ring's transfer / compute overlap off to measure it
+
+
+@dataclass
+class AttentionPlan:
+    """What this micro-batch's attention respects: the cp split and the documents of packed samples."""
+
+    cp_size: int = 1
+    cp_rank: int = 0
+    group: dist.ProcessGroup | None = None
+    comm_type: str = "p2p"
+    document_ids: torch.Tensor | None = None  # [b, s] over the whole sequence, or None: one document per sample
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def ring_ranks(self) -> tuple[int, int]:
+        """(next, previous) global ranks of this rank's ring."""
+        ranks = dist.get_process_group_ranks(self.group)
+        return ranks[(self.cp_rank + 1) % self.cp_size], ranks[(self.cp_rank - 1) % self.cp_size]
+
+    def _docs(self, rank: int, length: int) -> torch.Tensor:
+        seq = length * self.cp_size
+        return self.document_ids.index_select(1, local_positions(seq, rank, self.cp_size, self.document_ids.device))
+
+    def blocks(self, kv_rank: int, length: int) -> list[Block]:
+        """The blocks of this rank's ``length`` local queries against rank ``kv_rank``'s keys (cached)."""
+        key = (kv_rank, length)
+        if key not in self._blocks:
+            r, c = self.cp_rank, length // 2
+            if kv_rank == r:
+                q_rows, k_rows, causal = slice(0, length), slice(0, length), True
+            elif kv_rank < r:
+                q_rows, k_rows, causal = slice(0, length), slice(0, c), False
+            else:
+                q_rows, k_rows, causal = slice(c, length), slice(0, length), False
+            if self.document_ids is None:
+                self._blocks[key] = dense_blocks(q_rows, k_rows, causal)
+            else:
+                self._blocks[key] = document_blocks(self._docs(r, length), self._docs(kv_rank, length), q_rows,
+                                                    k_rows, causal)
+        return self._blocks[key]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
+           dropout_p: float = 0.0) -> torch.Tensor:
+    """q [b, nq, L, hd], k and v [b, ng, L, hd] (this rank's heads and local tokens) -> [b, nq, L, hd]."""
+    scale = q.shape[-1] ** -0.5
+    if plan.cp_size == 1:
+        return _whole_sequences(q, k, v, plan.document_ids, dropout_p)
+    if plan.comm_type == "a2a":
+        return _ulysses(q, k, v, plan, dropout_p)
+    if plan.comm_type == "all_gather":
+        return GatheredAttention.apply(q, k, v, plan, scale)
+    return RingAttention.apply(q, k, v, plan, scale)
+
+
+def _whole_sequences(q, k, v, document_ids: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """Causal attention over whole sequences, each packed document on its own (one fused call per document
+    of each sample; a sample of one document is one call)."""
+    extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **extra)
+    samples = []
+    for i, ids in enumerate(document_ids.tolist()):
+        pieces, start = [], 0
+        for end in _boundaries(ids):
+            piece = slice(start, end)
+            pieces.append(F.scaled_dot_product_attention(q[i:i + 1, :, piece], k[i:i + 1, :, piece],
+                                                         v[i:i + 1, :, piece], dropout_p=dropout_p, is_causal=True,
+                                                         **extra))
+            start = end
+        samples.append(torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(samples, 0)
+
+
+def _boundaries(ids: list[int]) -> list[int]:
+    """The end of every run of equal ids."""
+    return [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
+
+
+# ------------------------------------------------------------------------------------------------ p2p ring
+
+def _exchange(send: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, list]:
+    """Start sending ``send`` to the next rank of the ring and receiving the previous rank's into a new
+    buffer; (buffer, requests to wait for)."""
+    nxt, prev = plan.ring_ranks
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, nxt, plan.group), dist.P2POp(dist.irecv, recv, prev, plan.group)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention (p2p): see the module's docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
+        cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
+        kv = torch.stack([k, v])
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for t in range(cp):
+            pending = None
+            if t < cp - 1:
+                nxt, pending = _exchange(kv, plan)
+                if not RING_OVERLAP["enabled"]:
+                    _wait(pending)
+            blocks = plan.blocks((r - t) % cp, length)
+            if blocks:
+                merge(out, lse, *blocks_forward(q, kv[0], kv[1], blocks, scale))
+            if pending is not None:
+                _wait(pending)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # for the keys held now, from those before
+        for t in range(cp):
+            pending = None
+            if t < cp - 1:
+                nxt, pending = _exchange(kv, plan)
+            blocks = plan.blocks((r - t) % cp, length)
+            if blocks:
+                blocks_backward(dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
+            dkv, sent = _exchange(dkv, plan)  # the held keys' gradients go on with them; the last step's home
+            if pending is not None:
+                _wait(pending)
+                kv = nxt
+            _wait(sent)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+# ------------------------------------------------------------------------------------------------ all_gather
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """[cp, 2, b, g, L, d]: every cp rank's keys and values."""
+    kv = torch.stack([k, v])
+    gathered = torch.empty(plan.cp_size * kv.numel(), dtype=kv.dtype, device=kv.device)  # flat: as gloo needs
+    _all_gather_flat(gathered, kv.view(-1), group=plan.group)
+    return gathered.view(plan.cp_size, *kv.shape)
+
+
+class GatheredAttention(torch.autograd.Function):
+    """all_gather: see the module's docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
+        gathered, length = _gather_kv(k, v, plan), q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for j in range(plan.cp_size):
+            blocks = plan.blocks(j, length)
+            if blocks:
+                merge(out, lse, *blocks_forward(q, gathered[j, 0], gathered[j, 1], blocks, scale))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale, length = ctx.plan, ctx.scale, q.shape[2]
+        gathered, dout = _gather_kv(k, v, plan), dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+        for j in range(plan.cp_size):
+            blocks = plan.blocks(j, length)
+            if blocks:
+                blocks_backward(dout, q, gathered[j, 0], gathered[j, 1], out, lse, blocks, scale, dq, dkv[j, 0],
+                                dkv[j, 1])
+        mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
+        _reduce_scatter_flat(mine.view(-1), dkv.view(-1), group=plan.group)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+
+
+# ------------------------------------------------------------------------------------------------ a2a (Ulysses)
+
+class _AllToAll(torch.autograd.Function):
+    """[cp, ...] -> [cp, ...]: part j goes to rank j; part j of the result came from rank j. Its own transpose."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(x)
+    dist.all_to_all(list(out.unbind(0)), list(x.contiguous().unbind(0)), group=group)
+    return out
+
+
+def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
+    """Sequence-sharded -> head-sharded, whole-sequence attention, and back."""
+    cp = plan.cp_size
+
+    def to_heads(t: torch.Tensor) -> torch.Tensor:  # [b, n, L, d] -> [b, n / cp, s, d]
+        parts = _AllToAll.apply(torch.stack(t.chunk(cp, dim=1)), plan.group)  # [cp, b, n/cp, L, d]
+        return merge_chunks(list(parts.unbind(0)), dim=2)
+
+    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), plan.document_ids, dropout_p)
+    back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, d]
+    return torch.cat(list(back.unbind(0)), dim=1)

@@ -1,0 +1,142 @@
+"""Attention over blocks of queries and keys, with the log-sum-exp that lets partial results merge.
+
+Context-parallel attention (ring or gathered keys) computes a rank's queries against one rank's keys
+at a time. Each such pair is a list of ``Block``s: a range of query rows, a range of key rows, causal
+(the two ranges are the same tokens: the lower triangle) or full (every key precedes every query),
+over every sample of the micro-batch, or one sample (packed documents: one block per document present
+in both ranges; a pair with none is skipped). A block's result is ``(out, lse)``; results over disjoint
+key sets merge exactly by log-sum-exp rescaling (``merge``). The backward of a block needs only the
+merged output and log-sum-exp of its rows (FlashAttention's backward), so nothing of a block is kept.
+
+Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
+returns the log-sum-exp); elsewhere the same computation in plain operations in fp32 (the block's scores
+exist for the block only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Block:
+    q: slice  # query rows (local order)
+    k: slice  # key rows (local order of the keys' owner)
+    causal: bool
+    sample: int | None = None  # None: every sample of the micro-batch
+
+    def rows(self, t: torch.Tensor, which: str) -> torch.Tensor:
+        """``t`` [b, heads, L, d] (or [b, heads, L]) cut to this block's samples and rows."""
+        batch = slice(None) if self.sample is None else slice(self.sample, self.sample + 1)
+        return t[batch, :, self.q if which == "q" else self.k]
+
+
+def dense_blocks(q_rows: slice, k_rows: slice, causal: bool) -> list[Block]:
+    return [Block(q_rows, k_rows, causal)]
+
+
+def document_blocks(q_docs: torch.Tensor, k_docs: torch.Tensor, q_rows: slice, k_rows: slice,
+                    causal: bool) -> list[Block]:
+    """The blocks of a pair of row ranges over packed documents: per sample, one block per document with
+    tokens in both ranges (document ids never decrease along the rows). ``q_docs`` [b, Lq], ``k_docs``
+    [b, Lk]: the document id of every query and key row (local order)."""
+    blocks = []
+    q_off, k_off = q_rows.start or 0, k_rows.start or 0
+    for i, (qd, kd) in enumerate(zip(q_docs[:, q_rows].tolist(), k_docs[:, k_rows].tolist())):
+        q_runs, k_runs = _runs(qd), _runs(kd)
+        for doc, (qa, qe) in q_runs.items():
+            if doc in k_runs:
+                ka, ke = k_runs[doc]
+                blocks.append(Block(slice(q_off + qa, q_off + qe), slice(k_off + ka, k_off + ke), causal, i))
+    return blocks
+
+
+def _runs(ids: list[int]) -> dict[int, tuple[int, int]]:
+    """Each value's [first, last + 1) in a non-decreasing list."""
+    runs: dict[int, tuple[int, int]] = {}
+    for i, d in enumerate(ids):
+        runs[d] = (runs[d][0], i + 1) if d in runs else (i, i + 1)
+    return runs
+
+
+def _expand_groups(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, g, L, d] -> [b, heads, L, d]: each key/value group repeated for its queries."""
+    g = k.shape[1]
+    return k if g == heads else k.repeat_interleave(heads // g, dim=1)
+
+
+def _fold_groups(dk: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_expand_groups``: [b, heads, L, d] summed back to [b, g, L, d]."""
+    b, heads, length, d = dk.shape
+    return dk if heads == groups else dk.view(b, groups, heads // groups, length, d).sum(2)
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+def kernel_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of one block; k, v may have fewer heads (groups)."""
+    k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+
+
+def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the rows' final ``out`` and ``lse`` (over every key, not only this
+    block's); dk, dv summed over the queries of each group."""
+    groups = k.shape[1]
+    k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    else:
+        qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+        p = torch.exp(scores - lse.unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-1, -2), df)
+        dp = torch.matmul(df, vf.transpose(-1, -2))
+        ds = p * (dp - (df * out.float()).sum(-1, keepdim=True))
+        dq, dk = torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale
+    return dq, _fold_groups(dk, groups), _fold_groups(dv, groups)
+
+
+def blocks_forward(q, k, v, blocks: list[Block], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32, lse fp32) of ``q`` against the keys of ``blocks`` (whose query rows are disjoint); rows no
+    block covers get out 0 and lse -inf."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for block in blocks:
+        o, l = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block.causal, scale)
+        block.rows(out, "q").copy_(o)
+        block.rows(lse, "q").copy_(l)
+    return out, lse
+
+
+def blocks_backward(dout, q, k, v, out, lse, blocks: list[Block], scale: float, dq, dk, dv) -> None:
+    """Add each block's gradients into ``dq``, ``dk``, ``dv`` (fp32 accumulators shaped as q, k, v)."""
+    for block in blocks:
+        gq, gk, gv = kernel_backward(block.rows(dout, "q"), block.rows(q, "q"), block.rows(k, "k"),
+                                     block.rows(v, "k"), block.rows(out, "q"), block.rows(lse, "q"),
+                                     block.causal, scale)
+        block.rows(dq, "q").add_(gq)
+        block.rows(dk, "k").add_(gk)
+        block.rows(dv, "k").add_(gv)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a result over other keys into the running (out, lse), in place (fp32): softmax over the union."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows no key reached yet stay 0
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+    lse.copy_(new)
