@@ -47,7 +47,8 @@ def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tup
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
     num_samples = (total_train_samples(config), config.eval_iters * gbs, config.eval_iters * gbs)
     if d.mock_data:
-        return build_mock_datasets(num_samples, seq, config.model.vocab_size, config.seed, report=True)
+        return build_mock_datasets(num_samples, seq, config.model.vocab_size, config.seed, report=True,
+                                   document_length=d.mock_document_length)
     if tokenizer is None:
         raise ValueError("datasets_provider: real data needs the run's tokenizer (configured_tokenizer).")
     if d.train_data_path:  # each split its own data: no split applied, no validation without valid_data_path

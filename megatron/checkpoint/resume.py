@@ -89,8 +89,8 @@ MODEL_NOT_CHANGED = ("vocab_size", "hidden_size", "num_layers", "num_attention_h
                      "group_query_attention", "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights",
                      "disable_bias_linear")
 DATA_ORDER_NOT_CHANGED = (("seed",), ("dataset", "input_dir"), ("dataset", "train_data_path"), ("dataset", "split"),
-                          ("dataset", "max_seq_len"), ("dataset", "mock_data"), ("tokenizer", "tokenizer_type"),
-                          ("tokenizer", "eod_token"))
+                          ("dataset", "max_seq_len"), ("dataset", "mock_data"), ("dataset", "mock_document_length"),
+                          ("tokenizer", "tokenizer_type"), ("tokenizer", "eod_token"))
 
 
 def _get(config: Config, path: tuple[str, ...]):

@@ -189,6 +189,8 @@ class DatasetConfig:
     split: str = opt("949,50,1", "Train, validation and test proportions.")
     max_seq_len: int = opt(1024, "Tokens per sample.")
     mock_data: bool = opt(False, "Train on deterministic synthetic data (a fixed random bigram language).")
+    mock_document_length: int = opt(
+        128, "Mean document length of the mock data (each position ends a document with probability 1 / this).")
     data_cache_path: str | None = opt(None, "Folder for the cached sample indices; default beside each dataset.")
     num_workers: int = opt(1, "DataLoader worker processes that prefetch batches (0: load in the main process).")
     eod_mask_loss: bool = opt(

@@ -52,6 +52,9 @@ def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data:
         _fail(f"tiktoken_num_special_tokens must be >= 0, got {t.tiktoken_num_special_tokens}.")
     if d.num_workers < 0:
         _fail(f"num_workers must be >= 0, got {d.num_workers}.")
+    if d.mock_document_length < 1:
+        _fail(f"mock_document_length (the mock data's mean document length) must be at least 1, got "
+              f"{d.mock_document_length}.")
     for name in ("input_dir", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(d, name):  # whether its prefixes exist is the data layer's question
             _check_syntax(lambda text, name=name: input_dir_words(text, name), getattr(d, name))

@@ -10,7 +10,7 @@ merged output and log-sum-exp of its rows (FlashAttention's backward), so nothin
 
 Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
 returns the log-sum-exp); elsewhere the same computation in plain operations in fp32 (the block's scores
-exist for the block only).
+exist for the block only; ``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+FUSED_ON_CPU = {"enabled": True}
+
+
+def _fused(device: torch.device) -> bool:
+    return device.type == "cpu" and FUSED_ON_CPU["enabled"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
 def kernel_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of one block; k, v may have fewer heads (groups)."""
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
-    if q.device.type == "cpu":
+    if _fused(q.device):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -95,7 +102,7 @@ def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     block's); dk, dv summed over the queries of each group."""
     groups = k.shape[1]
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
-    if q.device.type == "cpu":
+    if _fused(q.device):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     else:

@@ -19,7 +19,6 @@ GPT2_VOCAB = 50257  # the vocabulary of Megatron-LM's GPT-2 vocab.json / merges.
 
 # The flags of each refused command line that name a feature absent here; every other flag must pass.
 REFUSED = {
-    "gpt3_mcore_te_tp2_pp2_cp2": {"--context-parallel-size"},
     "gpt3_15b_8t_release": {"--apply-layernorm-1p", "--squared-relu", "--decoupled-lr", "--decoupled-min-lr"},
     "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
     "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
@@ -42,11 +41,12 @@ def _argv(text: str, tmp_path: Path) -> list[str]:
 
 
 def _world_size(argv: list[str]) -> int:
-    sizes = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1}
+    sizes = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1}
     for flag in sizes:
         if flag in argv:
             sizes[flag] = int(argv[argv.index(flag) + 1])
-    return sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"]
+    return sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"] * sizes[
+        "--context-parallel-size"]
 
 
 @pytest.mark.parametrize("name", list(COMMAND_LINES))
@@ -69,7 +69,8 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
     assert any(n.startswith("Megatron-LM command line") for n in notices)
     # what the flags say is what the configuration holds
     assert config.model.num_layers == int(argv[argv.index("--num-layers") + 1])
-    assert config.distributed.mp_degree * config.distributed.pp_degree == _world_size(argv)
+    d = config.distributed
+    assert d.mp_degree * d.pp_degree * d.context_parallel_size == _world_size(argv)
     if "--lr" in argv:
         assert config.optimizer.lr.max_lr == float(argv[argv.index("--lr") + 1])
     if "--seq-length" in argv:
@@ -79,10 +80,10 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
 def test_accepted_flags_are_listed_once_at_start():
     notices: list[str] = []
     parse_config(["--mock-data", "--use-mcore-models", "--transformer-impl", "transformer_engine",
-                  "--context-parallel-size", "1", "--manual-gc"], warnings=notices)
+                  "--expert-model-parallel-size", "1", "--manual-gc"], warnings=notices)
     accepted = [n for n in notices if n.startswith("accepted, no effect here")]
     assert accepted == ["accepted, no effect here: --use-mcore-models, --transformer-impl transformer_engine, "
-                        "--context-parallel-size 1, --manual-gc (docs/megatron.md says why)."]
+                        "--expert-model-parallel-size 1, --manual-gc (docs/megatron.md says why)."]
 
 
 def test_unknown_and_absent_flags_are_reported_together():

@@ -1,0 +1,88 @@
+"""Context parallelism reproduces the single-process losses under every layout it composes with, each
+communication type (p2p ring, all_gather, a2a), on ordinary samples and on packed short documents
+(``--reset-attention-mask --reset-position-ids --eod-mask-loss``, whose reference is the one-process run
+with the same flags)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import TINY, parity_layouts, reference_runs
+from tests.functional.test_llama_layouts import LLAMA
+
+pytestmark = pytest.mark.slow
+
+# documents of ~6 tokens: every 32-token sample holds several, cut across the chunks of every cp rank
+PACKED = [*TINY, "--mock-document-length", "6", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+reference_runs({"tiny-packed": PACKED})
+
+CP2 = ["--cp", "2"]
+# (processes, flags, communication type on plain samples, on packed documents): every type meets several axes
+LAYOUTS = {
+    "cp2-p2p": (2, CP2, "p2p", "p2p"),
+    "cp2-all_gather": (2, CP2, "all_gather", "all_gather"),
+    "cp2-a2a": (2, CP2, "a2a", "a2a"),
+    "cp4": (4, ["--cp", "4"], "p2p", "all_gather"),
+    "cp2-tp2-sp": (4, [*CP2, "--tp", "2", "--sequence-parallel"], "p2p", "a2a"),
+    "cp2-pp2": (4, [*CP2, "--pp", "2"], "all_gather", "p2p"),
+    "cp2-zero3": (4, [*CP2, "--sharding", "2", "--sharding-stage", "3"], "p2p", "all_gather"),
+    "cp2-recompute": (2, [*CP2, "--use-recompute", "--recompute-granularity", "full"], "a2a", "p2p"),
+    "cp2-dp2-tp2": (8, [*CP2, "--dp", "2", "--tp", "2"], "p2p", "p2p"),
+}
+PLAIN = parity_layouts({name: (n, [*TINY, *flags, "--cp-comm-type", plain])
+                        for name, (n, flags, plain, _) in LAYOUTS.items()})
+PACKED_LAYOUTS = parity_layouts({f"packed-{name}": (n, [*PACKED, *flags, "--cp-comm-type", packed])
+                                 for name, (n, flags, _, packed) in LAYOUTS.items()})
+
+
+@pytest.mark.parametrize("layout", PLAIN)
+def test_cp_losses_equal_single_process(parity, reference, layout):
+    parity.assert_matches(layout, reference)
+
+
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
+def test_cp_on_packed_documents_equals_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["tiny-packed"])
+
+
+def test_packed_documents_change_the_losses(references, reference):
+    """The packed reference is another computation than the plain one (the flags take effect)."""
+    assert references["tiny-packed"][0][0] != pytest.approx(reference[0][0], rel=1e-3)
+
+
+LLAMA_LAYOUTS = parity_layouts({
+    # rope at each chunk's positions, grouped queries split over the a2a ranks, interleaved pipeline
+    "llama-cp2-a2a-pp2-vpp2": (4, [*LLAMA, *CP2, "--cp-comm-type", "a2a", "--pp", "2", "--vpp", "2"]),
+    # compiled norms and MLP around the eager ring, selective recompute of the ring attention
+    "llama-cp2-p2p-compile-core-attn": (2, [*LLAMA, *CP2, "--compile", "--use-recompute", "--recompute-granularity",
+                                            "core_attn"]),
+})
+
+
+@pytest.mark.parametrize("layout", LLAMA_LAYOUTS)
+def test_llama_shaped_cp_losses_equal_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["llama"])
+    assert "--compile:" not in parity.outcome(layout).log  # no fallback to eager
+
+
+LOW_PRECISION = parity_layouts({f"{p}-cp2-{t}": (2, [*TINY, f"--{p}", *CP2, "--cp-comm-type", t])
+                                for p, t in (("bf16", "p2p"), ("fp16", "all_gather"))})
+
+
+@pytest.mark.parametrize("layout", LOW_PRECISION)
+def test_low_precision_cp_tracks_one_process(parity, references, layout):
+    """bf16 / fp16: the blocks' results merge in fp32 and round once, where one process rounds its fused
+    kernel's output; the loss curves stay within 1e-3."""
+    single = references[f"tiny-{layout.split('-')[0]}"][0]
+    assert parity.curves(layout)[0] == pytest.approx(single, rel=1e-3)
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (parity_layouts({"bad-cp2-seq": (2, [*TINY, *CP2, "--max-seq-len", "30"])})[0],
+     "--context-parallel-size 2 cuts each sample into 4 chunks: max_seq_len (30) must be divisible by 2 x "
+     "context_parallel_size = 4"),
+    (parity_layouts({"bad-cp2-a2a-heads": (2, [*TINY, *CP2, "--cp-comm-type", "a2a", "--num-attention-heads", "1"])})[0],
+     "--cp-comm-type a2a gives each context-parallel rank whole heads"),
+])
+def test_bad_cp_settings_fail_on_every_rank(parity, layout, message):
+    parity.assert_fails_on_every_rank(layout, message)
