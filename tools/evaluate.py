@@ -76,6 +76,10 @@ def configure(rest: list[str]):
     if tokenizer is None:
         raise ConfigError(f"{config.save_load.ckpt_dir} was trained without a tokenizer (synthetic data): give "
                           f"--tokenizer-type and its files.")
+    if config.distributed.context_parallel_size != 1:
+        raise ConfigError("tools/evaluate.py scores whole samples on each rank: drop --context-parallel-size (a "
+                          "checkpoint trained with context parallelism loads at any layout; use --tp / --pp to "
+                          "spread a large model).")
     b = config.batch_size
     b.micro_batch_size = b.micro_batch_size or 4
     b.global_batch_size, b.local_batch_size = None, b.micro_batch_size * config.distributed.pp_degree

@@ -45,9 +45,15 @@ def test_cp_on_packed_documents_equals_single_process(parity, references, layout
     parity.assert_matches(layout, references["tiny-packed"])
 
 
-def test_packed_documents_change_the_losses(references, reference):
-    """The packed reference is another computation than the plain one (the flags take effect)."""
-    assert references["tiny-packed"][0][0] != pytest.approx(reference[0][0], rel=1e-3)
+@pytest.mark.parametrize("layout", parity_layouts({
+    "cp2-saved": (2, [*TINY, *CP2, "--save-interval", "5"]),
+    "cp4-resumed-from-cp2": (4, [*TINY, "--cp", "4", "--cp-comm-type", "a2a", "--load", "{runs}/cp2-saved/step_5"],
+                             ("cp2-saved",)),
+    "cp1-resumed-from-cp2": (1, [*TINY, "--load", "{runs}/cp2-saved/step_5"], ("cp2-saved",))})[1:])
+def test_a_cp_checkpoint_resumes_under_another_cp(parity, reference, layout):
+    """Saved at cp 2 and resumed at cp 4 or in one process: the single-process run's steps 6-10 (a checkpoint
+    holds whole parameters: the cp ranks are replicas)."""
+    assert parity.curves(layout)[0] == pytest.approx(reference[0][5:], rel=1e-5)
 
 
 LLAMA_LAYOUTS = parity_layouts({

@@ -202,3 +202,13 @@ def test_an_input_without_words_is_one_line(checkpoint, tmp_path, task, suffix, 
     assert done.stderr.strip().splitlines() == [f"evaluate.py: error: {path} holds no words (it is empty, or only "
                                                 f"blank lines): nothing to evaluate."], done.stderr
     assert done.stdout == ""
+
+
+def test_context_parallel_evaluation_is_refused_with_what_to_do(checkpoint):
+    """Evaluation scores whole samples per rank: --context-parallel-size is one line saying to drop it."""
+    from tests.functional.launch import run_tool_here
+
+    done = run_tool_here("tools/evaluate.py", "--task", "perplexity", "--input", str(ROOT / "README.md"), "--load",
+                         checkpoint, "--context-parallel-size", "2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "tools/evaluate.py scores whole samples on each rank: drop --context-parallel-size" in done.stderr

@@ -1,0 +1,191 @@
+"""Context parallelism and packed documents in one process: the load-balanced split, Megatron-LM's
+packed-document semantics, per-document attention against each document run alone, the settings' checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.config import ConfigError, parse_config, validate
+from megatron.context_parallel import AttentionPlan, attend, chunk_ids, local_positions, split_batch
+from megatron.context_parallel.blocks import document_blocks
+from megatron.context_parallel.layout import merge_chunks, scatter_chunks
+from megatron.data.loader import build_batch
+from megatron.data.packing import document_ids, reset_positions
+from megatron.model import build_model
+
+EOD = 9
+
+
+# ---------------------------------------------------------------- the split
+
+
+def test_each_rank_keeps_chunk_r_and_its_mirror():
+    assert [chunk_ids(r, 2) for r in range(2)] == [(0, 3), (1, 2)]
+    assert [chunk_ids(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert local_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    every = torch.cat([local_positions(32, r, 4) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(32))  # a partition of the sequence
+
+
+def test_causal_work_is_the_same_on_every_rank():
+    """The number of (query, key) pairs under the causal mask is equal across the ranks: the reason for the split."""
+    for cp in (2, 4, 8):
+        work = {sum(int(p) + 1 for p in local_positions(64, r, cp)) for r in range(cp)}
+        assert len(work) == 1, (cp, work)
+
+
+def test_merge_and_scatter_invert_each_other():
+    whole = torch.arange(2 * 24).view(2, 24)
+    for cp in (1, 2, 3):
+        parts = scatter_chunks(whole, cp, dim=1)
+        assert [p.tolist() for p in parts] == [whole[:, local_positions(24, r, cp)].tolist() for r in range(cp)]
+        assert torch.equal(merge_chunks(parts, dim=1), whole)
+
+
+def test_split_batch_cuts_the_per_token_fields_and_keeps_documents_whole():
+    samples = [np.arange(17) % 7, (np.arange(17) * 3) % 11]
+    batch = build_batch(samples, eod_id=EOD, reset_attention_mask=True)
+    mine = split_batch(batch, 1, 2)
+    index = local_positions(16, 1, 2)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(mine[key], batch[key][:, index]), key
+    assert torch.equal(mine["document_ids"], batch["document_ids"])
+    assert torch.equal(build_batch(samples, EOD, cp_rank=1, cp_size=2, reset_attention_mask=True)["tokens"],
+                       mine["tokens"])
+
+
+# ---------------------------------------------------------------- Megatron-LM's packed-document semantics
+
+
+def megatron_masks_and_positions(tokens: torch.Tensor, eod: int, reset_positions_: bool, reset_mask: bool,
+                                 eod_mask_loss: bool):
+    """Megatron-LM's ``_get_ltor_masks_and_position_ids`` written out as its loop (the reference)."""
+    b, s = tokens.shape
+    mask = torch.tril(torch.ones(b, 1, s, s))
+    loss_mask = torch.ones(b, s)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    positions = torch.arange(s).unsqueeze(0).repeat(b, 1)
+    for i in range(b):
+        eods = (tokens[i] == eod).nonzero().flatten().tolist()
+        prev = 0
+        for j in eods:
+            if reset_mask:
+                mask[i, 0, j + 1:, :j + 1] = 0
+            if reset_positions_:
+                positions[i, j + 1:] -= j + 1 - prev
+                prev = j + 1
+    return mask < 0.5, loss_mask, positions
+
+
+def test_packing_follows_megatron_semantics():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 10, (3, 40), generator=g)  # id 9 (EOD) about one in ten, also first and last
+    tokens[0, 0], tokens[1, -1] = EOD, EOD
+    masked_out, loss_mask, positions = megatron_masks_and_positions(tokens, EOD, True, True, True)
+    docs = document_ids(tokens, EOD)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    allowed = causal & (docs[:, :, None] == docs[:, None, :])
+    assert torch.equal(allowed, ~masked_out[:, 0])  # attention never crosses a document boundary, eod in its own
+    assert torch.equal(reset_positions(tokens, EOD), positions)
+    samples = [np.concatenate([t.numpy(), [1]]) for t in tokens]
+    batch = build_batch(samples, EOD, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    assert torch.equal(batch["loss_mask"], loss_mask) and torch.equal(batch["position_ids"], positions)
+    assert torch.equal(batch["document_ids"], docs)
+
+
+def test_document_blocks_skip_pairs_without_a_shared_document():
+    docs = torch.tensor([[0, 0, 1, 1, 2, 2, 2, 2]])
+    blocks = document_blocks(docs, docs, slice(4, 8), slice(0, 4), causal=False)
+    assert blocks == []  # the second half's only document (2) has no token in the first half
+    blocks = document_blocks(docs, docs, slice(0, 8), slice(0, 8), causal=True)
+    assert [(b.q, b.k) for b in blocks] == [(slice(0, 2), slice(0, 2)), (slice(2, 4), slice(2, 4)),
+                                            (slice(4, 8), slice(4, 8))]
+
+
+# ---------------------------------------------------------------- per-document attention vs each document alone
+
+GPT2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "64",
+        "--max-seq-len", "48", "--max-position-embeddings", "64", "--hidden-dropout", "0", "--attention-dropout", "0"]
+LLAMA = [*GPT2, "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("shape", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_a_packed_sample_scores_as_its_documents_alone(shape):
+    """With the same weights, the packed sample's loss is the token-weighted mean of each of its documents run
+    as a sequence of its own (positions from 0, nothing before it): the reference shares no code with the
+    document blocks."""
+    config = parse_config(["--mock-data", "--device", "cpu", *shape])
+    validate(config)
+    model = build_model(config).eval()
+    eod = config.model.vocab_size - 1
+    g = torch.Generator().manual_seed(1)
+    sample = torch.randint(0, eod, (49,), generator=g)
+    sample[[5, 6, 19, 40]] = eod  # documents of 6, 1, 13, 21 and 8 tokens (the last one cut by the sample)
+    batch = build_batch([sample.numpy()], eod, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    with torch.no_grad():
+        packed = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                       document_ids=batch["document_ids"])[0]
+        total = count = 0.0
+        starts = [0, 6, 7, 20, 41]
+        for start, end in zip(starts, [*starts[1:], 48]):
+            tokens, labels = batch["tokens"][:, start:end], batch["labels"][:, start:end]
+            alone = model(tokens, None, labels=labels)[0]  # default positions 0..len-1, a whole sequence
+            assert torch.allclose(packed[start:end], alone, rtol=1e-5, atol=1e-6), (start, end)
+            mask = batch["loss_mask"][0, start:end]
+            total, count = total + float((alone * mask).sum()), count + float(mask.sum())
+        packed_loss = float((packed * batch["loss_mask"][0]).sum() / batch["loss_mask"][0].sum())
+        assert packed_loss == pytest.approx(total / count, rel=1e-6)
+        crossing = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])[0]
+        assert not torch.allclose(crossing[7:], packed[7:], atol=1e-3)  # without the documents, attention crosses
+
+
+def test_one_process_attention_with_documents_equals_the_masked_one():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 24, 8, generator=g) for _ in range(3))
+    docs = document_ids(torch.tensor([[1, 9, 2, 2, 9, 3] * 4, [2] * 23 + [9]]), EOD)
+    out = attend(q, k, v, AttentionPlan(document_ids=docs))
+    mask = torch.ones(24, 24, dtype=torch.bool).tril() & (docs[:, None, :, None] == docs[:, None, None, :])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+    assert torch.allclose(out, want, atol=1e-6)
+
+
+# ---------------------------------------------------------------- settings
+
+
+def _validate(*argv: str, world_size: int = 2) -> None:
+    config = parse_config(["--mock-data", "--device", "cpu", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--vocab-size", "64", "--max-seq-len", "32", "--attention-dropout", "0", *argv])
+    validate(config, world_size=world_size)
+
+
+@pytest.mark.parametrize(("argv", "world", "message"), [
+    (["--cp", "2", "--max-seq-len", "30"], 2, "max_seq_len (30) must be divisible by 2 x context_parallel_size = 4"),
+    (["--cp", "2", "--tp", "2", "--sequence-parallel", "--max-seq-len", "36"], 4,
+     "must be divisible by 2 x context_parallel_size x mp_degree = 8"),
+    (["--cp", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--tp", "2"], 4,
+     "the attention heads per tensor-parallel rank (2 / mp_degree 2) must be divisible by --context-parallel-size 2"),
+    (["--cp", "2", "--attention-dropout", "0.1"], 2, "--cp-comm-type p2p computes attention block by block"),
+    (["--cp", "2"], 3, "world size 3 is not divisible by mp_degree x pp_degree x sharding_degree x "
+                       "context_parallel_size = 2"),
+    (["--cp", "0"], 1, "Distributed.context_parallel_size must be at least 1"),
+    (["--hierarchical-context-parallel-sizes", "2", "2"], 4, "--hierarchical-context-parallel-sizes"),
+])
+def test_bad_settings_are_one_line(argv, world, message):
+    with pytest.raises(ConfigError) as err:
+        _validate(*argv, world_size=world)
+    assert message in str(err.value)
+
+
+def test_good_settings_give_the_grid():
+    config = parse_config(["--mock-data", "--device", "cpu", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--vocab-size", "64", "--max-seq-len", "32", "--attention-dropout", "0",
+                           "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tp", "2",
+                           "--sequence-parallel"])
+    validate(config, world_size=8)
+    assert (config.distributed.dp_degree, config.data_parallel_size) == (2, 2)  # cp ranks share their samples
