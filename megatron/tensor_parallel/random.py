@@ -32,6 +32,7 @@ from megatron import device as dev
 # checkpoints' RNG files: keep it, or older checkpoints lose the stream on resume.
 TENSOR_PARALLEL_RNG = "model-parallel"
 TENSOR_PARALLEL_SEED_OFFSET = 2718
+CONTEXT_PARALLEL_SEED_OFFSET = 100_003  # x cp_rank: beyond every tensor-parallel stream's seed + 2718 + tp_rank
 
 
 class RNGStatesTracker:
@@ -85,12 +86,17 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None) -> None:
+def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | None = None, cp_rank: int = 0) -> None:
     """Seed the default generators with ``seed`` (equal on the tensor-parallel ranks) and track the
     tensor-parallel stream (``TENSOR_PARALLEL_RNG``) seeded with ``seed + 2718 + tp_rank`` (distinct
-    per rank) on ``device`` (default: torch's default device)."""
+    per rank) on ``device`` (default: torch's default device).
+
+    Context-parallel ranks hold different tokens (and, with a2a attention, different heads): both
+    streams move by ``CONTEXT_PARALLEL_SEED_OFFSET x cp_rank``, so no two chunks of a sample draw the
+    same dropout mask."""
     device = torch.get_default_device() if device is None else torch.device(device)
     device = dev.with_index(device)
+    seed += CONTEXT_PARALLEL_SEED_OFFSET * cp_rank
     torch.manual_seed(seed)
     _TRACKER.reset(device)
     _TRACKER.add(TENSOR_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)

@@ -189,3 +189,22 @@ def test_good_settings_give_the_grid():
                            "--sequence-parallel"])
     validate(config, world_size=8)
     assert (config.distributed.dp_degree, config.data_parallel_size) == (2, 2)  # cp ranks share their samples
+
+
+def test_context_parallel_ranks_draw_different_dropout_masks():
+    """Each cp rank holds other tokens (and with a2a other heads): its default and tensor-parallel streams
+    differ from every other cp rank's, while tensor-parallel ranks of one cp rank share the default one."""
+    from megatron.tensor_parallel import get_rng_tracker, tensor_parallel_seed
+
+    draws = {}
+    for cp_rank in (0, 1):
+        for tp_rank in (0, 1):
+            tensor_parallel_seed(1234, tp_rank, "cpu", cp_rank)
+            default = torch.rand(4)
+            with get_rng_tracker().fork():
+                draws[cp_rank, tp_rank] = (default, torch.rand(4))
+    assert torch.equal(draws[0, 0][0], draws[0, 1][0]) and torch.equal(draws[1, 0][0], draws[1, 1][0])
+    assert not torch.equal(draws[0, 0][0], draws[1, 0][0])
+    tracked = [d[1] for d in draws.values()]
+    assert all(not torch.equal(a, b) for i, a in enumerate(tracked) for b in tracked[i + 1:])
+    tensor_parallel_seed(1234, 0, "cpu")
