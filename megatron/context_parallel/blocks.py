@@ -9,8 +9,9 @@ key sets merge exactly by log-sum-exp rescaling (``merge``). The backward of a b
 merged output and log-sum-exp of its rows (FlashAttention's backward), so nothing of a block is kept.
 
 Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
-returns the log-sum-exp); elsewhere the same computation in plain operations in fp32 (the block's scores
-exist for the block only; ``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
+returns the log-sum-exp); elsewhere the same computation in plain operations in fp32, a tile of query rows
+at a time so that the scores held at once stay under ``MATH_TILE_BYTES`` whatever the block's length
+(``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 
 FUSED_ON_CPU = {"enabled": True}
+MATH_TILE_BYTES = {"limit": 256 << 20}  # the fp32 scores (and probabilities) of one tile of query rows
 
 
 def _fused(device: torch.device) -> bool:
@@ -80,8 +82,20 @@ def _fold_groups(dk: torch.Tensor, groups: int) -> torch.Tensor:
     return dk if heads == groups else dk.view(b, groups, heads // groups, length, d).sum(2)
 
 
-def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+def _row_tiles(q: torch.Tensor, sk: int) -> list[slice]:
+    """Query rows cut so that one tile's fp32 scores [b, h, rows, sk] take at most ``MATH_TILE_BYTES``."""
+    b, h, sq, _ = q.shape
+    rows = max(1, MATH_TILE_BYTES["limit"] // max(1, b * h * sk * 4))
+    return [slice(a, min(a + rows, sq)) for a in range(0, sq, rows)]
+
+
+def _scores(q_rows: torch.Tensor, k: torch.Tensor, rows: slice, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 ``q k^T scale`` of a tile of query rows; causal: key j is seen by query row i when j <= i."""
+    scores = torch.matmul(q_rows.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(rows.start, rows.stop, device=q_rows.device).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(k.shape[2], device=q_rows.device) > i, float("-inf"))
+    return scores
 
 
 def kernel_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +104,13 @@ def kernel_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, t
     if _fused(q.device):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for rows in _row_tiles(q, k.shape[2]):
+        scores = _scores(q[:, :, rows], k, rows, causal, scale)
+        lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
+        out[:, :, rows] = torch.matmul(torch.exp(scores - lse[:, :, rows].unsqueeze(-1)), v.float()).to(q.dtype)
+    return out, lse
 
 
 def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -106,15 +122,16 @@ def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     else:
-        qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
-        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-        if causal:
-            scores = scores.masked_fill(~_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-        p = torch.exp(scores - lse.unsqueeze(-1))
-        dv = torch.matmul(p.transpose(-1, -2), df)
-        dp = torch.matmul(df, vf.transpose(-1, -2))
-        ds = p * (dp - (df * out.float()).sum(-1, keepdim=True))
-        dq, dk = torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-1, -2), qf) * scale
+        kf, vf = k.float(), v.float()
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        for rows in _row_tiles(q, k.shape[2]):
+            qf, df = q[:, :, rows].float(), dout[:, :, rows].float()
+            p = torch.exp(_scores(qf, kf, rows, causal, scale) - lse[:, :, rows].unsqueeze(-1))
+            dv += torch.matmul(p.transpose(-1, -2), df)
+            ds = p * (torch.matmul(df, vf.transpose(-1, -2)) - (df * out[:, :, rows].float()).sum(-1, keepdim=True))
+            dq[:, :, rows] = torch.matmul(ds, kf) * scale
+            dk += torch.matmul(ds.transpose(-1, -2), qf) * scale
     return dq, _fold_groups(dk, groups), _fold_groups(dv, groups)
 
 

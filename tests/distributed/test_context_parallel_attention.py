@@ -5,7 +5,8 @@ inside chunks, on chunk edges and across several chunks; the reference is ``F.sc
 over the whole sequence with a materialised causal-and-same-document mask. Each rank attends with its two
 chunks (``split``) and its output and the gradients of its queries, keys and values must equal the matching
 rows of the reference's. One spawn of 4 ranks checks cp 2 (two rings side by side) and cp 4, every
-communication type, with and without documents, grouped queries, both block kernels.
+communication type, with and without documents, grouped queries, both block kernels (the plain one, which
+GPUs run, in tiles of a few query rows).
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def _check(rank, cp, comm, docs, fused) -> list[str]:
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs)
     blocks_module.FUSED_ON_CPU["enabled"] = fused
+    limit = blocks_module.MATH_TILE_BYTES["limit"]
+    blocks_module.MATH_TILE_BYTES["limit"] = B * NQ * S * 4 * 5  # tiles of a few query rows, offsets inside blocks
     try:
         out = attend(*local, plan)
         (out * weight[:, :, mine]).sum().backward()
     finally:
         blocks_module.FUSED_ON_CPU["enabled"] = True
+        blocks_module.MATH_TILE_BYTES["limit"] = limit
     got = (out.detach(), *(t.grad for t in local))
     bad = []
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
