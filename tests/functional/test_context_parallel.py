@@ -31,6 +31,10 @@ LAYOUTS = {
 }
 PLAIN = parity_layouts({name: (n, [*TINY, *flags, "--cp-comm-type", plain])
                         for name, (n, flags, plain, _) in LAYOUTS.items()})
+PLAIN += parity_layouts({  # the other sharded optimizers: the cp ranks hold the same shards as replicas
+    "cp2-zero2-offload": (4, [*TINY, *CP2, "--sharding", "2", "--sharding-stage", "2", "--sharding-offload"]),
+    "cp2-distributed-optimizer": (4, [*TINY, *CP2, "--use-distributed-optimizer", "--cp-comm-type", "a2a"]),
+})
 PACKED_LAYOUTS = parity_layouts({f"packed-{name}": (n, [*PACKED, *flags, "--cp-comm-type", packed])
                                  for name, (n, flags, _, packed) in LAYOUTS.items()})
 
