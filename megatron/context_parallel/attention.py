@@ -179,6 +179,8 @@ class RingAttention(torch.autograd.Function):
             pending = None
             if t < cp - 1:
                 nxt, pending = _exchange(kv, plan)
+                if not RING_OVERLAP["enabled"]:
+                    _wait(pending)
             blocks = plan.blocks((r - t) % cp, length)
             if blocks:
                 blocks_backward(dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
