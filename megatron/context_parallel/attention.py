@@ -56,7 +56,7 @@ class AttentionPlan:
     group: dist.ProcessGroup | None = None
     comm_type: str = "p2p"
     document_ids: torch.Tensor | None = None  # [b, s] over the whole sequence, or None: one document per sample
-    _blocks: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def ring_ranks(self) -> tuple[int, int]:
@@ -68,10 +68,17 @@ class AttentionPlan:
         seq = length * self.cp_size
         return self.document_ids.index_select(1, local_positions(seq, rank, self.cp_size, self.document_ids.device))
 
+    def document_ends(self) -> list[list[int]]:
+        """Per sample, the end of each of its documents over the whole sequence (cached: read once per
+        micro-batch, not per layer)."""
+        if "ends" not in self._cache:
+            self._cache["ends"] = [_boundaries(ids) for ids in self.document_ids.tolist()]
+        return self._cache["ends"]
+
     def blocks(self, kv_rank: int, length: int) -> list[Block]:
         """The blocks of this rank's ``length`` local queries against rank ``kv_rank``'s keys (cached)."""
         key = (kv_rank, length)
-        if key not in self._blocks:
+        if key not in self._cache:
             r, c = self.cp_rank, length // 2
             if kv_rank == r:
                 q_rows, k_rows, causal = slice(0, length), slice(0, length), True
@@ -80,11 +87,11 @@ class AttentionPlan:
             else:
                 q_rows, k_rows, causal = slice(c, length), slice(0, length), False
             if self.document_ids is None:
-                self._blocks[key] = dense_blocks(q_rows, k_rows, causal)
+                self._cache[key] = dense_blocks(q_rows, k_rows, causal)
             else:
-                self._blocks[key] = document_blocks(self._docs(r, length), self._docs(kv_rank, length), q_rows,
+                self._cache[key] = document_blocks(self._docs(r, length), self._docs(kv_rank, length), q_rows,
                                                     k_rows, causal)
-        return self._blocks[key]
+        return self._cache[key]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
@@ -92,7 +99,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
     """q [b, nq, L, hd], k and v [b, ng, L, hd] (this rank's heads and local tokens) -> [b, nq, L, hd]."""
     scale = q.shape[-1] ** -0.5
     if plan.cp_size == 1:
-        return _whole_sequences(q, k, v, plan.document_ids, dropout_p)
+        return _whole_sequences(q, k, v, plan, dropout_p)
     if plan.comm_type == "a2a":
         return _ulysses(q, k, v, plan, dropout_p)
     if plan.comm_type == "all_gather":
@@ -100,16 +107,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPla
     return RingAttention.apply(q, k, v, plan, scale)
 
 
-def _whole_sequences(q, k, v, document_ids: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
     """Causal attention over whole sequences, each packed document on its own (one fused call per document
     of each sample; a sample of one document is one call)."""
     extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    if document_ids is None:
+    if plan.document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **extra)
     samples = []
-    for i, ids in enumerate(document_ids.tolist()):
+    for i, ends in enumerate(plan.document_ends()):
         pieces, start = [], 0
-        for end in _boundaries(ids):
+        for end in ends:
             piece = slice(start, end)
             pieces.append(F.scaled_dot_product_attention(q[i:i + 1, :, piece], k[i:i + 1, :, piece],
                                                          v[i:i + 1, :, piece], dropout_p=dropout_p, is_causal=True,
@@ -265,6 +272,6 @@ def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
         parts = _AllToAll.apply(torch.stack(t.chunk(cp, dim=1)), plan.group)  # [cp, b, n/cp, L, d]
         return merge_chunks(list(parts.unbind(0)), dim=2)
 
-    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), plan.document_ids, dropout_p)
+    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), plan, dropout_p)
     back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, d]
     return torch.cat(list(back.unbind(0)), dim=1)
