@@ -63,9 +63,11 @@ def test_a_cp_checkpoint_resumes_under_another_cp(parity, reference, layout):
 LLAMA_LAYOUTS = parity_layouts({
     # rope at each chunk's positions, grouped queries split over the a2a ranks, interleaved pipeline
     "llama-cp2-a2a-pp2-vpp2": (4, [*LLAMA, *CP2, "--cp-comm-type", "a2a", "--pp", "2", "--vpp", "2"]),
-    # compiled norms and MLP around the eager ring, selective recompute of the ring attention
-    "llama-cp2-p2p-compile-core-attn": (2, [*LLAMA, *CP2, "--compile", "--use-recompute", "--recompute-granularity",
-                                            "core_attn"]),
+    # compiled norms and MLP around the eager ring
+    "llama-cp2-p2p-compile": (2, [*LLAMA, *CP2, "--compile"]),
+    # selective recompute: the gathered attention replayed in the backward
+    "llama-cp2-all_gather-core-attn": (2, [*LLAMA, *CP2, "--cp-comm-type", "all_gather", "--use-recompute",
+                                           "--recompute-granularity", "core_attn"]),
 })
 
 
