@@ -27,6 +27,23 @@ def test_tp2_sharding2_dp2():
     assert grid["embedding"] == [[r] for r in range(8)]
 
 
+def test_tp2_cp2_dp2_is_megatrons_order():
+    """tp fastest, then cp, then dp: a ring of neighbouring tp blocks; the cp ranks sum gradients with dp."""
+    grid = rank_grid(8, tp=2, cp=2, dp=2)
+    assert grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid["dp"] == grid["data_parallel"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # dp x cp replicas
+    assert grid["model_parallel"] == grid["tp"]  # the gradient norm is not summed over cp (replicas)
+    assert [coordinates(r, 2, 1, 2, 1, 2)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_cp2_with_sharding2_keeps_shards_apart_from_the_ring():
+    grid = rank_grid(8, tp=2, cp=2, sharding=2)
+    assert grid["sharding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # ZeRO shards: same cp coordinate
+    assert grid["dp"] == grid["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # a shard's replicas: its ring
+    assert grid["data_parallel"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
 def test_tp8_pp16_is_the_seed_layout():
     grid = rank_grid(128, tp=8, pp=16)
     assert grid["tp"][0] == list(range(8))  # one node
@@ -36,15 +53,15 @@ def test_tp8_pp16_is_the_seed_layout():
 
 
 def test_coordinates_and_partitions():
-    for sizes in [(2, 2, 2, 1), (4, 1, 2, 1), (1, 3, 2, 2), (2, 2, 1, 3)]:
-        tp, pp, dp, sh = sizes
-        world = tp * pp * dp * sh
-        grid = rank_grid(world, tp, pp, dp, sh)
-        for name in ("tp", "pp", "dp", "sharding", "data_parallel", "model_parallel"):
+    for sizes in [(2, 2, 2, 1, 1), (4, 1, 2, 1, 1), (1, 3, 2, 2, 1), (2, 2, 1, 3, 1), (2, 2, 1, 2, 2), (1, 1, 2, 1, 4)]:
+        tp, pp, dp, sh, cp = sizes
+        world = tp * pp * dp * sh * cp
+        grid = rank_grid(world, tp, pp, dp, sh, cp)
+        for name in ("tp", "cp", "pp", "dp", "sharding", "data_parallel", "model_parallel"):
             assert sorted(r for g in grid[name] for r in g) == list(range(world)), name  # a partition
         for r in range(world):
-            c = coordinates(r, tp, pp, dp, sh)
-            assert r == c["tp"] + tp * (c["sharding"] + sh * (c["dp"] + dp * c["pp"]))
+            c = coordinates(r, tp, pp, dp, sh, cp)
+            assert r == c["tp"] + tp * (c["cp"] + cp * (c["sharding"] + sh * (c["dp"] + dp * c["pp"])))
 
 
 def test_wrong_world_size():
