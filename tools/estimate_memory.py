@@ -69,7 +69,8 @@ def _tool_flags(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def _model_state_rows(config) -> None:
     d = config.distributed
     precision, sharding = training_precision(config), d.sharding.sharding_degree
-    print(f"tp {d.mp_degree} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
+    cp = f" x cp {d.context_parallel_size} ({d.cp_comm_type})" if d.context_parallel_size > 1 else ""
+    print(f"tp {d.mp_degree}{cp} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
           f"{d.sharding.sharding_stage}), {precision}; GiB per rank:")
     print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
           f"{'device':>8} {'CPU':>8}")
@@ -96,8 +97,11 @@ def _describe(config, kernel: str) -> str:
         name = f"interleaved 1f1b (vpp {d.virtual_pp_degree})" if d.virtual_pp_degree > 1 else d.pipeline_schedule
         schedule = f"{name} over {config.num_micro_batches} micro-batches"
     sp = ", sequence parallel" if d.sequence_parallel and d.mp_degree > 1 else ""
-    return (f"micro-batch {config.batch_size.micro_batch_size} x {config.dataset.max_seq_len} tokens, recompute "
-            f"{recompute}{sp}, {schedule}, {kernel} attention on the {config.device}")
+    seq, cp = config.dataset.max_seq_len, d.context_parallel_size
+    local = f" ({seq // cp} on each rank: context parallel {cp}, {d.cp_comm_type})" if cp > 1 else ""
+    packed = ", attention per packed document" if config.dataset.reset_attention_mask else ""
+    return (f"micro-batch {config.batch_size.micro_batch_size} x {seq} tokens{local}, recompute "
+            f"{recompute}{sp}{packed}, {schedule}, {kernel} attention on the {config.device}")
 
 
 def _activation_rows(config, kernel: str | None) -> list:
@@ -153,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = resumed_config(rest)  # as pretrain_gpt.py: over a resumed run's saved configuration
         d = config.distributed
-        world = (d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+        world = ((d.dp_degree or 1) * d.mp_degree * d.pp_degree * d.sharding.sharding_degree
+                 * d.context_parallel_size)
         tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)
         validate(config, world_size=world, cuda_available=config.device == "gpu",
                  tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)

@@ -1,21 +1,23 @@
 """Activation memory: the bytes one micro-batch's forward saves for the backward, for this model's
 exact ops, and the micro-batches a pipeline schedule keeps in flight.
 
-Notation (sizes on one rank): ``b`` micro-batch, ``s`` sequence, ``n = s b`` tokens, ``h`` hidden,
-``t`` tensor-parallel size, ``n' = n / t`` under sequence parallelism (else ``n``), ``a = nq / t``
-query heads and ``g = ng / t`` key/value groups of ``hd`` channels, ``f`` the MLP width / t, ``V`` the
-padded vocabulary / t, ``d`` bytes per activation element (4 fp32, 2 bf16/fp16). Dropout masks take
-``m`` bytes per element: ``d`` on the CPU (``at::dropout`` keeps a scaled mask in the input's dtype),
-1 on GPUs (``native_dropout``'s bool mask). LayerNorm's mean and rstd take ``d`` bytes each on the
-CPU, 4 on GPUs (``st``). The math kernel's probability mask takes ``m'`` = 4 bytes on the CPU (fp32
-inside), 1 on GPUs. Every storage is counted once (a view saved by two ops costs its storage once).
+Notation (sizes on one rank): ``b`` micro-batch, ``s`` sequence, ``c`` context-parallel size, ``n = s b /
+c`` tokens (each rank holds ``L = s / c`` tokens of each sample), ``h`` hidden, ``t`` tensor-parallel size,
+``n' = n / t`` under sequence parallelism (else ``n``), ``a = nq / t`` query heads and ``g = ng / t``
+key/value groups of ``hd`` channels, ``f`` the MLP width / t, ``V`` the padded vocabulary / t, ``d`` bytes
+per activation element (4 fp32, 2 bf16/fp16). Dropout masks take ``m`` bytes per element: ``d`` on the CPU
+(``at::dropout`` keeps a scaled mask in the input's dtype), 1 on GPUs (``native_dropout``'s bool mask).
+LayerNorm's mean and rstd take ``d`` bytes each on the CPU, 4 on GPUs (``st``). The math kernel's
+probability mask takes ``m'`` = 4 bytes on the CPU (fp32 inside), 1 on GPUs. Every storage is counted once
+(a view saved by two ops costs its storage once).
 
 One decoder layer, no recompute (``layer_terms``)::
 
     norm1 (input x)     LayerNorm: n' h d + 2 n' st         RMSNorm: 8 n' h + 4 n'   (fp32 x, x rstd, rstd)
     qkv input           n' h d                             (the norm's output; only the shard under sp)
     attention core      flash: qkv_out + q* + k* + out + lse          (see ``attention_terms``)
-                        math:  4 (2 n a hd + b a s^2) + v [+ (m' + 4) b a s^2 with attention dropout]
+                        math:  4 (2 n a hd + n a s) + v [+ (m' + 4) n a s with attention dropout]
+                        cp > 1: p2p / all_gather q, k, v + out + lse; a2a whole sequences, a / c heads
     dense input         n a hd d                           (flash: a view of its out, see below)
     dropout mask 1      n' h m                             (hidden dropout only)
     norm2               as norm1, on the residual sum
@@ -23,16 +25,16 @@ One decoder layer, no recompute (``layer_terms``)::
     MLP                 GELU: 2 n f d (fc1 out, gelu out); SwiGLU: 4 n f d (fc1 out 2f, silu, product)
     dropout mask 2      n' h m
 
-with ``qkv_out = n (a + 2g) hd d`` (the QKV output: v, a view of it, keeps it whole), ``q* = n a hd d``
-when q is a tensor of its own (rope, or g > 1 groups of several queries), ``k* = n g hd d`` with rope,
-``out = n a hd d`` only with partial rope (otherwise the dense input is a view of it) and
-``lse = 4 n a``. Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's
-saves; ``only_attn`` keeps the layer input x instead of norm1 .. dropout mask 1; ``full`` keeps only x
-(``n' h d``); a unit of several layers (``recompute_method uniform``) keeps only its first input.
+with ``qkv_out = n (a + 2g) hd d`` (the QKV output: v, a view of it, keeps it whole), ``q* = n a hd d`` when
+q is a tensor of its own (rope, or g > 1 groups of several queries), ``k* = n g hd d`` with rope, ``out = n
+a hd d`` only with partial rope, packed documents or context parallelism (otherwise the dense input is a
+view of it) and ``lse = 4 n a``. Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's
+saves; ``only_attn`` keeps the layer input x instead of norm1 .. dropout mask 1; ``full`` keeps only x (``n'
+h d``); a unit of several layers (``recompute_method uniform``) keeps only its first input.
 
 Outside the layers: the embedding (token ids ``8n``, with tp > 1 the local ids and the ``n`` bool
 out-of-shard mask; learned position ids ``8n``; its dropout mask ``n' h m``), rope's cos/sin
-(``2 b s rot d`` per chunk), the final norm, the head's input (``n h d``, gathered under sp), the loss's
+(``2 n rot d`` per chunk), the final norm, the head's input (``n h d``, gathered under sp), the loss's
 ``softmax - onehot`` (``n V d``) and ``loss_fn``'s mask (``4n``).
 
 Attention kernels: on the CPU ``F.scaled_dot_product_attention`` runs the fused flash kernel without
@@ -41,6 +43,13 @@ assumes a fused kernel (FlashAttention-2 for bf16/fp16, memory-efficient for fp3
 fp32 log-sum-exp per (head, query); dropout is replayed from a seed, no mask is kept; grouped keys are
 read in place. The GPU figures are not measured here (the tests run on the CPU); ``kernel="math"``
 gives a non-fused kernel's figure. Eager mode: ``compile`` may save less.
+
+Context parallelism (``c`` > 1, ``megatron.context_parallel``): every term counts this rank's ``n``
+tokens; the attention core's saves depend on the communication type (``attention_terms``); the
+exchanged keys and values, the ring's receive buffers and the fp32 accumulators are temporaries
+(``context_parallel_terms``). Packed documents (``reset_attention_mask``) run one kernel call per
+document: the same bytes, but for the output kept apart from the dense input, and the math kernel's
+probabilities (an upper bound: ``s^2`` per sample where the documents' squared lengths sum to less).
 """
 
 from __future__ import annotations
@@ -80,10 +89,19 @@ class Dims:
     swiglu: bool
     rot: int  # rotated channels per head (0: no rope)
     learned_positions: bool
+    cp: int = 1  # context-parallel size: this rank holds s / cp tokens of each sample
+    cp_comm: str = "p2p"  # p2p, all_gather or a2a (with cp > 1)
+    documents: bool = False  # packed documents (reset_attention_mask): attention per document
 
     @property
     def n(self) -> int:
-        return self.b * self.s
+        """Tokens on this rank: ``b s / cp``."""
+        return self.b * self.s // self.cp
+
+    @property
+    def length(self) -> int:
+        """Tokens of one sample on this rank (``L = s / cp``)."""
+        return self.s // self.cp
 
     @property
     def n_sp(self) -> int:
@@ -121,7 +139,8 @@ def dims(config: Config, kernel: str | None = None) -> Dims:
                 device="gpu" if config.device == "gpu" else "cpu", kernel=kernel,
                 rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu,
                 rot=int(hd * m.rotary_percent) if m.position_embedding_type == "rope" else 0,
-                learned_positions=m.position_embedding_type == "learned_absolute")
+                learned_positions=m.position_embedding_type == "learned_absolute", cp=d.context_parallel_size,
+                cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask)
 
 
 # ---------------------------------------------------------------------------- one decoder layer
@@ -150,22 +169,41 @@ def qkv_bytes(D: Dims) -> int:
 
 
 def attention_terms(D: Dims) -> dict[str, int]:
-    """What ``F.scaled_dot_product_attention`` saves, by kernel.
+    """What the attention core saves (``megatron.context_parallel.attend`` and the kernels under it).
 
-    flash: q, k, v (``qkv_bytes``), the output ``[b, a, s, hd]`` and the fp32 log-sum-exp ``[b, a, s]``.
-    The output is allocated in q's memory layout, ``[s, b, a, hd]`` (q is a view of the QKV output,
-    or its rotation), so the dense layer's input is a view of it, counted there; with partial rope
-    (``torch.cat``) q is contiguous ``[b, a, s, hd]`` and the dense input a copy (unless a = b = 1).
-    math (fp32 inside; grouped keys and values repeated to ``a`` heads): the scaled q and k, the
-    softmax ``[b, a, s, s]``, with dropout its mask and the dropped probabilities, and v (its fp32 or
-    repeated copy; in fp32 without grouping a view of the QKV output)."""
+    ``F.scaled_dot_product_attention``, by kernel. flash: q, k, v (``qkv_bytes``), the output
+    ``[b, a, s, hd]`` and the fp32 log-sum-exp ``[b, a, s]``. The output is allocated in q's memory
+    layout, ``[s, b, a, hd]`` (q is a view of the QKV output, or its rotation), so the dense layer's
+    input is a view of it, counted there; with partial rope (``torch.cat``) q is contiguous
+    ``[b, a, s, hd]`` and the dense input a copy (unless a = b = 1). math (fp32 inside; grouped keys
+    and values repeated to ``a`` heads): the scaled q and k, the softmax ``[b, a, s, s]``, with
+    dropout its mask and the dropped probabilities, and v (its fp32 or repeated copy; in fp32 without
+    grouping a view of the QKV output).
+
+    Packed documents (one call per document, on slices of q, k and v): the same q, k, v and
+    log-sum-exp; each call's output is a storage of its own and the dense input a copy of their
+    concatenation. The math kernel's ``[b, a, s, s]`` is then an upper bound (the documents' squared
+    lengths sum to less).
+
+    Context parallelism (cp > 1; ``n = b s / cp`` tokens here): p2p and all_gather (``RingAttention``,
+    ``GatheredAttention``, custom autograd functions whatever the kernel) save q, k, v as given, their
+    own output ``[b, a, L, hd]`` (the dense input a copy of it unless a = b = 1) and the fp32
+    log-sum-exp. a2a attends whole sequences with ``a / cp`` heads: q, k and v are the all-to-all's
+    own tensors (not the QKV output), the kernel's saves on ``[b, a / cp, s, hd]`` (the same bytes per
+    head as ``n a``; the probabilities ``b (a / cp) s^2``), its output its own."""
     n, a, hd = D.n, D.a, D.hd
+    lse = 4 * n * a
+    if D.cp > 1 and D.cp_comm in ("p2p", "all_gather"):
+        return {"attention q, k, v": qkv_bytes(D), "attention out": (a > 1 or D.b > 1) * n * a * hd * D.d,
+                "attention lse": lse}
+    ulysses = D.cp > 1  # a2a
+    exchanged = n * (a + 2 * D.g) * hd * D.d  # q, k, v after the all-to-all
     if D.kernel == "flash":
-        own_out = 0 < D.rot < hd and (a > 1 or D.b > 1)
-        return {"attention q, k, v": qkv_bytes(D), "attention out": own_out * n * a * hd * D.d,
-                "attention lse": 4 * n * a}
-    scores = D.b * a * D.s * D.s
-    v_view = D.d == 4 and D.a == D.g
+        own_out = ulysses or D.documents or (0 < D.rot < hd and (a > 1 or D.b > 1))
+        return {"attention q, k, v": exchanged if ulysses else qkv_bytes(D),
+                "attention out": own_out * n * a * hd * D.d, "attention lse": lse}
+    scores = n * a * D.s  # b a s^2; under a2a b (a / cp) s^2
+    v_view = D.d == 4 and D.a == D.g and not ulysses
     terms = {"attention q, k scaled": 2 * 4 * n * a * hd, "attention probs": 4 * scores,
              "attention v": D.n * (D.a + 2 * D.g) * D.hd * D.d if v_view else 4 * n * a * hd}
     if D.attn_dropout:
@@ -243,7 +281,7 @@ def chunk_terms(config: Config, stage: int = 0, chunk: int = 0, kernel: str | No
         terms["received input"] += D.n_sp * D.h * D.d  # held by the pipeline executor for the backward
     if D.rot:
         visible = any(len(u) == 1 and per_layer[u[0]] in (None, "core_attn") for u in units)
-        terms["rope tables" if visible else "rope tables (in checkpoints)"] += 2 * D.b * D.s * D.rot * D.d
+        terms["rope tables" if visible else "rope tables (in checkpoints)"] += 2 * D.n * D.rot * D.d
     if post:
         terms.update(head_terms(D))
     return {k: v for k, v in terms.items() if v}
@@ -332,7 +370,9 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
       the forward; the gradients of the probabilities and of the scores in the backward);
     - ``recompute``: what the backward's recompute of the largest checkpointed unit saves beyond what
       its forward kept;
-    - ``sequence-parallel gather``: the all-gathered ``[s, b, h]`` input of a column-parallel layer.
+    - ``sequence-parallel gather``: the all-gathered ``[s, b, h]`` input of a column-parallel layer;
+    - ``context-parallel attention`` (cp > 1): the buffers of the exchange and the accumulators of one
+      layer's attention (``context_parallel_terms``).
 
     Not counted: gradient buffers of activations (about one layer's saves), the allocator's slack."""
     D = dims(config, kernel)
@@ -349,11 +389,43 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
             full = len(unit) * layer_bytes(D, None)
             kept = D.n_sp * D.h * D.d if recomputed[0] == "unit" else layer_bytes(D, recomputed[0])
             terms["recompute"] = max(terms["recompute"], full - kept)
-    if D.kernel == "math":
-        terms["attention scores"] = 2 * 4 * D.b * D.a * D.s * D.s
+    if D.kernel == "math" and not (D.cp > 1 and D.cp_comm != "a2a"):
+        terms["attention scores"] = 2 * 4 * D.n * D.a * D.s  # b a s^2 (a2a: a / cp heads)
     if D.sp:
         terms["sequence-parallel gather"] = D.n * D.h * D.d
+    if D.cp > 1:
+        terms["context-parallel attention"] = max(context_parallel_terms(D).values())
     return {k: v for k, v in terms.items() if v}
+
+
+def context_parallel_terms(D: Dims) -> dict[str, int]:
+    """The transient bytes of one layer's context-parallel attention, forward and backward (``kv = 2 n g hd d``:
+    this rank's keys and values stacked; fp32 accumulators ``acc = 4 n a hd + 4 n a`` of the output and
+    log-sum-exp; ``dkv = 2 n g hd 4``: fp32 gradients of keys and values):
+
+    - p2p forward: the stacked keys and values, the receive buffer of the next rank's, the running
+      accumulators and one step's block result (2 kv + 2 acc); backward: the keys and values and their
+      receive buffer, the dK/dV accumulator being sent and the one being received, the fp32 dQ and the
+      contiguous output gradient (2 kv + 2 dkv + 4 n a hd + n a hd d);
+    - all_gather forward: every rank's keys and values ``[cp, 2, b, g, L, hd]`` (cp kv) with the stacked
+      local ones during the gather, then the accumulators; backward: them gathered again, fp32 dK/dV for
+      every rank and this rank's reduce-scattered share, dQ and the output gradient;
+    - a2a: the all-to-all's send (stacked) and receive buffers of the queries and of the output
+      (2 n a hd d), forward and backward alike;
+    - on GPUs, p2p and all_gather compute each block in plain fp32 operations (``context_parallel.blocks``):
+      the backward of the diagonal block keeps its scores, probabilities, their gradient, a difference
+      and the score gradient, five fp32 ``[b, a, L, L]`` (the CPU's fused kernel keeps none).
+
+    Not counted: the kernel's own per-block outputs and gradients (at most one block's ``q, k, v``)."""
+    n, a, g, hd, d, cp = D.n, D.a, D.g, D.hd, D.d, D.cp
+    if D.cp_comm == "a2a":
+        return {"forward": 2 * n * a * hd * d, "backward": 2 * n * a * hd * d}
+    kv, acc, dkv = 2 * n * g * hd * d, 4 * n * a * hd + 4 * n * a, 2 * n * g * hd * 4
+    grads = 4 * n * a * hd + n * a * hd * d  # fp32 dQ, the output gradient made contiguous
+    blocks = 5 * 4 * n * a * D.length if D.device == "gpu" else 0
+    if D.cp_comm == "all_gather":
+        return {"forward": cp * kv + max(kv, 2 * acc) + blocks, "backward": cp * kv + (cp + 1) * dkv + grads + blocks}
+    return {"forward": 2 * kv + 2 * acc + blocks, "backward": 2 * kv + 2 * dkv + grads + blocks}
 
 
 def largest_temporary_bytes(config: Config, stage: int = 0, kernel: str | None = None) -> int:

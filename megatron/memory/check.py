@@ -196,12 +196,13 @@ def describe_need(need: MemoryNeed) -> str:
 
 def suggestions(config: Config, need: MemoryNeed) -> str:
     """What to change, with the activations of one micro-batch."""
-    b = need.micro_batch_size
-    per_micro_batch = f"{_gib(need.activations_per_microbatch)} GiB of activations per micro-batch of {b}"
+    b, cp = need.micro_batch_size, config.distributed.context_parallel_size
+    per_micro_batch = f"{_gib(need.activations_per_microbatch)} GiB of activations per micro-batch of {b}" + (
+        f" at context parallel {cp}" if cp > 1 else "")
     others = (["--use-recompute"] if not config.use_recompute else []) + [
         "ZeRO sharding (--sharding-degree N --sharding-stage 1|2|3"
         + (", --sharding-offload)" if config.device == "gpu" else ")"),
-        "--tp / --pp", "a shorter --max-seq-len or a smaller model"]
+        "--tp / --pp / --context-parallel-size", "a shorter --max-seq-len or a smaller model"]
     if b > 1:
         return f"lower --micro-batch-size ({per_micro_batch}), or use {', '.join(others)}"
     return f"{per_micro_batch}: use {', '.join(others)}"

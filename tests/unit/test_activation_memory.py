@@ -10,6 +10,7 @@ pipeline cases run on gloo ranks: tests/distributed/test_activation_memory.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -23,6 +24,7 @@ from megatron.memory.activations import (
     activation_bytes_per_microbatch,
     activation_terms,
     chunk_specs,
+    context_parallel_terms,
     dims,
     in_flight_at_peak,
     largest_temporary_bytes,
@@ -59,13 +61,18 @@ def make_config(*argv: str, world_size: int = 1) -> Config:
     return config
 
 
-def measured_bytes(config: Config) -> int:
+def measured_bytes(config: Config, eods: tuple[int, ...] = ()) -> int:
+    """``eods``: positions of each sample made end-of-document tokens (packed documents)."""
     torch.manual_seed(0)
     model = build_model(config).train()
     data = MockGPTDataset(8, config.dataset.max_seq_len, config.model.vocab_size, seed=1)
     samples = [data[i] for i in range(config.batch_size.micro_batch_size)]
+    for sample in samples:
+        sample[list(eods)] = data.eod_id
+    d = config.dataset
     # own storages: build_batch's tokens of one sample are a view of the [1, s + 1] sample
-    batch = {k: v.clone() for k, v in build_batch(samples, data.eod_id).items()}
+    batch = {k: v.clone() for k, v in build_batch(samples, data.eod_id, reset_position_ids=d.reset_position_ids,
+                                                  reset_attention_mask=d.reset_attention_mask).items()}
     return measure_microbatch(model, forward_step, batch)
 
 
@@ -211,3 +218,53 @@ def test_estimate_adds_its_parts(sharding_stage):
         assert e.model_states == between + extra  # stage 2: the full fp32 gradient buffer during the step
     else:
         assert e.model_states > between  # stage 3: the root and two layers gathered
+
+
+# ---------------------------------------------------------------------------- packed documents, context parallelism
+# (the context-parallel measurements run on gloo ranks: tests/distributed/test_activation_memory.py)
+
+DOCS = ("--reset-attention-mask", "--reset-position-ids")
+
+
+@pytest.mark.parametrize("argv", [(*NO_DROPOUT,), (*LLAMA, *NO_DROPOUT, "--bf16"), ("--num-attention-heads", "1",
+                                  "--micro-batch-size", "1", *NO_DROPOUT), (*LLAMA, "--rotary-percent", "0.5",
+                                  *NO_DROPOUT)], ids=["gpt2", "llama", "one-head-b1", "partial-rope"])
+def test_packed_documents_prediction_equals_measurement(argv):
+    """One flash call per document: the same q, k, v and log-sum-exp, each call's output its own storage
+    and the dense input a copy of their concatenation (even with a = b = 1)."""
+    config = make_config(*argv, *DOCS)
+    assert "attention out" in activation_terms(config)
+    assert measured_bytes(config, eods=(4, 9, 10)) == activation_bytes_per_microbatch(config)
+
+
+def test_packed_documents_math_kernel_is_bounded_by_whole_sequences():
+    """With attention dropout (the math kernel) each document's probabilities are its length squared: the
+    formula's s^2 per sample is exact less the squares the documents leave out (probabilities, mask and
+    dropped probabilities, 4 bytes each, per head and layer)."""
+    config = make_config(*DOCS)
+    d = dims(config)
+    lengths = [5, 5, 1, 5]  # eods at 4, 9, 10: documents of tokens 0-4, 5-9, 10, 11-15
+    missing = d.b * (d.s**2 - sum(x * x for x in lengths)) * d.a * 12 * config.model.num_layers
+    assert measured_bytes(config, eods=(4, 9, 10)) == activation_bytes_per_microbatch(config) - missing
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_context_parallel_temporaries(comm):
+    """The exchange's buffers and the fp32 accumulators of one layer's attention; on GPUs p2p and
+    all_gather add the plain block kernel's five fp32 [b, a, L, L]."""
+    config = make_config(*NO_DROPOUT, "--cp", "2", "--cp-comm-type", comm, world_size=2)
+    d = dims(config)
+    assert (d.cp, d.cp_comm, d.n, d.length) == (2, comm, 16, 8)
+    kv, dkv, acc = 2 * d.n * d.g * d.hd * 4, 2 * d.n * d.g * d.hd * 4, 4 * d.n * d.a * d.hd + 4 * d.n * d.a
+    expected = {"p2p": {"forward": 2 * kv + 2 * acc, "backward": 2 * kv + 2 * dkv + 2 * 4 * d.n * d.a * d.hd},
+                "all_gather": {"forward": 2 * kv + 2 * acc, "backward": 2 * kv + 3 * dkv + 2 * 4 * d.n * d.a * d.hd},
+                "a2a": {"forward": 2 * d.n * d.a * d.hd * 4, "backward": 2 * d.n * d.a * d.hd * 4}}[comm]
+    assert context_parallel_terms(d) == expected
+    assert temporary_terms(config)["context-parallel attention"] == max(expected.values())
+    assert "context-parallel attention" not in temporary_terms(make_config(*NO_DROPOUT))
+    gpu = dataclasses.replace(d, device="gpu")
+    blocks = 0 if comm == "a2a" else 5 * 4 * d.b * d.a * d.length**2
+    assert context_parallel_terms(gpu)["backward"] == expected["backward"] + blocks
+    if comm == "all_gather":  # every rank's keys and values, the whole sequence's at any cp
+        four = dims(make_config(*NO_DROPOUT, "--cp", "4", "--cp-comm-type", comm, world_size=4))
+        assert context_parallel_terms(four)["backward"] == 4 * kv // 2 + 5 * dkv // 2 + 4 * d.n * d.a * d.hd

@@ -263,3 +263,19 @@ def test_a_gpu_that_does_not_answer_is_not_checked(monkeypatch):
     config = _config(["--mock-data", "--device", "gpu"], cuda=True)
     line = check.check_memory(config, rank=1, local_rank=0, local_ranks=1)
     assert line.endswith("not checked: this machine does not say its free GPU memory")
+
+
+def test_the_check_counts_this_ranks_share_of_a_context_parallel_sequence(ram):
+    """At cp 2 each rank holds half of every sample: the need's activations are the formula's for s / 2
+    tokens (at most 0.55 of cp 1's), and a refusal says so and names --context-parallel-size."""
+    from megatron.memory.activations import activation_bytes_per_microbatch
+
+    flat = [*TINY, "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0"]
+    whole, split = _config(flat), _config([*flat, "--cp", "2"], world_size=2)
+    need = check.predicted_need(split)
+    assert need.activations_per_microbatch == activation_bytes_per_microbatch(split)
+    assert need.activations_per_microbatch <= 0.55 * check.predicted_need(whole).activations_per_microbatch
+    ram(1 << 20)
+    with pytest.raises(ConfigError, match="GiB of activations per micro-batch of 4 at context parallel 2.*"
+                                          "--tp / --pp / --context-parallel-size"):
+        check.check_memory(split)
