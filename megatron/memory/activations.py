@@ -1,9 +1,9 @@
 """Activation memory: the bytes one micro-batch's forward saves for the backward, for this model's
 exact ops, and the micro-batches a pipeline schedule keeps in flight.
 
-Notation (sizes on one rank): ``b`` micro-batch, ``s`` sequence, ``c`` context-parallel size, ``n = s b /
-c`` tokens (each rank holds ``L = s / c`` tokens of each sample), ``h`` hidden, ``t`` tensor-parallel size,
-``n' = n / t`` under sequence parallelism (else ``n``), ``a = nq / t`` query heads and ``g = ng / t``
+Notation (sizes on one rank): ``b`` micro-batch, ``s`` sequence, ``c`` context-parallel size,
+``n = s b / c`` tokens (each rank holds ``L = s / c`` tokens of each sample), ``h`` hidden, ``t`` tensor-parallel
+size, ``n' = n / t`` under sequence parallelism (else ``n``), ``a = nq / t`` query heads and ``g = ng / t``
 key/value groups of ``hd`` channels, ``f`` the MLP width / t, ``V`` the padded vocabulary / t, ``d`` bytes
 per activation element (4 fp32, 2 bf16/fp16). Dropout masks take ``m`` bytes per element: ``d`` on the CPU
 (``at::dropout`` keeps a scaled mask in the input's dtype), 1 on GPUs (``native_dropout``'s bool mask).
@@ -26,11 +26,11 @@ One decoder layer, no recompute (``layer_terms``)::
     dropout mask 2      n' h m
 
 with ``qkv_out = n (a + 2g) hd d`` (the QKV output: v, a view of it, keeps it whole), ``q* = n a hd d`` when
-q is a tensor of its own (rope, or g > 1 groups of several queries), ``k* = n g hd d`` with rope, ``out = n
-a hd d`` only with partial rope, packed documents or context parallelism (otherwise the dense input is a
+q is a tensor of its own (rope, or g > 1 groups of several queries), ``k* = n g hd d`` with rope,
+``out = n a hd d`` only with partial rope, packed documents or context parallelism (otherwise the dense input is a
 view of it) and ``lse = 4 n a``. Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's
-saves; ``only_attn`` keeps the layer input x instead of norm1 .. dropout mask 1; ``full`` keeps only x (``n'
-h d``); a unit of several layers (``recompute_method uniform``) keeps only its first input.
+saves; ``only_attn`` keeps the layer input x instead of norm1 .. dropout mask 1; ``full`` keeps only x
+(``n' h d``); a unit of several layers (``recompute_method uniform``) keeps only its first input.
 
 Outside the layers: the embedding (token ids ``8n``, with tp > 1 the local ids and the ``n`` bool
 out-of-shard mask; learned position ids ``8n``; its dropout mask ``n' h m``), rope's cos/sin
