@@ -1,11 +1,16 @@
 """The layout planner: every valid parallel layout of a model on N devices, whether it fits in their
 memory, and an estimated step time (a model, not a measurement), every term kept.
 
-A layout is (tp, pp, vpp, dp, sharding degree and stage, offload, recompute, micro-batch size); the
-global batch is the configuration's. Sequence parallelism is on whenever tp > 1 and divides the
-sequence: it moves the same bytes as tp alone (an all-reduce is a reduce-scatter plus an all-gather)
-and keeps less activation memory, so it is never worse here. Each candidate is applied to a copy of
-the configuration and checked by ``megatron.config.validate``; a ``ConfigError`` drops it.
+A layout is (tp, cp and its communication type, pp, vpp, dp, sharding degree and stage, offload,
+recompute, micro-batch size); the global batch is the configuration's. Sequence parallelism is on
+whenever tp > 1 and divides each rank's share of the sequence: it moves the same bytes as tp alone (an
+all-reduce is a reduce-scatter plus an all-gather) and keeps less activation memory, so it is never
+worse here. Context parallelism (cp > 1, p2p / all_gather / a2a) cuts every sample over cp ranks: the
+activations of a rank are those of ``s / cp`` tokens (``megatron.memory.activations``), the attention
+exchanges keys and values (``time_model``); its sizes divide the devices and the sequence must divide
+into 2 x cp chunks (x tp under sp); a2a needs heads and query groups divisible by tp x cp. Each candidate
+is applied to a copy of the configuration and checked by ``megatron.config.validate``; a ``ConfigError``
+drops it.
 
 Memory (per device, the worst pipeline stage): what ``megatron.memory.estimate(config, stage)`` adds up,
 i.e. the model states of ``megatron/optimizer/memory.py`` during a step (by the sharding plan's stage
@@ -51,10 +56,13 @@ class Layout:
     micro_batch_size: int
     sequence_parallel: bool = False
     block_layers: int = 0
+    cp: int = 1  # context-parallel size
+    cp_comm: str = "p2p"  # its communication type (p2p with cp 1)
 
     def describe(self) -> str:
-        """``tp2 pp4 vpp2 dp1 zero2x4 offload mb1 rc:full``: what is not the default is named."""
-        parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else []) + [f"dp{self.dp}"]
+        """``tp2 cp2:p2p pp4 vpp2 dp1 zero2x4 offload mb1 rc:full``: what is not the default is named."""
+        parts = [f"tp{self.tp}"] + ([f"cp{self.cp}:{self.cp_comm}"] if self.cp > 1 else []) + [f"pp{self.pp}"]
+        parts += ([f"vpp{self.vpp}"] if self.vpp > 1 else []) + [f"dp{self.dp}"]
         if self.sharding_degree > 1:
             parts.append(f"zero{self.sharding_stage}x{self.sharding_degree}")
         if self.offload:
@@ -64,6 +72,23 @@ class Layout:
             parts.append("rc:" + (f"block{self.block_layers}" if self.recompute == "block" else self.recompute))
         return " ".join(parts)
 
+    def flags(self) -> str:
+        """The command-line flags of pretrain_gpt.py that run this layout."""
+        out = [f"--tp {self.tp}"] + ([f"--context-parallel-size {self.cp} --cp-comm-type {self.cp_comm}"]
+                                     if self.cp > 1 else [])
+        out += [f"--pp {self.pp}"] + ([f"--vpp {self.vpp}"] if self.vpp > 1 else []) + [f"--dp {self.dp}"]
+        if self.sharding_degree > 1:
+            out.append(f"--sharding {self.sharding_degree} --sharding-stage {self.sharding_stage}")
+        out += ["--sharding-offload"] if self.offload else []
+        out += ["--sequence-parallel"] if self.sequence_parallel else []
+        out.append(f"--micro-batch-size {self.micro_batch_size}")
+        if self.recompute == "block":
+            out.append(f"--use-recompute --recompute-granularity full --recompute-method block "
+                       f"--recompute-num-layers {self.block_layers}")
+        elif self.recompute != "off":
+            out.append(f"--use-recompute --recompute-granularity {self.recompute}")
+        return " ".join(out)
+
     def apply(self, base: Config) -> Config:
         """A copy of ``base`` (not validated) with this layout; the global batch and the rest kept."""
         c = _copy_config(base)
@@ -72,6 +97,7 @@ class Layout:
         d.sharding.sharding_degree, d.sharding.sharding_stage = self.sharding_degree, self.sharding_stage
         d.sharding.sharding_offload, d.use_distributed_optimizer = self.offload, False
         d.sequence_parallel = self.sequence_parallel
+        d.context_parallel_size, d.cp_comm_type = self.cp, self.cp_comm
         b.local_batch_size, b.micro_batch_size = None, self.micro_batch_size
         c.use_recompute = self.recompute != "off"
         c.recompute_granularity = None if self.recompute == "off" else "full" if self.recompute == "block" \
@@ -129,8 +155,8 @@ class Plan:
 
     def to_dict(self) -> dict:
         time = None if self.time is None else {**asdict(self.time), "step": self.time.step}
-        return {"layout": {**asdict(self.layout), "name": self.layout.describe()}, "memory": asdict(self.memory),
-                "time": time, "fits": self.fits}
+        return {"layout": {**asdict(self.layout), "name": self.layout.describe(), "flags": self.layout.flags()},
+                "memory": asdict(self.memory), "time": time, "fits": self.fits}
 
 
 @dataclass
@@ -153,23 +179,41 @@ def recompute_options(num_layers: int, pp: int, vpp: int) -> list[tuple[str, int
     return options + ([("block", chunk // 2)] if chunk >= 2 else [])
 
 
+def context_options(config: Config, tp: int, devices: int) -> list[tuple[int, str, bool]]:
+    """(cp, communication type, sequence parallel) for a tensor-parallel size: cp 1, and each cp > 1
+    dividing ``devices`` whose 2 x cp chunks (x tp under sp) divide the sequence, with p2p, all_gather,
+    and a2a where tp x cp divides the heads and query groups."""
+    seq, m = config.dataset.max_seq_len, config.model
+    nq = m.num_attention_heads
+    ng = m.num_query_groups if m.group_query_attention and m.num_query_groups else nq
+    options = [(1, "p2p", tp > 1 and seq % tp == 0)]
+    for cp in _divisors(devices)[1:]:
+        if seq % (2 * cp):
+            continue
+        sp = tp > 1 and seq % (2 * cp * tp) == 0
+        a2a = ["a2a"] if not nq % (tp * cp) and not ng % (tp * cp) else []
+        options += [(cp, comm, sp) for comm in ["p2p", "all_gather", *a2a]]
+    return options
+
+
 def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, max_vpp: int = 8) -> Iterator[Layout]:
-    """Every (tp, pp, vpp, dp, sharding, offload, recompute, micro-batch) with tp x pp x dp x sharding =
-    devices, tp within a node, vpp dividing each stage's layers up to ``max_vpp``, micro-batches the
-    powers of two up to ``max_micro_batch``. Not yet validated. Layouts with the same pipeline schedule
-    (pp, vpp, number of micro-batches) come one after the other: its tables are cached."""
-    layers, seq = config.model.num_layers, config.dataset.max_seq_len
+    """Every (tp, cp, pp, vpp, dp, sharding, offload, recompute, micro-batch) with tp x cp x pp x dp x
+    sharding = devices, tp within a node, cp as ``context_options``, vpp dividing each stage's layers up to
+    ``max_vpp``, micro-batches the powers of two up to ``max_micro_batch``. Not yet validated. Layouts with
+    the same pipeline schedule (pp, vpp, number of micro-batches) come one after the other: its tables are
+    cached."""
+    layers = config.model.num_layers
     micro_batches = [2**k for k in range(max_micro_batch.bit_length()) if 2**k <= max_micro_batch]
     for tp in _divisors(hw.devices):
-        for pp in _divisors(hw.devices // tp) if tp <= hw.devices_per_node else []:
-            group = hw.devices // (tp * pp)  # dp x sharding
-            shardings = [(n, stage) for n in _divisors(group) for stage in ((1, 2, 3) if n > 1 else (1,))]
-            vpps = [1] + [v for v in _divisors(layers // pp) if 1 < v <= max_vpp and pp > 1 and not layers % pp]
-            for vpp, mb in product(vpps if pp <= layers else [], micro_batches):
-                for (n, stage), offload, (recompute, block) in product(shardings, (False, True),
-                                                                       recompute_options(layers, pp, vpp)):
-                    yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, tp > 1 and seq % tp == 0,
-                                 block)
+        for cp, comm, sp in context_options(config, tp, hw.devices // tp) if tp <= hw.devices_per_node else []:
+            for pp in _divisors(hw.devices // (tp * cp)):
+                group = hw.devices // (tp * cp * pp)  # dp x sharding
+                shardings = [(n, stage) for n in _divisors(group) for stage in ((1, 2, 3) if n > 1 else (1,))]
+                vpps = [1] + [v for v in _divisors(layers // pp) if 1 < v <= max_vpp and pp > 1 and not layers % pp]
+                for vpp, mb in product(vpps if pp <= layers else [], micro_batches):
+                    for (n, stage), offload, (recompute, block) in product(shardings, (False, True),
+                                                                           recompute_options(layers, pp, vpp)):
+                        yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, sp, block, cp, comm)
 
 
 def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_size: int | None = None) -> Config:
@@ -193,7 +237,8 @@ def _chunk_key(config: Config, stage: int, kernel: str | None) -> tuple:
     """What one micro-batch's saved activations and the temporaries of a stage depend on in one planning
     run (the model is fixed): not dp, sharding, offload or the number of micro-batches."""
     d = config.distributed
-    return (d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.sequence_parallel, d.pipeline_partition,
+    return (d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.pp_degree, d.virtual_pp_degree,
+            d.sequence_parallel, d.pipeline_partition,
             config.batch_size.micro_batch_size, config.use_recompute, config.recompute_granularity,
             config.recompute_method, config.recompute_num_layers, stage, kernel)
 
@@ -267,10 +312,11 @@ def configured_layout(config: Config) -> Layout:
     d, g = config.distributed, config.recompute_granularity if config.use_recompute else None
     block = config.recompute_num_layers if g == "full" and config.recompute_method == "block" else 0
     recompute = "off" if g is None else "block" if block else "only_attn" if g == "full_attn" else g
-    n = d.sharding.sharding_degree
+    n, cp = d.sharding.sharding_degree, d.context_parallel_size
     return Layout(d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.dp_degree, n,
                   sharding_stage(n, d.sharding.sharding_stage), d.sharding.sharding_offload, recompute,
-                  config.batch_size.micro_batch_size, d.sequence_parallel and d.mp_degree > 1, block)
+                  config.batch_size.micro_batch_size, d.sequence_parallel and d.mp_degree > 1, block, cp,
+                  d.cp_comm_type if cp > 1 else "p2p")
 
 
 def evaluate_layout(base: Config, layout: Layout, hw: Hardware, tokenizer_vocab_size: int | None = None,

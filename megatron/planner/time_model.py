@@ -1,31 +1,41 @@
 """The planner's step-time model: an estimate from FLOPs and communication volumes, not a measurement.
 
 Time (seconds per step; the slowest pipeline stage sets the pace), with ``m`` micro-batches of
-``b`` samples of ``s`` tokens, hidden size ``h``, activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
+``b`` samples of ``s`` tokens, ``s / cp`` of them on each context-parallel rank, hidden size ``h``,
+activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
 
 - compute: the stage's matmul FLOPs (``metrics.model_flops_per_token``'s count: forward x 3, plus the
   forward that recompute replays: the whole layer for ``full``, the attention block for ``only_attn``,
-  ``softmax(QK^T)V`` for ``core_attn``) / (tp x dp x sharding) / (peak TFLOP/s x efficiency).
-- tp comm: per micro-batch and layer 4 collectives of ``b s h a`` bytes (2 in the forward, 2 in the
+  ``softmax(QK^T)V`` for ``core_attn``) / (tp x cp x dp x sharding) / (peak TFLOP/s x efficiency).
+- tp comm: per micro-batch and layer 4 collectives of ``b (s / cp) h a`` bytes (2 in the forward, 2 in the
   backward; +2 per fully recomputed layer, +1 per recomputed attention block; +1 for the embedding
   on the first stage and +1 for the LM head on the last), each moving ``2 (tp-1)/tp`` of it per rank
   (ring all-reduce, or reduce-scatter + all-gather under sequence parallelism), over the intra-node
   bandwidth (inter-node when tp spans nodes). Not overlapped.
-- dp comm: fp32 gradients (4 bytes per parameter of the rank with the most) and, with a sharding
-  group, the parameter all-gather after the step: stage 1 an all-reduce over dp x sharding (+ the
-  gather), stage 2 a reduce-scatter over the sharding group, an all-reduce of the shard over the dp
-  replicas and the gather, stage 3 the same with the gathers and reduce-scatters of every micro-batch
-  (once per step under pipelining). Over the inter-node bandwidth when the group spans nodes (rank grid:
-  tp fastest, then sharding, dp, pp). Hidden behind compute only with overlap_grad_reduce: the gradient
-  reduction behind the backward of the last micro-batch (under pipelining, each model chunk's last
-  backward arms it: ``schedules.run_pipeline_table``); under stage 3 without a pipeline, per micro-batch,
-  the prefetched gather behind its forward and the second gather and the reduce-scatter behind its
-  backward. The gather once per step (after it for stages 1 and 2, before it for stage 3 under
-  pipelining) and the replicas' all-reduce are exposed.
-- bubble: (pp - 1) / (m x vpp) x (compute + tp comm), 1F1B, interleaved and GPipe alike (GPipe's cost
-  is memory: all m micro-batches in flight, which the memory side counts).
-- p2p: 2 m vpp messages of ``b s h a`` bytes (``/ tp`` under sequence parallelism) per stage and step,
-  over the inter-node bandwidth when the job spans nodes (pp is the outermost dimension).
+- cp comm (cp > 1), per micro-batch and layer, with ``kv = 2 b (s / cp) (ng / tp) hd a`` (this rank's keys
+  and values) and ``dkv = 4 kv / a`` (their fp32 gradients), over the bandwidth of tp x cp neighbouring
+  ranks: p2p sends cp - 1 kv blocks round the ring in the forward, and again with cp dkv in the backward,
+  each transfer overlapped with a block's attention (``softmax(QK^T)V``): only what exceeds the layer's
+  attention FLOPs is counted; all_gather gathers cp - 1 kv blocks in the forward and again in the
+  backward, and reduce-scatters cp - 1 dkv (not overlapped); a2a runs 4 all-to-alls (q, k, v, the output;
+  each rank sends (cp - 1) / cp of them) in the forward and 4 in the backward (not overlapped). A
+  recomputed attention (``full``, ``only_attn``, ``core_attn``) runs its forward exchange again.
+- dp comm: fp32 gradients (4 bytes per parameter of the rank with the most) and, with a sharding group,
+  the parameter all-gather after the step: stage 1 an all-reduce over dp x sharding (+ the gather), stage
+  2 a reduce-scatter over the sharding group, an all-reduce of the shard over the dp replicas and the
+  gather, stage 3 the same with the gathers and reduce-scatters of every micro-batch (once per step under
+  pipelining). Over the inter-node bandwidth when the group spans nodes (rank grid: tp fastest, then cp,
+  sharding, dp, pp; the context-parallel ranks sum their gradients as replicas do: the all-reduce of stage
+  1 spans dp x sharding x cp, the replicas' all-reduce dp x cp). Hidden behind compute only with
+  overlap_grad_reduce: the gradient reduction behind the backward of the last micro-batch (under
+  pipelining, each model chunk's last backward arms it: ``schedules.run_pipeline_table``); under stage 3
+  without a pipeline, per micro-batch, the prefetched gather behind its forward and the second gather and
+  the reduce-scatter behind its backward. The gather once per step (after it for stages 1 and 2, before it
+  for stage 3 under pipelining) and the replicas' all-reduce are exposed.
+- bubble: (pp - 1) / (m x vpp) x (compute + tp comm + cp comm), 1F1B, interleaved and GPipe alike
+  (GPipe's cost is memory: all m micro-batches in flight, which the memory side counts).
+- p2p: 2 m vpp messages of ``b (s / cp) h a`` bytes (``/ tp`` under sequence parallelism) per stage and
+  step, over the inter-node bandwidth when the job spans nodes (pp is the outermost dimension).
 - offload: the fp32 gradient shard to the CPU and the fp32 master shard back, 8 bytes per parameter of
   the shard, over PCIe. The CPU's AdamW itself is not counted.
 """
@@ -91,10 +101,11 @@ class TimeTerms:
     micro_batches: int
     model_flops: float  # the whole step, all devices (metrics.model_flops_per_token x tokens)
     hardware_flops: float  # the same with the recomputed forward
+    cp_comm: float = 0.0  # context parallelism's exchanges, the part not hidden behind attention
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.dp_exposed + self.bubble + self.p2p + self.offload
+        return self.compute + self.tp_comm + self.cp_comm + self.dp_exposed + self.bubble + self.p2p + self.offload
 
 
 def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
@@ -123,6 +134,38 @@ def _recomputed(config: Config, chunks: tuple[int, ...]) -> tuple[float, int]:
     return layers * core, 0  # core_attn
 
 
+def _replayed_attention(config: Config, chunks: tuple[int, ...]) -> int:
+    """The layers of a stage whose attention forward recompute runs again (with its cp exchange)."""
+    if not config.use_recompute:
+        return 0
+    if config.recompute_granularity == "full" and config.recompute_method == "block":
+        return sum(min(config.recompute_num_layers, n) for n in chunks)
+    return sum(chunks)
+
+
+def _cp_layer_times(config: Config, hw: Hardware, core_forward: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's context-parallel exchange for one micro-batch, the part
+    not hidden (p2p: behind the layer's attention, ``core_forward`` seconds forward, twice that backward)."""
+    m, d = config.model, config.distributed
+    cp, tp, comm = d.context_parallel_size, d.mp_degree, d.cp_comm_type
+    if cp == 1:
+        return 0.0, 0.0
+    a = 4 if config.params_dtype_name == "float32" else 2
+    nq = m.num_attention_heads
+    ng = m.num_query_groups if m.group_query_attention and m.num_query_groups else nq
+    hd = m.kv_channels or m.hidden_size // nq
+    tokens = config.batch_size.micro_batch_size * config.dataset.max_seq_len / cp
+    kv, q = 2 * tokens * ng / tp * hd * a, tokens * nq / tp * hd * a
+    dkv, bandwidth = 4 * kv / a, _bandwidth(hw, tp * cp)
+    if comm == "a2a":
+        one_way = (cp - 1) / cp * (2 * q + kv) / bandwidth
+        return one_way, one_way
+    if comm == "all_gather":
+        return (cp - 1) * kv / bandwidth, (cp - 1) * (kv + dkv) / bandwidth
+    return (max(0.0, (cp - 1) * kv / bandwidth - core_forward),
+            max(0.0, ((cp - 1) * kv + cp * dkv) / bandwidth - 2 * core_forward))
+
+
 def _ring(nbytes: float, ranks: int, all_reduce: bool) -> float:
     """Bytes one rank sends in a ring collective over ``ranks`` on a tensor of ``nbytes``."""
     return (2.0 if all_reduce else 1.0) * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
@@ -133,26 +176,30 @@ def _bandwidth(hw: Hardware, extent: int) -> float:
     return (hw.intra_node_gbps if extent <= hw.devices_per_node else hw.inter_node_gbps) * GB
 
 
-def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float]:
-    """Of the slowest stage: (compute, tp comm) per step, (forward, backward) of one micro-batch, and the
-    parameters of the largest rank."""
+def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float, float]:
+    """Of the slowest stage: (compute, tp comm, cp comm) per step, (forward, backward) of one micro-batch,
+    and the parameters of the largest rank."""
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, mb, count = d.mp_degree, d.pp_degree, config.batch_size.micro_batch_size, config.num_micro_batches
+    cp = d.context_parallel_size
     a = 4 if config.params_dtype_name == "float32" else 2  # bytes per activation element
-    layer, _, _ = _layer_forward_flops(config)
+    layer, _, core = _layer_forward_flops(config)
     head = 2 * m.hidden_size * config.padded_vocab_size
     flops_per_s = hw.peak_tflops * 1e12 * hw.efficiency
-    collective = _ring(mb * s * m.hidden_size * a, tp, all_reduce=True) / _bandwidth(hw, tp)
-    tokens = mb * s / tp  # per device and micro-batch
-    best = (-1.0, 0.0, 0.0, 0.0)
+    collective = _ring(mb * s / cp * m.hidden_size * a, tp, all_reduce=True) / _bandwidth(hw, tp)
+    tokens = mb * s / (tp * cp)  # per device and micro-batch
+    cp_forward, cp_backward = _cp_layer_times(config, hw, tokens * core / flops_per_s)
+    best = (-1.0, 0.0, 0.0, 0.0, 0.0)
     for stage in range(pp):
         chunks = _stage_chunks(config, stage)
         forward = sum(chunks) * layer + (head if stage == pp - 1 else 0.0)
         replay, extra = _recomputed(config, chunks)
         compute = count * tokens * (3 * forward + replay) / flops_per_s
         tp_comm = count * (4 * sum(chunks) + extra + (stage == 0) + (stage == pp - 1)) * collective
-        if compute + tp_comm > best[0] + best[1]:
-            best = (compute, tp_comm, tokens * forward / flops_per_s, tokens * (2 * forward + replay) / flops_per_s)
+        cp_comm = count * (sum(chunks) * (cp_forward + cp_backward) + _replayed_attention(config, chunks) * cp_forward)
+        if compute + tp_comm + cp_comm > sum(best[:3]):
+            best = (compute, tp_comm, cp_comm, tokens * forward / flops_per_s,
+                    tokens * (2 * forward + replay) / flops_per_s)
     params = max(parameters_per_rank(config, tp, pp, stage) for stage in representative_stages(config))
     return (*best, params)
 
@@ -161,12 +208,13 @@ def _dp_times(config: Config, hw: Hardware, params: float, forward: float, backw
     """(all data-parallel traffic, the part not hidden) in seconds per step; ``forward`` and ``backward``:
     one micro-batch's on the slowest stage."""
     d = config.distributed
-    tp, pp, dp, n = d.mp_degree, d.pp_degree, d.dp_degree, d.sharding.sharding_degree
-    if dp * n == 1:
+    tp, pp, dp, n = d.mp_degree, d.pp_degree, d.dp_degree * d.context_parallel_size, d.sharding.sharding_degree
+    if dp * n == 1:  # dp: the replicas of a shard, the context-parallel ranks included
         return 0.0, 0.0
     stage, overlap = sharding_stage(n, d.sharding.sharding_stage), bool(d.overlap_grad_reduce)
     grads, param_bytes = 4.0 * params, (4.0 if config.params_dtype_name == "float32" else 2.0) * params
-    shard_bw, replica_bw = _bandwidth(hw, tp * n), _bandwidth(hw, tp * n * dp)
+    tcp = tp * d.context_parallel_size  # the sharding group's ranks are tp x cp apart
+    shard_bw, replica_bw = _bandwidth(hw, tcp * n), _bandwidth(hw, tp * n * dp)
     gather = _ring(param_bytes, n, all_reduce=False) / shard_bw  # one all-gather of the rank's parameters
     if stage == 1:
         reduce, replicas = _ring(grads, dp * n, all_reduce=True) / replica_bw, 0.0
@@ -186,11 +234,11 @@ def layout_time(config: Config, hw: Hardware) -> TimeTerms:
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, vpp, count = d.mp_degree, d.pp_degree, d.virtual_pp_degree, config.num_micro_batches
     mb = config.batch_size.micro_batch_size
-    compute, tp_comm, forward, backward, params = _stage_times(config, hw)
+    compute, tp_comm, cp_comm, forward, backward, params = _stage_times(config, hw)
     dp_comm, dp_exposed = _dp_times(config, hw, params, forward, backward)
-    bubble = (pp - 1) / (count * vpp) * (compute + tp_comm)
+    bubble = (pp - 1) / (count * vpp) * (compute + tp_comm + cp_comm)
     a = 4 if config.params_dtype_name == "float32" else 2
-    message = mb * s * m.hidden_size * a / (tp if d.sequence_parallel else 1)
+    message = mb * s / d.context_parallel_size * m.hidden_size * a / (tp if d.sequence_parallel else 1)
     p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
     n = d.sharding.sharding_degree
     offload = 8.0 * -(-params // n) / (hw.pcie_gbps * GB) if d.sharding.sharding_offload else 0.0
@@ -198,4 +246,4 @@ def layout_time(config: Config, hw: Hardware) -> TimeTerms:
     model_flops = model_flops_per_token(config) * tokens
     replay = sum(_recomputed(config, _stage_chunks(config, st))[0] for st in range(pp))
     return TimeTerms(compute, tp_comm, dp_comm, dp_exposed, bubble, p2p, offload, count, model_flops,
-                     model_flops + replay * tokens)
+                     model_flops + replay * tokens, cp_comm)

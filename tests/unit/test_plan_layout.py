@@ -20,6 +20,7 @@ from megatron.planner import (
     GIB,
     Hardware,
     Layout,
+    configured_layout,
     layout_config,
     layout_memory,
     layout_time,
@@ -195,3 +196,113 @@ def test_cli_errors_and_no_fit(capsys):
     out = capsys.readouterr().out
     assert "no layout fits in 0.0 GiB per device (0.0001 less the headroom): the smallest requirement is" in out
     assert "more devices" in out
+
+
+# ---------------------------------------------------------------------------- context parallelism
+
+NO_ATTENTION_DROPOUT = ["--attention-probs-dropout-prob", "0"]  # p2p and all_gather draw none
+LLAMA_7B = ["-c", str(ROOT / "examples/configs/llama_7b.yaml"), "--global-batch-size", "16"]
+
+
+def _long(seq: int):
+    return _base(LLAMA_7B + ["--max-seq-len", str(seq), "--max-position-embeddings", str(seq)])
+
+
+def test_context_parallel_candidates_are_valid_runs():
+    """cp divides the devices, 2 x cp (x tp under sp) the sequence; a2a only where tp x cp divides the heads;
+    the flags of a layout (printed under the table) run it."""
+    base = _base(SMALL + NO_ATTENTION_DROPOUT)  # 4 heads, 32 tokens
+    result = plan_layouts(base, Hardware(devices=8, devices_per_node=8, device_memory_gb=1000), max_micro_batch=2,
+                          max_vpp=1)
+    kinds = {(p.layout.cp, p.layout.cp_comm) for p in result.plans}
+    assert kinds == {(1, "p2p"), (2, "p2p"), (2, "all_gather"), (2, "a2a"), (4, "p2p"), (4, "all_gather"),
+                     (4, "a2a"), (8, "p2p"), (8, "all_gather")}
+    for plan in result.plans:
+        lay = plan.layout
+        assert lay.tp * lay.cp * lay.pp * lay.dp * lay.sharding_degree == 8
+        assert lay.cp == 1 or 32 % (2 * lay.cp * (lay.tp if lay.sequence_parallel else 1)) == 0
+        assert lay.cp_comm != "a2a" or 4 % (lay.tp * lay.cp) == 0
+    for plan in result.plans[::7]:  # the flags printed for a layout run that layout
+        config = parse_config(SMALL + NO_ATTENTION_DROPOUT + ["--device", "gpu", *plan.layout.flags().split()])
+        validate(config, world_size=8, cuda_available=True, training_data=False)
+        assert configured_layout(config) == plan.layout
+    with pytest.raises(ConfigError, match="--cp-comm-type a2a gives each context-parallel rank whole heads"):
+        layout_config(base, Layout(2, 1, 1, 1, 1, 1, False, "off", 2, True, 0, 4, "a2a"), 8)
+
+
+def test_context_parallel_memory_is_the_estimators_for_s_over_cp_tokens():
+    base = _base(SMALL + NO_ATTENTION_DROPOUT)
+    config = layout_config(base, Layout(1, 1, 1, 1, 1, 1, False, "off", 8, False, 0, 2, "p2p"), 2)
+    memory, e = layout_memory(config, float("inf")), estimate(config, 0)
+    assert (memory.activations, memory.temporaries, memory.total) == (e.activations, e.temporaries, e.total)
+    whole = layout_memory(layout_config(base, Layout(1, 1, 1, 1, 1, 1, False, "off", 8), 1), float("inf"))
+    assert memory.activations <= 0.55 * whole.activations
+    assert memory.model_states == whole.model_states  # the cp ranks hold the whole model, as replicas
+
+
+def test_context_parallel_time_terms():
+    """tp comm and compute per device follow s / cp; a2a's 8 all-to-alls and all_gather's gathers and
+    reduce-scatter are counted whole, p2p's ring only where it exceeds the attention it overlaps; the cp
+    ranks' gradient all-reduce is data-parallel traffic."""
+    base = _base(SMALL + NO_ATTENTION_DROPOUT + ["--num-layers", "8", "--global-batch-size", "16"])
+    hw = Hardware(devices=4, devices_per_node=4, device_memory_gb=1000)
+
+    def time(tp, cp, comm="p2p"):
+        return layout_time(layout_config(base, Layout(tp, 1, 1, 1, 1, 1, False, "off", 4, tp > 1, 0, cp, comm),
+                                         tp * cp), hw)
+
+    alone, split = time(2, 1), time(2, 2)
+    assert split.tp_comm == pytest.approx(alone.tp_comm / 2) and split.compute == pytest.approx(alone.compute / 2)
+    assert alone.cp_comm == 0 and alone.dp_comm == 0 and split.dp_comm > 0
+    kv = 2 * 4 * 16 * (4 // 2) * 16 * 2  # 2 b (s / cp) (ng / tp) hd a
+    q, bandwidth, steps = kv / 2, 150e9, 4 * 8  # 4 micro-batches of 8 layers
+    assert time(2, 2, "a2a").cp_comm == pytest.approx(steps * 2 * (1 / 2) * (2 * q + kv) / bandwidth)
+    assert time(2, 2, "all_gather").cp_comm == pytest.approx(steps * (kv + kv + 4 * kv / 2) / bandwidth)
+    ring = split.cp_comm  # a tiny model: its attention hides only part of the ring's transfers
+    assert 0 < ring < steps * (kv + kv + 2 * 4 * kv / 2) / bandwidth
+    long = _long(32768)
+    hidden = layout_time(layout_config(long, Layout(4, 1, 1, 1, 1, 1, False, "full", 1, True, 0, 2, "p2p"), 8),
+                         Hardware(devices=8))
+    assert hidden.cp_comm == 0  # 16384 tokens of attention per rank hide the ring
+
+
+@pytest.mark.parametrize("seq", [32768, 131072])
+def test_the_planner_proposes_context_parallelism_for_long_sequences(seq):
+    """A Llama 7B at 32K / 128K tokens on 8 80 GB GPUs: the best layout splits the sequence (less tp traffic
+    than tp alone for the same memory), faster than every layout without cp."""
+    result = plan_layouts(_long(seq), Hardware(devices=8, device_memory_gb=80), max_micro_batch=1, max_vpp=1)
+    best = result.plans[0]
+    assert best.layout.cp > 1
+    assert best.time.step < min(p.time.step for p in result.plans if p.layout.cp == 1)
+
+
+def test_context_parallelism_fits_where_tensor_parallelism_alone_does_not():
+    """512K tokens on 16 40 GB GPUs, 8 per node: tp stops at a node, and no layout without cp fits."""
+    result = plan_layouts(_long(524288), Hardware(devices=16, devices_per_node=8, device_memory_gb=40),
+                          max_micro_batch=1, max_vpp=1)
+    assert result.plans and all(p.layout.cp > 1 for p in result.plans)
+
+
+def test_cli_prints_cp_and_its_flags(capsys):
+    argv = LLAMA_7B + ["--max-seq-len", "131072", "--max-position-embeddings", "131072", "--devices", "8",
+                       "--max-micro-batch", "1", "--max-vpp", "1", "--top", "3"]
+    assert plan_layout.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cp comm" in out
+    rows = [line for line in out.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ")]
+    assert " cp2:a2a " in rows[0]
+    flags = next(line for line in out.splitlines() if line.startswith("flags of #1: ")).removeprefix("flags of #1: ")
+    assert "--context-parallel-size 2 --cp-comm-type a2a" in flags
+    config = parse_config(LLAMA_7B + ["--max-seq-len", "131072", "--max-position-embeddings", "131072",
+                                      *flags.split()])
+    validate(config, world_size=8, cuda_available=True, training_data=False)
+    assert rows[0].split(None, 1)[1].startswith(configured_layout(config).describe() + " ")  # the flags run #1
+    assert plan_layout.main(argv + ["--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["layouts"][0]["layout"]
+    assert (first["cp"], first["cp_comm"], first["flags"]) == (2, "a2a", flags)
+
+
+def test_cli_places_a_context_parallel_configuration(capsys):
+    assert plan_layout.main(SMALL + NO_ATTENTION_DROPOUT + ["--cp", "2", "--cp-comm-type", "all_gather", "--dp", "1",
+                                                           "--devices", "2", "--device-memory-gb", "16"]) == 0
+    assert "the configuration's own layout, tp1 cp2:all_gather pp1 dp1 mb8: " in capsys.readouterr().out
