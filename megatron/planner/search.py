@@ -43,6 +43,9 @@ from megatron.planner.stages import representative_stages
 from megatron.planner.time_model import GIB, Hardware, TimeTerms, layout_time
 
 
+MIN_CP_TOKENS = 1024  # context parallelism tried while each rank keeps at least this many tokens of a sample
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
@@ -181,18 +184,23 @@ def recompute_options(num_layers: int, pp: int, vpp: int) -> list[tuple[str, int
 
 def context_options(config: Config, tp: int, devices: int) -> list[tuple[int, str, bool]]:
     """(cp, communication type, sequence parallel) for a tensor-parallel size: cp 1, and each cp > 1
-    dividing ``devices`` whose 2 x cp chunks (x tp under sp) divide the sequence, with p2p, all_gather,
-    and a2a where tp x cp divides the heads and query groups."""
+    dividing ``devices`` whose 2 x cp chunks (x tp under sp) divide the sequence, with p2p and all_gather
+    (not with attention dropout, which they do not draw) and a2a where tp x cp divides the heads and query
+    groups. What ``validate`` would refuse anyway, left out early: a search on many devices is mostly these.
+    Only while each rank keeps at least ``MIN_CP_TOKENS`` tokens of a sample: the time model has no
+    latency, which shorter exchanges would be dominated by (and a search on many devices would be mostly
+    these too)."""
     seq, m = config.dataset.max_seq_len, config.model
     nq = m.num_attention_heads
     ng = m.num_query_groups if m.group_query_attention and m.num_query_groups else nq
     options = [(1, "p2p", tp > 1 and seq % tp == 0)]
+    blockwise = [] if m.attention_probs_dropout_prob > 0 else ["p2p", "all_gather"]
     for cp in _divisors(devices)[1:]:
-        if seq % (2 * cp):
+        if seq % (2 * cp) or seq // cp < MIN_CP_TOKENS:
             continue
         sp = tp > 1 and seq % (2 * cp * tp) == 0
         a2a = ["a2a"] if not nq % (tp * cp) and not ng % (tp * cp) else []
-        options += [(cp, comm, sp) for comm in ["p2p", "all_gather", *a2a]]
+        options += [(cp, comm, sp) for comm in [*blockwise, *a2a]]
     return options
 
 

@@ -209,25 +209,31 @@ def _long(seq: int):
 
 
 def test_context_parallel_candidates_are_valid_runs():
-    """cp divides the devices, 2 x cp (x tp under sp) the sequence; a2a only where tp x cp divides the heads;
-    the flags of a layout (printed under the table) run it."""
-    base = _base(SMALL + NO_ATTENTION_DROPOUT)  # 4 heads, 32 tokens
-    result = plan_layouts(base, Hardware(devices=8, devices_per_node=8, device_memory_gb=1000), max_micro_batch=2,
-                          max_vpp=1)
+    """cp divides the devices, 2 x cp (x tp under sp) the sequence, each rank keeps at least MIN_CP_TOKENS of
+    it; a2a only where tp x cp divides the heads, p2p and all_gather only without attention dropout; the
+    flags of a layout (printed under the table) run it."""
+    long = ["--max-seq-len", "8192", "--max-position-embeddings", "8192"]
+    argv = SMALL + NO_ATTENTION_DROPOUT + long  # 4 heads
+    hw = Hardware(devices=8, devices_per_node=8, device_memory_gb=1000)
+    result = plan_layouts(_base(argv), hw, max_micro_batch=2, max_vpp=1)
     kinds = {(p.layout.cp, p.layout.cp_comm) for p in result.plans}
     assert kinds == {(1, "p2p"), (2, "p2p"), (2, "all_gather"), (2, "a2a"), (4, "p2p"), (4, "all_gather"),
                      (4, "a2a"), (8, "p2p"), (8, "all_gather")}
     for plan in result.plans:
         lay = plan.layout
         assert lay.tp * lay.cp * lay.pp * lay.dp * lay.sharding_degree == 8
-        assert lay.cp == 1 or 32 % (2 * lay.cp * (lay.tp if lay.sequence_parallel else 1)) == 0
+        assert lay.cp == 1 or 8192 % (2 * lay.cp * (lay.tp if lay.sequence_parallel else 1)) == 0
         assert lay.cp_comm != "a2a" or 4 % (lay.tp * lay.cp) == 0
     for plan in result.plans[::7]:  # the flags printed for a layout run that layout
-        config = parse_config(SMALL + NO_ATTENTION_DROPOUT + ["--device", "gpu", *plan.layout.flags().split()])
+        config = parse_config(argv + ["--device", "gpu", *plan.layout.flags().split()])
         validate(config, world_size=8, cuda_available=True, training_data=False)
         assert configured_layout(config) == plan.layout
     with pytest.raises(ConfigError, match="--cp-comm-type a2a gives each context-parallel rank whole heads"):
-        layout_config(base, Layout(2, 1, 1, 1, 1, 1, False, "off", 2, True, 0, 4, "a2a"), 8)
+        layout_config(_base(argv), Layout(2, 1, 1, 1, 1, 1, False, "off", 2, True, 0, 4, "a2a"), 8)
+    dropout = plan_layouts(_base(SMALL + long), hw, max_micro_batch=1, max_vpp=1)  # attention dropout 0.1
+    assert {p.layout.cp_comm for p in dropout.plans if p.layout.cp > 1} == {"a2a"}
+    short = plan_layouts(_base(SMALL + NO_ATTENTION_DROPOUT), hw, max_micro_batch=1, max_vpp=1)  # 32 tokens
+    assert {p.layout.cp for p in short.plans} == {1}
 
 
 def test_context_parallel_memory_is_the_estimators_for_s_over_cp_tokens():
