@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 from megatron.config.layer_split import chunk_layers, segment, stage_layers
 from megatron.config.schema import Config
+from megatron.context_parallel.blocks import MATH_TILE_BYTES
 from megatron.model.gpt import recompute_plan
 from megatron.model.transformer import attention_shape
 from megatron.pipeline_parallel import schedule_tables as tables
@@ -412,9 +413,12 @@ def context_parallel_terms(D: Dims) -> dict[str, int]:
       every rank and this rank's reduce-scattered share, dQ and the output gradient;
     - a2a: the all-to-all's send (stacked) and receive buffers of the queries and of the output
       (2 n a hd d), forward and backward alike;
-    - on GPUs, p2p and all_gather compute each block in plain fp32 operations (``context_parallel.blocks``):
-      the backward of the diagonal block keeps its scores, probabilities, their gradient, a difference
-      and the score gradient, five fp32 ``[b, a, L, L]`` (the CPU's fused kernel keeps none).
+    - on GPUs, p2p and all_gather compute each block in plain fp32 operations, a tile of query rows at a
+      time (``context_parallel.blocks``; the CPU's fused kernel keeps none of this): the backward of the
+      diagonal block holds its keys and values expanded to ``a`` heads in fp32 with their gradients
+      (``4 x 4 n a hd``), its fp32 dQ (``4 n a hd``) and, per tile, the probabilities, their gradient, a
+      difference and the score gradient (``4`` fp32 ``[b, a, rows, L]``, each at most ``MATH_TILE_BYTES``);
+      its forward holds fewer.
 
     Not counted: the kernel's own per-block outputs and gradients (at most one block's ``q, k, v``)."""
     n, a, g, hd, d, cp = D.n, D.a, D.g, D.hd, D.d, D.cp
@@ -422,10 +426,14 @@ def context_parallel_terms(D: Dims) -> dict[str, int]:
         return {"forward": 2 * n * a * hd * d, "backward": 2 * n * a * hd * d}
     kv, acc, dkv = 2 * n * g * hd * d, 4 * n * a * hd + 4 * n * a, 2 * n * g * hd * 4
     grads = 4 * n * a * hd + n * a * hd * d  # fp32 dQ, the output gradient made contiguous
-    blocks = 5 * 4 * n * a * D.length if D.device == "gpu" else 0
+    blocks = 0
+    if D.device == "gpu":
+        row = D.b * a * D.length * 4  # one query row of the diagonal block's fp32 scores, every sample and head
+        tile = row * min(D.length, max(1, MATH_TILE_BYTES["limit"] // row))
+        blocks = 4 * 4 * n * a * hd + 4 * n * a * hd + 4 * tile
     if D.cp_comm == "all_gather":
-        return {"forward": cp * kv + max(kv, 2 * acc) + blocks, "backward": cp * kv + (cp + 1) * dkv + grads + blocks}
-    return {"forward": 2 * kv + 2 * acc + blocks, "backward": 2 * kv + 2 * dkv + grads + blocks}
+        return {"forward": cp * kv + max(kv, 2 * acc), "backward": cp * kv + (cp + 1) * dkv + grads + blocks}
+    return {"forward": 2 * kv + 2 * acc, "backward": 2 * kv + 2 * dkv + grads + blocks}
 
 
 def largest_temporary_bytes(config: Config, stage: int = 0, kernel: str | None = None) -> int:

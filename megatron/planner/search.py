@@ -42,7 +42,6 @@ from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, st
 from megatron.planner.stages import representative_stages
 from megatron.planner.time_model import GIB, Hardware, TimeTerms, layout_time
 
-
 MIN_CP_TOKENS = 1024  # context parallelism tried while each rank keeps at least this many tokens of a sample
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron.config import Config, parse_config, validate
+from megatron.context_parallel.blocks import MATH_TILE_BYTES
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.memory import estimate
@@ -251,7 +252,8 @@ def test_packed_documents_math_kernel_is_bounded_by_whole_sequences():
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
 def test_context_parallel_temporaries(comm):
     """The exchange's buffers and the fp32 accumulators of one layer's attention; on GPUs p2p and
-    all_gather add the plain block kernel's five fp32 [b, a, L, L]."""
+    all_gather add the plain block kernel's backward: fp32 expanded keys, values, their gradients and dQ,
+    and four fp32 tiles of query rows of the diagonal block's scores (each at most MATH_TILE_BYTES)."""
     config = make_config(*NO_DROPOUT, "--cp", "2", "--cp-comm-type", comm, world_size=2)
     d = dims(config)
     assert (d.cp, d.cp_comm, d.n, d.length) == (2, comm, 16, 8)
@@ -263,8 +265,12 @@ def test_context_parallel_temporaries(comm):
     assert temporary_terms(config)["context-parallel attention"] == max(expected.values())
     assert "context-parallel attention" not in temporary_terms(make_config(*NO_DROPOUT))
     gpu = dataclasses.replace(d, device="gpu")
-    blocks = 0 if comm == "a2a" else 5 * 4 * d.b * d.a * d.length**2
+    blocks = 0 if comm == "a2a" else 5 * 4 * d.n * d.a * d.hd + 4 * 4 * d.b * d.a * d.length**2  # tiles of every row
     assert context_parallel_terms(gpu)["backward"] == expected["backward"] + blocks
+    long = dataclasses.replace(gpu, s=1 << 20)  # 2^19 tokens a rank: a tile of 16 query rows, 256 MiB
+    extra = context_parallel_terms(long)["backward"] - context_parallel_terms(dataclasses.replace(long, device="cpu"))[
+        "backward"]
+    assert extra == (0 if comm == "a2a" else 5 * 4 * long.n * d.a * d.hd + 4 * MATH_TILE_BYTES["limit"])
     if comm == "all_gather":  # every rank's keys and values, the whole sequence's at any cp
         four = dims(make_config(*NO_DROPOUT, "--cp", "4", "--cp-comm-type", comm, world_size=4))
         assert context_parallel_terms(four)["backward"] == 4 * kv // 2 + 5 * dkv // 2 + 4 * d.n * d.a * d.hd
