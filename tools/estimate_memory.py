@@ -16,7 +16,8 @@ AdamW states one rank holds between steps and how much of it is on the device an
 (offload; megatron/optimizer/memory.py); then the activations one micro-batch's forward saves for
 the backward, the micro-batches the schedule keeps in flight, the largest temporary buffer and the
 total with the model states of a step (megatron/memory/). Without pipelining one line reads
-``activations per micro-batch: <value> <unit>``.
+``activations per micro-batch: <value> <unit>``. Under context parallelism (``--context-parallel-size``)
+every figure is one rank's, holding ``s / cp`` tokens of each sample; the activation header says how many.
 """
 
 from __future__ import annotations
