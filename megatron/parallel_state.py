@@ -18,7 +18,10 @@ them in one frozen ``ParallelState``; ``get()`` returns it. Groups:
 - tp: same (pp, dp, sharding, cp) coordinates; pp: same (dp, sharding, cp, tp);
 - cp: same (pp, dp, sharding, tp): the ranks that share each sample, each holding 2 of its 2 x cp chunks;
 - sharding: same (pp, dp, cp, tp); dp: same (pp, sharding, tp): the replicas of a shard (dp x cp: the
-  context-parallel ranks hold the same parameters and sum their gradients like replicas);
+  context-parallel ranks hold the same parameters and sum their gradients like replicas). With
+  ``shard_over_cp`` (``Config.shards_over_context_parallel``: a sharded optimizer under cp, as Megatron-LM's
+  distributed optimizer spans dp x cp) the ZeRO shards span the cp ranks too: sharding: same (pp, dp, tp),
+  dp: same (pp, sharding, cp, tp);
 - data_parallel: same (pp, tp): every rank whose gradients and token counts are summed (dp x sharding x cp);
   the batch is cut over dp x sharding only (``data_parallel_rank``): the cp ranks of a sample read the same one;
 - model_parallel: same (dp, sharding, cp): tp x pp, the ranks that together hold one model;
@@ -41,7 +44,7 @@ def coordinates(rank: int, tp: int, pp: int, dp: int, sharding: int = 1, cp: int
 
 
 def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: int = 1,
-              cp: int = 1) -> dict[str, list[list[int]]]:
+              cp: int = 1, shard_over_cp: bool = False) -> dict[str, list[list[int]]]:
     """Every group's rank lists, each list sorted, the lists in order of their smallest rank."""
     if tp * pp * dp * sharding * cp != world_size:
         raise ValueError(f"tp x cp x pp x dp x sharding = {tp * cp * pp * dp * sharding} != world size {world_size}")
@@ -50,6 +53,8 @@ def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: 
         "pp": ("dp", "sharding", "cp", "tp"), "sharding": ("pp", "dp", "cp", "tp"),
         "dp": ("pp", "sharding", "tp"), "data_parallel": ("pp", "tp"), "model_parallel": ("dp", "sharding", "cp"),
     }
+    if shard_over_cp:
+        keys["sharding"], keys["dp"] = ("pp", "dp", "tp"), ("pp", "sharding", "cp", "tp")
     grid: dict[str, list[list[int]]] = {}
     for name, shared in keys.items():
         buckets: dict[tuple, list[int]] = {}
@@ -79,6 +84,7 @@ class ParallelState:
     ranks: dict = field(default_factory=dict, repr=False)  # name -> this rank's group's rank list
     cp_size: int = 1
     cp_rank: int = 0
+    shard_over_cp: bool = False  # the ZeRO shards span the cp ranks (see the module docstring)
 
     @property
     def data_parallel_size(self) -> int:
@@ -91,9 +97,19 @@ class ParallelState:
         return self.dp_size * self.sharding_size * self.cp_size
 
     @property
+    def shard_group_size(self) -> int:
+        """The ranks one ZeRO shard group spans: the ``sharding`` group (sharding, x cp with ``shard_over_cp``)."""
+        return self.sharding_size * (self.cp_size if self.shard_over_cp else 1)
+
+    @property
     def replica_size(self) -> int:
-        """The ranks holding the same shard: the ``dp`` group (dp x cp)."""
-        return self.dp_size * self.cp_size
+        """The ranks holding the same shard: the ``dp`` group (dp x cp, or dp with ``shard_over_cp``)."""
+        return self.dp_size * (1 if self.shard_over_cp else self.cp_size)
+
+    @property
+    def writes_shard(self) -> bool:
+        """Whether this rank writes its shard to a checkpoint: the first of the shard's replicas."""
+        return self.dp_rank == 0 and (self.shard_over_cp or self.cp_rank == 0)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -120,7 +136,7 @@ def single_process_state() -> ParallelState:
 
 
 def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 1,
-               timeout_minutes: float = 10.0, cp: int = 1) -> ParallelState:
+               timeout_minutes: float = 10.0, cp: int = 1, shard_over_cp: bool = False) -> ParallelState:
     """Create every group once (all ranks call this with the same sizes) and store the state."""
     global _STATE
     if not dist.is_initialized():
@@ -128,7 +144,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
         return _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = dp if dp is not None else world // (tp * pp * sharding * cp)
-    grid = rank_grid(world, tp, pp, dp, sharding, cp)
+    grid = rank_grid(world, tp, pp, dp, sharding, cp, shard_over_cp)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     groups, ranks = {}, {}
     for name, lists in grid.items():
@@ -138,7 +154,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
                 groups[name], ranks[name] = group, members
     c = coordinates(rank, tp, pp, dp, sharding, cp)
     _STATE = ParallelState(world, rank, tp, pp, dp, sharding, c["tp"], c["pp"], c["dp"], c["sharding"], groups, ranks,
-                           cp, c["cp"])
+                           cp, c["cp"], shard_over_cp)
     return _STATE
 
 

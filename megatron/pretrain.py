@@ -40,6 +40,13 @@ def _log_segmentation(config: Config, ps, log) -> None:
         log.info(line)
 
 
+def _context_parallel(ps) -> str:
+    """The start-up line's cp part: the size, and whether the optimizer's shards span it."""
+    if ps.cp_size == 1:
+        return ""
+    return f", cp {ps.cp_size}" + (f": ZeRO shards over sharding x cp = {ps.shard_group_size}" if ps.shard_over_cp else "")
+
+
 def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
              forward_step: ForwardStep, warnings: tuple[str, ...] = ()) -> TrainState:
     """Build everything from ``config`` and train, on every rank of a torchrun launch."""
@@ -59,7 +66,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
         log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
                  f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
-                 f"pp {ps.pp_size}, sharding {ps.sharding_size}{f', cp {ps.cp_size}' if ps.cp_size > 1 else ''})")
+                 f"pp {ps.pp_size}, sharding {ps.sharding_size}{_context_parallel(ps)})")
         if precision_warning:
             log.warning(precision_warning)
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:

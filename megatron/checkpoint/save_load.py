@@ -137,7 +137,7 @@ def _layout(ps: ParallelState, distributed: DistributedConfig) -> dict:
               "sharding": ps.sharding_size, "vpp": distributed.virtual_pp_degree,
               "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
     if ps.cp_size > 1:  # recorded only when used: a checkpoint saved before the cp axis reads as the same layout
-        layout["cp"] = ps.cp_size
+        layout["cp"], layout["shard_over_cp"] = ps.cp_size, ps.shard_over_cp
     return layout
 
 
@@ -182,7 +182,7 @@ def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) 
     """This rank's pieces into ``rank{r}.bin`` and its RNG streams; returns (pieces, {file: CRC-32})."""
     writer, pieces = RankFileWriter(tmp, ps.rank), []
     try:
-        if ps.dp_rank == 0 and ps.cp_rank == 0:  # replicas (dp x cp) hold the same shard
+        if ps.writes_shard:  # the shard's replicas (dp, and cp unless the shards span it) hold the same pieces
             for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
                 if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False)
                                                           or ps.tp_rank == 0):

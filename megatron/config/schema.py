@@ -321,6 +321,21 @@ class Config:
         return self.distributed.dp_degree * self.distributed.sharding.sharding_degree
 
     @property
+    def shards_over_context_parallel(self) -> bool:
+        """Whether the ZeRO shards span the context-parallel ranks too (as Megatron-LM's distributed optimizer
+        spans dp x cp): with cp > 1 whenever the optimizer is sharded (sharding_degree > 1, or
+        use_distributed_optimizer, which may leave sharding_degree at 1 when dp is 1)."""
+        d = self.distributed
+        return d.context_parallel_size > 1 and (d.sharding.sharding_degree > 1 or d.use_distributed_optimizer)
+
+    @property
+    def zero_shards(self) -> int:
+        """The ranks one ZeRO shard group spans: sharding_degree, x context_parallel_size when
+        ``shards_over_context_parallel``."""
+        d = self.distributed
+        return d.sharding.sharding_degree * (d.context_parallel_size if self.shards_over_context_parallel else 1)
+
+    @property
     def num_micro_batches(self) -> int:
         return self.batch_size.local_batch_size // self.batch_size.micro_batch_size
 

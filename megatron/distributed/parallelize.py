@@ -81,11 +81,11 @@ class ShardingPlan:
 def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
     """The plan for ``config`` on this rank of the grid ``ps`` (no communication: groups are looked up)."""
     d = config.distributed
-    stage = sharding_stage(ps.sharding_size, d.sharding.sharding_stage)
+    stage = sharding_stage(ps.shard_group_size, d.sharding.sharding_stage)
     pipelined = ps.pp_size > 1
     return ShardingPlan(
         stage=stage,
-        sharding_group=ps.group("sharding") if ps.sharding_size > 1 else None,
+        sharding_group=ps.group("sharding") if ps.shard_group_size > 1 else None,
         replica_group=ps.group("dp") if stage >= 2 and ps.replica_size > 1 else None,
         data_parallel_group=ps.group("data_parallel") if ps.gradient_sum_size > 1 else None,
         model_parallel_group=ps.group("model_parallel") if ps.tp_size * ps.pp_size > 1 else None,

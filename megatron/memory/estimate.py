@@ -42,7 +42,7 @@ def estimate(config: Config, stage: int = 0, kernel: str | None = None) -> Memor
     """The memory of ``stage`` for a validated ``config`` (``kernel``: see ``activations.dims``)."""
     d = config.distributed
     num_params = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
-    states = model_state_bytes(num_params, training_precision(config), d.sharding.sharding_degree,
+    states = model_state_bytes(num_params, training_precision(config), config.zero_shards,
                                d.sharding.sharding_stage, d.sharding.sharding_offload)
     model_states = states.device_total + step_transient_bytes(config, stage)
     per_chunk = [act.activation_bytes_per_microbatch(config, stage, c, kernel)

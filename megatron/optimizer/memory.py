@@ -1,6 +1,7 @@
 """Per-rank bytes of model states: parameters, gradients, fp32 master weights, AdamW states.
 
-With P parameters on a rank (its tensor/pipeline share of the model), N = sharding degree:
+With P parameters on a rank (its tensor/pipeline share of the model), N = the ranks of a ZeRO shard group
+(``Config.zero_shards``: the sharding degree, x cp when the shards span the context-parallel ranks):
 
 | state | fp32 training | bf16 / fp16 training | sharded from stage |
 | --- | --- | --- | --- |
@@ -85,7 +86,7 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     non-layer parameters (the root) and two decoder layers, with pipelining the whole stage (gathered at
     its first forward, kept until the reduce-scatter after its last backward). Stage 1: none."""
     d = config.distributed
-    tp, pp, sharding = d.mp_degree, d.pp_degree, d.sharding.sharding_degree
+    tp, pp, sharding = d.mp_degree, d.pp_degree, config.zero_shards
     stage = sharding_stage(sharding, d.sharding.sharding_stage)
     num_params = parameters_per_rank(config, tp, pp, pp_rank)
     shard = -(-num_params // sharding)

@@ -235,7 +235,7 @@ def _model_states(config: Config, stage: int) -> tuple[int, int]:
     """(between steps, during a step) device bytes of model states: memory.py's, as ``estimate``."""
     d = config.distributed
     n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
-    held = model_state_bytes(n, training_precision(config), d.sharding.sharding_degree, d.sharding.sharding_stage,
+    held = model_state_bytes(n, training_precision(config), config.zero_shards, d.sharding.sharding_stage,
                              d.sharding.sharding_offload).device_total
     return held, held + step_transient_bytes(config, stage)
 

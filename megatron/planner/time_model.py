@@ -208,13 +208,14 @@ def _dp_times(config: Config, hw: Hardware, params: float, forward: float, backw
     """(all data-parallel traffic, the part not hidden) in seconds per step; ``forward`` and ``backward``:
     one micro-batch's on the slowest stage."""
     d = config.distributed
-    tp, pp, dp, n = d.mp_degree, d.pp_degree, d.dp_degree * d.context_parallel_size, d.sharding.sharding_degree
-    if dp * n == 1:  # dp: the replicas of a shard, the context-parallel ranks included
+    tp, pp, cp, n = d.mp_degree, d.pp_degree, d.context_parallel_size, config.zero_shards
+    dp = d.dp_degree * (1 if config.shards_over_context_parallel else cp)  # the replicas of a shard
+    if dp * n == 1:
         return 0.0, 0.0
     stage, overlap = sharding_stage(n, d.sharding.sharding_stage), bool(d.overlap_grad_reduce)
     grads, param_bytes = 4.0 * params, (4.0 if config.params_dtype_name == "float32" else 2.0) * params
-    tcp = tp * d.context_parallel_size  # the sharding group's ranks are tp x cp apart
-    shard_bw, replica_bw = _bandwidth(hw, tcp * n), _bandwidth(hw, tp * n * dp)
+    span = tp * cp * d.sharding.sharding_degree  # the ranks a shard group spans (tp x cp apart, or cp inside)
+    shard_bw, replica_bw = _bandwidth(hw, span), _bandwidth(hw, span * d.dp_degree)
     gather = _ring(param_bytes, n, all_reduce=False) / shard_bw  # one all-gather of the rank's parameters
     if stage == 1:
         reduce, replicas = _ring(grads, dp * n, all_reduce=True) / replica_bw, 0.0
@@ -240,7 +241,7 @@ def layout_time(config: Config, hw: Hardware) -> TimeTerms:
     a = 4 if config.params_dtype_name == "float32" else 2
     message = mb * s / d.context_parallel_size * m.hidden_size * a / (tp if d.sequence_parallel else 1)
     p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
-    n = d.sharding.sharding_degree
+    n = config.zero_shards
     offload = 8.0 * -(-params // n) / (hw.pcie_gbps * GB) if d.sharding.sharding_offload else 0.0
     tokens = config.batch_size.global_batch_size * s
     model_flops = model_flops_per_token(config) * tokens

@@ -31,9 +31,10 @@ LAYOUTS = {
 }
 PLAIN = parity_layouts({name: (n, [*TINY, *flags, "--cp-comm-type", plain])
                         for name, (n, flags, plain, _) in LAYOUTS.items()})
-PLAIN += parity_layouts({  # the other sharded optimizers: the cp ranks hold the same shards as replicas
+PLAIN += parity_layouts({  # the other sharded optimizers: their shards span the cp ranks (dp x cp, as Megatron-LM)
     "cp2-zero2-offload": (4, [*TINY, *CP2, "--sharding", "2", "--sharding-stage", "2", "--sharding-offload"]),
     "cp2-distributed-optimizer": (4, [*TINY, *CP2, "--use-distributed-optimizer", "--cp-comm-type", "a2a"]),
+    "cp2-distributed-optimizer-dp1": (2, [*TINY, *CP2, "--use-distributed-optimizer"]),  # sharded over cp alone
 })
 PACKED_LAYOUTS = parity_layouts({f"packed-{name}": (n, [*PACKED, *flags, "--cp-comm-type", packed])
                                  for name, (n, flags, _, packed) in LAYOUTS.items()})
@@ -50,13 +51,13 @@ def test_cp_on_packed_documents_equals_single_process(parity, references, layout
 
 
 @pytest.mark.parametrize("layout", parity_layouts({
-    "cp2-saved": (2, [*TINY, *CP2, "--save-interval", "5"]),
+    "cp2-saved": (2, [*TINY, *CP2, "--use-distributed-optimizer", "--save-interval", "5"]),
     "cp4-resumed-from-cp2": (4, [*TINY, "--cp", "4", "--cp-comm-type", "a2a", "--load", "{runs}/cp2-saved/step_5"],
                              ("cp2-saved",)),
     "cp1-resumed-from-cp2": (1, [*TINY, "--load", "{runs}/cp2-saved/step_5"], ("cp2-saved",))})[1:])
 def test_a_cp_checkpoint_resumes_under_another_cp(parity, reference, layout):
-    """Saved at cp 2 and resumed at cp 4 or in one process: the single-process run's steps 6-10 (a checkpoint
-    holds whole parameters: the cp ranks are replicas)."""
+    """Saved at cp 2 with the optimizer sharded over the two cp ranks, resumed at cp 4 (unsharded) or in one
+    process: the single-process run's steps 6-10 (a checkpoint holds every shard once, by global name)."""
     assert parity.curves(layout)[0] == pytest.approx(reference[0][5:], rel=1e-5)
 
 

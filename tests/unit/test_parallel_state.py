@@ -73,3 +73,27 @@ def test_single_process_state():
     state = parallel_state.get()
     assert state.world_size == 1 and state.tp_size == 1 and state.is_first_stage and state.is_last_stage
     assert state.group("tp") is None and state.data_parallel_size == 1
+
+
+def test_sharded_optimizer_spans_the_cp_ranks():
+    """With shard_over_cp (a sharded optimizer under cp, as Megatron-LM's distributed optimizer spans dp x cp) the
+    ZeRO shard group is sharding x cp and the replicas of a shard are the dp ranks alone."""
+    grid = rank_grid(8, tp=2, cp=2, sharding=2, shard_over_cp=True)
+    assert grid["sharding"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid["dp"] == [[r] for r in range(8)]
+    grid = rank_grid(8, tp=1, cp=2, dp=2, sharding=2, shard_over_cp=True)
+    assert grid["sharding"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and grid["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_a_distributed_optimizer_at_cp_shards_over_it():
+    from megatron.config import parse_config, validate
+
+    config = parse_config(["--mock-data", "--device", "cpu", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--max-seq-len", "32", "--attention-dropout", "0", "--cp", "2", "--use-distributed-optimizer"])
+    validate(config, world_size=4)
+    assert (config.distributed.dp_degree, config.distributed.sharding.sharding_degree) == (1, 2)
+    assert config.shards_over_context_parallel and config.zero_shards == 4
+    plain = parse_config(["--mock-data", "--device", "cpu", "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--max-seq-len", "32", "--attention-dropout", "0", "--cp", "2"])
+    validate(plain, world_size=4)
+    assert not plain.shards_over_context_parallel and plain.zero_shards == 1  # no sharding asked: cp ranks replicas
