@@ -69,10 +69,11 @@ def _tool_flags(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def _model_state_rows(config) -> None:
     d = config.distributed
-    precision, sharding = training_precision(config), d.sharding.sharding_degree
+    precision, sharding = training_precision(config), config.zero_shards
     cp = f" x cp {d.context_parallel_size} ({d.cp_comm_type})" if d.context_parallel_size > 1 else ""
-    print(f"tp {d.mp_degree}{cp} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {sharding} (stage "
-          f"{d.sharding.sharding_stage}), {precision}; GiB per rank:")
+    over = f", its shards spanning cp: {sharding} ranks" if config.shards_over_context_parallel else ""
+    print(f"tp {d.mp_degree}{cp} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {d.sharding.sharding_degree} "
+          f"(stage {d.sharding.sharding_stage}{over}), {precision}; GiB per rank:")
     print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
           f"{'device':>8} {'CPU':>8}")
     for stage in range(d.pp_degree):

@@ -62,11 +62,12 @@ class Layout:
     cp_comm: str = "p2p"  # its communication type (p2p with cp 1)
 
     def describe(self) -> str:
-        """``tp2 cp2:p2p pp4 vpp2 dp1 zero2x4 offload mb1 rc:full``: what is not the default is named."""
+        """``tp2 cp2:p2p pp4 vpp2 dp1 zero2x4 offload mb1 rc:full``: what is not the default is named (``zero2x4``:
+        stage 2 over 4 ranks, the sharding degree x cp when the shards span the cp ranks)."""
         parts = [f"tp{self.tp}"] + ([f"cp{self.cp}:{self.cp_comm}"] if self.cp > 1 else []) + [f"pp{self.pp}"]
         parts += ([f"vpp{self.vpp}"] if self.vpp > 1 else []) + [f"dp{self.dp}"]
         if self.sharding_degree > 1:
-            parts.append(f"zero{self.sharding_stage}x{self.sharding_degree}")
+            parts.append(f"zero{self.sharding_stage}x{self.sharding_degree * self.cp}")
         if self.offload:
             parts.append("offload")
         parts.append(f"mb{self.micro_batch_size}")
