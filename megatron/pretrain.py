@@ -44,7 +44,8 @@ def _context_parallel(ps) -> str:
     """The start-up line's cp part: the size, and whether the optimizer's shards span it."""
     if ps.cp_size == 1:
         return ""
-    return f", cp {ps.cp_size}" + (f": ZeRO shards over sharding x cp = {ps.shard_group_size}" if ps.shard_over_cp else "")
+    shards = f": ZeRO shards over sharding x cp = {ps.shard_group_size}" if ps.shard_over_cp else ""
+    return f", cp {ps.cp_size}{shards}"
 
 
 def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,

@@ -42,9 +42,9 @@ from megatron.context_parallel.blocks import (
 )
 from megatron.context_parallel.layout import local_positions, merge_chunks, scatter_chunks
 
-RING_OVERLAP = {"enabled": True}
+RING_OVERLAP = {"enabled": True}  # benchmarks turn the ring's transfer / compute overlap off to measure it
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # benchmarks turn the ring's transfer / compute overlap off to measure it
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -61,8 +61,10 @@ class AttentionPlan:
     @property
     def ring_ranks(self) -> tuple[int, int]:
         """(next, previous) global ranks of this rank's ring."""
-        ranks = dist.get_process_group_ranks(self.group)
-        return ranks[(self.cp_rank + 1) % self.cp_size], ranks[(self.cp_rank - 1) % self.cp_size]
+        if "ring" not in self._cache:
+            ranks = dist.get_process_group_ranks(self.group)
+            self._cache["ring"] = ranks[(self.cp_rank + 1) % self.cp_size], ranks[(self.cp_rank - 1) % self.cp_size]
+        return self._cache["ring"]
 
     def _docs(self, rank: int, length: int) -> torch.Tensor:
         seq = length * self.cp_size

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 FUSED_ON_CPU = {"enabled": True}
 MATH_TILE_BYTES = {"limit": 256 << 20}  # the fp32 scores (and probabilities) of one tile of query rows
 
@@ -141,9 +140,10 @@ def blocks_forward(q, k, v, blocks: list[Block], scale: float) -> tuple[torch.Te
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for block in blocks:
-        o, l = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block.causal, scale)
-        block.rows(out, "q").copy_(o)
-        block.rows(lse, "q").copy_(l)
+        out_block, lse_block = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block.causal,
+                                              scale)
+        block.rows(out, "q").copy_(out_block)
+        block.rows(lse, "q").copy_(lse_block)
     return out, lse
 
 

@@ -94,7 +94,8 @@ def test_low_precision_cp_tracks_one_process(parity, references, layout):
     (parity_layouts({"bad-cp2-seq": (2, [*TINY, *CP2, "--max-seq-len", "30"])})[0],
      "--context-parallel-size 2 cuts each sample into 4 chunks: max_seq_len (30) must be divisible by 2 x "
      "context_parallel_size = 4"),
-    (parity_layouts({"bad-cp2-a2a-heads": (2, [*TINY, *CP2, "--cp-comm-type", "a2a", "--num-attention-heads", "1"])})[0],
+    (parity_layouts({"bad-cp2-a2a-heads": (2, [*TINY, *CP2, "--cp-comm-type", "a2a",
+                                               "--num-attention-heads", "1"])})[0],
      "--cp-comm-type a2a gives each context-parallel rank whole heads"),
 ])
 def test_bad_cp_settings_fail_on_every_rank(parity, layout, message):

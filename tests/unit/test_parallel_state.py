@@ -89,7 +89,8 @@ def test_a_distributed_optimizer_at_cp_shards_over_it():
     from megatron.config import parse_config, validate
 
     config = parse_config(["--mock-data", "--device", "cpu", "--hidden-size", "64", "--num-attention-heads", "4",
-                           "--max-seq-len", "32", "--attention-dropout", "0", "--cp", "2", "--use-distributed-optimizer"])
+                           "--max-seq-len", "32", "--attention-dropout", "0", "--cp", "2",
+                           "--use-distributed-optimizer"])
     validate(config, world_size=4)
     assert (config.distributed.dp_degree, config.distributed.sharding.sharding_degree) == (1, 2)
     assert config.shards_over_context_parallel and config.zero_shards == 4
