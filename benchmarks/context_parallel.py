@@ -1,0 +1,345 @@
+"""Context parallelism: step time and saved activation bytes per rank at cp 1, 2 and 4 for each communication
+type (p2p ring, all_gather, a2a), with and without packed documents, and the ring's transfer / compute overlap
+measured by turning it off.
+
+    python benchmarks/context_parallel.py            # cp 1, 2, 4: gloo ranks on the CPU
+    python benchmarks/context_parallel.py --write    # also update docs/benchmarks.md
+
+For each cp size one group of ``cp`` gloo ranks (``parallel_state.initialize(cp=cp)``) builds the model as
+training does (``parse_config`` / ``validate``, ``build_model``, ``parallel_model``: the gradients summed over
+dp x cp) once per communication type, and trains it with ``train_step`` on one micro-batch of ``--seq``
+tokens from the mock data, cut by ``build_batch`` into the rank's two load-balanced chunks. Packed samples
+are the same mock tokens with end-of-document tokens placed so that documents are 300-1000 tokens long,
+attended per document (``reset_attention_mask``: ``document_ids`` given to the model).
+
+- Step time: every variant of a cp size steps in turn, the order reversed every step so that background
+  load affects them alike; after ``--warmup`` steps, each step's time is the slowest rank's (each rank
+  starts it after a barrier), and the median over ``--steps`` is reported.
+- Ring overlap: ``megatron.context_parallel.attention.RING_OVERLAP["enabled"] = False`` makes the ring's
+  forward wait for each key/value transfer before the block's compute (the backward always overlaps its
+  key/value transfer; its gradient transfer follows the compute in both). The p2p model steps with it on
+  and off, interleaved; attention alone (``attend`` forward + backward on [1, heads, s / cp, head dim]
+  tensors, as the model gives them) is timed the same way, beside the ring's transfers alone.
+- Saved bytes: what one micro-batch's forward saves for the backward on each rank
+  (``megatron.memory.measure``'s saved-tensor hooks, each storage once, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.report import write_section  # noqa: E402
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+_AS_BUILT: dict = {}  # attention._wait as the module defines it
+
+INTRO = """`benchmarks/context_parallel.py` trains a tiny GPT on one sequence of 4096 tokens split over cp gloo
+ranks (cp 1 is the reference: one process, no split), once per communication type (`--cp-comm-type`), on
+plain and on packed samples (documents of 300-1000 tokens, attention kept inside each, `--reset-attention-mask`),
+and measures the ring's transfer / compute overlap by turning it off. **This machine has 2 cores:** cp 2
+gives each rank its own core, but cp 4 runs 4 ranks on 2 cores, so its step times measure how the work and
+the communication are split, not a speed-up (each rank does a quarter of the work, two ranks share a core).
+The saved-byte figures are exact and do not depend on the machine."""
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def _samples(args: argparse.Namespace, packed: bool) -> tuple[list[np.ndarray], int]:
+    """``--micro-batch`` mock samples of seq + 1 tokens, and the end-of-document id. Packed: the mock data's own
+    end-of-document tokens (every ~128 tokens) replaced, and new ones ending documents of 300-1000 tokens."""
+    from megatron.data.mock_dataset import MockGPTDataset
+
+    data = MockGPTDataset(16, args.seq, args.vocab, seed=1)
+    samples = [data[i].copy() for i in range(args.micro_batch)]
+    if packed:
+        rng = np.random.default_rng(7)
+        for sample in samples:
+            sample[sample == data.eod_id] = 0
+            end = -1
+            while (end := end + int(rng.integers(300, 1001))) < len(sample):
+                sample[end] = data.eod_id
+    return samples, data.eod_id
+
+
+def _batch(args: argparse.Namespace, packed: bool, cp_rank: int, cp_size: int) -> dict:
+    from megatron.data.loader import build_batch
+
+    samples, eod = _samples(args, packed)
+    return build_batch(samples, eod, reset_position_ids=packed, reset_attention_mask=packed, cp_rank=cp_rank,
+                       cp_size=cp_size)
+
+
+def _documents(args: argparse.Namespace) -> list[int]:
+    """The document lengths of the first packed sample (its seq input tokens)."""
+    samples, eod = _samples(args, True)
+    ends = [i + 1 for i, t in enumerate(samples[0][:-1].tolist()) if t == eod]
+    starts = [0] + ends
+    return [b - a for a, b in zip(starts, ends + [args.seq]) if b > a]
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+
+def _config(args: argparse.Namespace, cp: int, comm: str, store_dir: str):
+    from megatron.config import parse_config, validate
+
+    flags = ["--mock-data", "--device", "cpu", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
+             "--num-attention-heads", str(args.heads), "--max-seq-len", str(args.seq), "--max-position-embeddings",
+             str(args.seq), "--vocab-size", str(args.vocab), "--micro-batch-size", str(args.micro_batch),
+             "--global-batch-size", str(args.micro_batch), "--hidden-dropout-prob", "0",
+             "--attention-probs-dropout-prob", "0", "--no-bf16", "--cp", str(cp), "--cp-comm-type", comm,
+             "--save", os.path.join(store_dir, "out")]
+    config = parse_config(flags)
+    validate(config, world_size=cp)
+    return config
+
+
+def _wait_once(requests: list) -> None:
+    """``attention._wait`` that skips a request already waited for. With ``RING_OVERLAP`` off, the ring's forward
+    waits for a transfer's requests before the block's compute and again after it; on gloo a second ``wait`` on
+    a finished send/recv blocks for ever (torch 2.13), so the benchmark installs this while the overlap is off."""
+    for request in requests:
+        if not request.is_completed():
+            request.wait()
+
+
+def _set_overlap(enabled: bool) -> None:
+    """The ring's transfer / compute overlap on or off (with ``_wait_once`` while it is off)."""
+    from megatron.context_parallel import attention
+
+    _AS_BUILT.setdefault("wait", attention._wait)
+    attention.RING_OVERLAP["enabled"] = enabled
+    attention._wait = _AS_BUILT["wait"] if enabled else _wait_once
+
+
+def _variants(cp: int) -> list[tuple[str, bool, bool]]:
+    """(communication type, packed, ring overlap) of every variant timed at this cp size."""
+    if cp == 1:
+        return [("p2p", False, True), ("p2p", True, True)]
+    return ([(comm, False, True) for comm in COMM_TYPES] + [("p2p", False, False)]
+            + [(comm, True, True) for comm in COMM_TYPES])
+
+
+def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
+    """Seconds of ``attend`` forward + backward alone, per (communication type, overlap), interleaved; and of
+    the ring's transfers alone (those of one forward + backward, one after the other)."""
+    from megatron.context_parallel import attention
+    from megatron.context_parallel.attention import AttentionPlan, attend
+
+    length, hd = args.seq // ps.cp_size, args.hidden // args.heads
+    gen = torch.Generator().manual_seed(ps.cp_rank)
+    q, k, v, dout = (torch.randn(args.micro_batch, args.heads, length, hd, generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    group = ps.group("cp") if ps.cp_size > 1 else None
+    cases = [(comm, True) for comm in comm_types] + ([("p2p", False)] if ps.cp_size > 1 else [])
+    times = {case: [] for case in cases}
+    for rep in range(args.attention_warmup + args.attention_reps):
+        for comm, overlap in cases if rep % 2 else cases[::-1]:
+            _set_overlap(overlap)
+            plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, comm, None)
+            dist.barrier()
+            start = time.perf_counter()
+            attend(q, k, v, plan).backward(dout)
+            if rep >= args.attention_warmup:
+                times[(comm, overlap)].append(time.perf_counter() - start)
+            q.grad = k.grad = v.grad = None
+    _set_overlap(True)
+    result = {("attention",) + case: values for case, values in times.items()}
+    if ps.cp_size > 1:
+        plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, "p2p", None)
+        kv = torch.stack([k.detach(), v.detach()])
+        transfers = []
+        for rep in range(args.attention_warmup + args.attention_reps):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(3 * ps.cp_size - 2):  # forward: cp - 1 key/value; backward: cp - 1 key/value, cp dK/dV
+                _, requests = attention._exchange(kv, plan)
+                attention._wait(requests)
+            if rep >= args.attention_warmup:
+                transfers.append(time.perf_counter() - start)
+        result[("transfers",)] = transfers
+    return result
+
+
+def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, queue) -> None:
+    from megatron import parallel_state
+    from megatron.memory.measure import measure_microbatch
+    from megatron.model import build_model
+    from megatron.training import train_step
+    from megatron.training.step import parallel_model
+    from pretrain_gpt import forward_step
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,
+                            world_size=world)
+    ps = parallel_state.initialize(cp=world)
+    variants = _variants(world)
+    comm_types = sorted({comm for comm, _, _ in variants}, key=COMM_TYPES.index)
+    batches = {packed: _batch(args, packed, ps.cp_rank, ps.cp_size) for packed in (False, True)}
+    models, result = {}, {}
+    for comm in comm_types:
+        config = _config(args, world, comm, store_dir)
+        torch.manual_seed(1234)
+        model = build_model(config).train()
+        for packed in (False, True):
+            if (comm, packed, True) in variants:
+                result[("saved", comm, packed)] = measure_microbatch(model, forward_step, batches[packed])
+        models[comm] = parallel_model(config, model, torch.device("cpu"))
+    times = {variant: [] for variant in variants}
+    for step in range(args.warmup + args.steps):
+        for variant in variants if step % 2 else variants[::-1]:  # no order bias
+            comm, packed, overlap = variant
+            _set_overlap(overlap)
+            m = models[comm]
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(forward_step, batches[packed], m.model, m.buffer, m.optimizer, 1e-4, args.micro_batch,
+                       m.dp_group)
+            if step >= args.warmup:
+                times[variant].append(time.perf_counter() - start)
+    _set_overlap(True)
+    result.update({("step",) + variant: values for variant, values in times.items()})
+    result.update(_attention_times(args, ps, comm_types))
+    queue.put((rank, result))
+    dist.destroy_process_group()
+
+
+def run_cp(args: argparse.Namespace, cp: int) -> dict:
+    """Every rank's results at context-parallel size ``cp``, combined: a time list is the slowest rank's per
+    step; saved bytes are kept per rank."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as store_dir:
+        mp.start_processes(_rank_main, args=(cp, store_dir, args, queue), nprocs=cp, start_method="spawn")
+    per_rank = dict(queue.get() for _ in range(cp))
+    combined = {}
+    for key in per_rank[0]:
+        values = [per_rank[r][key] for r in range(cp)]
+        combined[key] = [max(step) for step in zip(*values)] if key[0] != "saved" else values
+    return combined
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _cpu() -> str:
+    """The CPU as /proc/cpuinfo names it, its cores, and whether it has bf16 units."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    family = re.search(r"^cpu family\s*:\s*(\d+)\s*^model\s*:\s*(\d+)", info, re.M)
+    flags = re.search(r"^flags\s*:(.*)$", info, re.M)
+    flags = set(flags.group(1).split()) if flags else set()
+    bf16 = ", ".join(f"{name} {'yes' if name in flags else 'no'}" for name in ("avx512_bf16", "amx_bf16"))
+    name = model.group(1) if model else platform.machine()
+    if family:
+        name += f" (family {family.group(1)}, model {family.group(2)})"
+    simd = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    return f"{name}, {os.cpu_count()} cores, {simd}, {bf16}"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _table(args: argparse.Namespace, results: dict[int, dict]) -> str:
+    mb = 2**20
+    ref = results[1]
+    ref_step = {packed: _median(ref[("step", "p2p", packed, True)]) for packed in (False, True)}
+    ref_saved = {packed: ref[("saved", "p2p", packed)][0] for packed in (False, True)}
+    rows = []
+    for packed in (False, True):
+        for cp, r in results.items():
+            for comm in COMM_TYPES if cp > 1 else ("p2p",):
+                key = ("step", comm, packed, True)
+                if key not in r:
+                    continue
+                step = _median(r[key])
+                saved = r[("saved", comm, packed)]
+                name = "— (cp 1)" if cp == 1 else comm
+                rows.append(f"| {'packed' if packed else 'plain'} | {cp} | {name} | {step:.3f} | "
+                            f"{step / ref_step[packed]:.2f} | {max(saved) / mb:.1f} | "
+                            f"{max(saved) / ref_saved[packed]:.3f} |")
+    overlap_rows, attention_rows = [], []
+    for cp, r in results.items():
+        if cp == 1:
+            continue
+        on, off = _median(r[("step", "p2p", False, True)]), _median(r[("step", "p2p", False, False)])
+        overlap_rows.append(f"| {cp} | {off:.3f} | {on:.3f} | {off - on:+.3f} s ({100 * (off - on) / off:+.1f}%) |")
+        a_on, a_off = _median(r[("attention", "p2p", True)]), _median(r[("attention", "p2p", False)])
+        others = " | ".join(f"{1000 * _median(r[('attention', comm, True)]):.1f}" for comm in COMM_TYPES[1:])
+        saved = a_off - a_on
+        attention_rows.append(f"| {cp} | {1000 * _median(r[('transfers',)]):.1f} | {1000 * a_off:.1f} | "
+                              f"{1000 * a_on:.1f} | {1000 * saved:+.1f} ({100 * saved / a_off:+.1f}%) | {others} |")
+    ref_attention = 1000 * _median(ref[("attention", "p2p", True)])
+    docs = _documents(args)
+    hd = args.hidden // args.heads
+    return "\n".join([
+        f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary {args.vocab}, fp32, "
+        f"dropout 0; one micro-batch of {args.micro_batch} x {args.seq} tokens per step; gloo on {_cpu()}, "
+        f"torch {torch.__version__}, {args.threads} compute thread per rank (`torch.set_num_threads`); median of "
+        f"{args.steps} steps after {args.warmup} warm-up, each step's time the slowest rank's, variants "
+        f"interleaved. Packed samples: {len(docs)} documents of {min(docs)}-{max(docs)} tokens. Saved bytes: one "
+        "micro-batch's forward, per rank (the largest rank), parameters excluded.",
+        "",
+        "| samples | cp | communication | step s | vs cp 1 | saved MB per rank | vs cp 1 |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        "The ring's overlap (p2p, plain samples): the forward's key/value transfer waited for before each "
+        "block's compute (`RING_OVERLAP[\"enabled\"] = False`) against overlapped with it, training steps "
+        "interleaved:",
+        "",
+        "| cp | step s, no overlap | step s, overlap | saved by overlap |",
+        "| ---: | ---: | ---: | ---: |",
+        *overlap_rows,
+        "",
+        f"Attention alone, forward + backward of `attend` on [{args.micro_batch}, {args.heads}, {args.seq} / cp, "
+        f"{hd}] fp32 (median of {args.attention_reps}, ms; cp 1, one fused causal kernel: {ref_attention:.1f}); "
+        "ring transfers alone: the 3 cp - 2 key/value exchanges of one forward + backward, one after the other:",
+        "",
+        "| cp | ring transfers alone | p2p, no overlap | p2p, overlap | saved by overlap | all_gather | a2a |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *attention_rows,
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes (1 first)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--attention-reps", type=int, default=10, help="repetitions of the attention-only timing")
+    parser.add_argument("--attention-warmup", type=int, default=2)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if args.cp[0] != 1:
+        parser.error("--cp must start with 1 (the reference)")
+    results = {cp: run_cp(args, cp) for cp in args.cp}
+    table = _table(args, results)
+    print(table)
+    if args.write:
+        write_section("context_parallel", "Context parallelism: step time, saved bytes, the ring's overlap",
+                      "python benchmarks/context_parallel.py " + " ".join(sys.argv[1:]), table, INTRO,
+                      replace_intro=True)
+
+
+if __name__ == "__main__":
+    main()
