@@ -48,12 +48,26 @@ COMM_TYPES = ("p2p", "all_gather", "a2a")
 _AS_BUILT: dict = {}  # attention._wait as the module defines it
 
 INTRO = """`benchmarks/context_parallel.py` trains a tiny GPT on one sequence of 4096 tokens split over cp gloo
-ranks (cp 1 is the reference: one process, no split), once per communication type (`--cp-comm-type`), on
-plain and on packed samples (documents of 300-1000 tokens, attention kept inside each, `--reset-attention-mask`),
-and measures the ring's transfer / compute overlap by turning it off. **This machine has 2 cores:** cp 2
-gives each rank its own core, but cp 4 runs 4 ranks on 2 cores, so its step times measure how the work and
-the communication are split, not a speed-up (each rank does a quarter of the work, two ranks share a core).
-The saved-byte figures are exact and do not depend on the machine."""
+ranks, built as `pretrain_gpt.py` builds it (`--cp`, `--cp-comm-type`; cp 1 is the reference: one process, no
+split), on plain samples and on packed ones (documents of 300-1000 tokens, attention kept inside each:
+`--reset-attention-mask`), and measures the ring's transfer / compute overlap by turning it off. **This
+machine has 2 cores:** at cp 2 each rank has a core (when the other jobs on the machine leave it one), at cp 4
+four ranks share two cores, so cp 4's wall times measure how work and communication are split, not a
+speed-up; the CPU-seconds columns count the work whatever the machine's load. Each rank runs one compute
+thread (`torch.set_num_threads(1)`, as the other gloo benchmarks here).
+
+What the tables show. *Memory* (exact, independent of the machine): the saved activations per rank fall as
+1/cp; cp 2 keeps 0.528 of cp 1's on plain samples (0.500 packed): the extra 2.8% is the attention output's
+copy, since the context-parallel attention returns [b, heads, s, head dim] in that memory order and the
+output projection's `permute` + `reshape` copies it, where the fused kernel of cp 1 returns a layout that
+makes it a view. *Time*: wall medians move with the other jobs on this machine (its load average is given);
+the minima are the least disturbed runs, and the CPU seconds depend on the load much less. cp 2 halves each
+rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers, each rank's
+optimizer step and the gradient sum over the cp ranks). The ring's forward transfers alone are about 1% of a
+step at cp 2 and a few percent at cp 4 (the last column of the overlap table), so overlapping them can save
+at most that: with and without overlap the step and attention times differ by less than the noise of this
+shared CPU. No communication type is far from another here; on GPUs the choice is about bandwidth and head
+counts (docs/context_parallel.md), which a CPU run cannot show."""
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -133,6 +147,16 @@ def _variants(cp: int) -> list[tuple[str, bool, bool]]:
             + [(comm, True, True) for comm in COMM_TYPES])
 
 
+class _Clock:
+    """Wall and CPU seconds (this process, every thread: gloo's included) since it was made."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
 def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
     """Seconds of ``attend`` forward + backward alone, per (communication type, overlap), interleaved; and of
     the ring's transfers alone (those of one forward + backward, one after the other)."""
@@ -141,8 +165,8 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
 
     length, hd = args.seq // ps.cp_size, args.hidden // args.heads
     gen = torch.Generator().manual_seed(ps.cp_rank)
-    q, k, v, dout = (torch.randn(args.micro_batch, args.heads, length, hd, generator=gen) for _ in range(4))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    qkv = torch.randn(length, args.micro_batch, args.heads, 3, hd, generator=gen, requires_grad=True)
+    dout = torch.randn(args.micro_batch, args.heads, length, hd, generator=gen)
     group = ps.group("cp") if ps.cp_size > 1 else None
     cases = [(comm, True) for comm in comm_types] + ([("p2p", False)] if ps.cp_size > 1 else [])
     times = {case: [] for case in cases}
@@ -151,25 +175,26 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
             _set_overlap(overlap)
             plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, comm, None)
             dist.barrier()
-            start = time.perf_counter()
+            clock = _Clock()
+            q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # views, as the model gives them
             attend(q, k, v, plan).backward(dout)
             if rep >= args.attention_warmup:
-                times[(comm, overlap)].append(time.perf_counter() - start)
-            q.grad = k.grad = v.grad = None
+                times[(comm, overlap)].append(clock.read())
+            qkv.grad = None
     _set_overlap(True)
     result = {("attention",) + case: values for case, values in times.items()}
     if ps.cp_size > 1:
         plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, "p2p", None)
-        kv = torch.stack([k.detach(), v.detach()])
+        kv = qkv.detach()[:, :, :, 1:].permute(3, 1, 2, 0, 4).contiguous()  # [2, b, heads, s / cp, hd], as sent
         transfers = []
         for rep in range(args.attention_warmup + args.attention_reps):
             dist.barrier()
-            start = time.perf_counter()
+            clock = _Clock()
             for _ in range(3 * ps.cp_size - 2):  # forward: cp - 1 key/value; backward: cp - 1 key/value, cp dK/dV
                 _, requests = attention._exchange(kv, plan)
                 attention._wait(requests)
             if rep >= args.attention_warmup:
-                transfers.append(time.perf_counter() - start)
+                transfers.append(clock.read())
         result[("transfers",)] = transfers
     return result
 
@@ -205,11 +230,11 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
             _set_overlap(overlap)
             m = models[comm]
             dist.barrier()
-            start = time.perf_counter()
+            clock = _Clock()
             train_step(forward_step, batches[packed], m.model, m.buffer, m.optimizer, 1e-4, args.micro_batch,
                        m.dp_group)
             if step >= args.warmup:
-                times[variant].append(time.perf_counter() - start)
+                times[variant].append(clock.read())
     _set_overlap(True)
     result.update({("step",) + variant: values for variant, values in times.items()})
     result.update(_attention_times(args, ps, comm_types))
@@ -218,8 +243,9 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
 
 
 def run_cp(args: argparse.Namespace, cp: int) -> dict:
-    """Every rank's results at context-parallel size ``cp``, combined: a time list is the slowest rank's per
-    step; saved bytes are kept per rank."""
+    """Every rank's results at context-parallel size ``cp``, combined: a list of (wall, CPU) seconds becomes,
+    per step, {"wall": the slowest rank's, "cpu": the busiest rank's, "cpu_all": the sum over ranks}; saved
+    bytes are kept per rank."""
     queue = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as store_dir:
         mp.start_processes(_rank_main, args=(cp, store_dir, args, queue), nprocs=cp, start_method="spawn")
@@ -227,7 +253,13 @@ def run_cp(args: argparse.Namespace, cp: int) -> dict:
     combined = {}
     for key in per_rank[0]:
         values = [per_rank[r][key] for r in range(cp)]
-        combined[key] = [max(step) for step in zip(*values)] if key[0] != "saved" else values
+        if key[0] == "saved":
+            combined[key] = values
+            continue
+        steps = list(zip(*values))  # per step: every rank's (wall, cpu)
+        combined[key] = {"wall": [max(w for w, _ in step) for step in steps],
+                         "cpu": [max(c for _, c in step) for step in steps],
+                         "cpu_all": [sum(c for _, c in step) for step in steps]}
     return combined
 
 
@@ -248,68 +280,86 @@ def _cpu() -> str:
     return f"{name}, {os.cpu_count()} cores, {simd}, {bf16}"
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
+def _med(r: dict, key: tuple, which: str = "wall") -> float:
+    return statistics.median(r[key][which])
 
 
-def _table(args: argparse.Namespace, results: dict[int, dict]) -> str:
+def _wall(r: dict, key: tuple, scale: float = 1.0, digits: int = 3) -> str:
+    return f"{scale * _med(r, key):.{digits}f} / {scale * min(r[key]['wall']):.{digits}f}"
+
+
+def _table(args: argparse.Namespace, results: dict[int, dict], load: tuple[float, float]) -> str:
     mb = 2**20
     ref = results[1]
-    ref_step = {packed: _median(ref[("step", "p2p", packed, True)]) for packed in (False, True)}
-    ref_saved = {packed: ref[("saved", "p2p", packed)][0] for packed in (False, True)}
     rows = []
     for packed in (False, True):
+        ref_saved = max(ref[("saved", "p2p", packed)])
         for cp, r in results.items():
             for comm in COMM_TYPES if cp > 1 else ("p2p",):
                 key = ("step", comm, packed, True)
-                if key not in r:
-                    continue
-                step = _median(r[key])
-                saved = r[("saved", comm, packed)]
-                name = "— (cp 1)" if cp == 1 else comm
-                rows.append(f"| {'packed' if packed else 'plain'} | {cp} | {name} | {step:.3f} | "
-                            f"{step / ref_step[packed]:.2f} | {max(saved) / mb:.1f} | "
-                            f"{max(saved) / ref_saved[packed]:.3f} |")
+                if key in r:
+                    saved = max(r[("saved", comm, packed)])
+                    rows.append(f"| {'packed' if packed else 'plain'} | {cp} | {comm if cp > 1 else '— (cp 1)'} | "
+                                f"{_wall(r, key)} | {_med(r, key, 'cpu'):.3f} | {_med(r, key, 'cpu_all'):.3f} | "
+                                f"{saved / mb:.1f} | {saved / ref_saved:.3f} |")
     overlap_rows, attention_rows = [], []
+    sdpa = ("attention", "p2p", True)
+    attention_rows.append(f"| 1 | one fused causal kernel (no split) | {_wall(ref, sdpa, 1000, 1)} | "
+                          f"{1000 * _med(ref, sdpa, 'cpu'):.1f} | {1000 * _med(ref, sdpa, 'cpu_all'):.1f} |")
     for cp, r in results.items():
         if cp == 1:
             continue
-        on, off = _median(r[("step", "p2p", False, True)]), _median(r[("step", "p2p", False, False)])
-        overlap_rows.append(f"| {cp} | {off:.3f} | {on:.3f} | {off - on:+.3f} s ({100 * (off - on) / off:+.1f}%) |")
-        a_on, a_off = _median(r[("attention", "p2p", True)]), _median(r[("attention", "p2p", False)])
-        others = " | ".join(f"{1000 * _median(r[('attention', comm, True)]):.1f}" for comm in COMM_TYPES[1:])
-        saved = a_off - a_on
-        attention_rows.append(f"| {cp} | {1000 * _median(r[('transfers',)]):.1f} | {1000 * a_off:.1f} | "
-                              f"{1000 * a_on:.1f} | {1000 * saved:+.1f} ({100 * saved / a_off:+.1f}%) | {others} |")
-    ref_attention = 1000 * _median(ref[("attention", "p2p", True)])
+        on, off = ("step", "p2p", False, True), ("step", "p2p", False, False)
+        paired = statistics.median(a - b for a, b in zip(r[off]["wall"], r[on]["wall"]))  # the same step's pair
+        bound = args.layers * (cp - 1) / (3 * cp - 2) * _med(r, ("transfers",))  # the forward's transfers
+        overlap_rows.append(f"| {cp} | {_wall(r, off)} | {_wall(r, on)} | "
+                            f"{paired:+.3f} s ({100 * paired / _med(r, off):+.1f}%) | "
+                            f"{bound:.3f} s ({100 * bound / _med(r, off):.1f}%) |")
+        transfers = ("transfers",)
+        attention_rows.append(f"| {cp} | ring transfers alone ({3 * cp - 2} exchanges) | "
+                              f"{_wall(r, transfers, 1000, 1)} | {1000 * _med(r, transfers, 'cpu'):.1f} | "
+                              f"{1000 * _med(r, transfers, 'cpu_all'):.1f} |")
+        for comm, overlap in (("p2p", False), ("p2p", True), ("all_gather", True), ("a2a", True)):
+            key = ("attention", comm, overlap)
+            name = f"p2p, overlap {'on' if overlap else 'off'}" if comm == "p2p" else comm
+            attention_rows.append(f"| {cp} | {name} | {_wall(r, key, 1000, 1)} | {1000 * _med(r, key, 'cpu'):.1f} | "
+                                  f"{1000 * _med(r, key, 'cpu_all'):.1f} |")
     docs = _documents(args)
     hd = args.hidden // args.heads
     return "\n".join([
         f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary {args.vocab}, fp32, "
-        f"dropout 0; one micro-batch of {args.micro_batch} x {args.seq} tokens per step; gloo on {_cpu()}, "
-        f"torch {torch.__version__}, {args.threads} compute thread per rank (`torch.set_num_threads`); median of "
-        f"{args.steps} steps after {args.warmup} warm-up, each step's time the slowest rank's, variants "
-        f"interleaved. Packed samples: {len(docs)} documents of {min(docs)}-{max(docs)} tokens. Saved bytes: one "
-        "micro-batch's forward, per rank (the largest rank), parameters excluded.",
+        f"dropout 0; one micro-batch of {args.micro_batch} x {args.seq} tokens per step (`train_step`: forward, "
+        f"backward, gradient sum over the cp ranks, optimizer); gloo on {_cpu()}; torch {torch.__version__}; "
+        f"{args.threads} compute thread per rank (`torch.set_num_threads({args.threads})`). Load average of the "
+        f"shared machine (1 min) before / after the run: {load[0]:.1f} / {load[1]:.1f}. Median of {args.steps} "
+        f"steps after {args.warmup} warm-up, variants interleaved; wall = the slowest rank's (median / min); CPU "
+        f"= process CPU seconds (gloo's threads included) of the busiest rank and summed over the ranks: the work "
+        f"and its split, whatever else the machine runs. Packed samples: {len(docs)} documents of "
+        f"{min(docs)}-{max(docs)} tokens. Saved bytes: what one micro-batch's forward saves for the backward "
+        "(`megatron.memory.measure`), the largest rank's, parameters excluded.",
         "",
-        "| samples | cp | communication | step s | vs cp 1 | saved MB per rank | vs cp 1 |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| samples | cp | communication | step s, wall | CPU s, busiest rank | CPU s, all ranks | saved MB per rank "
+        "| vs cp 1 |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         "The ring's overlap (p2p, plain samples): the forward's key/value transfer waited for before each "
-        "block's compute (`RING_OVERLAP[\"enabled\"] = False`) against overlapped with it, training steps "
-        "interleaved:",
+        "block's compute (`RING_OVERLAP[\"enabled\"] = False`) against overlapped with it (the default), training "
+        "steps interleaved, wall seconds median / min. Saved: the median over steps of (no overlap - overlap) "
+        "within each step's pair. The most overlap can save: the forward's key/value transfers alone (cp - 1 per "
+        "layer, timed alone below); the backward overlaps its transfers either way:",
         "",
-        "| cp | step s, no overlap | step s, overlap | saved by overlap |",
-        "| ---: | ---: | ---: | ---: |",
+        "| cp | no overlap | overlap | saved by overlap | the most it can save |",
+        "| ---: | ---: | ---: | ---: | ---: |",
         *overlap_rows,
         "",
-        f"Attention alone, forward + backward of `attend` on [{args.micro_batch}, {args.heads}, {args.seq} / cp, "
-        f"{hd}] fp32 (median of {args.attention_reps}, ms; cp 1, one fused causal kernel: {ref_attention:.1f}); "
-        "ring transfers alone: the 3 cp - 2 key/value exchanges of one forward + backward, one after the other:",
+        f"Attention alone: `attend` forward + backward on q, k, v [{args.micro_batch}, {args.heads}, "
+        f"{args.seq} / cp, {hd}] fp32 (views of one QKV tensor, as the model gives them), {args.attention_reps} "
+        "repetitions, ms; the ring's transfers alone: the "
+        "key/value exchanges of one forward + backward (cp - 1, cp - 1 and cp dK/dV), one after the other:",
         "",
-        "| cp | ring transfers alone | p2p, no overlap | p2p, overlap | saved by overlap | all_gather | a2a |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cp | attention | wall ms (median / min) | CPU ms, busiest rank | CPU ms, all ranks |",
+        "| ---: | --- | ---: | ---: | ---: |",
         *attention_rows,
     ])
 
@@ -324,16 +374,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--attention-reps", type=int, default=10, help="repetitions of the attention-only timing")
+    parser.add_argument("--attention-reps", type=int, default=12, help="repetitions of the attention-only timing")
     parser.add_argument("--attention-warmup", type=int, default=2)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if args.cp[0] != 1:
         parser.error("--cp must start with 1 (the reference)")
+    load = os.getloadavg()[0]
     results = {cp: run_cp(args, cp) for cp in args.cp}
-    table = _table(args, results)
+    table = _table(args, results, (load, os.getloadavg()[0]))
     print(table)
     if args.write:
         write_section("context_parallel", "Context parallelism: step time, saved bytes, the ring's overlap",
