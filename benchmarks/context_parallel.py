@@ -53,7 +53,8 @@ split), on plain samples and on packed ones (documents of 300-1000 tokens, atten
 `--reset-attention-mask`), and measures the ring's transfer / compute overlap by turning it off. **This
 machine has 2 cores:** at cp 2 each rank has a core (when the other jobs on the machine leave it one), at cp 4
 four ranks share two cores, so cp 4's wall times measure how work and communication are split, not a
-speed-up; the CPU-seconds columns count the work whatever the machine's load. Each rank runs one compute
+speed-up; the CPU-seconds columns count the work, which the machine's load changes much less. Each rank
+runs one compute
 thread (`torch.set_num_threads(1)`, as the other gloo benchmarks here).
 
 What the tables show. *Memory* (exact, independent of the machine): the saved activations per rank fall as
@@ -63,8 +64,8 @@ output projection's `permute` + `reshape` copies it, where the fused kernel of c
 makes it a view. *Time*: wall medians move with the other jobs on this machine (its load average is given);
 the minima are the least disturbed runs, and the CPU seconds depend on the load much less. cp 2 halves each
 rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers, each rank's
-optimizer step and the gradient sum over the cp ranks). The ring's forward transfers alone are about 1% of a
-step at cp 2 and a few percent at cp 4 (the last column of the overlap table), so overlapping them can save
+optimizer step and the gradient sum over the cp ranks). The ring's forward transfers alone are 1-3% of a
+step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save
 at most that: with and without overlap the step and attention times differ by less than the noise of this
 shared CPU. No communication type is far from another here; on GPUs the choice is about bandwidth and head
 counts (docs/context_parallel.md), which a CPU run cannot show."""
