@@ -58,17 +58,18 @@ runs one compute
 thread (`torch.set_num_threads(1)`, as the other gloo benchmarks here).
 
 What the tables show. *Memory* (exact, independent of the machine): the saved activations per rank fall as
-1/cp; cp 2 keeps 0.528 of cp 1's on plain samples (0.500 packed): the extra 2.8% is the attention output's
-copy, since the context-parallel attention returns [b, heads, s, head dim] in that memory order and the
-output projection's `permute` + `reshape` copies it, where the fused kernel of cp 1 returns a layout that
-makes it a view. *Time*: wall medians move with the other jobs on this machine (its load average is given);
-the minima are the least disturbed runs, and the CPU seconds depend on the load much less. cp 2 halves each
-rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers, each rank's
-optimizer step and the gradient sum over the cp ranks). The ring's forward transfers alone are 1-3% of a
-step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save
-at most that: with and without overlap the step and attention times differ by less than the noise of this
-shared CPU. No communication type is far from another here; on GPUs the choice is about bandwidth and head
-counts (docs/context_parallel.md), which a CPU run cannot show."""
+1/cp, plus one copy per layer of the attention's output: the context-parallel attention allocates its output
+in [b, heads, s, head dim] memory order, so the output projection's `permute` + `reshape` copies it, where cp
+1's fused kernel writes it in the queries' [s, b, heads, head dim] order and the reshape is a view; hence
+0.528, not 0.500, at cp 2 on plain samples. Packed samples have the copy at cp 1 too (the documents' results
+are concatenated), hence 0.500 there. *Time*: wall medians move with the other jobs on this machine (its load
+average is given); the minima are the least disturbed runs, and the CPU seconds depend on the load much less.
+cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
+each rank's optimizer step and the gradient sum over the cp ranks). The ring's forward transfers alone are
+1-3% of a step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save at most
+that: with and without overlap the step and attention times differ by less than the noise of this shared CPU.
+No communication type is far from another here; on GPUs the choice is about bandwidth and head counts
+(docs/context_parallel.md), which a CPU run cannot show."""
 
 
 # ------------------------------------------------------------------------------------------------ data
