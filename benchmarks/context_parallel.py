@@ -15,9 +15,9 @@ attended per document (``reset_attention_mask``: ``document_ids`` given to the m
 - Step time: every variant of a cp size steps in turn, the order reversed every step so that background
   load affects them alike; after ``--warmup`` steps, each step's time is the slowest rank's (each rank
   starts it after a barrier), and the median over ``--steps`` is reported.
-- Ring overlap: ``megatron.context_parallel.attention.RING_OVERLAP["enabled"] = False`` makes the ring's
-  forward wait for each key/value transfer before the block's compute (the backward always overlaps its
-  key/value transfer; its gradient transfer follows the compute in both). The p2p model steps with it on
+- Ring overlap: ``megatron.context_parallel.attention.RING_OVERLAP["enabled"] = False`` makes the ring wait
+  for each key/value transfer before the block's compute, in the forward and the backward (the backward's
+  dK/dV transfer follows the block's compute either way). The p2p model steps with it on
   and off, interleaved; attention alone (``attend`` forward + backward on [1, heads, s / cp, head dim]
   tensors, as the model gives them) is timed the same way, beside the ring's transfers alone.
 - Saved bytes: what one micro-batch's forward saves for the backward on each rank
@@ -65,7 +65,7 @@ in [b, heads, s, head dim] memory order, so the output projection's `permute` + 
 are concatenated), hence 0.500 there. *Time*: wall medians move with the other jobs on this machine (its load
 average is given); the minima are the least disturbed runs, and the CPU seconds depend on the load much less.
 cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
-each rank's optimizer step and the gradient sum over the cp ranks). The ring's forward transfers alone are
+each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
 1-3% of a step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save at most
 that: with and without overlap the step and attention times differ by less than the noise of this shared CPU.
 No communication type is far from another here; on GPUs the choice is about bandwidth and head counts
@@ -124,8 +124,8 @@ def _config(args: argparse.Namespace, cp: int, comm: str, store_dir: str):
 
 
 def _wait_once(requests: list) -> None:
-    """``attention._wait`` that skips a request already waited for. With ``RING_OVERLAP`` off, the ring's forward
-    waits for a transfer's requests before the block's compute and again after it; on gloo a second ``wait`` on
+    """``attention._wait`` that skips a request already waited for. With ``RING_OVERLAP`` off, the ring waits for
+    a transfer's requests before the block's compute and again after it; on gloo a second ``wait`` on
     a finished send/recv blocks for ever (torch 2.13), so the benchmark installs this while the overlap is off."""
     for request in requests:
         if not request.is_completed():
@@ -313,7 +313,7 @@ def _table(args: argparse.Namespace, results: dict[int, dict], load: tuple[float
             continue
         on, off = ("step", "p2p", False, True), ("step", "p2p", False, False)
         paired = statistics.median(a - b for a, b in zip(r[off]["wall"], r[on]["wall"]))  # the same step's pair
-        bound = args.layers * (cp - 1) / (3 * cp - 2) * _med(r, ("transfers",))  # the forward's transfers
+        bound = args.layers * 2 * (cp - 1) / (3 * cp - 2) * _med(r, ("transfers",))  # the key/value transfers
         overlap_rows.append(f"| {cp} | {_wall(r, off)} | {_wall(r, on)} | "
                             f"{paired:+.3f} s ({100 * paired / _med(r, off):+.1f}%) | "
                             f"{bound:.3f} s ({100 * bound / _med(r, off):.1f}%) |")
@@ -345,11 +345,12 @@ def _table(args: argparse.Namespace, results: dict[int, dict], load: tuple[float
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
-        "The ring's overlap (p2p, plain samples): the forward's key/value transfer waited for before each "
-        "block's compute (`RING_OVERLAP[\"enabled\"] = False`) against overlapped with it (the default), training "
+        "The ring's overlap (p2p, plain samples): each key/value transfer waited for before the block's "
+        "compute (`RING_OVERLAP[\"enabled\"] = False`) against overlapped with it (the default), training "
         "steps interleaved, wall seconds median / min. Saved: the median over steps of (no overlap - overlap) "
-        "within each step's pair. The most overlap can save: the forward's key/value transfers alone (cp - 1 per "
-        "layer, timed alone below); the backward overlaps its transfers either way:",
+        "within each step's pair. The most overlap can save: the key/value transfers alone (cp - 1 in the "
+        "forward and cp - 1 in the backward per layer, timed alone below; the dK/dV transfers follow the "
+        "compute either way):",
         "",
         "| cp | no overlap | overlap | saved by overlap | the most it can save |",
         "| ---: | ---: | ---: | ---: | ---: |",
