@@ -45,7 +45,6 @@ sys.path.insert(0, ROOT)
 from benchmarks.report import write_section  # noqa: E402
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
-_AS_BUILT: dict = {}  # attention._wait as the module defines it
 
 INTRO = """`benchmarks/context_parallel.py` trains a tiny GPT on one sequence of 4096 tokens split over cp gloo
 ranks, built as `pretrain_gpt.py` builds it (`--cp`, `--cp-comm-type`; cp 1 is the reference: one process, no
@@ -54,15 +53,14 @@ split), on plain samples and on packed ones (documents of 300-1000 tokens, atten
 machine has 2 cores:** at cp 2 each rank has a core (when the other jobs on the machine leave it one), at cp 4
 four ranks share two cores, so cp 4's wall times measure how work and communication are split, not a
 speed-up; the CPU-seconds columns count the work, which the machine's load changes much less. Each rank
-runs one compute
-thread (`torch.set_num_threads(1)`, as the other gloo benchmarks here).
+runs one compute thread (`torch.set_num_threads(1)`, as the other gloo benchmarks here).
 
 What the tables show. *Memory* (exact, independent of the machine): the saved activations per rank fall as
-1/cp, plus one copy per layer of the attention's output: the context-parallel attention allocates its output
-in [b, heads, s, head dim] memory order, so the output projection's `permute` + `reshape` copies it, where cp
-1's fused kernel writes it in the queries' [s, b, heads, head dim] order and the reshape is a view; hence
-0.528, not 0.500, at cp 2 on plain samples. Packed samples have the copy at cp 1 too (the documents' results
-are concatenated), hence 0.500 there. *Time*: wall medians move with the other jobs on this machine (its load
+1/cp with p2p and all_gather, whose output is allocated in the queries' [s, b, heads, head dim] memory order
+as cp 1's fused kernel writes its own (the output projection's `permute` + `reshape` is then a view). a2a keeps
+one copy per layer more (its output comes back from the all-to-all in [b, heads, s, head dim] order, so the
+reshape copies it): 0.528 at cp 2. Packed samples have that copy at cp 1 too (the documents' results are
+concatenated), so there p2p and all_gather go below 1/cp. *Time*: wall medians move with the other jobs on this machine (its load
 average is given); the minima are the least disturbed runs, and the CPU seconds depend on the load much less.
 cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
 each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
@@ -123,22 +121,11 @@ def _config(args: argparse.Namespace, cp: int, comm: str, store_dir: str):
     return config
 
 
-def _wait_once(requests: list) -> None:
-    """``attention._wait`` that skips a request already waited for. With ``RING_OVERLAP`` off, the ring waits for
-    a transfer's requests before the block's compute and again after it; on gloo a second ``wait`` on
-    a finished send/recv blocks for ever (torch 2.13), so the benchmark installs this while the overlap is off."""
-    for request in requests:
-        if not request.is_completed():
-            request.wait()
-
-
 def _set_overlap(enabled: bool) -> None:
-    """The ring's transfer / compute overlap on or off (with ``_wait_once`` while it is off)."""
+    """The ring's transfer / compute overlap on or off (off: each transfer waited for before the block)."""
     from megatron.context_parallel import attention
 
-    _AS_BUILT.setdefault("wait", attention._wait)
     attention.RING_OVERLAP["enabled"] = enabled
-    attention._wait = _AS_BUILT["wait"] if enabled else _wait_once
 
 
 def _variants(cp: int) -> list[tuple[str, bool, bool]]:
@@ -193,8 +180,7 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
             dist.barrier()
             clock = _Clock()
             for _ in range(3 * ps.cp_size - 2):  # forward: cp - 1 key/value; backward: cp - 1 key/value, cp dK/dV
-                _, requests = attention._exchange(kv, plan)
-                attention._wait(requests)
+                attention._Transfer(kv, plan).received()
             if rep >= args.attention_warmup:
                 transfers.append(clock.read())
         result[("transfers",)] = transfers

@@ -135,18 +135,39 @@ def _boundaries(ids: list[int]) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------ p2p ring
 
-def _exchange(send: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, list]:
-    """Start sending ``send`` to the next rank of the ring and receiving the previous rank's into a new
-    buffer; (buffer, requests to wait for)."""
-    nxt, prev = plan.ring_ranks
-    recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, nxt, plan.group), dist.P2POp(dist.irecv, recv, prev, plan.group)]
-    return recv, dist.batch_isend_irecv(ops)
+class _Transfer:
+    """``send`` on its way to the next rank of the ring while the previous rank's arrives in a new buffer;
+    ``received()`` waits (once: gloo never returns from a second wait on a finished request)."""
+
+    def __init__(self, send: torch.Tensor, plan: AttentionPlan):
+        nxt, prev = plan.ring_ranks
+        self.buffer = torch.empty_like(send)
+        self._requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, plan.group),
+                                                 dist.P2POp(dist.irecv, self.buffer, prev, plan.group)])
+
+    def received(self) -> torch.Tensor:
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+        return self.buffer
 
 
-def _wait(requests: list) -> None:
-    for request in requests:
-        request.wait()
+def _next_keys(kv: torch.Tensor, t: int, plan: AttentionPlan) -> _Transfer | None:
+    """Step ``t``'s transfer of the keys and values held to the next rank (none after the last step),
+    left running through the step's compute unless the overlap is off."""
+    if t == plan.cp_size - 1:
+        return None
+    transfer = _Transfer(kv, plan)
+    if not RING_OVERLAP["enabled"]:
+        transfer.received()
+    return transfer
+
+
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """The fp32 output accumulator, zero, in q's memory layout (as the fused kernels allocate theirs): q is a
+    view of the QKV output's [s, b, heads, hd] order, so the layer's permute back to [s, b, heads x hd] for the
+    dense layer is a view, not a copy."""
+    return torch.zeros_like(q, dtype=torch.float32)
 
 
 class RingAttention(torch.autograd.Function):
@@ -156,20 +177,15 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         kv = torch.stack([k, v])
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = _output_like(q)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for t in range(cp):
-            pending = None
-            if t < cp - 1:
-                nxt, pending = _exchange(kv, plan)
-                if not RING_OVERLAP["enabled"]:
-                    _wait(pending)
+            transfer = _next_keys(kv, t, plan)
             blocks = plan.blocks((r - t) % cp, length)
             if blocks:
                 merge(out, lse, *blocks_forward(q, kv[0], kv[1], blocks, scale))
-            if pending is not None:
-                _wait(pending)
-                kv = nxt
+            if transfer is not None:
+                kv = transfer.received()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale
@@ -185,19 +201,14 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # for the keys held now, from those before
         for t in range(cp):
-            pending = None
-            if t < cp - 1:
-                nxt, pending = _exchange(kv, plan)
-                if not RING_OVERLAP["enabled"]:
-                    _wait(pending)
+            transfer = _next_keys(kv, t, plan)
             blocks = plan.blocks((r - t) % cp, length)
             if blocks:
                 blocks_backward(dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
-            dkv, sent = _exchange(dkv, plan)  # the held keys' gradients go on with them; the last step's home
-            if pending is not None:
-                _wait(pending)
-                kv = nxt
-            _wait(sent)
+            gradients = _Transfer(dkv, plan)  # the held keys' gradients go on with them; the last step's home
+            if transfer is not None:
+                kv = transfer.received()
+            dkv = gradients.received()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
@@ -217,7 +228,7 @@ class GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
         gathered, length = _gather_kv(k, v, plan), q.shape[2]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = _output_like(q)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for j in range(plan.cp_size):
             blocks = plan.blocks(j, length)

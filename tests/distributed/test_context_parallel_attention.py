@@ -74,6 +74,30 @@ def _check(rank, cp, comm, docs, fused) -> list[str]:
     return bad
 
 
+def _ring_without_overlap(rank, cp, docs) -> list[str]:
+    """The ring with its overlap off (each transfer waited for before the block: the benchmark's switch) ends
+    and gives bitwise the overlapped ring's output and gradients."""
+    from megatron.context_parallel.attention import RING_OVERLAP
+
+    ps = parallel_state.get()
+    torch.manual_seed(1)
+    mine = local_positions(S, ps.cp_rank, cp)
+    q, k, v = (torch.randn(B, n, S, HD)[:, :, mine] for n in (NQ, NG, NG))
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), "p2p", docs)
+    runs = []
+    for overlap in (True, False):
+        RING_OVERLAP["enabled"] = overlap
+        try:
+            local = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attend(*local, plan)
+            out.square().sum().backward()
+        finally:
+            RING_OVERLAP["enabled"] = True
+        runs.append([out.detach(), *(t.grad for t in local)])
+    same = all(torch.equal(a, b) for a, b in zip(*runs))
+    return [] if same else [f"cp{cp} docs={docs is not None}: the ring without overlap differs"]
+
+
 def _all_cases(rank: int, world: int) -> list[str]:
     bad = []
     for cp in (2, 4):
@@ -85,12 +109,14 @@ def _all_cases(rank: int, world: int) -> list[str]:
             for docs in (None, documents()):
                 for fused in (True, False):
                     bad += _check(rank, cp, comm, docs, fused)
+                if comm == "p2p":
+                    bad += _ring_without_overlap(rank, cp, docs)
     return bad
 
 
 @pytest.fixture(scope="module")
 def failures():
-    return run_distributed(_all_cases, 4)
+    return run_distributed(_all_cases, 4, timeout=120)
 
 
 def test_every_rank_matches_the_masked_reference(failures):
