@@ -183,7 +183,8 @@ class RingAttention(torch.autograd.Function):
             transfer = _next_keys(kv, t, plan)
             blocks = plan.blocks((r - t) % cp, length)
             if blocks:
-                merge(out, lse, *blocks_forward(q, kv[0], kv[1], blocks, scale))
+                rows, block_out, block_lse = blocks_forward(q, kv[0], kv[1], blocks, scale)
+                merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if transfer is not None:
                 kv = transfer.received()
         out = out.to(q.dtype)
@@ -233,7 +234,8 @@ class GatheredAttention(torch.autograd.Function):
         for j in range(plan.cp_size):
             blocks = plan.blocks(j, length)
             if blocks:
-                merge(out, lse, *blocks_forward(q, gathered[j, 0], gathered[j, 1], blocks, scale))
+                rows, block_out, block_lse = blocks_forward(q, gathered[j, 0], gathered[j, 1], blocks, scale)
+                merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale

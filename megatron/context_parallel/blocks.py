@@ -134,17 +134,22 @@ def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, _fold_groups(dk, groups), _fold_groups(dv, groups)
 
 
-def blocks_forward(q, k, v, blocks: list[Block], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out fp32, lse fp32) of ``q`` against the keys of ``blocks`` (whose query rows are disjoint); rows no
-    block covers get out 0 and lse -inf."""
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+def blocks_forward(q, k, v, blocks: list[Block], scale: float) -> tuple[slice, torch.Tensor, torch.Tensor]:
+    """(query rows, out fp32, lse fp32) of ``q`` against the keys of ``blocks`` (whose query rows are disjoint):
+    the results over the span of rows the blocks cover (half of them in half of a ring's steps); rows of the span
+    no block covers get out 0 and lse -inf."""
+    rows = slice(min(block.q.start for block in blocks), max(block.q.stop for block in blocks))
+    b, h, _, d = q.shape
+    out = torch.zeros(b, h, rows.stop - rows.start, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, rows.stop - rows.start), float("-inf"), dtype=torch.float32, device=q.device)
     for block in blocks:
         out_block, lse_block = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block.causal,
                                               scale)
-        block.rows(out, "q").copy_(out_block)
-        block.rows(lse, "q").copy_(lse_block)
-    return out, lse
+        batch = slice(None) if block.sample is None else slice(block.sample, block.sample + 1)
+        mine = slice(block.q.start - rows.start, block.q.stop - rows.start)
+        out[batch, :, mine] = out_block
+        lse[batch, :, mine] = lse_block
+    return rows, out, lse
 
 
 def blocks_backward(dout, q, k, v, out, lse, blocks: list[Block], scale: float, dq, dk, dv) -> None:
