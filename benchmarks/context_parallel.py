@@ -60,9 +60,9 @@ What the tables show. *Memory* (exact, independent of the machine): the saved ac
 as cp 1's fused kernel writes its own (the output projection's `permute` + `reshape` is then a view). a2a keeps
 one copy per layer more (its output comes back from the all-to-all in [b, heads, s, head dim] order, so the
 reshape copies it): 0.528 at cp 2. Packed samples have that copy at cp 1 too (the documents' results are
-concatenated), so there p2p and all_gather go below 1/cp. *Time*: wall medians move with the other jobs on this machine (its load
-average is given); the minima are the least disturbed runs, and the CPU seconds depend on the load much less.
-cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
+concatenated), so there p2p and all_gather go below 1/cp. *Time*: wall medians move with the other jobs on this
+machine (its load average is given); the minima are the least disturbed runs, and the CPU seconds depend on
+the load much less. cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
 each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
 1-3% of a step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save at most
 that: with and without overlap the step and attention times differ by less than the noise of this shared CPU.

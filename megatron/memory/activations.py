@@ -189,9 +189,9 @@ def attention_terms(D: Dims) -> dict[str, int]:
     Context parallelism (cp > 1; ``n = b s / cp`` tokens here): p2p and all_gather (``RingAttention``,
     ``GatheredAttention``, custom autograd functions whatever the kernel) save q, k, v as given, their
     output (allocated in q's layout, as the flash kernel's: the dense input a view of it, except with
-    partial rope) and the fp32 log-sum-exp. a2a attends whole sequences with ``a / cp`` heads: q, k and v are the all-to-all's
-    own tensors (not the QKV output), the kernel's saves on ``[b, a / cp, s, hd]`` (the same bytes per
-    head as ``n a``; the probabilities ``b (a / cp) s^2``), its output its own."""
+    partial rope) and the fp32 log-sum-exp. a2a attends whole sequences with ``a / cp`` heads: q, k and v
+    are the all-to-all's own tensors (not the QKV output), the kernel's saves on ``[b, a / cp, s, hd]``
+    (the same bytes per head as ``n a``; the probabilities ``b (a / cp) s^2``), its output its own."""
     n, a, hd = D.n, D.a, D.hd
     lse = 4 * n * a
     if D.cp > 1 and D.cp_comm in ("p2p", "all_gather"):  # their output in q's layout, as the flash kernel's
