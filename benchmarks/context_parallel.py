@@ -62,8 +62,8 @@ one copy per layer more (its output comes back from the all-to-all in [b, heads,
 reshape copies it): 0.528 at cp 2. Packed samples have that copy at cp 1 too (the documents' results are
 concatenated), so there p2p and all_gather go below 1/cp. *Time*: wall medians move with the other jobs on this
 machine (its load average is given); the minima are the least disturbed runs, and the CPU seconds depend on
-the load much less. cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
-each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
+the load much less. cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges,
+the transfers, each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
 1-3% of a step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save at most
 that: with and without overlap the step and attention times differ by less than the noise of this shared CPU.
 No communication type is far from another here; on GPUs the choice is about bandwidth and head counts
