@@ -46,27 +46,27 @@ from benchmarks.report import write_section  # noqa: E402
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 
-INTRO = """`benchmarks/context_parallel.py` trains a tiny GPT on one sequence of 4096 tokens split over cp gloo
-ranks, built as `pretrain_gpt.py` builds it (`--cp`, `--cp-comm-type`; cp 1 is the reference: one process, no
-split), on plain samples and on packed ones (documents of 300-1000 tokens, attention kept inside each:
-`--reset-attention-mask`), and measures the ring's transfer / compute overlap by turning it off. **This
-machine has 2 cores:** at cp 2 each rank has a core (when the other jobs on the machine leave it one), at cp 4
-four ranks share two cores, so cp 4's wall times measure how work and communication are split, not a
-speed-up; the CPU-seconds columns count the work, which the machine's load changes much less. Each rank
-runs one compute thread (`torch.set_num_threads(1)`, as the other gloo benchmarks here).
+INTRO = """`benchmarks/context_parallel.py` trains a tiny GPT on one sequence of 4096 tokens split over cp gloo ranks,
+built as `pretrain_gpt.py` builds it (`--cp`, `--cp-comm-type`; cp 1 is the reference: one process, no split),
+on plain samples and on packed ones (documents of 300-1000 tokens, attention kept inside each: `--reset-
+attention-mask`), and measures the ring's transfer / compute overlap by turning it off. **This machine has 2
+cores:** at cp 2 each rank has a core (when the other jobs on the machine leave it one), at cp 4 four ranks
+share two cores, so cp 4's wall times measure how work and communication are split, not a speed-up; the CPU-
+seconds columns count the work, which the machine's load changes much less. Each rank runs one compute thread
+(`torch.set_num_threads(1)`, as the other gloo benchmarks here).
 
-What the tables show. *Memory* (exact, independent of the machine): the saved activations per rank fall as
-1/cp with p2p and all_gather, whose output is allocated in the queries' [s, b, heads, head dim] memory order
-as cp 1's fused kernel writes its own (the output projection's `permute` + `reshape` is then a view). a2a keeps
-one copy per layer more (its output comes back from the all-to-all in [b, heads, s, head dim] order, so the
-reshape copies it): 0.528 at cp 2. Packed samples have that copy at cp 1 too (the documents' results are
-concatenated), so there p2p and all_gather go below 1/cp. *Time*: wall medians move with the other jobs on this
-machine (its load average is given); the minima are the least disturbed runs, and the CPU seconds depend on
-the load much less. cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges,
-the transfers, each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
+What the tables show. *Memory* (exact, independent of the machine): the saved activations per rank fall as 1/cp
+with p2p and all_gather, whose output is allocated in the queries' [s, b, heads, head dim] memory order as cp
+1's fused kernel writes its own (the output projection's `permute` + `reshape` is then a view). a2a keeps one
+copy per layer more (its output comes back from the all-to-all in [b, heads, s, head dim] order, so the reshape
+copies it): 0.528 at cp 2. Packed samples have that copy at cp 1 too (the documents' results are concatenated),
+so there p2p and all_gather go below 1/cp. *Time*: wall medians move with the other jobs on this machine (its
+load average is given); the minima are the least disturbed runs, and the CPU seconds depend on the load much
+less. cp 2 halves each rank's work (CPU s, busiest rank) for some extra in all (the block merges, the transfers,
+each rank's optimizer step and the gradient sum over the cp ranks). The ring's key/value transfers alone are
 1-3% of a step at cp 2 and cp 4 (the last column of the overlap table), so overlapping them can save at most
-that: with and without overlap the step and attention times differ by less than the noise of this shared CPU.
-No communication type is far from another here; on GPUs the choice is about bandwidth and head counts
+that: with and without overlap the step and attention times differ by less than the noise of this shared CPU. No
+communication type is far from another here; on GPUs the choice is about bandwidth and head counts
 (docs/context_parallel.md), which a CPU run cannot show."""
 
 
