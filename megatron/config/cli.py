@@ -358,6 +358,8 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     given = vars(args)
     megatron_given = {k[len(MEGATRON_DEST):]: given.pop(k) for k in list(given) if k.startswith(MEGATRON_DEST)}
     notices, refused = _megatron_flags(megatron_given, unknown)
+    if unknown and not any(u.startswith("-") for u in unknown):
+        raise ConfigError(_stray_words(argv, unknown))
     if unknown or refused:
         them = "them" if len(refused) > 1 else "it"
         absent = (f"{'Not' if unknown else 'not'} available here: {', '.join(refused)}; remove {them} "
@@ -378,6 +380,20 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     if warnings is not None:
         warnings += notices
     return config
+
+
+def _stray_words(argv: list[str], words: list[str]) -> str:
+    """The error for words that follow a flag's value (``--cp-comm-type p2p a2a``, ``--num-layers 2 3``): argparse
+    would leave them unused, and the run would quietly train with the first value only."""
+    where, flag = "", "each flag"
+    if words[0] in argv:
+        i = argv.index(words[0])
+        j = next((j for j in range(i - 1, -1, -1) if argv[j].startswith("-")), None)
+        if j is not None:
+            where, flag = f" after {' '.join(argv[j:i])}", argv[j].split("=")[0]
+    shown = ", ".join(f"'{w}'" for w in words)
+    return (f"unexpected value{'s' if len(words) > 1 else ''} {shown}{where}: {flag} takes one value here (only "
+            f"the data paths and --rampup-batch-size take several); remove the extra words.")
 
 
 def _shown(value: Any) -> str:
@@ -408,13 +424,15 @@ def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[li
             else:
                 noop = f"; accepted only as {flag} {' or '.join(entry.noop)}" if entry.noop else ""
                 refused.append(f"{shown} ({entry.feature}{noop})")
-    for arg in list(unknown):
+    kept, after_refused = [], False
+    for arg in unknown:
         feature = megatron_flags.absent_feature(arg.split("=")[0]) if arg.startswith("--") else None
         if feature:
             refused.append(f"{arg.split('=')[0]} ({feature})")
-            unknown.remove(arg)
-    if any(not u.startswith("-") for u in unknown) and not any(u.startswith("-") for u in unknown):
-        unknown.clear()  # only the values of refused flags are left
+        elif not (after_refused and not arg.startswith("-")):  # a refused flag's values go with it
+            kept.append(arg)
+        after_refused = bool(feature) or (after_refused and not arg.startswith("-"))
+    unknown[:] = kept
     notices = [f"accepted, no effect here: {', '.join(accepted)} (docs/megatron.md says why)."] if accepted else []
     return notices, refused
 

@@ -442,3 +442,22 @@ def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
     assert resumed.model.hidden_size == 96
     tuned = resumed_config(["--load", str(step), "--finetune"])
     assert tuned.model.hidden_size == Config().model.hidden_size  # only what is given now
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cp-comm-type", "p2p", "a2a"], "unexpected value 'a2a' after --cp-comm-type p2p: --cp-comm-type takes one value"),
+    (["--num-layers", "2", "3", "4"], "unexpected values '3', '4' after --num-layers 2"),
+    (["--save", "/tmp/x", "foo"], "unexpected value 'foo' after --save /tmp/x"),
+])
+def test_extra_words_after_a_flag_are_refused_not_dropped(argv, message):
+    """A word after a flag's value (Megatron-LM's per-layer --cp-comm-type list, a typo) was silently dropped and the
+    run trained with the first value only."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--mock-data", *argv])
+    assert message in str(err.value)
+
+
+def test_a_refused_flags_values_are_not_called_extra_words():
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--mock-data", "--num-experts", "8", "--moe-router-topk", "2"])
+    assert "not available here" in str(err.value) and "unexpected value" not in str(err.value)
