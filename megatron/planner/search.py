@@ -76,20 +76,24 @@ class Layout:
         return " ".join(parts)
 
     def flags(self) -> str:
-        """The command-line flags of pretrain_gpt.py that run this layout."""
-        out = [f"--tp {self.tp}"] + ([f"--context-parallel-size {self.cp} --cp-comm-type {self.cp_comm}"]
-                                     if self.cp > 1 else [])
-        out += [f"--pp {self.pp}"] + ([f"--vpp {self.vpp}"] if self.vpp > 1 else []) + [f"--dp {self.dp}"]
-        if self.sharding_degree > 1:
-            out.append(f"--sharding {self.sharding_degree} --sharding-stage {self.sharding_stage}")
-        out += ["--sharding-offload"] if self.offload else []
-        out += ["--sequence-parallel"] if self.sequence_parallel else []
+        """The command-line flags of pretrain_gpt.py that run this layout, given after the configuration's own
+        (``-c config.yaml FLAGS``): every setting of the layout is explicit, the ones it turns off too (a
+        configuration's ``use_recompute: True`` or ``sharding_degree: 8`` would otherwise stay)."""
+        out = [f"--tp {self.tp}", f"--context-parallel-size {self.cp}"]
+        out += [f"--cp-comm-type {self.cp_comm}"] if self.cp > 1 else []
+        out += [f"--pp {self.pp}", f"--vpp {self.vpp}", f"--dp {self.dp}"]
+        out.append(f"--sharding {self.sharding_degree}"
+                   + (f" --sharding-stage {self.sharding_stage}" if self.sharding_degree > 1 else ""))
+        out += ["--sharding-offload" if self.offload else "--no-sharding-offload"]
+        out += ["--sequence-parallel" if self.sequence_parallel else "--no-sequence-parallel"]
         out.append(f"--micro-batch-size {self.micro_batch_size}")
         if self.recompute == "block":
             out.append(f"--use-recompute --recompute-granularity full --recompute-method block "
                        f"--recompute-num-layers {self.block_layers}")
         elif self.recompute != "off":
             out.append(f"--use-recompute --recompute-granularity {self.recompute}")
+        else:
+            out.append("--no-use-recompute")
         return " ".join(out)
 
     def apply(self, base: Config) -> Config:

@@ -445,7 +445,8 @@ def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cp-comm-type", "p2p", "a2a"], "unexpected value 'a2a' after --cp-comm-type p2p: --cp-comm-type takes one value"),
+    (["--cp-comm-type", "p2p", "a2a"],
+     "unexpected value 'a2a' after --cp-comm-type p2p: --cp-comm-type takes one value"),
     (["--num-layers", "2", "3", "4"], "unexpected values '3', '4' after --num-layers 2"),
     (["--save", "/tmp/x", "foo"], "unexpected value 'foo' after --save /tmp/x"),
 ])

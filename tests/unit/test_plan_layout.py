@@ -313,3 +313,19 @@ def test_cli_places_a_context_parallel_configuration(capsys):
     assert plan_layout.main(SMALL + NO_ATTENTION_DROPOUT + ["--cp", "2", "--cp-comm-type", "all_gather", "--dp", "1",
                                                            "--devices", "2", "--device-memory-gb", "16"]) == 0
     assert "the configuration's own layout, tp1 cp2:all_gather pp1 dp1 mb8: " in capsys.readouterr().out
+
+
+def test_the_flags_of_a_layout_turn_off_what_the_configuration_turns_on():
+    """Given after a configuration that recomputes, shards 8-way with offload, pipelines with vpp and uses sequence
+    parallelism, the flags of every proposed layout run that layout (before: a layout without recompute or
+    sharding printed no flag for it, and the configuration's own setting stayed)."""
+    argv = SMALL + ["--use-recompute", "--recompute-granularity", "full", "--sharding", "8", "--sharding-offload",
+                    "--tp", "2", "--sequence-parallel", "--pp", "2", "--vpp", "2"]
+    hw = Hardware(devices=8, devices_per_node=8, device_memory_gb=1000)
+    result = plan_layouts(_base(argv), hw, max_micro_batch=2)
+    assert "off" in {p.layout.recompute for p in result.plans}
+    assert 1 in {p.layout.sharding_degree for p in result.plans}
+    for plan in result.plans:
+        config = parse_config(argv + ["--device", "gpu", *plan.layout.flags().split()])
+        validate(config, world_size=8, cuda_available=True, training_data=False)
+        assert configured_layout(config) == plan.layout, plan.layout.flags()
