@@ -120,7 +120,10 @@ SECTIONS: set[str] = {key for leaf in LEAVES.values() for key in leaf.path[:-1]}
 
 
 def _closest(word: str, candidates: Sequence[str]) -> str:
+    """'; did you mean ...' for an unknown YAML key: a close key, else another framework's name for one of ours."""
     found = config_help.hint(word, candidates, table=False)
+    if not found and config_help.common_name(word):
+        found = f"did you mean {config_help.common_name(word)}?"
     return f"; {found}" if found else ""
 
 
@@ -371,10 +374,11 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
         warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")
     if base is None and megatron_flags.is_megatron_command_line(argv):
         base = megatron_defaults()
-        notices.append("Megatron-LM command line (it gives --train-iters or --train-samples): Megatron-LM's defaults "
-                       "apply where FleetX's differ: "
-                       + ", ".join(f"{k} {_shown(v)}" for k, v in megatron_flags.MEGATRON_DEFAULTS.items())
-                       + " (docs/megatron.md).")
+        applied = {k: v for k, v in megatron_flags.MEGATRON_DEFAULTS.items() if given.get(k) is None}
+        if applied:  # those the command line sets itself are not defaults
+            notices.append("Megatron-LM command line (it gives --train-iters or --train-samples): Megatron-LM's "
+                           "defaults apply where FleetX's differ: "
+                           + ", ".join(f"{k} {_shown(v)}" for k, v in applied.items()) + " (docs/megatron.md).")
     config = _layered(Config() if base is None else copy.deepcopy(base), given)
     _derive_megatron(config, megatron_given)
     if warnings is not None:

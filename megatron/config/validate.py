@@ -205,13 +205,16 @@ def _check_distributed(config: Config, world_size: int) -> None:
     cp = d.context_parallel_size
     ranks_per_replica = d.mp_degree * d.pp_degree * d.sharding.sharding_degree * cp
     names = "mp_degree x pp_degree x sharding_degree" + (" x context_parallel_size" if cp > 1 else "")
+    flags = "--tp / --pp / --sharding" + (" / --context-parallel-size" if cp > 1 else "")
     if d.dp_degree is None:
         if world_size % ranks_per_replica:
-            _fail(f"world size {world_size} is not divisible by {names} = {ranks_per_replica}.")
+            _fail(f"world size {world_size} is not divisible by {names} = {ranks_per_replica}; launch a multiple of "
+                  f"{ranks_per_replica} processes (torchrun --nproc-per-node) or change {flags}.")
         d.dp_degree = world_size // ranks_per_replica
     if d.dp_degree < 1 or d.dp_degree * ranks_per_replica != world_size:
         _fail(f"dp_degree x {names} = {d.dp_degree * ranks_per_replica} "
-              f"but {world_size} process(es) were launched; make them equal.")
+              f"but {world_size} process(es) were launched; make them equal (or drop --dp, which is then the world "
+              f"size / {ranks_per_replica}).")
     _check_pipeline(config)
     if d.bucket_size_mb <= 0:
         _fail(f"bucket_size_mb must be positive, got {d.bucket_size_mb}.")
@@ -349,7 +352,8 @@ def _resolve_distributed_optimizer(config: Config, world_size: int) -> None:
         return  # _check_distributed says what is wrong with the layout
     group = world_size // replica
     if d.dp_degree not in (None, 1) or d.sharding.sharding_degree not in (1, group):
-        _fail(f"use_distributed_optimizer shards the optimizer over the whole data-parallel group ({group} ranks); "
+        span = f"{group * d.context_parallel_size} ranks: dp x cp" if d.context_parallel_size > 1 else f"{group} ranks"
+        _fail(f"use_distributed_optimizer shards the optimizer over the whole data-parallel group ({span}); "
               f"drop dp_degree ({d.dp_degree}) and sharding_degree ({d.sharding.sharding_degree}), or drop "
               f"--use-distributed-optimizer and set them.")
     d.dp_degree, d.sharding.sharding_degree = 1, group

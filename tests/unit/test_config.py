@@ -462,3 +462,13 @@ def test_a_refused_flags_values_are_not_called_extra_words():
     with pytest.raises(ConfigError) as err:
         parse_config(["--mock-data", "--num-experts", "8", "--moe-router-topk", "2"])
     assert "not available here" in str(err.value) and "unexpected value" not in str(err.value)
+
+
+def test_other_frameworks_names_for_context_parallelism_get_a_hint(tmp_path):
+    """FleetX users write *_degree keys (sep_degree is Paddle's): the hint names context_parallel_size."""
+    path = tmp_path / "cp.yaml"
+    path.write_text("Distributed:\n  cp_degree: 2\n")
+    with pytest.raises(ConfigError, match="unknown key 'cp_degree'; did you mean '--context-parallel-size'"):
+        parse_config(["-c", str(path)])
+    with pytest.raises(ConfigError, match="did you mean '--context-parallel-size'"):
+        parse_config(["--sep-degree", "2"])

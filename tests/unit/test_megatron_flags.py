@@ -202,3 +202,12 @@ def test_every_flag_of_megatrons_gpt_tests_has_its_row():
             rows["unknown"].append(flag)
     assert rows["unknown"] == []
     assert len(rows["implemented"]) >= 80
+
+
+def test_the_megatron_defaults_notice_names_only_the_defaults_that_apply():
+    """A Megatron command line that sets --seed and --eod-mask-loss itself is not told they are Megatron's defaults."""
+    notices: list[str] = []
+    config = parse_config(["--mock-data", "--train-iters", "2", "--eod-mask-loss", "--seed", "7"], warnings=notices)
+    notice = next(n for n in notices if n.startswith("Megatron-LM command line"))
+    assert "seed" not in notice and "eod_mask_loss" not in notice and "decay_style linear" in notice
+    assert (config.seed, config.dataset.eod_mask_loss) == (7, True)
