@@ -40,12 +40,20 @@ def _log_segmentation(config: Config, ps, log) -> None:
         log.info(line)
 
 
-def _context_parallel(ps) -> str:
-    """The start-up line's cp part: the size, and whether the optimizer's shards span it."""
+def _context_parallel(ps, config: Config) -> str:
+    """The start-up line's cp part: the size, the communication type, whether the optimizer's shards span it."""
     if ps.cp_size == 1:
         return ""
     shards = f": ZeRO shards over sharding x cp = {ps.shard_group_size}" if ps.shard_over_cp else ""
-    return f", cp {ps.cp_size}{shards}"
+    return f", cp {ps.cp_size} ({config.distributed.cp_comm_type}){shards}"
+
+
+def _packing(config: Config) -> str:
+    d = config.dataset
+    parts = (["attention within each document (reset_attention_mask)"] if d.reset_attention_mask else [])
+    parts += ["positions restart at each document (reset_position_ids)"] if d.reset_position_ids else []
+    parts += ["the end-of-document token's loss masked (eod_mask_loss)"] if d.eod_mask_loss else []
+    return ", ".join(parts)
 
 
 def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider,
@@ -67,7 +75,9 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
         log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
                  f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
-                 f"pp {ps.pp_size}, sharding {ps.sharding_size}{_context_parallel(ps)})")
+                 f"pp {ps.pp_size}, sharding {ps.sharding_size}{_context_parallel(ps, config)})")
+        if config.dataset.reset_attention_mask or config.dataset.reset_position_ids:
+            log.info(f"packed documents: {_packing(config)}")
         if precision_warning:
             log.warning(precision_warning)
     if ps.rank == 0 and ps.pp_size > 1 and config.distributed.virtual_pp_degree == 1:
