@@ -163,11 +163,26 @@ def _next_keys(kv: torch.Tensor, t: int, plan: AttentionPlan) -> _Transfer | Non
     return transfer
 
 
-def _output_like(q: torch.Tensor) -> torch.Tensor:
-    """The fp32 output accumulator, zero, in q's memory layout (as the fused kernels allocate theirs): q is a
-    view of the QKV output's [s, b, heads, hd] order, so the layer's permute back to [s, b, heads x hd] for the
-    dense layer is a view, not a copy."""
-    return torch.zeros_like(q, dtype=torch.float32)
+class _RunningResult:
+    """q's attention over the keys seen so far: fp32 (out, lse) merged block by block. The output is allocated
+    in q's memory layout (as the fused kernels allocate theirs): q is a view of the QKV output's [s, b, heads, hd]
+    order, so the layer's permute back to [s, b, heads x hd] for the dense layer is a view, not a copy."""
+
+    def __init__(self, q: torch.Tensor):
+        self.out = torch.zeros_like(q, dtype=torch.float32)
+        self.lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+
+    def add(self, q, k, v, blocks: list[Block], scale: float) -> None:
+        if blocks:
+            rows, block_out, block_lse = blocks_forward(q, k, v, blocks, scale)
+            merge(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
+
+    def saved(self, ctx, q, k, v, plan: AttentionPlan, scale: float) -> torch.Tensor:
+        """The output in q's dtype, kept for the backward with q, k, v and the log-sum-exp."""
+        out = self.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, self.lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
 
 
 class RingAttention(torch.autograd.Function):
@@ -177,20 +192,13 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         kv = torch.stack([k, v])
-        out = _output_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        result = _RunningResult(q)
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
-            blocks = plan.blocks((r - t) % cp, length)
-            if blocks:
-                rows, block_out, block_lse = blocks_forward(q, kv[0], kv[1], blocks, scale)
-                merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            result.add(q, kv[0], kv[1], plan.blocks((r - t) % cp, length), scale)
             if transfer is not None:
                 kv = transfer.received()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
+        return result.saved(ctx, q, k, v, plan, scale)
 
     @staticmethod
     def backward(ctx, dout):
@@ -228,18 +236,10 @@ class GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
-        gathered, length = _gather_kv(k, v, plan), q.shape[2]
-        out = _output_like(q)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        gathered, result = _gather_kv(k, v, plan), _RunningResult(q)
         for j in range(plan.cp_size):
-            blocks = plan.blocks(j, length)
-            if blocks:
-                rows, block_out, block_lse = blocks_forward(q, gathered[j, 0], gathered[j, 1], blocks, scale)
-                merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
+            result.add(q, gathered[j, 0], gathered[j, 1], plan.blocks(j, q.shape[2]), scale)
+        return result.saved(ctx, q, k, v, plan, scale)
 
     @staticmethod
     def backward(ctx, dout):
