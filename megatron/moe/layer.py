@@ -70,8 +70,9 @@ class MoELayer(nn.Module):
         if self.pad_to_capacity:
             capacity = get_capacity(s * b * self.router.topk, self.router.num_experts, self.router.capacity_factor)
         routed = self.experts(tokens[token_index], counts, capacity)
-        weighted = routed.float() * probs[token_index, expert_index].unsqueeze(-1).float()
-        out = torch.zeros(s * b, h, dtype=torch.float32, device=x.device).index_add(0, token_index, weighted)
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
+        weighted = routed.to(acc) * probs[token_index, expert_index].unsqueeze(-1).to(acc)
+        out = torch.zeros(s * b, h, dtype=acc, device=x.device).index_add(0, token_index, weighted)
         out = out.to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
