@@ -1,0 +1,30 @@
+"""Mixture of experts under data parallelism, ZeRO stage 3 and pipeline parallelism reproduces the single-process
+losses and gradient norms (within 1e-5, relative), the balancing losses and the expert bias included."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import TINY, parity_layouts
+
+pytestmark = pytest.mark.slow
+
+MOE = [*TINY, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff",
+       "1e-2", "--moe-shared-expert-intermediate-size", "32"]
+BIAS = [*TINY, "--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss",
+        "--moe-aux-loss-coeff", "0.1"]
+REFERENCE = {"moe": "moe-reference", "bias": "moe-bias-reference"}
+parity_layouts({"moe-reference": (1, MOE), "moe-bias-reference": (1, BIAS)})
+LAYOUTS = parity_layouts({
+    "moe-dp2": (2, [*MOE, "--dp", "2"]),
+    "moe-pp2": (2, [*MOE, "--pp", "2"]),
+    "moe-stage3-sharding2": (2, [*MOE, "--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
+    "moe-bias-dp2": (2, [*BIAS, "--dp", "2", "--micro-batch-size", "2"]),
+})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_losses_equal_single_process(parity, layout):
+    reference = REFERENCE["bias" if layout.startswith("moe-bias") else "moe"]
+    parity.assert_matches(layout, parity.curves(reference))
