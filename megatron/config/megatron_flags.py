@@ -208,7 +208,8 @@ ABSENT: dict[str, Absent] = {
     "--moe-router-fusion": Absent(_MOE_DISPATCH),
     "--moe-apply-probs-on-input": Absent("routing probabilities applied to the experts' input"),
 }
-_ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)", "--dsa-": "experimental attention variants",
+_ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
+                    "--dsa-": "experimental attention variants",
                     "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
                     "--rl-": _INFERENCE, "--mup-": "muP parametrisation", "--mtp-": "multi-token prediction",
                     "--fp8-": "FP8 training",

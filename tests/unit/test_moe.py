@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from megatron import moe, parallel_state
 from megatron.config import ConfigError, parse_config, validate
 from megatron.config.validate_moe import moe_layer_pattern
+from megatron.inference import InferenceEngine, Request, SamplingParams
 from megatron.metrics import model_flops_per_token
+from megatron.model import build_model
 from megatron.model.gpt import GPTModel
 from megatron.model.init import init_parameters
 from megatron.model.transformer import MLP
@@ -283,8 +285,9 @@ def test_flops_count_active_parameters():
 
 def test_flags_are_megatrons():
     config = moe_config("--moe-layer-freq", "([1]*1)*1", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "1e-2",
-                        "--moe-token-dispatcher-type", "allgather", "--moe-grouped-gemm", "--expert-model-parallel-size",
-                        "1", "--moe-router-dtype", "fp64", "--moe-shared-expert-overlap")
+                        "--moe-token-dispatcher-type", "allgather", "--moe-grouped-gemm",
+                        "--expert-model-parallel-size", "1", "--moe-router-dtype", "fp64",
+                        "--moe-shared-expert-overlap")
     m = config.model
     assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_ffn_hidden_size) == (E, 1, 1e-2, 24)
     assert config.distributed.expert_model_parallel_size == 1
@@ -360,3 +363,19 @@ def test_each_balancing_method_lowers_the_most_loaded_expert(tmp_path, router, b
     none = _train(tmp_path, "none", *router, "--moe-router-load-balancing-type", "none")
     balanced = _train(tmp_path, "balanced", *router, *balancing)
     assert _mean_load(balanced) < _mean_load(none) - 0.05, (_mean_load(balanced), _mean_load(none))
+
+
+def test_generation_with_the_kv_cache_matches_full_forwards():
+    config = moe_config("--num-layers", "2", "--moe-layer-freq", "[0,1]", "--swiglu", "--initializer-range", "0.2",
+                        "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0")
+    model = build_model(config).eval()
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    requests = [Request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)) for p in prompts]
+    generated = [c.tokens for c in InferenceEngine(model, config, tokenizer=None).generate(requests)]
+    for prompt, tokens in zip(prompts, generated):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):
+                logits = model(torch.tensor([seq]))[0, -1, : config.model.vocab_size]
+                seq.append(int(logits.argmax()))
+        assert tokens == seq[len(prompt):]
