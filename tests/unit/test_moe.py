@@ -379,3 +379,14 @@ def test_generation_with_the_kv_cache_matches_full_forwards():
                 logits = model(torch.tensor([seq]))[0, -1, : config.model.vocab_size]
                 seq.append(int(logits.argmax()))
         assert tokens == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("flags", [[], ["--swiglu", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+                                        "8", "--moe-ffn-hidden-size", "12"]])
+def test_parameter_count_of_the_memory_estimate_is_exact(flags):
+    from megatron.optimizer.memory import parameters_per_rank
+
+    config = moe_config("--num-layers", "3", "--moe-layer-freq", "[1,0,1]", *flags)
+    parallel_state.initialize()
+    model = GPTModel(config.model, config.padded_vocab_size)
+    assert parameters_per_rank(config) == sum(p.numel() for p in model.parameters())
