@@ -53,7 +53,8 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 def check_moe(config: Config) -> None:
     """The MoE settings (after the layout is known). Expert parallelism, the experts' own tensor parallelism and
-    MoE under tensor or context parallelism are refused until they are built."""
+    MoE under sequence or context parallelism are refused until they are built (under tensor parallelism every
+    expert is tensor-parallel like the MLP, the router replicated)."""
     m, d = config.model, config.distributed
     if d.expert_model_parallel_size != 1:
         _fail(f"expert_model_parallel_size {d.expert_model_parallel_size}: expert parallelism is not built yet; "
@@ -94,7 +95,7 @@ def check_moe(config: Config) -> None:
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         _fail("moe_router_pre_softmax applies to the softmax router; drop it with --moe-router-score-function "
               "sigmoid.")
-    if d.mp_degree > 1 or d.context_parallel_size > 1:
-        which = f"mp_degree {d.mp_degree}" if d.mp_degree > 1 else f"context_parallel_size {d.context_parallel_size}"
-        _fail(f"MoE layers under {which} are not built yet; train the MoE model at mp_degree 1 and "
-              f"context_parallel_size 1.")
+    if d.sequence_parallel or d.context_parallel_size > 1:
+        which = "sequence_parallel" if d.sequence_parallel else f"context_parallel_size {d.context_parallel_size}"
+        _fail(f"MoE layers under {which} are not built yet; train the MoE model without sequence and context "
+              f"parallelism.")

@@ -1,4 +1,4 @@
-"""Mixture of experts under data parallelism, ZeRO stage 3 and pipeline parallelism reproduces the single-process
+"""Mixture of experts under data, tensor and pipeline parallelism and ZeRO stage 3 reproduces the single-process
 losses and gradient norms (within 1e-5, relative), the balancing losses and the expert bias included."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ parity_layouts({"moe-reference": (1, MOE), "moe-bias-reference": (1, BIAS)})
 LAYOUTS = parity_layouts({
     "moe-dp2": (2, [*MOE, "--dp", "2"]),
     "moe-pp2": (2, [*MOE, "--pp", "2"]),
+    "moe-tp2": (2, [*MOE, "--tp", "2"]),
     "moe-stage3-sharding2": (2, [*MOE, "--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
     "moe-bias-dp2": (2, [*BIAS, "--dp", "2", "--micro-batch-size", "2"]),
 })
