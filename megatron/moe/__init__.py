@@ -4,7 +4,7 @@ the MLP (``layer``), and what a training step does around them (``stats``). One 
 from megatron.moe.experts import Experts
 from megatron.moe.layer import MoELayer
 from megatron.moe.router import AuxLossScaler, TopKRouter, set_aux_loss_scale
-from megatron.moe.stats import after_step, before_step, moe_layers
+from megatron.moe.stats import after_step, before_step, expert_biases, moe_layers, set_expert_biases
 
-__all__ = ["AuxLossScaler", "Experts", "MoELayer", "TopKRouter", "after_step", "before_step", "moe_layers",
-           "set_aux_loss_scale"]
+__all__ = ["AuxLossScaler", "Experts", "MoELayer", "TopKRouter", "after_step", "before_step", "expert_biases",
+           "moe_layers", "set_aux_loss_scale", "set_expert_biases"]

@@ -73,3 +73,29 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
                 counts = records[layer.layer_number, :-2]
                 bias += cfg.moe_router_bias_update_rate * torch.sign(counts.mean() - counts).to(bias)
     return {"load_balancing_loss": float((rows[:, -2] / rows[:, -1]).mean()), "expert_load_max": float(loads.max())}
+
+
+def expert_biases(model: nn.Module, pp_group=None) -> dict[str, list[float]] | None:
+    """Every MoE layer's expert bias, {global layer index: values}, gathered over the pipeline stages (a
+    collective over ``pp_group``: call it on every rank); None when the model has none. A checkpoint keeps it in
+    its train state: it is no parameter."""
+    cfg = _model_config(model)
+    if cfg is None or not cfg.num_experts or not cfg.moe_router_enable_expert_bias:
+        return None
+    values = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.float64)  # the bias, whether present
+    for layer in moe_layers(model):
+        values[layer.layer_number, :-1] = layer.router.expert_bias.double().cpu()
+        values[layer.layer_number, -1] = 1.0
+    if pp_group is not None:
+        values = values.to(next(model.parameters()).device)
+        dist.all_reduce(values, group=pp_group)
+        values = values.cpu()
+    return {str(i): values[i, :-1].tolist() for i in range(cfg.num_layers) if values[i, -1] > 0}
+
+
+@torch.no_grad()
+def set_expert_biases(model: nn.Module, saved: dict[str, list[float]]) -> None:
+    """The expert biases ``expert_biases`` returned, into this rank's MoE layers."""
+    for layer in moe_layers(model):
+        if layer.router.expert_bias is not None and str(layer.layer_number) in saved:
+            layer.router.expert_bias.copy_(torch.tensor(saved[str(layer.layer_number)]))

@@ -391,3 +391,14 @@ def test_parameter_count_of_the_memory_estimate_is_exact(flags):
     parallel_state.initialize()
     model = GPTModel(config.model, config.padded_vocab_size)
     assert parameters_per_rank(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_resume_keeps_the_expert_bias(tmp_path):
+    bias = [*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+            "--save-interval", "3"]
+    whole = _train(tmp_path, "whole", *bias, steps=6)
+    resumed = _train(tmp_path, "resumed", *bias, "--load", str(tmp_path / "whole" / "step_3"), steps=6)
+    losses = [r["loss"] for r in whole if r["split"] == "train"]
+    assert [r["loss"] for r in resumed if r["split"] == "train"] == pytest.approx(losses[3:], rel=1e-6)
+    common = json.loads((tmp_path / "whole" / "step_3" / "common.json").read_text())
+    assert set(common["train_state"]["moe_expert_bias"]) == {"0", "1"}
