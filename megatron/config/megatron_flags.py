@@ -109,6 +109,8 @@ NO_EFFECT: dict[str, str] = {
     "--rerun-mode": "a non-finite loss stops the run here (exit 3) without saving",
     "--calculate-per-token-loss": "always the case here: the loss is the global batch's token mean",
     "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
+    "--no-position-embedding": "positions are chosen by --position-embedding-type alone, as Megatron Core's GPTModel "
+                               "reads them (rope and none add no position embedding)",
 }
 
 # --- absent: a feature this framework lacks ---------------------------------------------------------------

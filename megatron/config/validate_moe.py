@@ -95,7 +95,8 @@ def check_moe(config: Config) -> None:
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         _fail("moe_router_pre_softmax applies to the softmax router; drop it with --moe-router-score-function "
               "sigmoid.")
-    if d.sequence_parallel or d.context_parallel_size > 1:
-        which = "sequence_parallel" if d.sequence_parallel else f"context_parallel_size {d.context_parallel_size}"
+    sequence_parallel = d.sequence_parallel and d.mp_degree > 1  # at tp 1 it splits nothing
+    if sequence_parallel or d.context_parallel_size > 1:
+        which = "sequence_parallel" if sequence_parallel else f"context_parallel_size {d.context_parallel_size}"
         _fail(f"MoE layers under {which} are not built yet; train the MoE model without sequence and context "
               f"parallelism.")

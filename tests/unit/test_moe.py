@@ -402,3 +402,20 @@ def test_a_resume_keeps_the_expert_bias(tmp_path):
     assert [r["loss"] for r in resumed if r["split"] == "train"] == pytest.approx(losses[3:], rel=1e-6)
     common = json.loads((tmp_path / "whole" / "step_3" / "common.json").read_text())
     assert set(common["train_state"]["moe_expert_bias"]) == {"0", "1"}
+
+
+def test_the_scaled_down_megatron_mixtral_script_of_the_docs_runs(tmp_path):
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "moe.md").read_text()
+    script = re.search(r"```bash\n(python pretrain_gpt.py .*?)```", text, re.S).group(1)
+    argv = shlex.split(script.replace("\\\n", " "))[2:]
+    argv[argv.index("output/mixtral-tiny")] = str(tmp_path / "run")
+    proc = run_here(*argv)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]
+    assert "accepted, no effect here: --use-mcore-models, --no-masked-softmax-fusion, --no-position-embedding" \
+        in proc.stderr
