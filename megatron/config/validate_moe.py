@@ -53,8 +53,8 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 def check_moe(config: Config) -> None:
     """The MoE settings (after the layout is known). Expert parallelism, the experts' own tensor parallelism and
-    MoE under sequence or context parallelism are refused until they are built (under tensor parallelism every
-    expert is tensor-parallel like the MLP, the router replicated)."""
+    MoE under context parallelism are refused until they are built (under tensor parallelism every expert is
+    tensor-parallel like the MLP, the router replicated)."""
     m, d = config.model, config.distributed
     if d.expert_model_parallel_size != 1:
         _fail(f"expert_model_parallel_size {d.expert_model_parallel_size}: expert parallelism is not built yet; "
@@ -95,8 +95,6 @@ def check_moe(config: Config) -> None:
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         _fail("moe_router_pre_softmax applies to the softmax router; drop it with --moe-router-score-function "
               "sigmoid.")
-    sequence_parallel = d.sequence_parallel and d.mp_degree > 1  # at tp 1 it splits nothing
-    if sequence_parallel or d.context_parallel_size > 1:
-        which = "sequence_parallel" if sequence_parallel else f"context_parallel_size {d.context_parallel_size}"
-        _fail(f"MoE layers under {which} are not built yet; train the MoE model without sequence and context "
-              f"parallelism.")
+    if d.context_parallel_size > 1:
+        _fail(f"MoE layers under context_parallel_size {d.context_parallel_size} are not built yet; train the MoE "
+              f"model without context parallelism.")

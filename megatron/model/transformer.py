@@ -212,7 +212,7 @@ class TransformerDecoderLayer(nn.Module):
         if is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
             from megatron.moe.layer import MoELayer
 
-            self.mlp = MoELayer(cfg, MLP, layer_number)
+            self.mlp = MoELayer(cfg, MLP, layer_number, sequence_parallel)
         else:
             self.mlp = MLP(cfg, sequence_parallel)
         self.hidden_dropout = cfg.hidden_dropout_prob

@@ -6,6 +6,10 @@ sorted by expert (the permutation) -> each expert's MLP on its tokens -> each ou
 and summed back into its token's row (the unpermutation, in fp32) -> plus the shared expert's output on every
 token when there is one. The auxiliary losses join the objective through ``AuxLossScaler`` on the output.
 
+Under tensor parallelism every expert (and the shared expert) is column/row-parallel like the MLP and the router
+is replicated: every rank routes the same tokens. Under sequence parallelism the layer gathers the sequence first
+(its gradient split back, each rank already holding the whole one) and keeps its rank's share of the output.
+
 The layer runs eager under ``--compile`` (its token counts are data-dependent): the compiled decoder layer breaks
 its graph around it.
 
@@ -22,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.moe.experts import Experts
 from megatron.moe.router import AuxLossScaler, TopKRouter, get_capacity
@@ -36,9 +41,10 @@ class MoELayer(nn.Module):
     """``make_mlp(cfg)`` builds an MLP of ``cfg.ffn_hidden_size`` (the model's ``MLP``): each expert, of
     ``moe_ffn_hidden_size``, and the shared expert, of ``moe_shared_expert_intermediate_size``."""
 
-    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module], layer_number: int = 0):
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module], layer_number: int = 0,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.layer_number = layer_number
+        self.layer_number, self.sequence_parallel = layer_number, sequence_parallel
         self.router = TopKRouter(cfg)
         expert_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
         self.experts = Experts(cfg.num_experts, lambda: make_mlp(expert_cfg))
@@ -60,6 +66,12 @@ class MoELayer(nn.Module):
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # every rank routes the whole sequence, as without sequence parallelism
+            full = tp.gather_from_sequence_region(x, tensor_parallel_output_grad=False)
+            return tp.scatter_to_sequence_region(self._forward(full))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         probs, kept, chosen, aux, balance = self.router(tokens, b)

@@ -1,6 +1,6 @@
-"""Mixture of experts under data, tensor and pipeline parallelism and ZeRO stage 3 reproduces the single-process
-losses and gradient norms (within 1e-5, relative), the balancing losses and the expert bias included; the expert
-bias survives a resume at another layout."""
+"""Mixture of experts under data, tensor (with and without sequence) and pipeline parallelism and ZeRO stage 3
+reproduces the single-process losses and gradient norms (within 1e-5, relative), the balancing losses and the
+expert bias included; the expert bias survives a resume at another layout."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ LAYOUTS = parity_layouts({
     "moe-dp2": (2, [*MOE, "--dp", "2"]),
     "moe-pp2": (2, [*MOE, "--pp", "2"]),
     "moe-tp2": (2, [*MOE, "--tp", "2"]),
+    "moe-tp2-sp": (2, [*MOE, "--tp", "2", "--sequence-parallel"]),
     "moe-stage3-sharding2": (2, [*MOE, "--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
     "moe-bias-dp2": (2, [*BIAS, "--dp", "2", "--micro-batch-size", "2"]),
 })

@@ -316,11 +316,11 @@ def test_refusals_through_pretrain_gpt():
     assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: expert_model_parallel_size 2: expert "
                                                 "parallelism is not built yet; leave it at 1 (every rank holds every "
                                                 "expert)."]
-    sequence_parallel = parse_config(["--mock-data", "--num-experts", "4", "--tensor-model-parallel-size", "2",
-                                      "--sequence-parallel"])
-    with pytest.raises(ConfigError, match="^MoE layers under sequence_parallel are not built yet; train the MoE "
-                                          "model without sequence and context parallelism.$"):
-        validate(sequence_parallel, world_size=2)
+    context_parallel = parse_config(["--mock-data", "--num-experts", "4", "--context-parallel-size", "2",
+                                     "--attention-probs-dropout-prob", "0"])
+    with pytest.raises(ConfigError, match="^MoE layers under context_parallel_size 2 are not built yet; train the MoE "
+                                          "model without context parallelism.$"):
+        validate(context_parallel, world_size=2)
     proc = run_here("--mock-data", "--num-experts", "4", "--moe-router-num-groups", "2")
     assert proc.returncode == 2 and "--moe-router-num-groups 2 (group-limited routing" in proc.stderr
 
