@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
 
     def reset_stats(self) -> None:
         """Forget the recorded micro-batches (the training step calls it before its first forward)."""
-        self.tokens_per_expert = torch.zeros(self.router.num_experts, dtype=torch.float64)
+        self.tokens_per_expert = torch.zeros(self.router.num_experts, dtype=torch.float64, device="cpu")
         self.balance_sum, self.micro_batches = 0.0, 0
 
     def _record(self, chosen: torch.Tensor, balance: torch.Tensor) -> None:
