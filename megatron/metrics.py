@@ -13,6 +13,7 @@ import time
 
 from megatron.config.cli import to_dict
 from megatron.config.schema import Config
+from megatron.config.validate_moe import is_moe_layer
 
 LOG_FORMAT = "[%(asctime)s] [%(levelname)8s] - %(message)s"
 WANDB_RUN_ID_FILE = "wandb_run_id.txt"  # in output_dir: the W&B run that a resumed training run continues
@@ -62,6 +63,10 @@ def model_flops_per_token(config: Config) -> float:
              + 2*2*h*f [GELU MLP] or 3*2*h*f [SwiGLU: gate, up, down]
              + 2*s*nq*hd [Q K^T] + 2*s*nq*hd [attention x V])  +  2*h*V [LM head, tied or not]
 
+    A MoE layer (``megatron.moe``) counts its active parameters in place of the MLP: the router (2*h*E), the
+    ``topk`` experts each token goes through (each an MLP of ``moe_ffn_hidden_size``) and the shared expert
+    (an MLP of ``moe_shared_expert_intermediate_size``); dropped tokens are counted as computed.
+
     (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
     not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
     backend. Norms, activations and rotary embeddings are not matmuls and are left out. Recompute is
@@ -72,9 +77,17 @@ def model_flops_per_token(config: Config) -> float:
     nq = m.num_attention_heads
     ng = m.num_query_groups if m.group_query_attention else nq
     hd = m.kv_channels or h // nq
-    mlp = (3 if m.swiglu else 2) * 2 * h * f
-    per_layer = 2 * h * (nq + 2 * ng) * hd + 2 * nq * hd * h + mlp + 2 * 2 * s * nq * hd
-    return 3.0 * (m.num_layers * per_layer + 2 * h * v)
+    matmuls = 3 if m.swiglu else 2
+    per_layer = 2 * h * (nq + 2 * ng) * hd + 2 * nq * hd * h + 2 * 2 * s * nq * hd
+    total = 0
+    for layer in range(m.num_layers):
+        if is_moe_layer(m, layer):  # the active parameters: the router, topk experts, the shared expert
+            shared = m.moe_shared_expert_intermediate_size or 0
+            expert = m.moe_ffn_hidden_size or f
+            total += per_layer + 2 * h * m.num_experts + matmuls * 2 * h * (m.moe_router_topk * expert + shared)
+        else:
+            total += per_layer + matmuls * 2 * h * f
+    return 3.0 * (total + 2 * h * v)
 
 
 def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost: float, batch_cost: float,

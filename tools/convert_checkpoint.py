@@ -71,6 +71,9 @@ def _write_bytes(path: str, data: bytes) -> None:
 def converter_for_model(model_cfg):
     """The mapping (``hf_llama`` or ``hf_gpt2``) for our ``ModelConfig``; ConversionError, naming the
     setting, for a model that is neither."""
+    if getattr(model_cfg, "num_experts", None):
+        raise ConversionError(f"the checkpoint is a mixture of experts ({model_cfg.num_experts} experts): its Hugging "
+                              f"Face export (Mixtral) is not built yet (docs/moe.md).")
     module = hf_llama if hf_llama.is_llama_shaped(model_cfg) else hf_gpt2
     module.check_model(model_cfg)
     return module

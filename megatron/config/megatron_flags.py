@@ -7,7 +7,7 @@ A Megatron-LM user's ``pretrain_gpt.py`` script runs unchanged. Each Megatron fl
 - **accepted, no effect here** (``NO_EFFECT``): it concerns only Megatron's implementation (fusions,
   Transformer Engine, its checkpoint formats, logging we always do); parsed and listed once at start;
 - **absent** (``ABSENT``): a feature this framework lacks; refused by name, except with the value
-  that makes it a no-op (``--expert-model-parallel-size 1``).
+  that makes it a no-op (``--num-distributed-optimizer-instances 1``).
 
 ``cli.parse_config`` consults this module: plain data and the rewrite rule, importing nothing of ours.
 ``python -m megatron.config.docs --megatron`` renders docs/megatron.md from the same tables, so the two
@@ -109,12 +109,16 @@ NO_EFFECT: dict[str, str] = {
     "--rerun-mode": "a non-finite loss stops the run here (exit 3) without saving",
     "--calculate-per-token-loss": "always the case here: the loss is the global batch's token mean",
     "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
+    "--no-position-embedding": "positions are chosen by --position-embedding-type alone, as Megatron Core's GPTModel "
+                               "reads them (rope and none add no position embedding)",
 }
 
 # --- absent: a feature this framework lacks ---------------------------------------------------------------
 _UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
            "interleaving)")
 _INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
+_MOE_GROUPS = "group-limited routing (the top experts chosen within the best groups, DeepSeek-V3)"
+_MOE_DISPATCH = "Megatron's fused or DeepEP token dispatch"
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,6 @@ ABSENT: dict[str, Absent] = {
     "--hierarchical-context-parallel-sizes": Absent(
         "hierarchical context parallelism (--cp-comm-type a2a+p2p: all-to-all within a node, a ring across nodes); "
         "choose one of p2p, all_gather or a2a over the whole context-parallel group"),
-    "--expert-model-parallel-size": Absent("mixture of experts", ("1",)),
-    "--expert-tensor-parallel-size": Absent("mixture of experts", ("1",)),
-    "--num-experts": Absent("mixture of experts"),
     "--num-distributed-optimizer-instances": Absent("several distributed-optimizer instances", ("1",)),
     "--optimizer": Absent("optimizers other than AdamW", ("adam",)),
     "--decoupled-lr": Absent("a separate learning rate for the embedding and output layer"),
@@ -192,8 +193,25 @@ ABSENT: dict[str, Absent] = {
     "--export-kd-cfg": Absent("Megatron's ModelOpt export and distillation"),
     "--export-kd-teacher-load": Absent("Megatron's ModelOpt export and distillation"),
     "--export-te-mcore-model": Absent("Megatron's ModelOpt export and distillation"),
+    "--moe-shared-expert-gate": Absent("a gate on the shared expert's output (Qwen2-MoE's)"),
+    "--moe-router-num-groups": Absent(_MOE_GROUPS),
+    "--moe-router-group-topk": Absent(_MOE_GROUPS),
+    "--moe-router-topk-scaling-factor": Absent("a scaling factor on the routing probabilities"),
+    "--moe-router-force-load-balancing": Absent("forced (benchmarking) load balancing of the router"),
+    "--moe-input-jitter-eps": Absent("jitter on the router's input"),
+    "--moe-layer-recompute": Absent("recomputing the MoE layer alone; --recompute-granularity full recomputes "
+                                    "whole layers, MoE ones included"),
+    "--moe-per-layer-logging": Absent("per-layer MoE logging; the log line carries the mean over MoE layers"),
+    "--moe-use-upcycling": Absent("upcycling a dense checkpoint into experts"),
+    "--moe-extended-tp": Absent("extended tensor parallelism of the experts"),
+    "--moe-enable-deepep": Absent(_MOE_DISPATCH),
+    "--moe-flex-dispatcher-backend": Absent(_MOE_DISPATCH),
+    "--moe-permute-fusion": Absent(_MOE_DISPATCH),
+    "--moe-router-fusion": Absent(_MOE_DISPATCH),
+    "--moe-apply-probs-on-input": Absent("routing probabilities applied to the experts' input"),
 }
-_ABSENT_PREFIXES = {"--moe-": "mixture of experts", "--dsa-": "experimental attention variants",
+_ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
+                    "--dsa-": "experimental attention variants",
                     "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
                     "--rl-": _INFERENCE, "--mup-": "muP parametrisation", "--mtp-": "multi-token prediction",
                     "--fp8-": "FP8 training",
@@ -239,6 +257,12 @@ IMPLEMENTED: tuple[str, ...] = (
     "--save", "--load", "--save-interval", "--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args",
     "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir", "--wandb-project", "--wandb-exp-name",
     "--wandb-save-dir",
+    "--num-experts", "--moe-layer-freq", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-router-pre-softmax",
+    "--moe-router-score-function", "--moe-router-dtype", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+    "--moe-z-loss-coeff", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
+    "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
 )
 # Megatron flags handled after parsing, from other values (cli.parse_config): flag -> meaning.
 DERIVED = {"--num-layers-per-virtual-pipeline-stage": "virtual_pp_degree = num_layers / (pp x this)"}

@@ -75,6 +75,50 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the word embedding's.")
     disable_bias_linear: bool = opt(False, "No biases in the attention and MLP linear layers (Llama).")
+    num_experts: int | None = opt(
+        None, "Mixture of experts: experts per MoE layer (Megatron-LM's --num-experts); None: every layer's MLP is "
+              "dense (docs/moe.md).")
+    moe_layer_freq: str = opt(
+        "1", "Which layers are MoE layers: an integer N (every N-th layer, from layer 0) or a pattern of num_layers "
+             "0/1 entries, Megatron-LM's forms '[1,0,1,0]' or '([0]*1+[1]*3)*2' (1: MoE).")
+    moe_ffn_hidden_size: int | None = opt(None, "Width of each expert's MLP; default ffn_hidden_size.")
+    moe_router_topk: int = opt(2, "Experts each token is routed to.")
+    moe_router_pre_softmax: bool = opt(
+        False, "Softmax router: softmax over all experts, then the top k (their probabilities unnormalised); by "
+               "default the top k logits, then a softmax over those k.")
+    moe_router_score_function: str = opt(
+        "softmax", "The router's scores: softmax of the logits, or sigmoid (the top k then normalised to sum to 1 "
+                   "when k > 1, DeepSeek-V3).", ("softmax", "sigmoid"))
+    moe_router_dtype: str | None = opt(
+        None, "Precision of the router's logits and scores (default fp32).", ("fp32", "fp64"))
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "Load balancing: aux_loss (the Switch Transformer's loss over the micro-batch), seq_aux_loss "
+                    "(the same per sequence, DeepSeek-V2) or none.", ("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing loss in the objective.")
+    moe_z_loss_coeff: float | None = opt(
+        None, "Coefficient of the router z-loss, mean(logsumexp(logits)^2) (ST-MoE); None: no z-loss.")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing the "
+               "experts only, moved after every step by moe_router_bias_update_rate x sign(mean load - load).")
+    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert bias's update.")
+    moe_expert_capacity_factor: float | None = opt(
+        None, "Each expert takes at most ceil(tokens x topk / experts x this) tokens of a micro-batch, the rest "
+              "dropped (their share of the expert's output is 0); None: dropless.")
+    moe_token_drop_policy: str = opt(
+        "probs", "Which tokens an expert over capacity keeps: the highest routing probabilities (probs) or the first "
+                 "in the sequence (position).", ("probs", "position"))
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "With a capacity: every expert computes on exactly capacity rows (padded with zeros), as Megatron-LM.")
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "Width of a shared expert (an MLP every token goes through, added to the routed experts' output); "
+              "None: no shared expert.")
+    moe_shared_expert_overlap: bool = opt(
+        False, "Accepted for Megatron-LM compatibility: overlapping the shared expert with the token exchange.")
+    moe_grouped_gemm: bool = opt(
+        False, "Accepted for Megatron-LM compatibility: the experts run one after another on their tokens.")
+    moe_token_dispatcher_type: str = opt(
+        "alltoall", "How tokens reach the experts' ranks under expert parallelism (not built yet: with one expert-"
+                    "parallel rank the choice changes nothing).", ("alltoall", "allgather"))
 
 
 @dataclass
@@ -148,6 +192,10 @@ class DistributedConfig:
     overlap_grad_reduce: bool | None = opt(
         None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
               "CPU, where gloo's thread competes with the compute for the cores (docs/benchmarks.md).")
+    expert_model_parallel_size: int = opt(
+        1, "Expert parallelism: ranks the experts are split over (not built yet: only 1).")
+    expert_tensor_parallel_size: int | None = opt(
+        None, "The experts' own tensor-parallel size (not built yet: only the model's mp_degree, the default).")
     distributed_timeout_minutes: float = opt(
         10.0, "Timeout of every collective and point-to-point operation (Megatron-LM's flag).")
     sharding: ShardingConfig = section(ShardingConfig, "sharding", "Group-sharded (ZeRO) optimizer.")

@@ -16,6 +16,7 @@ from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
 from megatron.config.validate_context import check_context_parallel
+from megatron.config.validate_moe import check_moe
 from megatron.config.validate_schedule import (
     check_batch_schedule,
     check_optimizer,
@@ -371,6 +372,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     _check_model(config)
     _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
+    check_moe(config)
     check_training_length(config)
     resolve_batch_schedule(config)
     _check_batch(config)

@@ -258,6 +258,7 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
                              config.recompute_num_layers, d.cp_comm_type)
         if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
+            _materialize_expert_biases(chunk, device)
             chunks.append(chunk)
         else:
             init_parameters(chunk, config.seed, m)
@@ -266,6 +267,15 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
         compile_model(chunks, torch.device(device).type,
                       attention_eager=d.context_parallel_size > 1 or config.dataset.reset_attention_mask)
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+
+
+def _materialize_expert_biases(chunk: nn.Module, device: torch.device | str) -> None:
+    """A model built on the meta device (ZeRO stage 3): its MoE routers' expert biases (buffers, not parameters:
+    no deferred initialisation) start at 0 on ``device``."""
+    for module in chunk.modules():
+        bias = getattr(module, "expert_bias", None)
+        if isinstance(bias, torch.Tensor) and bias.is_meta:
+            module.expert_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device)
 
 
 def _chunk_specs(config: Config, ps) -> list[tuple[range, bool, bool]]:
@@ -298,6 +308,9 @@ def compile_model(chunks: list[GPTModel], device_type: str = "cpu", attention_ea
     - ``core_attn``: the two norms and the MLP;
     - on one tensor-parallel rank, the LM head and the cross entropy (``GPTModel.loss``; with more,
       their collectives stay eager).
+
+    A MoE layer (``megatron.moe``) always runs eager, its token counts being data-dependent: the compiled
+    code breaks its graph around it.
 
     ``attention_eager`` (context parallelism, packed documents): attention runs eager whatever the
     recompute (its exchanges and per-document calls), the two norms and the MLP compiled.

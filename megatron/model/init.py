@@ -7,8 +7,9 @@ the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatr
 - Norms (LayerNorm, RMSNorm; every name ends in ``layernorm.weight``/``.bias``): weight 1, bias 0;
   every other bias 0.
 - Embeddings and linear weights (the untied ``output_layer`` included): N(0, initializer_range).
-- Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``):
-  N(0, initializer_range / sqrt(2 x num_layers)).
+- Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``, each expert's and the
+  shared expert's ``dense_4h_to_h``): N(0, initializer_range / sqrt(2 x num_layers)).
+- A MoE router's weight ``mlp.router.weight`` [E, h]: N(0, initializer_range), like any linear weight.
 - Padded vocabulary rows of the word embedding and of the output layer: 0 (they are never looked
   up, and the loss masks them out of the softmax).
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 
-_SCALED_OUTPUTS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+_SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight")  # the MLP, experts, shared expert
 _VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
 
 

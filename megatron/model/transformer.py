@@ -1,4 +1,5 @@
-"""The decoder layer: pre-norm causal self-attention and an MLP, in GPT-2's form or Llama's.
+"""The decoder layer: pre-norm causal self-attention and an MLP (or a mixture of experts, ``megatron.moe``, in
+the layers ``moe_layer_freq`` chooses), in GPT-2's form or Llama's.
 
 Activation layout everywhere in the model: ``[s, b, h]`` (sequence, batch, hidden), as in
 Megatron-LM, so that sequence and pipeline parallelism split and send along dim 0.
@@ -30,6 +31,7 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.config.validate_moe import is_moe_layer
 from megatron.context_parallel import AttentionPlan, attend
 from megatron.model.rotary import apply_rotary
 
@@ -207,7 +209,12 @@ class TransformerDecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, sequence_parallel)
         self.self_attention = SelfAttention(cfg, recompute == "core_attn", sequence_parallel, layer_number)
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel)
-        self.mlp = MLP(cfg, sequence_parallel)
+        if is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
+            from megatron.moe.layer import MoELayer
+
+            self.mlp = MoELayer(cfg, MLP, layer_number, sequence_parallel)
+        else:
+            self.mlp = MLP(cfg, sequence_parallel)
         self.hidden_dropout = cfg.hidden_dropout_prob
         nq, ng, hd = attention_shape(cfg)
         self._desc = (f"d_model={cfg.hidden_size}, nhead={nq}, dim_feedforward={cfg.ffn_hidden_size}, "
@@ -217,6 +224,8 @@ class TransformerDecoderLayer(nn.Module):
             self._desc += f", num_query_groups={ng}, head_dim={hd}"
         if cfg.normalization != "LayerNorm":
             self._desc += f", normalization={cfg.normalization}"
+        if is_moe_layer(cfg, layer_number):
+            self._desc += f", num_experts={cfg.num_experts}, topk={cfg.moe_router_topk}"
 
     def extra_repr(self) -> str:
         return self._desc

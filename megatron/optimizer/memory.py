@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.config.schema import Config, padded_vocab_size
+from megatron.config.validate_moe import is_moe_layer
 from megatron.distributed.parallelize import ShardingPlan, sharding_stage
 
 
@@ -98,8 +99,8 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     if pp > 1:
         gathered = num_params
     else:
-        layer = layer_parameters(config, tp)
-        gathered = num_params - config.model.num_layers * layer + min(2, config.model.num_layers) * layer
+        sizes = sorted((layer_parameters(config, tp, i) for i in range(config.model.num_layers)), reverse=True)
+        gathered = num_params - sum(sizes) + sum(sizes[:2])  # the two largest layers gathered at once
     return (param_bytes + 4) * max(0, gathered - shard)
 
 
@@ -112,16 +113,16 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
 
     m, d = config.model, config.distributed
     if pp == 1:
-        layers = m.num_layers
+        layers = list(range(m.num_layers))
     elif d.virtual_pp_degree > 1:  # interleaved: this rank's chunks
-        layers = sum(len(chunk_layers(m.num_layers, pp, d.virtual_pp_degree, pp_rank, c))
-                     for c in range(d.virtual_pp_degree))
+        layers = [i for c in range(d.virtual_pp_degree) for i in chunk_layers(m.num_layers, pp, d.virtual_pp_degree,
+                                                                              pp_rank, c)]
     else:
-        layers = len(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
+        layers = list(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
     h = m.hidden_size
     vocab = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     norm = 2 * h if m.normalization == "LayerNorm" else h
-    total = layers * layer_parameters(config, tp)
+    total = sum(layer_parameters(config, tp, i) for i in layers)
     if pp_rank == 0:
         total += vocab // tp * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute"
                                     else 0)
@@ -131,20 +132,31 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
     return total
 
 
-def layer_parameters(config: Config, tp: int = 1) -> int:
-    """One decoder layer's parameters on a rank of a tensor-parallel group of ``tp``: QKV
+def layer_parameters(config: Config, tp: int = 1, layer: int = 0) -> int:
+    """Decoder layer ``layer``'s parameters on a rank of a tensor-parallel group of ``tp``: QKV
     [(nq + 2 ng) hd, h] and the MLP's first matmul ([ffn, h], SwiGLU [2 ffn, h]) split by rows with
-    their biases, the output projections split by columns (biases replicated), two norms replicated."""
+    their biases, the output projections split by columns (biases replicated), two norms replicated.
+    A MoE layer (``megatron.moe``): the router [E, h] and E experts (and the shared expert) in place of the MLP,
+    every expert on every rank (no expert parallelism yet)."""
     m = config.model
     h, f = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
     nq = m.num_attention_heads
     ng = m.num_query_groups if m.group_query_attention else nq
     hd = m.kv_channels or h // nq
     bias = 0 if m.disable_bias_linear else 1
-    qkv, fc1 = (nq + 2 * ng) * hd, (2 if m.swiglu else 1) * f
-    split = qkv * h + bias * qkv + nq * hd * h + fc1 * h + bias * fc1 + f * h
-    replicated = 2 * bias * h + 2 * (2 * h if m.normalization == "LayerNorm" else h)
-    return split // tp + replicated
+
+    def mlp(width: int) -> int:  # (split, replicated)
+        fc1 = (2 if m.swiglu else 1) * width
+        return (fc1 * h + bias * fc1 + width * h) // tp + bias * h
+
+    qkv = (nq + 2 * ng) * hd
+    attention = (qkv * h + bias * qkv + nq * hd * h) // tp + bias * h
+    if is_moe_layer(m, layer):
+        shared = m.moe_shared_expert_intermediate_size
+        ffn = m.num_experts * h + m.num_experts * mlp(m.moe_ffn_hidden_size or f) + (mlp(shared) if shared else 0)
+    else:
+        ffn = mlp(f)
+    return attention + ffn + 2 * (2 * h if m.normalization == "LayerNorm" else h)
 
 
 def measured_model_state_bytes(optimizer) -> ModelStateBytes:

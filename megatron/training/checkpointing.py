@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron import watchdog
+from megatron import moe, watchdog
 from megatron.checkpoint import (
     CheckpointError,
     check_output_dir,
@@ -62,6 +62,8 @@ class CheckpointCadence:
             if self.ps.rank == 0:
                 self.log.info(f"no checkpoint in {sl.ckpt_dir}: starting from scratch")
             return None
+        if loaded.get("moe_expert_bias"):  # a MoE router's expert bias: no parameter, kept in the train state
+            moe.set_expert_biases(self.run.model, loaded["moe_expert_bias"])
         if not sl.finetune:
             self._check_same_data(loaded)
             s.step, s.consumed_samples, s.skipped_steps = (loaded["step"], loaded["consumed_samples"],
@@ -99,10 +101,14 @@ class CheckpointCadence:
             return
         watchdog.beat(f"saving the checkpoint of step {s.step}")
         fingerprint.verify_unchanged(self.datasets)  # every rank: never record data the run did not train on
+        train_state = {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
+                       "schedule_samples": s.schedule_samples, "run_id": self.run_id,
+                       "data_fingerprint": fingerprint.of_datasets(self.datasets)}
+        biases = moe.expert_biases(self.run.model, self.run.pp_group)  # collective over the pipeline stages
+        if biases is not None:
+            train_state["moe_expert_bias"] = biases
         path = save_checkpoint(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer, self.ps,
-                               self.config, {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
-                                             "schedule_samples": s.schedule_samples, "run_id": self.run_id,
-                                             "data_fingerprint": fingerprint.of_datasets(self.datasets)})
+                               self.config, train_state)
         watchdog.beat(f"after saving the checkpoint of step {s.step}")
         self.good.saved(s.step, path)  # pruned here, and again once the next step confirms it
         if self.ps.rank == 0:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state, watchdog
+from megatron import moe, parallel_state, watchdog
 from megatron.config import Config
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.distributed.data_parallel import DataParallel
@@ -76,7 +76,9 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
                forward_backward: Callable = None, pp_group=None,
                weight_decay: float | None = None) -> tuple[float, StepResult]:
     """One optimizer step over this rank's share of the global batch (any size: it is cut into as many
-    micro-batches as it holds); returns (token-mean loss of the global batch, step result). ``model``,
+    micro-batches as it holds); returns (token-mean loss of the global batch, step result). The loss is the
+    language model's; a MoE model's auxiliary losses join only the gradient (``megatron.moe``), and the result
+    carries their log values. ``model``,
     ``buffer``: as ``parallelize`` returns them; ``dp_group``: the data-parallel group (None: one replica);
     ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group, over
     which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one)."""
@@ -84,13 +86,15 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     num_tokens = float(all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
     optimizer.zero_grad()
     model.train()
-    loss_sum = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, num_tokens,
-                                optimizer.loss_scale)
+    micro_batches = split_micro_batches(batch, micro_batch_size)
+    moe.before_step(model, len(micro_batches), dp_group, optimizer.loss_scale)  # MoE: the aux losses' gradient
+    loss_sum = forward_backward(forward_step, micro_batches, model, num_tokens, optimizer.loss_scale)
     loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
     finalize_model_grads(model, parallel_state.get(), buffer)
     result = optimizer.step(lr, weight_decay)
+    result.moe = moe.after_step(model, result.applied, dp_group, pp_group)  # the log's MoE values, expert bias
     return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
 

@@ -34,6 +34,7 @@ TINY = ("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear")
 RECOMPUTE = ("--use-recompute", "--recompute-granularity")
+MOE = ("--num-experts", "4", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01")
 
 
 def make_config(*argv: str) -> Config:
@@ -91,7 +92,10 @@ def compiled_parts(model: torch.nn.Module) -> list[_Compiled]:
     ((*RECOMPUTE, "full"), 3),
     ((*LLAMA, *RECOMPUTE, "only_attn"), 7),  # per layer _attention_block, the second norm, the MLP
     ((*LLAMA, *RECOMPUTE, "core_attn"), 7),  # per layer the two norms and the MLP
-], ids=["gpt2", "gpt2-recompute-full", "llama-recompute-only-attn", "llama-recompute-core-attn"])
+    ((*MOE, *RECOMPUTE, "full"), 3),  # the MoE layer runs eager inside the compiled _layer (a graph break)
+    ((*LLAMA, *MOE, *RECOMPUTE, "only_attn"), 7),  # the MoE layer in place of the MLP: eager
+], ids=["gpt2", "gpt2-recompute-full", "llama-recompute-only-attn", "llama-recompute-core-attn", "moe-recompute-full",
+        "llama-moe-recompute-only-attn"])
 def test_compiled_training_matches_eager_in_fp32(argv, parts, log_lines):
     eager_losses, eager_grads, _ = train(*argv)
     losses, grads, model = train(*argv, "--compile")

@@ -80,19 +80,21 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
 def test_accepted_flags_are_listed_once_at_start():
     notices: list[str] = []
     parse_config(["--mock-data", "--use-mcore-models", "--transformer-impl", "transformer_engine",
-                  "--expert-model-parallel-size", "1", "--manual-gc"], warnings=notices)
+                  "--num-distributed-optimizer-instances", "1", "--manual-gc"], warnings=notices)
     accepted = [n for n in notices if n.startswith("accepted, no effect here")]
     assert accepted == ["accepted, no effect here: --use-mcore-models, --transformer-impl transformer_engine, "
-                        "--expert-model-parallel-size 1, --manual-gc (docs/megatron.md says why)."]
+                        "--num-distributed-optimizer-instances 1, --manual-gc (docs/megatron.md says why)."]
 
 
 def test_unknown_and_absent_flags_are_reported_together():
     with pytest.raises(ConfigError) as err:
-        parse_config(["--num-layer", "2", "--num-experts", "8", "--moe-router-topk", "2", "--hiden-size", "8"])
+        parse_config(["--num-layer", "2", "--moe-router-num-groups", "8", "--moe-router-bias-kind", "2", "--hiden-size",
+                      "8"])
     text = str(err.value)
     assert "2 unknown arguments: '--num-layer' (did you mean '--num-layers'?), '--hiden-size' (did you mean " \
            "'--hidden-size'?)" in text
-    assert "--num-experts 8 (mixture of experts)" in text and "--moe-router-topk (mixture of experts)" in text
+    assert "--moe-router-num-groups 8 (group-limited routing" in text
+    assert "--moe-router-bias-kind (a mixture-of-experts option not built here" in text
 
 
 def test_megatron_defaults_apply_to_a_megatron_command_line_only(tmp_path):

@@ -1,0 +1,100 @@
+"""Mixture of experts: the layers ``moe_layer_freq`` chooses, and the checks of the MoE settings (part of
+``validate``)."""
+
+from __future__ import annotations
+
+import ast
+
+from megatron.config.cli import fail as _fail
+from megatron.config.schema import Config, ModelConfig
+
+
+def _pattern_value(node: ast.AST) -> int | list[int]:
+    """A Megatron-LM pattern expression: integers, lists of them, ``+`` of lists and ``*`` by an integer."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        items = [_pattern_value(item) for item in node.elts]
+        if all(isinstance(item, int) for item in items):
+            return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            return left * right
+    raise ValueError("not a pattern")
+
+
+def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
+    """Which of the ``num_layers`` layers are MoE layers under ``moe_layer_freq`` (Megatron-LM's forms): an integer
+    N (layers 0, N, 2N, ...), or a list of num_layers 0/1 entries, written out ('[1,0,1,0]') or as an expression
+    of lists ('([0]*1+[1]*3)*2'). Raises ValueError with the reason."""
+    text = str(freq).strip()
+    try:
+        value = _pattern_value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise ValueError(f"moe_layer_freq '{text}' must be an integer or a list of 0/1 per layer like '[1,0,1,0]' "
+                         f"or '([0]*1+[1]*3)*2'") from None
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"moe_layer_freq must be at least 1, got {value}")
+        return [i % value == 0 for i in range(num_layers)]
+    if len(value) != num_layers or any(v not in (0, 1) for v in value):
+        raise ValueError(f"moe_layer_freq '{text}' gives {len(value)} entries; it needs num_layers ({num_layers}) "
+                         f"entries, each 0 (dense) or 1 (MoE)")
+    return [v == 1 for v in value]
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether global layer ``layer`` is a MoE layer of the (validated) model."""
+    return bool(cfg.num_experts) and moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)[layer]
+
+
+def check_moe(config: Config) -> None:
+    """The MoE settings (after the layout is known). Expert parallelism, the experts' own tensor parallelism and
+    MoE under context parallelism are refused until they are built (under tensor parallelism every expert is
+    tensor-parallel like the MLP, the router replicated)."""
+    m, d = config.model, config.distributed
+    if d.expert_model_parallel_size != 1:
+        _fail(f"expert_model_parallel_size {d.expert_model_parallel_size}: expert parallelism is not built yet; "
+              f"leave it at 1 (every rank holds every expert).")
+    if d.expert_tensor_parallel_size is not None and d.expert_tensor_parallel_size != d.mp_degree:
+        _fail(f"expert_tensor_parallel_size {d.expert_tensor_parallel_size}: the experts' own tensor parallelism is "
+              f"not built yet; leave it unset (the model's mp_degree, {d.mp_degree}).")
+    if d.expert_model_parallel_size < 1:
+        _fail(f"expert_model_parallel_size must be at least 1, got {d.expert_model_parallel_size}.")
+    if m.num_experts is None:
+        return
+    try:
+        pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+    except ValueError as err:
+        _fail(str(err) + ".")
+    if m.num_experts < 1:
+        _fail(f"num_experts must be at least 1, got {m.num_experts}.")
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        _fail(f"moe_router_topk ({m.moe_router_topk}) must be from 1 to num_experts ({m.num_experts}).")
+    if not any(pattern):
+        _fail(f"moe_layer_freq '{m.moe_layer_freq}' makes no layer a MoE layer; give at least one 1, or drop "
+              f"--num-experts.")
+    if m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(m, name) is not None and getattr(m, name) < 1:
+            _fail(f"{name} must be at least 1, got {getattr(m, name)}.")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        if (getattr(m, name) or 0.0) < 0:
+            _fail(f"{name} must be >= 0, got {getattr(m, name)}.")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        _fail(f"moe_expert_capacity_factor must be positive (or unset: dropless), got {m.moe_expert_capacity_factor}.")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        _fail("moe_pad_expert_input_to_capacity needs a capacity: give --moe-expert-capacity-factor too.")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        _fail("moe_router_enable_expert_bias (aux-loss-free balancing) needs --moe-router-score-function sigmoid, "
+              "as in Megatron-LM.")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        _fail("moe_router_pre_softmax applies to the softmax router; drop it with --moe-router-score-function "
+              "sigmoid.")
+    if d.context_parallel_size > 1:
+        _fail(f"MoE layers under context_parallel_size {d.context_parallel_size} are not built yet; train the MoE "
+              f"model without context parallelism.")

@@ -1,0 +1,198 @@
+"""The top-k router of a mixture-of-experts layer, its balancing losses and the expert capacity: Megatron-LM's
+``TopKRouter`` and ``moe_utils`` (``topk_routing_with_score_function``, ``switch_load_balancing_loss_func``,
+``sequence_load_balancing_loss_func``, ``z_loss_func``, ``get_capacity``, ``MoEAuxLossAutoScaler``).
+
+Shapes: T tokens (the micro-batch's ``[s, b]`` positions flattened, sequence-major), E experts, k = topk.
+The router's weight is ``[E, h]`` without a bias; its logits ``x W^T`` are computed in the router dtype (fp32 by
+default, whatever the model's).
+
+Scores (``route``), the probabilities each token's chosen experts' outputs are weighted by:
+
+- softmax (default): the top k logits, then a softmax over those k;
+- softmax with ``pre_softmax``: a softmax over all E, then the top k (their probabilities not renormalised);
+- sigmoid: ``sigmoid(logits)``, the top k (chosen by the scores plus the expert bias when it is enabled; the bias
+  never enters the probabilities), normalised to sum to 1 over the k when k > 1.
+
+Balancing losses, their values before the coefficient (the coefficient multiplies them into the objective):
+
+- ``aux_loss`` (Switch Transformer): ``E / (k T^2) sum_e P_e N_e``, P_e the sum over tokens of the full score
+  distribution (softmax of the logits; sigmoid's normalised over E), N_e the tokens routed to e;
+- ``seq_aux_loss`` (DeepSeek-V2): the same per sequence, ``sum_e (N_e E / (k S)) mean_s(p_e)``, averaged over
+  the micro-batch's sequences;
+- z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``.
+
+Capacity (``moe_expert_capacity_factor`` f): each expert takes at most ``ceil(T k / E x f)`` tokens of the
+micro-batch (Megatron-LM's ``get_capacity``); ``probs`` keeps those with the highest probabilities, ``position``
+the first in the micro-batch's order. A dropped (token, expert) pair contributes nothing to the token's output
+(its other experts keep their probabilities, unrenormalised), as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config.schema import ModelConfig
+
+ROUTER_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp64": torch.float64}
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Megatron-LM's ``MoEAuxLossAutoScaler``: returns ``output`` unchanged; in the backward, gives ``aux_loss``
+    the gradient ``scale`` (``set_aux_loss_scale``), so the auxiliary losses join the objective without joining
+    the reported loss. The training step sets the scale to ``loss_scale / (micro-batches of the step over all
+    data-parallel ranks)``: the objective is the language-model loss plus the coefficient times the mean of the
+    auxiliary losses over the step's micro-batches (Megatron-LM's scale ``1 / num_microbatches``)."""
+
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, AuxLossScaler.scale)
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The gradient the auxiliary losses of the coming backwards get (see ``AuxLossScaler``)."""
+    AuxLossScaler.scale = float(scale)
+
+
+def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """Megatron-LM's ``get_capacity``: ``ceil(num_tokens / num_experts x capacity_factor)``, ``num_tokens`` the
+    (token, expert) assignments (T x k)."""
+    return math.ceil(num_tokens / num_experts * capacity_factor)
+
+
+def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
+                 expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [T, E], 0 off the chosen experts; routing map [T, E] bool) of ``logits`` [T, E]."""
+    if score_function == "softmax":
+        if pre_softmax:
+            probs, top = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+        else:
+            top_logits, top = torch.topk(logits, topk, dim=-1)
+            probs = torch.softmax(top_logits, dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            _, top = torch.topk(scores + expert_bias.to(scores.dtype), topk, dim=-1)
+            probs = scores.gather(1, top)
+        else:
+            probs, top = torch.topk(scores, topk, dim=-1)
+        if topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown router score function {score_function!r}")
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return torch.zeros_like(logits).scatter(1, top, probs), routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> torch.Tensor:
+    """The full score distribution [T, E] the balancing losses read: softmax of the logits, or the sigmoid scores
+    normalised over the experts (when k > 1), as Megatron-LM's ``compute_routing_scores_for_aux_loss``."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+
+
+def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int) -> torch.Tensor:
+    """``E / (k T^2) sum_e (sum_t probs[t, e]) tokens_per_expert[e]`` (coefficient 1)."""
+    num_tokens, num_experts = probs.shape
+    return (probs.sum(dim=0) * tokens_per_expert).sum() * (num_experts / (topk * num_tokens * num_tokens))
+
+
+def sequence_load_balancing_loss(probs: torch.Tensor, routing_map: torch.Tensor, batch_size: int,
+                                 topk: int) -> torch.Tensor:
+    """Megatron-LM's ``sequence_load_balancing_loss_func`` (coefficient 1); the tokens in ``[s, b]`` order."""
+    num_experts = probs.shape[1]
+    seq_length = probs.shape[0] // batch_size
+    probs = probs.view(seq_length, batch_size, num_experts)
+    routing_map = routing_map.view(seq_length, batch_size, num_experts)
+    cost = routing_map.sum(dim=0, dtype=probs.dtype) / (seq_length * topk / num_experts)  # [b, E]
+    return (cost * probs.mean(dim=0)).sum(dim=1).mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean(logsumexp(logits)^2)`` over the tokens (coefficient 1)."""
+    return torch.square(torch.logsumexp(logits, dim=-1)).mean()
+
+
+def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
+                   policy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, routing map) with each expert's tokens beyond ``capacity`` dropped: those of the lowest
+    probabilities (``probs``) or the last in order (``position``)."""
+    if capacity >= routing_map.shape[0]:
+        return probs, routing_map
+    if policy == "probs":
+        _, keep = torch.topk(probs, capacity, dim=0, sorted=False)
+        within = torch.zeros_like(routing_map).scatter(0, keep, True)
+    elif policy == "position":
+        within = torch.cumsum(routing_map.int(), dim=0) <= capacity
+    else:
+        raise ValueError(f"unknown token drop policy {policy!r}")
+    kept = routing_map & within
+    return probs * kept, kept
+
+
+class TopKRouter(nn.Module):
+    """Chooses each token's k experts and their probabilities, and computes the balancing losses.
+
+    ``forward(x [T, h], batch_size)`` returns (probs [T, E] in the router dtype, routing map [T, E] of the kept
+    (token, expert) pairs, chosen [T, E]: the router's choice before the capacity, the auxiliary loss to add to the
+    objective (coefficients applied; None when there is none), the balancing loss's value before its
+    coefficient (the Switch loss for ``none`` and the expert bias, for the log))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
+        self.score_function, self.pre_softmax = cfg.moe_router_score_function, cfg.moe_router_pre_softmax
+        self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
+        self.balancing, self.aux_coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
+        self.z_coeff = cfg.moe_z_loss_coeff
+        self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.moe_router_enable_expert_bias:  # not trained: moved after each step by the step's loads (stats.py)
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = None
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, topk={self.topk}, score={self.score_function}"
+                f"{', pre_softmax' if self.pre_softmax else ''}, balancing={self.balancing}")
+
+    def _apply(self, fn, recurse=True):
+        """The expert bias stays fp32 whatever dtype the model is cast to (its updates are ~1e-3)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
+    def forward(self, x: torch.Tensor, batch_size: int):
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E]
+        probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias)
+        kept = chosen
+        if self.capacity_factor is not None:
+            capacity = get_capacity(logits.shape[0] * self.topk, self.num_experts, self.capacity_factor)
+            probs, kept = apply_capacity(probs, chosen, capacity, self.drop_policy)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.balancing != "none" and self.aux_coeff > 0):
+            scores = scores_for_aux_loss(logits, self.topk, self.score_function)
+            if self.balancing == "seq_aux_loss":
+                balance = sequence_load_balancing_loss(scores, chosen, batch_size, self.topk)
+            else:
+                balance = switch_load_balancing_loss(scores, chosen.sum(dim=0, dtype=scores.dtype), self.topk)
+        aux = None
+        if self.balancing != "none" and self.aux_coeff > 0:
+            aux = self.aux_coeff * balance
+        if self.z_coeff:
+            z = self.z_coeff * z_loss(logits)
+            aux = z if aux is None else aux + z
+        return probs, kept, chosen, aux, balance.detach()

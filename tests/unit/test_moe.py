@@ -1,0 +1,421 @@
+"""Mixture of experts (megatron/moe, docs/moe.md): the layer against a plain per-token loop over the chosen
+experts (forward and gradients), the balancing losses against their formulas written out here, the
+configuration and its refusals, and training runs (the loss falls, the log's two values, each balancing method
+lowers the load of the most loaded expert)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron import moe, parallel_state
+from megatron.config import ConfigError, parse_config, validate
+from megatron.config.validate_moe import moe_layer_pattern
+from megatron.inference import InferenceEngine, Request, SamplingParams
+from megatron.metrics import model_flops_per_token
+from megatron.model import build_model
+from megatron.model.gpt import GPTModel
+from megatron.model.init import init_parameters
+from megatron.model.transformer import MLP
+from megatron.moe.router import get_capacity, scores_for_aux_loss
+from tests.functional.launch import run_here
+
+H, E = 16, 4
+
+
+def moe_config(*flags: str, layers: int = 1):
+    config = parse_config(["--mock-data", "--num-layers", str(layers), "--hidden-size", str(H),
+                           "--num-attention-heads", "2", "--vocab-size", "64", "--max-seq-len", "8",
+                           "--ffn-hidden-size", "24", "--num-experts", str(E), *flags])
+    validate(config)
+    return config
+
+
+def make_layer(*flags: str, seed: int = 0) -> moe.MoELayer:
+    parallel_state.initialize()
+    torch.manual_seed(seed)
+    layer = moe.MoELayer(moe_config("--moe-router-dtype", "fp64", *flags).model, MLP).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.5)
+    return layer
+
+
+# --------------------------------------------------------------------------- the reference: one token at a time
+
+def mlp_by_formula(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """The MLP of one token, from its weights: GELU, or SwiGLU with rows 2j (gate) and 2j + 1 (up) interleaved."""
+    w1, w2 = mlp.dense_h_to_4h.weight, mlp.dense_4h_to_h.weight
+    b1 = mlp.dense_h_to_4h.bias if mlp.dense_h_to_4h.bias is not None else torch.zeros(w1.shape[0], dtype=x.dtype)
+    b2 = mlp.dense_4h_to_h.bias if mlp.dense_4h_to_h.bias is not None else torch.zeros(w2.shape[0], dtype=x.dtype)
+    y = w1 @ x + b1
+    hidden = F.silu(y[0::2]) * y[1::2] if mlp.swiglu else F.gelu(y, approximate="tanh")
+    return w2 @ hidden + b2
+
+
+def reference_routing(layer: moe.MoELayer, tokens: torch.Tensor) -> list[dict[int, torch.Tensor]]:
+    """Per token: {expert: probability} of its chosen experts, by the rules of docs/moe.md, one token at a time."""
+    r = layer.router
+    out = []
+    for x in tokens:
+        logits = r.weight.double() @ x.double()
+        key = logits.detach()
+        if r.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            chosen = sorted(range(E), key=lambda e: -float(torch.sigmoid(key[e])))[: r.topk]
+            total = sum(scores[e] for e in chosen)
+            out.append({e: scores[e] / total if r.topk > 1 else scores[e] for e in chosen})
+        elif r.pre_softmax:
+            p = torch.exp(logits) / torch.exp(logits).sum()
+            chosen = sorted(range(E), key=lambda e: -float(key[e]))[: r.topk]
+            out.append({e: p[e] for e in chosen})
+        else:
+            chosen = sorted(range(E), key=lambda e: -float(key[e]))[: r.topk]
+            z = sum(torch.exp(logits[e]) for e in chosen)
+            out.append({e: torch.exp(logits[e]) / z for e in chosen})
+    return out
+
+
+def reference_capacity(routes: list[dict], capacity: int, policy: str) -> list[dict]:
+    kept = [dict(r) for r in routes]
+    for e in range(E):
+        tokens = [t for t, r in enumerate(routes) if e in r]
+        if policy == "probs":
+            tokens = sorted(tokens, key=lambda t: -float(routes[t][e].detach()))
+        for t in tokens[capacity:]:
+            del kept[t][e]
+    return kept
+
+
+def reference_forward(layer: moe.MoELayer, x: torch.Tensor, capacity_policy: str | None = None) -> torch.Tensor:
+    s, b, h = x.shape
+    tokens = x.reshape(s * b, h)
+    routes = reference_routing(layer, tokens)
+    if capacity_policy:
+        capacity = get_capacity(s * b * layer.router.topk, E, layer.router.capacity_factor)
+        routes = reference_capacity(routes, capacity, capacity_policy)
+    rows = []
+    for x_t, route in zip(tokens, routes):
+        y = sum((p * mlp_by_formula(layer.experts[e], x_t) for e, p in route.items()), torch.zeros_like(x_t))
+        if layer.shared_expert is not None:
+            y = y + mlp_by_formula(layer.shared_expert, x_t)
+        rows.append(y)
+    return torch.stack(rows).view(s, b, h)
+
+
+def assert_layer_matches_reference(layer: moe.MoELayer, capacity_policy: str | None = None, seed: int = 1):
+    x = torch.randn(5, 3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    upstream = torch.randn(5, 3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    ours = layer(x)
+    (ours * upstream).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}, x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    ref = reference_forward(layer, x, capacity_policy)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(grads[0][name], p.grad, rtol=1e-9, atol=1e-10, msg=name)
+    torch.testing.assert_close(grads[1], x.grad, rtol=1e-9, atol=1e-10)
+
+
+ROUTERS = {"softmax": [], "pre_softmax": ["--moe-router-pre-softmax"],
+           "sigmoid": ["--moe-router-score-function", "sigmoid"]}
+NO_AUX = ["--moe-router-load-balancing-type", "none"]
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+@pytest.mark.parametrize("mlp", [[], ["--swiglu"], ["--swiglu", "--disable-bias-linear"]], ids=["gelu", "swiglu",
+                                                                                                  "swiglu_nobias"])
+def test_layer_matches_a_per_token_loop(router, mlp):
+    assert_layer_matches_reference(make_layer(*ROUTERS[router], *mlp, *NO_AUX))
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_layer_matches_with_other_topk(topk):
+    assert_layer_matches_reference(make_layer("--moe-router-topk", str(topk), *NO_AUX))
+    assert_layer_matches_reference(make_layer("--moe-router-topk", str(topk), *ROUTERS["sigmoid"], *NO_AUX))
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_drops_as_documented(policy, pad):
+    flags = ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", policy, *NO_AUX]
+    layer = make_layer(*flags, *(["--moe-pad-expert-input-to-capacity"] if pad else []))
+    assert get_capacity(15 * 2, E, 0.5) == 4  # 15 tokens x top-2 over 4 experts x 0.5: some are dropped
+    assert_layer_matches_reference(layer, capacity_policy=policy)
+
+
+def test_shared_expert_and_expert_width():
+    layer = make_layer("--moe-shared-expert-intermediate-size", "12", "--moe-ffn-hidden-size", "8", "--swiglu",
+                       *NO_AUX)
+    assert layer.shared_expert.dense_h_to_4h.weight.shape == (24, H) and layer.experts[0].dense_h_to_4h.weight.shape \
+        == (16, H)
+    assert_layer_matches_reference(layer)
+
+
+# --------------------------------------------------------------------------- balancing losses, by their formulas
+
+def _tokens(seed=3, s=6, b=2):
+    return torch.randn(s, b, H, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _router_grad(layer, x):
+    layer.zero_grad()
+    layer(x).sum().backward()
+    return layer.router.weight.grad.clone()
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_balancing_loss_values_and_gradients(kind):
+    coeff, z_coeff = 0.3, 0.05
+    layer = make_layer("--moe-router-load-balancing-type", kind, "--moe-aux-loss-coeff", str(coeff),
+                       "--moe-z-loss-coeff", str(z_coeff))
+    x = _tokens()
+    s, b, _ = x.shape
+    tokens = x.reshape(s * b, H)
+
+    def formulas(weight):
+        logits = tokens @ weight.t()  # [T, E], token t = position * b + sample
+        p = torch.softmax(logits, dim=-1)
+        chosen = torch.zeros(s * b, E, dtype=torch.float64)
+        for t, route in enumerate(reference_routing(layer, tokens)):
+            for e in route:
+                chosen[t, e] = 1.0
+        k, T = layer.router.topk, s * b
+        if kind == "aux_loss":
+            balance = sum(p[:, e].sum() * chosen[:, e].sum() for e in range(E)) * E / (k * T * T)
+        else:  # per sequence j: sum_e (N_je E / (k s)) mean over its positions of p_e; mean over sequences
+            balance = sum(sum(chosen[j::b, e].sum() * E / (k * s) * p[j::b, e].mean() for e in range(E))
+                          for j in range(b)) / b
+        z = (torch.logsumexp(logits, dim=-1) ** 2).mean()
+        return balance, z
+
+    balance, z = formulas(layer.router.weight.detach())
+    layer.train()
+    layer.reset_stats()
+    grad = _router_grad(layer, x)
+    assert layer.micro_batches == 1 and math.isclose(layer.balance_sum, float(balance), rel_tol=1e-12)
+    # the gradient is that of sum(output) + coeff * balance + z_coeff * z
+    weight = layer.router.weight.detach().clone().requires_grad_(True)
+    bal, zz = formulas(weight)
+    (coeff * bal + z_coeff * zz).backward()
+    no_aux = make_layer("--moe-router-load-balancing-type", "none")
+    no_aux.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(grad, _router_grad(no_aux, x) + weight.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_aux_loss_gradient_takes_the_steps_scale():
+    layer = make_layer("--moe-aux-loss-coeff", "0.5")
+    x = _tokens()
+    base = make_layer("--moe-router-load-balancing-type", "none")
+    base.load_state_dict(layer.state_dict())
+    aux_grad = _router_grad(layer, x) - _router_grad(base, x)
+    try:
+        moe.before_step(layer, micro_batches=4, dp_group=None, loss_scale=2.0)  # 2 / 4 micro-batches
+        torch.testing.assert_close(_router_grad(layer, x) - _router_grad(base, x), aux_grad * 0.5)
+    finally:
+        moe.set_aux_loss_scale(1.0)
+
+
+def test_sigmoid_aux_scores_and_expert_bias_choose_but_do_not_weight():
+    layer = make_layer(*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", *NO_AUX)
+    x = _tokens()
+    tokens = x.reshape(-1, H)
+    logits = tokens @ layer.router.weight.t().detach()
+    scores = torch.sigmoid(logits)
+    torch.testing.assert_close(scores_for_aux_loss(logits, 2, "sigmoid"), scores / scores.sum(-1, keepdim=True))
+    layer.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # experts 0 and 1 always chosen
+    probs, kept, *_ = layer.router(tokens, 2)
+    assert kept[:, :2].all() and not kept[:, 2:].any()
+    torch.testing.assert_close(probs[:, :2], scores[:, :2] / scores[:, :2].sum(-1, keepdim=True))
+
+
+# --------------------------------------------------------------------------- the model: layers, recompute, FLOPs
+
+def test_layer_pattern_forms():
+    assert moe_layer_pattern("1", 3) == [True] * 3
+    assert moe_layer_pattern("2", 4) == [True, False, True, False]
+    assert moe_layer_pattern("[0,1,1]", 3) == [False, True, True]
+    assert moe_layer_pattern("([0]*1+[1]*3)*2", 8) == [False, True, True, True] * 2
+    for bad in ("[1,0]", "0", "__import__('os')", "[2,0,0]"):
+        with pytest.raises(ValueError):
+            moe_layer_pattern(bad, 3)
+
+
+def _model(*flags):
+    config = moe_config("--num-layers", "3", "--moe-layer-freq", "[1,0,1]", "--hidden-dropout-prob", "0",
+                        "--attention-probs-dropout-prob", "0", "--moe-aux-loss-coeff", "0.1", *flags)
+    parallel_state.initialize()
+    model = GPTModel(config.model, config.padded_vocab_size, *(("full",) if "--use-recompute" in flags else ()))
+    init_parameters(model, 7, config.model)
+    return config, model
+
+
+def test_model_places_moe_layers_and_recompute_counts_once():
+    config, model = _model()
+    assert [type(model.layers[str(i)].mlp).__name__ for i in range(3)] == ["MoELayer", "MLP", "MoELayer"]
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (False, True):
+        _, m = _model(*(["--use-recompute"] if recompute else []))
+        moe.before_step(m, 1, None, 1.0)
+        m(tokens, labels=tokens).sum().backward()
+        stats = moe.after_step(m, applied=True)
+        results.append((stats, {n: p.grad for n, p in m.named_parameters()}))
+    assert results[0][0] == results[1][0]  # the recompute records nothing twice
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, msg=name)
+    assert results[0][0]["expert_load_max"] >= 1.0
+
+
+def test_flops_count_active_parameters():
+    dense = moe_config("--num-layers", "2")
+    dense.model.num_experts = None
+    sparse = moe_config("--num-layers", "2", "--moe-layer-freq", "2", "--moe-router-topk", "1")
+    # a top-1 expert as wide as the MLP: the same FLOPs plus the router's, in the one MoE layer
+    assert model_flops_per_token(sparse) == model_flops_per_token(dense) + 3.0 * 2 * H * E
+
+
+# --------------------------------------------------------------------------- configuration
+
+def test_flags_are_megatrons():
+    config = moe_config("--moe-layer-freq", "([1]*1)*1", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "1e-2",
+                        "--moe-token-dispatcher-type", "allgather", "--moe-grouped-gemm",
+                        "--expert-model-parallel-size", "1", "--moe-router-dtype", "fp64",
+                        "--moe-shared-expert-overlap")
+    m = config.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_ffn_hidden_size) == (E, 1, 1e-2, 24)
+    assert config.distributed.expert_model_parallel_size == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-model-parallel-size", "2"], "expert parallelism is not built yet"),
+    (["--expert-tensor-parallel-size", "2"], "tensor parallelism is not built yet"),
+    (["--moe-router-topk", "5"], "moe_router_topk (5) must be from 1 to num_experts (4)"),
+    (["--moe-router-topk", "0"], "moe_router_topk (0) must be from 1"),
+    (["--moe-layer-freq", "[1,0]"], "needs num_layers (1) entries"),
+    (["--moe-expert-capacity-factor", "0"], "moe_expert_capacity_factor must be positive"),
+    (["--moe-pad-expert-input-to-capacity"], "needs a capacity"),
+    (["--moe-router-enable-expert-bias"], "needs --moe-router-score-function sigmoid"),
+    (["--moe-aux-loss-coeff", "-1"], "moe_aux_loss_coeff must be >= 0"),
+])
+def test_refusals_are_one_line(flags, message):
+    with pytest.raises(ConfigError) as err:
+        moe_config(*flags)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_refusals_through_pretrain_gpt():
+    proc = run_here("--mock-data", "--device", "cpu", "--num-experts", "4", "--expert-model-parallel-size", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: expert_model_parallel_size 2: expert "
+                                                "parallelism is not built yet; leave it at 1 (every rank holds every "
+                                                "expert)."]
+    context_parallel = parse_config(["--mock-data", "--num-experts", "4", "--context-parallel-size", "2",
+                                     "--attention-probs-dropout-prob", "0"])
+    with pytest.raises(ConfigError, match="^MoE layers under context_parallel_size 2 are not built yet; train the MoE "
+                                          "model without context parallelism.$"):
+        validate(context_parallel, world_size=2)
+    proc = run_here("--mock-data", "--num-experts", "4", "--moe-router-num-groups", "2")
+    assert proc.returncode == 2 and "--moe-router-num-groups 2 (group-limited routing" in proc.stderr
+
+
+# --------------------------------------------------------------------------- training
+
+TRAIN = ["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--vocab-size", "64", "--max-seq-len", "16", "--max-position-embeddings", "16", "--global-batch-size", "8",
+         "--micro-batch-size", "4", "--lr", "1e-2", "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob",
+         "0", "--eval-freq", "100", "--eval-iters", "1", "--num-workers", "0", "--no-save-at-end", "--seed", "3",
+         "--num-experts", "4", "--moe-router-topk", "2", "--ffn-hidden-size", "32", "--warmup-rate", "0"]
+
+
+def _train(tmp_path, name, *flags, steps=12):
+    out = tmp_path / name
+    proc = run_here(*TRAIN, "--max-steps", str(steps), "--save", str(out), *flags)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_loss_falls_and_logs_moe_values(tmp_path):
+    records = _train(tmp_path, "run", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3")
+    train = [r for r in records if r["split"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3
+    assert all(r["expert_load_max"] >= 1.0 and r["load_balancing_loss"] > 0.9 for r in train)
+    valid = [r for r in records if r["split"] == "valid"]
+    assert valid and "load_balancing_loss" not in valid[0]
+
+
+def _mean_load(records, last=6):
+    loads = [r["expert_load_max"] for r in records if r["split"] == "train"]
+    return sum(loads[-last:]) / last
+
+
+@pytest.mark.parametrize("router, balancing", [
+    ([], ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1.0"]),
+    ([], ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1.0"]),
+    (ROUTERS["sigmoid"], ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.02"]),
+], ids=["aux_loss", "seq_aux_loss", "expert_bias"])
+def test_each_balancing_method_lowers_the_most_loaded_expert(tmp_path, router, balancing):
+    none = _train(tmp_path, "none", *router, "--moe-router-load-balancing-type", "none")
+    balanced = _train(tmp_path, "balanced", *router, *balancing)
+    assert _mean_load(balanced) < _mean_load(none) - 0.05, (_mean_load(balanced), _mean_load(none))
+
+
+def test_generation_with_the_kv_cache_matches_full_forwards():
+    config = moe_config("--num-layers", "2", "--moe-layer-freq", "[0,1]", "--swiglu", "--initializer-range", "0.2",
+                        "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0")
+    model = build_model(config).eval()
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    requests = [Request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)) for p in prompts]
+    generated = [c.tokens for c in InferenceEngine(model, config, tokenizer=None).generate(requests)]
+    for prompt, tokens in zip(prompts, generated):
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):
+                logits = model(torch.tensor([seq]))[0, -1, : config.model.vocab_size]
+                seq.append(int(logits.argmax()))
+        assert tokens == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("flags", [[], ["--swiglu", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+                                        "8", "--moe-ffn-hidden-size", "12"]])
+def test_parameter_count_of_the_memory_estimate_is_exact(flags):
+    from megatron.optimizer.memory import parameters_per_rank
+
+    config = moe_config("--num-layers", "3", "--moe-layer-freq", "[1,0,1]", *flags)
+    parallel_state.initialize()
+    model = GPTModel(config.model, config.padded_vocab_size)
+    assert parameters_per_rank(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_resume_keeps_the_expert_bias(tmp_path):
+    bias = [*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+            "--save-interval", "3"]
+    whole = _train(tmp_path, "whole", *bias, steps=6)
+    resumed = _train(tmp_path, "resumed", *bias, "--load", str(tmp_path / "whole" / "step_3"), steps=6)
+    losses = [r["loss"] for r in whole if r["split"] == "train"]
+    assert [r["loss"] for r in resumed if r["split"] == "train"] == pytest.approx(losses[3:], rel=1e-6)
+    common = json.loads((tmp_path / "whole" / "step_3" / "common.json").read_text())
+    assert set(common["train_state"]["moe_expert_bias"]) == {"0", "1"}
+
+
+def test_the_scaled_down_megatron_mixtral_script_of_the_docs_runs(tmp_path):
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "moe.md").read_text()
+    script = re.search(r"```bash\n(python pretrain_gpt.py .*?)```", text, re.S).group(1)
+    argv = shlex.split(script.replace("\\\n", " "))[2:]
+    argv[argv.index("output/mixtral-tiny")] = str(tmp_path / "run")
+    proc = run_here(*argv)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3]
+    assert "accepted, no effect here: --use-mcore-models, --no-masked-softmax-fusion, --no-position-embedding" \
+        in proc.stderr
