@@ -25,7 +25,7 @@ def _parameters_shown(config: Config, on_rank: int, ps) -> str:
     """Rank 0's parameter count; split by tp or pp, with the whole model's (as exported: unpadded by tp)."""
     if ps.tp_size * ps.pp_size == 1:
         return f"{on_rank / 1e6:.2f}M parameters"
-    whole = parameters_per_rank(config)
+    whole = parameters_per_rank(config, ep=1, etp=1)
     return f"{on_rank / 1e6:.2f}M parameters on rank 0 (tp rank 0, pipeline stage 0) of {whole / 1e6:.2f}M in the model"
 
 

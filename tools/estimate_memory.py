@@ -34,7 +34,12 @@ from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.device import cuda_available  # noqa: E402
 from megatron.memory import check, estimate  # noqa: E402
 from megatron.memory.activations import activation_terms, attention_kernel, temporary_terms  # noqa: E402
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, training_precision  # noqa: E402
+from megatron.optimizer.memory import (  # noqa: E402
+    expert_grid,
+    parameters_per_rank,
+    rank_model_state_bytes,
+    training_precision,
+)
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
 
 GIB = 2**30
@@ -72,13 +77,18 @@ def _model_state_rows(config) -> None:
     precision, sharding = training_precision(config), config.zero_shards
     cp = f" x cp {d.context_parallel_size} ({d.cp_comm_type})" if d.context_parallel_size > 1 else ""
     over = f", its shards spanning cp: {sharding} ranks" if config.shards_over_context_parallel else ""
+    experts = ""
+    if config.model.num_experts:
+        ep, etp, edp = expert_grid(config)
+        experts = (f"; experts: ep {ep} x etp {etp} x edp {edp}, {config.model.num_experts // ep} of "
+                   f"{config.model.num_experts} per rank")
     print(f"tp {d.mp_degree}{cp} x pp {d.pp_degree} x dp {d.dp_degree} x sharding {d.sharding.sharding_degree} "
-          f"(stage {d.sharding.sharding_stage}{over}), {precision}; GiB per rank:")
+          f"(stage {d.sharding.sharding_stage}{over}), {precision}{experts}; GiB per rank:")
     print(f"{'stage':>5} {'params (M)':>11} {'parameters':>11} {'gradients':>10} {'master':>8} {'AdamW':>8} "
           f"{'device':>8} {'CPU':>8}")
     for stage in range(d.pp_degree):
         n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
-        b = model_state_bytes(n, precision, sharding, d.sharding.sharding_stage, d.sharding.sharding_offload)
+        b = rank_model_state_bytes(config, stage)
         gib = [x / GIB for x in (b.parameters, b.gradients, b.master_weights, b.optimizer_states, b.device_total,
                                  b.cpu_total)]
         print(f"{stage:>5} {n / 1e6:>11.1f} {gib[0]:>11.2f} {gib[1]:>10.2f} {gib[2]:>8.2f} {gib[3]:>8.2f} "

@@ -59,7 +59,9 @@ from dataclasses import dataclass
 
 from megatron.config.layer_split import chunk_layers, segment, stage_layers
 from megatron.config.schema import Config
+from megatron.config.validate_moe import is_moe_layer
 from megatron.context_parallel.blocks import MATH_TILE_BYTES
+from megatron.memory.moe import MoEDims, dispatch_temporary_bytes, moe_dims, moe_terms
 from megatron.model.gpt import recompute_plan
 from megatron.model.transformer import attention_shape
 from megatron.pipeline_parallel import schedule_tables as tables
@@ -93,6 +95,8 @@ class Dims:
     cp: int = 1  # context-parallel size: this rank holds s / cp tokens of each sample
     cp_comm: str = "p2p"  # p2p, all_gather or a2a (with cp > 1)
     documents: bool = False  # packed documents (reset_attention_mask): attention per document
+    moe: MoEDims | None = None  # a mixture of experts' sizes (``megatron.memory.moe``)
+    moe_layers: tuple[bool, ...] = ()  # per global layer: a MoE layer
 
     @property
     def n(self) -> int:
@@ -141,7 +145,12 @@ def dims(config: Config, kernel: str | None = None) -> Dims:
                 rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu,
                 rot=int(hd * m.rotary_percent) if m.position_embedding_type == "rope" else 0,
                 learned_positions=m.position_embedding_type == "learned_absolute", cp=d.context_parallel_size,
-                cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask)
+                cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask, moe=moe_dims(config),
+                moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers)))
+
+
+def is_moe(D: Dims, layer: int) -> bool:
+    return bool(D.moe_layers) and D.moe_layers[layer]
 
 
 # ---------------------------------------------------------------------------- one decoder layer
@@ -212,14 +221,18 @@ def attention_terms(D: Dims) -> dict[str, int]:
     return terms
 
 
-def layer_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
-    """Bytes one decoder layer's forward saves, by term (``recompute``: its granularity or None)."""
+def layer_terms(D: Dims, recompute: str | None = None, moe: bool = False) -> dict[str, int]:
+    """Bytes one decoder layer's forward saves, by term (``recompute``: its granularity or None; ``moe``: a
+    mixture of experts in place of the MLP, ``megatron.memory.moe``)."""
     x = D.n_sp * D.h * D.d  # the layer's input
     if recompute == "full":
         return {"layer input": x}
     mask = D.n_sp * D.h * D.mask if D.hidden_dropout else 0
-    mlp = (4 if D.swiglu else 2) * D.n * D.f * D.d
-    terms = {"norm2": norm_bytes(D, D.n_sp), "fc1 input": D.n_sp * D.h * D.d, "mlp": mlp, "dropout mask 2": mask}
+    if moe:
+        ffn = moe_terms(D.moe, D.n, D.b, D.h, D.d, D.swiglu)
+    else:
+        ffn = {"fc1 input": D.n_sp * D.h * D.d, "mlp": (4 if D.swiglu else 2) * D.n * D.f * D.d}
+    terms = {"norm2": norm_bytes(D, D.n_sp), **ffn, "dropout mask 2": mask}
     if recompute in ("only_attn", "full_attn"):
         return {"layer input": x, **terms}
     core = {"attention q, k, v": qkv_bytes(D)} if recompute == "core_attn" else attention_terms(D)
@@ -227,8 +240,8 @@ def layer_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
             "dense input": D.n * D.a * D.hd * D.d, "dropout mask 1": mask, **terms}
 
 
-def layer_bytes(D: Dims, recompute: str | None = None) -> int:
-    return sum(layer_terms(D, recompute).values())
+def layer_bytes(D: Dims, recompute: str | None = None, moe: bool = False) -> int:
+    return sum(layer_terms(D, recompute, moe).values())
 
 
 # ---------------------------------------------------------------------------- chunks and stages
@@ -272,7 +285,7 @@ def chunk_terms(config: Config, stage: int = 0, chunk: int = 0, kernel: str | No
         if len(unit) > 1:  # checkpointed as one: only the unit's input is kept
             terms["layer input"] += D.n_sp * D.h * D.d
             continue
-        terms.update(layer_terms(D, per_layer[unit[0]]))
+        terms.update(layer_terms(D, per_layer[unit[0]], is_moe(D, unit[0])))
     first = per_layer[units[0][0]] if units and len(units[0]) == 1 else "full"
     keeps_input = first in ("full", "only_attn", "full_attn") or saves_input_itself(D)
     if pre and keeps_input and D.sp and not D.hidden_dropout and layers:
@@ -387,8 +400,8 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
             recomputed = [per_layer[i] for i in unit] if len(unit) == 1 else ["unit"]
             if recomputed[0] is None:
                 continue
-            full = len(unit) * layer_bytes(D, None)
-            kept = D.n_sp * D.h * D.d if recomputed[0] == "unit" else layer_bytes(D, recomputed[0])
+            full = sum(layer_bytes(D, None, is_moe(D, i)) for i in unit)
+            kept = D.n_sp * D.h * D.d if recomputed[0] == "unit" else layer_bytes(D, recomputed[0], is_moe(D, unit[0]))
             terms["recompute"] = max(terms["recompute"], full - kept)
     if D.kernel == "math" and not (D.cp > 1 and D.cp_comm != "a2a"):
         terms["attention scores"] = 2 * 4 * D.n * D.a * D.s  # b a s^2 (a2a: a / cp heads)
@@ -396,6 +409,8 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
         terms["sequence-parallel gather"] = D.n * D.h * D.d
     if D.cp > 1:
         terms["context-parallel attention"] = max(context_parallel_terms(D).values())
+    if D.moe is not None and any(is_moe(D, i) for layers, _, _ in chunk_specs(config, stage) for i in layers):
+        terms["expert dispatch"] = dispatch_temporary_bytes(D.moe, D.n, D.h, D.d)
     return {k: v for k, v in terms.items() if v}
 
 

@@ -3,12 +3,14 @@
 ``estimate(config, stage)`` adds:
 
 - ``model_states``: what the rank holds on the device between steps (``megatron/optimizer/memory.py``:
-  parameters, fp32 gradients, masters, AdamW states, by the sharding stage in effect; offloaded states
+  parameters, fp32 gradients, masters, AdamW states, by the sharding stage in effect; a MoE model's experts
+  those of its expert-parallel rank, sharded over the expert-data-parallel ranks; offloaded states
   excluded) plus what exists only during a step (``step_transient_bytes``: stage 2's full gradient
   buffer, stage 3's gathered parameters and gradients);
 - ``activations``: the bytes the micro-batches in flight on this stage have saved for the backward,
   at the schedule's peak (``activations.peak_activation_bytes``);
-- ``temporaries``: the largest transient buffer (``activations.largest_temporary_bytes``).
+- ``temporaries``: the largest transient buffer (``activations.largest_temporary_bytes``; with expert
+  parallelism the token dispatch's buffers among them, ``megatron.memory.moe``).
 
 ``total`` is their sum: a lower bound of the device's peak (no allocator slack, no CUDA context, no
 activation gradients).
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron.config.schema import Config
 from megatron.memory import activations as act
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, step_transient_bytes, training_precision
+from megatron.optimizer.memory import rank_model_state_bytes, step_transient_bytes
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,7 @@ class MemoryEstimate:
 
 def estimate(config: Config, stage: int = 0, kernel: str | None = None) -> MemoryEstimate:
     """The memory of ``stage`` for a validated ``config`` (``kernel``: see ``activations.dims``)."""
-    d = config.distributed
-    num_params = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
-    states = model_state_bytes(num_params, training_precision(config), config.zero_shards,
-                               d.sharding.sharding_stage, d.sharding.sharding_offload)
+    states = rank_model_state_bytes(config, stage)
     model_states = states.device_total + step_transient_bytes(config, stage)
     per_chunk = [act.activation_bytes_per_microbatch(config, stage, c, kernel)
                  for c in range(len(act.chunk_specs(config, stage)))]

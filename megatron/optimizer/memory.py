@@ -56,6 +56,13 @@ class ModelStateBytes:
     def cpu_total(self) -> int:
         return self.master_weights + self.optimizer_states + self.cpu_gradients if self.offload else 0
 
+    def __add__(self, other: ModelStateBytes) -> ModelStateBytes:
+        """Two groups of parameters of one rank (the dense ones and the experts), by the same headings."""
+        return ModelStateBytes(self.parameters + other.parameters, self.gradients + other.gradients,
+                               self.master_weights + other.master_weights,
+                               self.optimizer_states + other.optimizer_states,
+                               self.cpu_gradients + other.cpu_gradients, self.offload or other.offload)
+
 
 def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 1, stage: int = 1,
                       offload: bool = False) -> ModelStateBytes:
@@ -74,10 +81,38 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
                            cpu_gradients=4 * shard if offload else 0, offload=offload)
 
 
+def expert_grid(config: Config) -> tuple[int, int, int]:
+    """(ep, etp, edp) of a validated configuration: within a pipeline stage the tp x cp x dp x sharding ranks are
+    re-cut for the experts as etp x ep x edp (etp fastest); etp defaults to the model's tp."""
+    d = config.distributed
+    ep, etp = d.expert_model_parallel_size, d.expert_tensor_parallel_size or d.mp_degree
+    stage_ranks = d.mp_degree * d.context_parallel_size * (d.dp_degree or 1) * d.sharding.sharding_degree
+    return ep, etp, max(1, stage_ranks // (ep * etp))
+
+
 def training_precision(config: Config) -> str:
     """"fp32", "bf16" or "fp16": the parameters' dtype (``mix_precision``)."""
     mp = config.mix_precision
     return "bf16" if mp.bf16 else "fp16" if mp.use_pure_fp16 else "fp32"
+
+
+def expert_shards(config: Config) -> int:
+    """The ranks the experts' states are sharded over: every expert-data-parallel rank (edp, no replicas) when
+    the optimizer is sharded (the dense states over ``zero_shards`` > 1), else 1 (all-reduced over edp)."""
+    return expert_grid(config)[2] if config.zero_shards > 1 else 1
+
+
+def rank_model_state_bytes(config: Config, pp_rank: int = 0) -> ModelStateBytes:
+    """What a rank of pipeline stage ``pp_rank`` holds between steps: its dense parameters' states over the
+    ZeRO shard group (``zero_shards``) plus, for a MoE model, its experts' (``parameter_split``) over
+    ``expert_shards``, by the same stage rule and offload."""
+    d = config.distributed
+    dense, experts = parameter_split(config, d.mp_degree, d.pp_degree, pp_rank)
+    precision, stage, offload = training_precision(config), d.sharding.sharding_stage, d.sharding.sharding_offload
+    states = model_state_bytes(dense, precision, config.zero_shards, stage, offload)
+    if experts:
+        states = states + model_state_bytes(experts, precision, expert_shards(config), stage, offload)
+    return states
 
 
 def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
@@ -85,12 +120,14 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     under stage 2 the full fp32 gradient buffer (4P, of which the 4P/N shard stays between steps);
     under stage 3 the full parameters and fp32 gradients of what is gathered: without pipelining the
     non-layer parameters (the root) and two decoder layers, with pipelining the whole stage (gathered at
-    its first forward, kept until the reduce-scatter after its last backward). Stage 1: none."""
+    its first forward, kept until the reduce-scatter after its last backward). Stage 1: none. The experts
+    (their own shards over ``expert_shards``) likewise, a layer's gathered with it."""
     d = config.distributed
     tp, pp, sharding = d.mp_degree, d.pp_degree, config.zero_shards
     stage = sharding_stage(sharding, d.sharding.sharding_stage)
-    num_params = parameters_per_rank(config, tp, pp, pp_rank)
-    shard = -(-num_params // sharding)
+    dense, experts = parameter_split(config, tp, pp, pp_rank)
+    num_params = dense + experts
+    shard = -(-dense // sharding) + (-(-experts // expert_shards(config)) if experts else 0)
     if stage == 1:
         return 0
     if stage == 2:
@@ -104,11 +141,19 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     return (param_bytes + 4) * max(0, gathered - shard)
 
 
-def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> int:
-    """Parameters held by a rank at (tp, pp): its stage's layers with the tensor-parallel matrices
-    split over tp, the word embedding (split over tp) and the learned position embedding on the first
+def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int | None = None,
+                        etp: int | None = None) -> int:
+    """Parameters held by a rank at (tp, pp): ``parameter_split``'s dense and expert parameters together."""
+    return sum(parameter_split(config, tp, pp, pp_rank, ep, etp))
+
+
+def parameter_split(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int | None = None,
+                    etp: int | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters held by a rank at (tp, pp): its stage's layers with the tensor-parallel
+    matrices split over tp, the word embedding (split over tp) and the learned position embedding on the first
     stage, the final norm and the LM head on the last: the untied output layer (split over tp), or
-    under pipelining the tied embedding's copy."""
+    under pipelining the tied embedding's copy. The experts of its MoE layers are this rank's E / ep, each
+    split over etp (``layer_split``; ep and etp the configuration's unless given: 1 and 1 count them all)."""
     from megatron.config.layer_split import chunk_layers, segment, stage_layers
 
     m, d = config.model, config.distributed
@@ -122,22 +167,30 @@ def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int =
     h = m.hidden_size
     vocab = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     norm = 2 * h if m.normalization == "LayerNorm" else h
-    total = sum(layer_parameters(config, tp, i) for i in layers)
+    splits = [layer_split(config, tp, i, ep, etp) for i in layers]
+    total, experts = sum(dense for dense, _ in splits), sum(expert for _, expert in splits)
     if pp_rank == 0:
         total += vocab // tp * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute"
                                     else 0)
     if pp_rank == pp - 1:
         untied = m.untie_embeddings_and_output_weights
         total += norm + (vocab // tp * h if untied or pp > 1 else 0)  # final norm, the head's own weight
-    return total
+    return total, experts
 
 
 def layer_parameters(config: Config, tp: int = 1, layer: int = 0) -> int:
-    """Decoder layer ``layer``'s parameters on a rank of a tensor-parallel group of ``tp``: QKV
-    [(nq + 2 ng) hd, h] and the MLP's first matmul ([ffn, h], SwiGLU [2 ffn, h]) split by rows with
+    """Decoder layer ``layer``'s parameters on a rank: ``layer_split``'s dense and expert ones together."""
+    return sum(layer_split(config, tp, layer))
+
+
+def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = None,
+                etp: int | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters of decoder layer ``layer`` on a rank of a tensor-parallel group of ``tp``:
+    QKV [(nq + 2 ng) hd, h] and the MLP's first matmul ([ffn, h], SwiGLU [2 ffn, h]) split by rows with
     their biases, the output projections split by columns (biases replicated), two norms replicated.
-    A MoE layer (``megatron.moe``): the router [E, h] and E experts (and the shared expert) in place of the MLP,
-    every expert on every rank (no expert parallelism yet)."""
+    A MoE layer (``megatron.moe``): the router [E, h] and the shared expert (split over tp) are dense; its
+    experts are this rank's E / ep (``expert_grid``), each shaped like the MLP and split over etp (the second
+    matmul's bias replicated over etp)."""
     m = config.model
     h, f = m.hidden_size, m.ffn_hidden_size or 4 * m.hidden_size
     nq = m.num_attention_heads
@@ -145,18 +198,20 @@ def layer_parameters(config: Config, tp: int = 1, layer: int = 0) -> int:
     hd = m.kv_channels or h // nq
     bias = 0 if m.disable_bias_linear else 1
 
-    def mlp(width: int) -> int:  # (split, replicated)
+    def mlp(width: int, split: int) -> int:  # (split, replicated)
         fc1 = (2 if m.swiglu else 1) * width
-        return (fc1 * h + bias * fc1 + width * h) // tp + bias * h
+        return (fc1 * h + bias * fc1 + width * h) // split + bias * h
 
     qkv = (nq + 2 * ng) * hd
     attention = (qkv * h + bias * qkv + nq * hd * h) // tp + bias * h
-    if is_moe_layer(m, layer):
-        shared = m.moe_shared_expert_intermediate_size
-        ffn = m.num_experts * h + m.num_experts * mlp(m.moe_ffn_hidden_size or f) + (mlp(shared) if shared else 0)
-    else:
-        ffn = mlp(f)
-    return attention + ffn + 2 * (2 * h if m.normalization == "LayerNorm" else h)
+    norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
+    if not is_moe_layer(m, layer):
+        return attention + mlp(f, tp) + norms, 0
+    grid = expert_grid(config)
+    ep, etp = ep or grid[0], etp or grid[1]
+    shared = m.moe_shared_expert_intermediate_size
+    dense = attention + m.num_experts * h + (mlp(shared, tp) if shared else 0) + norms
+    return dense, m.num_experts // ep * mlp(m.moe_ffn_hidden_size or f, etp)
 
 
 def measured_model_state_bytes(optimizer) -> ModelStateBytes:

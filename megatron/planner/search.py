@@ -38,7 +38,7 @@ from itertools import product
 from megatron.config import Config, ConfigError, validate
 from megatron.distributed.parallelize import sharding_stage
 from megatron.memory import activations as act
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank, step_transient_bytes, training_precision
+from megatron.optimizer.memory import rank_model_state_bytes, step_transient_bytes
 from megatron.planner.stages import representative_stages
 from megatron.planner.time_model import GIB, Hardware, TimeTerms, layout_time
 
@@ -238,10 +238,7 @@ def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_si
 
 def _model_states(config: Config, stage: int) -> tuple[int, int]:
     """(between steps, during a step) device bytes of model states: memory.py's, as ``estimate``."""
-    d = config.distributed
-    n = parameters_per_rank(config, d.mp_degree, d.pp_degree, stage)
-    held = model_state_bytes(n, training_precision(config), config.zero_shards, d.sharding.sharding_stage,
-                             d.sharding.sharding_offload).device_total
+    held = rank_model_state_bytes(config, stage).device_total
     return held, held + step_transient_bytes(config, stage)
 
 
