@@ -8,7 +8,8 @@
 Takes the same configuration as pretrain_gpt.py (its layout, micro-batch size and recompute are what
 the planner varies; the global batch and the rest are kept). Every candidate (tp, context parallelism
 (cp and its communication type), pp, vpp, dp, sharding degree and stage, offload, recompute, micro-batch
-size) is validated as a run would be; its memory per
+size; for a MoE model the expert-parallel size and the experts' tensor-parallel size) is validated as a run
+would be; its memory per
 device is megatron.memory.estimate at its worst pipeline stage (model states + activations + the
 largest temporary), its step time a documented model, every term printed (megatron/planner/). The
 best layout's pretrain_gpt.py flags are printed under the table.
@@ -163,14 +164,17 @@ def render_table(result: PlanResult, shown: list[Plan], hw: Hardware, config, to
     if shown:
         lines.append(f"model FLOPs per step {shown[0].time.model_flops:.3e}; memory in GiB per device (worst "
                      f"stage), times in s per step")
+    moe = bool(m.num_experts)  # the ep comm column
     header = (f"{'#':>3}  {'layout':<44} {'states':>6} {'activ':>6} {'temp':>5} {'total':>6}  {'compute':>8} "
-              f"{'tp comm':>8} {'cp comm':>8} {'dp exp':>7} {'bubble':>7} {'p2p':>6} {'offload':>7} {'step':>8}")
+              f"{'tp comm':>8} {'cp comm':>8}" + (f" {'ep comm':>8}" if moe else "")
+              + f" {'dp exp':>7} {'bubble':>7} {'p2p':>6} {'offload':>7} {'step':>8}")
     lines += ["", header] if shown else []
     for rank, plan in enumerate(shown[:top], 1):
         mem, t = plan.memory, plan.time
         lines.append(f"{rank:>3}  {plan.layout.describe():<44} {_gib(mem.model_states):>6} {_gib(mem.activations):>6}"
                      f" {_gib(mem.temporaries):>5} {_gib(mem.total):>6}  {_seconds(t.compute):>8} "
-                     f"{_seconds(t.tp_comm):>8} {_seconds(t.cp_comm):>8} {_seconds(t.dp_exposed):>7} "
+                     f"{_seconds(t.tp_comm):>8} {_seconds(t.cp_comm):>8}"
+                     + (f" {_seconds(t.ep_comm):>8}" if moe else "") + f" {_seconds(t.dp_exposed):>7} "
                      f"{_seconds(t.bubble):>7} {_seconds(t.p2p):>6} {_seconds(t.offload):>7} {_seconds(t.step):>8}")
     if shown:
         lines.append(f"flags of #1: {shown[0].layout.flags()}")

@@ -2,7 +2,10 @@
 memory, and an estimated step time (a model, not a measurement), every term kept.
 
 A layout is (tp, cp and its communication type, pp, vpp, dp, sharding degree and stage, offload,
-recompute, micro-batch size); the global batch is the configuration's. Sequence parallelism is on
+recompute, micro-batch size; for a MoE model the expert-parallel size ep and the experts' tensor-parallel size
+etp, the model's tp or 1); the global batch is the configuration's. Within a pipeline stage the tp x cp x dp x
+sharding ranks are re-cut for the experts as etp x ep x edp: ep divides the experts and ep x etp the stage's
+ranks. Sequence parallelism is on
 whenever tp > 1 and divides each rank's share of the sequence: it moves the same bytes as tp alone (an
 all-reduce is a reduce-scatter plus an all-gather) and keeps less activation memory, so it is never
 worse here. Context parallelism (cp > 1, p2p / all_gather / a2a) cuts every sample over cp ranks: the
@@ -60,12 +63,20 @@ class Layout:
     block_layers: int = 0
     cp: int = 1  # context-parallel size
     cp_comm: str = "p2p"  # its communication type (p2p with cp 1)
+    ep: int = 1  # expert-parallel size (a MoE model)
+    etp: int = 0  # the experts' tensor-parallel size; 0: tp's
+    moe: bool = False  # a MoE model: its flags name ep and etp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     def describe(self) -> str:
-        """``tp2 cp2:p2p pp4 vpp2 dp1 zero2x4 offload mb1 rc:full``: what is not the default is named (``zero2x4``:
-        stage 2 over 4 ranks, the sharding degree x cp when the shards span the cp ranks)."""
+        """``tp2 cp2:p2p pp4 vpp2 dp1 ep4 etp1 zero2x4 offload mb1 rc:full``: what is not the default is named
+        (``zero2x4``: stage 2 over 4 ranks, the sharding degree x cp when the shards span the cp ranks)."""
         parts = [f"tp{self.tp}"] + ([f"cp{self.cp}:{self.cp_comm}"] if self.cp > 1 else []) + [f"pp{self.pp}"]
         parts += ([f"vpp{self.vpp}"] if self.vpp > 1 else []) + [f"dp{self.dp}"]
+        parts += ([f"ep{self.ep}"] if self.ep > 1 else []) + ([f"etp{self.etp}"] if self.etp else [])
         if self.sharding_degree > 1:
             parts.append(f"zero{self.sharding_stage}x{self.sharding_degree * self.cp}")
         if self.offload:
@@ -82,6 +93,8 @@ class Layout:
         out = [f"--tp {self.tp}", f"--context-parallel-size {self.cp}"]
         out += [f"--cp-comm-type {self.cp_comm}"] if self.cp > 1 else []
         out += [f"--pp {self.pp}", f"--vpp {self.vpp}", f"--dp {self.dp}"]
+        if self.moe:
+            out.append(f"--expert-model-parallel-size {self.ep} --expert-tensor-parallel-size {self.expert_tp}")
         out.append(f"--sharding {self.sharding_degree}"
                    + (f" --sharding-stage {self.sharding_stage}" if self.sharding_degree > 1 else ""))
         out += ["--sharding-offload" if self.offload else "--no-sharding-offload"]
@@ -105,6 +118,7 @@ class Layout:
         d.sharding.sharding_offload, d.use_distributed_optimizer = self.offload, False
         d.sequence_parallel = self.sequence_parallel
         d.context_parallel_size, d.cp_comm_type = self.cp, self.cp_comm
+        d.expert_model_parallel_size, d.expert_tensor_parallel_size = self.ep, self.etp or None
         b.local_batch_size, b.micro_batch_size = None, self.micro_batch_size
         c.use_recompute = self.recompute != "off"
         c.recompute_granularity = None if self.recompute == "off" else "full" if self.recompute == "block" \
@@ -208,13 +222,24 @@ def context_options(config: Config, tp: int, devices: int) -> list[tuple[int, st
     return options
 
 
+def expert_options(config: Config, tp: int, stage_ranks: int) -> list[tuple[int, int]]:
+    """(ep, etp) of a MoE model whose pipeline stage has ``stage_ranks`` = tp x cp x dp x sharding ranks: etp the
+    model's tp (0) or, under tp, 1; ep dividing the experts with ep x etp dividing the stage's ranks. (1, 0) for
+    a dense model."""
+    experts = config.model.num_experts
+    if not experts:
+        return [(1, 0)]
+    return [(ep, etp) for etp in ((0, 1) if tp > 1 else (0,)) for ep in _divisors(experts)
+            if not stage_ranks % (ep * (etp or tp))]
+
+
 def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, max_vpp: int = 8) -> Iterator[Layout]:
-    """Every (tp, cp, pp, vpp, dp, sharding, offload, recompute, micro-batch) with tp x cp x pp x dp x
-    sharding = devices, tp within a node, cp as ``context_options``, vpp dividing each stage's layers up to
-    ``max_vpp``, micro-batches the powers of two up to ``max_micro_batch``. Not yet validated. Layouts with
-    the same pipeline schedule (pp, vpp, number of micro-batches) come one after the other: its tables are
-    cached."""
-    layers = config.model.num_layers
+    """Every (tp, cp, pp, vpp, dp, ep, etp, sharding, offload, recompute, micro-batch) with tp x cp x pp x dp x
+    sharding = devices, tp within a node, cp as ``context_options``, ep and etp as ``expert_options``, vpp
+    dividing each stage's layers up to ``max_vpp``, micro-batches the powers of two up to ``max_micro_batch``.
+    Not yet validated. Layouts with the same pipeline schedule (pp, vpp, number of micro-batches) come one after
+    the other: its tables are cached."""
+    layers, moe = config.model.num_layers, bool(config.model.num_experts)
     micro_batches = [2**k for k in range(max_micro_batch.bit_length()) if 2**k <= max_micro_batch]
     for tp in _divisors(hw.devices):
         for cp, comm, sp in context_options(config, tp, hw.devices // tp) if tp <= hw.devices_per_node else []:
@@ -222,10 +247,12 @@ def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, ma
                 group = hw.devices // (tp * cp * pp)  # dp x sharding
                 shardings = [(n, stage) for n in _divisors(group) for stage in ((1, 2, 3) if n > 1 else (1,))]
                 vpps = [1] + [v for v in _divisors(layers // pp) if 1 < v <= max_vpp and pp > 1 and not layers % pp]
+                experts = expert_options(config, tp, hw.devices // pp)
                 for vpp, mb in product(vpps if pp <= layers else [], micro_batches):
-                    for (n, stage), offload, (recompute, block) in product(shardings, (False, True),
-                                                                           recompute_options(layers, pp, vpp)):
-                        yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, sp, block, cp, comm)
+                    for (n, stage), offload, (recompute, block), (ep, etp) in product(
+                            shardings, (False, True), recompute_options(layers, pp, vpp), experts):
+                        yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, sp, block, cp, comm,
+                                     ep, etp, moe)
 
 
 def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_size: int | None = None) -> Config:
@@ -247,7 +274,7 @@ def _chunk_key(config: Config, stage: int, kernel: str | None) -> tuple:
     run (the model is fixed): not dp, sharding, offload or the number of micro-batches."""
     d = config.distributed
     return (d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.pp_degree, d.virtual_pp_degree,
-            d.sequence_parallel, d.pipeline_partition,
+            d.sequence_parallel, d.pipeline_partition, d.expert_model_parallel_size, d.expert_tensor_parallel_size,
             config.batch_size.micro_batch_size, config.use_recompute, config.recompute_granularity,
             config.recompute_method, config.recompute_num_layers, stage, kernel)
 
@@ -322,10 +349,12 @@ def configured_layout(config: Config) -> Layout:
     block = config.recompute_num_layers if g == "full" and config.recompute_method == "block" else 0
     recompute = "off" if g is None else "block" if block else "only_attn" if g == "full_attn" else g
     n, cp = d.sharding.sharding_degree, d.context_parallel_size
+    etp = d.expert_tensor_parallel_size
     return Layout(d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.dp_degree, n,
                   sharding_stage(n, d.sharding.sharding_stage), d.sharding.sharding_offload, recompute,
                   config.batch_size.micro_batch_size, d.sequence_parallel and d.mp_degree > 1, block, cp,
-                  d.cp_comm_type if cp > 1 else "p2p")
+                  d.cp_comm_type if cp > 1 else "p2p", d.expert_model_parallel_size,
+                  0 if etp in (None, d.mp_degree) else etp, bool(config.model.num_experts))
 
 
 def evaluate_layout(base: Config, layout: Layout, hw: Hardware, tokenizer_vocab_size: int | None = None,

@@ -20,7 +20,15 @@ activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
   backward, and reduce-scatters cp - 1 dkv (not overlapped); a2a runs 4 all-to-alls (q, k, v, the output;
   each rank sends (cp - 1) / cp of them) in the forward and 4 in the backward (not overlapped). A
   recomputed attention (``full``, ``only_attn``, ``core_attn``) runs its forward exchange again.
-- dp comm: fp32 gradients (4 bytes per parameter of the rank with the most) and, with a sharding group,
+- ep comm (a MoE model under expert parallelism; ``megatron.memory.moe``), per micro-batch and MoE layer, with
+  ``T`` the tokens a rank routes (``b s / (cp tp)``) and ``p = k T h a`` its (token, expert) pairs' bytes, over
+  the bandwidth of the ep x etp neighbouring ranks: the alltoall dispatcher sends ``(ep - 1) / ep`` of ``p``
+  and all-gathers the received pairs over etp (``(etp - 1) p``), for the dispatch and the combine, forward and
+  backward (4 times); the allgather dispatcher gathers and reduce-scatters ``(ep etp - 1) T h a``, 4 times. A
+  fully recomputed layer dispatches again (x 1.5). Not overlapped. Uniform routing: a rank whose experts are
+  popular receives more.
+- dp comm: fp32 gradients (4 bytes per parameter of the rank with the most; a MoE model's: its dense parameters and
+  its ep rank's experts, whose reduction over the expert-data-parallel ranks is counted with the dense ones') and, with a sharding group,
   the parameter all-gather after the step: stage 1 an all-reduce over dp x sharding (+ the gather), stage
   2 a reduce-scatter over the sharding group, an all-reduce of the shard over the dp replicas and the
   gather, stage 3 the same with the gathers and reduce-scatters of every micro-batch (once per step under
@@ -32,7 +40,7 @@ activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
   without a pipeline, per micro-batch, the prefetched gather behind its forward and the second gather and
   the reduce-scatter behind its backward. The gather once per step (after it for stages 1 and 2, before it
   for stage 3 under pipelining) and the replicas' all-reduce are exposed.
-- bubble: (pp - 1) / (m x vpp) x (compute + tp comm + cp comm), 1F1B, interleaved and GPipe alike
+- bubble: (pp - 1) / (m x vpp) x (compute + tp comm + cp comm + ep comm), 1F1B, interleaved and GPipe alike
   (GPipe's cost is memory: all m micro-batches in flight, which the memory side counts).
 - p2p: 2 m vpp messages of ``b (s / cp) h a`` bytes (``/ tp`` under sequence parallelism) per stage and
   step, over the inter-node bandwidth when the job spans nodes (pp is the outermost dimension).
@@ -102,10 +110,12 @@ class TimeTerms:
     model_flops: float  # the whole step, all devices (metrics.model_flops_per_token x tokens)
     hardware_flops: float  # the same with the recomputed forward
     cp_comm: float = 0.0  # context parallelism's exchanges, the part not hidden behind attention
+    ep_comm: float = 0.0  # expert parallelism's token dispatch and combine
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.cp_comm + self.dp_exposed + self.bubble + self.p2p + self.offload
+        return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.dp_exposed + self.bubble + self.p2p
+                + self.offload)
 
 
 def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
@@ -166,6 +176,30 @@ def _cp_layer_times(config: Config, hw: Hardware, core_forward: float) -> tuple[
             max(0.0, ((cp - 1) * kv + cp * dkv) / bandwidth - 2 * core_forward))
 
 
+def _ep_layer_time(config: Config, hw: Hardware) -> float:
+    """Seconds of one MoE layer's token exchange for one micro-batch, forward and backward (see the module
+    docstring); 0 without expert parallelism."""
+    from megatron.memory.moe import expert_parallel, moe_dims, routed_tokens
+
+    M = moe_dims(config)
+    if M is None or not expert_parallel(M):
+        return 0.0
+    a = 4 if config.params_dtype_name == "float32" else 2
+    tokens = routed_tokens(M, config.batch_size.micro_batch_size * config.dataset.max_seq_len
+                           // config.distributed.context_parallel_size)
+    row, group = config.model.hidden_size * a, M.ep * M.etp
+    if M.dispatcher == "allgather":
+        return 4 * (group - 1) * tokens * row / _bandwidth(hw, group)
+    pairs = M.topk * tokens * row
+    return 4 * ((M.ep - 1) / M.ep * pairs + (M.etp - 1) * pairs) / _bandwidth(hw, group)
+
+
+def _moe_layers(config: Config, chunks_layers: list[int]) -> int:
+    from megatron.config.validate_moe import is_moe_layer
+
+    return sum(is_moe_layer(config.model, i) for i in chunks_layers)
+
+
 def _ring(nbytes: float, ranks: int, all_reduce: bool) -> float:
     """Bytes one rank sends in a ring collective over ``ranks`` on a tensor of ``nbytes``."""
     return (2.0 if all_reduce else 1.0) * (ranks - 1) / ranks * nbytes if ranks > 1 else 0.0
@@ -176,9 +210,11 @@ def _bandwidth(hw: Hardware, extent: int) -> float:
     return (hw.intra_node_gbps if extent <= hw.devices_per_node else hw.inter_node_gbps) * GB
 
 
-def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float, float]:
-    """Of the slowest stage: (compute, tp comm, cp comm) per step, (forward, backward) of one micro-batch,
-    and the parameters of the largest rank."""
+def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float, float, float]:
+    """Of the slowest stage: (compute, tp comm, cp comm, ep comm) per step, (forward, backward) of one
+    micro-batch, and the parameters of the largest rank."""
+    from megatron.memory.activations import chunk_specs
+
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, mb, count = d.mp_degree, d.pp_degree, config.batch_size.micro_batch_size, config.num_micro_batches
     cp = d.context_parallel_size
@@ -189,7 +225,8 @@ def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, flo
     collective = _ring(mb * s / cp * m.hidden_size * a, tp, all_reduce=True) / _bandwidth(hw, tp)
     tokens = mb * s / (tp * cp)  # per device and micro-batch
     cp_forward, cp_backward = _cp_layer_times(config, hw, tokens * core / flops_per_s)
-    best = (-1.0, 0.0, 0.0, 0.0, 0.0)
+    ep_layer = _ep_layer_time(config, hw)
+    best = (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     for stage in range(pp):
         chunks = _stage_chunks(config, stage)
         forward = sum(chunks) * layer + (head if stage == pp - 1 else 0.0)
@@ -197,8 +234,13 @@ def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, flo
         compute = count * tokens * (3 * forward + replay) / flops_per_s
         tp_comm = count * (4 * sum(chunks) + extra + (stage == 0) + (stage == pp - 1)) * collective
         cp_comm = count * (sum(chunks) * (cp_forward + cp_backward) + _replayed_attention(config, chunks) * cp_forward)
-        if compute + tp_comm + cp_comm > sum(best[:3]):
-            best = (compute, tp_comm, cp_comm, tokens * forward / flops_per_s,
+        ep_comm = 0.0
+        if ep_layer:  # a fully recomputed MoE layer exchanges its tokens again (half the forward and backward's)
+            moe = _moe_layers(config, [i for layers, _, _ in chunk_specs(config, stage) for i in layers])
+            full = config.use_recompute and config.recompute_granularity == "full"
+            ep_comm = count * moe * ep_layer * (1.5 if full else 1.0)
+        if compute + tp_comm + cp_comm + ep_comm > sum(best[:4]):
+            best = (compute, tp_comm, cp_comm, ep_comm, tokens * forward / flops_per_s,
                     tokens * (2 * forward + replay) / flops_per_s)
     params = max(parameters_per_rank(config, tp, pp, stage) for stage in representative_stages(config))
     return (*best, params)
@@ -235,9 +277,9 @@ def layout_time(config: Config, hw: Hardware) -> TimeTerms:
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, vpp, count = d.mp_degree, d.pp_degree, d.virtual_pp_degree, config.num_micro_batches
     mb = config.batch_size.micro_batch_size
-    compute, tp_comm, cp_comm, forward, backward, params = _stage_times(config, hw)
+    compute, tp_comm, cp_comm, ep_comm, forward, backward, params = _stage_times(config, hw)
     dp_comm, dp_exposed = _dp_times(config, hw, params, forward, backward)
-    bubble = (pp - 1) / (count * vpp) * (compute + tp_comm + cp_comm)
+    bubble = (pp - 1) / (count * vpp) * (compute + tp_comm + cp_comm + ep_comm)
     a = 4 if config.params_dtype_name == "float32" else 2
     message = mb * s / d.context_parallel_size * m.hidden_size * a / (tp if d.sequence_parallel else 1)
     p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
@@ -247,4 +289,4 @@ def layout_time(config: Config, hw: Hardware) -> TimeTerms:
     model_flops = model_flops_per_token(config) * tokens
     replay = sum(_recomputed(config, _stage_chunks(config, st))[0] for st in range(pp))
     return TimeTerms(compute, tp_comm, dp_comm, dp_exposed, bubble, p2p, offload, count, model_flops,
-                     model_flops + replay * tokens, cp_comm)
+                     model_flops + replay * tokens, cp_comm, ep_comm)
