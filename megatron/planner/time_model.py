@@ -29,7 +29,8 @@ activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
   popular receives more.
 - dp comm: fp32 gradients (4 bytes per parameter of the rank with the most; a MoE model's: its dense parameters
   and its ep rank's experts, whose reduction over the expert-data-parallel ranks is counted with the dense
-  ones') and, with a sharding group, the parameter all-gather after the step: stage 1 an all-reduce over dp x sharding (+ the gather), stage
+  ones') and, with a sharding group, the parameter all-gather after the step: stage 1 an all-reduce over dp x
+  sharding (+ the gather), stage
   2 a reduce-scatter over the sharding group, an all-reduce of the shard over the dp replicas and the
   gather, stage 3 the same with the gathers and reduce-scatters of every micro-batch (once per step under
   pipelining). Over the inter-node bandwidth when the group spans nodes (rank grid: tp fastest, then cp,
