@@ -1,6 +1,7 @@
 """What a training step does around its MoE layers: before it, the auxiliary losses' gradient scale and the
-layers' records reset; after it, the records summed over the data-parallel and pipeline ranks into the log's two
-values, and the expert bias moved (aux-loss-free balancing).
+layers' records reset; after it, the records summed over the data-parallel (and context-parallel), tensor-parallel
+and pipeline ranks (every rank routed its own tokens) into the log's two values, and the expert bias moved
+(aux-loss-free balancing).
 
 - ``load_balancing_loss``: each MoE layer's balancing loss before its coefficient, averaged over the step's
   micro-batches (of every data-parallel rank), then over the MoE layers (as Megatron-LM logs it);
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
 from megatron.moe.layer import MoELayer
 from megatron.moe.router import set_aux_loss_scale
 
@@ -55,9 +57,10 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
         records[layer.layer_number, :-2] = layer.tokens_per_expert
         records[layer.layer_number, -2:] = torch.tensor([layer.balance_sum, layer.micro_batches])
     device = next(model.parameters()).device
-    if dp_group is not None or pp_group is not None:
+    tp_group = parallel_state.get().group("tp") if parallel_state.get().tp_size > 1 else None
+    if dp_group is not None or pp_group is not None or tp_group is not None:  # each rank routed its own tokens
         records = records.to(device)
-        for group in (dp_group, pp_group):
+        for group in (dp_group, pp_group, tp_group):
             if group is not None:
                 dist.all_reduce(records, group=group)
         records = records.cpu()

@@ -100,7 +100,7 @@ def reference_forward(layer: moe.MoELayer, x: torch.Tensor, capacity_policy: str
         routes = reference_capacity(routes, capacity, capacity_policy)
     rows = []
     for x_t, route in zip(tokens, routes):
-        y = sum((p * mlp_by_formula(layer.experts[e], x_t) for e, p in route.items()), torch.zeros_like(x_t))
+        y = sum((p * mlp_by_formula(layer.experts[str(e)], x_t) for e, p in route.items()), torch.zeros_like(x_t))
         if layer.shared_expert is not None:
             y = y + mlp_by_formula(layer.shared_expert, x_t)
         rows.append(y)
@@ -153,7 +153,7 @@ def test_capacity_drops_as_documented(policy, pad):
 def test_shared_expert_and_expert_width():
     layer = make_layer("--moe-shared-expert-intermediate-size", "12", "--moe-ffn-hidden-size", "8", "--swiglu",
                        *NO_AUX)
-    assert layer.shared_expert.dense_h_to_4h.weight.shape == (24, H) and layer.experts[0].dense_h_to_4h.weight.shape \
+    assert layer.shared_expert.dense_h_to_4h.weight.shape == (24, H) and layer.experts["0"].dense_h_to_4h.weight.shape \
         == (16, H)
     assert_layer_matches_reference(layer)
 
@@ -294,8 +294,9 @@ def test_flags_are_megatrons():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--expert-model-parallel-size", "2"], "expert parallelism is not built yet"),
-    (["--expert-tensor-parallel-size", "2"], "tensor parallelism is not built yet"),
+    (["--expert-model-parallel-size", "3"], "num_experts (4) must be divisible by expert_model_parallel_size (3)"),
+    (["--expert-model-parallel-size", "4"], "(4 x 1) must divide the 1 ranks of a pipeline stage"),
+    (["--expert-tensor-parallel-size", "5"], "(1 x 5) must divide the 1 ranks"),
     (["--moe-router-topk", "5"], "moe_router_topk (5) must be from 1 to num_experts (4)"),
     (["--moe-router-topk", "0"], "moe_router_topk (0) must be from 1"),
     (["--moe-layer-freq", "[1,0]"], "needs num_layers (1) entries"),
@@ -313,14 +314,13 @@ def test_refusals_are_one_line(flags, message):
 def test_refusals_through_pretrain_gpt():
     proc = run_here("--mock-data", "--device", "cpu", "--num-experts", "4", "--expert-model-parallel-size", "2")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: expert_model_parallel_size 2: expert "
-                                                "parallelism is not built yet; leave it at 1 (every rank holds every "
-                                                "expert)."]
-    context_parallel = parse_config(["--mock-data", "--num-experts", "4", "--context-parallel-size", "2",
-                                     "--attention-probs-dropout-prob", "0"])
-    with pytest.raises(ConfigError, match="^MoE layers under context_parallel_size 2 are not built yet; train the MoE "
-                                          "model without context parallelism.$"):
-        validate(context_parallel, world_size=2)
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: expert_model_parallel_size x expert_tensor_parallel_size (2 x 1) must divide the 1 "
+        "ranks of a pipeline stage (mp_degree x context_parallel_size x dp_degree x sharding_degree): the experts are "
+        "laid out over the same ranks."]
+    dense = parse_config(["--mock-data", "--expert-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="give --num-experts too"):
+        validate(dense, world_size=2)
     proc = run_here("--mock-data", "--num-experts", "4", "--moe-router-num-groups", "2")
     assert proc.returncode == 2 and "--moe-router-num-groups 2 (group-limited routing" in proc.stderr
 
