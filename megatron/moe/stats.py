@@ -36,13 +36,14 @@ def _group_size(group) -> int:
 
 
 def before_step(model: nn.Module, micro_batches: int, dp_group, loss_scale: float) -> None:
-    """Reset the MoE layers' records; the auxiliary losses' gradient: ``loss_scale`` over the step's micro-batches
-    on all data-parallel ranks (the objective holds their mean)."""
+    """Reset the MoE layers' records; the auxiliary losses' gradient: ``loss_scale`` over the global batch's
+    micro-batches (this rank's times the ranks the batch is cut over, dp x sharding: the context-parallel ranks of a
+    micro-batch each hold their part of its auxiliary losses), so the objective holds their mean."""
     layers = moe_layers(model)
     for layer in layers:
         layer.reset_stats()
     if layers:
-        set_aux_loss_scale(loss_scale / (micro_batches * _group_size(dp_group)))
+        set_aux_loss_scale(loss_scale / (micro_batches * parallel_state.get().data_parallel_size))
 
 
 def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) -> dict | None:
