@@ -8,6 +8,9 @@ and pipeline ranks (every rank routed its own tokens) into the log's two values,
 - ``expert_load_max``: per MoE layer, the tokens the router chose for its most loaded expert over the mean per
   expert, over the whole step; the worst layer's (1.0: perfect balance, E / k: every token to the same k).
 
+- ``tokens_per_expert``: per MoE layer (``layer_{i}``, global index), the tokens the router chose for each expert
+  over the step (metrics.jsonl keeps the lists; TensorBoard and W&B plot one curve per layer and expert).
+
 The expert bias (DeepSeek-V3) moves after each applied step by ``rate x sign(mean load - load_e)`` from the same
 step-wide counts, equal on every rank.
 """
@@ -76,7 +79,8 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
             if bias is not None:
                 counts = records[layer.layer_number, :-2]
                 bias += cfg.moe_router_bias_update_rate * torch.sign(counts.mean() - counts).to(bias)
-    return {"load_balancing_loss": float((rows[:, -2] / rows[:, -1]).mean()), "expert_load_max": float(loads.max())}
+    return {"load_balancing_loss": float((rows[:, -2] / rows[:, -1]).mean()), "expert_load_max": float(loads.max()),
+            "tokens_per_expert": {f"layer_{i}": records[i, :-2].tolist() for i in present.nonzero().flatten().tolist()}}
 
 
 def expert_biases(model: nn.Module, pp_group=None) -> dict[str, list[float]] | None:

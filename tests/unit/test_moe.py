@@ -16,7 +16,7 @@ from megatron import moe, parallel_state
 from megatron.config import ConfigError, parse_config, validate
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.inference import InferenceEngine, Request, SamplingParams
-from megatron.metrics import model_flops_per_token
+from megatron.metrics import model_flops_per_token, scalars
 from megatron.model import build_model
 from megatron.model.gpt import GPTModel
 from megatron.model.init import init_parameters
@@ -346,6 +346,12 @@ def test_training_loss_falls_and_logs_moe_values(tmp_path):
     train = [r for r in records if r["split"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] - 0.3
     assert all(r["expert_load_max"] >= 1.0 and r["load_balancing_loss"] > 0.9 for r in train)
+    # every token of the step's 8 x 16 chose 2 experts, in each of the 2 MoE layers; one curve per layer and expert
+    assert all(sorted(r["tokens_per_expert"]) == ["layer_0", "layer_1"] and
+               all(sum(counts) == 8 * 16 * 2 and len(counts) == E for counts in r["tokens_per_expert"].values())
+               for r in train)
+    curves = scalars(train[0])
+    assert curves["train/tokens_per_expert/layer_1/3"] == train[0]["tokens_per_expert"]["layer_1"][3]
     valid = [r for r in records if r["split"] == "valid"]
     assert valid and "load_balancing_loss" not in valid[0]
 
