@@ -244,3 +244,14 @@ def test_unsupported_mixtral_configs_are_refused_in_one_line(tmp_path, hf_dir, c
     done = run_tool_here("tools/convert_checkpoint.py", "from-hf", str(folder), str(tmp_path / "out"))
     assert done.returncode == 2 and message in one_line_error(done.stderr)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-router-topk", "1"], "moe_router_topk is 2 in config.json; it cannot be changed (got 1)"),
+    (["--moe-layer-freq", "2"], "moe_layer_freq is 1 in config.json; it cannot be changed (got 2)"),
+    (["--moe-router-pre-softmax"], "moe_router_pre_softmax is False in config.json; it cannot be changed"),
+])
+def test_an_import_refuses_flags_that_change_the_experts(tmp_path, hf_dir, flags, message):
+    done = run_tool_here("tools/convert_checkpoint.py", "from-hf", str(hf_dir), str(tmp_path / "out"), *flags)
+    assert done.returncode == 2 and message in one_line_error(done.stderr)
+    assert not (tmp_path / "out").exists()
