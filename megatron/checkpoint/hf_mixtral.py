@@ -8,7 +8,7 @@ ours exports when it is Llama-shaped (``hf_llama.check_model``) and its MoE is M
 
 - every layer a MoE layer (``moe_layer_freq`` 1 or a pattern of ones): Mixtral has no dense layers;
 - the softmax router without ``moe_router_pre_softmax`` (a softmax over all E, the top k not renormalised: other
-  probabilities) and without the expert bias; no shared expert (that is Qwen-MoE's form, not built);
+  probabilities) and without the expert bias; no shared expert (that form is Qwen-MoE's, ``hf_qwen_moe``);
 - no capacity (Mixtral is dropless); no linear biases (Mixtral's projections have none).
 
 Anything else is refused in one line naming the setting. The names (layer N, expert i):
@@ -63,7 +63,7 @@ def check_model(model_cfg: ModelConfig) -> None:
             (bool(dense), f"moe_layer_freq {m.moe_layer_freq} (dense layers {dense})",
              "every Mixtral layer is a mixture of experts"),
             (bool(m.moe_shared_expert_intermediate_size), "a shared expert (moe_shared_expert_intermediate_size "
-             f"{m.moe_shared_expert_intermediate_size})", "Mixtral has none; Qwen-MoE's export is not built"),
+             f"{m.moe_shared_expert_intermediate_size})", "Mixtral has none; that form exports as Qwen-MoE"),
             (m.moe_router_score_function != "softmax", f"moe_router_score_function {m.moe_router_score_function}",
              "Mixtral's router is a softmax"),
             (m.moe_router_pre_softmax, "moe_router_pre_softmax", "Mixtral renormalises the top k probabilities "
@@ -99,6 +99,21 @@ def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -
     return hf_llama.map_to_hf(tensors, name_map(model_cfg), model_cfg)
 
 
+def unfuse_experts(prefix: str, tail: str, value: torch.Tensor,
+                   names: tuple[str, str, str]) -> dict[str, torch.Tensor] | None:
+    """transformers 5's fused experts, ``experts.gate_up_proj [E, 2f, h]`` (the gate rows, then the up rows) or
+    ``experts.down_proj [E, h, f]`` (``tail``), as each expert's ``{prefix}experts.{i}.{name}.weight``, ``names``
+    those of (gate, up, down); None for any other ``tail``."""
+    gate, up, down = names
+    if tail == "experts.gate_up_proj":
+        f = value.shape[1] // 2
+        return {f"{prefix}experts.{i}.{name}.weight": part for i, fused in enumerate(value)
+                for name, part in ((gate, fused[:f]), (up, fused[f:]))}
+    if tail == "experts.down_proj":
+        return {f"{prefix}experts.{i}.{down}.weight": w for i, w in enumerate(value)}
+    return None
+
+
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Mixtral state dict in the Hub's form with the ``model.`` prefix: ``hf_llama.strip_hf_prefix``, and
     transformers 5's in-memory form (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``) split back into
@@ -108,15 +123,9 @@ def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         head, dot, tail = key.partition(".mlp.")
         if not dot:
             out[key] = value
-        elif tail == "experts.gate_up_proj":  # [E, 2f, h]: the gate rows, then the up rows
-            f = value.shape[1] // 2
-            for i, fused in enumerate(value):
-                out[f"{head}.{MOE}.experts.{i}.w1.weight"] = fused[:f]
-                out[f"{head}.{MOE}.experts.{i}.w3.weight"] = fused[f:]
-        elif tail == "experts.down_proj":  # [E, h, f]
-            out.update({f"{head}.{MOE}.experts.{i}.w2.weight": w for i, w in enumerate(value)})
-        else:
-            out[f"{head}.{MOE}.{tail}"] = value
+            continue
+        experts = unfuse_experts(f"{head}.{MOE}.", tail, value, ("w1", "w3", "w2"))
+        out.update(experts if experts is not None else {f"{head}.{MOE}.{tail}": value})
     return out
 
 
