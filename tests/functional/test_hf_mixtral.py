@@ -18,7 +18,7 @@ from megatron.checkpoint.convert import open_checkpoint, tensor_layout, write_pa
 from megatron.checkpoint.hf_common import ConversionError
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch
-from tests.functional.launch import TINY, losses, program_module, run, run_here, run_tool_here
+from tests.functional.launch import TINY, losses, parity_layouts, program_module, run_here, run_tool_here
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (installed with transformers)
@@ -41,29 +41,35 @@ def one_line_error(text: str) -> str:
 
 # ---------------------------------------------------------------- a trained run, scored by transformers
 
-# The runs whose export transformers scores: name -> (processes, extra pretrain_gpt.py flags). Under expert
-# parallelism the variant is one entry here, e.g. "ep2": (2, ["--expert-model-parallel-size", "2"]).
-RUNS = {"ep1": (1, [])}
 # TINY's data and optimizer, 2 steps of one micro-batch, the one evaluation at the end (of the weights the save at
 # the end holds).
 RUN = [*TINY, *MIXTRAL, "--max-steps", "2", "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-freq",
        "1000", "--tokenizer-type", "NullTokenizer"]
+# The runs whose export transformers scores: name -> (processes, flags added to RUN). One process trains here, in
+# this process; a run of several joins the shared launch of its world size (its name in SHARED, which the tests
+# below name in their shared_runs mark). Expert parallelism's variant is one entry, e.g.
+# "ep2": (2, ["--expert-model-parallel-size", "2", "--micro-batch-size", "4"]) (a dp-2 entry of that form passes).
+RUNS = {"ep1": (1, [])}
+SHARED = parity_layouts({f"mixtral-hf-{name}": (nproc, [*RUN, *flags])
+                         for name, (nproc, flags) in RUNS.items() if nproc > 1})
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def moe_run(request, tmp_path_factory):
     """A trained Llama-shaped MoE run's folder (its step-2 checkpoint and metrics.jsonl)."""
     nproc, flags = RUNS[request.param]
+    if nproc > 1:
+        return request.getfixturevalue("parity").outcome(f"mixtral-hf-{request.param}").check()
     out = tmp_path_factory.mktemp(f"mixtral-{request.param}") / "run"
-    done = (run_here(*RUN, *flags, "--save", str(out)) if nproc == 1 else run(out, *RUN, *flags, nproc=nproc))
+    done = run_here(*RUN, *flags, "--save", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def exported(moe_run):
+def exported(moe_run, tmp_path_factory):
     """(the run's folder, its Hugging Face export, the MixtralForCausalLM loaded from it)."""
-    hf_dir = moe_run.parent / "hf"
+    hf_dir = tmp_path_factory.mktemp("mixtral-hf") / "hf"
     done = run_tool_here("tools/convert_checkpoint.py", "to-hf", str(moe_run), str(hf_dir))
     assert done.returncode == 0, done.stderr
     model, info = transformers.MixtralForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
@@ -71,6 +77,8 @@ def exported(moe_run):
     return moe_run, hf_dir, model.eval()
 
 
+@pytest.mark.slow  # trains
+@pytest.mark.shared_runs(*SHARED)
 def test_transformers_scores_the_runs_validation_tokens_at_its_validation_loss(exported):
     run_dir, hf_dir, model = exported
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -92,6 +100,8 @@ def test_transformers_scores_the_runs_validation_tokens_at_its_validation_loss(e
     assert len(ours) == 1 and abs(theirs - ours[0]) < 1e-4, (theirs, ours)
 
 
+@pytest.mark.slow  # trains
+@pytest.mark.shared_runs(*SHARED)
 def test_generate_and_evaluate_on_the_checkpoint_agree_with_transformers(exported, tmp_path):
     run_dir, _, model = exported
     prompt = [5, 17, 42, 8, 99, 3]
