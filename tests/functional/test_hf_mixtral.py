@@ -46,11 +46,9 @@ def one_line_error(text: str) -> str:
 RUN = [*TINY, *MIXTRAL, "--max-steps", "2", "--global-batch-size", "8", "--micro-batch-size", "8", "--eval-freq",
        "1000", "--tokenizer-type", "NullTokenizer"]
 # The runs whose export transformers scores: name -> (processes, flags added to RUN). One process trains here, in
-# this process; a run of several joins the shared launch of its world size (its name in SHARED, which the tests
-# below name in their shared_runs mark). Expert parallelism's variant is one entry:
-# "ep2": (2, ["--expert-model-parallel-size", "2", "--micro-batch-size", "4"]) (it passes once expert parallelism
-# is merged).
-RUNS = {"ep1": (1, [])}
+# this process; a run of several joins the shared launch of its world size (its name in SHARED). The run is trained
+# with expert parallelism (each of the 2 ranks holds 2 of the 4 experts): its checkpoint names every expert globally.
+RUNS = {"ep2": (2, ["--expert-model-parallel-size", "2", "--micro-batch-size", "4"])}
 SHARED = parity_layouts({f"mixtral-hf-{name}": (nproc, [*RUN, *flags])
                          for name, (nproc, flags) in RUNS.items() if nproc > 1})
 
