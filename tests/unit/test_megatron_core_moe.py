@@ -16,7 +16,8 @@ Not compared (docs/moe.md says why): ``--moe-token-drop-policy position``, exper
 Megatron Core runs on the CPU in this process as ../shared/MEGATRON_CORE_ON_CPU.md measured: a one-process gloo
 group, its model-parallel state of size 1, and three CUDA assumptions patched for the module's tests (the current
 device, the RNG tracker's ``fork`` and ``te_general_gemm``); the causal mask is passed explicitly (its default
-mask is built on CUDA). The fixture restores the patches, destroys the group and both parallel states after.
+mask is built on CUDA). The fixture restores the patches and the default RNG's state, and destroys the group and
+both parallel states after.
 
 ``megatron-core`` installs ``megatron/core`` into site-packages' ``megatron`` folder, which this project's own
 ``megatron`` package shadows: the fixture adds that folder to our package's search path for these tests.
@@ -73,7 +74,7 @@ def mcore():
     assert not dist.is_initialized(), "a process group was left behind by an earlier test"
     folder = str(Path(importlib.metadata.distribution("megatron-core").locate_file("megatron")))
     megatron.__path__.append(folder)
-    patches = pytest.MonkeyPatch()
+    patches, rng = pytest.MonkeyPatch(), torch.get_rng_state()  # building either model draws from the default RNG
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Apex is not installed. Falling back to Torch Norm", and others
@@ -101,6 +102,7 @@ def mcore():
         parallel_state.destroy()
         moe.set_aux_loss_scale(1.0)
         patches.undo()
+        torch.set_rng_state(rng)
         megatron.__path__.remove(folder)
 
 
@@ -219,7 +221,7 @@ def test_llama_moe_logits_and_gradients_equal_megatron_cores(mcore):
     ["--moe-shared-expert-intermediate-size", "12", "--moe-ffn-hidden-size", "8", "--moe-z-loss-coeff", "0.01",
      "--moe-router-load-balancing-type", "seq_aux_loss"],
     ["--moe-router-pre-softmax", "--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5",
-     "--moe-token-drop-policy", "probs", "--moe-pad-expert-input-to-capacity"],
+     "--moe-token-drop-policy", "probs", "--moe-pad-expert-input-to-capacity"],  # 4 experts x 2 kept of 16 tokens
     ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
 ], ids=["shared_expert_z_loss_seq_aux_loss", "pre_softmax_top1_capacity", "sigmoid_expert_bias_aux_loss"])
 def test_llama_moe_variants_equal_megatron_cores(mcore, flags):
