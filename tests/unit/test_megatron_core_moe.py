@@ -8,7 +8,8 @@ backward of the same objective every parameter's gradient, within 1e-5 of the la
   language-model loss plus the coefficient times the aux loss (each side's aux-loss scaler set to 1); the aux loss
   each side records for the log is compared too, and the aux loss's part of the router's gradient is checked to be
   far above the tolerance. Variants: a shared expert, z-loss and ``seq_aux_loss``; softmax-then-top-1 with a
-  capacity (``probs``, padded); the sigmoid router with the expert bias and ``aux_loss``.
+  capacity (``probs``, padded), these two through our ``alltoall`` dispatcher; the sigmoid router with the expert
+  bias and ``aux_loss``.
 - The GPT-2 shape (learned positions, LayerNorm, GELU, biases, tied head), dense; and with GELU experts, no biases.
 
 Not compared (docs/moe.md says why): ``--moe-token-drop-policy position``, experts or a shared expert with biases.
@@ -217,13 +218,17 @@ def test_llama_moe_logits_and_gradients_equal_megatron_cores(mcore):
     assert float((with_aux - layer.router.weight.grad).abs().max()) > 100 * TOLERANCE * float(with_aux.abs().max())
 
 
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # ours through the other dispatcher (theirs: allgather)
+
+
 @pytest.mark.parametrize("flags", [
-    ["--moe-shared-expert-intermediate-size", "12", "--moe-ffn-hidden-size", "8", "--moe-z-loss-coeff", "0.01",
-     "--moe-router-load-balancing-type", "seq_aux_loss"],
-    ["--moe-router-pre-softmax", "--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5",
+    [*ALLTOALL, "--moe-shared-expert-intermediate-size", "12", "--moe-ffn-hidden-size", "8",
+     "--moe-z-loss-coeff", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss"],
+    [*ALLTOALL, "--moe-router-pre-softmax", "--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5",
      "--moe-token-drop-policy", "probs", "--moe-pad-expert-input-to-capacity"],  # 4 experts x 2 kept of 16 tokens
     ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
-], ids=["shared_expert_z_loss_seq_aux_loss", "pre_softmax_top1_capacity", "sigmoid_expert_bias_aux_loss"])
+], ids=["alltoall_shared_expert_z_loss_seq_aux_loss", "alltoall_pre_softmax_top1_capacity",
+        "sigmoid_expert_bias_aux_loss"])
 def test_llama_moe_variants_equal_megatron_cores(mcore, flags):
     compare(mcore, *LLAMA, *MOE, *flags)
 
