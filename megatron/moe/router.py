@@ -16,7 +16,9 @@ Scores (``route``), the probabilities each token's chosen experts' outputs are w
 Balancing losses, their values before the coefficient (the coefficient multiplies them into the objective):
 
 - ``aux_loss`` (Switch Transformer): ``E / (k T^2) sum_e P_e N_e``, P_e the sum over tokens of the full score
-  distribution (softmax of the logits; sigmoid's normalised over E), N_e the tokens routed to e;
+  distribution (softmax of the logits; sigmoid's normalised over E), N_e the tokens whose top k of that
+  distribution hold e: the tokens routed to e, except that the expert bias never counts (Megatron Core's
+  ``compute_routing_scores_for_aux_loss``; the logged Switch loss of ``none`` counts the bias's choice);
 - ``seq_aux_loss`` (DeepSeek-V2): the same per sequence, ``sum_e (N_e E / (k S)) mean_s(p_e)``, averaged over
   the micro-batch's sequences;
 - z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``.
@@ -103,6 +105,13 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
         return torch.softmax(logits, dim=-1)
     scores = torch.sigmoid(logits)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+
+
+def routing_map_for_aux_loss(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, E] bool: each token's top k of the balancing losses' scores (``scores_for_aux_loss``), the routing the
+    auxiliary losses count: the router's choice without the expert bias (Megatron Core's
+    ``compute_routing_scores_for_aux_loss``)."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter(1, torch.topk(scores, topk, dim=-1).indices, True)
 
 
 def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
@@ -212,16 +221,18 @@ class TopKRouter(nn.Module):
         if not with_losses:
             return probs, kept, chosen, None, torch.zeros(())
         num_tokens = logits.shape[0] * _group_size(token_group)
-        trained = torch.is_grad_enabled() and self.balancing != "none" and self.aux_coeff > 0
-        with torch.set_grad_enabled(trained):
+        in_objective = self.balancing != "none" and self.aux_coeff > 0
+        with torch.set_grad_enabled(torch.is_grad_enabled() and in_objective):
             scores = scores_for_aux_loss(logits, self.topk, self.score_function)
+            # what the loss counts: the choice without the expert bias, as Megatron Core (only logged: the choice)
+            counted = routing_map_for_aux_loss(scores, self.topk) if in_objective else chosen
             if self.balancing == "seq_aux_loss":
-                balance = sequence_load_balancing_loss(scores, chosen, batch_size, self.topk, token_group)
+                balance = sequence_load_balancing_loss(scores, counted, batch_size, self.topk, token_group)
             else:
-                counts = _sum_over(chosen.sum(dim=0, dtype=scores.dtype), token_group)
+                counts = _sum_over(counted.sum(dim=0, dtype=scores.dtype), token_group)
                 balance = switch_load_balancing_loss(scores, counts, self.topk, num_tokens)
         aux = None
-        if self.balancing != "none" and self.aux_coeff > 0:
+        if in_objective:
             aux = self.aux_coeff * balance
         if self.z_coeff:
             z = self.z_coeff * z_loss(logits, num_tokens)

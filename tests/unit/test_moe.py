@@ -235,6 +235,20 @@ def test_sigmoid_aux_scores_and_expert_bias_choose_but_do_not_weight():
     torch.testing.assert_close(probs[:, :2], scores[:, :2] / scores[:, :2].sum(-1, keepdim=True))
 
 
+def test_aux_loss_counts_the_choice_without_the_expert_bias():
+    """As Megatron Core (``compute_routing_scores_for_aux_loss``): N_e of the balancing loss is the top k of the
+    scores alone; the expert bias moves the choice, not the count."""
+    layer = make_layer(*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "1.0")
+    layer.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # experts 0 and 1 always chosen
+    tokens = _tokens().reshape(-1, H)
+    scores = scores_for_aux_loss(tokens @ layer.router.weight.t().detach(), 2, "sigmoid")
+    counted = torch.zeros_like(scores).scatter(1, scores.topk(2, dim=-1).indices, 1.0)
+    _, _, chosen, aux, _ = layer.router(tokens, 2)
+    assert chosen[:, :2].all() and counted[:, 2:].any()  # the two differ
+    T = tokens.shape[0]
+    torch.testing.assert_close(aux, (scores.sum(dim=0) * counted.sum(dim=0)).sum() * E / (2 * T * T))
+
+
 # --------------------------------------------------------------------------- the model: layers, recompute, FLOPs
 
 def test_layer_pattern_forms():
