@@ -12,9 +12,9 @@ parallelism its sequence shard; without it the layer cuts the (replicated) seque
 ranks itself and gathers the output back (Megatron-LM requires sequence parallelism instead). So the router sees a
 different share on each tensor-parallel rank: its weight's gradient is summed over the group
 (``sequence_parallel``), and the balancing losses count the tokens of the whole micro-batch (the tensor- and
-context-parallel ranks holding parts of the same samples, group ``tp_cp``: ``megatron.moe.router``). Outside
-training with a sequence the tensor-parallel size does not divide (generation's one-token steps), the tokens stay
-replicated and the experts' partial outputs are all-reduced over etp (= tp) instead.
+context-parallel ranks holding parts of the same samples, group ``tp_cp``: ``megatron.moe.router``). A sequence
+the tensor-parallel size does not divide (generation's short steps; training checks it) is padded with zero
+tokens for the split, their outputs dropped.
 
 The shared expert is the model's MLP (tensor-parallel, sequence-parallel as the dense layers) on the layer's
 input. The layer runs eager under ``--compile`` (its token counts are data-dependent): the compiled decoder layer
@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron import parallel_state
@@ -85,21 +86,22 @@ class MoELayer(nn.Module):
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        split = self.tp_size > 1 and not self.sequence_parallel and (self.training or x.shape[0] % self.tp_size == 0)
-        mine = tp.scatter_to_sequence_region(x) if split else x
-        replicated = self.tp_size > 1 and not self.sequence_parallel and not split
-        out = self._routed(mine, replicated)
+        out = x
+        split = self.tp_size > 1 and not self.sequence_parallel
+        if split:  # this rank's share of the sequence (padded to a multiple of tp: generation's short steps)
+            pad = -x.shape[0] % self.tp_size
+            out = tp.scatter_to_sequence_region(F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x)
+        out = self._routed(out)
         if split:
-            out = tp.gather_from_sequence_region(out, tensor_parallel_output_grad=False)
+            out = tp.gather_from_sequence_region(out, tensor_parallel_output_grad=False)[: x.shape[0]]
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out
 
-    def _routed(self, x: torch.Tensor, replicated: bool) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        probs, kept, chosen, aux, balance = self.router(tokens, b, None if replicated else self.token_group,
-                                                       with_losses=self.training)
+        probs, kept, chosen, aux, balance = self.router(tokens, b, self.token_group, with_losses=self.training)
         self._record(chosen, balance)
         pad_to = None
         if self.pad_to_capacity:
@@ -107,22 +109,7 @@ class MoELayer(nn.Module):
             pad_to = sources * get_capacity(s * b * self.router.topk, self.router.num_experts,
                                             self.router.capacity_factor)
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
-        groups = self.groups
-        if replicated:
-            out = _replicated(tokens, probs, kept, self.experts, groups, acc, pad_to)
-        else:
-            out = self.dispatch(tokens, probs, kept, self.experts, groups, acc, pad_to)
-        out = out.to(x.dtype)
+        out = self.dispatch(tokens, probs, kept, self.experts, self.groups, acc, pad_to).to(x.dtype)
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossScaler.apply(out, aux)
         return out.view(s, b, h)
-
-
-def _replicated(tokens, probs, kept, experts, groups: Groups, acc, pad_to):
-    """Tokens replicated over the etp (= tp) ranks, one expert-parallel rank (generation): every rank runs its
-    experts' shards on all pairs; the partial outputs are all-reduced."""
-    from megatron.moe.dispatch import alltoall
-
-    solo = Groups(groups.ep, None, None)
-    out = alltoall(tokens, probs, kept, experts, solo, acc, pad_to)
-    return tp.reduce_from_tp_region(out, groups.etp) if groups.etp is not None else out
