@@ -152,6 +152,8 @@ def _layout(ps: ParallelState, distributed: DistributedConfig) -> dict:
               "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
     if ps.cp_size > 1:  # recorded only when used: a checkpoint saved before the cp axis reads as the same layout
         layout["cp"], layout["shard_over_cp"] = ps.cp_size, ps.shard_over_cp
+    if ps.ep_size > 1 or ps.etp_size != ps.tp_size:  # the experts' layout, likewise
+        layout["ep"], layout["etp"] = ps.ep_size, ps.etp_size
     return layout
 
 

@@ -108,6 +108,17 @@ def _all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return out.view((_size(group),) + tuple(counts.shape))
 
 
+def _expert_major(chunks: torch.Tensor) -> torch.Tensor:
+    """``chunks [sources, local experts]``: the sizes of the chunks as they arrived, source by source; the row
+    indices that take them expert by expert (each expert's rows from every source, in source order)."""
+    flat = chunks.reshape(-1).cpu()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(chunks).t().reshape(-1)  # each chunk's first row, expert-major
+    sizes = chunks.t().reshape(-1).cpu()
+    total = int(sizes.sum())
+    offsets = torch.cumsum(sizes, 0) - sizes  # where each chunk starts in the new order
+    return torch.repeat_interleave(starts - offsets, sizes, output_size=total) + torch.arange(total)
+
+
 def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
                   dtype: torch.dtype) -> torch.Tensor:
     """``sum over rows r of token t: weights[r] x rows[r]`` into ``[num_tokens, h]`` (``dtype``)."""
@@ -147,11 +158,7 @@ def alltoall(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, expe
         gathered = received.unsqueeze(0)
     order = None
     if gathered.shape[0] * gathered.shape[1] > 1 and local > 1:  # chunks (source, expert) -> expert-major
-        chunk = gathered.reshape(-1, local)  # [sources, local experts]
-        starts = torch.cumsum(chunk.reshape(-1), 0) - chunk.reshape(-1)
-        starts = starts.view_as(chunk)
-        order = torch.cat([torch.arange(int(starts[src, e]), int(starts[src, e] + chunk[src, e]))
-                           for e in range(local) for src in range(chunk.shape[0])]).to(rows.device)
+        order = _expert_major(gathered.reshape(-1, local)).to(rows.device)
         rows = rows[order]
     out = experts(rows, gathered.sum(dim=(0, 1)).tolist(), pad_to)
     if order is not None:
