@@ -139,7 +139,8 @@ def initialize_distributed(config: Config, timeout_minutes: float | None = None)
     d = config.distributed
     return parallel_state.initialize(tp=d.mp_degree, pp=d.pp_degree, dp=d.dp_degree,
                                      sharding=d.sharding.sharding_degree, timeout_minutes=timeout_minutes,
-                                     cp=d.context_parallel_size, shard_over_cp=config.shards_over_context_parallel)
+                                     cp=d.context_parallel_size, shard_over_cp=config.shards_over_context_parallel,
+                                     ep=d.expert_model_parallel_size, etp=d.expert_tensor_parallel_size)
 
 
 def shutdown() -> None:

@@ -114,11 +114,18 @@ def format_duration(seconds: float) -> str:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """``split/key`` -> value for the record's finite numbers: what TensorBoard and W&B plot (metrics.jsonl
-    keeps the whole record)."""
-    split = record["split"]
-    return {f"{split}/{key}": value for key, value in record.items()
-            if key not in ("split", "step", "time") and isinstance(value, (int, float)) and math.isfinite(value)}
+    """``split/key`` -> value for the record's finite numbers, and ``split/key/name/i`` for each number of a
+    ``{name: [numbers]}`` entry: what TensorBoard and W&B plot (metrics.jsonl keeps the whole record)."""
+    split, out = record["split"], {}
+    for key, value in record.items():
+        if key in ("split", "step", "time"):
+            continue
+        if isinstance(value, dict):  # {name: [numbers]}: one curve per entry (a MoE layer's tokens per expert)
+            out.update({f"{split}/{key}/{name}/{i}": v for name, values in value.items()
+                        for i, v in enumerate(values) if isinstance(v, (int, float)) and math.isfinite(v)})
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            out[f"{split}/{key}"] = value
+    return out
 
 
 class MetricsWriter:

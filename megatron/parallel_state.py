@@ -25,7 +25,20 @@ them in one frozen ``ParallelState``; ``get()`` returns it. Groups:
 - data_parallel: same (pp, tp): every rank whose gradients and token counts are summed (dp x sharding x cp);
   the batch is cut over dp x sharding only (``data_parallel_rank``): the cp ranks of a sample read the same one;
 - model_parallel: same (dp, sharding, cp): tp x pp, the ranks that together hold one model;
-- embedding: the first and last pipeline stage of each pipeline (tied word embeddings).
+- embedding: the first and last pipeline stage of each pipeline (tied word embeddings);
+- tp_cp: same (pp, dp, sharding): the ranks that hold parts of the same samples (a MoE router's balancing losses
+  count their tokens together).
+
+**Experts** (mixture of experts, ``megatron.moe``) re-cut the same ranks: within a pipeline stage the
+S = tp x cp x sharding x dp ranks, numbered L = r mod S, are etp x ep x edp, etp fastest (Megatron-LM's
+"MoE parallel folding")::
+
+    etp_rank = L % etp;  ep_rank = (L // etp) % ep;  edp_rank = L // (etp * ep)
+
+- etp: same (pp, ep, edp): an expert's tensor-parallel shards; ep: same (pp, etp, edp): the ranks the experts
+  are split over (rank e holds experts [e E/ep, (e+1) E/ep)); ep_etp: same (pp, edp): the all-gather
+  dispatcher's group; edp: same (pp, etp, ep): the ranks holding the same experts, whose expert gradients are
+  summed (and over which a sharded optimizer shards the expert states).
 """
 
 from __future__ import annotations
@@ -35,7 +48,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-GROUP_NAMES = ("tp", "cp", "pp", "dp", "sharding", "data_parallel", "model_parallel", "embedding")
+GROUP_NAMES = ("tp", "cp", "pp", "dp", "sharding", "data_parallel", "model_parallel", "embedding", "tp_cp",
+               "etp", "ep", "ep_etp", "edp")
 
 
 def coordinates(rank: int, tp: int, pp: int, dp: int, sharding: int = 1, cp: int = 1) -> dict[str, int]:
@@ -43,15 +57,28 @@ def coordinates(rank: int, tp: int, pp: int, dp: int, sharding: int = 1, cp: int
             "dp": (rank // (tp * cp * sharding)) % dp, "pp": rank // (tp * cp * sharding * dp)}
 
 
+def expert_coordinates(rank: int, stage_size: int, ep: int = 1, etp: int = 1) -> dict[str, int]:
+    """The rank's place among the experts of its pipeline stage (``stage_size`` = tp x cp x sharding x dp ranks)."""
+    local = rank % stage_size
+    return {"etp": local % etp, "ep": (local // etp) % ep, "edp": local // (etp * ep), "pp": rank // stage_size}
+
+
 def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: int = 1,
-              cp: int = 1, shard_over_cp: bool = False) -> dict[str, list[list[int]]]:
+              cp: int = 1, shard_over_cp: bool = False, ep: int = 1, etp: int | None = None
+              ) -> dict[str, list[list[int]]]:
     """Every group's rank lists, each list sorted, the lists in order of their smallest rank."""
     if tp * pp * dp * sharding * cp != world_size:
         raise ValueError(f"tp x cp x pp x dp x sharding = {tp * cp * pp * dp * sharding} != world size {world_size}")
+    etp = tp if etp is None else etp
+    stage_size = world_size // pp
+    if stage_size % (ep * etp):
+        raise ValueError(f"expert parallel x expert tensor parallel = {ep * etp} does not divide the {stage_size} "
+                         f"ranks of a pipeline stage (tp x cp x dp x sharding)")
     keys = {
         "tp": ("pp", "dp", "sharding", "cp"), "cp": ("pp", "dp", "sharding", "tp"),
         "pp": ("dp", "sharding", "cp", "tp"), "sharding": ("pp", "dp", "cp", "tp"),
         "dp": ("pp", "sharding", "tp"), "data_parallel": ("pp", "tp"), "model_parallel": ("dp", "sharding", "cp"),
+        "tp_cp": ("pp", "dp", "sharding"),
     }
     if shard_over_cp:
         keys["sharding"], keys["dp"] = ("pp", "dp", "tp"), ("pp", "sharding", "cp", "tp")
@@ -60,6 +87,14 @@ def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: 
         buckets: dict[tuple, list[int]] = {}
         for r in range(world_size):
             c = coordinates(r, tp, pp, dp, sharding, cp)
+            buckets.setdefault(tuple(c[k] for k in shared), []).append(r)
+        grid[name] = sorted(buckets.values())
+    expert_keys = {"etp": ("pp", "ep", "edp"), "ep": ("pp", "etp", "edp"), "ep_etp": ("pp", "edp"),
+                   "edp": ("pp", "etp", "ep")}
+    for name, shared in expert_keys.items():
+        buckets = {}
+        for r in range(world_size):
+            c = expert_coordinates(r, stage_size, ep, etp)
             buckets.setdefault(tuple(c[k] for k in shared), []).append(r)
         grid[name] = sorted(buckets.values())
     grid["embedding"] = sorted(sorted({g[0], g[-1]}) for g in grid["pp"])
@@ -85,6 +120,12 @@ class ParallelState:
     cp_size: int = 1
     cp_rank: int = 0
     shard_over_cp: bool = False  # the ZeRO shards span the cp ranks (see the module docstring)
+    ep_size: int = 1  # experts (see the module docstring)
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+    edp_size: int = 1
+    edp_rank: int = 0
 
     @property
     def data_parallel_size(self) -> int:
@@ -136,7 +177,8 @@ def single_process_state() -> ParallelState:
 
 
 def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 1,
-               timeout_minutes: float = 10.0, cp: int = 1, shard_over_cp: bool = False) -> ParallelState:
+               timeout_minutes: float = 10.0, cp: int = 1, shard_over_cp: bool = False, ep: int = 1,
+               etp: int | None = None) -> ParallelState:
     """Create every group once (all ranks call this with the same sizes) and store the state."""
     global _STATE
     if not dist.is_initialized():
@@ -144,7 +186,8 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
         return _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = dp if dp is not None else world // (tp * pp * sharding * cp)
-    grid = rank_grid(world, tp, pp, dp, sharding, cp, shard_over_cp)
+    etp = tp if etp is None else etp
+    grid = rank_grid(world, tp, pp, dp, sharding, cp, shard_over_cp, ep, etp)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     groups, ranks = {}, {}
     for name, lists in grid.items():
@@ -153,8 +196,9 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
             if rank in members:
                 groups[name], ranks[name] = group, members
     c = coordinates(rank, tp, pp, dp, sharding, cp)
+    e = expert_coordinates(rank, world // pp, ep, etp)
     _STATE = ParallelState(world, rank, tp, pp, dp, sharding, c["tp"], c["pp"], c["dp"], c["sharding"], groups, ranks,
-                           cp, c["cp"], shard_over_cp)
+                           cp, c["cp"], shard_over_cp, ep, e["ep"], etp, e["etp"], world // pp // (ep * etp), e["edp"])
     return _STATE
 
 

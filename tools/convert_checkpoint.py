@@ -1,4 +1,4 @@
-"""Convert checkpoints: to and from Hugging Face GPT-2 and Llama, and to another tensor-parallel size (offline, CPU).
+"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE), and to another tensor-parallel size.
 
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
@@ -7,10 +7,12 @@
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
 ``LlamaForCausalLM.from_pretrained(OUT_DIR)`` when the checkpoint's model is Llama-shaped (rope, RMSNorm
-and swiglu), else with ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``, and the run's tokenizer
+and swiglu), with ``MixtralForCausalLM.from_pretrained(OUT_DIR)`` when it is a Llama-shaped mixture of experts
+(``Qwen2MoeForCausalLM`` with a shared expert; docs/moe.md says which), else with
+``GPT2LMHeadModel.from_pretrained(OUT_DIR)``, and the run's tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``), so that ``transformers.pipeline("text-generation",
 model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from-hf`` reads ``config.json``
-(a ``gpt2`` or ``llama`` model_type) and ``model.safetensors`` (or sharded safetensors, or
+(a ``gpt2``, ``llama``, ``mixtral`` or ``qwen2_moe`` model_type) and ``model.safetensors`` (or sharded safetensors, or
 ``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
 ``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
 in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama  # noqa: E402
+from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama, hf_mixtral, hf_qwen_moe  # noqa: E402
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
 from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
@@ -42,7 +44,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # Model shape and architecture: from config.json, never overridden by a flag (the weights fit these).
 _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
                  "position_embedding_type", "rotary_percent", "normalization", "swiglu", "group_query_attention",
-                 "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear")
+                 "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear",
+                 "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                 "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                 "moe_router_enable_expert_bias", "moe_expert_capacity_factor")
 
 
 class ToolError(Exception):
@@ -69,12 +74,13 @@ def _write_bytes(path: str, data: bytes) -> None:
 
 
 def converter_for_model(model_cfg):
-    """The mapping (``hf_llama`` or ``hf_gpt2``) for our ``ModelConfig``; ConversionError, naming the
-    setting, for a model that is neither."""
-    if getattr(model_cfg, "num_experts", None):
-        raise ConversionError(f"the checkpoint is a mixture of experts ({model_cfg.num_experts} experts): its Hugging "
-                              f"Face export (Mixtral) is not built yet (docs/moe.md).")
-    module = hf_llama if hf_llama.is_llama_shaped(model_cfg) else hf_gpt2
+    """The mapping for our ``ModelConfig``: a mixture of experts is ``hf_qwen_moe`` with a shared expert, else
+    ``hf_mixtral``; a dense model ``hf_llama`` or ``hf_gpt2``. ConversionError, naming the setting, for a model
+    that has no Hugging Face equivalent."""
+    if model_cfg.num_experts:
+        module = hf_qwen_moe if model_cfg.moe_shared_expert_intermediate_size else hf_mixtral
+    else:
+        module = hf_llama if hf_llama.is_llama_shaped(model_cfg) else hf_gpt2
     module.check_model(model_cfg)
     return module
 
@@ -84,11 +90,16 @@ def converter_for_hf(hf_cfg: dict):
     model_type, architectures = hf_cfg.get("model_type"), hf_cfg.get("architectures") or []
     if model_type == "llama" or (model_type is None and "LlamaForCausalLM" in architectures):
         return hf_llama
+    if model_type == "mixtral" or (model_type is None and "MixtralForCausalLM" in architectures):
+        return hf_mixtral
+    if model_type == "qwen2_moe" or (model_type is None and "Qwen2MoeForCausalLM" in architectures):
+        return hf_qwen_moe
     if model_type in (None, "gpt2"):
         return hf_gpt2
     named = ", ".join(architectures) or "no architectures"
     raise ConversionError(f"config.json describes a {model_type!r} model ({named}); this tool converts gpt2 "
-                          f"(GPT2LMHeadModel) and llama (LlamaForCausalLM).")
+                          f"(GPT2LMHeadModel), llama (LlamaForCausalLM), mixtral (MixtralForCausalLM) and qwen2_moe "
+                          f"(Qwen2MoeForCausalLM).")
 
 
 def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = True,
@@ -169,8 +180,8 @@ def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
-    """Our resolved config for a Hugging Face GPT-2 or Llama config.json, with pretrain_gpt.py ``flags`` on
-    top (any flag but the model's shape and architecture; vocab_size may only grow)."""
+    """Our resolved config for a Hugging Face GPT-2, Llama, Mixtral or Qwen-MoE config.json, with pretrain_gpt.py
+    ``flags`` on top (any flag but the model's shape and architecture; vocab_size may only grow)."""
     derived = converter_for_hf(hf_cfg).model_flags(hf_cfg)
     n_positions = int(derived[derived.index("--max-position-embeddings") + 1])
     config = parse_config([*derived, "--max-seq-len", str(min(1024, n_positions)), *flags])
@@ -278,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", allow_abbrev=False,
-                       help="Write a Hugging Face Llama (a rope + RMSNorm + swiglu model) or GPT-2 folder "
-                            "(config.json, model.safetensors and the run's tokenizer).")
+                       help="Write a Hugging Face Llama (a rope + RMSNorm + swiglu model), Mixtral or Qwen-MoE (such a "
+                            "model with experts) or GPT-2 folder (config.json, model.safetensors and the run's "
+                            "tokenizer).")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="Dtype of the written weights.")
@@ -293,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SentencePiece .model, Hugging Face tokenizer.json or tiktoken vocabulary, where the "
                         "config's is not found.")
     p = sub.add_parser("from-hf", allow_abbrev=False,
-                       help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2 or Llama "
-                            "folder; further arguments are pretrain_gpt.py flags.")
+                       help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2, Llama, "
+                            "Mixtral or Qwen-MoE folder; further arguments are pretrain_gpt.py flags.")
     p.add_argument("hf_dir")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")

@@ -68,8 +68,9 @@ def is_llama_shaped(model_cfg: ModelConfig) -> bool:
     return m.position_embedding_type == "rope" or m.normalization == "RMSNorm" or bool(m.swiglu)
 
 
-def check_model(model_cfg: ModelConfig) -> None:
-    """ConversionError, naming the setting, unless our ``ModelConfig`` is Llama-shaped."""
+def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str = "LlamaForCausalLM") -> None:
+    """ConversionError, naming the setting, unless our ``ModelConfig`` is Llama-shaped (the message names
+    ``family`` and its ``architecture``: Mixtral's decoder is Llama's)."""
     m = model_cfg
     for differs, setting, llama in (
             (m.position_embedding_type != "rope", f"position_embedding_type {m.position_embedding_type}",
@@ -79,7 +80,7 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "rotary embeddings on every channel"),
             (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head")):
         if differs:
-            raise ConversionError(f"{setting} has no Hugging Face Llama equivalent (LlamaForCausalLM uses {llama}), "
+            raise ConversionError(f"{setting} has no Hugging Face {family} equivalent ({architecture} uses {llama}), "
                                   f"so this checkpoint cannot be exported.")
 
 
@@ -131,7 +132,19 @@ def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -
     """Our global tensors (``{name: full tensor}``, e.g. a checkpoint's masters) -> a ``LlamaForCausalLM``
     state dict (``lm_head.weight`` only when untied), every tensor contiguous and in its own storage."""
     check_model(model_cfg)
-    names = name_map(model_cfg)
+    return map_to_hf(tensors, name_map(model_cfg), model_cfg)
+
+
+def _is_gate_up(ours: str) -> bool:
+    """Whether our parameter is an MLP's (or an expert's) ``dense_h_to_4h`` of interleaved gate/up rows."""
+    return ours.rsplit(".", 1)[0].endswith("dense_h_to_4h")
+
+
+def map_to_hf(tensors: dict[str, torch.Tensor], names: dict[str, list[str]],
+              model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``to_hf_state_dict`` by the name map ``names`` (ours -> Hugging Face's, as ``name_map``; a mapping built on
+    this one, ``hf_mixtral``, adds its own names): the word embedding and head unpadded, the fused query/key/value
+    split by group, an interleaved ``dense_h_to_4h`` split into its gate and up rows, the rest as they are."""
     check_names(set(tensors), set(names), "the checkpoint's tensors", "check num_layers")
     nq, ng, _ = dims(model_cfg)
     out = {}
@@ -141,7 +154,7 @@ def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -
             parts = [unpad_vocab(t, model_cfg.vocab_size, ours)]
         elif _QKV in ours:
             parts = _qkv_to_hf(t, nq, ng)
-        elif _H_TO_4H in ours:
+        elif _is_gate_up(ours):
             pairs = t.reshape(-1, 2, *t.shape[1:])  # row 2j: gate_j, row 2j + 1: up_j
             parts = [pairs[:, 0], pairs[:, 1]]
         else:
@@ -163,10 +176,16 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
     embedding and an untied output layer zero-padded to ``padded_vocab`` rows). With a tied head
     (``untie_embeddings_and_output_weights`` off), an ``lm_head.weight`` must equal the embedding."""
     check_model(model_cfg)
-    hf = strip_hf_prefix(hf)
-    names = name_map(model_cfg)
+    return map_from_hf(strip_hf_prefix(hf), name_map(model_cfg), model_cfg, padded_vocab, _HINT)
+
+
+def map_from_hf(hf: dict[str, torch.Tensor], names: dict[str, list[str]], model_cfg: ModelConfig,
+                padded_vocab: int, hint: str) -> dict[str, torch.Tensor]:
+    """``from_hf_state_dict`` by the name map ``names`` (see ``map_to_hf``) of a state dict whose keys carry the
+    ``model.`` prefix; ``hint`` ends the message of a state dict that does not match the names."""
+    hf = dict(hf)
     tied_head = None if model_cfg.untie_embeddings_and_output_weights else hf.pop(HF_HEAD, None)
-    check_names(set(hf), {name for theirs in names.values() for name in theirs}, "the Hugging Face state dict", _HINT)
+    check_names(set(hf), {name for theirs in names.values() for name in theirs}, "the Hugging Face state dict", hint)
     vocab, hidden = model_cfg.vocab_size, model_cfg.hidden_size
     check_vocab_shape(hf[HF_WTE], HF_WTE, vocab, hidden, padded_vocab)
     if HF_HEAD in hf:
@@ -182,7 +201,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
             t = pad_vocab(parts[0], padded_vocab)
         elif _QKV in ours:
             t = _qkv_from_hf(*parts, nq, ng)
-        elif _H_TO_4H in ours:
+        elif _is_gate_up(ours):
             t = torch.stack(parts, dim=1).reshape(-1, *parts[0].shape[1:])
         else:
             t = parts[0]
@@ -244,6 +263,12 @@ def model_flags(config: dict) -> list[str]:
     GPT cannot represent)."""
     if config.get("model_type", "llama") != "llama":
         raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not llama.")
+    return to_flags(model_values(config))
+
+
+def model_values(config: dict) -> dict:
+    """Our ``ModelConfig`` fields (name -> value, None left out) for the Llama-shaped decoder of a ``config.json``
+    (Llama's, or a model built on it: Mixtral); ConversionError for what our GPT cannot represent."""
     act = config.get("hidden_act", ACTIVATION)
     if act != ACTIVATION:
         raise ConversionError(f"hidden_act {act!r} is not this GPT's SwiGLU activation ({ACTIVATION}).")
@@ -283,5 +308,4 @@ def model_flags(config: dict) -> list[str]:
         "attention_probs_dropout_prob": config.get("attention_dropout", 0.0),
         "initializer_range": config.get("initializer_range", 0.02),
     })
-    return to_flags({k: v for k, v in values.items() if v is not None})
-
+    return {k: v for k, v in values.items() if v is not None}

@@ -88,8 +88,10 @@ class _Slice:
 
 
 def slice_of(param: nn.Parameter, ps: ParallelState) -> _Slice:
+    """A tensor-parallel shard's place (an expert's: its expert-tensor-parallel rank and size, which the parameter
+    records; ``ps`` is kept for the callers' symmetry)."""
     if getattr(param, "tensor_model_parallel", False):
-        return _Slice(tuple(param.full_shape), param.partition_dim, ps.tp_rank, ps.tp_size)
+        return _Slice(tuple(param.full_shape), param.partition_dim, param.partition_rank, param.partition_size)
     return _Slice(tuple(param.shape), None, 0, 1)
 
 
@@ -102,6 +104,18 @@ def owned_pieces(model: nn.Module, optimizer, ps: ParallelState):
             lo, hi = max(start, a), min(end, b)
             if lo < hi:
                 yield names[id(p)], p, lo - start, hi - start, master, lo - a
+
+
+def written_pieces(model: nn.Module, optimizer, ps: ParallelState):
+    """The ``owned_pieces`` this rank writes to a checkpoint: those it holds the copy of that counts once
+    (``counts_once``: the first replica of the shard, the first tensor-parallel rank of a replicated parameter,
+    never the tied embedding's second copy), so every element is written exactly once."""
+    from megatron.distributed.parallelize import counts_once
+
+    bucket_of = {id(p): bucket for bucket in optimizer.buffer.buckets for p, _, _ in bucket.params}
+    for piece in owned_pieces(model, optimizer, ps):
+        if counts_once(piece[1], bucket_of[id(piece[1])]):
+            yield piece
 
 
 # Saving -----------------------------------------------------------------------------------------
@@ -138,6 +152,8 @@ def _layout(ps: ParallelState, distributed: DistributedConfig) -> dict:
               "sharding_stage": s.sharding_stage, "sharding_offload": s.sharding_offload}
     if ps.cp_size > 1:  # recorded only when used: a checkpoint saved before the cp axis reads as the same layout
         layout["cp"], layout["shard_over_cp"] = ps.cp_size, ps.shard_over_cp
+    if ps.ep_size > 1 or ps.etp_size != ps.tp_size:  # the experts' layout, likewise
+        layout["ep"], layout["etp"] = ps.ep_size, ps.etp_size
     return layout
 
 
@@ -182,21 +198,17 @@ def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) 
     """This rank's pieces into ``rank{r}.bin`` and its RNG streams; returns (pieces, {file: CRC-32})."""
     writer, pieces = RankFileWriter(tmp, ps.rank), []
     try:
-        if ps.writes_shard:  # the shard's replicas (dp, and cp unless the shards span it) hold the same pieces
-            for name, p, lo, hi, master, offset in owned_pieces(model, optimizer, ps):
-                if getattr(p, "tied_copy", False) or not (getattr(p, "tensor_model_parallel", False)
-                                                          or ps.tp_rank == 0):
+        for name, p, lo, hi, master, offset in written_pieces(model, optimizer, ps):
+            where = slice_of(p, ps)
+            state = optimizer.inner.state.get(master, {})
+            for kind in KINDS:
+                source = master if kind == "param" else state.get(kind)
+                if source is None:
                     continue
-                where = slice_of(p, ps)
-                state = optimizer.inner.state.get(master, {})
-                for kind in KINDS:
-                    source = master if kind == "param" else state.get(kind)
-                    if source is None:
-                        continue
-                    pieces.append({**writer.add(source[offset:offset + hi - lo]), "kind": kind, "name": name,
-                                   "lo": lo, "hi": hi, "global_shape": list(where.global_shape),
-                                   "partition_dim": where.partition_dim, "tp_rank": where.tp_rank,
-                                   "tp_size": where.tp_size, "local_shape": list(p.shape)})
+                pieces.append({**writer.add(source[offset:offset + hi - lo]), "kind": kind, "name": name,
+                               "lo": lo, "hi": hi, "global_shape": list(where.global_shape),
+                               "partition_dim": where.partition_dim, "tp_rank": where.tp_rank,
+                               "tp_size": where.tp_size, "local_shape": list(p.shape)})
     finally:
         writer.close()
     rng = small_files.rng_file(ps.rank)

@@ -115,10 +115,12 @@ class ModelConfig:
     moe_shared_expert_overlap: bool = opt(
         False, "Accepted for Megatron-LM compatibility: overlapping the shared expert with the token exchange.")
     moe_grouped_gemm: bool = opt(
-        False, "Accepted for Megatron-LM compatibility: the experts run one after another on their tokens.")
+        False, "Run the experts as one grouped matmul (torch._grouped_mm, CUDA in bf16); elsewhere (the CPU) they run "
+               "one after another on their tokens.")
     moe_token_dispatcher_type: str = opt(
-        "alltoall", "How tokens reach the experts' ranks under expert parallelism (not built yet: with one expert-"
-                    "parallel rank the choice changes nothing).", ("alltoall", "allgather"))
+        "alltoall", "How tokens reach the experts' ranks: alltoall (each (token, expert) pair to the rank holding "
+                    "the expert) or allgather (every token to every rank of the ep x etp group); the same result.",
+        ("alltoall", "allgather"))
 
 
 @dataclass
@@ -193,9 +195,12 @@ class DistributedConfig:
         None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
               "CPU, where gloo's thread competes with the compute for the cores (docs/benchmarks.md).")
     expert_model_parallel_size: int = opt(
-        1, "Expert parallelism: ranks the experts are split over (not built yet: only 1).")
+        1, "Expert parallelism: the ranks each MoE layer's experts are split over (each holds num_experts / this), "
+           "taken from the data-parallel (and tensor/context-parallel) ranks of a pipeline stage; tokens travel to "
+           "their experts by moe_token_dispatcher_type.")
     expert_tensor_parallel_size: int | None = opt(
-        None, "The experts' own tensor-parallel size (not built yet: only the model's mp_degree, the default).")
+        None, "The experts' own tensor-parallel size: each expert's MLP cut over this many ranks; None: mp_degree. "
+              "expert_model_parallel_size x this must divide the ranks of a pipeline stage.")
     distributed_timeout_minutes: float = opt(
         10.0, "Timeout of every collective and point-to-point operation (Megatron-LM's flag).")
     sharding: ShardingConfig = section(ShardingConfig, "sharding", "Group-sharded (ZeRO) optimizer.")

@@ -52,19 +52,15 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 
 def check_moe(config: Config) -> None:
-    """The MoE settings (after the layout is known). Expert parallelism, the experts' own tensor parallelism and
-    MoE under context parallelism are refused until they are built (under tensor parallelism every expert is
-    tensor-parallel like the MLP, the router replicated)."""
+    """The MoE settings (after the layout is known): the experts' layout (ep x etp over the ranks of a pipeline
+    stage, ``megatron.parallel_state``) and the router's settings."""
     m, d = config.model, config.distributed
-    if d.expert_model_parallel_size != 1:
-        _fail(f"expert_model_parallel_size {d.expert_model_parallel_size}: expert parallelism is not built yet; "
-              f"leave it at 1 (every rank holds every expert).")
-    if d.expert_tensor_parallel_size is not None and d.expert_tensor_parallel_size != d.mp_degree:
-        _fail(f"expert_tensor_parallel_size {d.expert_tensor_parallel_size}: the experts' own tensor parallelism is "
-              f"not built yet; leave it unset (the model's mp_degree, {d.mp_degree}).")
     if d.expert_model_parallel_size < 1:
         _fail(f"expert_model_parallel_size must be at least 1, got {d.expert_model_parallel_size}.")
     if m.num_experts is None:
+        if d.expert_model_parallel_size > 1 or d.expert_tensor_parallel_size not in (None, d.mp_degree):
+            _fail("expert_model_parallel_size / expert_tensor_parallel_size lay out experts: give --num-experts too, "
+                  "or leave them at their defaults for a dense model.")
         return
     try:
         pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
@@ -95,6 +91,18 @@ def check_moe(config: Config) -> None:
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         _fail("moe_router_pre_softmax applies to the softmax router; drop it with --moe-router-score-function "
               "sigmoid.")
-    if d.context_parallel_size > 1:
-        _fail(f"MoE layers under context_parallel_size {d.context_parallel_size} are not built yet; train the MoE "
-              f"model without context parallelism.")
+    ep, etp, tp = d.expert_model_parallel_size, d.expert_tensor_parallel_size or d.mp_degree, d.mp_degree
+    stage = tp * d.context_parallel_size * d.dp_degree * d.sharding.sharding_degree
+    if m.num_experts % ep:
+        _fail(f"num_experts ({m.num_experts}) must be divisible by expert_model_parallel_size ({ep}): each expert-"
+              f"parallel rank holds num_experts / {ep} experts.")
+    if stage % (ep * etp):
+        _fail(f"expert_model_parallel_size x expert_tensor_parallel_size ({ep} x {etp}) must divide the {stage} ranks "
+              f"of a pipeline stage (mp_degree x context_parallel_size x dp_degree x sharding_degree): the experts are "
+              f"laid out over the same ranks.")
+    if m.moe_ffn_hidden_size % etp:
+        _fail(f"moe_ffn_hidden_size ({m.moe_ffn_hidden_size}) must be divisible by expert_tensor_parallel_size "
+              f"({etp}).")
+    if tp > 1 and not d.sequence_parallel and config.dataset.max_seq_len % tp:
+        _fail(f"a MoE layer under mp_degree {tp} routes each rank's share of the sequence: max_seq_len "
+              f"({config.dataset.max_seq_len}) must be divisible by {tp} (or use --sequence-parallel).")

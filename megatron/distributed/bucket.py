@@ -17,6 +17,8 @@ values and (while they exist) of their fp32 gradients, and what is in flight for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,6 +27,21 @@ from megatron.distributed.buffer_layout import BucketSpan
 from megatron.tensor_parallel.mappings import _all_gather_flat
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class BucketGroups:
+    """Whom a bucket's gradients and parameters are exchanged with (``parallelize.plan_sharding`` decides):
+    ``reduce``: its gradients are summed over these ranks (an all-reduce, or a reduce-scatter when the gradients
+    are sharded; None: nothing to reduce); ``sharding``: the ranks its slices are spread over (publish, stage 3's
+    gather; None: unsharded); ``replica``: the replicas of its shard, whose gradient shards are all-reduced
+    (HSDP); ``first_replica``: this rank is the first of the ranks holding its shard (it writes it to checkpoints
+    and counts it in the gradient norm)."""
+
+    reduce: dist.ProcessGroup | None = None
+    sharding: dist.ProcessGroup | None = None
+    replica: dist.ProcessGroup | None = None
+    first_replica: bool = True
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -54,6 +71,7 @@ class Bucket:
         self._ready: set[int] = set()  # parameters whose gradient is in, this backward
         self._grad_sync: tuple | None = None  # (work, scattered output or None, the full gradients it reads)
         self._gather: dist.Work | None = None
+        self.groups = BucketGroups()  # set by the buffer's builder
 
     index = property(lambda self: self.span.index)
     start = property(lambda self: self.span.start)

@@ -63,15 +63,18 @@ class BufferLayout:
     shard_numel: int
 
 
-def lay_out(buckets: Sequence[Sequence[Named]], pad_multiple: int = 1, shard_rank: int = 0) -> BufferLayout:
+def lay_out(buckets: Sequence[Sequence[Named]], pad_multiple: int = 1, shard_rank: int = 0,
+            shardings: Sequence[tuple[int, int]] | None = None) -> BufferLayout:
     """The layout of ``buckets`` (lists of (name, shape), empty ones skipped), each padded to a multiple of
-    ``pad_multiple`` (the sharding degree N), with ``shard_rank``'s slice of each."""
+    ``pad_multiple`` (the sharding degree N), with ``shard_rank``'s slice of each; ``shardings``: instead, each
+    bucket's own (N, rank) (the experts' buckets are sharded over other ranks than the dense ones)."""
     spans: list[BucketSpan] = []
     offset = shard_offset = 0
-    for members in (b for b in buckets if b):
-        span = _lay_out_bucket(len(spans), members, offset, shard_offset, pad_multiple, shard_rank)
+    cuts = [(pad_multiple, shard_rank)] * len(buckets) if shardings is None else list(shardings)
+    for members, (n, rank) in ((b, cut) for b, cut in zip(buckets, cuts) if b):
+        span = _lay_out_bucket(len(spans), members, offset, shard_offset, n, rank)
         spans.append(span)
-        offset, shard_offset = span.end, shard_offset + span.numel // pad_multiple
+        offset, shard_offset = span.end, shard_offset + span.numel // n
     if not spans:
         raise ValueError("no trainable parameters")
     return BufferLayout(tuple(spans), offset, shard_offset)
@@ -118,7 +121,8 @@ def layer_buckets(named: Sequence[Named],
                   own_bucket: tuple[str, ...] = ("word_embeddings.weight",)) -> list[list[Named]]:
     """ZeRO stage 3: one bucket per decoder layer (``...layers.<i>.``), one per name ending in
     ``own_bucket`` (the word embedding), and one for each model chunk's other parameters (position
-    embedding, final norm), in the order of ``named``."""
+    embedding, final norm), in the order of ``named``. (A MoE layer's experts, sharded over other ranks, are
+    laid out by the caller as buckets of their own.)"""
     buckets: dict[str, list] = {}
     for name, shape in named:
         match = _LAYER.match(name)

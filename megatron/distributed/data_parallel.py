@@ -22,7 +22,8 @@ The reduction of a bucket is, by sharding stage (chosen by ``parallelize``):
   reductions in flight).
 
 With data-parallel replicas of a sharding group (hybrid sharding, HSDP), the gradient shards
-are then all-reduced over the replicas (``replica_group``).
+are then all-reduced over the replicas. Each bucket carries its groups (``Bucket.groups``): a MoE model's
+expert buckets are reduced over the expert-data-parallel ranks, the others over the data-parallel ones.
 
 The reduction is a SUM: each rank's loss is already divided by the token count of the whole
 global batch (token-exact normalisation), so the sum is the global gradient.
@@ -42,20 +43,19 @@ from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 
 
 class DataParallel(nn.Module):
-    """Wraps the model; forward is the module's. ``group``: the ranks to reduce over (all-reduce,
-    or reduce-scatter with ``reduce_scatter=True``). ``overlap=False`` reduces every bucket after
+    """Wraps the model; forward is the module's. Each bucket is reduced over its ``groups.reduce``
+    (all-reduce, or reduce-scatter with ``reduce_scatter=True``). ``overlap=False`` reduces every bucket after
     the backward instead (for comparison and debugging). ``on_grads_done(bucket)`` runs once a
     bucket's reduction has started (stage 3 frees its gathered parameters there)."""
 
-    def __init__(self, module: nn.Module, buffer: ParamAndGradBuffer, group: dist.ProcessGroup | None,
-                 overlap: bool = True, reduce_scatter: bool = False, replica_group: dist.ProcessGroup | None = None,
-                 every_micro_batch: bool = False, on_grads_done: Callable[[Bucket], None] | None = None):
+    def __init__(self, module: nn.Module, buffer: ParamAndGradBuffer, overlap: bool = True,
+                 reduce_scatter: bool = False, every_micro_batch: bool = False,
+                 on_grads_done: Callable[[Bucket], None] | None = None):
         super().__init__()
         self.module = module
-        self.buffer, self.group, self.overlap = buffer, group, overlap
-        self.reduce_scatter, self.replica_group = reduce_scatter, replica_group
+        self.buffer, self.overlap = buffer, overlap
+        self.reduce_scatter = reduce_scatter
         self.every_micro_batch, self.on_grads_done = every_micro_batch, on_grads_done
-        self.size = dist.get_world_size(group) if group is not None else 1
         self._sync_enabled = True
         for bucket in buffer.buckets:
             for p, _, _ in bucket.params:
@@ -75,14 +75,15 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def _active(self) -> bool:
-        return (self._sync_enabled or self.every_micro_batch) and self.size > 1
+        return self._sync_enabled or self.every_micro_batch
 
     def _on_grad_ready(self, bucket: Bucket, param: torch.Tensor) -> None:
-        if self._active() and (self.overlap or self.every_micro_batch) and bucket.mark_ready(param):
+        if (self._active() and bucket.groups.reduce is not None and (self.overlap or self.every_micro_batch)
+                and bucket.mark_ready(param)):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.start_grad_sync(self.group, self.reduce_scatter)
+        bucket.start_grad_sync(bucket.groups.reduce, self.reduce_scatter)
         if self.every_micro_batch:  # the next micro-batch's gradients go into a fresh buffer
             bucket.point_grads(None)
         if self.on_grads_done is not None:
@@ -95,14 +96,15 @@ class DataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's reduction, launching any that did not fill (unused parameters,
         no overlap, or buckets still gathered); then all-reduce the gradient shards over the replicas."""
-        if self.size > 1:
-            for bucket in self.buffer.buckets:
-                if not bucket.grad_sync_pending and bucket.grad_data is not None:
-                    self._launch(bucket)
-            for bucket in self.buffer.buckets:
-                bucket.finish_grad_sync()
-                bucket.reset_ready()
-            if self.reduce_scatter:
-                self.buffer.release_grads()
-        if self.replica_group is not None:
-            dist.all_reduce(self.buffer.grad_shard, group=self.replica_group)
+        reduced = [b for b in self.buffer.buckets if b.groups.reduce is not None]
+        for bucket in reduced:
+            if not bucket.grad_sync_pending and bucket.grad_data is not None:
+                self._launch(bucket)
+        for bucket in reduced:
+            bucket.finish_grad_sync()
+            bucket.reset_ready()
+        if self.reduce_scatter:
+            self.buffer.release_grads()
+        for bucket in self.buffer.buckets:
+            if bucket.groups.replica is not None:
+                dist.all_reduce(bucket.grad_shard, group=bucket.groups.replica)

@@ -7,6 +7,9 @@
   are summed over the embedding group so both take the same step and stay identical. An untied
   model (``output_layer``) marks nothing on either stage, so neither joins the sum.
 
+- Experts cut over the expert-tensor-parallel ranks: an expert's replicated output bias is added on the first
+  of them only (``megatron.moe.experts``; marked ``expert_tp_replicated``): its gradient is summed over the etp group.
+
 (Data-parallel reduction is the DataParallel wrapper's, done before this.) Under
 ZeRO stage 2/3 the gradients are already reduce-scattered here, so each rank reduces the part of
 these gradients its shard holds: the layouts agree across the TP group (same shapes) and across
@@ -28,6 +31,10 @@ def finalize_model_grads(model: nn.Module, ps: ParallelState, buffer: ParamAndGr
         sp = [g for p in model.parameters() if getattr(p, "sequence_parallel", False)
               if (g := buffer.reduced_grad(p)) is not None]
         _all_reduce_coalesced(sp, ps.group("tp"))
+    if ps.etp_size > 1:
+        replicated = [g for p in model.parameters() if getattr(p, "expert_tp_replicated", False)
+                      if (g := buffer.reduced_grad(p)) is not None]
+        _all_reduce_coalesced(replicated, ps.group("etp"))
     if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):
         tied = [g for p in model.parameters() if getattr(p, "shared_embedding", False)
                 if (g := buffer.reduced_grad(p)) is not None]

@@ -28,7 +28,6 @@ gather; between steps, only the shards exist.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron.distributed.bucket import Bucket
@@ -40,22 +39,24 @@ class FullyShardedParameters:
     buckets gather, wait and free themselves. ``layer_buckets``: the decoder layers' buckets;
     ``peak_gathered_layers``: the most of them gathered (or being gathered) at once."""
 
-    def __init__(self, chunks: list[nn.Module], buffer: ParamAndGradBuffer, group: dist.ProcessGroup,
-                 keep_gathered: bool = False, prefetch: bool = True):
-        self.buffer, self.group, self.keep_gathered, self.prefetch = buffer, group, keep_gathered, prefetch
-        self.layer_buckets: list[Bucket] = []
+    def __init__(self, chunks: list[nn.Module], buffer: ParamAndGradBuffer, keep_gathered: bool = False,
+                 prefetch: bool = True):
+        self.buffer, self.keep_gathered, self.prefetch = buffer, keep_gathered, prefetch
+        self.layer_buckets: list[tuple[Bucket, ...]] = []  # per layer: its bucket (and a MoE layer's experts')
         self.peak_gathered_layers = 0
-        self._held: list[Bucket] = []  # layer buckets gathered or in flight, as last seen
+        self._held: list[tuple[Bucket, ...]] = []  # layers gathered or in flight, as last seen
         bucket_of = {id(p): b for b in buffer.buckets for p, _, _ in b.params}
         for chunk in chunks:
-            layers = [(module, bucket_of[id(next(module.parameters()))]) for module in chunk.layers.values()]
+            layers = [(module, tuple({bucket_of[id(p)].index: bucket_of[id(p)] for p in module.parameters()}.values()))
+                      for module in chunk.layers.values()]
             self.layer_buckets += [b for _, b in layers]
             layer_params = {id(p) for module, _ in layers for p in module.parameters()}
-            root = list({bucket_of[id(p)].index: bucket_of[id(p)] for p in chunk.parameters()
-                         if id(p) not in layer_params}.values())
+            root = [(b,) for b in {bucket_of[id(p)].index: bucket_of[id(p)] for p in chunk.parameters()
+                                   if id(p) not in layer_params}.values()]
             self._install(chunk, root, layers)
 
-    def _install(self, chunk: nn.Module, root: list[Bucket], layers: list[tuple[nn.Module, Bucket]]) -> None:
+    def _install(self, chunk: nn.Module, root: list[tuple[Bucket, ...]],
+                 layers: list[tuple[nn.Module, tuple[Bucket, ...]]]) -> None:
         chunk.register_forward_pre_hook(lambda *_: self._chunk_pre_forward(root, layers))
         chunk.register_forward_hook(lambda *_: self._chunk_post_forward(root))
         for i, (module, bucket) in enumerate(layers):
@@ -66,34 +67,37 @@ class FullyShardedParameters:
 
     # Gathering -----------------------------------------------------------------------------------
 
-    def _gather(self, bucket: Bucket, async_op: bool) -> None:
-        if not bucket.gather(self.group, async_op) or not any(b is bucket for b in self.layer_buckets):
+    def _gather(self, unit: tuple[Bucket, ...], async_op: bool) -> None:
+        """Gather a layer's (or a root) buckets, each over its own sharding group."""
+        started = [bucket.gather(bucket.groups.sharding, async_op) for bucket in unit]
+        if not any(started) or not any(layer == unit for layer in self.layer_buckets):
             return
         # the statistic looks at the few layers held, not at all of them
-        self._held = [b for b in self._held if b.gathered and b is not bucket] + [bucket]
+        self._held = [u for u in self._held if u[0].gathered and u != unit] + [unit]
         self.peak_gathered_layers = max(self.peak_gathered_layers, len(self._held))
 
-    def _wait(self, bucket: Bucket) -> None:
-        if not bucket.wait():
-            self._gather(bucket, async_op=False)
+    def _wait(self, unit: tuple[Bucket, ...]) -> None:
+        if not all([bucket.wait() for bucket in unit]):
+            self._gather(unit, async_op=False)
 
-    def _free(self, bucket: Bucket, force: bool = False) -> None:
-        """Free a bucket's gathered parameters (under ``keep_gathered`` only when ``force``d)."""
+    def _free(self, unit: tuple[Bucket, ...], force: bool = False) -> None:
+        """Free the units' gathered parameters (under ``keep_gathered`` only when ``force``d)."""
         if force or not self.keep_gathered:
-            bucket.free()
+            for bucket in unit:
+                bucket.free()
 
     def gather_all(self) -> None:
         for bucket in self.buffer.buckets:
-            self._gather(bucket, async_op=False)
+            self._gather((bucket,), async_op=False)
 
     def release(self) -> None:
         """Free every gathered bucket, whatever the mode (after an evaluation under ``keep_gathered``)."""
         for bucket in self.buffer.buckets:
-            self._free(bucket, force=True)
+            self._free((bucket,), force=True)
 
     # Hooks ---------------------------------------------------------------------------------------
 
-    def _chunk_pre_forward(self, root: list[Bucket], layers: list) -> None:
+    def _chunk_pre_forward(self, root: list[tuple[Bucket, ...]], layers: list) -> None:
         if self.keep_gathered:
             self.gather_all()
             return
@@ -102,7 +106,7 @@ class FullyShardedParameters:
         if layers and self.prefetch:
             self._gather(layers[0][1], async_op=True)
 
-    def _chunk_post_forward(self, root: list[Bucket]) -> None:
+    def _chunk_post_forward(self, root: list[tuple[Bucket, ...]]) -> None:
         if torch.is_grad_enabled():
             return
         if self.keep_gathered:  # evaluation: no backward will come to free them
@@ -111,18 +115,19 @@ class FullyShardedParameters:
             for bucket in root:
                 self._free(bucket)
 
-    def _pre_forward(self, bucket: Bucket, following: Bucket | None) -> None:
+    def _pre_forward(self, bucket: tuple[Bucket, ...], following: tuple[Bucket, ...] | None) -> None:
         self._wait(bucket)
         if following is not None and self.prefetch:
             self._gather(following, async_op=True)
 
-    def _post_forward(self, bucket: Bucket, previous: Bucket | None, output: torch.Tensor) -> torch.Tensor:
+    def _post_forward(self, bucket: tuple[Bucket, ...], previous: tuple[Bucket, ...] | None,
+                      output: torch.Tensor) -> torch.Tensor:
         self._free(bucket)
         if torch.is_grad_enabled() and output.requires_grad and not self.keep_gathered:
             output.register_hook(lambda grad: self._pre_backward(bucket, previous))
         return output
 
-    def _pre_backward(self, bucket: Bucket, previous: Bucket | None) -> None:
+    def _pre_backward(self, bucket: tuple[Bucket, ...], previous: tuple[Bucket, ...] | None) -> None:
         self._wait(bucket)
         if previous is not None and self.prefetch:
             self._gather(previous, async_op=True)
@@ -130,4 +135,4 @@ class FullyShardedParameters:
     def on_grads_done(self, bucket: Bucket) -> None:
         """The bucket's gradients are all in and their reduction launched: free its parameters
         (under ``keep_gathered`` this happens after the step's last backward)."""
-        self._free(bucket, force=True)
+        self._free((bucket,), force=True)

@@ -11,6 +11,13 @@ else (``build_model``, ``parallelize``, the optimizer, the memory accounting) re
 | 2 | reduce-scattered over the sharding group, shards all-reduced over the dp replicas | full |
 | 3 | as stage 2, after every micro-batch (without pipelining) | ``FullyShardedParameters`` |
 
+**Experts** (parameters marked ``expert_parallel``, ``megatron.moe``) are held by the expert-parallel ranks,
+so their gradients are summed over the expert-data-parallel group (``edp``: the ranks holding the same experts)
+instead, in buckets of their own: all-reduced over edp unsharded; with a sharded optimizer (any stage), sharded
+over all of edp (as Megatron-LM's distributed optimizer shards the expert states over the expert data-parallel
+ranks), their gradients reduce-scattered from stage 2 and their parameters sharded at stage 3 likewise. Each
+bucket carries its groups (``BucketGroups``); everything downstream reads them from the bucket.
+
 ``parallelize(model, plan)`` lays out and builds the ``ParamAndGradBuffer`` and installs the
 hooks: the data-parallel (or fully-sharded) wrapper the model is trained through.
 """
@@ -23,7 +30,9 @@ from typing import NamedTuple
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
 from megatron.config.schema import Config
+from megatron.distributed.bucket import BucketGroups
 from megatron.distributed.buffer_layout import lay_out, layer_buckets, split_into_buckets
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.fully_sharded import FullyShardedParameters
@@ -68,6 +77,10 @@ class ShardingPlan:
     keep_gathered: bool = False
     own_bucket: tuple[str, ...] = ()
     bucket_size: int = DEFAULT_BUCKET_SIZE
+    first_replica: bool = True  # this rank holds the first copy of its dense shard (``ParallelState.writes_shard``)
+    expert_group: dist.ProcessGroup | None = None  # edp: the ranks holding the same experts (None: one rank)
+    expert_first_replica: bool = True
+    shard_experts: bool = False  # a sharded optimizer: the expert states sharded over all of edp
 
     @property
     def shards_grads(self) -> bool:
@@ -76,6 +89,15 @@ class ShardingPlan:
     @property
     def shards_params(self) -> bool:
         return self.stage == 3
+
+    def bucket_groups(self, expert: bool) -> BucketGroups:
+        """The groups of a dense or an expert bucket."""
+        if expert:
+            return BucketGroups(reduce=self.expert_group, sharding=self.expert_group if self.shard_experts else None,
+                                first_replica=self.expert_first_replica)
+        return BucketGroups(reduce=self.sharding_group if self.shards_grads else self.data_parallel_group,
+                            sharding=self.sharding_group, replica=self.replica_group,
+                            first_replica=self.first_replica)
 
 
 def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
@@ -96,7 +118,23 @@ def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
         keep_gathered=stage == 3 and pipelined,
         own_bucket=(TIED_EMBEDDING,) if stage >= 2 and pipelined else (),
         bucket_size=int(d.bucket_size_mb * 2**20 / 4),
+        first_replica=ps.writes_shard,
+        # experts: the edp group even of one rank when sharded (a reduce-scatter over one rank fills the shard)
+        expert_group=ps.group("edp") if ps.edp_size > 1 or (stage >= 2 and ps.world_size > 1) else None,
+        expert_first_replica=ps.shard_group_size > 1 or ps.edp_rank == 0,
+        shard_experts=ps.shard_group_size > 1,
     )
+
+
+def counts_once(p: nn.Parameter, bucket) -> bool:
+    """Whether this rank holds the copy of ``p`` (in ``bucket``) that counts once over all ranks: the first
+    replica of the bucket's shard, a tensor-parallel shard or else the first tensor-parallel rank (the first
+    expert-tensor-parallel rank for an expert), and never the last pipeline stage's copy of the tied embedding.
+    Checkpoints write the same copies."""
+    ps = parallel_state.get()
+    first = ps.etp_rank == 0 if getattr(p, "expert_parallel", False) else ps.tp_rank == 0
+    return (bucket.groups.first_replica and (getattr(p, "tensor_model_parallel", False) or first)
+            and not getattr(p, "tied_copy", False))
 
 
 class Parallelized(NamedTuple):
@@ -110,15 +148,23 @@ def build_buffer(model: nn.Module, plan: ShardingPlan) -> ParamAndGradBuffer:
     reverse parameter order (the order the backward produces gradients), cut into buckets of
     ``bucket_size`` (stage 3: one per decoder layer), sharded over the sharding group."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad][::-1]
-    shapes = [(name, tuple(p.shape)) for name, p in named]
-    if plan.shards_params:
-        groups = layer_buckets(shapes)
-    else:
-        groups = split_into_buckets(shapes, plan.bucket_size, plan.own_bucket)
-    group = plan.sharding_group
-    n, r = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
-    return ParamAndGradBuffer(lay_out(groups, n, r), dict(named), shard_grads=plan.shards_grads,
-                              shard_params=plan.shards_params)
+    position = {name: i for i, (name, _) in enumerate(named)}
+    buckets: list[tuple[list, bool]] = []
+    for expert in (False, True):  # the experts' buckets apart: other ranks reduce and shard them
+        shapes = [(name, tuple(p.shape)) for name, p in named if getattr(p, "expert_parallel", False) == expert]
+        if shapes:
+            cut = layer_buckets(shapes) if plan.shards_params else split_into_buckets(shapes, plan.bucket_size,
+                                                                                       plan.own_bucket)
+            buckets += [(members, expert) for members in cut]
+    buckets.sort(key=lambda bucket: position[bucket[0][0][0]])  # in the order the backward fills them
+    groups = [plan.bucket_groups(expert) for _, expert in buckets]
+    shardings = [_size_and_rank(g.sharding) for g in groups]
+    return ParamAndGradBuffer(lay_out([members for members, _ in buckets], shardings=shardings), dict(named),
+                              shard_grads=plan.shards_grads, shard_params=plan.shards_params, groups=groups)
+
+
+def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
 
 
 def parallelize(model: nn.Module, plan: ShardingPlan) -> Parallelized:
@@ -129,15 +175,15 @@ def parallelize(model: nn.Module, plan: ShardingPlan) -> Parallelized:
     fully_sharded = None
     if plan.shards_params:
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        fully_sharded = FullyShardedParameters(chunks, buffer, plan.sharding_group, keep_gathered=plan.keep_gathered)
+        fully_sharded = FullyShardedParameters(chunks, buffer, keep_gathered=plan.keep_gathered)
     if plan.shards_grads:
-        model = DataParallel(model, buffer, plan.sharding_group, overlap=plan.overlap, reduce_scatter=True,
-                             replica_group=plan.replica_group, every_micro_batch=plan.every_micro_batch,
+        model = DataParallel(model, buffer, overlap=plan.overlap, reduce_scatter=True,
+                             every_micro_batch=plan.every_micro_batch,
                              on_grads_done=fully_sharded.on_grads_done if fully_sharded else None)
-    elif plan.data_parallel_group is not None:
-        model = DataParallel(model, buffer, plan.data_parallel_group, overlap=plan.overlap)
+    elif any(b.groups.reduce is not None for b in buffer.buckets):
+        model = DataParallel(model, buffer, overlap=plan.overlap)
     return Parallelized(model, buffer, fully_sharded)
 
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "Parallelized", "ShardingPlan", "build_buffer", "parallelize", "plan_sharding",
-           "sharding_stage"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "Parallelized", "ShardingPlan", "build_buffer", "counts_once", "parallelize",
+           "plan_sharding", "sharding_stage"]

@@ -39,7 +39,7 @@ class ParamAndGradBuffer:
     ``shard_params`` (stage 3): every bucket keeps its own parameter storage, freed after sharding."""
 
     def __init__(self, layout: BufferLayout, params: dict[str, nn.Parameter], grad_dtype: torch.dtype = torch.float32,
-                 shard_grads: bool = False, shard_params: bool = False):
+                 shard_grads: bool = False, shard_params: bool = False, groups: list | None = None):
         first = params[layout.buckets[0].params[0].name]
         self.layout, self.dtype, self.grad_dtype = layout, first.dtype, grad_dtype
         self.device = first.deferred_init.device if first.is_meta else first.device
@@ -47,6 +47,8 @@ class ParamAndGradBuffer:
         self.numel, self.shard_numel = layout.numel, layout.shard_numel
         self._allocate()
         self.buckets = [self._materialize_bucket(span, params) for span in layout.buckets]
+        for bucket, bucket_groups in zip(self.buckets, groups or []):  # one BucketGroups per bucket
+            bucket.groups = bucket_groups
         self._location = {id(p): (b, s, e) for b in self.buckets for p, s, e in b.params}
 
     def _allocate(self) -> None:

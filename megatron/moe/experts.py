@@ -1,34 +1,137 @@
-"""The experts of a mixture-of-experts layer: E MLPs shaped like the model's (GELU or SwiGLU, with the MLP's
-interleaved gate/up rows, biases or not), of width ``moe_ffn_hidden_size``, each its own parameters
-(``experts.{i}.dense_h_to_4h.weight``, ``experts.{i}.dense_4h_to_h.weight``).
+"""The experts of a mixture-of-experts layer held by this rank: ``E / ep`` MLPs shaped like the model's (GELU or
+SwiGLU, with the MLP's interleaved gate/up rows, biases or not) of width ``moe_ffn_hidden_size``, each cut over
+the expert-tensor-parallel ranks (etp) like a column- then row-parallel MLP, without communication of its own:
+the dispatcher (``megatron.moe.dispatch``) gives every etp rank of an expert the same tokens and sums their
+partial outputs.
 
-They run one after another on the tokens sorted by expert (``--moe-grouped-gemm`` is accepted: on the CPU a
-grouped matmul is this loop). Every expert runs, on no tokens when none reached it, so every expert's
-parameters get a gradient every step (zero when idle), as the data-parallel buffers expect.
+Names are global whatever the layout: expert ``i`` of the model is ``experts.{i}.dense_h_to_4h.weight`` and
+``experts.{i}.dense_4h_to_h.weight`` (``.bias`` with biases) on the ep rank that holds it, so initialisation (by
+name) and checkpoints do not depend on ep or etp. Parameter attributes: ``expert_parallel`` (reduced over the
+expert-data-parallel ranks, not the data-parallel ones); the sharded weights carry the tensor-parallel attributes
+with the etp rank and size; ``dense_4h_to_h.bias``, replicated over etp, is added on etp rank 0 only and carries
+``expert_tp_replicated`` (its gradient is summed over the etp group after the backward).
+
+Every local expert runs every micro-batch, on no tokens when none reached it, so each expert parameter gets a
+gradient every step (zero when idle), as the gradient buckets expect. ``--moe-grouped-gemm`` on a CUDA device in
+bf16 runs the experts' matmuls as one grouped matmul (``torch._grouped_mm``) where torch has it; elsewhere (the
+CPU) a loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from megatron.config.schema import ModelConfig
+from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
 
-class Experts(nn.ModuleList):
-    """``forward(tokens [N, h] sorted by expert, counts [E] (ints summing to N), capacity)`` -> [N, h]: expert i's
-    output on its ``counts[i]`` rows. ``capacity`` (``moe_pad_expert_input_to_capacity``): each expert computes
-    on exactly that many rows, its tokens padded with zero rows (their outputs discarded)."""
 
-    def __init__(self, num_experts: int, make_expert: Callable[[], nn.Module]):
-        super().__init__(make_expert() for _ in range(num_experts))
+class _ShardedLinear(nn.Module):
+    """``weight`` (and ``bias``) of one expert's linear layer: this etp rank's slice along ``partition_dim``."""
 
-    def forward(self, tokens: torch.Tensor, counts: list[int], capacity: int | None = None) -> torch.Tensor:
+    def __init__(self, out_features: int, in_features: int, bias: bool, partition_dim: int | None, rank: int,
+                 size: int):
+        super().__init__()
+        full = (out_features, in_features)
+        local = list(full)
+        if partition_dim is not None:
+            local[partition_dim] //= size
+        self.weight = nn.Parameter(torch.empty(local))
+        self.bias = nn.Parameter(torch.empty(local[0])) if bias else None
+        for p in self.parameters():
+            p.expert_parallel = True
+        if partition_dim is None:
+            set_replicated_attributes(self.weight)
+        else:
+            set_tensor_parallel_attributes(self.weight, partition_dim, full, rank, size)
+        if self.bias is not None:
+            if partition_dim == 0:
+                set_tensor_parallel_attributes(self.bias, 0, (out_features,), rank, size)
+            else:
+                set_replicated_attributes(self.bias)
+                self.bias.expert_tp_replicated = size > 1
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``fc2(act(fc1 x))`` on this etp rank's share of the hidden units; the output is this rank's
+    partial sum (the bias of ``fc2`` added on etp rank 0 only)."""
+
+    def __init__(self, cfg: ModelConfig, etp_rank: int = 0, etp_size: int = 1):
+        super().__init__()
+        self.swiglu, self.add_bias = cfg.swiglu, etp_rank == 0
+        ffn, h, bias = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size, not cfg.disable_bias_linear
+        if ffn % etp_size:
+            raise ValueError(f"moe_ffn_hidden_size ({ffn}) is not divisible by the expert tensor-parallel size "
+                             f"({etp_size})")
+        sharded = 0 if etp_size > 1 else None
+        self.dense_h_to_4h = _ShardedLinear(2 * ffn if self.swiglu else ffn, h, bias, sharded, etp_rank, etp_size)
+        self.dense_4h_to_h = _ShardedLinear(h, ffn, bias, 1 if etp_size > 1 else None, etp_rank, etp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
+        y = F.linear(x, fc1.weight, fc1.bias)
+        if self.swiglu:
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
+
+
+def _grouped_mm_available(x: torch.Tensor, grouped: bool) -> bool:
+    return grouped and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+class Experts(nn.ModuleDict):
+    """This ep rank's experts, keyed by their global index (``local_range``).
+
+    ``forward(tokens [N, h] sorted by local expert, counts [E/ep] ints summing to N, pad_to)`` -> [N, h]: expert
+    j's (partial) output on its ``counts[j]`` rows. ``pad_to`` (``moe_pad_expert_input_to_capacity``): each expert
+    computes on at least that many rows, padded with zero rows whose outputs are dropped (static shapes; the
+    result is the same)."""
+
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1):
+        if cfg.num_experts % ep_size:
+            raise ValueError(f"num_experts ({cfg.num_experts}) is not divisible by the expert-parallel size "
+                             f"({ep_size})")
+        per_rank = cfg.num_experts // ep_size
+        self.local_range = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        super().__init__({str(i): ExpertMLP(cfg, etp_rank, etp_size) for i in self.local_range})
+        self.grouped = bool(cfg.moe_grouped_gemm)
+
+    def forward(self, tokens: torch.Tensor, counts: list[int], pad_to: int | None = None) -> torch.Tensor:
+        experts = list(self.values())
+        if _grouped_mm_available(tokens, self.grouped) and pad_to is None:
+            return _grouped_forward(experts, tokens, counts)
         outputs = []
-        for expert, rows in zip(self, tokens.split(counts)):
-            if capacity is not None and rows.shape[0] < capacity:
-                padded = torch.cat([rows, rows.new_zeros(capacity - rows.shape[0], rows.shape[1])])
+        for expert, rows in zip(experts, tokens.split(counts)):
+            if pad_to is not None and rows.shape[0] < pad_to:
+                padded = torch.cat([rows, rows.new_zeros(pad_to - rows.shape[0], rows.shape[1])])
                 outputs.append(expert(padded)[: rows.shape[0]])
             else:
                 outputs.append(expert(rows))
-        return torch.cat(outputs) if outputs else tokens
+        return torch.cat(outputs)
+
+
+def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The loop of ``Experts.forward`` as two grouped matmuls over the experts' stacked weights."""
+    offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+    w1 = torch.stack([e.dense_h_to_4h.weight for e in experts]).transpose(1, 2)  # [E, h, rows]
+    y = torch._grouped_mm(tokens, w1, offs=offsets)
+    first = experts[0]
+    if first.dense_h_to_4h.bias is not None:
+        y = y + torch.repeat_interleave(torch.stack([e.dense_h_to_4h.bias for e in experts]),
+                                        torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0])
+    if first.swiglu:
+        gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
+        y = F.silu(gate) * up
+    else:
+        y = F.gelu(y, approximate="tanh")
+    w2 = torch.stack([e.dense_4h_to_h.weight for e in experts]).transpose(1, 2)  # [E, ffn, h]
+    out = torch._grouped_mm(y.contiguous(), w2, offs=offsets)
+    if first.dense_4h_to_h.bias is not None and first.add_bias:
+        out = out + torch.repeat_interleave(torch.stack([e.dense_4h_to_h.bias for e in experts]),
+                                            torch.tensor(counts, device=tokens.device), dim=0,
+                                            output_size=tokens.shape[0])
+    return out

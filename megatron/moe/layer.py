@@ -1,21 +1,28 @@
 """The mixture-of-experts layer, in place of the MLP in the layers ``moe_layer_freq`` chooses (Megatron-LM's
-``MoELayer`` on one expert-parallel rank).
+``MoELayer``).
 
-``x [s, b, h]`` -> the router chooses each token's experts and their probabilities -> the (token, expert) pairs
-sorted by expert (the permutation) -> each expert's MLP on its tokens -> each output weighted by its probability
-and summed back into its token's row (the unpermutation, in fp32) -> plus the shared expert's output on every
-token when there is one. The auxiliary losses join the objective through ``AuxLossScaler`` on the output.
+``x [s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) -> this rank's tokens -> the router chooses each
+token's experts and their probabilities -> the dispatcher (``megatron.moe.dispatch``) takes the (token, expert)
+pairs to the ranks holding the experts (expert parallelism, ``ep``), runs them (each cut over ``etp`` ranks) and
+brings the outputs back weighted by their probabilities, summed per token in fp32 -> plus the shared expert's
+output on every token when there is one. The auxiliary losses join the objective through ``AuxLossScaler``.
 
-Under tensor parallelism every expert (and the shared expert) is column/row-parallel like the MLP and the router
-is replicated: every rank routes the same tokens. Under sequence parallelism the layer gathers the sequence first
-(its gradient split back, each rank already holding the whole one) and keeps its rank's share of the output.
+**Whose tokens.** Every rank routes tokens no other rank of its tensor-parallel group routes: under sequence
+parallelism its sequence shard; without it the layer cuts the (replicated) sequence over the tensor-parallel
+ranks itself and gathers the output back (Megatron-LM requires sequence parallelism instead). So the router sees a
+different share on each tensor-parallel rank: its weight's gradient is summed over the group
+(``sequence_parallel``), and the balancing losses count the tokens of the whole micro-batch (the tensor- and
+context-parallel ranks holding parts of the same samples, group ``tp_cp``: ``megatron.moe.router``). A sequence
+the tensor-parallel size does not divide (generation's short steps; training checks it) is padded with zero
+tokens for the split, their outputs dropped.
 
-The layer runs eager under ``--compile`` (its token counts are data-dependent): the compiled decoder layer breaks
-its graph around it.
+The shared expert is the model's MLP (tensor-parallel, sequence-parallel as the dense layers) on the layer's
+input. The layer runs eager under ``--compile`` (its token counts are data-dependent): the compiled decoder layer
+breaks its graph around it.
 
 Per step, a training layer records the tokens the router chose per expert and its balancing loss (before the
-coefficient) of each micro-batch, outside the recompute of a checkpointed layer; ``megatron.moe.stats`` reads
-them after the step (the log's ``load_balancing_loss`` and ``expert_load_max``, the expert bias's update).
+coefficient) of each micro-batch, outside the recompute of a checkpointed layer; ``megatron.moe.stats`` sums them
+over the ranks after the step (the log's ``load_balancing_loss`` and ``expert_load_max``, the expert bias's update).
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.moe.dispatch import DISPATCHERS, Groups
 from megatron.moe.experts import Experts
 from megatron.moe.router import AuxLossScaler, TopKRouter, get_capacity
 
@@ -38,18 +48,26 @@ def _in_backward() -> bool:
 
 
 class MoELayer(nn.Module):
-    """``make_mlp(cfg)`` builds an MLP of ``cfg.ffn_hidden_size`` (the model's ``MLP``): each expert, of
-    ``moe_ffn_hidden_size``, and the shared expert, of ``moe_shared_expert_intermediate_size``."""
+    """``make_mlp(cfg)`` builds the model's MLP of ``cfg.ffn_hidden_size``: the shared expert, of
+    ``moe_shared_expert_intermediate_size``. The routed experts are this rank's share (``Experts``)."""
 
-    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module], layer_number: int = 0,
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[..., nn.Module], layer_number: int = 0,
                  sequence_parallel: bool = False):
         super().__init__()
+        ps = parallel_state.get()
         self.layer_number, self.sequence_parallel = layer_number, sequence_parallel
+        self.tp_size, self.token_share = ps.tp_size, ps.tp_rank == 0 and ps.cp_rank == 0
+        self.groups = Groups(*(ps.group(n) if size > 1 else None for n, size in
+                               (("ep", ps.ep_size), ("etp", ps.etp_size), ("ep_etp", ps.ep_size * ps.etp_size))))
+        self.token_group = ps.group("tp_cp") if ps.tp_size * ps.cp_size > 1 else None
         self.router = TopKRouter(cfg)
-        expert_cfg = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
-        self.experts = Experts(cfg.num_experts, lambda: make_mlp(expert_cfg))
+        if ps.tp_size > 1:  # each tensor-parallel rank routes its own share of the tokens
+            tp.mark_sequence_parallel(self.router)
+        self.experts = Experts(cfg, ps.ep_rank, ps.ep_size, ps.etp_rank, ps.etp_size)
+        self.dispatch = DISPATCHERS[cfg.moe_token_dispatcher_type]
         shared = cfg.moe_shared_expert_intermediate_size
-        self.shared_expert = make_mlp(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None
+        self.shared_expert = (make_mlp(dataclasses.replace(cfg, ffn_hidden_size=shared), sequence_parallel)
+                              if shared else None)
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is not None
         self.reset_stats()
 
@@ -59,35 +77,39 @@ class MoELayer(nn.Module):
         self.balance_sum, self.micro_batches = 0.0, 0
 
     def _record(self, chosen: torch.Tensor, balance: torch.Tensor) -> None:
+        """This rank's tokens' choices and its part of the micro-batch's balancing loss (summed over the ranks
+        by ``megatron.moe.stats``; the micro-batch counted once, on the first rank of its tokens)."""
         if self.training and not _in_backward():
             self.tokens_per_expert += chosen.sum(dim=0).to("cpu", torch.float64)
             self.balance_sum += float(balance)
-            self.micro_batches += 1
+            self.micro_batches += int(self.token_share)
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # every rank routes the whole sequence, as without sequence parallelism
-            full = tp.gather_from_sequence_region(x, tensor_parallel_output_grad=False)
-            return tp.scatter_to_sequence_region(self._forward(full))
-        return self._forward(x)
+        out = x
+        split = self.tp_size > 1 and not self.sequence_parallel
+        if split:  # this rank's share of the sequence (padded to a multiple of tp: generation's short steps)
+            pad = -x.shape[0] % self.tp_size
+            out = tp.scatter_to_sequence_region(F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x)
+        out = self._routed(out)
+        if split:
+            out = tp.gather_from_sequence_region(out, tensor_parallel_output_grad=False)[: x.shape[0]]
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        probs, kept, chosen, aux, balance = self.router(tokens, b)
+        probs, kept, chosen, aux, balance = self.router(tokens, b, self.token_group, with_losses=self.training)
         self._record(chosen, balance)
-        expert_index, token_index = kept.t().nonzero(as_tuple=True)  # sorted by expert, then token
-        counts = kept.sum(dim=0).tolist()
-        capacity = None
+        pad_to = None
         if self.pad_to_capacity:
-            capacity = get_capacity(s * b * self.router.topk, self.router.num_experts, self.router.capacity_factor)
-        routed = self.experts(tokens[token_index], counts, capacity)
+            sources = self.groups.ep_size * self.groups.etp_size
+            pad_to = sources * get_capacity(s * b * self.router.topk, self.router.num_experts,
+                                            self.router.capacity_factor)
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
-        weighted = routed.to(acc) * probs[token_index, expert_index].unsqueeze(-1).to(acc)
-        out = torch.zeros(s * b, h, dtype=acc, device=x.device).index_add(0, token_index, weighted)
-        out = out.to(x.dtype)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(tokens)
+        out = self.dispatch(tokens, probs, kept, self.experts, self.groups, acc, pad_to).to(x.dtype)
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossScaler.apply(out, aux)
         return out.view(s, b, h)

@@ -16,7 +16,9 @@ Scores (``route``), the probabilities each token's chosen experts' outputs are w
 Balancing losses, their values before the coefficient (the coefficient multiplies them into the objective):
 
 - ``aux_loss`` (Switch Transformer): ``E / (k T^2) sum_e P_e N_e``, P_e the sum over tokens of the full score
-  distribution (softmax of the logits; sigmoid's normalised over E), N_e the tokens routed to e;
+  distribution (softmax of the logits; sigmoid's normalised over E), N_e the tokens whose top k of that
+  distribution hold e: the tokens routed to e, except that the expert bias never counts (Megatron Core's
+  ``compute_routing_scores_for_aux_loss``; the logged Switch loss of ``none`` counts the bias's choice);
 - ``seq_aux_loss`` (DeepSeek-V2): the same per sequence, ``sum_e (N_e E / (k S)) mean_s(p_e)``, averaged over
   the micro-batch's sequences;
 - z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -104,26 +107,55 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) ->
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
 
 
-def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int) -> torch.Tensor:
-    """``E / (k T^2) sum_e (sum_t probs[t, e]) tokens_per_expert[e]`` (coefficient 1)."""
-    num_tokens, num_experts = probs.shape
+def routing_map_for_aux_loss(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, E] bool: each token's top k of the balancing losses' scores (``scores_for_aux_loss``), the routing the
+    auxiliary losses count: the router's choice without the expert bias (Megatron Core's
+    ``compute_routing_scores_for_aux_loss``)."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter(1, torch.topk(scores, topk, dim=-1).indices, True)
+
+
+def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` (no gradient: counts), or ``x`` for None."""
+    if group is None:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def switch_load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
+                               num_tokens: int | None = None) -> torch.Tensor:
+    """``E / (k T^2) sum_e (sum_t probs[t, e]) tokens_per_expert[e]`` (coefficient 1); ``num_tokens`` T (default
+    the rows of ``probs``). With the micro-batch's tokens spread over ranks, each passes its rows of ``probs``, the
+    whole micro-batch's ``tokens_per_expert`` and T: the terms sum to the loss."""
+    num_experts = probs.shape[1]
+    num_tokens = probs.shape[0] if num_tokens is None else num_tokens
     return (probs.sum(dim=0) * tokens_per_expert).sum() * (num_experts / (topk * num_tokens * num_tokens))
 
 
 def sequence_load_balancing_loss(probs: torch.Tensor, routing_map: torch.Tensor, batch_size: int,
-                                 topk: int) -> torch.Tensor:
-    """Megatron-LM's ``sequence_load_balancing_loss_func`` (coefficient 1); the tokens in ``[s, b]`` order."""
+                                 topk: int, group=None) -> torch.Tensor:
+    """Megatron-LM's ``sequence_load_balancing_loss_func`` (coefficient 1); the tokens in ``[s, b]`` order. With the
+    sequences spread over the ranks of ``group`` (tensor/context parallelism: each holds some positions of every
+    sequence), each rank's term, the terms summing to the loss."""
     num_experts = probs.shape[1]
-    seq_length = probs.shape[0] // batch_size
-    probs = probs.view(seq_length, batch_size, num_experts)
-    routing_map = routing_map.view(seq_length, batch_size, num_experts)
-    cost = routing_map.sum(dim=0, dtype=probs.dtype) / (seq_length * topk / num_experts)  # [b, E]
-    return (cost * probs.mean(dim=0)).sum(dim=1).mean()
+    seq_length = probs.shape[0] // batch_size * _group_size(group)
+    probs = probs.view(-1, batch_size, num_experts)
+    routing_map = routing_map.view(-1, batch_size, num_experts)
+    counts = _sum_over(routing_map.sum(dim=0, dtype=probs.dtype), group)  # [b, E], the whole sequences
+    cost = counts / (seq_length * topk / num_experts)
+    return (cost * probs.sum(dim=0) / seq_length).sum(dim=1).mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """``mean(logsumexp(logits)^2)`` over the tokens (coefficient 1)."""
-    return torch.square(torch.logsumexp(logits, dim=-1)).mean()
+def z_loss(logits: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    """``mean(logsumexp(logits)^2)`` over the tokens (coefficient 1); ``num_tokens``: the micro-batch's, when its
+    tokens are spread over ranks (this rank's term of the mean)."""
+    num_tokens = logits.shape[0] if num_tokens is None else num_tokens
+    return torch.square(torch.logsumexp(logits, dim=-1)).sum() / num_tokens
 
 
 def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
@@ -176,23 +208,33 @@ class TopKRouter(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def forward(self, x: torch.Tensor, batch_size: int):
+    def forward(self, x: torch.Tensor, batch_size: int, token_group=None, with_losses: bool = True):
+        """``token_group``: the ranks holding the rest of this micro-batch's tokens (their counts are summed
+        for the balancing losses, each rank returning its term); ``with_losses`` False (evaluation): no
+        auxiliary loss, the balancing value 0."""
         logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E]
         probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias)
         kept = chosen
         if self.capacity_factor is not None:
             capacity = get_capacity(logits.shape[0] * self.topk, self.num_experts, self.capacity_factor)
             probs, kept = apply_capacity(probs, chosen, capacity, self.drop_policy)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.balancing != "none" and self.aux_coeff > 0):
+        if not with_losses:
+            return probs, kept, chosen, None, torch.zeros(())
+        num_tokens = logits.shape[0] * _group_size(token_group)
+        in_objective = self.balancing != "none" and self.aux_coeff > 0
+        with torch.set_grad_enabled(torch.is_grad_enabled() and in_objective):
             scores = scores_for_aux_loss(logits, self.topk, self.score_function)
+            # what the loss counts: the choice without the expert bias, as Megatron Core (only logged: the choice)
+            counted = routing_map_for_aux_loss(scores, self.topk) if in_objective else chosen
             if self.balancing == "seq_aux_loss":
-                balance = sequence_load_balancing_loss(scores, chosen, batch_size, self.topk)
+                balance = sequence_load_balancing_loss(scores, counted, batch_size, self.topk, token_group)
             else:
-                balance = switch_load_balancing_loss(scores, chosen.sum(dim=0, dtype=scores.dtype), self.topk)
+                counts = _sum_over(counted.sum(dim=0, dtype=scores.dtype), token_group)
+                balance = switch_load_balancing_loss(scores, counts, self.topk, num_tokens)
         aux = None
-        if self.balancing != "none" and self.aux_coeff > 0:
+        if in_objective:
             aux = self.aux_coeff * balance
         if self.z_coeff:
-            z = self.z_coeff * z_loss(logits)
+            z = self.z_coeff * z_loss(logits, num_tokens)
             aux = z if aux is None else aux + z
         return probs, kept, chosen, aux, balance.detach()

@@ -1,11 +1,15 @@
 """What a training step does around its MoE layers: before it, the auxiliary losses' gradient scale and the
-layers' records reset; after it, the records summed over the data-parallel and pipeline ranks into the log's two
-values, and the expert bias moved (aux-loss-free balancing).
+layers' records reset; after it, the records summed over the data-parallel (and context-parallel), tensor-parallel
+and pipeline ranks (every rank routed its own tokens) into the log's two values, and the expert bias moved
+(aux-loss-free balancing).
 
 - ``load_balancing_loss``: each MoE layer's balancing loss before its coefficient, averaged over the step's
   micro-batches (of every data-parallel rank), then over the MoE layers (as Megatron-LM logs it);
 - ``expert_load_max``: per MoE layer, the tokens the router chose for its most loaded expert over the mean per
   expert, over the whole step; the worst layer's (1.0: perfect balance, E / k: every token to the same k).
+
+- ``tokens_per_expert``: per MoE layer (``layer_{i}``, global index), the tokens the router chose for each expert
+  over the step (metrics.jsonl keeps the lists; TensorBoard and W&B plot one curve per layer and expert).
 
 The expert bias (DeepSeek-V3) moves after each applied step by ``rate x sign(mean load - load_e)`` from the same
 step-wide counts, equal on every rank.
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
 from megatron.moe.layer import MoELayer
 from megatron.moe.router import set_aux_loss_scale
 
@@ -34,13 +39,14 @@ def _group_size(group) -> int:
 
 
 def before_step(model: nn.Module, micro_batches: int, dp_group, loss_scale: float) -> None:
-    """Reset the MoE layers' records; the auxiliary losses' gradient: ``loss_scale`` over the step's micro-batches
-    on all data-parallel ranks (the objective holds their mean)."""
+    """Reset the MoE layers' records; the auxiliary losses' gradient: ``loss_scale`` over the global batch's
+    micro-batches (this rank's times the ranks the batch is cut over, dp x sharding: the context-parallel ranks of a
+    micro-batch each hold their part of its auxiliary losses), so the objective holds their mean."""
     layers = moe_layers(model)
     for layer in layers:
         layer.reset_stats()
     if layers:
-        set_aux_loss_scale(loss_scale / (micro_batches * _group_size(dp_group)))
+        set_aux_loss_scale(loss_scale / (micro_batches * parallel_state.get().data_parallel_size))
 
 
 def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) -> dict | None:
@@ -55,9 +61,10 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
         records[layer.layer_number, :-2] = layer.tokens_per_expert
         records[layer.layer_number, -2:] = torch.tensor([layer.balance_sum, layer.micro_batches])
     device = next(model.parameters()).device
-    if dp_group is not None or pp_group is not None:
+    tp_group = parallel_state.get().group("tp") if parallel_state.get().tp_size > 1 else None
+    if dp_group is not None or pp_group is not None or tp_group is not None:  # each rank routed its own tokens
         records = records.to(device)
-        for group in (dp_group, pp_group):
+        for group in (dp_group, pp_group, tp_group):
             if group is not None:
                 dist.all_reduce(records, group=group)
         records = records.cpu()
@@ -72,7 +79,8 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
             if bias is not None:
                 counts = records[layer.layer_number, :-2]
                 bias += cfg.moe_router_bias_update_rate * torch.sign(counts.mean() - counts).to(bias)
-    return {"load_balancing_loss": float((rows[:, -2] / rows[:, -1]).mean()), "expert_load_max": float(loads.max())}
+    return {"load_balancing_loss": float((rows[:, -2] / rows[:, -1]).mean()), "expert_load_max": float(loads.max()),
+            "tokens_per_expert": {f"layer_{i}": records[i, :-2].tolist() for i in present.nonzero().flatten().tolist()}}
 
 
 def expert_biases(model: nn.Module, pp_group=None) -> dict[str, list[float]] | None:

@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import device as dev
-from megatron import parallel_state
 from megatron.config.schema import OptimizerConfig
-from megatron.distributed.parallelize import ShardingPlan
+from megatron.distributed.parallelize import ShardingPlan, counts_once
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
@@ -75,7 +74,7 @@ class MixedPrecisionOptimizer:
                         ((groups[True], cfg.weight_decay, True), (groups[False], 0.0, False)) if ps]
         self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                        eps=cfg.adam_epsilon, fused=_supports_fused(self._master_device()))
-        self._reduce_groups = [g for g in (self.sharding_group, self.model_parallel_group) if g is not None]
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._counted = self._counted_grads()
 
     def _make_masters(self, sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -98,17 +97,10 @@ class MixedPrecisionOptimizer:
         return torch.device("cpu") if self.offload else self.buffer.device
 
     def _counted_grads(self) -> list[torch.Tensor]:
-        """Model parallelism (tp x pp): the global norm counts every element once. A rank counts its
-        tensor-parallel shards, its TP-replicated parameters only on tp rank 0, and never the last
-        pipeline stage's copy of the tied embedding, each within its optimizer shard; the squares are
-        summed over the sharding and model-parallel groups."""
-        tp_rank = parallel_state.get().tp_rank
-
-        def counted(p: nn.Parameter) -> bool:
-            return (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "tied_copy", False)
-
+        """The global norm counts every element of the model once, over all ranks: a rank counts the part of
+        its optimizer shard it holds the first copy of (``counts_once``); the squares are summed over every rank."""
         spans = [(b, max(s, b.shard[0]), min(e, b.shard[1])) for b in self.buffer.buckets for p, s, e in b.params
-                 if counted(p)]
+                 if counts_once(p, b)]
         return [self.buffer.shard_grad(b, lo, hi) for b, lo, hi in spans if lo < hi]
 
     @property
@@ -124,14 +116,14 @@ class MixedPrecisionOptimizer:
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
         found = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float()
-        for group in self._reduce_groups:  # every rank skips the step if any shard overflowed
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        if self._distributed:  # every rank skips the step if any shard overflowed
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found)
 
     def grad_norm(self) -> torch.Tensor:
-        if not self._reduce_groups:
+        if not self._distributed:
             return global_grad_norm(self.main_grads())
-        return model_parallel_grad_norm(self._counted, self._reduce_groups, self.buffer.device)
+        return model_parallel_grad_norm(self._counted, [None], self.buffer.device)
 
     @torch.no_grad()
     def step(self, lr: float, weight_decay: float | None = None) -> StepResult:
@@ -168,7 +160,7 @@ class MixedPrecisionOptimizer:
             updated = self.master_data.to(self.buffer.device, non_blocking=True)
             torch._foreach_copy_(self._params, list(updated.split([p.numel() for p in self._params])))
         for bucket in self.buffer.buckets:
-            bucket.publish(self.sharding_group)
+            bucket.publish(bucket.groups.sharding)
 
     def adam_state(self, master: nn.Parameter, step: int = 0) -> dict:
         """AdamW's state for one master view, created (zeroed, at ``step``) if it does not exist yet."""

@@ -99,7 +99,7 @@ class StepLog:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "max_memory_gb": dev.peak_memory_bytes(self.device) / 2**30,
             "skipped_steps": self.state.skipped_steps,
-            **(result.moe or {}),  # a MoE model's load_balancing_loss and expert_load_max
+            **(result.moe or {}),  # a MoE model's load_balancing_loss, expert_load_max and tokens_per_expert
         }
 
     def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float,
@@ -116,7 +116,8 @@ class StepLog:
                  "MFU": None if extras["mfu"] is None else f"{100 * extras['mfu']:.2f}%",
                  dev.peak_memory_label(self.device): f"{extras['max_memory_gb']:.2f} GB",
                  "skipped steps": s.skipped_steps or None,
-                 **{key.replace("_", " "): f"{value:.5f}" for key, value in (result.moe or {}).items()},
+                 **{key.replace("_", " "): f"{value:.5f}" for key, value in (result.moe or {}).items()
+                    if isinstance(value, float)},
                  **self._progress()}
         self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, tokens_per_step,
                                       self.world_size, lr, shown))

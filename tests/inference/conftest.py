@@ -37,10 +37,9 @@ def _tool(name: str):
     return module
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> str:
-    """A run folder holding step_0 of a tp-1 checkpoint whose config names its tokenizer."""
-    folder = tmp_path_factory.mktemp("gen")
+def _write_checkpoint(folder, *flags: str) -> str:
+    """A run folder holding step_0 of a tp-1 checkpoint of MODEL_FLAGS (+ ``flags``) whose config names its
+    tokenizer (one trained on a small random corpus)."""
     rng = random.Random(0)
     corpus = folder / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30)))})
@@ -50,7 +49,7 @@ def checkpoint(tmp_path_factory) -> str:
     vocab = json.loads((folder / "tok" / "vocab.json").read_text())
     config = parse_config([*MODEL_FLAGS, "--vocab-size", str(len(vocab)), "--tokenizer-type", "GPT2BPETokenizer",
                            "--vocab-file", str(folder / "tok" / "vocab.json"),
-                           "--merge-file", str(folder / "tok" / "merges.txt")])
+                           "--merge-file", str(folder / "tok" / "merges.txt"), *flags])
     parallel_state.initialize()
     model = GPTModel(config.model, config.padded_vocab_size)
     with torch.no_grad():
@@ -58,6 +57,18 @@ def checkpoint(tmp_path_factory) -> str:
     run = folder / "run"
     write_params(str(run), config, {n: p.detach() for n, p in model.named_parameters()})
     return str(run)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> str:
+    """A run folder holding step_0 of a tp-1 checkpoint whose config names its tokenizer."""
+    return _write_checkpoint(tmp_path_factory.mktemp("gen"))
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory) -> str:
+    """The same with a mixture of 4 experts (top-2) in place of the second layer's MLP."""
+    return _write_checkpoint(tmp_path_factory.mktemp("gen-moe"), "--num-experts", "4", "--moe-layer-freq", "[0,1]")
 
 
 @pytest.fixture(scope="module")

@@ -47,9 +47,13 @@ ROWS = [{"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 11},  # gr
 
 
 @pytest.mark.slow
-def test_tp2_under_torchrun_generates_what_one_process_generates(checkpoint, tmp_path):
+@pytest.mark.parametrize("model", ["checkpoint", "moe_checkpoint"])
+def test_tp2_under_torchrun_generates_what_one_process_generates(model, request, tmp_path):
     """One batch, each prompt with its own sampling fields (a JSON line of --prompts-file): greedy, seeded
-    top-k (the merged top-k over ranks), seeded top-p and plain temperature (the whole vocabulary gathered)."""
+    top-k (the merged top-k over ranks), seeded top-p and plain temperature (the whole vocabulary gathered).
+    The MoE model's experts are cut over the 2 ranks, each routing its share of the tokens (a one-token step
+    padded to 2)."""
+    checkpoint = request.getfixturevalue(model)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, **row}) + "\n" for p, row in zip(PROMPTS, ROWS, strict=True)))
     result = _generate("--load", checkpoint, "--tp", "2", "--prompts-file", str(prompts), "--max-new-tokens", "24",

@@ -16,7 +16,7 @@ from megatron import moe, parallel_state
 from megatron.config import ConfigError, parse_config, validate
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.inference import InferenceEngine, Request, SamplingParams
-from megatron.metrics import model_flops_per_token
+from megatron.metrics import model_flops_per_token, scalars
 from megatron.model import build_model
 from megatron.model.gpt import GPTModel
 from megatron.model.init import init_parameters
@@ -100,7 +100,7 @@ def reference_forward(layer: moe.MoELayer, x: torch.Tensor, capacity_policy: str
         routes = reference_capacity(routes, capacity, capacity_policy)
     rows = []
     for x_t, route in zip(tokens, routes):
-        y = sum((p * mlp_by_formula(layer.experts[e], x_t) for e, p in route.items()), torch.zeros_like(x_t))
+        y = sum((p * mlp_by_formula(layer.experts[str(e)], x_t) for e, p in route.items()), torch.zeros_like(x_t))
         if layer.shared_expert is not None:
             y = y + mlp_by_formula(layer.shared_expert, x_t)
         rows.append(y)
@@ -153,7 +153,7 @@ def test_capacity_drops_as_documented(policy, pad):
 def test_shared_expert_and_expert_width():
     layer = make_layer("--moe-shared-expert-intermediate-size", "12", "--moe-ffn-hidden-size", "8", "--swiglu",
                        *NO_AUX)
-    assert layer.shared_expert.dense_h_to_4h.weight.shape == (24, H) and layer.experts[0].dense_h_to_4h.weight.shape \
+    assert layer.shared_expert.dense_h_to_4h.weight.shape == (24, H) and layer.experts["0"].dense_h_to_4h.weight.shape \
         == (16, H)
     assert_layer_matches_reference(layer)
 
@@ -235,6 +235,20 @@ def test_sigmoid_aux_scores_and_expert_bias_choose_but_do_not_weight():
     torch.testing.assert_close(probs[:, :2], scores[:, :2] / scores[:, :2].sum(-1, keepdim=True))
 
 
+def test_aux_loss_counts_the_choice_without_the_expert_bias():
+    """As Megatron Core (``compute_routing_scores_for_aux_loss``): N_e of the balancing loss is the top k of the
+    scores alone; the expert bias moves the choice, not the count."""
+    layer = make_layer(*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "1.0")
+    layer.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # experts 0 and 1 always chosen
+    tokens = _tokens().reshape(-1, H)
+    scores = scores_for_aux_loss(tokens @ layer.router.weight.t().detach(), 2, "sigmoid")
+    counted = torch.zeros_like(scores).scatter(1, scores.topk(2, dim=-1).indices, 1.0)
+    _, _, chosen, aux, _ = layer.router(tokens, 2)
+    assert chosen[:, :2].all() and counted[:, 2:].any()  # the two differ
+    T = tokens.shape[0]
+    torch.testing.assert_close(aux, (scores.sum(dim=0) * counted.sum(dim=0)).sum() * E / (2 * T * T))
+
+
 # --------------------------------------------------------------------------- the model: layers, recompute, FLOPs
 
 def test_layer_pattern_forms():
@@ -294,8 +308,9 @@ def test_flags_are_megatrons():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--expert-model-parallel-size", "2"], "expert parallelism is not built yet"),
-    (["--expert-tensor-parallel-size", "2"], "tensor parallelism is not built yet"),
+    (["--expert-model-parallel-size", "3"], "num_experts (4) must be divisible by expert_model_parallel_size (3)"),
+    (["--expert-model-parallel-size", "4"], "(4 x 1) must divide the 1 ranks of a pipeline stage"),
+    (["--expert-tensor-parallel-size", "5"], "(1 x 5) must divide the 1 ranks"),
     (["--moe-router-topk", "5"], "moe_router_topk (5) must be from 1 to num_experts (4)"),
     (["--moe-router-topk", "0"], "moe_router_topk (0) must be from 1"),
     (["--moe-layer-freq", "[1,0]"], "needs num_layers (1) entries"),
@@ -313,14 +328,13 @@ def test_refusals_are_one_line(flags, message):
 def test_refusals_through_pretrain_gpt():
     proc = run_here("--mock-data", "--device", "cpu", "--num-experts", "4", "--expert-model-parallel-size", "2")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: expert_model_parallel_size 2: expert "
-                                                "parallelism is not built yet; leave it at 1 (every rank holds every "
-                                                "expert)."]
-    context_parallel = parse_config(["--mock-data", "--num-experts", "4", "--context-parallel-size", "2",
-                                     "--attention-probs-dropout-prob", "0"])
-    with pytest.raises(ConfigError, match="^MoE layers under context_parallel_size 2 are not built yet; train the MoE "
-                                          "model without context parallelism.$"):
-        validate(context_parallel, world_size=2)
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: expert_model_parallel_size x expert_tensor_parallel_size (2 x 1) must divide the 1 "
+        "ranks of a pipeline stage (mp_degree x context_parallel_size x dp_degree x sharding_degree): the experts are "
+        "laid out over the same ranks."]
+    dense = parse_config(["--mock-data", "--expert-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="give --num-experts too"):
+        validate(dense, world_size=2)
     proc = run_here("--mock-data", "--num-experts", "4", "--moe-router-num-groups", "2")
     assert proc.returncode == 2 and "--moe-router-num-groups 2 (group-limited routing" in proc.stderr
 
@@ -346,6 +360,12 @@ def test_training_loss_falls_and_logs_moe_values(tmp_path):
     train = [r for r in records if r["split"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] - 0.3
     assert all(r["expert_load_max"] >= 1.0 and r["load_balancing_loss"] > 0.9 for r in train)
+    # every token of the step's 8 x 16 chose 2 experts, in each of the 2 MoE layers; one curve per layer and expert
+    assert all(sorted(r["tokens_per_expert"]) == ["layer_0", "layer_1"] and
+               all(sum(counts) == 8 * 16 * 2 and len(counts) == E for counts in r["tokens_per_expert"].values())
+               for r in train)
+    curves = scalars(train[0])
+    assert curves["train/tokens_per_expert/layer_1/3"] == train[0]["tokens_per_expert"]["layer_1"][3]
     valid = [r for r in records if r["split"] == "valid"]
     assert valid and "load_balancing_loss" not in valid[0]
 

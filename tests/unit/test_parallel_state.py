@@ -98,3 +98,38 @@ def test_a_distributed_optimizer_at_cp_shards_over_it():
                           "--max-seq-len", "32", "--attention-dropout", "0", "--cp", "2"])
     validate(plain, world_size=4)
     assert not plain.shards_over_context_parallel and plain.zero_shards == 1  # no sharding asked: cp ranks replicas
+
+
+def test_experts_fold_over_the_ranks_of_a_stage():
+    """Megatron-LM's MoE parallel folding: within a pipeline stage the tp x cp x dp ranks are re-cut as
+    etp x ep x edp, etp fastest."""
+    grid = rank_grid(8, tp=2, dp=4, ep=2, etp=1)
+    assert grid["etp"] == [[r] for r in range(8)]
+    assert grid["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # etp 1 under tp 2: a tp pair holds different experts
+    assert grid["edp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid["ep_etp"] == grid["ep"]
+    grid = rank_grid(8, tp=2, dp=2, pp=2, ep=2)  # etp defaults to tp
+    assert grid["etp"] == grid["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # never across pipeline stages
+    assert grid["edp"] == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    assert grid["ep_etp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rank_grid(4, cp=2, dp=2, ep=4)["ep"] == [[0, 1, 2, 3]]  # the context-parallel ranks hold experts too
+    assert rank_grid(4, tp=2, cp=2)["tp_cp"] == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, dp=2, ep=2), dict(dp=4, ep=4), dict(tp=2, cp=2, dp=2, ep=2, etp=1),
+                                   dict(tp=4, dp=2, pp=2, ep=2, etp=2), dict(sharding=2, dp=2, ep=2)])
+def test_every_expert_group_partitions_the_ranks(sizes):
+    world = 1
+    for key in ("tp", "cp", "dp", "pp", "sharding"):
+        world *= sizes.get(key, 1)
+    grid = rank_grid(world, **sizes)
+    ep, etp = sizes["ep"], sizes.get("etp", sizes.get("tp", 1))
+    expected = {"etp": etp, "ep": ep, "ep_etp": ep * etp, "edp": world // sizes.get("pp", 1) // (ep * etp)}
+    for name, size in expected.items():
+        assert sorted(r for g in grid[name] for r in g) == list(range(world)) and {len(g) for g in grid[name]} == {size}
+
+
+def test_experts_must_divide_a_stage():
+    with pytest.raises(ValueError, match="does not divide the 4 ranks of a pipeline stage"):
+        rank_grid(8, tp=2, dp=2, pp=2, ep=3, etp=1)

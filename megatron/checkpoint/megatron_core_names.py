@@ -1,0 +1,134 @@
+"""Our GPT parameters <-> NVIDIA Megatron Core's ``GPTModel`` (``megatron.core.models.gpt``, built from the local
+layer spec ``get_gpt_layer_local_spec`` / ``get_gpt_decoder_block_spec(..., use_transformer_engine=False)``):
+names and layouts, for the GPT-2 shape (learned positions, LayerNorm, GELU, biases, tied head) and the Llama shape
+(rope, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head), mixture-of-experts layers included.
+
+Both models are the same network: Megatron Core is where our layout comes from. ``i`` is a layer's global index,
+``e`` an expert's global index (Megatron Core's ``local_experts.{e}`` index is global when its expert-parallel size
+is 1, as in a full, gathered state dict); ``*`` is ``weight`` and ``bias`` (a bias only with linear biases):
+
+===================================================  =====================================================
+ours                                                 Megatron Core
+===================================================  =====================================================
+``embedding.word_embeddings.weight``                 ``embedding.word_embeddings.weight``
+``embedding.position_embeddings.weight``             ``embedding.position_embeddings.weight``
+``layers.{i}.input_layernorm.*``                     ``decoder.layers.{i}.input_layernorm.*``
+``layers.{i}.self_attention.query_key_value.*``      ``decoder.layers.{i}.self_attention.linear_qkv.*``
+``layers.{i}.self_attention.dense.*``                ``decoder.layers.{i}.self_attention.linear_proj.*``
+``layers.{i}.post_attention_layernorm.*``            ``decoder.layers.{i}.pre_mlp_layernorm.*``
+``layers.{i}.mlp.dense_h_to_4h.*`` (SwiGLU: rows)    ``decoder.layers.{i}.mlp.linear_fc1.*``
+``layers.{i}.mlp.dense_4h_to_h.*``                   ``decoder.layers.{i}.mlp.linear_fc2.*``
+``layers.{i}.mlp.router.weight``                     ``decoder.layers.{i}.mlp.router.weight``
+``layers.{i}.mlp.experts.{e}.dense_h_to_4h.*``       ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.*``
+``layers.{i}.mlp.experts.{e}.dense_4h_to_h.*``       ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.*``
+``layers.{i}.mlp.shared_expert.dense_h_to_4h.*``     ``decoder.layers.{i}.mlp.shared_experts.linear_fc1.*``
+``layers.{i}.mlp.shared_expert.dense_4h_to_h.*``     ``decoder.layers.{i}.mlp.shared_experts.linear_fc2.*``
+``final_layernorm.*``                                ``decoder.final_layernorm.*``
+``output_layer.weight`` (untied only)                ``output_layer.weight``
+===================================================  =====================================================
+
+Layouts: the fused QKV rows are the same, ``[ng, (nq/ng queries, key, value), hd]``; the padded vocabulary rows
+are the same (both pad to a multiple of ``make_vocab_size_divisible_by x tp``). The one change is SwiGLU's first
+matmul (the MLP's, each expert's, the shared expert's; weight and bias): our rows interleave ``gate_j, up_j`` (row
+``2j`` and ``2j + 1``), Megatron Core's are ``[gate; up]`` (``torch.chunk(2)`` of ``linear_fc1``'s output).
+
+Megatron Core's state dict also holds ``*._extra_state`` entries (Transformer Engine's metadata, None in the local
+spec), skipped here, and with a tied head no ``output_layer.weight``. Its router's ``expert_bias`` (aux-loss-free
+balancing) is a buffer; ours is kept in the checkpoint's train state, not among the parameters, and is not mapped.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron.checkpoint.hf_common import ConversionError
+
+_LAYER, _CORE_LAYER = "layers.{}.", "decoder.layers.{}."
+# our name after "layers.{i}." -> Megatron Core's after "decoder.layers.{i}." ("{}" a global expert index)
+_IN_LAYER = {
+    "input_layernorm": "input_layernorm",
+    "self_attention.query_key_value": "self_attention.linear_qkv",
+    "self_attention.dense": "self_attention.linear_proj",
+    "post_attention_layernorm": "pre_mlp_layernorm",
+    "mlp.dense_h_to_4h": "mlp.linear_fc1",
+    "mlp.dense_4h_to_h": "mlp.linear_fc2",
+    "mlp.router": "mlp.router",
+    "mlp.experts.{}.dense_h_to_4h": "mlp.experts.local_experts.{}.linear_fc1",
+    "mlp.experts.{}.dense_4h_to_h": "mlp.experts.local_experts.{}.linear_fc2",
+    "mlp.shared_expert.dense_h_to_4h": "mlp.shared_experts.linear_fc1",
+    "mlp.shared_expert.dense_4h_to_h": "mlp.shared_experts.linear_fc2",
+}
+# whole names, outside the layers (the suffix ".weight"/".bias" kept)
+_OUTSIDE = {
+    "embedding.word_embeddings": "embedding.word_embeddings",
+    "embedding.position_embeddings": "embedding.position_embeddings",
+    "final_layernorm": "decoder.final_layernorm",
+    "output_layer": "output_layer",
+}
+_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias)$")
+
+
+def _rules(inside: dict[str, str], reverse: bool) -> list[tuple[re.Pattern, str, bool]]:
+    """(pattern of a module path, its replacement template, whether it is a SwiGLU first matmul)."""
+    rules = []
+    for ours, core in inside.items():
+        src, dst = (core, ours) if reverse else (ours, core)
+        pattern = re.escape((_CORE_LAYER if reverse else _LAYER) + src).replace(r"\{\}", r"(\d+)")
+        template = (_LAYER if reverse else _CORE_LAYER) + dst
+        rules.append((re.compile(pattern + "$"), template, ours.endswith("dense_h_to_4h")))
+    for ours, core in _OUTSIDE.items():
+        src, dst = (core, ours) if reverse else (ours, core)
+        rules.append((re.compile(re.escape(src) + "$"), dst, False))
+    return rules
+
+
+_TO_CORE, _FROM_CORE = _rules(_IN_LAYER, reverse=False), _rules(_IN_LAYER, reverse=True)
+
+
+def _rename(name: str, rules, what: str) -> tuple[str, bool]:
+    match = _SUFFIX.match(name)
+    for pattern, template, fc1 in rules if match else ():
+        found = pattern.match(match["module"])
+        if found:
+            return template.format(*found.groups()) + "." + match["param"], fc1  # layer, then expert index
+    raise ConversionError(f"{name!r} is not a parameter of {what}; only GPTModel's decoder (local layer spec, "
+                          "MLP or MoE with SequentialMLP experts) is mapped.")
+
+
+def interleaved_to_halves(t: torch.Tensor) -> torch.Tensor:
+    """SwiGLU rows ``gate_0, up_0, gate_1, up_1, ...`` (ours) -> ``[gate; up]`` (Megatron Core's)."""
+    return torch.cat((t[0::2], t[1::2]))
+
+
+def halves_to_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """``[gate; up]`` (Megatron Core's) -> rows ``gate_0, up_0, gate_1, up_1, ...`` (ours)."""
+    if t.shape[0] % 2:
+        raise ConversionError(f"a SwiGLU linear_fc1 has an even number of rows, not {t.shape[0]}.")
+    gate, up = t.chunk(2)
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
+
+
+def to_megatron_core(name: str, tensor: torch.Tensor, swiglu: bool) -> tuple[str, torch.Tensor]:
+    """(Megatron Core's name, tensor in its layout) of our parameter ``name`` (global name)."""
+    core, fc1 = _rename(name, _TO_CORE, "our GPT model")
+    return core, interleaved_to_halves(tensor) if fc1 and swiglu else tensor
+
+
+def from_megatron_core(name: str, tensor: torch.Tensor, swiglu: bool) -> tuple[str, torch.Tensor]:
+    """(our global name, tensor in our layout) of Megatron Core's parameter ``name``."""
+    ours, fc1 = _rename(name, _FROM_CORE, "Megatron Core's GPTModel")
+    return ours, halves_to_interleaved(tensor) if fc1 and swiglu else tensor
+
+
+def to_megatron_core_state(state: dict[str, torch.Tensor], swiglu: bool) -> dict[str, torch.Tensor]:
+    """Our whole model's state (global names) -> Megatron Core's state dict (without its ``_extra_state``)."""
+    return dict(to_megatron_core(name, t, swiglu) for name, t in state.items())
+
+
+def from_megatron_core_state(state: dict, swiglu: bool) -> dict[str, torch.Tensor]:
+    """Megatron Core's ``GPTModel`` state dict -> our global names; ``_extra_state`` entries (None in the local
+    spec) are skipped, and so are the router's buffers (``expert_bias``, ``local_tokens_per_expert``)."""
+    skipped = ("._extra_state", ".router.expert_bias", ".router.local_tokens_per_expert")
+    return dict(from_megatron_core(name, t, swiglu) for name, t in state.items() if not name.endswith(skipped))
