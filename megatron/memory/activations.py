@@ -229,7 +229,7 @@ def layer_terms(D: Dims, recompute: str | None = None, moe: bool = False) -> dic
         return {"layer input": x}
     mask = D.n_sp * D.h * D.mask if D.hidden_dropout else 0
     if moe:
-        ffn = moe_terms(D.moe, D.n, D.b, D.h, D.d, D.swiglu)
+        ffn = moe_terms(D.moe, D)
     else:
         ffn = {"fc1 input": D.n_sp * D.h * D.d, "mlp": (4 if D.swiglu else 2) * D.n * D.f * D.d}
     terms = {"norm2": norm_bytes(D, D.n_sp), **ffn, "dropout mask 2": mask}

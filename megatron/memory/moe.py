@@ -3,33 +3,37 @@ the backward in place of the MLP's ``fc1 input`` and ``mlp`` terms, and the toke
 
 Routing is assumed UNIFORM: each of the E experts gets ``k T / E`` of the (token, expert) pairs of the ``T``
 tokens routed (dropless; a capacity factor f caps an expert at ``ceil(k T / E x f)``). The saved bytes of the
-experts depend only on the total rows they compute, so on one expert-parallel rank (every expert here) the
-figure is exact whatever the routing; with expert parallelism a rank's experts compute on ``k T`` rows on
-average (``ep`` ranks each send ``k T / ep`` pairs to each rank), more on a rank whose experts are popular.
+experts depend only on the total rows they compute, so at ep 1 the figure is exact whatever the routing; with
+expert parallelism a rank's experts compute on ``k T etp`` rows on average, more on a rank whose experts are
+popular (the sum over the ep ranks is exact).
 
 Sizes on one rank (``megatron.memory.activations`` notation; ``T`` tokens routed by this rank's router, ``k``
 top-k, ``E`` experts, ``r`` bytes of the router dtype (4 fp32, 8 fp64), ``d`` activation bytes, ``etp`` the
 experts' tensor-parallel size, ``f_e = moe_ffn_hidden_size / etp``, ``f_s`` the shared expert's width / tp):
 
-- the tokens routed: under tensor parallelism on one expert-parallel rank (``ep`` 1 and ``etp`` = tp) every
-  rank routes the whole micro-batch's ``n`` tokens (gathered under sequence parallelism); with expert
-  parallelism (``ep`` > 1 or ``etp`` != tp) each rank routes its ``n / tp`` (its sequence shard) and the rows
-  its experts compute are ``R = k T etp`` (the pairs received from the ``ep`` ranks, gathered over ``etp``);
-- ``router input``: the norm's output the router's matmul keeps (``T h r``: the output itself when the
-  activations are in the router dtype, else its copy in that dtype, with the weight's copy ``r E h``);
+- the tokens routed: every tensor-parallel rank routes its own share, ``T = n / tp`` (its sequence shard under
+  sequence parallelism; without it the layer cuts the sequence itself), and its experts compute on ``R = k T
+  etp`` rows (the pairs the ep ranks send them, gathered over etp; uniform routing);
+- ``router input``: the norm's output the router's matmul keeps when it is in the router dtype (``T h d``;
+  under tp without sp the share is a view of the whole output, ``n h d``), else its copy ``T h r`` and the
+  weight's ``r E h``;
 - ``router``: softmax (default) the top-k indices (int64, ``8 T k``) and the softmax of the top k logits
   (``r T k``); ``pre_softmax`` the softmax over all experts (``r T E``) and the indices; sigmoid the scores
   (``r T E``), the indices and, for k > 1, the chosen scores and their sums (``r T k + r T``). The balancing loss
   (only with a coefficient): the full score distribution (``r T E``; sigmoid's normalised, with its sums
-  ``r T``) and the routed counts (``r E``; per sequence ``r b E``); the z-loss the logits and their log-sum-exp
+  ``r T``), its top-k indices (``8 T k``: the choice the loss counts, without the expert bias) and the counts
+  (``r E``; per sequence ``r b E``); the z-loss the logits and their log-sum-exp
   (``r T E + r T``); the auxiliary loss the layer's output keeps (``r``);
-- ``dispatch indices``: the (expert, token) pairs, int64, ``16 R``;
+- ``dispatch indices``: alltoall the (expert, token) indices of this rank's ``k T`` pairs (int64, ``16 k T``)
+  and, when chunks from several ranks arrive for several local experts, their expert-major order (``8 R``);
+  allgather the indices of the gathered pairs of this rank's experts (``24 R``);
 - ``expert inputs``: the rows sorted by expert, ``R h d``;
 - ``experts``: GELU ``2 R f_e d`` (fc1 output, GELU output), SwiGLU ``4 R f_e d``;
-- ``combine``: the experts' output in fp32 and its probability-weighted copy (``8 R h``) and the gathered
-  probabilities in fp32 (``4 R``);
-- ``shared expert``: its input (the norm output, when not already kept) and ``2 n f_s d`` (GELU) or
-  ``4 n f_s d`` (SwiGLU).
+- ``expert outputs (reordered)``: alltoall with that order, the outputs put back in arrival order (``R h d``);
+- ``combine``: the pairs' outputs back on this rank (alltoall ``k T``, allgather ``R``) in fp32 and their
+  probability-weighted copy (``8 h`` per pair) and the probabilities in fp32 (``4`` per pair);
+- ``shared expert``: its input (the norm output, when not the router's already: ``n' h d``) and ``2 n f_s d``
+  (GELU) or ``4 n f_s d`` (SwiGLU).
 
 Temporaries (``dispatch_temporary_bytes``), with expert parallelism only: the all-to-all's send and receive
 buffers of the tokens (``R h d`` each way) and of the experts' output (the same); the allgather dispatcher
@@ -86,57 +90,66 @@ def moe_dims(config: Config) -> MoEDims | None:
                    dispatcher=m.moe_token_dispatcher_type)
 
 
-def expert_parallel(M: MoEDims) -> bool:
-    """Whether the layer takes the expert-parallel path (its tokens exchanged between ranks)."""
-    return M.ep > 1 or M.etp != M.tp
+def exchanges(M: MoEDims) -> bool:
+    """Whether the layer's tokens travel between ranks (ep > 1 or etp > 1)."""
+    return M.ep * M.etp > 1
 
 
 def routed_tokens(M: MoEDims, n: int) -> int:
-    """``T``: the tokens this rank's router routes, of the micro-batch's ``n`` on this rank."""
-    return n // M.tp if expert_parallel(M) else n
+    """``T``: the tokens this rank's router routes, its share of the micro-batch's ``n`` on this rank (every
+    tensor-parallel rank routes its own ``n / tp``, with or without sequence parallelism)."""
+    return n // M.tp
 
 
 def expert_rows(M: MoEDims, n: int) -> int:
-    """``R``: the rows this rank's experts compute on (uniform routing; with a capacity ``c`` per expert, at most
-    ``E c``, exactly ``E c`` when padded to it)."""
+    """``R``: the rows this rank's experts compute on (uniform routing: the ``k T`` pairs of each of the ep ranks
+    spread evenly, gathered over etp; a capacity ``c`` per expert caps them at ``E c``, exactly ``E c`` when padded
+    to it)."""
     pairs = M.topk * routed_tokens(M, n)
     if M.capacity is not None:
         capacity = math.ceil(pairs / M.experts * M.capacity)  # megatron.moe.router.get_capacity
         pairs = M.experts * capacity if M.pad else min(pairs, M.experts * capacity)
-    return pairs * (M.etp if expert_parallel(M) else 1)
+    return pairs * M.etp
 
 
-def moe_terms(M: MoEDims, n: int, b: int, h: int, d: int, swiglu: bool) -> dict[str, int]:
-    """Bytes a MoE layer's forward saves in place of the MLP's (``fc1 input`` and ``mlp``); ``n`` the tokens
-    of the micro-batch of ``b`` samples on this rank (``b s / cp``)."""
-    T, R, E, k, r = routed_tokens(M, n), expert_rows(M, n), M.experts, M.topk, M.r
-    router_input = T * h * r  # the norm output itself when it is in the router dtype, else a copy
-    weight_copy = r * E * h if d != r else 0  # the router weight in the router dtype
+def moe_terms(M: MoEDims, D) -> dict[str, int]:
+    """Bytes a MoE layer's forward saves in place of the MLP's (``fc1 input`` and ``mlp``), for the sizes ``D``
+    (``megatron.memory.activations.Dims``: ``n = b s / cp`` tokens on this rank, ``n_sp``, ``h``, ``d``)."""
+    T, R, E, k, r, h, d = routed_tokens(M, D.n), expert_rows(M, D.n), M.experts, M.topk, M.r, D.h, D.d
+    if d == r:  # the router keeps the norm's output itself: under tp without sp its share is a view of it all
+        router_input = (D.n if M.tp > 1 and not D.sp else T) * h * d
+    else:  # a copy in the router dtype, and of the weight
+        router_input = T * h * r + r * E * h
     if M.score == "sigmoid":  # the scores, the top-k indices, the chosen scores and their sum (k > 1)
         router = r * T * E + 8 * T * k + (r * T * k + r * T if k > 1 else 0)
     elif M.pre_softmax:  # the softmax over all experts, the top-k indices
         router = r * T * E + 8 * T * k
     else:  # the top-k indices, the softmax of the top k logits
         router = 8 * T * k + r * T * k
-    if M.balancing:  # the full score distribution (sigmoid: normalised, with its sums), the routed counts
-        router += r * T * E + (r * T if M.score == "sigmoid" and k > 1 else 0)
-        router += r * b * E if M.seq_aux else r * E
+    if M.balancing:  # the full score distribution (sigmoid: normalised, with its sums), its top-k, the counts
+        router += r * T * E + (r * T if M.score == "sigmoid" and k > 1 else 0) + 8 * T * k
+        router += r * D.b * E if M.seq_aux else r * E
     if M.z_loss:  # the logits and their log-sum-exp
         router += r * T * E + r * T
     if M.balancing or M.z_loss:  # the auxiliary loss the layer's output keeps
         router += r
-    terms = {"router input": router_input + weight_copy, "router": router,
-             "dispatch indices": 16 * R, "expert inputs": R * h * d, "experts": (4 if swiglu else 2) * R * M.f_e * d,
-             "combine": 8 * R * h + 4 * R}
-    if M.f_s:
-        shared_input = 0 if d == r else n * h * d  # fp32: the router's input is the same storage
-        terms["shared expert"] = shared_input + (4 if swiglu else 2) * n * M.f_s * d
-    return terms
+    pairs, reordered = k * T, exchanges(M) and E // M.ep > 1  # this rank's (token, expert) pairs (no drop)
+    if M.dispatcher == "allgather" and exchanges(M):  # the gathered pairs of this rank's experts, their indices
+        indices, combined, order = 24 * R, R, 0
+    else:  # this rank's pairs; the expert-major order of the received chunks and the outputs put back in it
+        indices, combined, order = 16 * pairs + (8 * R if reordered else 0), pairs, R * h * d if reordered else 0
+    terms = {"router input": router_input, "router": router, "dispatch indices": indices,
+             "expert inputs": R * h * d, "experts": (4 if D.swiglu else 2) * R * M.f_e * d,
+             "expert outputs (reordered)": order, "combine": 8 * combined * h + 4 * combined}
+    if M.f_s:  # its input is the norm's output: the router's already when in the router dtype
+        shared_input = 0 if d == r else D.n_sp * h * d
+        terms["shared expert"] = shared_input + (4 if D.swiglu else 2) * D.n * M.f_s * d
+    return {key: value for key, value in terms.items() if value}
 
 
 def dispatch_temporary_bytes(M: MoEDims, n: int, h: int, d: int) -> int:
-    """The token exchange's buffers of one MoE layer (0 without expert parallelism): see the module docstring."""
-    if not expert_parallel(M):
+    """The token exchange's buffers of one MoE layer (0 on one rank): see the module docstring."""
+    if not exchanges(M):
         return 0
     if M.dispatcher == "allgather":
         return 2 * routed_tokens(M, n) * M.ep * M.etp * h * d

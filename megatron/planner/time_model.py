@@ -180,10 +180,10 @@ def _cp_layer_times(config: Config, hw: Hardware, core_forward: float) -> tuple[
 def _ep_layer_time(config: Config, hw: Hardware) -> float:
     """Seconds of one MoE layer's token exchange for one micro-batch, forward and backward (see the module
     docstring); 0 without expert parallelism."""
-    from megatron.memory.moe import expert_parallel, moe_dims, routed_tokens
+    from megatron.memory.moe import exchanges, moe_dims, routed_tokens
 
     M = moe_dims(config)
-    if M is None or not expert_parallel(M):
+    if M is None or not exchanges(M):
         return 0.0
     a = 4 if config.params_dtype_name == "float32" else 2
     tokens = routed_tokens(M, config.batch_size.micro_batch_size * config.dataset.max_seq_len

@@ -2,7 +2,8 @@
 saved_tensors_hooks (megatron/memory/measure.py), byte for byte.
 
 - tensor parallel 2, with and without sequence parallelism (under sp the column-parallel layers save
-  only their ``[s/t, b, h]`` input shard), one micro-batch's forward;
+  only their ``[s/t, b, h]`` input shard), one micro-batch's forward; with mixture-of-experts layers too;
+- expert parallel 2 (alltoall, allgather): the sum over the ep ranks (each rank's share depends on the routing);
 - pipeline parallel 2: the saved bytes alive on each stage at the schedule's peak (1F1B, GPipe,
   interleaved), measured across the whole schedule by the hooks' live count;
 - context parallel 2 with each communication type (p2p, all_gather, a2a; packed documents; the math
@@ -48,6 +49,11 @@ TP_CASES = {
     "tp2-sp-gpt2-flash": SP + NO_DROPOUT,  # the embedding's shard is a view of the whole output: kept whole
     "tp2-sp-llama-selective": SP + LLAMA + ["--use-recompute", "--recompute-granularity", "selective"],
     "tp2-sp-full-recompute": SP + ["--use-recompute", "--recompute-granularity", "full"],
+    # a mixture of experts: each tp rank routes its n / tp tokens (without sp a view of the whole norm output),
+    # its experts (cut over etp) compute on the rows of both ranks (megatron/memory/moe.py)
+    "tp2-moe-gpt2": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"],
+    "tp2-sp-moe-llama-shared": SP + LLAMA + NO_DROPOUT + ["--num-experts", "4", "--moe-shared-expert-intermediate-size",
+                                                          "64"],
 }
 
 
@@ -81,6 +87,39 @@ def test_tensor_parallel_prediction_equals_measurement(case):
         measured, predicted, terms = rank_results[case]
         assert measured == pytest.approx(predicted, rel=0.05)
         assert measured == predicted, terms
+
+
+EP_CASES = {"ep2-alltoall": [], "ep2-allgather": ["--moe-token-dispatcher-type", "allgather"],
+            "ep2-llama": LLAMA + NO_DROPOUT}
+
+
+def _ep_run(rank, world):
+    """ep 2 over 2 data-parallel ranks, each its own samples: the rows a rank's experts compute depend on the
+    routing; their sum over the ep ranks does not (every pair is computed once)."""
+    ps = parallel_state.initialize(ep=world)
+    results = {}
+    for name, flags in EP_CASES.items():
+        config = parse_config([*TINY, "--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size",
+                               str(world), *flags])
+        validate(config, world_size=world)
+        tensor_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
+        model = build_model(config).train()
+        batch = _batch(config, config.batch_size.micro_batch_size, seed=1 + rank)
+        results[name] = (measure_microbatch(model, forward_step, batch), activation_bytes_per_microbatch(config))
+    return results
+
+
+@functools.cache
+def ep_results() -> list[dict]:
+    return run_distributed(_ep_run, 2)
+
+
+@pytest.mark.parametrize("case", list(EP_CASES))
+def test_expert_parallel_prediction_equals_measurement_over_the_ep_ranks(case):
+    """Uniform routing predicts each rank's mean: the sum over the ep ranks to the byte, each rank within 10%."""
+    measured, predicted = zip(*(rank_results[case] for rank_results in ep_results()))
+    assert sum(measured) == sum(predicted)
+    assert measured == pytest.approx(predicted, rel=0.1)
 
 
 SCHEDULES = {"1f1b": (1, tables.one_f_one_b), "gpipe": (1, tables.gpipe),

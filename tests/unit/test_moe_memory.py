@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from megatron import parallel_state
-from megatron.config import ConfigError, parse_config, validate
+from megatron.config import parse_config, validate
 from megatron.memory import estimate
 from megatron.memory.activations import activation_terms, temporary_terms
 from megatron.memory.moe import moe_dims
@@ -66,11 +66,11 @@ def small_config(*flags: str, world: int = 1):
     return config
 
 
-def with_experts(config, ep: int, etp: int | None = None):
-    """``config`` at expert-parallel size ``ep`` (and etp), set after validation: the estimate's arithmetic for a
-    layout this branch's validation does not run yet."""
+def with_experts(config, ep: int, etp: int | None = None, world: int = 8):
+    """``config`` at expert-parallel size ``ep`` (and etp), validated."""
     config = copy.deepcopy(config)
     config.distributed.expert_model_parallel_size, config.distributed.expert_tensor_parallel_size = ep, etp
+    validate(config, world_size=world, cuda_available=config.device == "gpu", training_data=False)
     return config
 
 
@@ -159,15 +159,17 @@ def test_estimate_and_memory_check_count_the_experts_per_ep_rank():
 
 def test_expert_parallel_activations_and_dispatch_buffers_follow_uniform_routing():
     """Each rank routes its n / tp tokens and its experts compute k T etp rows (uniform routing); the dispatch's
-    buffers are the temporaries: alltoall 2 R h d, allgather 2 T ep etp h d."""
-    base = make_config(*MOE, "--tp", "2", world_size=2)
+    buffers are the temporaries: alltoall 2 R h d, allgather 2 T ep etp h d; one rank has none."""
+    one = make_config(*MOE)
     n, h, d, k = 2 * 16, 64, 4, 2
-    one = activation_terms(base)
-    assert "expert dispatch" not in temporary_terms(base)
-    assert one["expert inputs"] == 3 * k * n * h * d  # three MoE layers: every rank computes every token's experts
-    for ep, etp, dispatcher in [(2, None, "alltoall"), (2, 1, "alltoall"), (2, None, "allgather")]:
-        config = with_experts(base, ep, etp)
-        config.model = dataclasses.replace(config.model, moe_token_dispatcher_type=dispatcher)
+    assert "expert dispatch" not in temporary_terms(one)
+    assert activation_terms(one)["expert inputs"] == 3 * k * n * h * d  # three MoE layers, every expert here
+    base = make_config(*MOE, "--tp", "2", "--dp", "2", world_size=4)
+    for ep, etp, dispatcher in [(1, None, "alltoall"), (2, None, "alltoall"), (2, 1, "alltoall"),
+                                (2, None, "allgather")]:
+        config = copy.deepcopy(base)
+        config.model.moe_token_dispatcher_type = dispatcher
+        config = with_experts(config, ep, etp, world=4)
         T, rows = n // 2, k * (n // 2) * (etp or 2)
         terms = activation_terms(config)
         assert terms["expert inputs"] == 3 * rows * h * d
@@ -182,22 +184,17 @@ def test_the_time_model_counts_the_dispatch():
     """ep 2 x etp 1 under tp 2, alltoall: per MoE layer and micro-batch 4 exchanges of (ep - 1) / ep of the
     k T h a bytes of the rank's pairs; without expert parallelism none."""
     base = parse_config([*SMALL, "--bf16", "--global-batch-size", "8", "--micro-batch-size", "2", "--tp", "2",
-                         "--dp", "2"])
+                         "--dp", "2", "--device", "gpu"])
     validate(base, world_size=4, cuda_available=True, training_data=False)
     hw = Hardware(devices=4, devices_per_node=4)
-    assert layout_time(base, hw).ep_comm == 0
-    timed = layout_time(with_experts(base, 2, 1), hw)
+    one = parse_config([*SMALL, "--bf16", "--global-batch-size", "8", "--micro-batch-size", "2", "--dp", "4",
+                        "--device", "gpu"])
+    validate(one, world_size=4, cuda_available=True, training_data=False)
+    assert layout_time(one, hw).ep_comm == 0  # no exchange: every expert on every rank, tp 1
+    timed = layout_time(with_experts(base, 2, 1, world=4), hw)
     pairs = 2 * (2 * 16 // 2) * 32 * 2  # k T h a, T = b s / tp
     assert timed.ep_comm == pytest.approx(2 * 1 * 4 * (1 / 2) * pairs / 150e9)  # 2 micro-batches x 1 MoE layer
     assert timed.step > layout_time(base, hw).step - layout_time(base, hw).dp_exposed
-
-
-def _expert_parallelism_built() -> bool:
-    try:
-        validate(with_experts(small_config("--dp", "2", world=2), 2), world_size=2)
-    except ConfigError:
-        return False
-    return True
 
 
 def test_layouts_name_ep_and_etp():
@@ -214,14 +211,15 @@ def test_layouts_name_ep_and_etp():
 MIXTRAL = ["--mock-data", "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
            "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8", "--swiglu",
            "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-           "--disable-bias-linear", "--vocab-size", "32000", "--max-seq-len", "4096", "--max-position-embeddings",
-           "4096", "--bf16", "--num-experts", "8", "--moe-router-topk", "2", "--global-batch-size", "256",
+           "--disable-bias-linear", "--vocab-size", "32000", "--max-seq-len", "1024", "--max-position-embeddings",
+           "4096", "--bf16", "--num-experts", "8", "--moe-router-topk", "2", "--global-batch-size", "64",
            "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0"]
 
 
-@pytest.mark.skipif(not _expert_parallelism_built(), reason="expert parallelism is not built on this branch yet")
 def test_the_planner_proposes_expert_parallelism_for_mixtral_8x7b():
-    """Mixtral-8x7B shaped on 8 80 GB GPUs: the best layout splits the experts, faster than every layout at ep 1."""
+    """Mixtral-8x7B shaped (1024-token samples, batch 64: a short search) on 8 80 GB GPUs: the best layout splits
+    the experts (ep 8: an eighth of the 45B expert parameters per rank), faster than every layout at ep 1, which
+    needs tp and pp to fit (before: no ep was searched)."""
     result = plan_layouts(parse_config(MIXTRAL), Hardware(devices=8), max_micro_batch=1, max_vpp=1)
     best = result.plans[0]
     assert best.layout.ep > 1
