@@ -1,5 +1,6 @@
-"""Measured per-rank model-state bytes match the accounting function (ZeRO stages 1-3, offload),
-and stage 3 never holds more than two decoder layers' full parameters at once."""
+"""Measured per-rank model-state bytes match the accounting function (ZeRO stages 1-3, offload; a MoE model's
+experts per ep rank, their states over the expert-data-parallel ranks), and stage 3 never holds more than two
+decoder layers' full parameters at once."""
 
 from __future__ import annotations
 
@@ -120,3 +121,40 @@ PIPELINE_CUTS = [["--pipeline-partition", "1,3"], ["--vpp", "2", "--global-batch
 def test_parameters_per_rank_follows_the_pipeline_cut(extra):
     for built, accounted in run_distributed(_count, 2, extra):
         assert accounted == built
+
+
+def _measure_moe(rank, world, ep, sharding, stage):
+    """A MoE model at ep over ``world`` ranks (dp x sharding): what the rank holds against the accounting."""
+    from megatron.optimizer.memory import parameter_split, rank_model_state_bytes
+
+    ps = parallel_state.initialize(sharding=sharding, ep=ep)
+    config = parse_config(["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
+                           "--num-attention-heads", "4", "--vocab-size", "1000", "--max-seq-len", "32",
+                           "--max-position-embeddings", "32", "--micro-batch-size", "2", "--bf16", "--num-experts", "4",
+                           "--expert-model-parallel-size", str(ep), "--sharding", str(sharding), "--sharding-stage",
+                           str(stage)])
+    validate(config, world_size=world)
+    plan = plan_sharding(config, ps)
+    model = build_model(config, meta_init=plan.meta_init)
+    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert_parallel", False))
+    split = (num_parameters(model) - experts, experts)
+    model, buffer, _ = parallelize(model, plan)
+    optimizer = build_optimizer(buffer, plan, config)
+    data = MockGPTDataset(64, 32, 1000, seed=rank)
+    train_step(forward_step, build_batch([data[i] for i in range(4)], data.eod_id), model, buffer, optimizer, 1e-3, 2)
+    measured, predicted = measured_model_state_bytes(optimizer), rank_model_state_bytes(config)
+    dist.barrier()
+    return (split, parameter_split(config), [getattr(measured, f) for f in FIELDS],
+            [getattr(predicted, f) for f in FIELDS])
+
+
+@pytest.mark.parametrize("world, ep, sharding, stage", [(2, 2, 1, 1), (4, 2, 2, 1), (4, 2, 4, 2), (4, 4, 4, 3)],
+                         ids=["ep2-dp2", "ep2-dp2x2-zero1", "ep2-zero2x4", "ep4-zero3x4"])
+def test_expert_states_match_accounting(world, ep, sharding, stage):
+    """Each rank holds E / ep experts; without sharding their whole states, with it their states over all the
+    expert-data-parallel ranks (world / ep), the dense ones over the sharding group (dp x sharding: the experts
+    over dp x sharding / ep)."""
+    for built, accounted, measured, predicted in run_distributed(_measure_moe, world, ep, sharding, stage):
+        assert accounted == built  # exact
+        for name, m, p in zip(FIELDS, measured, predicted):
+            assert m == pytest.approx(p, rel=0.05, abs=0), name  # every bucket padded to a multiple of N
