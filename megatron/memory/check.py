@@ -199,7 +199,10 @@ def suggestions(config: Config, need: MemoryNeed) -> str:
     b, cp = need.micro_batch_size, config.distributed.context_parallel_size
     per_micro_batch = f"{_gib(need.activations_per_microbatch)} GiB of activations per micro-batch of {b}" + (
         f" at context parallel {cp}" if cp > 1 else "")
-    others = (["--use-recompute"] if not config.use_recompute else []) + [
+    m = config.model
+    experts = ([f"--expert-model-parallel-size (each rank holds num_experts / ep of the {m.num_experts} experts)"]
+               if m.num_experts and config.distributed.expert_model_parallel_size < m.num_experts else [])
+    others = (["--use-recompute"] if not config.use_recompute else []) + experts + [
         "ZeRO sharding (--sharding-degree N --sharding-stage 1|2|3"
         + (", --sharding-offload)" if config.device == "gpu" else ")"),
         "--tp / --pp / --context-parallel-size", "a shorter --max-seq-len or a smaller model"]

@@ -225,3 +225,16 @@ def test_the_planner_proposes_expert_parallelism_for_mixtral_8x7b():
     assert best.layout.ep > 1
     assert best.time.step < min(p.time.step for p in result.plans if p.layout.ep == 1)
     assert f"--expert-model-parallel-size {best.layout.ep}" in best.layout.flags()
+
+
+def test_the_memory_checks_refusal_of_a_moe_run_suggests_expert_parallelism():
+    from megatron.memory.check import predicted_need, refusal
+
+    config = small_config("--dp", "4", world=4)
+    line = refusal(config, predicted_need(config), 1, "available")
+    assert "--expert-model-parallel-size (each rank holds num_experts / ep of the 4 experts)" in line
+    assert "--expert-model-parallel-size" not in refusal(with_experts(config, 4, world=4),
+                                                         predicted_need(with_experts(config, 4, world=4)), 1, "x")
+    dense = parse_config(SMALL[:-6])
+    validate(dense)
+    assert "expert" not in refusal(dense, predicted_need(dense), 1, "available")
