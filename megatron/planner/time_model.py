@@ -26,7 +26,8 @@ activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
   and all-gathers the received pairs over etp (``(etp - 1) p``), for the dispatch and the combine, forward and
   backward (4 times); the allgather dispatcher gathers and reduce-scatters ``(ep etp - 1) T h a``, 4 times. A
   fully recomputed layer dispatches again (x 1.5). Not overlapped. Uniform routing: a rank whose experts are
-  popular receives more.
+  popular receives more. The MoE layer's own cut and gather of the sequence over tp are counted as the MLP's
+  collectives in tp comm.
 - dp comm: fp32 gradients (4 bytes per parameter of the rank with the most; a MoE model's: its dense parameters
   and its ep rank's experts, whose reduction over the expert-data-parallel ranks is counted with the dense
   ones') and, with a sharding group, the parameter all-gather after the step: stage 1 an all-reduce over dp x
