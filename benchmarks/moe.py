@@ -228,7 +228,9 @@ INTRO = ("`benchmarks/moe.py`: a MoE model against a dense model of the same act
          "holds at ep 1, 2 and 4 against the memory estimate (`rank_model_state_bytes`, what "
          "`tools/estimate_memory.py` prints). On the CPU the experts run one after another and the dispatch's "
          "all-to-alls are memory copies between processes of one machine: the figures say what the MoE layer "
-         "costs here; on GPUs see \"Mixture of experts on a GPU\" below.")
+         "costs here; on GPUs see \"Mixture of experts on a GPU\" above. The estimate counts each rank's "
+         "E / ep experts and their states over the expert-data-parallel ranks: at ZeRO-1 over 4 ranks ep cuts the "
+         "parameters and gradients, the masters and AdamW states being already spread over the 4 ranks.")
 
 
 def main() -> None:
