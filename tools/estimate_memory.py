@@ -17,7 +17,10 @@ AdamW states one rank holds between steps and how much of it is on the device an
 the backward, the micro-batches the schedule keeps in flight, the largest temporary buffer and the
 total with the model states of a step (megatron/memory/). Without pipelining one line reads
 ``activations per micro-batch: <value> <unit>``. Under context parallelism (``--context-parallel-size``)
-every figure is one rank's, holding ``s / cp`` tokens of each sample; the activation header says how many.
+every figure is one rank's, holding ``s / cp`` tokens of each sample; the activation header says how many. For a
+MoE model the header names the expert grid (ep x etp x edp) and each rank's experts: the figures count its
+E / ep experts cut over etp, their states over the edp ranks, the MoE layers' activations under uniform
+routing and the token dispatch's buffers (megatron/memory/moe.py, docs/moe.md).
 """
 
 from __future__ import annotations
