@@ -238,3 +238,12 @@ def test_the_memory_checks_refusal_of_a_moe_run_suggests_expert_parallelism():
     dense = parse_config(SMALL[:-6])
     validate(dense)
     assert "expert" not in refusal(dense, predicted_need(dense), 1, "available")
+
+
+def test_estimate_memory_prints_the_expert_grid_and_the_ranks_experts():
+    from tests.functional.launch import run_tool_here
+
+    proc = run_tool_here("tools/estimate_memory.py", *SMALL, "--dp", "4", "--expert-model-parallel-size", "2",
+                         "--device-memory-gb", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "experts: ep 2 x etp 1 x edp 2, 2 of 4 per rank; GiB per rank:" in proc.stdout
