@@ -1,9 +1,9 @@
 """Mixture of experts under every layout reproduces the single-process losses and gradient norms (within 1e-5,
-relative; fp32, dropless, dropout off): expert parallelism at ep 2 (and ep 4: the resumed run below), with tensor parallelism (ep 2 x tp 2,
-with and without sequence parallelism; the experts' own tensor parallelism etp 1 under tp 2), pipelining, context
-parallelism, the distributed optimizer and ZeRO stages 2 and 3 (the experts sharded over their own ranks), both
-dispatchers, a shared expert, the balancing losses (aux, sequence aux, z) and the expert bias. A checkpoint saved at
-ep 2 x tp 2 resumes at ep 4 and in one process as the uninterrupted run goes on.
+relative; fp32, dropless, dropout off): expert parallelism at ep 2 (and ep 4: the resumed run below), with tensor
+parallelism (ep 2 x tp 2, with and without sequence parallelism; the experts' own tensor parallelism etp 1 under
+tp 2), pipelining, context parallelism, the distributed optimizer and ZeRO stages 2 and 3 (the experts sharded over
+their own ranks), both dispatchers, a shared expert, the balancing losses (aux, sequence aux, z) and the expert bias.
+A checkpoint saved at ep 2 x tp 2 resumes at ep 4 and in one process as the uninterrupted run goes on.
 
 The layouts train 5 steps against 5-step references (the resumed ones steps 6-10 of a 10-step reference); each
 world size is one shared launch."""
