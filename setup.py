@@ -34,8 +34,9 @@ setup(
     install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors"],
     # transformers: only the tests that load converted checkpoints into GPT2LMHeadModel.
     # reference: NVIDIA's megatron-core, the test-only reference of the MoE model
-    # (tests/unit/test_megatron_core_moe.py), pure Python (numpy, packaging and the torch installed first). An extra of its own: it installs a `megatron`
-    # folder into site-packages, which shadows an editable install of this package outside its checkout.
+    # (tests/unit/test_megatron_core_moe.py), pure Python (numpy, packaging and the torch installed first). An extra
+    # of its own: it installs a `megatron` folder into site-packages, which shadows an editable install of this
+    # package outside its checkout.
     extras_require={"serve": ["fastapi", "uvicorn"],
                     "plot": ["matplotlib"],  # tools/plot_runs.py
                     "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
