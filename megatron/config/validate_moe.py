@@ -57,6 +57,16 @@ def check_moe(config: Config) -> None:
     m, d = config.model, config.distributed
     if d.expert_model_parallel_size < 1:
         _fail(f"expert_model_parallel_size must be at least 1, got {d.expert_model_parallel_size}.")
+    if d.expert_tensor_parallel_size is not None and d.expert_tensor_parallel_size < 1:
+        _fail(f"expert_tensor_parallel_size must be at least 1, got {d.expert_tensor_parallel_size}.")
+    for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(m, name) is not None and getattr(m, name) < 1:  # checked for a dense model too: a typo
+            _fail(f"{name} must be at least 1, got {getattr(m, name)}.")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        if (getattr(m, name) or 0.0) < 0:
+            _fail(f"{name} must be >= 0, got {getattr(m, name)}.")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        _fail(f"moe_expert_capacity_factor must be positive (or unset: dropless), got {m.moe_expert_capacity_factor}.")
     if m.num_experts is None:
         if d.expert_model_parallel_size > 1 or d.expert_tensor_parallel_size not in (None, d.mp_degree):
             _fail("expert_model_parallel_size / expert_tensor_parallel_size lay out experts: give --num-experts too, "
@@ -66,8 +76,6 @@ def check_moe(config: Config) -> None:
         pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
     except ValueError as err:
         _fail(str(err) + ".")
-    if m.num_experts < 1:
-        _fail(f"num_experts must be at least 1, got {m.num_experts}.")
     if not 1 <= m.moe_router_topk <= m.num_experts:
         _fail(f"moe_router_topk ({m.moe_router_topk}) must be from 1 to num_experts ({m.num_experts}).")
     if not any(pattern):
@@ -75,14 +83,6 @@ def check_moe(config: Config) -> None:
               f"--num-experts.")
     if m.moe_ffn_hidden_size is None:
         m.moe_ffn_hidden_size = m.ffn_hidden_size
-    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-        if getattr(m, name) is not None and getattr(m, name) < 1:
-            _fail(f"{name} must be at least 1, got {getattr(m, name)}.")
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
-        if (getattr(m, name) or 0.0) < 0:
-            _fail(f"{name} must be >= 0, got {getattr(m, name)}.")
-    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
-        _fail(f"moe_expert_capacity_factor must be positive (or unset: dropless), got {m.moe_expert_capacity_factor}.")
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         _fail("moe_pad_expert_input_to_capacity needs a capacity: give --moe-expert-capacity-factor too.")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":

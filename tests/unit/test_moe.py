@@ -312,7 +312,7 @@ def test_flags_are_megatrons():
     (["--expert-model-parallel-size", "4"], "(4 x 1) must divide the 1 ranks of a pipeline stage"),
     (["--expert-tensor-parallel-size", "5"], "(1 x 5) must divide the 1 ranks"),
     (["--moe-router-topk", "5"], "moe_router_topk (5) must be from 1 to num_experts (4)"),
-    (["--moe-router-topk", "0"], "moe_router_topk (0) must be from 1"),
+    (["--moe-router-topk", "0"], "moe_router_topk must be at least 1, got 0"),
     (["--moe-layer-freq", "[1,0]"], "needs num_layers (1) entries"),
     (["--moe-expert-capacity-factor", "0"], "moe_expert_capacity_factor must be positive"),
     (["--moe-pad-expert-input-to-capacity"], "needs a capacity"),
