@@ -103,6 +103,9 @@ def reference_runs(cases: dict[str, list[str]]) -> None:
 
 
 reference_runs({"tiny": TINY, "tiny4": [*TINY, "--num-layers", "4"]})
+# 5 steps (a validation at the 5th): the parity of a layout is as strict, at half the cost of its run
+FIVE = [*TINY, "--max-steps", "5"]
+reference_runs({"tiny-5": FIVE, "tiny4-5": [*FIVE, "--num-layers", "4"]})
 
 
 def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900,

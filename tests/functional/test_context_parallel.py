@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts, reference_runs
+from tests.functional.launch import FIVE, TINY, parity_layouts, reference_runs
 from tests.functional.test_llama_layouts import LLAMA
 
 pytestmark = pytest.mark.slow
 
-FIVE = [*TINY, "--max-steps", "5"]
 # documents of ~6 tokens: every 32-token sample holds several, cut across the chunks of every cp rank
 PACKED = [*FIVE, "--mock-document-length", "6", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 LLAMA5 = [*LLAMA, "--max-steps", "5"]
-reference_runs({"tiny-5": FIVE, "tiny-packed": PACKED, "llama-5": LLAMA5})
+reference_runs({"tiny-packed": PACKED, "llama-5": LLAMA5})
 
 CP2 = ["--cp", "2"]
 # (processes, flags, communication type on plain samples, on packed documents): every type meets several axes

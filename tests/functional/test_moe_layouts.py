@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts, reference_runs
+from tests.functional.launch import FIVE, TINY, parity_layouts, reference_runs
 
 pytestmark = pytest.mark.slow
 
-FIVE = [*TINY, "--max-steps", "5"]
 MOE = [*FIVE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff",
        "1e-2", "--moe-shared-expert-intermediate-size", "32"]
 BIAS = [*TINY, "--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts
+from tests.functional.launch import FIVE, TINY, parity_layouts
 
 pytestmark = pytest.mark.slow
 
-FOUR_LAYERS = [*TINY, "--num-layers", "4"]  # enough layers for pp 4 and for pp 2 x vpp 2
+FOUR_LAYERS = [*FIVE, "--num-layers", "4"]  # enough layers for pp 4 and for pp 2 x vpp 2; 5 steps
 
 
 LAYOUTS = parity_layouts({
@@ -24,8 +24,8 @@ LAYOUTS = parity_layouts({
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pp_losses_equal_single_process(parity, reference4, layout):
-    parity.assert_matches(layout, reference4)
+def test_pp_losses_equal_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["tiny4-5"])
 
 def test_segmentation_log_is_the_seeds(parity):
     result = parity.outcome("pp2")  # the pp2 parity run's start-up log

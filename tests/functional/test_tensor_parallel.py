@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, losses, parity_layouts, run
+from tests.functional.launch import FIVE, TINY, losses, parity_layouts, run
 
 pytestmark = pytest.mark.slow
 
 
 LAYOUTS = parity_layouts({
-    "tp2": (2, [*TINY, "--tp", "2"]),
-    "tp4": (4, [*TINY, "--tp", "4"]),
-    "tp2-dp2": (4, [*TINY, "--tp", "2", "--dp", "2"]),
-    "tp2-sp": (2, [*TINY, "--tp", "2", "--sequence-parallel"]),
-    "tp2-recompute": (2, [*TINY, "--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
+    "tp2": (2, [*FIVE, "--tp", "2"]),
+    "tp4": (4, [*FIVE, "--tp", "4"]),
+    "tp2-dp2": (4, [*FIVE, "--tp", "2", "--dp", "2"]),
+    "tp2-sp": (2, [*FIVE, "--tp", "2", "--sequence-parallel"]),
+    "tp2-recompute": (2, [*FIVE, "--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
 })
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_tp_losses_equal_single_process(parity, reference, layout):
-    parity.assert_matches(layout, reference)
+def test_tp_losses_equal_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["tiny-5"])
 
 
 @pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-recompute-compile": (
