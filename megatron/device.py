@@ -55,6 +55,12 @@ def wait_for_copies(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    """An fp32 host buffer of ``numel`` elements to stage copies from ``device``: page-locked (pinned) when
+    ``device`` is a GPU, so the copies run at full speed and asynchronously."""
+    return torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+
+
 def with_index(device: torch.device) -> torch.device:
     """``device`` with its index: a bare ``cuda`` becomes this process's current GPU."""
     if device.type == "cuda" and device.index is None:

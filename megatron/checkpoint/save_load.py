@@ -30,6 +30,7 @@ sliced for the current layout.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -121,7 +122,7 @@ def written_pieces(model: nn.Module, optimizer, ps: ParallelState):
 # Saving -----------------------------------------------------------------------------------------
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     from megatron.tensor_parallel import get_rng_tracker
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -164,29 +165,65 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
     A failure on any rank (a folder in the way, a full disk) raises the same one-line CheckpointError
     on every rank; the previous checkpoint and ``latest`` are left as they were, and nothing is
     pruned. Older checkpoints are pruned (``keep_last``) only once the new one and ``latest`` are
-    durably in place."""
-    final = os.path.join(output_dir, f"step_{step}")
-    tmp, device, rank = final + ".tmp", optimizer.buffer.device, ps.rank
-    agreed = partial(on_every_rank, device=device, what=f"cannot save {final}",
-                     todo="the previous checkpoint and 'latest' are unchanged: fix this and resume from them")
-    try:
-        agreed(lambda: _make_empty(tmp) if rank == 0 else None)
-        mine = agreed(lambda: _write_rank_files(tmp, model, optimizer, ps))
+    durably in place. ``megatron/checkpoint/async_save.py`` runs the same phases with the rank files
+    written by a background thread."""
+    save = begin_save(output_dir, step, optimizer, ps, config, train_state)
+    mine = save.agreed(lambda: _write_rank_files(save.tmp, model, optimizer, ps))
+    return save.seal(mine, keep_last)
+
+
+class Save:
+    """One save under way, from ``step_N.tmp`` made empty to its seal. What rank 0 writes into ``common.json``
+    (the step, AdamW's step count, the loss scaler, the train state) is captured when the save begins: an
+    asynchronous save seals it steps later, after the optimizer has moved on."""
+
+    def __init__(self, output_dir: str, step: int, optimizer, ps: ParallelState, config: Config, train_state: dict):
+        self.output_dir, self.step, self.ps, self.config = output_dir, step, ps, config
+        self.final = os.path.join(output_dir, f"step_{step}")
+        self.tmp, self.device = self.final + ".tmp", optimizer.buffer.device
+        self.common = _common(step, optimizer, config, train_state) if ps.rank == 0 else None
+
+    def agreed(self, fn):
+        """``fn()`` on this rank; a failure on any rank is the same one-line CheckpointError on every rank, and
+        rank 0 removes ``step_N.tmp``. Collective."""
+        try:
+            return on_every_rank(fn, device=self.device, what=f"cannot save {self.final}",
+                                 todo="the previous checkpoint and 'latest' are unchanged: fix this and resume from "
+                                      "them")
+        except CheckpointError:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if self.ps.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def seal(self, mine: tuple[list, dict], keep_last: int | None = None) -> str:
+        """Every rank has written its files (``mine``: this rank's pieces and file checksums): gather the pieces
+        on rank 0, which writes ``common.json``, ``config.yaml`` and ``metadata.json``, renames the folder into
+        place, points ``latest`` at it and prunes. Collective; returns the step folder."""
+        ps, rank = self.ps, self.ps.rank
         gathered = [None] * ps.world_size if rank == 0 else None  # every rank's pieces, on rank 0 only
         if dist.is_initialized():
             dist.gather_object(mine, gathered, dst=0)
         elif rank == 0:
             gathered = [mine]
-        agreed(lambda: _write_common(tmp, step, optimizer, ps, config, train_state, gathered) if rank == 0 else None)
-        agreed(lambda: _commit(output_dir, final, tmp) if rank == 0 else None)
-    except CheckpointError:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if rank == 0 and keep_last:
-        prune_checkpoints(output_dir, step, keep_last)
-    _barrier()
-    return final
+        self.agreed(lambda: _write_common(self.tmp, self.step, self.common, ps, self.config, gathered)
+                    if rank == 0 else None)
+        self.agreed(lambda: _commit(self.output_dir, self.final, self.tmp) if rank == 0 else None)
+        if rank == 0 and keep_last:
+            prune_checkpoints(self.output_dir, self.step, keep_last)
+        _barrier()
+        return self.final
+
+
+def begin_save(output_dir: str, step: int, optimizer, ps: ParallelState, config: Config,
+               train_state: dict) -> Save:
+    """Start a save: rank 0 makes ``step_N.tmp`` empty (a leftover of a save killed half-way is removed), then
+    every rank may write its files there. Collective."""
+    save = Save(output_dir, step, optimizer, ps, config, train_state)
+    save.agreed(lambda: _make_empty(save.tmp) if ps.rank == 0 else None)
+    return save
 
 
 def _make_empty(tmp: str) -> None:
@@ -194,35 +231,50 @@ def _make_empty(tmp: str) -> None:
     os.makedirs(tmp)
 
 
-def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) -> tuple[list, dict]:
-    """This rank's pieces into ``rank{r}.bin`` and its RNG streams; returns (pieces, {file: CRC-32})."""
-    writer, pieces = RankFileWriter(tmp, ps.rank), []
+def rank_pieces(model: nn.Module, optimizer, ps: ParallelState):
+    """(piece description, tensor) for every piece this rank writes, in file order: the master slice and its
+    AdamW states of each ``written_pieces`` entry. The tensors are views of the live masters and states."""
+    for name, p, lo, hi, master, offset in written_pieces(model, optimizer, ps):
+        where = slice_of(p, ps)
+        state = optimizer.inner.state.get(master, {})
+        for kind in KINDS:
+            source = master if kind == "param" else state.get(kind)
+            if source is not None:
+                yield ({"kind": kind, "name": name, "lo": lo, "hi": hi, "global_shape": list(where.global_shape),
+                        "partition_dim": where.partition_dim, "tp_rank": where.tp_rank, "tp_size": where.tp_size,
+                        "local_shape": list(p.shape)}, source[offset:offset + hi - lo])
+
+
+def write_rank_files(tmp: str, rank: int, pieces, rng: dict) -> tuple[list, dict]:
+    """``pieces`` ((description, tensor) pairs) into ``rank{r}.bin`` and the RNG streams ``rng`` into its
+    file; returns (pieces with their locations and checksums, {file: CRC-32})."""
+    writer, written = RankFileWriter(tmp, rank), []
     try:
-        for name, p, lo, hi, master, offset in written_pieces(model, optimizer, ps):
-            where = slice_of(p, ps)
-            state = optimizer.inner.state.get(master, {})
-            for kind in KINDS:
-                source = master if kind == "param" else state.get(kind)
-                if source is None:
-                    continue
-                pieces.append({**writer.add(source[offset:offset + hi - lo]), "kind": kind, "name": name,
-                               "lo": lo, "hi": hi, "global_shape": list(where.global_shape),
-                               "partition_dim": where.partition_dim, "tp_rank": where.tp_rank,
-                               "tp_size": where.tp_size, "local_shape": list(p.shape)})
+        for description, tensor in pieces:
+            written.append({**writer.add(tensor), **description})
     finally:
         writer.close()
-    rng = small_files.rng_file(ps.rank)
-    return pieces, {rng: write_bytes(os.path.join(tmp, rng), small_files.to_json_bytes(
-        small_files.encode_rng(_rng_state())))}
+    name = small_files.rng_file(rank)
+    return written, {name: write_bytes(os.path.join(tmp, name), small_files.to_json_bytes(
+        small_files.encode_rng(rng)))}
 
 
-def _write_common(tmp: str, step: int, optimizer, ps: ParallelState, config: Config, train_state: dict,
-                  gathered: list) -> None:
-    """Rank 0: ``common.json``, ``config.yaml`` and, last, ``metadata.json`` with every checksum."""
+def _write_rank_files(tmp: str, model: nn.Module, optimizer, ps: ParallelState) -> tuple[list, dict]:
+    """This rank's pieces into ``rank{r}.bin`` and its RNG streams; returns (pieces, {file: CRC-32})."""
+    return write_rank_files(tmp, ps.rank, rank_pieces(model, optimizer, ps), rng_state())
+
+
+def _common(step: int, optimizer, config: Config, train_state: dict) -> dict:
+    """What ``common.json`` holds, as of now."""
     adam_steps = [float(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
-    common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
-              "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
-              "train_state": train_state, "config": to_yaml(config)}
+    scaler = optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None
+    return {"format_version": FORMAT_VERSION, "step": step, "adam_step": adam_steps[0] if adam_steps else 0.0,
+            "grad_scaler": copy.deepcopy(scaler), "train_state": copy.deepcopy(train_state),
+            "config": to_yaml(config)}
+
+
+def _write_common(tmp: str, step: int, common: dict, ps: ParallelState, config: Config, gathered: list) -> None:
+    """Rank 0: ``common.json``, ``config.yaml`` and, last, ``metadata.json`` with every checksum."""
     name = small_files.COMMON_FILE
     files = {name: write_bytes(os.path.join(tmp, name), small_files.to_json_bytes(common)),
              "config.yaml": write_text(os.path.join(tmp, "config.yaml"), common["config"])}  # a resumed run's base

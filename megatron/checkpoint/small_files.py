@@ -50,7 +50,7 @@ def _b64(t: torch.Tensor) -> str:
 
 
 def encode_rng(state: dict) -> dict:
-    """An RNG state (``save_load._rng_state``) as JSON-able data."""
+    """An RNG state (``save_load.rng_state``) as JSON-able data."""
     version, words, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
     out = {"python": {"version": int(version), "state": [int(w) for w in words],

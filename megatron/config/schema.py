@@ -286,6 +286,11 @@ class SaveLoadConfig:
     use_checkpoint_args: bool = opt(
         False, "Take the model's shape and tokenizer from the loaded checkpoint's config.yaml, even with finetune.")
     keep_last_checkpoints: int | None = opt(None, "Keep only this many most recent checkpoints.")
+    async_save: bool = opt(
+        False, "Write checkpoints in the background (Megatron-LM's --async-save): training stops only while each "
+               "rank copies its pieces to a reusable host buffer; the files are written by a thread while training "
+               "goes on, and the checkpoint is sealed (renamed, 'latest', pruning) at a later step boundary. The next "
+               "save, a stop signal, a divergence stop and the end of training wait for a pending write.")
     load_optim: bool = opt(True, "Load the optimizer states and loss scaler; --no-load-optim starts them afresh.")
     load_rng: bool = opt(True, "Restore the RNG streams (same layout only); --no-load-rng reseeds.")
     finetune: bool = opt(False, "Load the weights only: step, data position and optimizer start from zero.")

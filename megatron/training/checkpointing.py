@@ -1,7 +1,13 @@
 """The run's checkpoints: what it loads at start, when it saves (every ``save_steps``, on a stop, at the end),
-and never a state the run's health forbids."""
+and never a state the run's health forbids. With ``async_save`` a save's files are written by a background
+thread (``megatron/checkpoint/async_save.py``) and the save is sealed at a later step boundary; the next save,
+a stop, a divergence stop and the end of training wait for it. Each save's cost (how long training was
+blocked, how long until the checkpoint was sealed) is logged and handed to ``report``."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +20,7 @@ from megatron.checkpoint import (
     same_folder,
     save_checkpoint,
 )
+from megatron.checkpoint.async_save import AsyncSaver
 from megatron.checkpoint.ownership import Start
 from megatron.config import Config
 from megatron.data import fingerprint
@@ -34,6 +41,9 @@ class CheckpointCadence:
         self.saved_at = 0  # the step of the last checkpoint saved (or refused) or loaded
         self.run_id = None  # the run's id (rank 0, which writes it into every checkpoint), set by load()
         self.log = get_logger()
+        self.saver = AsyncSaver(device) if sl.async_save else None
+        self.since_save: list[tuple[float, bool]] = []  # the steps after a pending save: they confirm it once sealed
+        self.report: Callable[[int, float, float], None] | None = None  # (save step, blocked s, total s): StepLog's
         saves = bool(sl.save_at_end or sl.save_steps or sl.exit_interval or sl.exit_duration_in_mins)
         check_output_dir(sl.output_dir, ps.rank, device, saves)  # a bad --save stops every rank now, in one line
 
@@ -107,17 +117,45 @@ class CheckpointCadence:
         biases = moe.expert_biases(self.run.model, self.run.pp_group)  # collective over the pipeline stages
         if biases is not None:
             train_state["moe_expert_bias"] = biases
-        path = save_checkpoint(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer, self.ps,
-                               self.config, train_state)
+        began = time.perf_counter()
+        if self.saver is None:
+            path = save_checkpoint(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer,
+                                   self.ps, self.config, train_state)
+            self._saved(s.step, path, *[time.perf_counter() - began] * 2)
+        else:
+            self.finish_pending()  # the next save waits for the previous one
+            self.saver.begin(self.config.save_load.output_dir, s.step, self.run.model, self.run.optimizer, self.ps,
+                             self.config, train_state)
+            self.since_save = []
         watchdog.beat(f"after saving the checkpoint of step {s.step}")
-        self.good.saved(s.step, path)  # pruned here, and again once the next step confirms it
+
+    def finish_pending(self) -> None:
+        """Wait for a pending asynchronous save and seal it (collective; nothing when none is pending)."""
+        if self.saver is not None and self.saver.pending is not None:
+            watchdog.beat(f"finishing the checkpoint of step {self.saver.pending.save.step}")
+            self._saved(*self.saver.finish())
+
+    def _saved(self, step: int, path: str, blocked_s: float, total_s: float) -> None:
+        """A checkpoint is sealed: it awaits confirmation by the steps trained since it (pruned here, and again
+        once confirmed), and its cost is said."""
+        self.good.saved(step, path)
+        for loss, applied in self.since_save if self.saver is not None else ():
+            self.good.step_done(loss, applied)
+        self.since_save = []
         if self.ps.rank == 0:
-            self.log.info(f"saved checkpoint {path}")
+            self.log.info(f"saved checkpoint {path} (training blocked {blocked_s:.3f} s; sealed after "
+                          f"{total_s:.3f} s)")
+        if self.report is not None:
+            self.report(step, blocked_s, total_s)
 
     def after_step(self, loss: float, applied: bool) -> None:
         """A step is done: it confirms the checkpoint before it (when it trained), and one is due every
         ``save_steps``."""
         self.good.step_done(loss, applied)
+        if self.saver is not None and self.saver.pending is not None:
+            self.since_save.append((loss, applied))
+            if self.saver.poll():  # every rank's write is done: seal it now
+                self.finish_pending()
         every = self.config.save_load.save_steps
         if every and self.state.step % every == 0:
             self.save()
@@ -128,11 +166,19 @@ class CheckpointCadence:
             self.log.warning(f"{reason}: saving at step {self.state.step} and exiting")
         if self.saved_at != self.state.step:
             self.save()
+        self.finish_pending()
 
     def at_end(self) -> None:
         """Training is over: keep the trained model (Megatron-LM's --save), unless this step was just saved."""
         if self.config.save_load.save_at_end and self.saved_at != self.state.step:
             self.save()
+        self.finish_pending()
 
     def after_divergence(self) -> str:
+        self.finish_pending()  # sealed, then 'latest' is pointed back at the last good one if it is unconfirmed
         return self.good.after_divergence()
+
+    def close(self) -> None:
+        """The run ends, however: a writer still running (the run raised) finishes its file, unsealed."""
+        if self.saver is not None:
+            self.saver.close()

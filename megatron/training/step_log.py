@@ -145,5 +145,12 @@ class StepLog:
         self.log.info(f"{name} results at global step {self.state.step} | loss: {loss:.9f} | ppl: {ppl:.5f}")
         self.writer.write({"split": split, "step": self.state.step, "loss": loss, "perplexity": ppl})
 
+    def save_done(self, save_step: int, blocked_s: float, total_s: float) -> None:
+        """A checkpoint is sealed: its record (split ``save``), at the step the run is at (an asynchronous save
+        is sealed steps after ``save_step``)."""
+        if self.logs:
+            self.writer.write({"split": "save", "step": self.state.step, "save_step": save_step,
+                               "save_blocked_s": blocked_s, "save_total_s": total_s})
+
     def close(self, exit_code: int) -> None:
         self.writer.close(exit_code=exit_code)  # a run that raised: its W&B run is marked failed

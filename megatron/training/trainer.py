@@ -46,6 +46,7 @@ class Trainer:
         resume_step = self.checkpoints.load()
         self.step_log = StepLog(config, self.ps, device, self.optimizer, self.batches, self.train_ds, self.state,
                                 resume_step)
+        self.checkpoints.report = self.step_log.save_done  # each save's cost: metrics.jsonl, TensorBoard, W&B
         self.stops = StopRequests(config, device, self.ps.world_size)
         self.log = get_logger()
 
@@ -61,6 +62,7 @@ class Trainer:
                 state, finished = self._train(), True
             return state
         finally:
+            self.checkpoints.close()  # a background checkpoint writer never outlives the run
             watchdog.stop()
             self.step_log.close(exit_code=0 if finished else 1)  # a run that raised: its W&B run is marked failed
 
