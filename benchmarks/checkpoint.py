@@ -2,6 +2,8 @@
 
     python benchmarks/checkpoint.py            # 4 gloo ranks on the CPU, then 1 rank
     python benchmarks/checkpoint.py --write    # also update docs/benchmarks.md
+    python benchmarks/checkpoint.py --saves [--write]   # training with saves every N steps, sync vs --async-save
+                                                        # (benchmarks/checkpoint_saves.py), and the disk's bandwidth
 
 A GPT of about 110M parameters is built as ``pretrain_gpt.py`` builds it (``plan_sharding``,
 ``parallelize``, ``build_optimizer``, as the Trainer does) on 4 gloo ranks with sharding 4, stage 1
@@ -317,7 +319,29 @@ INTRO = (
     "the shard is the whole model, as it must be.")
 
 
-def main() -> None:
+SAVES_INTRO = (
+    "`benchmarks/checkpoint.py --saves` (`benchmarks/checkpoint_saves.py`) trains a GPT of about 30M parameters "
+    "three times in one process: without checkpoints, saving every 2 steps, and saving every 2 steps with "
+    "`--async-save`. Each save's `save_blocked_s` (training stopped: the staging copy and the seal at a step "
+    "boundary, or the whole save when synchronous) and `save_total_s` (until the checkpoint was sealed) come "
+    "from metrics.jsonl. The disk's write bandwidth is measured by writing and fsync'ing a file of the "
+    "checkpoint's size in the same folder. The script exits 1 when async saves blocked training for more than "
+    "25% of their total time.")
+
+
+def _saves(args) -> int:
+    from benchmarks.checkpoint_saves import run
+
+    body, ok = run(args.device, args.steps, args.every)
+    print(body)
+    if args.write:
+        write_section("checkpoint-saves", "Checkpoints every N steps: sync vs --async-save",
+                      "python benchmarks/checkpoint.py " + " ".join(sys.argv[1:]), body, SAVES_INTRO,
+                      replace_intro=True)
+    return 0 if ok else 1
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--threads", type=int, default=1, help="compute threads per rank")
@@ -328,7 +352,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--no-single", action="store_true", help="skip the single-rank load")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--saves", action="store_true", help="instead: training throughput with a save every "
+                        "--every steps, sync vs --async-save, and the save time against the disk's bandwidth")
+    parser.add_argument("--every", type=int, default=2, help="with --saves: steps between saves")
+    parser.add_argument("--steps", type=int, default=20, help="with --saves: steps of each run")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="with --saves")
     args = parser.parse_args()
+    if args.saves:
+        return _saves(args)
     started = time.perf_counter()
     ckpt_root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=os.environ.get("CKPT_BENCH_DIR"))
     try:
@@ -361,7 +392,8 @@ def main() -> None:
     if args.write:
         write_section("checkpoint", "Checkpoint save and load: per-rank peak host memory and time",
                       "python benchmarks/checkpoint.py " + " ".join(sys.argv[1:]), body, INTRO, replace_intro=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
