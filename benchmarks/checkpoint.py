@@ -326,7 +326,10 @@ SAVES_INTRO = (
     "boundary, or the whole save when synchronous) and `save_total_s` (until the checkpoint was sealed) come "
     "from metrics.jsonl. The disk's write bandwidth is measured by writing and fsync'ing a file of the "
     "checkpoint's size in the same folder. The script exits 1 when async saves blocked training for more than "
-    "25% of their total time.")
+    "25% of their total time."
+    " On this machine the 2 cores are shared by the training step and the writer thread (its CRC-32s and "
+    "copies into the page cache), so the steps that overlap a write are slower and the throughput gains less "
+    "than the blocked time says; with the step on a GPU the writer competes for less (not measured here).")
 
 
 def _saves(args) -> int:
