@@ -270,7 +270,7 @@ def test_save_and_load_the_same_folder_starts_fresh_resumes_and_keeps_each_step_
     continued = losses(out)[3:]
     again = run(out, *schedule, str(out / "step_3"), "--max-steps", "6")  # steps 4-6 once more, into X
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "dropped 6 record(s) of an earlier run past step 3" in again.stderr
+    assert "dropped 7 record(s) of an earlier run past step 3" in again.stderr  # train, valid, test and save
     assert _records(out, "train") == [1, 2, 3, 4, 5, 6]
     assert _records(out, "valid") == [3, 5, 6] and _records(out, "test") == [3, 6]
     assert losses(out)[3:] == continued  # the same steps, bitwise

@@ -91,7 +91,8 @@ def test_overwrite_output_dir_replaces_the_other_run_and_is_not_inherited(saved,
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"--overwrite-output-dir: deleted the earlier run in {a} (run {old}, latest step_2)" in result.stderr
     assert sorted(p.name for p in a.glob("step_*")) == ["step_1"] and run_id(a) != old
-    assert len((a / "metrics.jsonl").read_text().splitlines()) == 1  # only the new run's step
+    records = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["split"], r["step"]) for r in records] == [("train", 1), ("save", 1)]  # only the new run's
     assert not resumed_config(["--load", str(a)]).save_load.overwrite_output_dir  # a resume asks again
 
 
