@@ -120,7 +120,7 @@ class AsyncSaver:
         return pending.save.step, path, pending.blocked_s + now - waited, now - pending.began
 
     def close(self) -> None:
-        """The run ends abnormally: let this rank's writer finish its file (nothing is sealed: no collective)."""
-        if self.pending is not None:
-            self.pending.thread.join()
-            self.pending = None
+        """The run ends abnormally (it raised; a second Ctrl-C): the save is dropped unsealed (no collective now).
+        Its writer is a daemon thread, not waited for: its ``step_N.tmp`` is never renamed into place and is
+        removed when a run next claims the folder."""
+        self.pending = None

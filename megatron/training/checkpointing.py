@@ -179,6 +179,6 @@ class CheckpointCadence:
         return self.good.after_divergence()
 
     def close(self) -> None:
-        """The run ends, however: a writer still running (the run raised) finishes its file, unsealed."""
+        """The run ends, however: a save still pending (the run raised) is dropped, unsealed."""
         if self.saver is not None:
             self.saver.close()

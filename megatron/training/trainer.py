@@ -62,7 +62,7 @@ class Trainer:
                 state, finished = self._train(), True
             return state
         finally:
-            self.checkpoints.close()  # a background checkpoint writer never outlives the run
+            self.checkpoints.close()  # a save still pending when the run raised is never sealed
             watchdog.stop()
             self.step_log.close(exit_code=0 if finished else 1)  # a run that raised: its W&B run is marked failed
 

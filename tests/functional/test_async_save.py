@@ -171,3 +171,34 @@ def test_two_ranks_save_asynchronously_and_resume_under_another_layout(parity, r
     assert losses(saved) == pytest.approx(reference[0], rel=1e-5)
     resumed = losses(parity.outcome("async-tp2-to-dp2").check())
     assert resumed == pytest.approx(reference[0][4:], rel=1e-5)  # the sync, uninterrupted run's steps 5-10
+
+
+def test_a_divergence_seals_the_pending_save_and_names_the_good_one(tmp_path, monkeypatch):
+    """Resumed at lr 1e6 with a save every step: step 5's loss is already huge, so step_5 is written (held until
+    step 9 has begun) but never confirmed; steps 6-9 are non-finite. The divergence stop (exit 3) at step 9 seals
+    the pending step_5 first, then points 'latest' back at step_4, which step 5's finite loss confirmed (the
+    synchronous run ends the same way)."""
+    out, step_nine = tmp_path / "run", threading.Event()
+    real_started = StepLog.step_started
+
+    def step_started(self):
+        real_started(self)
+        if self.state.step == 8:  # step 9 begins
+            step_nine.set()
+
+    monkeypatch.setattr(StepLog, "step_started", step_started)
+    _hook_writer(monkeypatch, lambda tmp, pieces: tmp.endswith("step_5.tmp") and step_nine.wait(120))
+    ckpt = ["--save", str(out), "--load", str(out), "--save-interval", "1", "--keep-last-checkpoints", "1",
+            "--async-save"]
+    assert run_here(*TINY, "--max-steps", "3", "--lr", "1e-3", *ckpt).returncode == 0
+    diverged = run_here(*TINY, "--max-steps", "40", "--lr", "1e6", "--min-lr", "1e6",
+                        "--max-consecutive-skipped-steps", "4", *ckpt)
+    assert diverged.returncode == 3, diverged.stderr[-3000:]
+    errors = [line for line in diverged.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "training diverged: 4 steps in a row up to step 9" in errors[0], errors
+    assert f"last good checkpoint: {out / 'step_4'}, which 'latest' now names again" in errors[0]
+    log = diverged.stderr
+    assert log.index(" - global step 9,") < log.index(f"saved checkpoint {out / 'step_5'} ")  # sealed at the stop
+    assert (out / "latest").read_text() == "step_4"
+    CheckpointReader(str(out / "step_5")).verify()
+    assert not list(out.glob("step_*.tmp"))
