@@ -92,7 +92,8 @@ def run(device: str, steps: int, every: int) -> tuple[str, bool]:
     ok = ratio is not None and ratio <= 0.25
     body = "\n".join([
         f"GPT 8 layers, hidden 512, vocabulary 8192, seq 128, global batch 4, fp32, {steps} steps, a save every "
-        f"{every} steps, device {device}; a checkpoint is {size / MB:.0f} MB on disk; the disk writes "
+        f"{every} steps, device {device}; a checkpoint is {size / MB:.0f} MB on disk ({size / 12e6:.1f}M "
+        f"parameters: fp32 weights and two AdamW states); the disk writes "
         f"{bandwidth / MB:.0f} MB/s (fsync'ed). Async saves blocked training for {ratio:.0%} of their total time "
         f"({'at most 25%: as promised' if ok else 'MORE than 25%'}).", "", *lines])
     return body, ok
