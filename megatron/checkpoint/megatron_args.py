@@ -24,7 +24,8 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
          "moe_router_score_function", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
          "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
-         "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size")
+         "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type",
+         "moe_router_bias_update_rate", "moe_router_dtype")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
 _REFUSED = {"qk_layernorm": "LayerNorm on queries and keys (--qk-layernorm)",
             "squared_relu": "the squared-ReLU MLP (--squared-relu)",
@@ -61,6 +62,9 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     eps = a.get("norm_epsilon", a.get("layernorm_epsilon"))
     if eps is not None:
         flags += ["--norm-epsilon", str(eps)]
+    for name in ("hidden_dropout", "attention_dropout", "init_method_std"):  # Megatron's flag names
+        if a.get(name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(a[name])]
     if not a.get("add_bias_linear", True):
         flags.append("--disable-bias-linear")
     flags += ["--vocab-size", str(vocab_size(args))]

@@ -62,7 +62,9 @@ def safe_load(path: str) -> dict:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         try:
-            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path)) or "an unknown object"
+            known = {f"{g.__module__}.{g.__qualname__}" for g in _allowed() if not isinstance(g, tuple)}
+            unsafe = ", ".join(name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                               if name not in known and name not in _MEGATRON_ENUMS) or "an unknown object"
         except Exception:  # noqa: BLE001 - only for the message
             unsafe = "an object outside the allow-list"
         raise CheckpointError(f"{path} holds {unsafe}, which this tool does not unpickle (only tensors, "

@@ -1,0 +1,224 @@
+"""Megatron-LM checkpoints in and out (``tools/convert_checkpoint.py from-megatron`` / ``to-megatron``).
+
+- ours -> Megatron legacy cut for tp 2 x pp 2 -> ours is bitwise (GPT-2 shape, Llama shape, Llama-shaped MoE), the
+  step and consumed samples kept, and the rank files hold Megatron Core's layout (QKV rows per query group, SwiGLU's
+  ``[gate_r; up_r]`` per tp rank, row-parallel columns, layers numbered per stage, the tied head's copy on the last
+  stage, the vocabulary padded for Megatron's tp);
+- against NVIDIA's Megatron Core (``tests/unit/megatron_core_reference.py``, skipped when absent): its ``GPTModel``
+  loads a ``to-megatron`` export and gives our logits (GPT-2 and Llama shapes); its own state dict, saved in the
+  legacy layout as Megatron-LM's ``save_checkpoint`` writes it (``args`` Namespace, numpy RNG state, optimizer),
+  converts with ``from-megatron``, gives its logits here and continues training in ``pretrain_gpt.py --load``;
+- what cannot be read safely or converted is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron import parallel_state
+from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_params
+from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.config import parse_config, validate
+from megatron.model.gpt import GPTModel
+from tests.functional.launch import program_module, run_here
+from tests.unit.megatron_core_reference import (
+    LLAMA,
+    MOE,
+    SEQ,
+    TINY,
+    VOCAB,
+    assert_close_to_scale,
+    build_pair,
+    core_forward,
+    megatron_core,
+    tokens_and_labels,
+)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
+              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core")]
+
+convert = program_module("tools/convert_checkpoint.py")
+# vocab 250: ours pads to 256 (tp 1), Megatron's tp 2 to 256 too; 4 heads in 2 groups, SwiGLU width 24 (tp 2 cuts)
+SHAPES = {"gpt2": ["--vocab-size", "250"], "llama": [*LLAMA, "--vocab-size", "250"],
+          "llama_moe": [*LLAMA, *MOE, "--vocab-size", "250"]}
+
+
+@pytest.fixture
+def one_process():
+    parallel_state.initialize()
+    yield
+    parallel_state.destroy()
+
+
+def our_checkpoint(run, flags, step=12, consumed=96):
+    """A checkpoint of ours with random weights (the vocabulary's padding rows zero, as a conversion leaves them)."""
+    config = parse_config([*TINY, *flags])
+    validate(config)
+    g = torch.Generator().manual_seed(3)
+    params = {name: torch.randn(shape, generator=g) for name, (shape, _) in tensor_layout(config).items()}
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in params:
+            params[name][config.model.vocab_size:] = 0
+    write_params(str(run), config, params, step=step, train_state={"consumed_samples": consumed, "skipped_steps": 0})
+    return config, params
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_ours_to_megatron_tp2_pp2_and_back_is_bitwise(tmp_path, one_process, shape):
+    config, params = our_checkpoint(tmp_path / "run", SHAPES[shape])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--tp", "2", "--pp", "2"]) == 0
+    assert (tmp_path / "meg" / TRACKER).read_text().strip() == "12"
+    ranks = {(t, p): safe_load(str(tmp_path / "meg" / "iter_0000012" / f"mp_rank_{t:02d}_{p:03d}" / FILE))
+             for t in range(2) for p in range(2)}
+    args = ranks[(0, 0)]["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.padded_vocab_size) == (2, 2, 256)
+    assert args.iteration == 12 and args.consumed_train_samples == 96
+    # Megatron Core's layout on the ranks: stage 1 holds layer 1 as its layer 0
+    qkv = params["layers.1.self_attention.query_key_value.weight"]
+    assert torch.equal(ranks[(1, 1)]["model"]["decoder.layers.0.self_attention.linear_qkv.weight"], qkv.chunk(2)[1])
+    proj = params["layers.0.self_attention.dense.weight"]
+    assert torch.equal(ranks[(1, 0)]["model"]["decoder.layers.0.self_attention.linear_proj.weight"],
+                       proj.chunk(2, dim=1)[1])
+    if shape == "llama":
+        fc1 = params["layers.0.mlp.dense_h_to_4h.weight"]  # ours: rows gate_0, up_0, gate_1, up_1, ...
+        gate, up = fc1[0::2], fc1[1::2]
+        assert torch.equal(ranks[(1, 0)]["model"]["decoder.layers.0.mlp.linear_fc1.weight"],
+                           torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+    if shape == "gpt2":  # tied: the last stage holds Megatron's copy of the word embedding
+        assert torch.equal(ranks[(0, 1)]["model"]["output_layer.weight"],
+                           ranks[(0, 0)]["model"]["embedding.word_embeddings.weight"])
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
+    reader, common, back_config = open_checkpoint(str(tmp_path / "back"))
+    assert common["step"] == 12 and common["train_state"]["consumed_samples"] == 96
+    assert back_config.model == config.model
+    back = read_tensors(reader)
+    assert back.keys() == params.keys()
+    for name, t in params.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
+    for shape, flags in (("gpt2", []), ("llama", LLAMA)):
+        with megatron_core() as mcore:
+            config, ours, theirs = build_pair(mcore, *flags)
+            run, meg = tmp_path / shape / "run", tmp_path / shape / "meg"
+            write_params(str(run), config, {n: p.detach() for n, p in ours.named_parameters()}, step=3)
+            assert convert.main(["to-megatron", str(run), str(meg)]) == 0
+            saved = safe_load(str(meg / "iter_0000003" / "mp_rank_00" / FILE))
+            with torch.no_grad():
+                for p in theirs.parameters():
+                    p.zero_()
+            theirs.load_state_dict(saved["model"], strict=True)
+            tokens, _ = tokens_and_labels()
+            with torch.no_grad():
+                assert_close_to_scale(core_forward(theirs.eval(), tokens), ours.eval()(tokens), f"{shape} logits")
+
+
+def megatron_args(config) -> argparse.Namespace:
+    """The model's part of the ``args`` Megatron-LM saves (its names; the tokenizer's size only in the padding)."""
+    m = config.model
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size, group_query_attention=True, num_query_groups=m.num_query_groups,
+        kv_channels=m.hidden_size // m.num_attention_heads, max_position_embeddings=SEQ, seq_length=SEQ,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, rotary_base=m.rotary_base, rotary_percent=1.0, norm_epsilon=1e-5,
+        vocab_size=None, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, expert_model_parallel_size=1, consumed_train_samples=24, iteration=6,
+        params_dtype=torch.float32, qk_layernorm=False, moe_grouped_gemm=False, use_mcore_models=True)
+
+
+@pytest.fixture(scope="module")
+def core_checkpoint(tmp_path_factory):
+    """A Llama-shaped Megatron Core GPTModel's own weights (its initialisation, perturbed) saved as Megatron-LM's
+    ``save_checkpoint`` does (iteration 6, 24 consumed samples); (its folder, tokens, its logits)."""
+    folder = tmp_path_factory.mktemp("megatron_core")
+    with megatron_core() as mcore:
+        config, _, theirs = build_pair(mcore, *LLAMA)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        tokens, _ = tokens_and_labels()
+        with torch.no_grad():
+            logits = core_forward(theirs.eval(), tokens)
+        rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+               "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.zeros(8), "rng_tracker_states": {}}
+        state = {"args": megatron_args(config), "checkpoint_version": 3.0, "iteration": 6,
+                 "model": theirs.state_dict(), "rng_state": [rng], "num_floating_point_operations_so_far": 0,
+                 "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]}}}
+        (folder / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+        torch.save(state, folder / "iter_0000006" / "mp_rank_00" / FILE)
+        (folder / TRACKER).write_text("6")
+    return folder, tokens, logits
+
+
+def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_process, core_checkpoint, capsys):
+    folder, tokens, logits = core_checkpoint
+    assert convert.main(["from-megatron", str(folder), str(tmp_path / "ours")]) == 0
+    assert "optimizer states are not converted" in capsys.readouterr().out
+    reader, common, config = open_checkpoint(str(tmp_path / "ours"))
+    assert common["step"] == 6 and common["train_state"]["consumed_samples"] == 24
+    model = GPTModel(config.model, config.padded_vocab_size).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(reader.full("param", name))
+        assert_close_to_scale(model(tokens), logits, "logits")
+
+
+def test_megatron_cores_own_checkpoint_continues_training(tmp_path, core_checkpoint):
+    folder, _, _ = core_checkpoint
+    assert convert.main(["from-megatron", str(folder), str(tmp_path / "ours")]) == 0
+    out = tmp_path / "run"
+    result = run_here("--mock-data", "--device", "cpu", "--load", str(tmp_path / "ours"), "--save", str(out),
+                      "--global-batch-size", "4", "--micro-batch-size", "4", "--max-steps", "8", "--num-workers", "0",
+                      "--eval-freq", "100", "--logging-freq", "1", "--max-seq-len", str(SEQ))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resuming at step 6" in result.stdout + result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("split") == "train"]
+    assert [r["step"] for r in train] == [7, 8] and all(np.isfinite(r["loss"]) for r in train)
+    assert train[-1]["consumed_samples"] == 24 + 2 * 4
+
+
+def test_a_file_holding_other_objects_is_refused_in_one_line(tmp_path, capsys):
+    meg = tmp_path / "meg"
+    (meg / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(num_layers=1), "model": {}, "iteration": 1,
+                "payload": _Payload()}, meg / "iter_0000001" / "mp_rank_00" / FILE)
+    (meg / TRACKER).write_text("1")
+    assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds builtins.print, which" in err, err
+    assert not (tmp_path / "ours").exists()  # and nothing was printed by the payload
+    assert "unpickled!" not in capsys.readouterr().out
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("unpickled!",))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"qk_layernorm": True}, "LayerNorm on queries and keys"),
+    ({"moe_grouped_gemm": True, "num_experts": 4}, "grouped-GEMM experts"),
+    ({"pipeline_model_parallel_size": 2}, "mp_rank_00_000"),
+])
+def test_what_cannot_be_converted_is_one_line(tmp_path, one_process, capsys, change, message):
+    config = parse_config([*TINY, *LLAMA])
+    validate(config)
+    meg = tmp_path / "meg"
+    (meg / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    args = vars(megatron_args(config)) | change
+    torch.save({"args": argparse.Namespace(**args), "model": {}, "iteration": 2},
+               meg / "iter_0000002" / "mp_rank_00" / FILE)
+    (meg / TRACKER).write_text("2")
+    assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
