@@ -38,8 +38,13 @@ from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, 
 from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
 from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags  # noqa: E402
 from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size  # noqa: E402
-from megatron.checkpoint.megatron_convert import export_state, fit_vocab, import_state, read_params  # noqa: E402
-from megatron.checkpoint.megatron_legacy import write_shards  # noqa: E402
+from megatron.checkpoint.megatron_convert import (  # noqa: E402
+    export_state,
+    fit_vocab,
+    import_state,
+    read_params,
+    write_export,
+)
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
 
@@ -289,14 +294,9 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
         raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
     reader, common, config = open_checkpoint(ckpt)
     consumed = int((common.get("train_state") or {}).get("consumed_samples", 0))
-    shards, args = export_state(read_params(reader), config, tp, pp, step=int(common["step"]),
-                                consumed_samples=consumed)
-    if fmt == "legacy":
-        folder = write_shards(out, int(common["step"]), shards, args, pp)
-    else:
-        from megatron.checkpoint.megatron_dist import write_torch_dist
-
-        folder = write_torch_dist(out, int(common["step"]), shards, args, tp, pp)
+    step = int(common["step"])
+    whole, args = export_state(read_params(reader), config, tp, pp, step=step, consumed_samples=consumed)
+    folder = write_export(out, fmt, whole, args, step)
     print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {common['step']}, padded "
           f"vocabulary {args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
           f"--use-mcore-models --no-load-optim --no-load-rng (the weights, iteration and consumed samples)")

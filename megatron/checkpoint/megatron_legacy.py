@@ -87,15 +87,15 @@ def iteration_folder(path: str) -> str:
     ``mp_rank_*``), else the one ``path/latest_checkpointed_iteration.txt`` names."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a folder; give a Megatron-LM save folder or its iter_N folder.")
-    if any(name.startswith("mp_rank_") for name in os.listdir(path)):
-        return path
+    if any(name.startswith("mp_rank_") or name == "metadata.json" for name in os.listdir(path)):
+        return path  # a legacy iteration folder, or a torch_dist one
     tracker = os.path.join(path, TRACKER)
     try:
         with open(tracker) as f:
             text = f.read().strip()
     except OSError:
-        raise CheckpointError(f"{path} has no {TRACKER} and no mp_rank_* folders: it is not a Megatron-LM legacy "
-                              f"checkpoint (a torch_dist one has .metadata files: give the iter_N folder).") from None
+        raise CheckpointError(f"{path} has no {TRACKER}, no mp_rank_* folders and no metadata.json: it is not a "
+                              f"Megatron-LM checkpoint (give its save folder or an iter_N folder).") from None
     folder = "release" if text == "release" else (f"iter_{int(text):07d}" if text.isdigit() else None)
     if folder is None:
         raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'.")
@@ -105,10 +105,9 @@ def iteration_folder(path: str) -> str:
     return found
 
 
-def read_shards(path: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, int], dict]]:
+def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, int], dict]]:
     """(args, the first file's dict without its model, {(tp_rank, pp_rank): model state dict}) of the legacy
-    checkpoint at ``path``; every rank file must be there."""
-    folder = iteration_folder(path)
+    iteration folder ``folder``; every rank file must be there."""
     first = _first_file(folder)
     head = safe_load(first)
     args = head.get("args")

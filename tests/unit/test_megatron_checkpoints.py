@@ -69,6 +69,38 @@ def our_checkpoint(run, flags, step=12, consumed=96):
     return config, params
 
 
+def assert_round_trip(tmp_path, config, params):
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
+    reader, common, back_config = open_checkpoint(str(tmp_path / "back"))
+    assert common["step"] == 12 and common["train_state"]["consumed_samples"] == 96
+    assert back_config.model == config.model
+    back = read_tensors(reader)
+    assert back.keys() == params.keys()
+    for name, t in params.items():
+        assert torch.equal(back[name], t), name
+
+
+@pytest.mark.parametrize("shape", ["gpt2", "llama"])
+def test_ours_to_megatron_torch_dist_and_back_is_bitwise(tmp_path, one_process, shape):
+    config, params = our_checkpoint(tmp_path / "run", SHAPES[shape])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist",
+                         "--tp", "2", "--pp", "2"]) == 0
+    folder = tmp_path / "meg" / "iter_0000012"
+    assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert (folder / ".metadata").is_file() and list(folder.glob("__*_*.distcp"))
+    args = safe_load(str(folder / "common.pt"))["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.padded_vocab_size) == (2, 2, 256)
+    assert_round_trip(tmp_path, config, params)
+
+
+def test_a_mixture_of_experts_in_torch_dist_is_refused_in_one_line(tmp_path, one_process, capsys):
+    our_checkpoint(tmp_path / "run", SHAPES["llama_moe"])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "use the legacy format" in err, err
+    assert not list((tmp_path / "meg").glob("iter_*")) if (tmp_path / "meg").exists() else True
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_ours_to_megatron_tp2_pp2_and_back_is_bitwise(tmp_path, one_process, shape):
     config, params = our_checkpoint(tmp_path / "run", SHAPES[shape])
@@ -93,14 +125,7 @@ def test_ours_to_megatron_tp2_pp2_and_back_is_bitwise(tmp_path, one_process, sha
     if shape == "gpt2":  # tied: the last stage holds Megatron's copy of the word embedding
         assert torch.equal(ranks[(0, 1)]["model"]["output_layer.weight"],
                            ranks[(0, 0)]["model"]["embedding.word_embeddings.weight"])
-    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
-    reader, common, back_config = open_checkpoint(str(tmp_path / "back"))
-    assert common["step"] == 12 and common["train_state"]["consumed_samples"] == 96
-    assert back_config.model == config.model
-    back = read_tensors(reader)
-    assert back.keys() == params.keys()
-    for name, t in params.items():
-        assert torch.equal(back[name], t), name
+    assert_round_trip(tmp_path, config, params)
 
 
 def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
@@ -118,6 +143,26 @@ def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
             tokens, _ = tokens_and_labels()
             with torch.no_grad():
                 assert_close_to_scale(core_forward(theirs.eval(), tokens), ours.eval()(tokens), f"{shape} logits")
+
+
+def test_megatron_cores_dist_checkpointing_loads_the_torch_dist_export_with_our_logits(tmp_path):
+    with megatron_core() as mcore:
+        from megatron.core import dist_checkpointing
+
+        config, ours, theirs = build_pair(mcore, *LLAMA)
+        write_params(str(tmp_path / "run"), config, {n: p.detach() for n, p in ours.named_parameters()}, step=3)
+        assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format",
+                             "torch_dist"]) == 0
+        with torch.no_grad():
+            for p in theirs.parameters():
+                p.zero_()
+        with torch.serialization.safe_globals([argparse.Namespace]):  # as Megatron-LM's load_checkpoint allows
+            loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()},
+                                             str(tmp_path / "meg" / "iter_0000003"))
+        theirs.load_state_dict(loaded["model"], strict=True)
+        tokens, _ = tokens_and_labels()
+        with torch.no_grad():
+            assert_close_to_scale(core_forward(theirs.eval(), tokens), ours.eval()(tokens), "logits")
 
 
 def megatron_args(config) -> argparse.Namespace:
@@ -153,16 +198,29 @@ def core_checkpoint(tmp_path_factory):
         state = {"args": megatron_args(config), "checkpoint_version": 3.0, "iteration": 6,
                  "model": theirs.state_dict(), "rng_state": [rng], "num_floating_point_operations_so_far": 0,
                  "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]}}}
-        (folder / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
-        torch.save(state, folder / "iter_0000006" / "mp_rank_00" / FILE)
-        (folder / TRACKER).write_text("6")
+        (folder / "legacy" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+        torch.save(state, folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE)
+        (folder / "legacy" / TRACKER).write_text("6")
+        # torch_dist, written by Megatron Core's dist_checkpointing (its writer processes: two CUDA-only calls)
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
+            (folder / "torch_dist" / "iter_0000006").mkdir(parents=True)
+            dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": state["args"], "iteration": 6,
+                                     "checkpoint_version": 3.0}, str(folder / "torch_dist" / "iter_0000006"))
+        (folder / "torch_dist" / TRACKER).write_text("6")
     return folder, tokens, logits
 
 
-def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_process, core_checkpoint, capsys):
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_process, core_checkpoint, capsys, fmt):
     folder, tokens, logits = core_checkpoint
-    assert convert.main(["from-megatron", str(folder), str(tmp_path / "ours")]) == 0
-    assert "optimizer states are not converted" in capsys.readouterr().out
+    assert convert.main(["from-megatron", str(folder / fmt), str(tmp_path / "ours")]) == 0
+    if fmt == "legacy":
+        assert "optimizer states are not converted" in capsys.readouterr().out
     reader, common, config = open_checkpoint(str(tmp_path / "ours"))
     assert common["step"] == 6 and common["train_state"]["consumed_samples"] == 24
     model = GPTModel(config.model, config.padded_vocab_size).eval()
@@ -174,7 +232,7 @@ def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_proce
 
 def test_megatron_cores_own_checkpoint_continues_training(tmp_path, core_checkpoint):
     folder, _, _ = core_checkpoint
-    assert convert.main(["from-megatron", str(folder), str(tmp_path / "ours")]) == 0
+    assert convert.main(["from-megatron", str(folder / "legacy"), str(tmp_path / "ours")]) == 0
     out = tmp_path / "run"
     result = run_here("--mock-data", "--device", "cpu", "--load", str(tmp_path / "ours"), "--save", str(out),
                       "--global-batch-size", "4", "--micro-batch-size", "4", "--max-steps", "8", "--num-workers", "0",
