@@ -1,8 +1,11 @@
-"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE), and to another tensor-parallel size.
+"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE) and Megatron-LM, and to another
+tensor-parallel size.
 
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
+    python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [pretrain_gpt.py flags]
+    python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -16,8 +19,11 @@ model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from
 ``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
 ``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
 in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
-kind (masters and AdamW states) kept. Exit status 2, with a one-line message, for a missing or damaged
-checkpoint or a model that cannot be converted.
+kind (masters and AdamW states) kept. ``from-megatron`` reads a Megatron-LM save folder (or an ``iter_N`` folder),
+legacy (any tp x pp) or torch_dist, the model's shape from its saved ``args``, and writes ``OUT_DIR/step_N`` (its
+iteration and consumed samples, weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core names),
+legacy cut for tp x pp or torch_dist (docs/checkpoints.md, section 7). Exit status 2, with a one-line message,
+for a missing or damaged checkpoint or a model that cannot be converted.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def test_megatron_cores_dist_checkpointing_loads_the_torch_dist_export_with_our_
         with torch.no_grad():
             for p in theirs.parameters():
                 p.zero_()
-        with torch.serialization.safe_globals([argparse.Namespace]):  # as Megatron-LM's load_checkpoint allows
+        with torch.serialization.safe_globals([argparse.Namespace]):  # common.pt: torch.load is weights-only
             loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()},
                                              str(tmp_path / "meg" / "iter_0000003"))
         theirs.load_state_dict(loaded["model"], strict=True)
