@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import random
 
 import numpy as np
@@ -261,6 +262,19 @@ def test_a_file_holding_other_objects_is_refused_in_one_line(tmp_path, capsys):
 class _Payload:
     def __reduce__(self):
         return (print, ("unpickled!",))
+
+
+def test_a_torch_dist_metadata_file_holding_code_is_refused_in_one_line(tmp_path, one_process, capsys):
+    """DCP's own reader would ``pickle.load`` the ``.metadata`` file (running the payload): ours never does."""
+    our_checkpoint(tmp_path / "run", SHAPES["gpt2"])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist"]) == 0
+    capsys.readouterr()
+    (tmp_path / "meg" / "iter_0000012" / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "holds builtins.print, which" in err, err
+    assert "unpickled!" not in captured.out and not (tmp_path / "ours").exists()
 
 
 @pytest.mark.parametrize("change, message", [
