@@ -11,10 +11,12 @@ tensor-parallel slices, its pipeline stage's layers numbered from 0), ``args`` (
 ``iteration``, ``checkpoint_version`` (3.0), and, when saved, ``optimizer``, ``opt_param_scheduler``,
 ``rng_state`` and ``num_floating_point_operations_so_far``.
 
-Reading never unpickles arbitrary objects: ``safe_load`` is ``torch.load(weights_only=True)`` with an allow-list
-(``argparse.Namespace``, numpy's arrays and dtypes as in an RNG state, ``io.BytesIO`` as Transformer Engine's
-extra state, and Megatron's enums, read as their names); a file holding anything else is refused in one line,
-naming what it holds. Virtual pipeline chunks (``model0``, ``model1``, ...) and expert-parallel files
+Reading never unpickles arbitrary objects: ``safe_load`` is ``torch.load(weights_only=True)`` with an allow-list,
+the types Megatron-LM itself allows in its files (``megatron.core.safe_globals``): ``argparse.Namespace``,
+``types.SimpleNamespace``, ``pathlib.PosixPath``, numpy's arrays and dtypes (an RNG state), ``io.BytesIO``
+(Transformer Engine's extra state), ``signal.Signals``, Megatron's enums (read as their names) and its
+``OptimizerConfig`` (read as a plain record); a file holding anything else is refused in one line, naming what it
+holds. Virtual pipeline chunks (``model0``, ``model1``, ...) and expert-parallel files
 (``mp_rank_.._..._{ep:03d}``) are refused too (convert from a checkpoint saved without them).
 """
 
@@ -23,7 +25,10 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import pathlib
 import pickle
+import signal
+import types
 
 import numpy as np
 import torch
@@ -33,11 +38,14 @@ from megatron.checkpoint.format import CheckpointError, write_text
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
-# Enums Megatron-LM keeps in its saved args: read as their "Class.value" text, never imported or constructed.
-_MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.AttnMaskType",
-                   "megatron.core.transformer.enums.ModelType", "megatron.core.enums.ModelType",
-                   "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.fp8_utils.Fp8Recipe",
-                   "megatron.core.enums.Fp8Recipe")
+# What Megatron-LM itself allows in its files (megatron.core.safe_globals): its enums are read as their
+# "Class.value" text and its OptimizerConfig as a plain record, never imported or constructed.
+_MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
+                   "megatron.core.transformer.enums.AttnMaskType", "megatron.core.enums.ModelType",
+                   "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
+                   "megatron.core.rerun_state_machine.RerunState")
+_MEGATRON_RECORDS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                     "megatron.core.optimizer.OptimizerConfig")
 
 
 def _enum_stub(qualified: str):
@@ -46,12 +54,18 @@ def _enum_stub(qualified: str):
     return read
 
 
+class _Record:
+    """A Megatron dataclass's fields, as attributes (what the unpickler's BUILD sets); no code of its own."""
+
+
 def _allowed() -> list:
     multiarray = getattr(np, "_core", None) or np.core
-    allowed = [argparse.Namespace, io.BytesIO, np.ndarray, np.dtype, multiarray.multiarray._reconstruct]
+    allowed = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals, np.ndarray,
+               np.dtype, multiarray.multiarray._reconstruct]
     allowed += [getattr(np.dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType", "Float32DType")
                 if hasattr(getattr(np, "dtypes", None), n)]
-    return allowed + [(_enum_stub(name), name) for name in _MEGATRON_ENUMS]
+    return (allowed + [(_enum_stub(name), name) for name in _MEGATRON_ENUMS]
+            + [(_Record, name) for name in _MEGATRON_RECORDS])
 
 
 def safe_load(path: str) -> dict:
@@ -63,8 +77,9 @@ def safe_load(path: str) -> dict:
     except pickle.UnpicklingError as err:
         try:
             known = {f"{g.__module__}.{g.__qualname__}" for g in _allowed() if not isinstance(g, tuple)}
+            allowed = known.union(_MEGATRON_ENUMS, _MEGATRON_RECORDS)
             unsafe = ", ".join(name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                               if name not in known and name not in _MEGATRON_ENUMS) or "an unknown object"
+                               if name not in allowed) or "an unknown object"
         except Exception:  # noqa: BLE001 - only for the message
             unsafe = "an object outside the allow-list"
         raise CheckpointError(f"{path} holds {unsafe}, which this tool does not unpickle (only tensors, "

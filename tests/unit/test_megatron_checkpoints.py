@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import pickle
 import random
+import types
 
 import numpy as np
 import pytest
@@ -196,7 +198,14 @@ def core_checkpoint(tmp_path_factory):
             logits = core_forward(theirs.eval(), tokens)
         rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.zeros(8), "rng_tracker_states": {}}
-        state = {"args": megatron_args(config), "checkpoint_version": 3.0, "iteration": 6,
+        from megatron.core.enums import ModelType
+        from megatron.core.rerun_state_machine import RerunMode
+        from megatron.core.transformer.enums import AttnBackend
+
+        args = megatron_args(config)  # with what Megatron-LM keeps besides plain data (megatron.core.safe_globals)
+        args.attention_backend, args.save = AttnBackend.auto, pathlib.PosixPath("/ckpts/gpt")
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 6, "model_type": ModelType.encoder_or_decoder,
+                 "rerun_state_machine": {"mode": RerunMode.DISABLED, "extra": types.SimpleNamespace(a=1)},
                  "model": theirs.state_dict(), "rng_state": [rng], "num_floating_point_operations_so_far": 0,
                  "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]}}}
         (folder / "legacy" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
