@@ -6,10 +6,10 @@ per saved iteration, ``iter_{N:07d}`` (or ``release``), with one file per model-
     DIR/iter_0000100/mp_rank_{tp:02d}/model_optim_rng.pt           pipeline size 1
     DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt  pipeline size > 1
 
-Each file is a ``torch.save`` of a dict: ``model`` (that rank's Megatron Core ``GPTModel`` state dict: its
-tensor-parallel slices, its pipeline stage's layers numbered from 0), ``args`` (the run's ``argparse.Namespace``),
-``iteration``, ``checkpoint_version`` (3.0), and, when saved, ``optimizer``, ``opt_param_scheduler``,
-``rng_state`` and ``num_floating_point_operations_so_far``.
+Each file is a ``torch.save`` of a dict: ``model`` (that rank's Megatron Core ``GPTModel`` state dict, or the
+legacy GPT model's, renamed on reading: its tensor-parallel slices, its pipeline stage's layers numbered from 0),
+``args`` (the run's ``argparse.Namespace``), ``iteration``, ``checkpoint_version`` (3.0), and, when saved,
+``optimizer``, ``opt_param_scheduler``, ``rng_state`` and ``num_floating_point_operations_so_far``.
 
 Reading never unpickles arbitrary objects: ``safe_load`` is ``torch.load(weights_only=True)`` with an allow-list,
 the types Megatron-LM itself allows in its files (``megatron.core.safe_globals``): ``argparse.Namespace``,
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from megatron.checkpoint.format import CheckpointError, write_text
+from megatron.checkpoint.megatron_core_names import is_legacy_model_state, legacy_to_core_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -145,7 +146,8 @@ def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, 
             if not os.path.isfile(file):
                 raise CheckpointError(f"{file} is missing: the checkpoint's args say tensor-parallel size {tp} and "
                                       f"pipeline size {pp}; every rank's file is needed.")
-            shards[(t, p)] = (head if file == first else safe_load(file))["model"]
+            model = (head if file == first else safe_load(file))["model"]
+            shards[(t, p)] = legacy_to_core_state(model) if is_legacy_model_state(model) else model
     return args, {k: v for k, v in head.items() if k != "model"}, shards
 
 

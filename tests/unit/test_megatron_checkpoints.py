@@ -3,12 +3,16 @@
 - ours -> Megatron legacy cut for tp 2 x pp 2 -> ours is bitwise (GPT-2 shape, Llama shape, Llama-shaped MoE), the
   step and consumed samples kept, and the rank files hold Megatron Core's layout (QKV rows per query group, SwiGLU's
   ``[gate_r; up_r]`` per tp rank, row-parallel columns, layers numbered per stage, the tied head's copy on the last
-  stage, the vocabulary padded for Megatron's tp);
+  stage, the vocabulary padded for Megatron's tp); the same from the legacy (non-Core) GPT model's names; the
+  torch_dist format (DCP) likewise, a mixture of experts refused there in one line;
 - against NVIDIA's Megatron Core (``tests/unit/megatron_core_reference.py``, skipped when absent): its ``GPTModel``
-  loads a ``to-megatron`` export and gives our logits (GPT-2 and Llama shapes); its own state dict, saved in the
-  legacy layout as Megatron-LM's ``save_checkpoint`` writes it (``args`` Namespace, numpy RNG state, optimizer),
-  converts with ``from-megatron``, gives its logits here and continues training in ``pretrain_gpt.py --load``;
-- what cannot be read safely or converted is one line and exit status 2.
+  loads a ``to-megatron`` export and gives our logits (GPT-2 and Llama shapes; torch_dist through its own
+  ``dist_checkpointing.load``); its own state dict, saved in the legacy layout as Megatron-LM's ``save_checkpoint``
+  writes it (``args`` Namespace with Megatron's enums, numpy RNG state, optimizer) and by its own
+  ``dist_checkpointing.save`` (torch_dist), converts with ``from-megatron``, gives its logits here and continues
+  training in ``pretrain_gpt.py --load``;
+- what cannot be read safely (a pickled payload in a rank file or in DCP's ``.metadata``) or converted is one line
+  and exit status 2, the payload never run.
 """
 
 from __future__ import annotations
@@ -128,6 +132,41 @@ def test_ours_to_megatron_tp2_pp2_and_back_is_bitwise(tmp_path, one_process, sha
     if shape == "gpt2":  # tied: the last stage holds Megatron's copy of the word embedding
         assert torch.equal(ranks[(0, 1)]["model"]["output_layer.weight"],
                            ranks[(0, 0)]["model"]["embedding.word_embeddings.weight"])
+    assert_round_trip(tmp_path, config, params)
+
+
+_LEGACY_NAMES = {"input_layernorm": "input_norm", "self_attention.linear_qkv": "self_attention.query_key_value",
+                 "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_norm",
+                 "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h"}
+
+
+def as_legacy_model(core: dict, tied_copy: bool) -> dict:
+    """A rank's Megatron Core state dict as Megatron-LM's legacy GPT model nests and names it."""
+    lm, head = {}, {}
+    for name, t in core.items():
+        module, param = name.rsplit(".", 1)
+        if module.startswith("embedding."):
+            lm.setdefault("embedding", {}).setdefault(module.split(".")[1], {})[param] = t
+        elif module.startswith("decoder.layers."):
+            _, _, i, rest = module.split(".", 3)
+            lm.setdefault("encoder", {})[f"layers.{i}.{_LEGACY_NAMES[rest]}.{param}"] = t
+        elif module == "decoder.final_layernorm":
+            lm.setdefault("encoder", {})[f"final_norm.{param}"] = t
+        elif tied_copy:
+            head["word_embeddings_for_head"] = {param: t}
+        else:
+            lm["output_layer"] = {param: t}
+    return {"language_model": lm, **head}
+
+
+@pytest.mark.parametrize("shape", ["gpt2", "llama"])
+def test_a_legacy_gpt_model_checkpoint_tp2_pp2_converts_bitwise(tmp_path, one_process, shape):
+    config, params = our_checkpoint(tmp_path / "run", SHAPES[shape])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--tp", "2", "--pp", "2"]) == 0
+    for file in (tmp_path / "meg" / "iter_0000012").glob(f"mp_rank_*/{FILE}"):
+        saved = safe_load(str(file))
+        saved["model"] = as_legacy_model(saved["model"], tied_copy=shape == "gpt2")
+        torch.save(saved, file)
     assert_round_trip(tmp_path, config, params)
 
 
