@@ -43,6 +43,10 @@ def export_state(params: dict[str, torch.Tensor], config: Config, tp: int, pp: i
                  consumed_samples: int) -> tuple[dict[str, torch.Tensor], argparse.Namespace]:
     """(the whole Megatron Core state dict, the args of an export for ``tp`` x ``pp``) of our full parameters."""
     m = config.model
+    groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+    if m.num_attention_heads % tp or groups % tp:
+        raise CheckpointError(f"--tp {tp} must divide num_attention_heads ({m.num_attention_heads}) and the key/value "
+                              f"groups ({groups}): Megatron gives each tensor-parallel rank whole query groups.")
     rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     params = {name: _rows(t, rows, m.vocab_size, name) if is_vocab_padded(name) else t for name, t in params.items()}
     args = to_args(m, tp=tp, pp=pp, seq_length=config.dataset.max_seq_len, iteration=step,

@@ -325,6 +325,18 @@ def test_a_torch_dist_metadata_file_holding_code_is_refused_in_one_line(tmp_path
     assert "unpickled!" not in captured.out and not (tmp_path / "ours").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "4"], "must divide num_attention_heads (4) and the key/value groups (2)"),  # would split a group
+    (["--pp", "3"], "--pp 3 does not divide num_layers 2"),
+])
+def test_an_export_megatron_cannot_hold_is_one_line(tmp_path, one_process, capsys, flags, message):
+    our_checkpoint(tmp_path / "run", SHAPES["llama"])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not list(tmp_path.glob("meg/iter_*"))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"qk_layernorm": True}, "LayerNorm on queries and keys"),
     ({"moe_grouped_gemm": True, "num_experts": 4}, "grouped-GEMM experts"),
