@@ -48,7 +48,8 @@ from tests.unit.megatron_core_reference import (
 )
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
-              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core")]
+              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]  # DCP's and Megatron Core's deprecation notices
 
 convert = program_module("tools/convert_checkpoint.py")
 # vocab 250: ours pads to 256 (tp 1), Megatron's tp 2 to 256 too; 4 heads in 2 groups, SwiGLU width 24 (tp 2 cuts)
@@ -277,6 +278,13 @@ def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_proce
         for name, p in model.named_parameters():
             p.copy_(reader.full("param", name))
         assert_close_to_scale(model(tokens), logits, "logits")
+
+
+def test_from_megatron_finetune_starts_a_new_run_from_the_weights(tmp_path, one_process, core_checkpoint):
+    folder, _, _ = core_checkpoint
+    assert convert.main(["from-megatron", str(folder / "legacy"), str(tmp_path / "ours"), "--finetune"]) == 0
+    _, common, _ = open_checkpoint(str(tmp_path / "ours"))
+    assert common["step"] == 0 and common["train_state"]["consumed_samples"] == 0
 
 
 def test_megatron_cores_own_checkpoint_continues_training(tmp_path, core_checkpoint):
