@@ -1,8 +1,11 @@
-"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE), and to another tensor-parallel size.
+"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE) and Megatron-LM, and to another
+tensor-parallel size.
 
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
+    python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [pretrain_gpt.py flags]
+    python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -16,8 +19,11 @@ model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from
 ``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
 ``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
 in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
-kind (masters and AdamW states) kept. Exit status 2, with a one-line message, for a missing or damaged
-checkpoint or a model that cannot be converted.
+kind (masters and AdamW states) kept. ``from-megatron`` reads a Megatron-LM save folder (or an ``iter_N`` folder),
+legacy (any tp x pp) or torch_dist, the model's shape from its saved ``args``, and writes ``OUT_DIR/step_N`` (its
+iteration and consumed samples, weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core names),
+legacy cut for tp x pp or torch_dist (docs/checkpoints.md, section 7). Exit status 2, with a one-line message,
+for a missing or damaged checkpoint or a model that cannot be converted.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ import yaml  # noqa: E402
 from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama, hf_mixtral, hf_qwen_moe  # noqa: E402
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
 from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
+from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags  # noqa: E402
+from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size  # noqa: E402
+from megatron.checkpoint.megatron_convert import (  # noqa: E402
+    export_state,
+    fit_vocab,
+    import_state,
+    read_params,
+    write_export,
+)
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
 
@@ -184,11 +199,17 @@ def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
     ``flags`` on top (any flag but the model's shape and architecture; vocab_size may only grow)."""
     derived = converter_for_hf(hf_cfg).model_flags(hf_cfg)
     n_positions = int(derived[derived.index("--max-position-embeddings") + 1])
-    config = parse_config([*derived, "--max-seq-len", str(min(1024, n_positions)), *flags])
+    return shaped_config([*derived, "--max-seq-len", str(min(1024, n_positions))], flags, "config.json")
+
+
+def shaped_config(derived: list[str], flags: list[str], source: str) -> Config:
+    """Our resolved config of the model flags ``derived`` (read off ``source``) with ``flags`` on top: the shape
+    fields must stay as ``derived`` says, vocab_size may only grow."""
+    config = parse_config([*derived, *flags])
     want = parse_config(derived).model
     for name in _SHAPE_FIELDS:
         if getattr(config.model, name) != getattr(want, name):
-            raise ToolError(f"{name} is {getattr(want, name)} in config.json; it cannot be changed "
+            raise ToolError(f"{name} is {getattr(want, name)} in {source}; it cannot be changed "
                             f"(got {getattr(config.model, name)}).")
     if config.model.vocab_size < want.vocab_size:
         raise ToolError(f"vocab_size {config.model.vocab_size} is smaller than the model's ({want.vocab_size}).")
@@ -227,11 +248,8 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     # A run loading the checkpoint takes its config.yaml as its base: only the model, which config.json
     # fixes, and its tokenizer; the schedule, batch sizes and data are that run's own (derived from its
     # flags, not pinned here).
-    sections = to_dict(config)
-    named = config.tokenizer.tokenizer_type is not None  # the folder's tokenizer, or one the flags name
-    base = {"Model": sections["Model"], **({"tokenizer": sections["tokenizer"]} if named else {})}
     step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
-                            force=force, resume_config=yaml.safe_dump(base, sort_keys=False))
+                            force=force, resume_config=_model_base(config))
     if found is not None:
         os.makedirs(tokenizer_dir, exist_ok=True)
         for name, source in found[1].items():
@@ -242,6 +260,52 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     if found is not None:
         print(f"tokenizer: {found[0]['tokenizer_type']} from {hf_dir}, copied to {tokenizer_dir} and named in the "
               f"checkpoint's config (tools/generate.py --load {out_dir} needs no tokenizer flags)")
+
+
+def _model_base(config: Config) -> str:
+    """``config.yaml`` of a converted checkpoint: a run loading it takes only the model, which the weights fix,
+    and its tokenizer from it; the schedule, batch sizes and data are that run's own."""
+    sections = to_dict(config)
+    named = config.tokenizer.tokenizer_type is not None
+    return yaml.safe_dump({"Model": sections["Model"], **({"tokenizer": sections["tokenizer"]} if named else {})},
+                          sort_keys=False)
+
+
+def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False) -> None:
+    """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM legacy checkpoint."""
+    args, head, params = import_state(path)
+    config = shaped_config(megatron_model_flags(args), flags, "the checkpoint's args")
+    params = fit_vocab(params, megatron_vocab_size(args), config.padded_vocab_size)
+    iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
+    consumed = 0 if finetune else int(getattr(args, "consumed_train_samples", 0) or 0)
+    train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": consumed}
+    step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, step=iteration,
+                            train_state=train_state, converted_by="from-megatron", force=force,
+                            resume_config=_model_base(config))
+    print(f"wrote {step_dir} (step {iteration}, {consumed:,} consumed samples, "
+          f"{sum(t.numel() for t in params.values()):,} parameters) from {path}; continue pretraining with: "
+          f"pretrain_gpt.py ... --load {out_dir}")
+    if "optimizer" in head:
+        print("the optimizer states are not converted (Megatron-LM indexes them by its own parameter order): the "
+              "run continues with a fresh AdamW, as Megatron's --no-load-optim.")
+    if not config.model.swiglu and not (getattr(args, "bias_gelu_fusion", True) and getattr(args, "add_bias_linear",
+                                                                                              True)):
+        print(f"{PROG}: warning: Megatron Core's GELU is exact (erf) without --bias-gelu-fusion and linear biases; "
+              f"this GPT's is the tanh approximation (logits differ by about 1e-3).", file=sys.stderr)
+
+
+def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1) -> None:
+    """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` ranks in the format ``fmt``."""
+    if tp < 1 or pp < 1:
+        raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
+    reader, common, config = open_checkpoint(ckpt)
+    consumed = int((common.get("train_state") or {}).get("consumed_samples", 0))
+    step = int(common["step"])
+    whole, args = export_state(read_params(reader), config, tp, pp, step=step, consumed_samples=consumed)
+    folder = write_export(out, fmt, whole, args, step)
+    print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {common['step']}, padded "
+          f"vocabulary {args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
+          f"--use-mcore-models --no-load-optim --no-load-rng (the weights, iteration and consumed samples)")
 
 
 def _hf_tokenizer(hf_dir: str, hf_cfg: dict, flags: list[str]) -> tuple[dict, dict[str, str]] | None:
@@ -310,6 +374,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")
+    p = sub.add_parser("from-megatron", allow_abbrev=False,
+                       help="Write a checkpoint of ours (the saved iteration, weights only) from a Megatron-LM legacy "
+                            "checkpoint (any tp x pp); further arguments are pretrain_gpt.py flags.")
+    p.add_argument("megatron_dir", help="Megatron-LM's save folder (its latest_checkpointed_iteration.txt) or an "
+                                        "iter_N folder.")
+    p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_N and OUT_DIR/latest.")
+    p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_N if it exists.")
+    p.add_argument("--finetune", action="store_true",
+                   help="Write step 0 with no consumed samples (Megatron's --finetune): a new run from the weights.")
+    p = sub.add_parser("to-megatron", allow_abbrev=False,
+                       help="Write a Megatron-LM checkpoint (Megatron Core GPTModel names) cut for --tp x --pp ranks.")
+    p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
+    p.add_argument("out", help="Megatron-LM save folder to write: OUT/iter_N, OUT/latest_checkpointed_iteration.txt.")
+    p.add_argument("--format", dest="fmt", choices=("legacy", "torch_dist"), default="legacy",
+                   help="legacy: mp_rank_*/model_optim_rng.pt files (--ckpt-format torch); torch_dist: a PyTorch "
+                        "distributed-checkpoint folder (--ckpt-format torch_dist).")
+    p.add_argument("--tp", type=int, default=1, help="Megatron's tensor-parallel size.")
+    p.add_argument("--pp", type=int, default=1, help="Megatron's pipeline-parallel size.")
     p = sub.add_parser("reshard", allow_abbrev=False,
                        help="Rewrite a checkpoint with one file per tensor-parallel rank.")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
@@ -322,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "from-hf":
+    if rest and args.command not in ("from-hf", "from-megatron"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "to-hf":
@@ -331,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                                                           "tokenizer_model")})
         elif args.command == "from-hf":
             from_hf(args.hf_dir, args.out_dir, rest, args.force)
+        elif args.command == "from-megatron":
+            from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune)
+        elif args.command == "to-megatron":
+            to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp)
         else:
             step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
             print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")

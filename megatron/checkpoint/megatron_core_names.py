@@ -132,3 +132,55 @@ def from_megatron_core_state(state: dict, swiglu: bool) -> dict[str, torch.Tenso
     spec) are skipped, and so are the router's buffers (``expert_bias``, ``local_tokens_per_expert``)."""
     skipped = ("._extra_state", ".router.expert_bias", ".router.local_tokens_per_expert")
     return dict(from_megatron_core(name, t, swiglu) for name, t in state.items() if not name.endswith(skipped))
+
+
+# Megatron-LM's legacy GPT model (``megatron.legacy.model``, before Megatron Core; ``--use-legacy-models``): its
+# state dict is nested (``language_model`` -> ``embedding`` / ``encoder`` / ``output_layer``), its names the ones
+# ours took (older checkpoints say ``input_layernorm`` where newer ones say ``input_norm``). Same layouts as
+# Megatron Core's (QKV per query group, SwiGLU ``[gate; up]`` per tensor-parallel rank, checkpoint_version 3).
+_LEGACY_LAYER = {"input_norm": "input_layernorm", "input_layernorm": "input_layernorm",
+                 "self_attention.query_key_value": "self_attention.linear_qkv",
+                 "self_attention.dense": "self_attention.linear_proj",
+                 "post_attention_norm": "pre_mlp_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
+                 "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+_LEGACY_OUTSIDE = {"language_model.embedding.word_embeddings": "embedding.word_embeddings",
+                   "language_model.embedding.position_embeddings": "embedding.position_embeddings",
+                   "language_model.encoder.final_norm": "decoder.final_layernorm",
+                   "language_model.encoder.final_layernorm": "decoder.final_layernorm",
+                   "language_model.output_layer": "output_layer",
+                   "word_embeddings_for_head": "output_layer"}  # the last stage's copy of a tied embedding
+_LEGACY_IN_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.+)$")
+
+
+def is_legacy_model_state(state: dict) -> bool:
+    """Whether a saved ``model`` entry is Megatron-LM's legacy GPT model's (nested under ``language_model``)."""
+    return "language_model" in state
+
+
+def _flatten(state: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def legacy_to_core_state(state: dict) -> dict:
+    """One rank's legacy GPT model state dict -> the same tensors under Megatron Core's names."""
+    core = {}
+    for name, value in _flatten(state).items():
+        match = _SUFFIX.match(name)
+        if match is None or not isinstance(value, torch.Tensor):
+            continue  # _extra_state and other non-parameters
+        module, param = match["module"], match["param"]
+        layer = _LEGACY_IN_LAYER.match(module)
+        if layer and layer[2] in _LEGACY_LAYER:
+            core[f"{_CORE_LAYER.format(layer[1])}{_LEGACY_LAYER[layer[2]]}.{param}"] = value
+        elif module in _LEGACY_OUTSIDE:
+            core[f"{_LEGACY_OUTSIDE[module]}.{param}"] = value
+        else:
+            raise ConversionError(f"{name!r} is not a parameter of Megatron-LM's legacy GPT model (dense, local "
+                                  f"layers) that this tool converts.")
+    return core

@@ -194,13 +194,21 @@ def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None
     return config
 
 
+FOREIGN_DATA_ORDER = ("from-megatron",)  # converted_by of checkpoints whose data position is another framework's
+
+
 def _saved_step(ckpt_dir: str) -> int:
-    """The step of the checkpoint ``ckpt_dir`` resolves to (0 for an import: no data consumed yet)."""
+    """The step of the checkpoint ``ckpt_dir`` resolves to (0 for an import: no data consumed yet; 0 for a
+    conversion of another framework's run, ``from-megatron``: its data order is not ours, nothing to keep)."""
     import json
 
     step_dir = find_checkpoint(ckpt_dir)
     with open(os.path.join(step_dir, "metadata.json")) as f:
-        step = json.load(f).get("step", 0)
+        metadata = json.load(f)
+    step = metadata.get("step", 0)
+    layout = metadata.get("layout")
+    if isinstance(layout, dict) and layout.get("converted_by") in FOREIGN_DATA_ORDER:
+        return 0
     return step if isinstance(step, int) else 0
 
 

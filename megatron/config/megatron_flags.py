@@ -52,7 +52,9 @@ NO_EFFECT: dict[str, str] = {
     "--te-rng-tracker": _IMPL,
     "--inference-rng-tracker": _IMPL,
     "--use-cpu-initialization": "initialisation here is layout-invariant and the same on every device",
-    "--ckpt-format": _CKPT,
+    "--ckpt-format": ("checkpoints here are written in this project's format (atomic, checksummed); "
+                      "tools/convert_checkpoint.py to-megatron writes Megatron-LM's (legacy or torch_dist), "
+                      "from-megatron reads them"),
     "--auto-detect-ckpt-format": _CKPT,
     "--dist-ckpt-strictness": _CKPT,
     "--dist-ckpt-optim-fully-reshardable": "checkpoints here always load into any layout",

@@ -1,5 +1,5 @@
 """A checkpoint is data, never code. Every loader (``pretrain_gpt.py --load``, ``tools/generate.py``,
-``tools/evaluate.py``, ``tools/serve.py``, ``convert_checkpoint.py to-hf`` / ``reshard``,
+``tools/evaluate.py``, ``tools/serve.py``, ``convert_checkpoint.py to-hf`` / ``reshard`` / ``to-megatron``,
 ``checkpoint_info.py --verify``) refuses a checkpoint whose pickles name anything but plain data, in
 one line, without running it; the checkpoints written before format 4 (pickled ``common.pt`` and
 ``rank{r}.rng.pt``) still load, to the same state as their JSON form; a crafted JSON file is a
@@ -58,12 +58,14 @@ def _loaders(tmp_path, ckpt):
                                                "--no-tokenizer"),
         "convert reshard": lambda: run_tool_here("tools/convert_checkpoint.py", "reshard", str(ckpt),
                                                  str(tmp_path / "tp2"), "--tp", "2"),
+        "convert to-megatron": lambda: run_tool_here("tools/convert_checkpoint.py", "to-megatron", str(ckpt),
+                                                     str(tmp_path / "megatron")),
         "checkpoint_info --verify": lambda: run_tool_here("tools/checkpoint_info.py", str(ckpt), "--verify"),
     }
 
 
 LOADERS = ("pretrain_gpt --load", "generate", "evaluate", "serve", "convert to-hf", "convert reshard",
-           "checkpoint_info --verify")
+           "convert to-megatron", "checkpoint_info --verify")
 
 
 @pytest.mark.parametrize("planted", ["common.pt", "rank0.rng.pt"])

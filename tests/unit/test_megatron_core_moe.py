@@ -26,157 +26,31 @@ both parallel states after.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
-import warnings
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn.functional as F
 
-import megatron
-from megatron import moe, parallel_state
-from megatron.checkpoint.megatron_core_names import from_megatron_core, to_megatron_core_state
-from megatron.config import parse_config, validate
-from megatron.config.validate_moe import moe_layer_pattern
-from megatron.model.gpt import GPTModel
-from megatron.model.transformer import attention_shape
+from megatron import moe
+from megatron.checkpoint.megatron_core_names import from_megatron_core
+from tests.unit.megatron_core_reference import (
+    LLAMA,
+    MOE,
+    TOLERANCE,
+    assert_close_to_scale,
+    build_pair,
+    core_forward,
+    megatron_core,
+    tokens_and_labels,
+)
 
 # Megatron Core's own deprecation notices (tp_group None, ffn_hidden_size, cuda_graph_scope): not ours to act on
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
               pytest.mark.filterwarnings("ignore::UserWarning:megatron.core")]
 
-PINNED = "0.16.1"  # setup.py's test extra
-TOLERANCE = 1e-5  # of the largest |value| of the compared tensor
-SEQ, BATCH, VOCAB = 8, 2, 128
-
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
-        "--ffn-hidden-size", "24", "--vocab-size", str(VOCAB), "--max-seq-len", str(SEQ),
-        "--max-position-embeddings", str(SEQ), "--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0"]
-LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
-         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
-       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.1",
-       "--moe-token-dispatcher-type", "allgather"]
-
 
 @pytest.fixture(scope="module")
 def mcore():
-    """Megatron Core imported and runnable on the CPU in this process (see the module's docstring)."""
-    try:
-        version = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"megatron-core is not installed (pip install megatron-core=={PINNED} --no-deps: the test extra)")
-    if version != PINNED:
-        pytest.skip(f"megatron-core {version} is installed; the reference is pinned to {PINNED}")
-    import torch.distributed as dist
-
-    assert not dist.is_initialized(), "a process group was left behind by an earlier test"
-    folder = str(Path(importlib.metadata.distribution("megatron-core").locate_file("megatron")))
-    megatron.__path__.append(folder)
-    patches, rng = pytest.MonkeyPatch(), torch.get_rng_state()  # building either model draws from the default RNG
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Apex is not installed. Falling back to Torch Norm", and others
-            from megatron.core import parallel_state as core_state
-            from megatron.core.models.gpt import GPTModel as CoreGPTModel
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-            from megatron.core.tensor_parallel import random as core_random
-            from megatron.core.transformer.moe import moe_utils
-            from megatron.core.transformer.transformer_config import TransformerConfig
-        patches.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
-        patches.setattr(core_random.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
-        patches.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        parallel_state.initialize()  # ours: one process (before the group exists)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        core_state.initialize_model_parallel(1, 1)
-        yield {"GPTModel": CoreGPTModel, "block_spec": get_gpt_decoder_block_spec, "config": TransformerConfig,
-               "scaler": moe_utils.MoEAuxLossAutoScaler, "tracker": moe_utils}
-    finally:
-        if "TransformerConfig" in locals():  # every import succeeded
-            moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
-            moe_utils.clear_aux_losses_tracker()
-            core_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        parallel_state.destroy()
-        moe.set_aux_loss_scale(1.0)
-        patches.undo()
-        torch.set_rng_state(rng)
-        megatron.__path__.remove(folder)
-
-
-def build_pair(mcore, *flags: str):
-    """(our config, our GPT with random weights, Megatron Core's GPTModel holding the same weights)."""
-    config = parse_config([*TINY, *flags])
-    validate(config)
-    m = config.model
-    assert config.padded_vocab_size == VOCAB  # no padding rows: both heads give the same V columns
-    ours = GPTModel(m, config.padded_vocab_size)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():  # O(1) weights, norms around 1: every parameter matters
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3 + (1.0 if "layernorm" in name else 0.0))
-    nq, ng, hd = attention_shape(m)
-    moe_kwargs = {}
-    if m.num_experts:
-        moe_kwargs = dict(
-            num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_grouped_gemm=False,
-            moe_layer_freq=[int(x) for x in moe_layer_pattern(m.moe_layer_freq, m.num_layers)],
-            moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
-            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-            moe_router_load_balancing_type=m.moe_router_load_balancing_type, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-            moe_router_score_function=m.moe_router_score_function, moe_router_pre_softmax=m.moe_router_pre_softmax,
-            moe_z_loss_coeff=m.moe_z_loss_coeff or None, moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-            moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_drop_policy=m.moe_token_drop_policy,
-            moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-            moe_token_dispatcher_type="allgather", moe_router_dtype="fp32")
-    core_config = mcore["config"](
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=nq, num_query_groups=ng,
-        kv_channels=hd, ffn_hidden_size=m.ffn_hidden_size, normalization=m.normalization,
-        layernorm_epsilon=m.layernorm_epsilon, gated_linear_unit=bool(m.swiglu),
-        activation_func=F.silu if m.swiglu else (lambda x: F.gelu(x, approximate="tanh")),
-        add_bias_linear=not m.disable_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, **moe_kwargs)
-    spec = mcore["block_spec"](core_config, use_transformer_engine=False, normalization=m.normalization)
-    theirs = mcore["GPTModel"](core_config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                               position_embedding_type=m.position_embedding_type,
-                               share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-                               rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
-    mapped = to_megatron_core_state({n: p.detach() for n, p in ours.named_parameters()}, bool(m.swiglu))
-    params = dict(theirs.named_parameters())
-    assert set(mapped) == set(params), set(mapped) ^ set(params)
-    with torch.no_grad():
-        for name, p in params.items():
-            assert p.shape == mapped[name].shape, name
-            p.copy_(mapped[name])
-        for i, layer in ours.layers.items():  # the expert bias (a buffer): the same, chosen to change choices
-            if isinstance(layer.mlp, moe.MoELayer) and layer.mlp.router.expert_bias is not None:
-                bias = torch.tensor([0.2, -0.1, 0.05, -0.15])
-                layer.mlp.router.expert_bias.copy_(bias)
-                theirs.decoder.layers[int(i)].mlp.router.expert_bias.copy_(bias)
-    return config, ours.train(), theirs.train()
-
-
-def core_forward(theirs, tokens, labels=None):
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
-    return theirs(tokens, positions, causal, labels=labels)
-
-
-def assert_close_to_scale(got, want, what):
-    scale = float(want.abs().max())
-    err = float((got - want).abs().max())
-    assert err <= TOLERANCE * scale, f"{what}: max |difference| {err:.3g} > {TOLERANCE:g} x max |value| {scale:.3g}"
-
-
-def tokens_and_labels():
-    generator = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
+    with megatron_core() as env:
+        yield env
 
 
 def compare(mcore, *flags):

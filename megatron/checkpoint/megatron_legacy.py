@@ -1,0 +1,177 @@
+"""Megatron-LM's legacy checkpoint layout (``--ckpt-format torch``), read and written without unpickling code.
+
+A save folder ``DIR`` holds ``latest_checkpointed_iteration.txt`` (the iteration, or ``release``) and one folder
+per saved iteration, ``iter_{N:07d}`` (or ``release``), with one file per model-parallel rank::
+
+    DIR/iter_0000100/mp_rank_{tp:02d}/model_optim_rng.pt           pipeline size 1
+    DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt  pipeline size > 1
+
+Each file is a ``torch.save`` of a dict: ``model`` (that rank's Megatron Core ``GPTModel`` state dict, or the
+legacy GPT model's, renamed on reading: its tensor-parallel slices, its pipeline stage's layers numbered from 0),
+``args`` (the run's ``argparse.Namespace``), ``iteration``, ``checkpoint_version`` (3.0), and, when saved,
+``optimizer``, ``opt_param_scheduler``, ``rng_state`` and ``num_floating_point_operations_so_far``.
+
+Reading never unpickles arbitrary objects: ``safe_load`` is ``torch.load(weights_only=True)`` with an allow-list,
+the types Megatron-LM itself allows in its files (``megatron.core.safe_globals``): ``argparse.Namespace``,
+``types.SimpleNamespace``, ``pathlib.PosixPath``, numpy's arrays and dtypes (an RNG state), ``io.BytesIO``
+(Transformer Engine's extra state), ``signal.Signals``, Megatron's enums (read as their names) and its
+``OptimizerConfig`` (read as a plain record); a file holding anything else is refused in one line, naming what it
+holds. Virtual pipeline chunks (``model0``, ``model1``, ...) and expert-parallel files
+(``mp_rank_.._..._{ep:03d}``) are refused too (convert from a checkpoint saved without them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pathlib
+import pickle
+import signal
+import types
+
+import numpy as np
+import torch
+
+from megatron.checkpoint.format import CheckpointError, write_text
+from megatron.checkpoint.megatron_core_names import is_legacy_model_state, legacy_to_core_state
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+# What Megatron-LM itself allows in its files (megatron.core.safe_globals): its enums are read as their
+# "Class.value" text and its OptimizerConfig as a plain record, never imported or constructed.
+_MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
+                   "megatron.core.transformer.enums.AttnMaskType", "megatron.core.enums.ModelType",
+                   "megatron.core.rerun_state_machine.RerunDiagnostic", "megatron.core.rerun_state_machine.RerunMode",
+                   "megatron.core.rerun_state_machine.RerunState")
+_MEGATRON_RECORDS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                     "megatron.core.optimizer.OptimizerConfig")
+
+
+def _enum_stub(qualified: str):
+    def read(value):
+        return f"{qualified.rsplit('.', 1)[1]}.{value}"
+    return read
+
+
+class _Record:
+    """A Megatron dataclass's fields, as attributes (what the unpickler's BUILD sets); no code of its own."""
+
+
+def _allowed() -> list:
+    multiarray = getattr(np, "_core", None) or np.core
+    allowed = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals, np.ndarray,
+               np.dtype, multiarray.multiarray._reconstruct]
+    allowed += [getattr(np.dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType", "Float32DType")
+                if hasattr(getattr(np, "dtypes", None), n)]
+    return (allowed + [(_enum_stub(name), name) for name in _MEGATRON_ENUMS]
+            + [(_Record, name) for name in _MEGATRON_RECORDS])
+
+
+def safe_load(path: str) -> dict:
+    """``torch.load`` of a Megatron checkpoint file with ``weights_only=True`` and the allow-list; CheckpointError
+    (one line) for a file that is missing, damaged, or holds any other object."""
+    try:
+        with torch.serialization.safe_globals(_allowed()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        try:
+            known = {f"{g.__module__}.{g.__qualname__}" for g in _allowed() if not isinstance(g, tuple)}
+            allowed = known.union(_MEGATRON_ENUMS, _MEGATRON_RECORDS)
+            unsafe = ", ".join(name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                               if name not in allowed) or "an unknown object"
+        except Exception:  # noqa: BLE001 - only for the message
+            unsafe = "an object outside the allow-list"
+        raise CheckpointError(f"{path} holds {unsafe}, which this tool does not unpickle (only tensors, "
+                              f"argparse.Namespace, numpy RNG states and Megatron's enums are read); re-save it "
+                              f"without them (docs/checkpoints.md, Megatron-LM).") from err
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not Megatron-LM's checkpoint dict.")
+    return state
+
+
+def rank_folder(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """``mp_rank_{tp:02d}`` (pipeline size 1) or ``mp_rank_{tp:02d}_{pp:03d}``."""
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def iteration_folder(path: str) -> str:
+    """The folder of one saved iteration: ``path`` itself (``iter_N``/``release``, or any folder holding
+    ``mp_rank_*``), else the one ``path/latest_checkpointed_iteration.txt`` names."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a folder; give a Megatron-LM save folder or its iter_N folder.")
+    if any(name.startswith("mp_rank_") or name == "metadata.json" for name in os.listdir(path)):
+        return path  # a legacy iteration folder, or a torch_dist one
+    tracker = os.path.join(path, TRACKER)
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+    except OSError:
+        raise CheckpointError(f"{path} has no {TRACKER}, no mp_rank_* folders and no metadata.json: it is not a "
+                              f"Megatron-LM checkpoint (give its save folder or an iter_N folder).") from None
+    folder = "release" if text == "release" else (f"iter_{int(text):07d}" if text.isdigit() else None)
+    if folder is None:
+        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'.")
+    found = os.path.join(path, folder)
+    if not os.path.isdir(found):
+        raise CheckpointError(f"{tracker} names iteration {text}, but {found} does not exist.")
+    return found
+
+
+def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, int], dict]]:
+    """(args, the first file's dict without its model, {(tp_rank, pp_rank): model state dict}) of the legacy
+    iteration folder ``folder``; every rank file must be there."""
+    first = _first_file(folder)
+    head = safe_load(first)
+    args = head.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{first} has no 'args' (Megatron-LM saves its arguments there; they give the "
+                              f"model's shape).")
+    if "model" not in head:
+        keys = ", ".join(sorted(k for k in head if k.startswith("model"))) or "none"
+        raise CheckpointError(f"{first} has no 'model' entry (model entries: {keys}); virtual pipeline chunks "
+                              f"are not converted: save the run without --num-layers-per-virtual-pipeline-stage.")
+    if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        raise CheckpointError(f"{folder} was saved with expert parallelism {args.expert_model_parallel_size}; "
+                              f"only --expert-model-parallel-size 1 checkpoints are converted.")
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    shards = {}
+    for p in range(pp):
+        for t in range(tp):
+            file = os.path.join(folder, rank_folder(t, p, pp), FILE)
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file} is missing: the checkpoint's args say tensor-parallel size {tp} and "
+                                      f"pipeline size {pp}; every rank's file is needed.")
+            model = (head if file == first else safe_load(file))["model"]
+            shards[(t, p)] = legacy_to_core_state(model) if is_legacy_model_state(model) else model
+    return args, {k: v for k, v in head.items() if k != "model"}, shards
+
+
+def _first_file(folder: str) -> str:
+    for name in ("mp_rank_00", "mp_rank_00_000"):
+        file = os.path.join(folder, name, FILE)
+        if os.path.isfile(file):
+            return file
+    raise CheckpointError(f"{folder} has no mp_rank_00/{FILE} or mp_rank_00_000/{FILE}.")
+
+
+def write_shards(out: str, iteration: int, shards: dict[tuple[int, int], dict], args: argparse.Namespace,
+                 pp: int, extra: dict | None = None) -> str:
+    """Write ``out/iter_{iteration:07d}/mp_rank_*/model_optim_rng.pt`` (into a ``.tmp`` folder renamed when
+    complete) and ``out/latest_checkpointed_iteration.txt``; returns the iteration folder."""
+    final = os.path.join(out, f"iter_{iteration:07d}")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose another output folder.")
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    for (t, p), model in shards.items():
+        os.makedirs(os.path.join(tmp, rank_folder(t, p, pp)), exist_ok=True)
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                    "model": model, **(extra or {})}, os.path.join(tmp, rank_folder(t, p, pp), FILE))
+    os.replace(tmp, final)
+    write_text(os.path.join(out, TRACKER), str(iteration))
+    return final

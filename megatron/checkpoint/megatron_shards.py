@@ -1,0 +1,117 @@
+"""Megatron Core ``GPTModel`` state dicts: one per (tensor-parallel rank, pipeline stage) <-> one whole state dict.
+
+How Megatron Core cuts its parameters over ``tp`` ranks (names after ``megatron_core_names``):
+
+- column-parallel, rows cut (dim 0): ``embedding.word_embeddings.weight`` (``VocabParallelEmbedding``),
+  ``output_layer.weight``, every ``linear_qkv`` and ``linear_fc1`` (weight and bias). A ``linear_qkv``'s rows are
+  ``[ng, (nq/ng queries, key, value), hd]``, so rank ``r`` holds whole query groups. A SwiGLU ``linear_fc1`` (the
+  MLP's, each expert's, the shared expert's) is ``[gate; up]`` on every rank: rank ``r``'s rows are
+  ``[gate_r; up_r]``, the ``r``-th slice of each half, not the ``r``-th slice of the whole;
+- row-parallel, columns cut (dim 1): every ``linear_proj.weight`` and ``linear_fc2.weight``;
+- replicated (whole on every rank): the norms, the position embedding, the routers, the row-parallel biases.
+
+Over ``pp`` stages the decoder's layers are split evenly (``num_layers / pp`` each) and numbered from 0 within a
+stage; the first stage holds the embeddings, the last the final norm and the output layer. With a tied head and
+``pp > 1`` the last stage also holds ``output_layer.weight``, Megatron's copy of the word embedding, dropped on
+merging and written on cutting. ``_extra_state`` entries (None in the local layer spec) are dropped.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron.checkpoint.format import CheckpointError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+_COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
+_ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
+TIED_COPY = "output_layer.weight"
+
+
+def partition_dim(name: str) -> int | None:
+    """The dim Megatron Core cuts ``name`` along over tensor-parallel ranks (None: replicated)."""
+    if name in _ROWS or name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    return None
+
+
+def _glu(name: str, swiglu: bool) -> bool:
+    return swiglu and name.endswith((".linear_fc1.weight", ".linear_fc1.bias"))
+
+
+def cut_tp(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Tensor]:
+    """The ``tp`` slices of the whole tensor ``name``, one per tensor-parallel rank."""
+    dim = partition_dim(name)
+    if dim is None:
+        return [t] * tp
+    if t.shape[dim] % (2 * tp if _glu(name, swiglu) else tp):
+        raise CheckpointError(f"{name} (dim {dim} of {list(t.shape)}) cannot be cut into {tp} tensor-parallel "
+                              f"slices; choose a --tp that divides it.")
+    if _glu(name, swiglu):
+        gate, up = t.chunk(2)
+        return [torch.cat(pair).clone() for pair in zip(gate.chunk(tp), up.chunk(tp))]
+    return [s.clone() for s in t.chunk(tp, dim=dim)]
+
+
+def merge_tp(name: str, slices: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The whole tensor ``name`` of its tensor-parallel slices (rank order)."""
+    dim = partition_dim(name)
+    if dim is None or len(slices) == 1:
+        return slices[0]
+    if _glu(name, swiglu):
+        halves = [s.chunk(2) for s in slices]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    return torch.cat(slices, dim=dim)
+
+
+def merge(shards: dict[tuple[int, int], dict], tp: int, pp: int, swiglu: bool, tied: bool) -> dict[str, torch.Tensor]:
+    """The whole Megatron Core state dict (global layer numbers) of the ranks' state dicts."""
+    whole: dict[str, torch.Tensor] = {}
+    offset = 0
+    for p in range(pp):
+        stage = [shards[(t, p)] for t in range(tp)]
+        names = [n for n, v in stage[0].items() if not n.endswith("._extra_state") and isinstance(v, torch.Tensor)]
+        layers = {int(m[1]) for m in map(_LAYER.match, names) if m}
+        for name in names:
+            if tied and pp > 1 and name == TIED_COPY:
+                continue  # the last stage's copy of the word embedding
+            missing = [t for t in range(tp) if not isinstance(stage[t].get(name), torch.Tensor)]
+            if missing:
+                raise CheckpointError(f"{name} is on tensor-parallel rank 0 of stage {p} but not on rank "
+                                      f"{missing[0]}: the checkpoint's ranks do not match.")
+            found = _LAYER.match(name)
+            glob = f"decoder.layers.{int(found[1]) + offset}.{found[2]}" if found else name
+            if glob in whole:
+                raise CheckpointError(f"{glob} is on more than one pipeline stage.")
+            whole[glob] = merge_tp(name, [stage[t][name] for t in range(tp)], swiglu)
+        offset += len(layers)
+    return whole
+
+
+def cut(whole: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int, swiglu: bool,
+        tied: bool) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """Each (tp rank, pp stage)'s state dict of the whole Megatron Core state dict."""
+    if num_layers % pp:
+        raise CheckpointError(f"--pp {pp} does not divide num_layers {num_layers} (Megatron splits the layers "
+                              f"evenly); choose another --pp.")
+    per = num_layers // pp
+    shards = {(t, p): {} for p in range(pp) for t in range(tp)}
+    for name, tensor in whole.items():
+        found = _LAYER.match(name)
+        if found:
+            p, local = divmod(int(found[1]), per)
+            local_name = f"decoder.layers.{local}.{found[2]}"
+        else:
+            p = 0 if name.startswith("embedding.") else pp - 1
+            local_name = name
+        for t, piece in enumerate(cut_tp(name, tensor, tp, swiglu)):
+            shards[(t, p)][local_name] = piece
+    if tied and pp > 1:
+        for t, piece in enumerate(cut_tp(TIED_COPY, whole["embedding.word_embeddings.weight"], tp, swiglu)):
+            shards[(t, pp - 1)][TIED_COPY] = piece
+    return shards
