@@ -241,7 +241,7 @@ def test_trainer_low_precision_loss_falls(tmp_path, precision, dtype):
         assert trainer.optimizer.grad_scaler is None
         assert state.skipped_steps == 0
         assert all(r["loss_scale"] is None for r in train)
-    assert {r["split"] for r in records} == {"train", "valid", "test"}
+    assert {r["split"] for r in records} == {"train", "valid", "test", "save"}  # save: the checkpoint at the end
 
 
 def test_data_that_runs_out_is_said_at_start_and_end(tmp_path):
