@@ -209,13 +209,14 @@ def map_from_hf(hf: dict[str, torch.Tensor], names: dict[str, list[str]], model_
     return out
 
 
-def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """``config.json`` of the equivalent ``LlamaForCausalLM``."""
+def hf_config(model_cfg: ModelConfig, dtype: str = "float32", moe: bool = False) -> dict:
+    """``config.json`` of the equivalent ``LlamaForCausalLM``; ``moe``: without the keys only Llama has (the base
+    of the Mixtral and Qwen-MoE configs)."""
     check_model(model_cfg)
     m = model_cfg
     nq, ng, hd = dims(m)
     bias = not m.disable_bias_linear
-    return {
+    cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": m.vocab_size,
@@ -241,6 +242,10 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
         "use_cache": True,
         "torch_dtype": dtype,
     }
+    if moe:
+        for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del cfg[llama_only]
+    return cfg
 
 
 def _rope(config: dict) -> float:

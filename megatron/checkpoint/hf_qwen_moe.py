@@ -140,9 +140,7 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
     """``config.json`` of the equivalent ``Qwen2MoeForCausalLM``."""
     check_model(model_cfg)
     m = model_cfg
-    cfg = hf_llama.hf_config(m, dtype)
-    for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
-        del cfg[llama_only]
+    cfg = hf_llama.hf_config(m, dtype, moe=True)
     cfg.update({
         "architectures": ["Qwen2MoeForCausalLM"],
         "model_type": "qwen2_moe",
