@@ -21,7 +21,8 @@ from megatron.config.schema import Config, ModelConfig
 from megatron.context_parallel import AttentionPlan
 from megatron.model.init import defer_initialization, init_parameters
 from megatron.model.rotary import RotaryEmbedding
-from megatron.model.transformer import Rotary, TransformerDecoderLayer, attention_shape, make_norm, parallel_dropout
+from megatron.model.transformer import (Rotary, SelfAttention, TransformerDecoderLayer, attention_shape, make_norm,
+                                       parallel_dropout)
 
 
 class GPTEmbedding(nn.Module):
@@ -335,14 +336,27 @@ def compile_model(chunks: list[GPTModel], device_type: str = "cpu", attention_ea
     tp_size = parallel_state.get().tp_size
     for chunk in chunks:
         for layer in chunk.layers.values():
-            if tp_size > 1:
-                for module in layer.modules():
-                    if isinstance(module, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
-                        module.forward = torch.compiler.disable(module.forward)
+            for module in layer.modules():
+                _keep_eager(module, tp_size)
             for owner, name, kv in _compiled_parts(layer, attention_eager):
                 setattr(owner, name, _Compiled(getattr(type(owner), name), owner, state, kv))
         if chunk.post_process and tp_size == 1:
             chunk.loss = _Compiled(_head_and_loss, chunk, state)
+
+
+def _keep_eager(module: nn.Module, tp_size: int) -> None:
+    """Mark what must run eager inside a compiled part (``torch.compiler.disable`` on the instance, so that
+    importing the model does not import dynamo): tensor-parallel linears under tp (their collectives), a MoE
+    layer (data-dependent token counts), and the context-parallel / packed-document attention (its exchanges and
+    per-document calls)."""
+    from megatron.moe.layer import MoELayer
+
+    if tp_size > 1 and isinstance(module, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
+        module.forward = torch.compiler.disable(module.forward)
+    elif isinstance(module, MoELayer):
+        module.forward = torch.compiler.disable(module.forward)
+    elif isinstance(module, SelfAttention):
+        module.planned_attention = torch.compiler.disable(module.planned_attention)
 
 
 def _compiled_parts(layer: TransformerDecoderLayer, attention_eager: bool = False) -> list[tuple[nn.Module, str, bool]]:

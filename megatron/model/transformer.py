@@ -128,11 +128,11 @@ class SelfAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
 
-    @torch.compiler.disable  # its collectives and per-document calls stay outside compiled graphs
     def planned_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           plan: AttentionPlan) -> torch.Tensor:
         """``core_attention`` across a context-parallel split and/or within packed documents
-        (``megatron.context_parallel``)."""
+        (``megatron.context_parallel``); eager under ``--compile`` (``gpt.compile_model``): its collectives and
+        per-document calls stay outside compiled graphs."""
         dropout = self.attn_dropout if self.training else 0.0
         if dropout and parallel_state.get().tp_size > 1:
             with tp.get_rng_tracker().fork():

@@ -84,7 +84,6 @@ class MoELayer(nn.Module):
             self.balance_sum += float(balance)
             self.micro_batches += int(self.token_share)
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x
         split = self.tp_size > 1 and not self.sequence_parallel
