@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.checkpoint.format import CheckpointError, write_text
 from megatron.checkpoint.megatron_legacy import CHECKPOINT_VERSION, TRACKER, safe_load
+from megatron.checkpoint.megatron_optim import NO_OPTIM
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
@@ -43,6 +44,9 @@ _RENAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
 _EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = "decoder.layers."
+OPTIMIZER_STATE = "optimizer.state."
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param)\.(.+)$")
 
 
 def is_torch_dist(folder: str) -> bool:
@@ -76,22 +80,46 @@ def _check_dense(names) -> None:
                               "format (--format legacy, or Megatron's --ckpt-format torch).")
 
 
-def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], args, num_layers: int) -> str:
-    """Write ``out/iter_{iteration:07d}`` (into a ``.tmp`` folder renamed when complete) and the tracker."""
-    _check_dense(whole)
-    final = os.path.join(out, f"iter_{iteration:07d}")
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists; choose another output folder.")
-    state: dict[str, object] = {}
+def _stacked(whole: dict[str, torch.Tensor], num_layers: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Megatron Core's sharded keys (``prefix`` before each) of a whole state dict: the layers stacked."""
+    state: dict[str, torch.Tensor] = {}
     layers: dict[str, list] = {}
     for name, t in whole.items():
         found = _LAYER.match(name)
         if found:
-            layers.setdefault(_STACKED + _dist_name(found[2]), [None] * num_layers)[int(found[1])] = t
+            layers.setdefault(prefix + _STACKED + _dist_name(found[2]), [None] * num_layers)[int(found[1])] = t
         else:
-            state[name] = t.contiguous()
+            state[prefix + name] = t.contiguous()
     for key, per_layer in layers.items():
         state[key] = torch.stack(per_layer)
+    return state
+
+
+def _unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole state dict (per-layer names) of Megatron Core's sharded keys."""
+    whole: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        if key.startswith(_STACKED):
+            rest = _core_name(key[len(_STACKED):])
+            for i in range(t.shape[0]):
+                whole[f"{_STACKED}{i}.{rest}"] = t[i].clone()
+        else:
+            whole[key] = t
+    return whole
+
+
+def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], args, num_layers: int,
+                     optimizer: dict[str, dict[str, torch.Tensor]] | None = None, common: dict | None = None) -> str:
+    """Write ``out/iter_{iteration:07d}`` (into a ``.tmp`` folder renamed when complete) and the tracker;
+    ``optimizer``: {kind: whole state dict} of the optimizer states (``optimizer.state.<kind>.<key>``);
+    ``common``: more entries of ``common.pt`` (the optimizer's groups and step, the scheduler)."""
+    _check_dense(whole)
+    final = os.path.join(out, f"iter_{iteration:07d}")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose another output folder.")
+    state: dict[str, object] = dict(_stacked(whole, num_layers))
+    for kind, states in (optimizer or {}).items():
+        state.update(_stacked(states, num_layers, f"{OPTIMIZER_STATE}{kind}."))
     for module in _EXTRA_STATE:
         for i in range(num_layers):
             # DCP torch.saves a non-tensor value: Megatron Core's sharded object is the list of its shards' data
@@ -103,7 +131,7 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
         # flat keys, no flattening map in .metadata (Megatron Core's loader reads its BytesIO entries only then)
         dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(flatten_state_dict=False),
                  no_dist=True)
-    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
+    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, **(common or {})},
                os.path.join(tmp, "common.pt"))
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON))
     os.replace(tmp, final)
@@ -147,14 +175,22 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-def read_torch_dist(folder: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
-    """(args, common.pt's other entries, the whole Megatron Core state dict, per-layer names) of ``folder``."""
+def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, dict[str, torch.Tensor], dict]:
+    """(args, common.pt's other entries, the whole Megatron Core state dict, {kind: the whole optimizer states}
+    (empty when none are saved, or not ``optimizer``)) of ``folder``."""
     common = safe_load(os.path.join(folder, "common.pt"))
     args = common.get("args")
     reader = _SafeReader(folder)
     metadata = reader.read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    keys = metadata.state_dict_metadata
+    unknown = [k for k in keys if _OPTIMIZER.match(k) and not _BY_NAME.match(k)]
+    if optimizer and unknown:
+        raise CheckpointError(f"{folder} holds optimizer states by gradient bucket ({unknown[0]}: the distributed "
+                              f"optimizer's dp_reshardable layout), which this tool does not convert; re-save it with "
+                              f"--dist-ckpt-optim-fully-reshardable (states by parameter name), {NO_OPTIM}.")
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in keys.items()
+             if isinstance(meta, TensorStorageMetadata) and (optimizer or not _OPTIMIZER.match(key))
+             and (not _OPTIMIZER.match(key) or _BY_NAME.match(key))}
     _check_dense(state)
     try:
         with warnings.catch_warnings():
@@ -163,12 +199,11 @@ def read_torch_dist(folder: str) -> tuple[object, dict, dict[str, torch.Tensor]]
     except Exception as err:  # noqa: BLE001 - DCP raises its own wrapper types
         raise CheckpointError(f"cannot read the tensors of {folder} ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}).") from err
-    whole: dict[str, torch.Tensor] = {}
+    model = {k: t for k, t in state.items() if not _OPTIMIZER.match(k)}
+    states: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
-        if key.startswith(_STACKED):
-            rest = _core_name(key[len(_STACKED):])
-            for i in range(t.shape[0]):
-                whole[f"{_STACKED}{i}.{rest}"] = t[i].clone()
-        else:
-            whole[key] = t
-    return args, {k: v for k, v in common.items() if k != "args"}, whole
+        found = _BY_NAME.match(key)
+        if found:
+            states.setdefault(found[1], {})[found[2]] = t
+    return (args, {k: v for k, v in common.items() if k != "args"}, _unstacked(model),
+            {kind: _unstacked(by_key) for kind, by_key in states.items()})

@@ -1,0 +1,276 @@
+"""Megatron-LM's optimizer states through ``tools/convert_checkpoint.py from-megatron`` / ``to-megatron``.
+
+- ours (AdamW moments, masters, step) -> Megatron (legacy tp 2 x pp 2, torch_dist) -> ours is bitwise, GPT-2 and
+  Llama shapes and (legacy) a mixture of experts;
+- against NVIDIA's Megatron Core (``megatron_core_reference``, skipped when absent): its own fp32 optimizer
+  (``FP32Optimizer`` over torch's AdamW with ``_get_param_groups``' groups), trained, saved as Megatron-LM saves it
+  (legacy ``optimizer`` entry; torch_dist through ``dist_checkpointing.save`` of ``optimizer.sharded_state_dict``),
+  converts with ``from-megatron``, and ``pretrain_gpt.py --load`` takes the same next step as Megatron Core does from
+  that state (a fresh AdamW would not); our run's next checkpoint, exported with ``to-megatron``, loads into Megatron
+  Core's optimizer (``load_state_dict``, ``dist_checkpointing.load``) and its next step is ours;
+- what cannot be converted is one line (the distributed optimizer's legacy states, a parameter order that does
+  not match the saved groups), nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
+from megatron.checkpoint.megatron_core_names import from_megatron_core_state
+from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_optim import core_order, parameters
+from megatron.config import parse_config, validate
+from megatron.data.mock_dataset import MockGPTDataset
+from tests.functional.launch import run_here
+from tests.unit.megatron_core_reference import (
+    LLAMA,
+    SEQ,
+    TINY,
+    VOCAB,
+    assert_close_to_scale,
+    build_pair,
+    core_optimizer,
+    core_step,
+    megatron_core,
+    tokens_and_labels,
+)
+from tests.unit.test_megatron_checkpoints import SHAPES, convert, megatron_args
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
+              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+LR, WD, GBS = 1e-3, 0.1, 4
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture
+def one_process():
+    from megatron import parallel_state
+
+    parallel_state.initialize()
+    yield
+    parallel_state.destroy()
+
+
+def trained_checkpoint(run, flags, step=12, consumed=96, adam_step=5.0):
+    """A checkpoint of ours with random weights and AdamW states (the second moments positive; the vocabulary's
+    padding rows zero in every kind, as a conversion leaves them)."""
+    config = parse_config([*TINY, *flags])
+    validate(config)
+    g = torch.Generator().manual_seed(3)
+    tensors = {kind: {name: torch.randn(shape, generator=g).abs() if kind == "exp_avg_sq" else
+                      torch.randn(shape, generator=g) for name, (shape, _) in tensor_layout(config).items()}
+               for kind in KINDS}
+    for by_name in tensors.values():
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if name in by_name:
+                by_name[name][config.model.vocab_size:] = 0
+    write_checkpoint(str(run), config, [(kind, name) for kind in KINDS for name in tensors["param"]],
+                     lambda kind, name: tensors[kind][name], step=step, adam_step=adam_step,
+                     train_state={"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": consumed})
+    return config, tensors
+
+
+@pytest.mark.parametrize("shape, fmt", [("gpt2", "legacy"), ("llama", "legacy"), ("llama_moe", "legacy"),
+                                        ("gpt2", "torch_dist"), ("llama", "torch_dist")])
+def test_ours_to_megatron_and_back_keeps_the_optimizer_states_bitwise(tmp_path, one_process, shape, fmt):
+    config, tensors = trained_checkpoint(tmp_path / "run", SHAPES[shape])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", fmt,
+                         "--tp", "2", "--pp", "2"]) == 0
+    folder = tmp_path / "meg" / "iter_0000012"
+    if fmt == "legacy":  # each rank's optimizer: Megatron Core's fp32 optimizer's dict, in its parameter order
+        rank = safe_load(str(folder / "mp_rank_01_001" / FILE))
+        optimizers = rank["optimizer"] if isinstance(rank["optimizer"], list) else [rank["optimizer"]]
+        names = core_order(parameters(rank["model"]))
+        assert sum(len(g["params"]) for o in optimizers for g in o["param_groups"]) == len(names)
+        assert {float(s["step"]) for o in optimizers for s in o["state"].values()} == {5.0}
+        assert rank["opt_param_scheduler"]["num_steps"] == 96
+    else:
+        common = safe_load(str(folder / "common.pt"))
+        assert float(common["optimizer"]["state"]["common_step"]) == 5.0
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
+    reader, common, _ = open_checkpoint(str(tmp_path / "back"))
+    assert common["step"] == 12 and common["adam_step"] == 5.0 and common["train_state"]["schedule_samples"] == 96
+    for kind in KINDS:
+        back = read_tensors(reader, kind)
+        assert back.keys() == tensors[kind].keys()
+        for name, t in tensors[kind].items():
+            assert torch.equal(back[name], t), (kind, name)
+
+
+def test_to_megatron_no_optim_leaves_the_states_out(tmp_path, one_process, capsys):
+    trained_checkpoint(tmp_path / "run", SHAPES["llama"])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--no-optim"]) == 0
+    assert "--no-load-optim" in capsys.readouterr().out
+    assert "optimizer" not in safe_load(str(tmp_path / "meg" / "iter_0000012" / "mp_rank_00" / FILE))
+
+
+def test_megatron_cores_parameter_order_is_the_one_written(tmp_path):
+    """``core_order`` (what to-megatron numbers the states by) is Megatron Core's own: biases, learned positions,
+    experts, a shared expert, a dense layer after a MoE layer."""
+    with megatron_core() as mcore:
+        for flags in ([], [*LLAMA, "--num-experts", "4", "--moe-layer-freq", "[1,0]",
+                           "--moe-shared-expert-intermediate-size", "16", "--moe-token-dispatcher-type", "allgather"]):
+            _, _, theirs = build_pair(mcore, *flags)
+            names = [n for n, _ in theirs.named_parameters()]
+            assert core_order(reversed(names)) == names
+
+
+def mock_batch(config, first: int):
+    """The global batch of samples ``first .. first + GBS`` of the mock data a run of ``config`` trains on."""
+    data = MockGPTDataset(10_000, SEQ, VOCAB, config.seed)
+    samples = torch.from_numpy(np.stack([data[i] for i in range(first, first + GBS)]))
+    return samples[:, :-1], samples[:, 1:]
+
+
+def ours_of(core_params: dict) -> dict[str, torch.Tensor]:
+    return from_megatron_core_state({n: t.detach().clone() for n, t in core_params.items()}, swiglu=True)
+
+
+@pytest.fixture(scope="module")
+def core_run(tmp_path_factory):
+    """A Llama-shaped Megatron Core model trained 2 steps by its own fp32 optimizer, saved at iteration 6 (24
+    samples) in both formats with its optimizer and scheduler; (folder, Megatron Core's weights after its next
+    step on the mock batch our run trains step 7 on, those after a fresh AdamW's step instead)."""
+    folder = tmp_path_factory.mktemp("megatron_core_optim")
+    with megatron_core() as mcore:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        config, _, theirs = build_pair(mcore, *LLAMA)
+        optimizer = core_optimizer(theirs, LR, WD)
+        for _ in range(2):
+            core_step(theirs, optimizer, *tokens_and_labels(), LR, WD)
+        args = megatron_args(config)
+        args.hidden_dropout = args.attention_dropout = 0.0  # as Megatron Core's model here: the same steps
+        scheduler = {"max_lr": LR, "lr_warmup_steps": 0, "num_steps": 24, "lr_decay_style": "constant",
+                     "lr_decay_steps": 32, "min_lr": 0.0, "start_wd": WD, "end_wd": WD, "wd_incr_style": "constant",
+                     "wd_incr_steps": 32}
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 6, "model": theirs.state_dict(),
+                 "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler}
+        (folder / "legacy" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+        torch.save(state, folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE)
+        (folder / "legacy" / TRACKER).write_text("6")
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
+            (folder / "torch_dist" / "iter_0000006").mkdir(parents=True)
+            model = theirs.sharded_state_dict()
+            dist_checkpointing.save({"model": model, "optimizer": optimizer.sharded_state_dict(model),
+                                     "opt_param_scheduler": scheduler, "args": args, "iteration": 6,
+                                     "checkpoint_version": 3.0}, str(folder / "torch_dist" / "iter_0000006"))
+        (folder / "torch_dist" / TRACKER).write_text("6")
+        saved = {n: p.detach().clone() for n, p in theirs.named_parameters()}
+        batch = mock_batch(config, 24)
+        core_step(theirs, optimizer, *batch, LR, WD)
+        with_states = ours_of(dict(theirs.named_parameters()))
+        with torch.no_grad():
+            for n, p in theirs.named_parameters():
+                p.copy_(saved[n])
+        core_step(theirs, core_optimizer(theirs, LR, WD), *batch, LR, WD)
+        fresh = ours_of(dict(theirs.named_parameters()))
+    return folder, with_states, fresh
+
+
+def resume(tmp_path, converted, steps: int = 7):
+    out = tmp_path / "run"
+    result = run_here("--mock-data", "--device", "cpu", "--load", str(converted), "--save", str(out),
+                      "--global-batch-size", str(GBS), "--micro-batch-size", str(GBS), "--max-steps", str(steps),
+                      "--save-interval", "1", "--num-workers", "0", "--eval-freq", "100", "--logging-freq", "1",
+                      "--max-seq-len", str(SEQ), "--lr", str(LR), "--min-lr", "0", "--lr-decay-style", "constant",
+                      "--lr-warmup-iters", "0", "--weight-decay", str(WD), "--clip-grad", "0", "--no-eod-mask-loss")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+def assert_params_close(reader, want: dict, what: str) -> None:
+    for name, t in want.items():
+        assert_close_to_scale(reader.full("param", name), t, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_megatron_cores_optimizer_continues_here_as_in_megatron(tmp_path, core_run, capsys, fmt):
+    folder, with_states, fresh = core_run
+    assert convert.main(["from-megatron", str(folder / fmt), str(tmp_path / "ours")]) == 0
+    assert "optimizer states are converted: Adam's moments at step 2" in capsys.readouterr().out
+    _, common, _ = open_checkpoint(str(tmp_path / "ours"))
+    assert common["adam_step"] == 2.0 and common["train_state"]["schedule_samples"] == 24
+    out = resume(tmp_path, tmp_path / "ours", steps=7)
+    reader, common, _ = open_checkpoint(str(out / "step_7"))
+    assert common["adam_step"] == 3.0
+    assert_params_close(reader, with_states, "after Megatron Core's next step")
+    far = [n for n, t in fresh.items() if (reader.full("param", n) - t).abs().max() > 1e-5 * t.abs().max()]
+    assert far, "a fresh AdamW's step gives the same weights: the test would not see lost moments"
+
+
+def test_our_export_continues_in_megatron_cores_optimizer_as_here(tmp_path, core_run):
+    """Our step 7 (converted from Megatron Core, trained here) -> to-megatron -> Megatron Core's optimizer loads it
+    and its step 8 is ours, through the legacy files and through dist_checkpointing.load."""
+    folder, _, _ = core_run
+    assert convert.main(["from-megatron", str(folder / "torch_dist"), str(tmp_path / "ours")]) == 0
+    out = resume(tmp_path, tmp_path / "ours", steps=8)
+    ours_8, _, _ = open_checkpoint(str(out / "step_8"))
+    for fmt in ("legacy", "torch_dist"):
+        meg = tmp_path / f"meg_{fmt}"
+        assert convert.main(["to-megatron", str(out / "step_7"), str(meg), "--format", fmt]) == 0
+        with megatron_core() as mcore:
+            config, _, theirs = build_pair(mcore, *LLAMA)
+            optimizer = core_optimizer(theirs, LR, WD)
+            if fmt == "legacy":
+                saved = safe_load(str(meg / "iter_0000007" / "mp_rank_00" / FILE))
+                theirs.load_state_dict(saved["model"], strict=True)
+                optimizer.load_state_dict(saved["optimizer"])
+            else:
+                from megatron.core import dist_checkpointing
+
+                model = theirs.sharded_state_dict()
+                with torch.serialization.safe_globals([argparse.Namespace]):
+                    loaded = dist_checkpointing.load(
+                        {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading=True)},
+                        str(meg / "iter_0000007"))
+                theirs.load_state_dict(loaded["model"], strict=True)
+                optimizer.load_state_dict(loaded["optimizer"])
+            assert {float(s["step"]) for s in optimizer.optimizer.state.values()} == {3.0}  # 2 there, 1 here
+            core_step(theirs, optimizer, *mock_batch(config, 28), LR, WD)
+            assert_params_close(ours_8, ours_of(dict(theirs.named_parameters())), f"{fmt}: Megatron Core's step 8")
+
+
+def test_the_distributed_optimizers_legacy_states_are_refused_in_one_line(tmp_path, one_process, core_run, capsys):
+    folder, _, _ = core_run
+    meg = tmp_path / "meg"
+    (meg / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+    saved = safe_load(str(folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE))
+    saved["optimizer"] = {"optimizer": {"param_groups": saved["optimizer"]["param_groups"]}}  # its state_dict()
+    torch.save(saved, meg / "iter_0000006" / "mp_rank_00" / FILE)
+    torch.save({}, meg / "iter_0000006" / "mp_rank_00" / "distrib_optim.pt")
+    (meg / TRACKER).write_text("6")
+    assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--use-distributed-optimizer" in err and "--no-optim" in err, err
+    assert not (tmp_path / "ours").exists()
+    assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours"), "--no-optim"]) == 0
+    assert "not converted" in capsys.readouterr().out
+    _, common, _ = open_checkpoint(str(tmp_path / "ours"))
+    assert common["adam_step"] == 0.0 and common["step"] == 6
+
+
+def test_a_parameter_order_that_does_not_match_is_refused_in_one_line(tmp_path, one_process, core_run, capsys):
+    folder, _, _ = core_run
+    meg = tmp_path / "meg"
+    (meg / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+    saved = safe_load(str(folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE))
+    groups = saved["optimizer"]["param_groups"]
+    groups[1]["params"].append(groups[0]["params"].pop())  # a parameter in the other group: another order
+    torch.save(saved, meg / "iter_0000006" / "mp_rank_00" / FILE)
+    (meg / TRACKER).write_text("6")
+    assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot be matched to the weights" in err, err
+    assert not (tmp_path / "ours").exists()
+
