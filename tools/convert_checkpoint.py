@@ -4,8 +4,8 @@ tensor-parallel size.
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
-    python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [pretrain_gpt.py flags]
-    python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M]
+    python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [--no-optim] [flags]
+    python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M] [--no-optim]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -21,8 +21,10 @@ model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from
 in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
 kind (masters and AdamW states) kept. ``from-megatron`` reads a Megatron-LM save folder (or an ``iter_N`` folder),
 legacy (any tp x pp) or torch_dist, the model's shape from its saved ``args``, and writes ``OUT_DIR/step_N`` (its
-iteration and consumed samples, weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core names),
-legacy cut for tp x pp or torch_dist (docs/checkpoints.md, section 7). Exit status 2, with a one-line message,
+iteration and consumed samples, and its optimizer states when saved: Adam's moments and step, the fp32 masters, the
+schedule's position; ``--no-optim``: the weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core
+names, the AdamW states unless ``--no-optim``), legacy cut for tp x pp or torch_dist (docs/checkpoints.md,
+section 7). Exit status 2, with a one-line message,
 for a missing or damaged checkpoint or a model that cannot be converted.
 """
 
@@ -416,8 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")
     p = sub.add_parser("from-megatron", allow_abbrev=False,
-                       help="Write a checkpoint of ours (the saved iteration, weights only) from a Megatron-LM legacy "
-                            "checkpoint (any tp x pp); further arguments are pretrain_gpt.py flags.")
+                       help="Write a checkpoint of ours (the saved iteration, the weights and the optimizer states) "
+                            "from a Megatron-LM checkpoint (legacy, any tp x pp, or torch_dist); further arguments are "
+                            "pretrain_gpt.py flags.")
     p.add_argument("megatron_dir", help="Megatron-LM's save folder (its latest_checkpointed_iteration.txt) or an "
                                         "iter_N folder.")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_N and OUT_DIR/latest.")
@@ -428,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Convert the weights only, not the optimizer states (the run continues with a fresh AdamW, "
                         "as Megatron's --no-load-optim).")
     p = sub.add_parser("to-megatron", allow_abbrev=False,
-                       help="Write a Megatron-LM checkpoint (Megatron Core GPTModel names) cut for --tp x --pp ranks.")
+                       help="Write a Megatron-LM checkpoint (Megatron Core GPTModel names, the AdamW states) cut for "
+                            "--tp x --pp ranks.")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out", help="Megatron-LM save folder to write: OUT/iter_N, OUT/latest_checkpointed_iteration.txt.")
     p.add_argument("--format", dest="fmt", choices=("legacy", "torch_dist"), default="legacy",

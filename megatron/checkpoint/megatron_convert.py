@@ -9,10 +9,15 @@
   global parameter names (the word embedding and output layer with Megatron's padded rows), with its ``args``
   and the saved dict's other entries.
 
-Names and the SwiGLU layout come from ``megatron_core_names``. Optimizer states are not converted either way:
-Megatron-LM's are indexed by its own parameter order (and, with ``--use-distributed-optimizer``, kept in
-``distrib_optim.pt`` files); a converted checkpoint continues with a fresh AdamW (Megatron's
-``--no-load-optim``), the step and the consumed samples kept.
+- ``export_optimizer`` / ``write_export(..., optimizer=...)``: our AdamW states (and masters) written as Megatron
+  Core's fp32 optimizer saves them (``megatron_optim``); ``schedule_state``: its groups' settings and
+  ``opt_param_scheduler`` of our schedule.
+- ``import_state(path, optimizer=True)`` also returns the checkpoint's optimizer states under our names (Adam's
+  moments, its step; the fp32 masters replace the weights when saved), merged over tp x pp like the weights, or
+  None when it has none (or ``optimizer`` False). The distributed optimizer's legacy states are refused in one line.
+
+Names and the SwiGLU layout come from ``megatron_core_names``; the optimizers' parameter order from
+``megatron_optim``.
 """
 
 from __future__ import annotations
