@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
 import numpy as np
 import pytest
@@ -136,8 +137,9 @@ def ours_of(core_params: dict) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def core_run(tmp_path_factory):
     """A Llama-shaped Megatron Core model trained 2 steps by its own fp32 optimizer, saved at iteration 6 (24
-    samples) in both formats with its optimizer and scheduler; (folder, Megatron Core's weights after its next
-    step on the mock batch our run trains step 7 on, those after a fresh AdamW's step instead)."""
+    samples) in both formats with its optimizer and scheduler, and as a bf16 run saves it; (folder, Megatron Core's
+    weights after its next step on the mock batch our run trains step 7 on, those after a fresh AdamW's step
+    instead, the saved weights and {kind: Adam's saved states}, under our names)."""
     folder = tmp_path_factory.mktemp("megatron_core_optim")
     with megatron_core() as mcore:
         from megatron.core import dist_checkpointing
@@ -167,6 +169,22 @@ def core_run(tmp_path_factory):
                                      "checkpoint_version": 3.0}, str(folder / "torch_dist" / "iter_0000006"))
         (folder / "torch_dist" / TRACKER).write_text("6")
         saved = {n: p.detach().clone() for n, p in theirs.named_parameters()}
+        states = {kind: ours_of({n: optimizer.optimizer.state[p][kind] for n, p in theirs.named_parameters()})
+                  for kind in ("exp_avg", "exp_avg_sq")}
+        # a bf16 run's legacy file, as Float16OptimizerWithFloat16Params saves it with Apex's / TE's FusedAdam (the
+        # step in the groups): bf16 model weights, the fp32 masters per group in Megatron's own group order
+        torch_sd = copy.deepcopy(optimizer.state_dict())
+        for group in torch_sd["param_groups"]:
+            group["step"] = 2
+        for per_param in torch_sd["state"].values():
+            del per_param["step"]
+        masters = [[p.detach().clone() for p in group["params"]] for group in optimizer.param_groups]
+        bf16 = {**state, "model": {n: t.bfloat16() if isinstance(t, torch.Tensor) else t for n, t in
+                                   state["model"].items()},
+                "optimizer": {"optimizer": torch_sd, "grad_scaler": {}, "fp32_from_fp16_params": masters}}
+        (folder / "bf16" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+        torch.save(bf16, folder / "bf16" / "iter_0000006" / "mp_rank_00" / FILE)
+        (folder / "bf16" / TRACKER).write_text("6")
         batch = mock_batch(config, 24)
         core_step(theirs, optimizer, *batch, LR, WD)
         with_states = ours_of(dict(theirs.named_parameters()))
@@ -175,7 +193,7 @@ def core_run(tmp_path_factory):
                 p.copy_(saved[n])
         core_step(theirs, core_optimizer(theirs, LR, WD), *batch, LR, WD)
         fresh = ours_of(dict(theirs.named_parameters()))
-    return folder, with_states, fresh
+    return folder, with_states, fresh, ours_of(saved), states
 
 
 def resume(tmp_path, converted, steps: int = 7):
@@ -196,7 +214,7 @@ def assert_params_close(reader, want: dict, what: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_megatron_cores_optimizer_continues_here_as_in_megatron(tmp_path, core_run, capsys, fmt):
-    folder, with_states, fresh = core_run
+    folder, with_states, fresh, _, _ = core_run
     assert convert.main(["from-megatron", str(folder / fmt), str(tmp_path / "ours")]) == 0
     assert "optimizer states are converted: Adam's moments at step 2" in capsys.readouterr().out
     _, common, _ = open_checkpoint(str(tmp_path / "ours"))
@@ -212,7 +230,7 @@ def test_megatron_cores_optimizer_continues_here_as_in_megatron(tmp_path, core_r
 def test_our_export_continues_in_megatron_cores_optimizer_as_here(tmp_path, core_run):
     """Our step 7 (converted from Megatron Core, trained here) -> to-megatron -> Megatron Core's optimizer loads it
     and its step 8 is ours, through the legacy files and through dist_checkpointing.load."""
-    folder, _, _ = core_run
+    folder, *_ = core_run
     assert convert.main(["from-megatron", str(folder / "torch_dist"), str(tmp_path / "ours")]) == 0
     out = resume(tmp_path, tmp_path / "ours", steps=8)
     ours_8, _, _ = open_checkpoint(str(out / "step_8"))
@@ -242,7 +260,7 @@ def test_our_export_continues_in_megatron_cores_optimizer_as_here(tmp_path, core
 
 
 def test_the_distributed_optimizers_legacy_states_are_refused_in_one_line(tmp_path, one_process, core_run, capsys):
-    folder, _, _ = core_run
+    folder, *_ = core_run
     meg = tmp_path / "meg"
     (meg / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
     saved = safe_load(str(folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE))
@@ -261,7 +279,7 @@ def test_the_distributed_optimizers_legacy_states_are_refused_in_one_line(tmp_pa
 
 
 def test_a_parameter_order_that_does_not_match_is_refused_in_one_line(tmp_path, one_process, core_run, capsys):
-    folder, _, _ = core_run
+    folder, *_ = core_run
     meg = tmp_path / "meg"
     (meg / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
     saved = safe_load(str(folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE))
@@ -274,3 +292,33 @@ def test_a_parameter_order_that_does_not_match_is_refused_in_one_line(tmp_path, 
     assert len(err.splitlines()) == 1 and "cannot be matched to the weights" in err, err
     assert not (tmp_path / "ours").exists()
 
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist", "bf16"])
+def test_megatron_cores_states_convert_bitwise(tmp_path, one_process, core_run, fmt):
+    """Adam's moments and step as Megatron Core's optimizer holds them; a bf16 run's fp32 masters (not its rounded
+    bf16 weights) become our weights, its step read from the groups (Apex's / Transformer Engine's FusedAdam)."""
+    folder, _, _, weights, states = core_run
+    assert convert.main(["from-megatron", str(folder / fmt), str(tmp_path / "ours")]) == 0
+    reader, common, _ = open_checkpoint(str(tmp_path / "ours"))
+    assert common["adam_step"] == 2.0
+    for kind, want in [("param", weights), *states.items()]:
+        for name, t in want.items():
+            assert torch.equal(reader.full(kind, name), t), (kind, name)
+
+
+def test_the_distributed_optimizers_bucket_layout_in_torch_dist_is_refused_in_one_line(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "meg" / "iter_0000006"
+    folder.mkdir(parents=True)
+    dcp.save({"embedding.word_embeddings.weight": torch.zeros(4, 2),
+              "optimizer.distributed.dp_group_idx_0.param": torch.zeros(8)},
+             storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    torch.save({"args": argparse.Namespace(num_layers=1), "iteration": 6}, folder / "common.pt")
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / "meg" / TRACKER).write_text("6")
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dist-ckpt-optim-fully-reshardable" in err and "--no-optim" in err, err
+    assert not (tmp_path / "ours").exists()
