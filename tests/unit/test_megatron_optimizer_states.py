@@ -79,7 +79,7 @@ def trained_checkpoint(run, flags, step=12, consumed=96, adam_step=5.0):
 
 
 @pytest.mark.parametrize("shape, fmt", [("gpt2", "legacy"), ("llama", "legacy"), ("llama_moe", "legacy"),
-                                        ("gpt2", "torch_dist"), ("llama", "torch_dist")])
+                                        ("gpt2", "torch_dist"), ("llama", "torch_dist"), ("llama_moe", "torch_dist")])
 def test_ours_to_megatron_and_back_keeps_the_optimizer_states_bitwise(tmp_path, one_process, shape, fmt):
     config, tensors = trained_checkpoint(tmp_path / "run", SHAPES[shape])
     assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", fmt,
@@ -92,9 +92,10 @@ def test_ours_to_megatron_and_back_keeps_the_optimizer_states_bitwise(tmp_path, 
         assert sum(len(g["params"]) for o in optimizers for g in o["param_groups"]) == len(names)
         assert {float(s["step"]) for o in optimizers for s in o["state"].values()} == {5.0}
         assert rank["opt_param_scheduler"]["num_steps"] == 96
-    else:
-        common = safe_load(str(folder / "common.pt"))
-        assert float(common["optimizer"]["state"]["common_step"]) == 5.0
+    else:  # common.pt: the step and groups of each optimizer (dense; the experts' in a chain of two)
+        optimizers = safe_load(str(folder / "common.pt"))["optimizer"]
+        chain = list(optimizers.values()) if shape == "llama_moe" else [optimizers]
+        assert [float(o["state"]["common_step"]) for o in chain] == [5.0] * (2 if shape == "llama_moe" else 1)
     assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
     reader, common, _ = open_checkpoint(str(tmp_path / "back"))
     assert common["step"] == 12 and common["adam_step"] == 5.0 and common["train_state"]["schedule_samples"] == 96
@@ -322,3 +323,21 @@ def test_the_distributed_optimizers_bucket_layout_in_torch_dist_is_refused_in_on
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--dist-ckpt-optim-fully-reshardable" in err and "--no-optim" in err, err
     assert not (tmp_path / "ours").exists()
+
+
+def test_torch_dists_stacked_layers_hold_the_experts_layer_then_expert():
+    """Megatron Core's homogeneous layers (``moe_layer_freq`` 1) stack a MoE layer's experts as ``[layer, expert,
+    ...]`` under ``decoder.layers.mlp.experts.experts.*``; reading unstacks both."""
+    from megatron.checkpoint.megatron_dist import _stacked, _unstacked
+
+    g = torch.Generator().manual_seed(0)
+    whole = {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight": torch.randn(6, 4, generator=g)
+             for i in range(2) for e in range(3)}
+    whole.update({f"decoder.layers.{i}.input_layernorm.weight": torch.randn(4, generator=g) for i in range(2)})
+    state = _stacked(whole, 2)
+    stacked = state["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert stacked.shape == (2, 3, 6, 4)
+    assert torch.equal(stacked[1, 2], whole["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"])
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in state
+    back = _unstacked(state)
+    assert back.keys() == whole.keys() and all(torch.equal(back[n], t) for n, t in whole.items())
