@@ -105,12 +105,11 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     extra = {} if optimizer is None else {"opt_param_scheduler": scheduler}
     if fmt == "torch_dist":
-        if optimizer is not None:  # common.pt's part of each optimizer: its step and groups (a chain: by index)
-            chain = [{"state": {"common_step": torch.tensor(float(adam_step))},
-                      "param_groups": [param_group(decayed, index == 1, settings)
-                                       for decayed, exists in zip((True, False), present) if exists]}
-                     for index, present in enumerate(structure([whole]))]
-            extra["optimizer"] = chain[0] if len(chain) == 1 else dict(enumerate(chain))
+        if optimizer is not None:  # common.pt's part of the optimizer: its step and groups
+            (present,) = structure([whole])
+            extra["optimizer"] = {"state": {"common_step": torch.tensor(float(adam_step))},
+                                  "param_groups": [param_group(decayed, settings)
+                                                   for decayed, exists in zip((True, False), present) if exists]}
         return write_torch_dist(out, step, whole, args, args.num_layers, optimizer, extra)
     tied = not args.untie_embeddings_and_output_weights
     shards = cut(whole, tp, pp, args.num_layers, bool(args.swiglu), tied)

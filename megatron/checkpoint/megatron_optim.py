@@ -3,16 +3,17 @@
 Megatron Core's optimizer (``megatron.core.optimizer``, not the distributed one) is ``torch.optim.AdamW`` (or
 Apex's / Transformer Engine's FusedAdam, the same state) over the parameter groups of ``_get_param_groups``:
 
-- one optimizer for the dense parameters and, in a mixture of experts, a second one for the experts'
-  (``...mlp.experts.local_experts.*``: ``allreduce`` False), chained; a chain of one saves that one's dict;
-- in each, the weight-decayed parameters (``ndim >= 2`` and not a bias) first, then the others (``wd_mult``
-  0), each group in the model's ``named_parameters`` order (its state dict's order);
+- one optimizer (a chain of one, which saves that one's dict): a second one, for the experts, exists only with
+  expert parallelism (their ``allreduce`` is False only when ``expert_model_parallel_size > 1``, which is not
+  converted), so with expert parallelism 1 the experts are in the same groups as the rest;
+- the weight-decayed parameters (``ndim >= 2`` and not a bias) first, then the others (``wd_mult`` 0), each group
+  in the model's ``named_parameters`` order (its state dict's order);
 - torch's state dict numbers the parameters 0, 1, ... over the groups in that order: ``state[i]`` holds
   ``step``, ``exp_avg`` and ``exp_avg_sq`` of the i-th.
 
 Legacy files (``--ckpt-format torch``) save ``optimizer.state_dict()`` per rank, for that rank's parameters:
 the fp32 optimizer's ``{"state", "param_groups"}``; the fp16/bf16 one's ``{"optimizer": that, "grad_scaler",
-"fp32_from_fp16_params": [[master per parameter] per group]}``; a list of those for a chain of two. With
+"fp32_from_fp16_params": [[master per parameter] per group]}``. With
 ``--use-distributed-optimizer`` the states are in ``distrib_optim.pt`` files, flattened by gradient bucket:
 refused (``DistributedOptimizerStates``). ``torch_dist`` saves them by name, layout-free:
 ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<the parameter's sharded key>``, the step as
@@ -51,24 +52,14 @@ def parameters(model: dict) -> list[str]:
     return [n for n, v in model.items() if isinstance(v, torch.Tensor) and not n.endswith(_NOT_PARAMETERS)]
 
 
-def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
 def decays(name: str, shape) -> bool:
     """Megatron's default: weight decay on matrices, not on biases and 1-D parameters (norms)."""
     return len(shape) > 1 and not name.endswith(".bias")
 
 
 def groups(names: list[str], shapes: dict) -> list[list[list[str]]]:
-    """Megatron Core's optimizers (dense; then experts, if any) -> their groups (decayed, not) -> names."""
-    out = []
-    for expert in (False, True):
-        mine = [n for n in names if is_expert(n) == expert]
-        if expert and not mine:
-            continue
-        out.append([[n for n in mine if decays(n, shapes[n])], [n for n in mine if not decays(n, shapes[n])]])
-    return out
+    """Megatron Core's optimizers (one, with expert parallelism 1) -> their groups (decayed, not) -> names."""
+    return [[[n for n in names if decays(n, shapes[n])], [n for n in names if not decays(n, shapes[n])]]]
 
 
 # Megatron Core's module order inside a layer (its named_parameters): its attention registers linear_proj first
@@ -120,11 +111,9 @@ def read_rank(entry, model: dict, where: str) -> OptimizerStates | None:
     shapes = {n: tuple(model[n].shape) for n in names}
     expected = groups(names, shapes)
     saved = entry if isinstance(entry, list) else [entry]
-    if len(saved) == len(expected) + 1 and len(expected) == 1:
-        expected.append([[], []])  # a stage without experts: the experts' optimizer is there, empty
     if len(saved) != len(expected):
-        raise CheckpointError(f"{where} holds {len(saved)} optimizer(s), but Megatron Core builds {len(expected)} for "
-                              f"this model (dense{', experts' if len(expected) > 1 else ''}); {NO_OPTIM}.")
+        raise CheckpointError(f"{where} holds a chain of {len(saved)} optimizers (expert parallelism?), but Megatron "
+                              f"Core builds {len(expected)} for this model; {NO_OPTIM}.")
     unwrapped = [_unwrap(s, where) for s in saved]
     if not any(torch_sd["state"] for torch_sd, _ in unwrapped):
         return None
@@ -189,9 +178,9 @@ def common_step(optimizer_common, where: str) -> float:
     return _one_step(found, where)
 
 
-def param_group(decayed: bool, expert: bool, settings: dict) -> dict:
+def param_group(decayed: bool, settings: dict) -> dict:
     """A parameter group as Megatron Core's AdamW saves it (``params`` added by the caller)."""
-    return {"is_expert_parallel": expert, "default_config": True, "wd_mult": 1.0 if decayed else 0.0, "lr_mult": 1.0,
+    return {"is_expert_parallel": False, "default_config": True, "wd_mult": 1.0 if decayed else 0.0, "lr_mult": 1.0,
             "is_decoupled_lr": False, "max_lr": settings["max_lr"], "min_lr": settings["min_lr"],
             "lr": settings["lr"], "betas": settings["betas"], "eps": settings["eps"],
             "weight_decay": settings["weight_decay"], "amsgrad": False, "maximize": False, "foreach": None,
@@ -199,37 +188,31 @@ def param_group(decayed: bool, expert: bool, settings: dict) -> dict:
 
 
 def rank_optimizer(model: dict, states: dict[str, dict[str, torch.Tensor]], step: float, settings: dict,
-                   structure: list[list[bool]]) -> dict | list:
-    """One legacy rank file's ``optimizer`` entry: the fp32 optimizer's state dict (a list of two for a chain
-    with experts) for the rank's ``model``; ``structure``: per optimizer, which of its two groups exist on some
-    rank (Megatron gathers the groups over every rank; one may be empty here)."""
+                   present: list[list[bool]]) -> dict:
+    """One legacy rank file's ``optimizer`` entry: the fp32 optimizer's state dict for the rank's ``model``;
+    ``present``: ``structure``'s groups that exist on some rank (Megatron gathers them over every rank: one may be
+    empty here)."""
     names = core_order(parameters(model))
-    per_optimizer = groups(names, {n: tuple(model[n].shape) for n in names})
-    if len(per_optimizer) < len(structure):
-        per_optimizer.append([[], []])  # a stage without experts: the experts' optimizer, empty
-    out = []
-    for opt_index, (want, present) in enumerate(zip(per_optimizer, structure)):
-        state, param_groups, index = {}, [], 0
-        for decayed, (group_names, exists) in zip((True, False), zip(want, present)):
-            if not exists:
-                continue
-            ids = []
-            for name in group_names:
-                state[index] = {"step": torch.tensor(float(step)), "exp_avg": states["exp_avg"][name].clone(),
-                                "exp_avg_sq": states["exp_avg_sq"][name].clone()}
-                ids.append(index)
-                index += 1
-            param_groups.append({**param_group(decayed, opt_index == 1, settings), "params": ids})
-        out.append({"state": state, "param_groups": param_groups})
-    return out[0] if len(out) == 1 else out
+    (want,) = groups(names, {n: tuple(model[n].shape) for n in names})
+    state, param_groups, index = {}, [], 0
+    for decayed, group_names, exists in zip((True, False), want, present[0]):
+        if not exists:
+            continue
+        ids = []
+        for name in group_names:
+            state[index] = {"step": torch.tensor(float(step)), "exp_avg": states["exp_avg"][name].clone(),
+                            "exp_avg_sq": states["exp_avg_sq"][name].clone()}
+            ids.append(index)
+            index += 1
+        param_groups.append({**param_group(decayed, settings), "params": ids})
+    return {"state": state, "param_groups": param_groups}
 
 
 def structure(models: list[dict]) -> list[list[bool]]:
-    """Per optimizer (dense, experts), whether its decayed / other group holds a parameter on any rank."""
-    found = [[False, False], [False, False]]
+    """Per optimizer, whether its decayed / other group holds a parameter on any rank."""
+    found = [False, False]
     for model in models:
         names = parameters(model)
-        for o, opt in enumerate(groups(names, {n: tuple(model[n].shape) for n in names})):
-            for g, group in enumerate(opt):
-                found[o][g] = found[o][g] or bool(group)
-    return [found[0], *([found[1]] if any(found[1]) else [])]
+        for g, group in enumerate(groups(names, {n: tuple(model[n].shape) for n in names})[0]):
+            found[g] = found[g] or bool(group)
+    return [found]

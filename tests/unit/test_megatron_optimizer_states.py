@@ -30,6 +30,7 @@ from megatron.data.mock_dataset import MockGPTDataset
 from tests.functional.launch import run_here
 from tests.unit.megatron_core_reference import (
     LLAMA,
+    MOE,
     SEQ,
     TINY,
     VOCAB,
@@ -87,15 +88,13 @@ def test_ours_to_megatron_and_back_keeps_the_optimizer_states_bitwise(tmp_path, 
     folder = tmp_path / "meg" / "iter_0000012"
     if fmt == "legacy":  # each rank's optimizer: Megatron Core's fp32 optimizer's dict, in its parameter order
         rank = safe_load(str(folder / "mp_rank_01_001" / FILE))
-        optimizers = rank["optimizer"] if isinstance(rank["optimizer"], list) else [rank["optimizer"]]
-        names = core_order(parameters(rank["model"]))
-        assert sum(len(g["params"]) for o in optimizers for g in o["param_groups"]) == len(names)
-        assert {float(s["step"]) for o in optimizers for s in o["state"].values()} == {5.0}
+        optimizer, names = rank["optimizer"], core_order(parameters(rank["model"]))
+        assert sum(len(g["params"]) for g in optimizer["param_groups"]) == len(names)
+        assert {float(s["step"]) for s in optimizer["state"].values()} == {5.0}
         assert rank["opt_param_scheduler"]["num_steps"] == 96
-    else:  # common.pt: the step and groups of each optimizer (dense; the experts' in a chain of two)
-        optimizers = safe_load(str(folder / "common.pt"))["optimizer"]
-        chain = list(optimizers.values()) if shape == "llama_moe" else [optimizers]
-        assert [float(o["state"]["common_step"]) for o in chain] == [5.0] * (2 if shape == "llama_moe" else 1)
+    else:
+        common = safe_load(str(folder / "common.pt"))
+        assert float(common["optimizer"]["state"]["common_step"]) == 5.0
     assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
     reader, common, _ = open_checkpoint(str(tmp_path / "back"))
     assert common["step"] == 12 and common["adam_step"] == 5.0 and common["train_state"]["schedule_samples"] == 96
@@ -341,3 +340,70 @@ def test_torch_dists_stacked_layers_hold_the_experts_layer_then_expert():
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in state
     back = _unstacked(state)
     assert back.keys() == whole.keys() and all(torch.equal(back[n], t) for n, t in whole.items())
+
+
+def test_megatron_cores_moe_optimizer_converts_both_ways_bitwise(tmp_path, one_process):
+    """A mixture of experts (a shared expert; a dense layer after the MoE one): Megatron Core's optimizer (one, the
+    experts in its groups with the rest at expert parallelism 1), its states saved as Megatron-LM saves them
+    (legacy; torch_dist: ``sharded_state_dict`` with Megatron-LM's metadata) convert bitwise; the conversion's
+    export loads back into a new optimizer (its ``load_state_dict``; ``dist_checkpointing.load``) with the same
+    states."""
+    flags = [*LLAMA, *MOE, "--moe-shared-expert-intermediate-size", "16"]
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}  # Megatron-LM's, non-distributed
+    with megatron_core() as mcore:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        config, _, theirs = build_pair(mcore, *flags)
+        chain = core_optimizer(theirs, LR, WD)
+        members = getattr(chain, "chained_optimizers", [chain])
+        assert len(members) == 1  # expert parallelism 1: the experts' allreduce is True, no second optimizer
+        g = torch.Generator().manual_seed(7)
+        for member in members:
+            member.init_state_fn(member.optimizer)
+            for state in member.optimizer.state.values():
+                state["step"] = torch.tensor(4.0)
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    state[kind].copy_(torch.rand(state[kind].shape, generator=g))
+        params = dict(theirs.named_parameters())
+        owner = {id(p): m.optimizer for m in members for grp in m.optimizer.param_groups for p in grp["params"]}
+        want = {kind: ours_of({n: owner[id(p)].state[p][kind] for n, p in params.items()})
+                for kind in ("exp_avg", "exp_avg_sq")}
+        args = megatron_args(config)
+        args.num_experts, args.moe_router_topk, args.moe_layer_freq = 4, 2, [1, 0]
+        args.moe_shared_expert_intermediate_size, args.moe_router_load_balancing_type = 16, "aux_loss"
+        args.moe_aux_loss_coeff, args.moe_token_dispatcher_type = 0.1, "allgather"
+        (tmp_path / "legacy" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 6, "model": theirs.state_dict(),
+                    "optimizer": chain.state_dict()}, tmp_path / "legacy" / "iter_0000006" / "mp_rank_00" / FILE)
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
+            (tmp_path / "torch_dist" / "iter_0000006").mkdir(parents=True)
+            model = theirs.sharded_state_dict(metadata=meta)
+            dist_checkpointing.save({"model": model, "optimizer": chain.sharded_state_dict(model, metadata=meta),
+                                     "args": args, "iteration": 6, "checkpoint_version": 3.0},
+                                    str(tmp_path / "torch_dist" / "iter_0000006"), content_metadata=meta)
+        for fmt in ("legacy", "torch_dist"):
+            (tmp_path / fmt / TRACKER).write_text("6")
+            assert convert.main(["from-megatron", str(tmp_path / fmt), str(tmp_path / f"ours_{fmt}")]) == 0
+            reader, common, _ = open_checkpoint(str(tmp_path / f"ours_{fmt}"))
+            assert common["adam_step"] == 4.0
+            for kind, by_name in want.items():
+                for name, t in by_name.items():
+                    assert torch.equal(reader.full(kind, name), t), (fmt, kind, name)
+            out = tmp_path / f"meg_{fmt}"
+            assert convert.main(["to-megatron", str(tmp_path / f"ours_{fmt}"), str(out), "--format", fmt]) == 0
+            back = core_optimizer(theirs, LR, WD)
+            if fmt == "legacy":
+                back.load_state_dict(safe_load(str(out / "iter_0000006" / "mp_rank_00" / FILE))["optimizer"])
+            else:
+                with torch.serialization.safe_globals([argparse.Namespace]):
+                    request = back.sharded_state_dict(theirs.sharded_state_dict(metadata=meta), is_loading=True,
+                                                      metadata=meta)
+                    loaded = dist_checkpointing.load({"optimizer": request}, str(out / "iter_0000006"))
+                back.load_state_dict(loaded["optimizer"])
+            for old, new in zip(members, getattr(back, "chained_optimizers", [back])):
+                for p in (p for grp in old.optimizer.param_groups for p in grp["params"]):
+                    for kind in ("exp_avg", "exp_avg_sq", "step"):
+                        assert torch.equal(new.optimizer.state[p][kind], old.optimizer.state[p][kind]), (fmt, kind)
