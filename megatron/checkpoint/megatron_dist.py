@@ -41,6 +41,10 @@ from megatron.checkpoint.format import CheckpointError, write_text
 from megatron.checkpoint.megatron_legacy import CHECKPOINT_VERSION, TRACKER, safe_load
 from megatron.checkpoint.megatron_optim import NO_OPTIM
 
+# what Megatron-LM's save records of its sharded state dict's layout (get_sharded_sd_metadata, no distributed
+# optimizer), so that its load builds the same keys: the layers stacked (or per layer: non-homogeneous), no prefix
+# on a chain of optimizers
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 _RENAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -52,7 +56,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = "decoder.layers."
 OPTIMIZER_STATE = "optimizer.state."
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
-_BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param)\.(.+)$")
+# the master: fp32_param (the fp32 optimizer's, the distributed one's fully_sharded_model_space), param (fully_reshardable)
+_BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
 
 
 def is_torch_dist(folder: str) -> bool:
@@ -180,8 +185,8 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
         # flat keys, no flattening map in .metadata (Megatron Core's loader reads its BytesIO entries only then)
         dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(flatten_state_dict=False),
                  no_dist=True)
-    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, **(common or {})},
-               os.path.join(tmp, "common.pt"))
+    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                "content_metadata": CONTENT_METADATA, **(common or {})}, os.path.join(tmp, "common.pt"))
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON))
     os.replace(tmp, final)
     write_text(os.path.join(out, TRACKER), str(iteration))
@@ -252,6 +257,6 @@ def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, 
     for key, t in state.items():
         found = _BY_NAME.match(key)
         if found:
-            states.setdefault(found[1], {})[found[2]] = t
+            states.setdefault("fp32_param" if found[1] == "param" else found[1], {})[found[2]] = t
     return (args, {k: v for k, v in common.items() if k != "args"}, _unstacked(model),
             {kind: _unstacked(by_key) for kind, by_key in states.items()})

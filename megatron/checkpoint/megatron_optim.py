@@ -161,21 +161,22 @@ def _one_step(steps: set, where: str) -> float:
 
 
 def common_step(optimizer_common, where: str) -> float:
-    """The ``common_step`` of ``common.pt``'s optimizer entry (torch_dist), wherever Megatron nests it."""
-    found: set = set()
+    """Adam's step in ``common.pt``'s optimizer entry (torch_dist), wherever Megatron nests it: ``common_step``, or,
+    without one (the distributed optimizer's, and Apex's / TE's FusedAdam's), the groups' ``step``."""
+    found: dict[str, set] = {"common_step": set(), "step": set()}
 
     def visit(value):
         if isinstance(value, dict):
             for k, v in value.items():
-                if k == "common_step":
-                    found.add(float(v))
+                if k in found and isinstance(v, (int, float, torch.Tensor)):
+                    found[k].add(float(v))
                 else:
                     visit(v)
         elif isinstance(value, (list, tuple)):
             for v in value:
                 visit(v)
     visit(optimizer_common)
-    return _one_step(found, where)
+    return _one_step(found["common_step"] or found["step"], where)
 
 
 def param_group(decayed: bool, settings: dict) -> dict:
