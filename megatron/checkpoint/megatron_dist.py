@@ -56,7 +56,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = "decoder.layers."
 OPTIMIZER_STATE = "optimizer.state."
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
-# the master: fp32_param (the fp32 optimizer's, the distributed one's fully_sharded_model_space), param (fully_reshardable)
+# the master: fp32_param (fp32 optimizer; distributed, fully_sharded_model_space), param (fully_reshardable)
 _BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
 
 
