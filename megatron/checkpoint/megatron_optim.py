@@ -125,6 +125,10 @@ def read_rank(entry, model: dict, where: str) -> OptimizerStates | None:
             raise CheckpointError(f"{where}: the optimizer's parameter groups hold {sizes} parameters, but Megatron "
                                   f"Core's order for this model gives {[len(n) for n in want if n]} (decayed, then "
                                   f"not, per optimizer); the states cannot be matched to the weights: {NO_OPTIM}.")
+        lengths = [len(m) if isinstance(m, list) else -1 for m in masters] if isinstance(masters, list) else None
+        if masters is not None and lengths != [len(ids) for _, ids in got]:
+            raise CheckpointError(f"{where}: the fp32 masters (fp32_from_fp16_params) do not match the optimizer's "
+                                  f"parameter groups; {NO_OPTIM}.")
         for (g, ids), names_ in zip([x for x in got if x[1]], [n for n in want if n]):
             for j, (i, name) in enumerate(zip(ids, names_)):
                 state = torch_sd["state"].get(i, torch_sd["state"].get(str(i)))
