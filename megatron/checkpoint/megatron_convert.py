@@ -129,7 +129,11 @@ def schedule_state(config: Config, schedule_samples: int) -> tuple[dict, dict]:
     run's configuration: both schedules count samples (``num_steps``: the samples of the applied steps)."""
     from megatron.optimizer.lr_schedule import build_param_schedule
 
-    o, s = config.optimizer, build_param_schedule(config)
+    try:
+        o, s = config.optimizer, build_param_schedule(config)
+    except (TypeError, ValueError) as err:  # a saved config without a resolved schedule
+        raise CheckpointError(f"the checkpoint's learning-rate schedule cannot be read ({err}); export it with "
+                              f"--no-optim.") from err
     settings = {"lr": s.lr(schedule_samples), "weight_decay": s.weight_decay(schedule_samples), "max_lr": s.max_lr,
                 "min_lr": s.min_lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
     scheduler = {"max_lr": s.max_lr, "lr_warmup_steps": s.warmup, "num_steps": schedule_samples,
