@@ -112,15 +112,14 @@ def test_to_megatron_no_optim_leaves_the_states_out(tmp_path, one_process, capsy
     assert "optimizer" not in safe_load(str(tmp_path / "meg" / "iter_0000012" / "mp_rank_00" / FILE))
 
 
-def test_megatron_cores_parameter_order_is_the_one_written(tmp_path):
-    """``core_order`` (what to-megatron numbers the states by) is Megatron Core's own: biases, learned positions,
-    experts, a shared expert, a dense layer after a MoE layer."""
+def test_megatron_cores_parameter_order_is_the_one_written():
+    """``core_order`` (what to-megatron numbers the states by) is Megatron Core's own for the GPT-2 shape (learned
+    positions, biases, LayerNorm's bias; the Llama shape and its mixture of experts are checked end to end below:
+    Megatron Core's optimizer loads the export by index)."""
     with megatron_core() as mcore:
-        for flags in ([], [*LLAMA, "--num-experts", "4", "--moe-layer-freq", "[1,0]",
-                           "--moe-shared-expert-intermediate-size", "16", "--moe-token-dispatcher-type", "allgather"]):
-            _, _, theirs = build_pair(mcore, *flags)
-            names = [n for n, _ in theirs.named_parameters()]
-            assert core_order(reversed(names)) == names
+        _, _, theirs = build_pair(mcore)
+        names = [n for n, _ in theirs.named_parameters()]
+        assert any(n.endswith(".bias") for n in names) and core_order(reversed(names)) == names
 
 
 def mock_batch(config, first: int):
