@@ -310,9 +310,10 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
         print(f"the optimizer states are converted: Adam's moments at step {states.step:g}"
               f"{', the fp32 master weights' if states.masters else ''}, the learning-rate schedule at "
               f"{position:,} samples.")
-    elif "optimizer" in head or head.get("has_optimizer"):
-        print("the optimizer states are not converted (--no-optim or --finetune): the run continues with a fresh "
-              "AdamW, as Megatron's --no-load-optim.")
+    elif "optimizer" in head:
+        why = "--finetune" if finetune else "--no-optim" if not optim else "the saved optimizer never stepped"
+        print(f"the optimizer states are not converted ({why}): the run continues with a fresh AdamW, as Megatron's "
+              f"--no-load-optim.")
     if not config.model.swiglu and not (getattr(args, "bias_gelu_fusion", True) and getattr(args, "add_bias_linear",
                                                                                               True)):
         print(f"{PROG}: warning: Megatron Core's GELU is exact (erf) without --bias-gelu-fusion and linear biases; "
