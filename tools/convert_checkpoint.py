@@ -4,8 +4,8 @@ tensor-parallel size.
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
-    python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [pretrain_gpt.py flags]
-    python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M]
+    python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [--no-optim] [flags]
+    python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M] [--no-optim]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -21,8 +21,10 @@ model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from
 in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
 kind (masters and AdamW states) kept. ``from-megatron`` reads a Megatron-LM save folder (or an ``iter_N`` folder),
 legacy (any tp x pp) or torch_dist, the model's shape from its saved ``args``, and writes ``OUT_DIR/step_N`` (its
-iteration and consumed samples, weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core names),
-legacy cut for tp x pp or torch_dist (docs/checkpoints.md, section 7). Exit status 2, with a one-line message,
+iteration and consumed samples, and its optimizer states when saved: Adam's moments and step, the fp32 masters, the
+schedule's position; ``--no-optim``: the weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core
+names, the AdamW states unless ``--no-optim``), legacy cut for tp x pp or torch_dist (docs/checkpoints.md,
+section 7). Exit status 2, with a one-line message,
 for a missing or damaged checkpoint or a model that cannot be converted.
 """
 
@@ -40,15 +42,23 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama, hf_mixtral, hf_qwen_moe  # noqa: E402
-from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
+from megatron.checkpoint.convert import (  # noqa: E402
+    open_checkpoint,
+    read_tensors,
+    reshard,
+    write_checkpoint,
+    write_params,
+)
 from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
 from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags  # noqa: E402
 from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size  # noqa: E402
 from megatron.checkpoint.megatron_convert import (  # noqa: E402
+    export_optimizer,
     export_state,
     fit_vocab,
     import_state,
     read_params,
+    schedule_state,
     write_export,
 )
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
@@ -271,41 +281,75 @@ def _model_base(config: Config) -> str:
                           sort_keys=False)
 
 
-def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False) -> None:
-    """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM legacy checkpoint."""
-    args, head, params = import_state(path)
+def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False,
+                  optim: bool = True) -> None:
+    """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM checkpoint, with its
+    optimizer states when it has them (not with ``finetune`` or without ``optim``)."""
+    args, head, params, states = import_state(path, optimizer=optim and not finetune)
     config = shaped_config(megatron_model_flags(args), flags, "the checkpoint's args")
-    params = fit_vocab(params, megatron_vocab_size(args), config.padded_vocab_size)
+    vocab, rows = megatron_vocab_size(args), config.padded_vocab_size
+    params = fit_vocab(params, vocab, rows)
     iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
     consumed = 0 if finetune else int(getattr(args, "consumed_train_samples", 0) or 0)
-    train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": consumed}
-    step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, step=iteration,
-                            train_state=train_state, converted_by="from-megatron", force=force,
-                            resume_config=_model_base(config))
+    scheduler = head.get("opt_param_scheduler") if isinstance(head.get("opt_param_scheduler"), dict) else {}
+    position = consumed if finetune or scheduler.get("num_steps") is None else int(scheduler["num_steps"])
+    train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": position}
+    entries = [("param", name) for name in params]
+    tensors = {"param": params}
+    if states is not None:
+        tensors.update({kind: fit_vocab(states[kind], vocab, rows) for kind in ("exp_avg", "exp_avg_sq")})
+        entries += [(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params]
+    step_dir = write_checkpoint(out_dir, config, entries, lambda kind, name: tensors[kind][name],
+                                tp=config.distributed.mp_degree, step=iteration,
+                                adam_step=states.step if states is not None else 0.0, train_state=train_state,
+                                converted_by="from-megatron", force=force, resume_config=_model_base(config))
     print(f"wrote {step_dir} (step {iteration}, {consumed:,} consumed samples, "
           f"{sum(t.numel() for t in params.values()):,} parameters) from {path}; continue pretraining with: "
           f"pretrain_gpt.py ... --load {out_dir}")
-    if "optimizer" in head:
-        print("the optimizer states are not converted (Megatron-LM indexes them by its own parameter order): the "
-              "run continues with a fresh AdamW, as Megatron's --no-load-optim.")
+    if states is not None:
+        print(f"the optimizer states are converted: Adam's moments at step {states.step:g}"
+              f"{', the fp32 master weights' if states.masters else ''}, the learning-rate schedule at "
+              f"{position:,} samples.")
+    elif "optimizer" in head:
+        why = "--finetune" if finetune else "--no-optim" if not optim else "the saved optimizer never stepped"
+        print(f"the optimizer states are not converted ({why}): the run continues with a fresh AdamW, as Megatron's "
+              f"--no-load-optim.")
     if not config.model.swiglu and not (getattr(args, "bias_gelu_fusion", True) and getattr(args, "add_bias_linear",
                                                                                               True)):
         print(f"{PROG}: warning: Megatron Core's GELU is exact (erf) without --bias-gelu-fusion and linear biases; "
               f"this GPT's is the tanh approximation (logits differ by about 1e-3).", file=sys.stderr)
 
 
-def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1) -> None:
-    """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` ranks in the format ``fmt``."""
+def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1, optim: bool = True) -> None:
+    """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` ranks in the format ``fmt``, with the AdamW
+    states when the checkpoint has them (not without ``optim``)."""
     if tp < 1 or pp < 1:
         raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
     reader, common, config = open_checkpoint(ckpt)
-    consumed = int((common.get("train_state") or {}).get("consumed_samples", 0))
-    step = int(common["step"])
-    whole, args = export_state(read_params(reader), config, tp, pp, step=step, consumed_samples=consumed)
-    folder = write_export(out, fmt, whole, args, step)
-    print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {common['step']}, padded "
-          f"vocabulary {args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
-          f"--use-mcore-models --no-load-optim --no-load-rng (the weights, iteration and consumed samples)")
+    train_state = common.get("train_state") or {}
+    consumed = int(train_state.get("consumed_samples", 0))
+    step, adam_step = int(common["step"]), float(common.get("adam_step") or 0.0)
+    params = read_params(reader)
+    whole, args = export_state(params, config, tp, pp, step=step, consumed_samples=consumed)
+    has_states = adam_step > 0 and all(reader.has(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params)
+    optimizer = settings = scheduler = None
+    if optim and has_states:
+        states = {kind: read_tensors(reader, kind) for kind in ("exp_avg", "exp_avg_sq")}
+        optimizer = export_optimizer(states, params, config, tp)
+        settings, scheduler = schedule_state(config, int(train_state.get("schedule_samples", consumed)))
+    folder = write_export(out, fmt, whole, args, step, optimizer, adam_step, settings, scheduler)
+    carried = "the weights, iteration and consumed samples"
+    if optimizer is not None:
+        print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {step}, padded vocabulary "
+              f"{args.padded_vocab_size}, the AdamW states at step {adam_step:g}) from {reader.step_dir}; load it in "
+              f"Megatron-LM with --load {out} --use-mcore-models --no-load-rng ({carried}, the optimizer and its "
+              f"learning-rate schedule: fp32, without --use-distributed-optimizer"
+              f"{'' if fmt == 'legacy' else ' or with --dist-ckpt-optim-fully-reshardable'})")
+    else:
+        why = "--no-optim" if has_states else "the checkpoint has no AdamW states"
+        print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {step}, padded vocabulary "
+              f"{args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
+              f"--use-mcore-models --no-load-optim --no-load-rng ({carried}; no optimizer states: {why})")
 
 
 def _hf_tokenizer(hf_dir: str, hf_cfg: dict, flags: list[str]) -> tuple[dict, dict[str, str]] | None:
@@ -375,16 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")
     p = sub.add_parser("from-megatron", allow_abbrev=False,
-                       help="Write a checkpoint of ours (the saved iteration, weights only) from a Megatron-LM legacy "
-                            "checkpoint (any tp x pp); further arguments are pretrain_gpt.py flags.")
+                       help="Write a checkpoint of ours (the saved iteration, the weights and the optimizer states) "
+                            "from a Megatron-LM checkpoint (legacy, any tp x pp, or torch_dist); further arguments are "
+                            "pretrain_gpt.py flags.")
     p.add_argument("megatron_dir", help="Megatron-LM's save folder (its latest_checkpointed_iteration.txt) or an "
                                         "iter_N folder.")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_N and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_N if it exists.")
     p.add_argument("--finetune", action="store_true",
                    help="Write step 0 with no consumed samples (Megatron's --finetune): a new run from the weights.")
+    p.add_argument("--no-optim", dest="optim", action="store_false",
+                   help="Convert the weights only, not the optimizer states (the run continues with a fresh AdamW, "
+                        "as Megatron's --no-load-optim).")
     p = sub.add_parser("to-megatron", allow_abbrev=False,
-                       help="Write a Megatron-LM checkpoint (Megatron Core GPTModel names) cut for --tp x --pp ranks.")
+                       help="Write a Megatron-LM checkpoint (Megatron Core GPTModel names, the AdamW states) cut for "
+                            "--tp x --pp ranks.")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out", help="Megatron-LM save folder to write: OUT/iter_N, OUT/latest_checkpointed_iteration.txt.")
     p.add_argument("--format", dest="fmt", choices=("legacy", "torch_dist"), default="legacy",
@@ -392,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "distributed-checkpoint folder (--ckpt-format torch_dist).")
     p.add_argument("--tp", type=int, default=1, help="Megatron's tensor-parallel size.")
     p.add_argument("--pp", type=int, default=1, help="Megatron's pipeline-parallel size.")
+    p.add_argument("--no-optim", dest="optim", action="store_false",
+                   help="Leave the AdamW states out (load the export in Megatron-LM with --no-load-optim).")
     p = sub.add_parser("reshard", allow_abbrev=False,
                        help="Rewrite a checkpoint with one file per tensor-parallel rank.")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
@@ -414,9 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "from-hf":
             from_hf(args.hf_dir, args.out_dir, rest, args.force)
         elif args.command == "from-megatron":
-            from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune)
+            from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune, args.optim)
         elif args.command == "to-megatron":
-            to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp)
+            to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp, args.optim)
         else:
             step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
             print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")

@@ -9,15 +9,21 @@
   global parameter names (the word embedding and output layer with Megatron's padded rows), with its ``args``
   and the saved dict's other entries.
 
-Names and the SwiGLU layout come from ``megatron_core_names``. Optimizer states are not converted either way:
-Megatron-LM's are indexed by its own parameter order (and, with ``--use-distributed-optimizer``, kept in
-``distrib_optim.pt`` files); a converted checkpoint continues with a fresh AdamW (Megatron's
-``--no-load-optim``), the step and the consumed samples kept.
+- ``export_optimizer`` / ``write_export(..., optimizer=...)``: our AdamW states (and masters) written as Megatron
+  Core's fp32 optimizer saves them (``megatron_optim``); ``schedule_state``: its groups' settings and
+  ``opt_param_scheduler`` of our schedule.
+- ``import_state(path, optimizer=True)`` also returns the checkpoint's optimizer states under our names (Adam's
+  moments, its step; the fp32 masters replace the weights when saved), merged over tp x pp like the weights, or
+  None when it has none (or ``optimizer`` False). The distributed optimizer's legacy states are refused in one line.
+
+Names and the SwiGLU layout come from ``megatron_core_names``; the optimizers' parameter order from
+``megatron_optim``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -26,7 +32,28 @@ from megatron.checkpoint.hf_common import pad_vocab
 from megatron.checkpoint.megatron_args import to_args
 from megatron.checkpoint.megatron_core_names import from_megatron_core_state, to_megatron_core_state
 from megatron.checkpoint.megatron_dist import is_torch_dist, read_torch_dist, write_torch_dist
-from megatron.checkpoint.megatron_legacy import iteration_folder, read_shards, write_shards
+from megatron.checkpoint.megatron_legacy import (
+    DISTRIBUTED,
+    FILE,
+    LEGACY_MODEL,
+    iteration_folder,
+    rank_folder,
+    read_shards,
+    write_shards,
+)
+from megatron.checkpoint.megatron_optim import (
+    ADAM_KINDS,
+    MASTER,
+    NO_OPTIM,
+    DistributedOptimizerStates,
+    OptimizerStates,
+    common_step,
+    core_order,
+    param_group,
+    rank_optimizer,
+    read_rank,
+    structure,
+)
 from megatron.checkpoint.megatron_shards import cut, merge
 from megatron.config import Config
 from megatron.config.schema import padded_vocab_size
@@ -39,6 +66,15 @@ def _rows(t: torch.Tensor, rows: int, vocab: int, name: str) -> torch.Tensor:
     return pad_vocab(t[:vocab], rows)
 
 
+def _core(params: dict[str, torch.Tensor], config: Config, tp: int) -> dict[str, torch.Tensor]:
+    """Our whole tensors (parameters, or one kind of optimizer state) as Megatron Core's whole state dict, the
+    vocabulary padded for ``tp``."""
+    m = config.model
+    rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
+    params = {name: _rows(t, rows, m.vocab_size, name) if is_vocab_padded(name) else t for name, t in params.items()}
+    return to_megatron_core_state(params, bool(m.swiglu))
+
+
 def export_state(params: dict[str, torch.Tensor], config: Config, tp: int, pp: int, *, step: int,
                  consumed_samples: int) -> tuple[dict[str, torch.Tensor], argparse.Namespace]:
     """(the whole Megatron Core state dict, the args of an export for ``tp`` x ``pp``) of our full parameters."""
@@ -47,20 +83,63 @@ def export_state(params: dict[str, torch.Tensor], config: Config, tp: int, pp: i
     if m.num_attention_heads % tp or groups % tp:
         raise CheckpointError(f"--tp {tp} must divide num_attention_heads ({m.num_attention_heads}) and the key/value "
                               f"groups ({groups}): Megatron gives each tensor-parallel rank whole query groups.")
-    rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
-    params = {name: _rows(t, rows, m.vocab_size, name) if is_vocab_padded(name) else t for name, t in params.items()}
     args = to_args(m, tp=tp, pp=pp, seq_length=config.dataset.max_seq_len, iteration=step,
                    consumed_train_samples=consumed_samples)
-    return to_megatron_core_state(params, bool(m.swiglu)), args
+    return _core(params, config, tp), args
 
 
-def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argparse.Namespace, step: int) -> str:
-    """Write the export in the format ``fmt`` (legacy: cut into the args' tp x pp rank files); its folder."""
+def export_optimizer(states: dict[str, dict[str, torch.Tensor]], params: dict[str, torch.Tensor], config: Config,
+                     tp: int) -> dict[str, dict[str, torch.Tensor]]:
+    """{kind: Megatron Core's whole state dict} of our AdamW states ({kind: our whole tensors}), the masters as
+    ``fp32_param``."""
+    return {**{kind: _core(states[kind], config, tp) for kind in ADAM_KINDS}, MASTER: _core(params, config, tp)}
+
+
+def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argparse.Namespace, step: int,
+                 optimizer: dict[str, dict[str, torch.Tensor]] | None = None, adam_step: float = 0.0,
+                 settings: dict | None = None, scheduler: dict | None = None) -> str:
+    """Write the export in the format ``fmt`` (legacy: cut into the args' tp x pp rank files); its folder.
+    ``optimizer`` ({kind: whole state dict}, ``export_optimizer``): the AdamW states at ``adam_step``, written as
+    Megatron Core's fp32 optimizer saves them, with its groups' ``settings`` (``megatron_optim.param_group``) and
+    the learning-rate ``scheduler``'s state (``opt_param_scheduler``)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    extra = {} if optimizer is None else {"opt_param_scheduler": scheduler}
     if fmt == "torch_dist":
-        return write_torch_dist(out, step, whole, args, args.num_layers)
+        if optimizer is not None:  # common.pt's part of the optimizer: its step and groups
+            (present,) = structure([whole])
+            extra["optimizer"] = {"state": {"common_step": torch.tensor(float(adam_step))},
+                                  "param_groups": [param_group(decayed, settings)
+                                                   for decayed, exists in zip((True, False), present) if exists]}
+        return write_torch_dist(out, step, whole, args, args.num_layers, optimizer, extra)
     tied = not args.untie_embeddings_and_output_weights
-    return write_shards(out, step, cut(whole, tp, pp, args.num_layers, bool(args.swiglu), tied), args, pp)
+    shards = cut(whole, tp, pp, args.num_layers, bool(args.swiglu), tied)
+    shards = {key: {name: model[name] for name in core_order(model)} for key, model in shards.items()}  # Megatron's
+    optimizers = None
+    if optimizer is not None:
+        cut_states = {kind: cut(optimizer[kind], tp, pp, args.num_layers, bool(args.swiglu), tied)
+                      for kind in ADAM_KINDS}
+        present = structure(list(shards.values()))
+        optimizers = {key: rank_optimizer(model, {kind: cut_states[kind][key] for kind in ADAM_KINDS}, adam_step,
+                                          settings, present) for key, model in shards.items()}
+    return write_shards(out, step, shards, args, pp, extra, optimizers)
+
+
+def schedule_state(config: Config, schedule_samples: int) -> tuple[dict, dict]:
+    """(the optimizer groups' settings at the schedule's position, Megatron's ``opt_param_scheduler`` state) of our
+    run's configuration: both schedules count samples (``num_steps``: the samples of the applied steps)."""
+    from megatron.optimizer.lr_schedule import build_param_schedule
+
+    try:
+        o, s = config.optimizer, build_param_schedule(config)
+    except (TypeError, ValueError) as err:  # a saved config without a resolved schedule
+        raise CheckpointError(f"the checkpoint's learning-rate schedule cannot be read ({err}); export it with "
+                              f"--no-optim.") from err
+    settings = {"lr": s.lr(schedule_samples), "weight_decay": s.weight_decay(schedule_samples), "max_lr": s.max_lr,
+                "min_lr": s.min_lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
+    scheduler = {"max_lr": s.max_lr, "lr_warmup_steps": s.warmup, "num_steps": schedule_samples,
+                 "lr_decay_style": s.decay_style, "lr_decay_steps": s.decay, "min_lr": s.min_lr, "start_wd": s.start_wd,
+                 "end_wd": s.end_wd, "wd_incr_style": s.wd_style, "wd_incr_steps": s.wd_length}
+    return settings, scheduler
 
 
 def read_params(reader: CheckpointReader) -> dict[str, torch.Tensor]:
@@ -70,23 +149,81 @@ def read_params(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return read_tensors(reader, "param")
 
 
-def import_state(path: str) -> tuple[argparse.Namespace, dict, dict[str, torch.Tensor]]:
-    """(args, the saved dict's other entries, our global parameters) of the Megatron-LM checkpoint at ``path``
-    (legacy or torch_dist)."""
+def import_state(path: str, optimizer: bool = True) -> tuple[argparse.Namespace, dict, dict[str, torch.Tensor],
+                                                            OptimizerStates | None]:
+    """(args, the saved dict's other entries, our global parameters, the optimizer states under our names or None)
+    of the Megatron-LM checkpoint at ``path`` (legacy or torch_dist). ``optimizer`` False: the weights only. The
+    parameters are the fp32 masters where the optimizer saved them."""
     folder = iteration_folder(path)
+    states = None
     if is_torch_dist(folder):
-        args, head, whole = read_torch_dist(folder)
+        args, head, whole, by_kind = read_torch_dist(folder, optimizer)
+        if by_kind:
+            missing = [kind for kind in ADAM_KINDS if kind not in by_kind]
+            if missing:
+                raise CheckpointError(f"{folder} holds optimizer states without {missing[0]}: not Adam's; {NO_OPTIM}.")
+            states = OptimizerStates(common_step(head.get("optimizer"), f"{folder}/common.pt"))
+            states.update(by_kind)
     else:
-        args, head, shards = read_shards(folder)
+        args, head, shards, optimizers = read_shards(folder)
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{folder} holds no 'args' (Megatron-LM saves its arguments there; they give the "
                               f"model's shape).")
     swiglu = bool(getattr(args, "swiglu", False))
     if not is_torch_dist(folder):
         tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-        whole = merge(shards, int(getattr(args, "tensor_model_parallel_size", 1) or 1),
-                      int(getattr(args, "pipeline_model_parallel_size", 1) or 1), swiglu, tied)
-    return args, head, {name: t.float() for name, t in from_megatron_core_state(whole, swiglu).items()}
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        whole = merge(shards, tp, pp, swiglu, tied)
+        if optimizer and optimizers:
+            states = _legacy_states(folder, shards, optimizers, tp, pp, swiglu, tied)
+    params = _ours(whole, swiglu)
+    if states is None:
+        return args, head, params, None
+    ours = OptimizerStates(states.step)
+    for kind, by_name in states.items():
+        if by_name:
+            ours[kind] = _ours(by_name, swiglu)
+            if ours[kind].keys() != params.keys():
+                missing = sorted(params.keys() - ours[kind].keys()) or sorted(ours[kind].keys() - params.keys())
+                raise CheckpointError(f"{folder}: the optimizer's {kind} does not cover the model's parameters "
+                                      f"({missing[0]}); {NO_OPTIM}.")
+    ours.masters = bool(ours[MASTER])
+    if ours.masters:
+        params = ours[MASTER]
+    del ours[MASTER]
+    return args, head, params, ours
+
+
+def _ours(whole: dict[str, torch.Tensor], swiglu: bool) -> dict[str, torch.Tensor]:
+    return {name: t.float() for name, t in from_megatron_core_state(whole, swiglu).items()}
+
+
+def _legacy_states(folder: str, shards: dict, optimizers: dict, tp: int, pp: int, swiglu: bool,
+                   tied: bool) -> OptimizerStates | None:
+    """The legacy ranks' optimizer states, merged like the weights (Megatron Core's names, whole)."""
+    for key, entry in optimizers.items():
+        where = os.path.join(folder, rank_folder(*key, pp))
+        if entry is DISTRIBUTED:
+            raise DistributedOptimizerStates(where)
+        if entry is LEGACY_MODEL:
+            raise CheckpointError(f"{where}: the optimizer states of Megatron-LM's legacy (non-Core) GPT model are not "
+                                  f"converted (its parameter order is its own); {NO_OPTIM}.")
+    if set(optimizers) != set(shards):
+        raise CheckpointError(f"{folder}: only some ranks saved an optimizer; {NO_OPTIM}.")
+    per_rank = {key: read_rank(optimizers[key], shards[key], os.path.join(folder, rank_folder(*key, pp), FILE))
+                for key in shards}
+    if all(r is None for r in per_rank.values()):
+        return None  # saved before the first step
+    steps = {r.step if r is not None else None for r in per_rank.values()}
+    if len(steps) != 1:
+        raise CheckpointError(f"{folder}: the ranks' optimizers are at different steps ({sorted(map(str, steps))}); "
+                              f"{NO_OPTIM}.")
+    out = OptimizerStates(steps.pop())
+    for kind in out:
+        if all(r[kind] for r in per_rank.values()):
+            out[kind] = merge({key: r[kind] for key, r in per_rank.items()}, tp, pp, swiglu, tied)
+    return out
 
 
 def fit_vocab(params: dict[str, torch.Tensor], vocab: int, rows: int) -> dict[str, torch.Tensor]:

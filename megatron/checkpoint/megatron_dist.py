@@ -9,15 +9,19 @@ distributed checkpoint (DCP) directly, in the layout Megatron Core's ``dist_chec
 
 Keys are Megatron Core's sharded-state-dict keys: whole (global) tensors, independent of the tp x pp layout that
 saved them; the decoder's layers stacked on a leading dim (``decoder.layers.self_attention.linear_qkv.weight`` of
-shape ``[num_layers, ...]``), the norms under the names Transformer Engine's fused layers give them
-(``input_layernorm.*`` -> ``self_attention.linear_qkv.layer_norm_*``, ``pre_mlp_layernorm.*`` ->
-``mlp.linear_fc1.layer_norm_*``), a SwiGLU ``linear_fc1`` as ``[gate; up]``. The linears' ``_extra_state``
-(None in the local spec) is written as Megatron writes it (bytes per layer), and skipped on reading.
+shape ``[num_layers, ...]``), or, for Megatron Core's non-homogeneous layers (a mixture of experts whose
+``moe_layer_freq`` is a list, as the exports here say), one key per layer (``decoder.layers.{i}.X``); a MoE layer's
+experts stacked on a leading dim (``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight`` of shape
+``[num_experts, ...]``), its router and shared expert as in the dense MLP; the norms under the names Transformer
+Engine's fused layers give them (``input_layernorm.*`` -> ``self_attention.linear_qkv.layer_norm_*``,
+``pre_mlp_layernorm.*`` -> ``mlp.linear_fc1.layer_norm_*``), a SwiGLU ``linear_fc1`` as ``[gate; up]``. The
+linears' ``_extra_state`` (None in the local spec) is written as Megatron writes it (bytes per layer, per expert),
+and skipped on reading. The optimizer states are ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``
+(``megatron_optim``), in the same layout; a distributed optimizer's bucket layout is refused in one line.
 
 Reading never unpickles arbitrary objects: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is
 read with an unpickler that builds only DCP's metadata classes, ``torch.Size`` and torch dtypes, and ``common.pt``
-with ``megatron_legacy.safe_load``. Mixture-of-experts models are not written or read in this format (its experts'
-keys differ); the legacy format converts them.
+with ``megatron_legacy.safe_load``.
 """
 
 from __future__ import annotations
@@ -35,14 +39,25 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.checkpoint.format import CheckpointError, write_text
 from megatron.checkpoint.megatron_legacy import CHECKPOINT_VERSION, TRACKER, safe_load
+from megatron.checkpoint.megatron_optim import NO_OPTIM
 
+# what Megatron-LM's save records of its sharded state dict's layout (get_sharded_sd_metadata, no distributed
+# optimizer), so that its load builds the same keys: the layers stacked (or per layer: non-homogeneous), no prefix
+# on a chain of optimizers
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
 _RENAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
-_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)experts\.(.+)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = "decoder.layers."
+OPTIMIZER_STATE = "optimizer.state."
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+# the master: fp32_param (fp32 optimizer; distributed, fully_sharded_model_space), param (fully_reshardable)
+_BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
 
 
 def is_torch_dist(folder: str) -> bool:
@@ -70,32 +85,99 @@ def _core_name(rest: str) -> str:
     return rest
 
 
-def _check_dense(names) -> None:
-    if any(".mlp.router." in n or ".experts." in n for n in names):
-        raise CheckpointError("a mixture of experts is not converted in the torch_dist format; use the legacy "
-                              "format (--format legacy, or Megatron's --ckpt-format torch).")
+def _fold_experts(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``...mlp.experts.local_experts.{e}.X`` -> ``...mlp.experts.experts.X`` stacked over the experts."""
+    out: dict[str, object] = {}
+    for name, t in whole.items():
+        found = _LOCAL_EXPERT.match(name)
+        if found:
+            out.setdefault(f"{found[1]}experts.{found[3]}", {})[int(found[2])] = t
+        else:
+            out[name] = t
+    return {name: torch.stack([v[e] for e in range(len(v))]) if isinstance(v, dict) else v
+            for name, v in out.items()}
 
 
-def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], args, num_layers: int) -> str:
-    """Write ``out/iter_{iteration:07d}`` (into a ``.tmp`` folder renamed when complete) and the tracker."""
-    _check_dense(whole)
+def _unfold_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        found = _EXPERTS.match(name)
+        if found:
+            out.update({f"{found[1]}local_experts.{e}.{found[2]}": t[e].clone() for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
+
+
+def _stacked(whole: dict[str, torch.Tensor], num_layers: int, prefix: str = "",
+             per_layer: bool = False) -> dict[str, torch.Tensor]:
+    """Megatron Core's sharded keys (``prefix`` before each) of a whole state dict: the experts stacked on a leading
+    dim, the layers too (``decoder.layers.X`` of ``[num_layers, ...]``), or, ``per_layer`` (Megatron Core's
+    non-homogeneous layers: a mixture of experts with a ``moe_layer_freq`` list), ``decoder.layers.{i}.X``."""
+    state: dict[str, torch.Tensor] = {}
+    layers: dict[str, list] = {}
+    for name, t in _fold_experts(whole).items():
+        found = _LAYER.match(name)
+        if found and per_layer:
+            state[f"{prefix}{_STACKED}{found[1]}.{_dist_name(found[2])}"] = t.contiguous()
+        elif found:
+            layers.setdefault(prefix + _STACKED + _dist_name(found[2]), [None] * num_layers)[int(found[1])] = t
+        else:
+            state[prefix + name] = t.contiguous()
+    for key, per_layer_tensors in layers.items():
+        state[key] = torch.stack(per_layer_tensors)
+    return state
+
+
+def _unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole state dict (per-layer, per-expert names) of Megatron Core's sharded keys, the layers stacked or
+    not."""
+    whole: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        found = _LAYER.match(key)
+        if found:
+            whole[f"{_STACKED}{found[1]}.{_core_name(found[2])}"] = t
+        elif key.startswith(_STACKED):
+            rest = _core_name(key[len(_STACKED):])
+            for i in range(t.shape[0]):
+                whole[f"{_STACKED}{i}.{rest}"] = t[i].clone()
+        else:
+            whole[key] = t
+    return _unfold_experts(whole)
+
+
+def _extra_states(state: dict[str, torch.Tensor], num_layers: int, per_layer: bool) -> dict[str, list]:
+    """The linears' ``_extra_state`` entries Megatron Core's loader asks for (None in the local spec: written as
+    DCP writes Megatron's sharded object, the list of its shards' data), one per layer / per expert."""
+    out = {}
+    for key, t in state.items():
+        module = key[:-len(".weight")] if key.endswith(".weight") else None
+        if module is None or not module.endswith(_LINEARS):
+            continue
+        if not per_layer:
+            out.update({f"{module}._extra_state/shard_{i}_{num_layers}": [None] for i in range(num_layers)})
+        elif _EXPERTS.match(key):
+            out.update({f"{module}._extra_state/shard_{e}_{t.shape[0]}": [None] for e in range(t.shape[0])})
+        else:
+            out[f"{module}._extra_state/shard_0_1"] = [None]
+    return out
+
+
+def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], args, num_layers: int,
+                     optimizer: dict[str, dict[str, torch.Tensor]] | None = None, common: dict | None = None) -> str:
+    """Write ``out/iter_{iteration:07d}`` (into a ``.tmp`` folder renamed when complete) and the tracker;
+    ``optimizer``: {kind: whole state dict} of the optimizer states (``optimizer.state.<kind>.<key>``);
+    ``common``: more entries of ``common.pt`` (the optimizer's groups and step, the scheduler). A mixture of experts
+    is written with per-layer keys (Megatron Core's non-homogeneous layers, as the export's ``moe_layer_freq``
+    list builds them)."""
     final = os.path.join(out, f"iter_{iteration:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose another output folder.")
-    state: dict[str, object] = {}
-    layers: dict[str, list] = {}
-    for name, t in whole.items():
-        found = _LAYER.match(name)
-        if found:
-            layers.setdefault(_STACKED + _dist_name(found[2]), [None] * num_layers)[int(found[1])] = t
-        else:
-            state[name] = t.contiguous()
-    for key, per_layer in layers.items():
-        state[key] = torch.stack(per_layer)
-    for module in _EXTRA_STATE:
-        for i in range(num_layers):
-            # DCP torch.saves a non-tensor value: Megatron Core's sharded object is the list of its shards' data
-            state[f"{_STACKED}{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+    per_layer = any(_LOCAL_EXPERT.match(name) for name in whole)
+    model = _stacked(whole, num_layers, per_layer=per_layer)
+    state: dict[str, object] = {**model, **_extra_states(model, num_layers, per_layer)}
+    for kind, states in (optimizer or {}).items():
+        state.update(_stacked(states, num_layers, f"{OPTIMIZER_STATE}{kind}.", per_layer))
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     with warnings.catch_warnings():
@@ -103,8 +185,8 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
         # flat keys, no flattening map in .metadata (Megatron Core's loader reads its BytesIO entries only then)
         dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(flatten_state_dict=False),
                  no_dist=True)
-    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
-               os.path.join(tmp, "common.pt"))
+    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                "content_metadata": CONTENT_METADATA, **(common or {})}, os.path.join(tmp, "common.pt"))
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON))
     os.replace(tmp, final)
     write_text(os.path.join(out, TRACKER), str(iteration))
@@ -147,15 +229,22 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-def read_torch_dist(folder: str) -> tuple[object, dict, dict[str, torch.Tensor]]:
-    """(args, common.pt's other entries, the whole Megatron Core state dict, per-layer names) of ``folder``."""
+def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, dict[str, torch.Tensor], dict]:
+    """(args, common.pt's other entries, the whole Megatron Core state dict, {kind: the whole optimizer states}
+    (empty when none are saved, or not ``optimizer``)) of ``folder``."""
     common = safe_load(os.path.join(folder, "common.pt"))
     args = common.get("args")
     reader = _SafeReader(folder)
     metadata = reader.read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    _check_dense(state)
+    keys = metadata.state_dict_metadata
+    unknown = [k for k in keys if _OPTIMIZER.match(k) and not _BY_NAME.match(k)]
+    if optimizer and unknown:
+        raise CheckpointError(f"{folder} holds optimizer states by gradient bucket ({unknown[0]}: the distributed "
+                              f"optimizer's dp_reshardable layout), which this tool does not convert; re-save it with "
+                              f"--dist-ckpt-optim-fully-reshardable (states by parameter name), {NO_OPTIM}.")
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in keys.items()
+             if isinstance(meta, TensorStorageMetadata) and (optimizer or not _OPTIMIZER.match(key))
+             and (not _OPTIMIZER.match(key) or _BY_NAME.match(key))}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -163,12 +252,11 @@ def read_torch_dist(folder: str) -> tuple[object, dict, dict[str, torch.Tensor]]
     except Exception as err:  # noqa: BLE001 - DCP raises its own wrapper types
         raise CheckpointError(f"cannot read the tensors of {folder} ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}).") from err
-    whole: dict[str, torch.Tensor] = {}
+    model = {k: t for k, t in state.items() if not _OPTIMIZER.match(k)}
+    states: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
-        if key.startswith(_STACKED):
-            rest = _core_name(key[len(_STACKED):])
-            for i in range(t.shape[0]):
-                whole[f"{_STACKED}{i}.{rest}"] = t[i].clone()
-        else:
-            whole[key] = t
-    return args, {k: v for k, v in common.items() if k != "args"}, whole
+        found = _BY_NAME.match(key)
+        if found:
+            states.setdefault("fp32_param" if found[1] == "param" else found[1], {})[found[2]] = t
+    return (args, {k: v for k, v in common.items() if k != "args"}, _unstacked(model),
+            {kind: _unstacked(by_key) for kind, by_key in states.items()})

@@ -38,6 +38,8 @@ from megatron.checkpoint.megatron_core_names import is_legacy_model_state, legac
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
+DISTRIBUTED_FILE = "distrib_optim.pt"  # --use-distributed-optimizer: the Adam states, flattened by bucket
+DISTRIBUTED, LEGACY_MODEL = "distributed optimizer", "legacy model"  # optimizer entries not converted
 CHECKPOINT_VERSION = 3.0
 # What Megatron-LM itself allows in its files (megatron.core.safe_globals): its enums are read as their
 # "Class.value" text and its OptimizerConfig as a plain record, never imported or constructed.
@@ -121,9 +123,12 @@ def iteration_folder(path: str) -> str:
     return found
 
 
-def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, int], dict]]:
-    """(args, the first file's dict without its model, {(tp_rank, pp_rank): model state dict}) of the legacy
-    iteration folder ``folder``; every rank file must be there."""
+def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, int], dict],
+                                     dict[tuple[int, int], object]]:
+    """(args, the first file's dict without its model, {(tp_rank, pp_rank): model state dict}, {(tp_rank, pp_rank):
+    its ``optimizer`` entry}, only for ranks that saved one) of the legacy iteration folder ``folder``; every rank
+    file must be there. A rank folder with ``distrib_optim.pt`` (the distributed optimizer's states) has its
+    ``optimizer`` entry replaced by ``DISTRIBUTED``."""
     first = _first_file(folder)
     head = safe_load(first)
     args = head.get("args")
@@ -139,16 +144,25 @@ def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, 
                               f"only --expert-model-parallel-size 1 checkpoints are converted.")
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    shards = {}
+    shards, optimizers = {}, {}
     for p in range(pp):
         for t in range(tp):
             file = os.path.join(folder, rank_folder(t, p, pp), FILE)
             if not os.path.isfile(file):
                 raise CheckpointError(f"{file} is missing: the checkpoint's args say tensor-parallel size {tp} and "
                                       f"pipeline size {pp}; every rank's file is needed.")
-            model = (head if file == first else safe_load(file))["model"]
-            shards[(t, p)] = legacy_to_core_state(model) if is_legacy_model_state(model) else model
-    return args, {k: v for k, v in head.items() if k != "model"}, shards
+            saved = head if file == first else safe_load(file)
+            model = saved["model"]
+            if is_legacy_model_state(model):
+                model = legacy_to_core_state(model)
+                if "optimizer" in saved:  # its parameter order is its own model's, not Megatron Core's
+                    saved = {**saved, "optimizer": LEGACY_MODEL}
+            shards[(t, p)] = model
+            if os.path.isfile(os.path.join(folder, rank_folder(t, p, pp), DISTRIBUTED_FILE)):
+                optimizers[(t, p)] = DISTRIBUTED
+            elif "optimizer" in saved:
+                optimizers[(t, p)] = saved["optimizer"]
+    return args, {k: v for k, v in head.items() if k != "model"}, shards, optimizers
 
 
 def _first_file(folder: str) -> str:
@@ -160,9 +174,10 @@ def _first_file(folder: str) -> str:
 
 
 def write_shards(out: str, iteration: int, shards: dict[tuple[int, int], dict], args: argparse.Namespace,
-                 pp: int, extra: dict | None = None) -> str:
+                 pp: int, extra: dict | None = None, optimizers: dict[tuple[int, int], object] | None = None) -> str:
     """Write ``out/iter_{iteration:07d}/mp_rank_*/model_optim_rng.pt`` (into a ``.tmp`` folder renamed when
-    complete) and ``out/latest_checkpointed_iteration.txt``; returns the iteration folder."""
+    complete) and ``out/latest_checkpointed_iteration.txt``; returns the iteration folder. ``extra``: more
+    entries of every file; ``optimizers``: each rank's ``optimizer`` entry."""
     final = os.path.join(out, f"iter_{iteration:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose another output folder.")
@@ -170,8 +185,9 @@ def write_shards(out: str, iteration: int, shards: dict[tuple[int, int], dict], 
     os.makedirs(tmp, exist_ok=True)
     for (t, p), model in shards.items():
         os.makedirs(os.path.join(tmp, rank_folder(t, p, pp)), exist_ok=True)
+        optimizer = {"optimizer": optimizers[(t, p)]} if optimizers else {}
         torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                    "model": model, **(extra or {})}, os.path.join(tmp, rank_folder(t, p, pp), FILE))
+                    "model": model, **(extra or {}), **optimizer}, os.path.join(tmp, rank_folder(t, p, pp), FILE))
     os.replace(tmp, final)
     write_text(os.path.join(out, TRACKER), str(iteration))
     return final

@@ -158,3 +158,48 @@ def tokens_and_labels():
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
 
 
+
+
+def core_optimizer(theirs, lr: float, weight_decay: float):
+    """Megatron Core's fp32 optimizer over ``theirs`` as ``get_megatron_optimizer`` builds it without a distributed
+    optimizer (inside ``megatron_core()``): ``FP32Optimizer`` around torch's AdamW over ``_get_param_groups``'
+    groups (decayed matrices, then biases and norms); a ``ChainedOptimizer`` of the dense parameters' and the
+    experts' when experts have ``allreduce`` False (only with expert parallelism > 1: not here). Its constructor's
+    one CUDA tensor (the unit loss scale) is made on the CPU."""
+    import types
+
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer import optimizer as core_optimizer_module
+
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=0.0)
+    groups = _get_param_groups([theirs], config, None)
+
+    def init_state_fn(opt, config=None):  # get_megatron_optimizer's, for an optimizer loading a state
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state[p]:
+                    opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+
+    real = torch.tensor
+    cpu_torch = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
+    cpu_torch.tensor = lambda *args, device=None, **kwargs: real(*args, **kwargs)
+    chain = []
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(core_optimizer_module, "torch", cpu_torch)
+        for expert in (False, True):
+            mine = [g for g in groups if g["is_expert_parallel"] == expert]
+            if mine:
+                inner = torch.optim.AdamW(mine, lr=lr, weight_decay=weight_decay,
+                                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+                chain.append(FP32Optimizer(inner, config, init_state_fn))
+    return chain[0] if len(chain) == 1 else ChainedOptimizer(chain)
+
+
+def core_step(theirs, optimizer, tokens, labels, lr: float, weight_decay: float) -> None:
+    """One training step of Megatron Core's model and optimizer at ``lr`` and ``weight_decay`` (what its
+    scheduler sets: times each group's ``lr_mult`` and ``wd_mult``), the loss the mean over the tokens."""
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = lr * group["lr_mult"], weight_decay * group["wd_mult"]
+    optimizer.zero_grad()
+    core_forward(theirs.train(), tokens, labels).mean().backward()
+    assert optimizer.step()[0]

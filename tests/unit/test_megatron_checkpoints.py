@@ -4,11 +4,11 @@
   step and consumed samples kept, and the rank files hold Megatron Core's layout (QKV rows per query group, SwiGLU's
   ``[gate_r; up_r]`` per tp rank, row-parallel columns, layers numbered per stage, the tied head's copy on the last
   stage, the vocabulary padded for Megatron's tp); the same from the legacy (non-Core) GPT model's names; the
-  torch_dist format (DCP) likewise, a mixture of experts refused there in one line;
+  torch_dist format (DCP) likewise, a mixture of experts included (its experts stacked, one key per layer);
 - against NVIDIA's Megatron Core (``tests/unit/megatron_core_reference.py``, skipped when absent): its ``GPTModel``
   loads a ``to-megatron`` export and gives our logits (GPT-2 and Llama shapes; torch_dist through its own
   ``dist_checkpointing.load``); its own state dict, saved in the legacy layout as Megatron-LM's ``save_checkpoint``
-  writes it (``args`` Namespace with Megatron's enums, numpy RNG state, optimizer) and by its own
+  writes it (``args`` Namespace with Megatron's enums, numpy RNG state) and by its own
   ``dist_checkpointing.save`` (torch_dist), converts with ``from-megatron``, gives its logits here and continues
   training in ``pretrain_gpt.py --load``;
 - what cannot be read safely (a pickled payload in a rank file or in DCP's ``.metadata``) or converted is one line
@@ -88,7 +88,7 @@ def assert_round_trip(tmp_path, config, params):
         assert torch.equal(back[name], t), name
 
 
-@pytest.mark.parametrize("shape", ["gpt2", "llama"])
+@pytest.mark.parametrize("shape", ["gpt2", "llama", "llama_moe"])
 def test_ours_to_megatron_torch_dist_and_back_is_bitwise(tmp_path, one_process, shape):
     config, params = our_checkpoint(tmp_path / "run", SHAPES[shape])
     assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist",
@@ -99,14 +99,6 @@ def test_ours_to_megatron_torch_dist_and_back_is_bitwise(tmp_path, one_process, 
     args = safe_load(str(folder / "common.pt"))["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.padded_vocab_size) == (2, 2, 256)
     assert_round_trip(tmp_path, config, params)
-
-
-def test_a_mixture_of_experts_in_torch_dist_is_refused_in_one_line(tmp_path, one_process, capsys):
-    our_checkpoint(tmp_path / "run", SHAPES["llama_moe"])
-    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "use the legacy format" in err, err
-    assert not list((tmp_path / "meg").glob("iter_*")) if (tmp_path / "meg").exists() else True
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -189,23 +181,58 @@ def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
 
 
 def test_megatron_cores_dist_checkpointing_loads_the_torch_dist_export_with_our_logits(tmp_path):
+    """Llama shape, and Llama-shaped MoE (a MoE layer, then a dense one; a shared expert): Megatron Core's
+    ``dist_checkpointing.load`` reads the export into its GPTModel with our logits."""
     with megatron_core() as mcore:
         from megatron.core import dist_checkpointing
 
-        config, ours, theirs = build_pair(mcore, *LLAMA)
-        write_params(str(tmp_path / "run"), config, {n: p.detach() for n, p in ours.named_parameters()}, step=3)
-        assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format",
-                             "torch_dist"]) == 0
-        with torch.no_grad():
-            for p in theirs.parameters():
-                p.zero_()
-        with torch.serialization.safe_globals([argparse.Namespace]):  # common.pt: torch.load is weights-only
-            loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()},
-                                             str(tmp_path / "meg" / "iter_0000003"))
-        theirs.load_state_dict(loaded["model"], strict=True)
+        for shape, flags in (("llama", LLAMA), ("moe", [*LLAMA, *MOE, "--moe-shared-expert-intermediate-size", "16"])):
+            config, ours, theirs = build_pair(mcore, *flags)
+            run, meg = tmp_path / shape / "run", tmp_path / shape / "meg"
+            write_params(str(run), config, {n: p.detach() for n, p in ours.named_parameters()}, step=3)
+            assert convert.main(["to-megatron", str(run), str(meg), "--format", "torch_dist"]) == 0
+            with torch.no_grad():
+                for p in theirs.parameters():
+                    p.zero_()
+            with torch.serialization.safe_globals([argparse.Namespace]):  # common.pt: torch.load is weights-only
+                loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, str(meg / "iter_0000003"))
+            theirs.load_state_dict(loaded["model"], strict=True)
+            tokens, _ = tokens_and_labels()
+            with torch.no_grad():
+                assert_close_to_scale(core_forward(theirs.eval(), tokens), ours.eval()(tokens), f"{shape} logits")
+
+
+def test_megatron_cores_own_moe_torch_dist_checkpoint_gives_its_logits_here(tmp_path, one_process):
+    """A Llama-shaped MoE GPTModel of Megatron Core saved by its own ``dist_checkpointing.save`` (experts stacked,
+    one key per layer) converts with ``from-megatron`` and gives its logits here."""
+    folder = tmp_path / "meg" / "iter_0000004"
+    with megatron_core() as mcore:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        config, _, theirs = build_pair(mcore, *LLAMA, *MOE, "--moe-shared-expert-intermediate-size", "16")
+        args = megatron_args(config)
+        args.num_experts, args.moe_router_topk, args.moe_layer_freq = 4, 2, [1, 0]
+        args.moe_shared_expert_intermediate_size, args.moe_router_load_balancing_type = 16, "aux_loss"
+        args.moe_aux_loss_coeff, args.moe_token_dispatcher_type = 0.1, "allgather"
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
+            folder.mkdir(parents=True)
+            dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": args, "iteration": 4,
+                                     "checkpoint_version": 3.0}, str(folder))
+        (tmp_path / "meg" / TRACKER).write_text("4")
         tokens, _ = tokens_and_labels()
         with torch.no_grad():
-            assert_close_to_scale(core_forward(theirs.eval(), tokens), ours.eval()(tokens), "logits")
+            logits = core_forward(theirs.eval(), tokens)
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 0
+    reader, _, config = open_checkpoint(str(tmp_path / "ours"))
+    assert config.model.num_experts == 4
+    model = GPTModel(config.model, config.padded_vocab_size).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(reader.full("param", name))
+        assert_close_to_scale(model(tokens), logits, "logits")
 
 
 def megatron_args(config) -> argparse.Namespace:
@@ -246,8 +273,7 @@ def core_checkpoint(tmp_path_factory):
         args.attention_backend, args.save = AttnBackend.auto, pathlib.PosixPath("/ckpts/gpt")
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 6, "model_type": ModelType.encoder_or_decoder,
                  "rerun_state_machine": {"mode": RerunMode.DISABLED, "extra": types.SimpleNamespace(a=1)},
-                 "model": theirs.state_dict(), "rng_state": [rng], "num_floating_point_operations_so_far": 0,
-                 "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]}}}
+                 "model": theirs.state_dict(), "rng_state": [rng], "num_floating_point_operations_so_far": 0}
         (folder / "legacy" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
         torch.save(state, folder / "legacy" / "iter_0000006" / "mp_rank_00" / FILE)
         (folder / "legacy" / TRACKER).write_text("6")
@@ -266,11 +292,9 @@ def core_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_process, core_checkpoint, capsys, fmt):
+def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, one_process, core_checkpoint, fmt):
     folder, tokens, logits = core_checkpoint
     assert convert.main(["from-megatron", str(folder / fmt), str(tmp_path / "ours")]) == 0
-    if fmt == "legacy":
-        assert "optimizer states are not converted" in capsys.readouterr().out
     reader, common, config = open_checkpoint(str(tmp_path / "ours"))
     assert common["step"] == 6 and common["train_state"]["consumed_samples"] == 24
     model = GPTModel(config.model, config.padded_vocab_size).eval()
