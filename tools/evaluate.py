@@ -127,9 +127,10 @@ def evaluate(args: argparse.Namespace, config, tokenizer, texts: list[str]) -> d
     return result
 
 
-def evaluate_lm_eval(args: argparse.Namespace, rest: list[str]) -> dict:
+def evaluate_lm_eval(args: argparse.Namespace, rest: list[str]) -> dict | None:
     """lm-eval's results dictionary on the checkpoint (``harness.evaluate``), with where the numbers come
-    from under ``megatron``. The tasks are found before the checkpoint is read."""
+    from under ``megatron`` (None on the ranks lm-eval gives none). The tasks are found before the checkpoint
+    is read."""
     tasks = [t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()]
     if not tasks:
         raise ValueError("--task lm-eval needs --lm-eval-tasks T1,T2: the lm-eval tasks to run.")
@@ -145,6 +146,8 @@ def evaluate_lm_eval(args: argparse.Namespace, rest: list[str]) -> dict:
                     max_gen_toks=args.max_gen_toks, seed=config.seed)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     result = harness.evaluate(lm, tasks, manager, limit, args.num_fewshot, args.log_samples, args.bootstrap_iters)
+    if result is None:  # lm-eval gives the results to the processes of local rank 0 only
+        return None
     ps = evaluator.ps
     result["megatron"] = {"checkpoint": evaluator.path, "step": evaluator.step, "max_length": lm.max_length,
                           "batch_size": lm.batch_size, "layout": {"tp": ps.tp_size, "pp": ps.pp_size,
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.task == "lm-eval":
             result = evaluate_lm_eval(args, rest)
-            summary = {"results": result["results"], "megatron": result["megatron"]}
+            summary = result and {"results": result["results"], "megatron": result["megatron"]}
         else:
             texts = read_input(args)  # a bad input is said before the checkpoint is read
             config, tokenizer = configure(rest)

@@ -52,14 +52,17 @@ def _missing(manager, tasks: list[str]) -> list[str]:
 
 
 def evaluate(lm, tasks: list[str], manager, limit: float | None = None, num_fewshot: int | None = None,
-             log_samples: bool = False, bootstrap_iters: int = 100000) -> dict:
+             log_samples: bool = False, bootstrap_iters: int = 100000) -> dict | None:
     """lm-eval's results dictionary (``results`` keyed by task, metrics as lm-eval names them), made JSON-safe
     (lm-eval's own ``handle_non_serializable``); ``samples`` (each example's requests and responses) only
-    with ``log_samples``. ``bootstrap_iters``: lm-eval's, for the metrics' standard errors (0: none)."""
+    with ``log_samples``; None where lm-eval returns none (LOCAL_RANK > 0). ``bootstrap_iters``: lm-eval's,
+    for the metrics' standard errors (0: none)."""
     import lm_eval
     from lm_eval.utils import handle_non_serializable
 
     results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                       num_fewshot=num_fewshot, log_samples=log_samples,
                                       bootstrap_iters=bootstrap_iters)
+    if results is None:  # a process of local rank > 0: lm-eval's evaluator returns nothing there
+        return None
     return json.loads(json.dumps(results, default=handle_non_serializable))

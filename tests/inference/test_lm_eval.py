@@ -1,0 +1,159 @@
+"""lm-evaluation-harness on the checkpoint (``MegatronLM``, ``tools/evaluate.py --task lm-eval``) against
+lm-eval's own ``hf`` backend on the ``to-hf`` export, over three offline tasks (``lm_eval_tasks``: a cloze
+scored by ``loglikelihood``, documents by ``loglikelihood_rolling``, ``generate_until``), on one process and
+at tp 2 and pp 2 under torchrun."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from megatron.inference import initialize, load_model, tokenizer_for
+from tests.functional.launch import outcome, run_several, run_tool_here
+from tests.inference.lm_eval_tasks import MAX_GEN_TOKS, TASKS, hf_lm, write_tasks
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e .[eval]")
+
+MAX_LENGTH = 48  # shorter than the model's 96 positions: the licence's documents take several rolling windows
+BATCH = 4
+METRICS = {"megatron_cloze": ("acc,none", "perplexity,none"),
+           "megatron_rolling": ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"),
+           "megatron_generate": ("exact_match,none",)}
+
+
+def _greedy(model, tokenizer, vocab: int, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        for _ in range(n):
+            ids = ids + [int(model(torch.tensor([ids]))[0, -1, :vocab].argmax())]
+    return ids[-n:]
+
+
+@pytest.fixture(scope="module")
+def task_dir(checkpoint, tmp_path_factory):
+    """The three tasks, with examples the random model gets right and others it gets wrong (from the inference
+    loader's model, not the code under test): cloze passages of the Python licence completed by the model's
+    argmax word, and prompts whose answer is its greedy continuation (or another)."""
+    from tests.inference.test_evaluate import _document
+
+    initialize()
+    model, config = load_model(checkpoint)
+    tokenizer, vocab = tokenizer_for(config), config.model.vocab_size
+    lines = [" ".join(line.split()) for line in _document().splitlines() if len(line.split()) >= 6]
+    guessed = []
+    for words in (line.split() for line in lines):
+        for n in range(3, len(words)):
+            context = " ".join(words[:n])
+            best = _greedy(model, tokenizer, vocab, tokenizer.tokenize(context), 1)[0]
+            word = tokenizer.detokenize([best])
+            if word.startswith(" ") and word[1:].isalpha() and tokenizer.tokenize(word) == [best]:
+                guessed.append(context + word)
+                break
+        if len(guessed) == 4:
+            break
+    documents = [_document()[:700], _document()[700:1000], "the model reads every token"]
+    generate = []
+    for i, line in enumerate(lines[:6]):
+        prompt = " ".join(line.split()[:4])
+        text = tokenizer.detokenize(_greedy(model, tokenizer, vocab, tokenizer.tokenize(prompt), MAX_GEN_TOKS))
+        generate.append((prompt, text.split("\n")[0] if i % 2 == 0 else " no"))
+    return write_tasks(tmp_path_factory.mktemp("lm-eval-tasks"), lines[:6] + guessed, documents, generate)
+
+
+def _args(task_dir, checkpoint, out) -> list[str]:
+    return ["--task", "lm-eval", "--lm-eval-tasks", ",".join(TASKS), "--include-path", str(task_dir), "--load",
+            checkpoint, "--max-seq-len", str(MAX_LENGTH), "--batch-size", str(BATCH), "--micro-batch-size", "2",
+            "--log-samples", "--bootstrap-iters", "0", "--output", str(out)]
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint, task_dir, tmp_path_factory) -> dict:
+    """tools/evaluate.py --task lm-eval on one process (in this one)."""
+    out = tmp_path_factory.mktemp("lm-eval-ours") / "results.json"
+    done = run_tool_here("tools/evaluate.py", *_args(task_dir, checkpoint, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["results"] == json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint, task_dir, tmp_path_factory) -> dict:
+    """lm-eval's hf backend on the to-hf export of the checkpoint."""
+    pytest.importorskip("transformers")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+
+    export = tmp_path_factory.mktemp("lm-eval-hf")
+    assert run_tool_here("tools/convert_checkpoint.py", "to-hf", checkpoint, str(export)).returncode == 0
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    results = lm_eval.simple_evaluate(model=hf_lm(str(export), MAX_LENGTH, BATCH), tasks=list(TASKS),
+                                      task_manager=manager, log_samples=True, bootstrap_iters=0)
+    return json.loads(json.dumps(results, default=handle_non_serializable))  # as tools/evaluate.py writes it
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """Every metric and every example's response of ``got`` equal ``want``'s: accuracies and exact matches
+    exactly, log-likelihoods (and the perplexities made of them) within 1e-4."""
+    for task, metrics in METRICS.items():
+        for metric in metrics:
+            exact = metric.startswith(("acc", "exact_match"))
+            assert got["results"][task][metric] == (want["results"][task][metric] if exact else
+                                                    pytest.approx(want["results"][task][metric], rel=1e-4)), metric
+        assert len(got["samples"][task]) == len(want["samples"][task])
+        for mine, theirs in zip(got["samples"][task], want["samples"][task], strict=True):
+            assert mine["doc"] == theirs["doc"]
+            ((response,),), ((expected,),) = mine["resps"], theirs["resps"]  # one request, one response
+            if task == "megatron_cloze":  # (log-likelihood, greedy)
+                assert response[0] == pytest.approx(expected[0], abs=1e-4) and response[1] == expected[1]
+            elif task == "megatron_rolling":  # the document's log-likelihood
+                assert response == pytest.approx(expected, abs=1e-4)
+            else:  # the generated text
+                assert response == expected
+
+
+def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
+    """Same accuracy and exact match, per-example log-likelihoods within 1e-4, the same generated texts; the
+    comparison means something: some answers right and some wrong, documents over several windows."""
+    assert_same(ours, hf)
+    assert 0 < ours["results"]["megatron_cloze"]["acc,none"] < 1
+    assert 0 < ours["results"]["megatron_generate"]["exact_match,none"] < 1
+    assert ours["megatron"]["max_length"] == MAX_LENGTH and ours["megatron"]["layout"]["tp"] == 1
+
+
+@pytest.mark.slow
+def test_tp2_and_pp2_give_the_one_process_results(checkpoint, task_dir, ours, tmp_path):
+    """tools/evaluate.py --task lm-eval under torchrun at tp 2 and at pp 2 (one two-rank launch)."""
+    runs = [(tmp_path / name, [*_args(task_dir, checkpoint, tmp_path / f"{name}.json"), *layout])
+            for name, layout in (("tp2", ["--tp", "2"]), ("pp2", ["--pp", "2"]))]
+    launch = run_several(runs, 2, program="tools/evaluate.py")
+    for out, _ in runs:
+        outcome(out, 2, launch).check()
+        result = json.loads((tmp_path / f"{out.name}.json").read_text())
+        assert result["megatron"]["layout"][out.name[:2]] == 2
+        assert_same(result, ours)
+        assert not (out / "rank1.out").read_text()  # rank 0 writes
+
+
+def test_an_unknown_task_is_one_line_before_the_checkpoint_is_read(task_dir, tmp_path, monkeypatch):
+    """(lm-eval's own thousands of tasks are left out of the search here: indexing them takes 20 s.)"""
+    import lm_eval.tasks
+
+    class OnlyIncluded(lm_eval.tasks.TaskManager):
+        def __init__(self, include_path=None, include_defaults=True, **kwargs):
+            super().__init__(include_path=include_path, include_defaults=False, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", OnlyIncluded)
+    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "megatron_cloze,no_such_task",
+                         "--include-path", str(task_dir), "--load", str(tmp_path / "none"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("evaluate.py: error: unknown lm-eval task no_such_task: ")
+
+
+def test_without_lm_eval_the_command_says_how_to_install_it(checkpoint, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "x", "--load", checkpoint)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "pip install -e .[eval]" in done.stderr.strip().splitlines()[-1]
