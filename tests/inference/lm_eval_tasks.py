@@ -17,7 +17,7 @@ from pathlib import Path
 
 CLOZE, ROLLING, GENERATE = "megatron_cloze", "megatron_rolling", "megatron_generate"
 TASKS = (CLOZE, ROLLING, GENERATE)
-MAX_GEN_TOKS = 8
+MAX_GEN_TOKS = 6
 
 _YAML = {
     CLOZE: """output_type: loglikelihood

@@ -18,7 +18,7 @@ from tests.inference.lm_eval_tasks import MAX_GEN_TOKS, TASKS, hf_lm, write_task
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e .[eval]")
 
 MAX_LENGTH = 48  # shorter than the model's 96 positions: the licence's documents take several rolling windows
-BATCH = 4
+BATCH = 16  # requests per forward: each kind of request in one or two calls
 METRICS = {"megatron_cloze": ("acc,none", "perplexity,none"),
            "megatron_rolling": ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"),
            "megatron_generate": ("exact_match,none",)}
@@ -123,6 +123,28 @@ def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
     assert ours["megatron"]["max_length"] == MAX_LENGTH and ours["megatron"]["layout"]["tp"] == 1
 
 
+def test_the_python_api_by_lm_evals_registered_name(checkpoint, task_dir, ours):
+    """``simple_evaluate(model="megatron-gpt", model_args=...)``: lm-eval builds MegatronLM from the checkpoint
+    (the layout flags as ``args``) and answers as the command does."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import megatron.evaluation.lm_eval_model  # noqa: F401 - registers megatron-gpt
+    from megatron.initialize import shutdown
+
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    try:
+        results = lm_eval.simple_evaluate(
+            model="megatron-gpt", model_args=f"load={checkpoint},args=--max-seq-len {MAX_LENGTH}", batch_size=BATCH,
+            tasks=["megatron_cloze"], task_manager=manager, limit=3, log_samples=True, bootstrap_iters=0)
+    finally:
+        shutdown()
+    got = [sample["resps"][0][0] for sample in results["samples"]["megatron_cloze"]]
+    want = [sample["resps"][0][0] for sample in ours["samples"]["megatron_cloze"][:3]]
+    assert [g[1] for g in got] == [w[1] for w in want]
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-6)
+
+
 @pytest.mark.slow
 def test_tp2_and_pp2_give_the_one_process_results(checkpoint, task_dir, ours, tmp_path):
     """tools/evaluate.py --task lm-eval under torchrun at tp 2 and at pp 2 (one two-rank launch)."""
@@ -134,6 +156,7 @@ def test_tp2_and_pp2_give_the_one_process_results(checkpoint, task_dir, ours, tm
         result = json.loads((tmp_path / f"{out.name}.json").read_text())
         assert result["megatron"]["layout"][out.name[:2]] == 2
         assert_same(result, ours)
+        assert json.loads(outcome(out, 2, launch).stdout.splitlines()[-1])["results"] == result["results"]
         assert not (out / "rank1.out").read_text()  # rank 0 writes
 
 
