@@ -98,7 +98,9 @@ class MegatronLM(TemplateLM):
             for _, context, continuation in chunk:
                 tokens = (context + continuation)[-(self.max_length + 1):]
                 samples.append((tokens, min(len(continuation), len(tokens) - 1)))
-            for (request, _, _), answer in zip(chunk, self.scorer.loglikelihoods(samples), strict=True):
+            scored = iter(self.scorer.loglikelihoods([s for s in samples if s[1] > 0]))
+            answers = [next(scored) if n > 0 else (0.0, True) for _, n in samples]  # nothing to score: HFLM's too
+            for (request, _, _), answer in zip(chunk, answers, strict=True):
                 results.append(answer)
                 if request is not None:  # rolling windows are cached per document instead
                     self.cache_hook.add_partial("loglikelihood", request, answer)

@@ -124,9 +124,11 @@ def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
 
 
 def test_the_python_api_by_lm_evals_registered_name(checkpoint, task_dir, ours):
-    """``simple_evaluate(model="megatron-gpt", model_args=...)``: lm-eval builds MegatronLM from the checkpoint
-    (the layout flags as ``args``) and answers as the command does."""
+    """lm-eval builds MegatronLM from its registered name and a model_args string (the layout flags as
+    ``args``), and it answers as the command does; an empty continuation and sampling."""
     import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
 
     import megatron.evaluation.lm_eval_model  # noqa: F401 - registers megatron-gpt
@@ -134,15 +136,27 @@ def test_the_python_api_by_lm_evals_registered_name(checkpoint, task_dir, ours):
 
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     try:
-        results = lm_eval.simple_evaluate(
-            model="megatron-gpt", model_args=f"load={checkpoint},args=--max-seq-len {MAX_LENGTH}", batch_size=BATCH,
-            tasks=["megatron_cloze"], task_manager=manager, limit=3, log_samples=True, bootstrap_iters=0)
+        lm = get_model("megatron-gpt").create_from_arg_string(
+            f"load={checkpoint},args=--max-seq-len {MAX_LENGTH}", {"batch_size": BATCH, "device": None})
+        results = lm_eval.simple_evaluate(model=lm, tasks=["megatron_cloze"], task_manager=manager, limit=3,
+                                          log_samples=True, bootstrap_iters=0)
+        got = [sample["resps"][0][0] for sample in results["samples"]["megatron_cloze"]]
+        want = [sample["resps"][0][0] for sample in ours["samples"]["megatron_cloze"][:3]]
+        assert [g[1] for g in got] == [w[1] for w in want]
+        assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-6)
+        # An empty continuation scores nothing, as HFLM's: (0, greedy).
+        assert lm.loglikelihood([Instance("loglikelihood", {}, ("the model", ""), 0)]) == [(0.0, True)]
+        # Sampling: drawn from the seeded generator (every rank draws the same), top_k 1 is the greedy choice.
+        def generate(**kwargs):
+            lm.generator.manual_seed(7)
+            gen_kwargs = {"until": ["\n"], "max_gen_toks": 6, **kwargs}
+            return lm.generate_until([Instance("generate_until", {}, ("the model reads", gen_kwargs), 0)] * 3)
+
+        sampled = generate(do_sample=True, temperature=1.0, top_p=0.95)
+        assert sampled == generate(do_sample=True, temperature=1.0, top_p=0.95) and len(set(sampled)) > 1
+        assert generate(do_sample=True, temperature=1.0, top_k=1) == generate(do_sample=False)
     finally:
         shutdown()
-    got = [sample["resps"][0][0] for sample in results["samples"]["megatron_cloze"]]
-    want = [sample["resps"][0][0] for sample in ours["samples"]["megatron_cloze"][:3]]
-    assert [g[1] for g in got] == [w[1] for w in want]
-    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-6)
 
 
 @pytest.mark.slow
