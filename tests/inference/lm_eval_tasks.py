@@ -1,6 +1,6 @@
 """Offline lm-eval tasks over local JSON lines, written by the tests themselves (lm-eval reads them with
-``dataset_path: json``; nothing is downloaded): give ``--include-path`` (or ``TaskManager(include_path=...)``)
-the folder ``write_tasks`` returns.
+``dataset_path: json``; nothing is downloaded, and the datasets cache is the folder's ``cache``): give
+``--include-path`` (or ``TaskManager(include_path=...)``) the folder ``write_tasks`` returns.
 
 - ``megatron_cloze`` (``loglikelihood``; ``acc``, ``perplexity``): lm-eval's ``lambada_openai`` definition, a
   passage's last word predicted from the rest (the target with its leading space).
@@ -74,6 +74,7 @@ def write_tasks(folder: Path, cloze: list[str], documents: list[str], generate: 
         data.write_text("".join(json.dumps(row) + "\n" for row in rows[name]))
         (folder / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\n"
                                              f"dataset_kwargs:\n  data_files:\n    train: {json.dumps(str(data))}\n"
+                                             f"  cache_dir: {json.dumps(str(folder / 'cache'))}\n"
                                              + _YAML[name])
     return folder
 
