@@ -194,3 +194,11 @@ def test_without_lm_eval_the_command_says_how_to_install_it(checkpoint, monkeypa
     done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "x", "--load", checkpoint)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "pip install -e .[eval]" in done.stderr.strip().splitlines()[-1]
+
+
+def test_the_other_tasks_still_need_an_input():
+    """--input is optional now (lm-eval reads its tasks' data): perplexity and lambada without it are one line."""
+    done = run_tool_here("tools/evaluate.py", "--task", "perplexity", "--load", "anything")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == ["evaluate.py: error: --task perplexity needs --input FILE: the text to "
+                                                "evaluate."]
