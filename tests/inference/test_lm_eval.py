@@ -114,6 +114,7 @@ def assert_same(got: dict, want: dict) -> None:
                 assert response == expected
 
 
+@pytest.mark.slow  # evaluates the model three ways
 def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
     """Same accuracy and exact match, per-example log-likelihoods within 1e-4, the same generated texts; the
     comparison means something: some answers right and some wrong, documents over several windows."""
@@ -123,6 +124,7 @@ def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
     assert ours["megatron"]["max_length"] == MAX_LENGTH and ours["megatron"]["layout"]["tp"] == 1
 
 
+@pytest.mark.slow
 def test_the_python_api_by_lm_evals_registered_name(checkpoint, task_dir, ours):
     """lm-eval builds MegatronLM from its registered name and a model_args string (the layout flags as
     ``args``), and it answers as the command does; an empty continuation and sampling."""
@@ -174,7 +176,7 @@ def test_tp2_and_pp2_give_the_one_process_results(checkpoint, task_dir, ours, tm
         assert not (out / "rank1.out").read_text()  # rank 0 writes
 
 
-def test_an_unknown_task_is_one_line_before_the_checkpoint_is_read(task_dir, tmp_path, monkeypatch):
+def test_an_unknown_task_is_one_line_before_the_checkpoint_is_read(tmp_path, monkeypatch):
     """(lm-eval's own thousands of tasks are left out of the search here: indexing them takes 20 s.)"""
     import lm_eval.tasks
 
@@ -183,15 +185,17 @@ def test_an_unknown_task_is_one_line_before_the_checkpoint_is_read(task_dir, tmp
             super().__init__(include_path=include_path, include_defaults=False, **kwargs)
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", OnlyIncluded)
+    task_dir = write_tasks(tmp_path / "tasks", ["a cloze passage"], ["a document"], [("a prompt", " an answer")])
     done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "megatron_cloze,no_such_task",
                          "--include-path", str(task_dir), "--load", str(tmp_path / "none"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("evaluate.py: error: unknown lm-eval task no_such_task: ")
 
 
-def test_without_lm_eval_the_command_says_how_to_install_it(checkpoint, monkeypatch):
+def test_without_lm_eval_the_command_says_how_to_install_it(tmp_path, monkeypatch):
+    """Said before the checkpoint (here none) is read."""
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
-    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "x", "--load", checkpoint)
+    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "x", "--load", str(tmp_path))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "pip install -e .[eval]" in done.stderr.strip().splitlines()[-1]
 
