@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 # --- accepted, with a line of its own at start: what to do instead --------------------------------------
 def said_instead(flag: str, values: list[str]) -> str | None:
     """The start-up line of an accepted flag whose user needs more than "no effect here", or None."""
