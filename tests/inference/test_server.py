@@ -226,7 +226,7 @@ BAD = [
     ({"prompt": [300, 301]}, "prompt"),  # beyond the tokenizer's vocabulary (and the model's)
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": [1] * 97}, "prompt"),  # more ids than the model's 96 positions, refused before decoding
-    ({"prompt": ["a"] * 33}, "prompt"),  # more prompts than --max-batch-size
+    ({"prompt": ["a"] * 4097}, "prompt"),  # more prompts than --max-prompts
 ]
 
 
