@@ -20,11 +20,12 @@ the followers' waiting broadcast never reaches the process group's timeout.
 
 Only requests the engine's ``check`` accepts are queued (the HTTP side checks every field first),
 so a bad request never reaches a batch or a collective. A batch that fails anyway fails only its
-own requests (a 500; a job with rows still to run is cancelled), and the server keeps serving: on every rank when the engine raised
-``BatchError`` (every rank left the batch at the same step); on rank 0 alone when delivering the
-events failed, after which rank 0 cancels the batch's rows and runs the engine to their end so the
-other ranks finish the batch with it. Any other error from the engine under tensor parallelism may
-have left the ranks out of step (one inside a collective the others skipped): the server stops.
+own requests (a 500; a job with rows still to run is cancelled), and the server keeps serving: on
+every rank when the engine raised ``BatchError`` (every rank left the batch at the same step); on
+rank 0 alone when delivering the events failed, after which rank 0 cancels the batch's rows and runs
+the engine to their end so the other ranks finish the batch with it. Any other error from the engine
+under tensor parallelism may have left the ranks out of step (one inside a collective the others
+skipped): the server stops.
 """
 
 from __future__ import annotations
