@@ -27,10 +27,10 @@ MODEL = "tiny"
 
 
 @contextmanager
-def running(engine, api_key=None, **scheduler_options):
+def running(engine, api_key=None, limits=None, template=None, **scheduler_options):
     """A server on a free port in a background thread: (base url, its scheduler)."""
     scheduler = Scheduler(engine, **scheduler_options).start()
-    server = HTTPServer(create_app(scheduler, MODEL, api_key=api_key), "127.0.0.1", 0)
+    server = HTTPServer(create_app(scheduler, MODEL, limits, api_key, template), "127.0.0.1", 0)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
