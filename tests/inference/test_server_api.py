@@ -272,3 +272,20 @@ def test_stopping_cancels_the_batch_that_runs(engine):
         scheduler.stop()
         assert [e.reason for e in scheduler.ended] == ["cancelled"] and scheduler.ended[0].tokens < 60
         assert scheduler.stats.tokens == scheduler.ended[0].tokens
+
+
+def test_a_large_request_is_sliced_behind_the_requests_waiting(engine):
+    """A job of 20 rows with batches of 8: its first 8, then the job queued after it together with the
+    rest of the first, then the last 4: the smaller request does not wait for the whole large one."""
+    import asyncio
+
+    from megatron.inference.scheduler import Job, Scheduler
+
+    scheduler, loop = Scheduler(engine, max_batch_size=8), asyncio.new_event_loop()
+    try:
+        large, small = Job([Request([1])] * 20, loop), Job([Request([2])] * 3, loop)
+        scheduler._pending.extend([large, small])
+        taken = [[(job is large, start, end) for job, start, end in scheduler._take()] for _ in range(3)]
+    finally:
+        loop.close()
+    assert taken == [[(True, 0, 8)], [(False, 0, 3), (True, 8, 13)], [(True, 13, 20)]]
