@@ -44,26 +44,32 @@ def _scores(engine, ids: list[int]):
 
 # lm-eval -------------------------------------------------------------------------------------------
 
-def _cloze_task(folder) -> str:
-    """A LAMBADA-style cloze task over a local JSONL file (context, next word), as lm-eval YAML."""
+def _tasks(folder) -> str:
+    """Two lm-eval tasks (YAML) over a local JSONL file of short texts: a LAMBADA-style cloze (context, next
+    word) and the rolling log-likelihood of the whole text."""
     rng = random.Random(5)
     rows = []
     for _ in range(12):
         words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
         rows.append({"context": " ".join(words[:-1]), "target": " " + words[-1]})
     (folder / "cloze.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = ("dataset_path: json\ndataset_kwargs:\n"
+            f"  data_files:\n    test: {folder / 'cloze.jsonl'}\n  cache_dir: {folder / 'cache'}\ntest_split: test\n")
     (folder / "cloze_serve.yaml").write_text(
-        "task: cloze_serve\ndataset_path: json\ndataset_kwargs:\n"
-        f"  data_files:\n    test: {folder / 'cloze.jsonl'}\n  cache_dir: {folder / 'cache'}\n"
-        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{target}}'\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        f"task: cloze_serve\n{data}output_type: loglikelihood\ndoc_to_text: '{{{{context}}}}'\n"
+        "doc_to_target: '{{target}}'\nmetric_list:\n  - metric: acc\n")
+    (folder / "rolling_serve.yaml").write_text(
+        f"task: rolling_serve\n{data}output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{context}}{{target}}'\nmetric_list:\n  - metric: word_perplexity\n")
     return str(folder)
 
 
 def test_lm_eval_local_completions_gives_the_engines_loglikelihoods(engine, served, tmp_path):
     """lm-eval's local-completions with its defaults but base_url and max_length (auto tokenizer: the
     server's, found through /tokenizer_info; batch size 1) and with batch_size 64 (one request of 12
-    prompts): each example's log-likelihood within 1e-4 of the engine's, the same accuracy."""
+    prompts): each example's log-likelihood within 1e-4 of the engine's, the same accuracy; each text's
+    rolling log-likelihood (its first token scored after the end-of-document token, whose id lm-eval
+    found by tokenizing its spelling) within 1e-4 of the engine's."""
     pytest.importorskip("tenacity")  # lm-eval's [api] extra
     from lm_eval.evaluator import evaluate
     from lm_eval.models.openai_completions import LocalCompletionsAPI
@@ -71,12 +77,12 @@ def test_lm_eval_local_completions_gives_the_engines_loglikelihoods(engine, serv
 
     # lm_eval's own tasks not indexed, and evaluate() rather than simple_evaluate(): the same evaluation
     # without 25 s of indexing and of collecting the environment's description
-    tasks = TaskManager(include_path=_cloze_task(tmp_path), include_defaults=False).load(["cloze_serve"])
+    manager = TaskManager(include_path=_tasks(tmp_path), include_defaults=False)
     tokenize = engine.tokenizer.tokenize
-    for extra in ({}, {"batch_size": 64}):
+    for extra, names in (({}, ["cloze_serve", "rolling_serve"]), ({"batch_size": 64}, ["cloze_serve"])):
         lm = LocalCompletionsAPI(base_url=served[0] + "/v1/completions", model=MODEL, max_length=96, **extra)
         assert lm.tokenizer_backend == "remote" and lm.eot_token_id == engine.tokenizer.eod
-        out = evaluate(lm, tasks, log_samples=True, bootstrap_iters=0)
+        out = evaluate(lm, manager.load(names), log_samples=True, bootstrap_iters=0)
         samples = out["samples"]["cloze_serve"]
         assert len(samples) == 12
         hits = []
@@ -89,6 +95,10 @@ def test_lm_eval_local_completions_gives_the_engines_loglikelihoods(engine, serv
             assert is_greedy == all(greedy[start:])
             hits.append(all(greedy[start:]))
         assert out["results"]["cloze_serve"]["acc,none"] == pytest.approx(sum(hits) / len(hits))
+        for sample in out["samples"].get("rolling_serve", []):
+            logprobs, _ = _scores(engine, [engine.tokenizer.eod, *tokenize(sample["doc"]["context"] +
+                                                                         sample["doc"]["target"])])
+            assert sample["resps"][0][0] == pytest.approx(sum(logprobs[1:]), abs=1e-4)
     assert served[1].stats.largest_batch == BATCH  # the request of 12 ran in two batches
 
 
