@@ -41,9 +41,10 @@ setup(
                     "plot": ["matplotlib"],  # tools/plot_runs.py
                     "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
                     "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
-                    "eval": ["lm-eval>=0.4.13"],  # tools/evaluate.py --task lm-eval, megatron.evaluation.lm_eval_model
+                    # --task lm-eval, MegatronLM; [api]: tenacity, for local-completions (tools/serve.py)
+                    "eval": ["lm-eval[api]>=0.4.13"],
                     "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
-                             "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb", "lm-eval>=0.4.13"],
+                             "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb", "lm-eval[api]>=0.4.13"],
                     "reference": ["megatron-core==0.16.1"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
