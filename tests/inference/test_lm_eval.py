@@ -125,6 +125,28 @@ def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
 
 
 @pytest.mark.slow
+def test_lm_evals_local_completions_against_the_server_gives_the_same(ours, engine, task_dir):
+    """The fourth path: lm-eval's local-completions with its defaults (batch size 1, the server's tokenizer) but
+    base_url and max_length, against tools/serve.py's server (the KV-cache engine, left-padded batches of
+    BATCH): the same results, per example too."""
+    pytest.importorskip("tenacity")  # lm-eval's [api] extra
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+
+    from tests.inference.test_server import MODEL, running
+
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    with running(engine, max_batch_size=BATCH) as (url, _):
+        # lm-eval's API models keep max_length - 1 tokens, the scored ones included, and roll windows of
+        # max_length - 2 predictions; HFLM feeds max_length tokens and scores the next: + 2 cuts as HFLM does
+        lm = LocalCompletionsAPI(base_url=url + "/v1/completions", model=MODEL, max_length=MAX_LENGTH + 2)
+        served = evaluate(lm, manager.load(list(TASKS)), log_samples=True, bootstrap_iters=0)
+    assert_same(json.loads(json.dumps(served, default=handle_non_serializable)), ours)
+
+
+@pytest.mark.slow
 def test_the_python_api_by_lm_evals_registered_name(checkpoint, task_dir, ours):
     """lm-eval builds MegatronLM from its registered name and a model_args string (the layout flags as
     ``args``), and it answers as the command does; an empty continuation and sampling."""
