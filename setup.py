@@ -44,7 +44,8 @@ setup(
                     # --task lm-eval, MegatronLM; [api]: tenacity, for local-completions (tools/serve.py)
                     "eval": ["lm-eval[api]>=0.4.13"],
                     "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
-                             "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb", "lm-eval[api]>=0.4.13"],
+                             "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb", "lm-eval[api]>=0.4.13",
+                             "accelerate"],  # lm-eval's hf backend, the tests' reference
                     "reference": ["megatron-core==0.16.1"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},

@@ -80,26 +80,8 @@ def write_tasks(folder: Path, cloze: list[str], documents: list[str], generate: 
 
 
 def hf_lm(path: str, max_length: int, batch_size: int):
-    """lm-eval's ``hf`` backend (``HFLM``) on the Hugging Face export at ``path``, on this one CPU process.
-
-    HFLM imports ``accelerate`` (lm-eval installs it with its ``hf`` extra, not on its own), which it uses only
-    to place a model it loads itself; given the model loaded by transformers, it never calls it. Without the
-    package, a stand-in module makes the import succeed: every line of HFLM that scores and generates is
-    lm-eval's own."""
-    import sys
-    import types
-
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        import transformers  # noqa: F401 - first: it looks for accelerate's real package while importing
-
-        stand_in = types.ModuleType("accelerate")
-        stand_in.Accelerator = stand_in.InitProcessGroupKwargs = stand_in.find_executable_batch_size = None
-        utils = types.ModuleType("accelerate.utils")
-        utils.get_max_memory = None  # parallelize=True only
-        stand_in.utils = utils
-        sys.modules.update({"accelerate": stand_in, "accelerate.utils": utils})
+    """lm-eval's ``hf`` backend (``HFLM``) on the Hugging Face export at ``path``, on this one CPU process (it
+    imports ``accelerate``: the test extra installs it, as lm-eval's ``hf`` extra would)."""
     import transformers
     from lm_eval.models.huggingface import HFLM
 
