@@ -257,7 +257,7 @@ def _lambada_openai() -> dict:
 def test_lambada_strict_acc_and_perplexity_equal_lm_evals_lambada_openai(one_process, lm_eval_hf, hf, files):
     """Strict mode is lambada_openai: its context and target templates, lm-eval's pair encoding, acc = mean
     is-greedy, perplexity = exp(-mean target log-likelihood); each example's line says the same, and its greedy
-    continuation is what transformers' greedy generate writes."""
+    continuation is what transformers' model writes greedily (written on past a wrong first token)."""
     from lm_eval.api.metrics import mean, perplexity
     from lm_eval.utils import apply_template
 
@@ -276,12 +276,13 @@ def test_lambada_strict_acc_and_perplexity_equal_lm_evals_lambada_openai(one_pro
     for i, (example, (context, target), (ll, greedy)) in enumerate(zip(examples, pairs, theirs)):
         assert (example["index"], example["context"], example["target"]) == (i, context, target)
         assert example["match"] == greedy and example["target_loglikelihood"] == pytest.approx(ll, abs=1e-4)
-        ids = tokenizer.tokenize(context)
-        with torch.no_grad():
-            written = hf.generate(torch.tensor([ids]), max_new_tokens=example["target_tokens"], do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert example["greedy"] == tokenizer.detokenize(written)
         assert (example["greedy"] == target) == greedy
+        if not greedy:  # what transformers' model writes greedily, as many tokens as the target has
+            ids = tokenizer.tokenize(context)
+            with torch.no_grad():
+                for _ in range(example["target_tokens"]):
+                    ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert example["greedy"] == tokenizer.detokenize(ids[-example["target_tokens"]:])
     assert any(not e["match"] and e["target_tokens"] > 1 for e in examples)  # a greedy continuation written on
 
 
@@ -383,3 +384,23 @@ def test_context_parallel_evaluation_is_refused_with_what_to_do(checkpoint):
                          checkpoint, "--context-parallel-size", "2")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "tools/evaluate.py scores whole samples on each rank: drop --context-parallel-size" in done.stderr
+
+
+@pytest.mark.parametrize("task, output, message", [
+    ("perplexity", "--output-examples", "--output-examples is for --task lambada (one line per example)."),
+    ("lambada", "--output-examples", "{path}: its folder does not exist (create it, or give another path)."),
+    ("perplexity", "--output", "{path}: its folder does not exist (create it, or give another path).")],
+    ids=["examples-of-perplexity", "examples-folder-missing", "output-folder-missing"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(tmp_path, task, output, message):
+    """Said in one line, exit 2, before the checkpoint is read (here there is none) or anything is scored: an
+    evaluation is not lost at its end to an output that cannot be written; nothing is written."""
+    from tests.functional.launch import run_tool_here
+
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"text": "the model reads every token"}) + "\n")
+    path = tmp_path / "none" / "x.jsonl"
+    done = run_tool_here("tools/evaluate.py", "--task", task, "--input", str(text), "--load", str(tmp_path / "no"),
+                         output, str(path))
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.strip().splitlines() == [f"evaluate.py: error: {message.format(path=path)}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
