@@ -7,9 +7,9 @@ prediction at ``j`` is of token ``j + 1``). The figures are lm-eval's (lm-evalua
   backend: ``get_rolling_token_windows(context_len=1)``). Each document is scored on its own, its first
   token predicted after the *prefix token* (the tokenizer's BOS where it has one, else its
   end-of-document token: lm-eval's ``prefix_token_id``), in windows of ``seq_len`` predictions,
-  each token predicted once (``rolling_samples`` says how the windows fall). Words and bytes are counted as lm-eval's rolling tasks count them (``count_words``:
-  ``len(re.split(r"\\s+", doc))``, so leading or trailing whitespace counts one more; ``count_bytes``:
-  UTF-8 bytes).
+  each token predicted once (``rolling_samples`` says how the windows fall). Words and bytes are
+  counted as lm-eval's rolling tasks count them (``count_words``: ``len(re.split(r"\\s+", doc))``, so
+  leading or trailing whitespace counts one more; ``count_bytes``: UTF-8 bytes).
 - **Perplexity with overlapping (strided) windows** (Megatron-LM's ``--overlapping-eval``, transformers'
   strided recipe with ``max_length = seq_len + 1``): over the documents joined by the end-of-document
   token, window ``k`` holds tokens ``[k s, k s + seq_len]`` (``s`` the stride); the first window scores
