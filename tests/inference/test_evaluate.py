@@ -27,7 +27,8 @@ STRIDE = 32
 TASKS = ("perplexity", "lambada")
 LAYOUT_ARGS = ["--overlapping-eval", str(STRIDE), "--micro-batch-size", "2"]
 LAYOUTS = {"tp2": ("lambada", ["--tp", "2"]), "pp2": ("perplexity", ["--pp", "2"]), "dp2": ("lambada", ["--dp", "2"]),
-           "sharding2-stage3": ("perplexity", ["--sharding", "2", "--sharding-stage", "3"])}
+           "pp2-lambada": ("lambada", ["--pp", "2"]), "sharding2-stage3": ("perplexity", ["--sharding", "2",
+                                                                                           "--sharding-stage", "3"])}
 
 
 def _document() -> str:
