@@ -41,6 +41,7 @@ setup(
                     "plot": ["matplotlib"],  # tools/plot_runs.py
                     "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
                     "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
+                    "eval": ["lm-eval[api]"],  # lm-eval, with its API models' packages (tenacity): local-completions
                     "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
                              "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb"],
                     "reference": ["megatron-core==0.16.1"]},

@@ -5,8 +5,10 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "run", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: ``POST /v1/completions`` (OpenAI's legacy completions, with ``stream``), ``GET /v1/models``,
-``GET /health``; see docs/inference.md. Needs the ``[serve]`` extra (``pip install -e ".[serve]"``).
+Endpoints: ``POST /v1/completions`` (OpenAI's legacy completions, with ``stream``; any number of prompts),
+``POST /v1/chat/completions``, ``GET /v1/models[/ID]``, vLLM's ``GET /tokenizer_info``, ``POST /tokenize`` and
+``POST /detokenize`` (so lm-eval's ``local-completions`` needs no tokenizer of its own), ``GET /health``; see
+docs/inference.md. Needs the ``[serve]`` extra (``pip install -e ".[serve]"``).
 Under torchrun, rank 0 serves HTTP and the other ranks run each batch with it. Logs
 ``serving MODEL on http://HOST:PORT (tp N)`` when ready (``--port 0``: a free port, shown there);
 SIGINT/SIGTERM stop it. Exit status 2, with a one-line message, for a missing extra, a missing or
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Stop strings a request may give.")
     g.add_argument("--max-stop-chars", type=int, default=limits.max_stop_chars,
                    help="Characters a stop string may have.")
+    g.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                   help="Prompts one completions request may hold (run --max-batch-size at a time).")
+    g.add_argument("--max-request-tokens", type=int, default=limits.max_request_tokens,
+                   help="Tokens one request may ask for: its prompts' tokens plus max_tokens for each prompt.")
     return p
 
 
@@ -65,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}.")
-        limits = Limits(args.max_request_bytes, args.max_stop_strings, args.max_stop_chars)
+        limits = Limits(args.max_request_bytes, args.max_stop_strings, args.max_stop_chars, args.max_prompts,
+                        args.max_request_tokens)
         limits.check()
         api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
         from megatron.inference import server  # the [serve] extra: checked on every rank, before any collective
 
         engine = build_engine(args)
+        template = server.chat_template(engine.tokenizer)  # on every rank: a bad one stops them all
         if rank != 0:
             # rank 0 tells this rank when to stop (the None batch); dying on torchrun's forwarded signal
             # first would leave rank 0's last broadcast without a receiver.
@@ -83,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         get_logger().info(describe(engine, args.load))
-        return server.serve(Scheduler(engine, args.max_batch_size), name, args.host, args.port, limits, api_key)
+        return server.serve(Scheduler(engine, args.max_batch_size), name, args.host, args.port, limits, api_key,
+                            template)
     except (ImportError, ValueError, OSError, CheckpointError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

@@ -416,10 +416,13 @@ def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[li
     """(notices, refused) for the Megatron flags of ``megatron_flags``' tables on the command line: the
     accepted-without-effect ones listed in one notice, the absent ones (unless at their no-op value) refused
     by name. Unknown flags that name an absent Megatron feature (``--moe-*``) are moved from ``unknown``."""
-    accepted, refused = [], []
+    accepted, refused, said = [], [], []
     for flag, values in given.items():
         shown = " ".join([flag, *values])
-        if flag in megatron_flags.NO_EFFECT:
+        instead = megatron_flags.said_instead(flag, values)
+        if instead:
+            said.append(instead)
+        elif flag in megatron_flags.NO_EFFECT:
             accepted.append(shown)
         elif flag in megatron_flags.ABSENT:
             entry = megatron_flags.ABSENT[flag]
@@ -438,7 +441,7 @@ def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[li
         after_refused = bool(feature) or (after_refused and not arg.startswith("-"))
     unknown[:] = kept
     notices = [f"accepted, no effect here: {', '.join(accepted)} (docs/megatron.md says why)."] if accepted else []
-    return notices, refused
+    return [*notices, *said], refused
 
 
 def _derive_megatron(config: Config, given: dict[str, list[str]]) -> None:

@@ -23,6 +23,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
+# --- accepted, with a line of its own at start: what to do instead --------------------------------------
+def said_instead(flag: str, values: list[str]) -> str | None:
+    """The start-up line of an accepted flag whose user needs more than "no effect here", or None."""
+    if flag == "--ckpt-format" and values:
+        fmt = {"torch": "legacy", "torch_dist": "torch_dist"}.get(values[0])
+        convert = (f"`python tools/convert_checkpoint.py to-megatron RUN OUT --format {fmt}` converts a checkpoint "
+                   f"of this run into Megatron-LM's {values[0]} format" if fmt else
+                   "tools/convert_checkpoint.py to-megatron converts them into Megatron-LM's torch or torch_dist")
+        return (f"--ckpt-format {values[0]}: checkpoints here are written in this project's format (atomic, "
+                f"checksummed, loadable under any layout); {convert} (docs/checkpoints.md, section 7).")
+    return None
+
+
 # --- accepted, no effect here -----------------------------------------------------------------------------
 _IMPL = "Megatron's implementation detail (kernels, fusions, Transformer Engine); nothing to choose here"
 _CKPT = "Megatron's checkpoint machinery; checkpoints here are always written atomically and checksummed"

@@ -26,11 +26,13 @@ OPEN_PATHS = ("/health",)  # answered without a key (load balancers probe it)
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask of the server (each a ``tools/serve.py`` flag; the defaults are its
-    defaults). The prompt's length in tokens is bounded by the model's positions, not here."""
+    defaults). Each prompt's length in tokens is bounded by the model's positions, not here."""
 
     max_request_bytes: int = 1 << 20  # 1 MiB: a prompt of the model's length is far smaller
     max_stop_strings: int = 16  # OpenAI allows 4
     max_stop_chars: int = 256  # per stop string
+    max_prompts: int = 4096  # per completions request, run --max-batch-size at a time (lm-eval sends its batch)
+    max_request_tokens: int = 1 << 20  # the prompts' tokens plus the max_tokens of each, over one request
 
     def check(self) -> None:
         """ValueError naming the flag that is not a positive number."""

@@ -2,13 +2,16 @@
 
 Why one thread: the engine is a collective over the tensor-parallel group and keeps a KV cache per
 batch, so only one ``engine.stream`` may run at once. HTTP handlers (asyncio) ``submit`` jobs (a job
-is one HTTP request: one row per prompt); when the engine is idle the thread takes every queued job
-that fits in ``max_batch_size`` rows as one batch, so requests that arrive while a batch runs share
-the next one, and 16 clients get about 16 times the tokens per step of one. Each step's events go
-back to their job's asyncio queue with ``loop.call_soon_threadsafe`` (indices renumbered to the
-job's own rows), followed by ``DONE`` when the job's last row ends, so a short request does not wait
-for the batch's longest. A job marked ``cancelled`` (its client went away) is skipped while queued
-and its rows are dropped by the engine at the next step.
+is one HTTP request: one row per prompt, any number of them); when the engine is idle the thread
+takes queued rows, oldest job first, up to ``max_batch_size`` of them as one batch, so requests that
+arrive while a batch runs share the next one, and 16 clients get about 16 times the tokens per step
+of one. A job with more rows than the batch has room for runs in slices: the rows that fit now, the
+rest queued again behind the jobs waiting (a request of thousands of prompts does not hold up the
+others for its whole length). Each step's events go back to their job's asyncio queue with
+``loop.call_soon_threadsafe`` (indices renumbered to the job's own rows), followed by ``DONE`` when
+the job's last row ends, so a short request does not wait for the batch's longest. A job marked
+``cancelled`` (its client went away) is skipped while queued and its rows are dropped by the engine
+at the next step.
 
 With tensor parallelism, rank 0 runs this scheduler and broadcasts each batch's requests before
 running it; the other ranks ``follow``: receive a batch, run the same ``engine.stream``, repeat,
@@ -17,11 +20,12 @@ the followers' waiting broadcast never reaches the process group's timeout.
 
 Only requests the engine's ``check`` accepts are queued (the HTTP side checks every field first),
 so a bad request never reaches a batch or a collective. A batch that fails anyway fails only its
-own requests (a 500), and the server keeps serving: on every rank when the engine raised
-``BatchError`` (every rank left the batch at the same step); on rank 0 alone when delivering the
-events failed, after which rank 0 cancels the batch's rows and runs the engine to their end so the
-other ranks finish the batch with it. Any other error from the engine under tensor parallelism may
-have left the ranks out of step (one inside a collective the others skipped): the server stops.
+own requests (a 500; a job with rows still to run is cancelled), and the server keeps serving: on
+every rank when the engine raised ``BatchError`` (every rank left the batch at the same step); on
+rank 0 alone when delivering the events failed, after which rank 0 cancels the batch's rows and runs
+the engine to their end so the other ranks finish the batch with it. Any other error from the engine
+under tensor parallelism may have left the ranks out of step (one inside a collective the others
+skipped): the server stops.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class Job:
         self.rows, self.loop = rows, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.taken = 0  # rows handed to batches so far (the scheduler thread's)
+        self.left = len(rows)  # rows that have not ended yet
 
     def cancel(self) -> None:
         """Stop spending work on this job (its client is gone); safe from any thread, idempotent."""
@@ -126,8 +132,8 @@ class Scheduler:
     def submit(self, rows: list[Request]) -> Job:
         """Queue ``rows`` as one job (call from the event loop that will read its queue). Raises the
         engine's PromptError/ValueError for a bad row, so a bad request never reaches a batch."""
-        if not 1 <= len(rows) <= self.max_batch_size:
-            raise ValueError(f"a job has 1 to {self.max_batch_size} rows, got {len(rows)}.")
+        if not rows:
+            raise ValueError("a job has at least one row.")
         for row in rows:
             self.engine.check(row)
         job = Job(rows, asyncio.get_running_loop())
@@ -165,8 +171,9 @@ class Scheduler:
         except Exception as error:  # a bug here must not leave requests waiting forever
             self._die(f"the scheduler stopped: {_one_line(error)}", list(self._running))
 
-    def _take(self) -> list[Job] | None:
-        """The next batch (oldest jobs first, at most ``max_batch_size`` rows); [] on a keepalive
+    def _take(self) -> list[tuple[Job, int, int]] | None:
+        """The next batch as (job, first row, end row) slices: oldest jobs first, at most ``max_batch_size``
+        rows, a job that does not fit split (its rest queued again behind the others); [] on a keepalive
         timeout (tp > 1); None when stopping."""
         with self._cv:
             while True:
@@ -181,19 +188,25 @@ class Scheduler:
                     break
                 if not self._cv.wait(self.keepalive_seconds if self.tp > 1 else None):
                     return []
-            batch, rows = [], 0
-            while self._pending and rows + len(self._pending[0].rows) <= self.max_batch_size:
+            batch, room = [], self.max_batch_size
+            while self._pending and room:
                 job = self._pending.popleft()
-                if not job.cancelled:
-                    batch.append(job)
-                    rows += len(job.rows)
-            self._running = batch
+                if job.cancelled:
+                    continue
+                take = min(room, len(job.rows) - job.taken)
+                batch.append((job, job.taken, job.taken + take))
+                job.taken += take
+                room -= take
+                if job.taken < len(job.rows):
+                    self._pending.append(job)
+            self._running = [job for job, _, _ in batch]
             return batch
 
-    def _generate(self, batch: list[Job]) -> None:
-        requests = [row for job in batch for row in job.rows]
-        owner = [(job, local) for job in batch for local in range(len(job.rows))]
-        left = {job.id: len(job.rows) for job in batch}
+    def _generate(self, batch: list[tuple[Job, int, int]]) -> None:
+        requests = [job.rows[i] for job, start, end in batch for i in range(start, end)]
+        owner = [(job, i) for job, start, end in batch for i in range(start, end)]
+        left = {job.id: end - start for job, start, end in batch}  # this batch's rows of each job not ended
+        jobs = [job for job, _, _ in batch]
         produced = [0] * len(requests)
         self.stats.batches += 1
         self.stats.rows += len(requests)
@@ -213,7 +226,7 @@ class Scheduler:
             failed.append(error)
         except Exception as error:
             message = f"generation failed: {_one_line(error)}"
-            unfinished = [job for job in batch if left[job.id] > 0]
+            unfinished = [job for job in jobs if left[job.id] > 0]
             if self.tp > 1:  # the ranks may now be out of step: stop rather than risk a hang
                 self._die(f"{message} (tp {self.tp}: the ranks may be out of step, so the server stops)", unfinished)
                 return
@@ -223,14 +236,15 @@ class Scheduler:
             self._running = []
         if failed:
             message = f"generation failed: {_one_line(failed[0])}"
-            unfinished = [job for job in batch if left[job.id] > 0]
+            unfinished = [job for job in jobs if left[job.id] > 0]
             get_logger().error(f"{message}; failing the {len(unfinished)} request(s) of this batch",
                                exc_info=failed[0])
             for job in unfinished:
+                job.cancel()  # its rows in later batches, if any, are not run
                 job.put(BatchFailed(f"{message}: the server logged it and keeps serving; send the request again."))
 
     def _deliver(self, items: list, owner: list, left: dict, produced: list) -> None:
-        """Hand one step's events to their jobs (``DONE`` after a job's last row)."""
+        """Hand one step's events to their jobs (``DONE`` after a job's last row, of whichever batch)."""
         by_job: dict[int, tuple[Job, list]] = {}
         for item in items:
             job, local = owner[item.index]
@@ -239,20 +253,19 @@ class Scheduler:
                 produced[item.index] += item.token is not None
                 if item.finish_reason is not None:
                     left[job.id] -= 1
+                    job.left -= 1
                     self.ended.append(RowEnd(job.id, local, item.finish_reason, produced[item.index]))
         for job, its in by_job.values():
             job.put(its)
-            if left[job.id] == 0:
+            if job.left == 0:
                 job.put(DONE)
-            self.stats.tokens += sum(produced)
-            self._running = []
 
     def _die(self, message: str, jobs: list[Job]) -> None:
         """Stop for good (called while handling the error): fail ``jobs`` and the queued ones."""
         get_logger().error(message, exc_info=True)
         with self._cv:
             self.error = message
-            jobs = jobs + list(self._pending)
+            jobs = list(dict.fromkeys(jobs + list(self._pending)))  # a split job may be in both
             self._pending.clear()
         for job in jobs:
             job.put(BatchFailed(message))

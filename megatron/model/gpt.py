@@ -21,8 +21,14 @@ from megatron.config.schema import Config, ModelConfig
 from megatron.context_parallel import AttentionPlan
 from megatron.model.init import defer_initialization, init_parameters
 from megatron.model.rotary import RotaryEmbedding
-from megatron.model.transformer import (Rotary, SelfAttention, TransformerDecoderLayer, attention_shape, make_norm,
-                                       parallel_dropout)
+from megatron.model.transformer import (
+    Rotary,
+    SelfAttention,
+    TransformerDecoderLayer,
+    attention_shape,
+    make_norm,
+    parallel_dropout,
+)
 
 
 class GPTEmbedding(nn.Module):

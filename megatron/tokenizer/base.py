@@ -48,6 +48,11 @@ class Tokenizer(ABC):
         never adds it."""
         return None
 
+    def spelling(self, token_id: int) -> str:
+        """How the tokenizer's files spell ``token_id`` (a special token's name, such as ``<|endoftext|>`` or
+        ``</s>``, where ``detokenize`` may give nothing); the id's text by default."""
+        return self.detokenize([token_id])
+
     @property
     def name(self) -> str:
         """The ``--tokenizer-type`` of this tokenizer (Megatron-LM's class names)."""

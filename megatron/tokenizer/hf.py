@@ -44,6 +44,9 @@ class _LibraryTokenizer(Tokenizer):
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode(as_id_list(ids), skip_special_tokens=False)
 
+    def spelling(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or self.detokenize([token_id])
+
     @property
     def vocab_size(self) -> int:
         return self._vocab_size

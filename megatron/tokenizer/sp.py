@@ -47,6 +47,9 @@ class SentencePieceTokenizer(Tokenizer):
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode(as_id_list(ids))
 
+    def spelling(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
+
     @property
     def vocab_size(self) -> int:
         return self._vocab_size

@@ -97,7 +97,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
     assert (out / "latest").read_text() == "step_5" and not (out / "step_10").exists()
     assert (out / "step_10.tmp").is_dir()  # the partial save, never renamed into place
     full, _ = _saved_and_resumed(parity, "resume-single")  # the same run, uninterrupted
-    resumed = run(tmp_path / "resumed", *FOUR_LAYERS, "--load", str(out))  # the run folder resolves to step_5
+    resumed = run_here(*FOUR_LAYERS, "--load", str(out), "--save", str(tmp_path / "resumed"))  # the folder: step_5
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert losses(tmp_path / "resumed") == full[5:]
 
@@ -259,16 +259,16 @@ def test_save_and_load_the_same_folder_starts_fresh_resumes_and_keeps_each_step_
     (out / "metrics.jsonl").write_text('{"split": "train", "step": 1, "loss": 9.9}\n{"split": "tr')
     (out / "config.yaml").write_text("not: [a checkpoint\n")
     schedule = [*TINY, "--save-interval", "3", "--load"]
-    first = run(out, *schedule, str(out), "--max-steps", "3")
+    first = run_here(*schedule, str(out), "--max-steps", "3", "--save", str(out))
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"no checkpoint in {out}: starting from scratch" in first.stderr
     assert (out / "latest").read_text() == "step_3" and _records(out, "train") == [1, 2, 3]
-    second = run(out, *schedule, str(out), "--max-steps", "6")
+    second = run_here(*schedule, str(out), "--max-steps", "6", "--save", str(out))
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"loaded checkpoint {out / 'step_3'}: resuming at step 3" in second.stderr
     assert (out / "latest").read_text() == "step_6"
     continued = losses(out)[3:]
-    again = run(out, *schedule, str(out / "step_3"), "--max-steps", "6")  # steps 4-6 once more, into X
+    again = run_here(*schedule, str(out / "step_3"), "--max-steps", "6", "--save", str(out))  # 4-6 again, into X
     assert again.returncode == 0, again.stderr[-3000:]
     assert "dropped 7 record(s) of an earlier run past step 3" in again.stderr  # train, valid, test and save
     assert _records(out, "train") == [1, 2, 3, 4, 5, 6]

@@ -14,7 +14,7 @@ from megatron.checkpoint import CheckpointReader, resolve_checkpoint
 from megatron.config import parse_config, validate
 from megatron.model import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
-from tests.functional.launch import TINY, losses, parity_layouts, run, run_tool_here
+from tests.functional.launch import TINY, losses, parity_layouts, run, run_here, run_tool_here
 
 VOCAB = 250  # pads to 256 (tp 1 and 2): the padding rows are exercised
 
@@ -24,7 +24,8 @@ def _tool(path: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def _train(out, *args: str, nproc: int = 1) -> list[float]:
-    result = run(out, *TINY, "--vocab-size", str(VOCAB), *args, nproc=nproc)
+    flags = [*TINY, "--vocab-size", str(VOCAB), *args]
+    result = run_here(*flags, "--save", str(out)) if nproc == 1 else run(out, *flags, nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     return losses(out)
 

@@ -19,7 +19,7 @@ from megatron.checkpoint.hf_common import ConversionError
 from megatron.config import Config, parse_config, validate
 from megatron.model import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
-from tests.functional.launch import ROOT, TINY, run
+from tests.functional.launch import ROOT, TINY, run_here
 
 transformers = pytest.importorskip("transformers")
 
@@ -324,8 +324,8 @@ def test_export_of_a_checkpoint_with_no_llama_equivalent_is_one_line(tmp_path, c
 
 @pytest.mark.slow
 def test_a_trained_llama_run_exports_with_the_same_logits(tmp_path):
-    result = run(tmp_path / "run", *TINY, *llama_flags(tie=False, bias=False), "--max-steps", "2",
-                 "--save-interval", "2")
+    result = run_here(*TINY, *llama_flags(tie=False, bias=False), "--max-steps", "2", "--save-interval", "2",
+                      "--save", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert convert.main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     _, common, config = open_checkpoint(str(tmp_path / "run"))

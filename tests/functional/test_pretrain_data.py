@@ -49,20 +49,16 @@ def _gpt2(corpus: Path) -> list[str]:
             "--merge-file", str(corpus / "tok" / "merges.txt")]
 
 
-def _train(corpus: Path, out: Path, *extra: str, data: list[str] | None = None,
-           fails: bool = False) -> subprocess.CompletedProcess:
-    """pretrain_gpt.py on ``data`` (the data and tokenizer flags; default the corpus as --input-dir); in this
-    process when it ``fails`` before training (``run_here``)."""
+def _train(corpus: Path, out: Path, *extra: str, data: list[str] | None = None) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py on ``data`` (the data and tokenizer flags; default the corpus as --input-dir), in this
+    process (``run_here``: one run needs no interpreter of its own)."""
     data = ["--input-dir", str(corpus / "data" / "c_text_document"), *_gpt2(corpus)] if data is None else data
     args = [*data, "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--max-seq-len", "32", "--max-position-embeddings", "32", "--global-batch-size", "16",
             "--micro-batch-size", "8", "--max-steps", "60", "--eval-freq", "30", "--eval-iters", "2",
             "--lr", "5e-3", "--min-lr", "5e-4", "--warmup-rate", "0.05", "--logging-freq", "10",
             "--split", "90,8,2", "--save", str(out), *extra]
-    if fails:
-        return run_here(*args)
-    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return run_here(*args)
 
 
 def test_trains_from_input_dir_and_validation_loss_falls(corpus, tmp_path):
@@ -104,7 +100,7 @@ def test_trains_on_sentence_split_data(corpus, tmp_path):
     (["--valid-data-path", "/nonexistent/prefix"], "valid_data_path is set without train_data_path"),
 ])
 def test_bad_data_settings_are_one_line_errors(corpus, tmp_path, change, message):
-    run = _train(corpus, tmp_path / "out", *change, fails=True)
+    run = _train(corpus, tmp_path / "out", *change)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in run.stderr
@@ -131,7 +127,7 @@ def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path):
         for d in range(200):
             writer.add_document((np.arange(40) * 37 + d) % (vocab + 100))
     largest = int(IndexedDataset(str(tmp_path / "big" / "d")).bin.max())
-    run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "big" / "d"), fails=True)
+    run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "big" / "d"))
     assert _one_error_line(run) == (f"{tmp_path}/big/d.bin holds token id {largest} but the model's vocabulary "
                                     f"has {vocab} ids (0..{vocab - 1}); re-preprocess the data with the model's "
                                     f"tokenizer or raise vocab_size.")
@@ -144,10 +140,10 @@ def test_an_empty_dataset_or_train_split_is_one_line(corpus, tmp_path, case):
     if case == "empty dataset":
         with IndexedDatasetWriter(str(tmp_path / "empty"), np.uint16):
             pass
-        run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "empty"), fails=True)
+        run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "empty"))
         expected = f"dataset {tmp_path}/empty is empty (0 sequences, 0 tokens)"
     else:
-        run = _train(corpus, tmp_path / "out", "--split", "0,100,0", fails=True)
+        run = _train(corpus, tmp_path / "out", "--split", "0,100,0")
         n = len(IndexedDataset(str(corpus / "data" / "c_text_document")))
         expected = f"split '0,100,0' leaves the train split of {corpus}/data/c_text_document 0 of its {n} sequences"
     assert _one_error_line(run).startswith(expected)
@@ -179,7 +175,7 @@ def test_a_read_only_data_folder_asks_for_data_cache_path(corpus, tmp_path):
     for suffix in (".bin", ".idx"):
         shutil.copyfile(corpus / "data" / f"c_text_document{suffix}", data / f"c{suffix}")
     with _read_only(data):
-        run = _train(corpus, tmp_path / "out", "--input-dir", str(data / "c"), "--max-steps", "2", fails=True)
+        run = _train(corpus, tmp_path / "out", "--input-dir", str(data / "c"), "--max-steps", "2")
         message = _one_error_line(run)
         assert message.startswith(f"cannot write the dataset index cache in {data}/index-cache: ")
         assert message.endswith("(the folder is read-only); give --data-cache-path a writable folder (by default "
@@ -247,14 +243,13 @@ def test_per_split_datasets_take_every_sequence_of_their_own_data(corpus, tmp_pa
 def test_per_split_path_errors_are_one_line(corpus, tmp_path):
     train = str(corpus / "data" / "c_text_document")
     run = _train(corpus, tmp_path / "out", data=["--train-data-path", train, "--valid-data-path",
-                                                 "/nonexistent/v", *_gpt2(corpus)], fails=True)
+                                                 "/nonexistent/v", *_gpt2(corpus)])
     assert _one_error_line(run) == ("no dataset at '/nonexistent/v': expected /nonexistent/v.bin and "
                                     "/nonexistent/v.idx (valid_data_path takes a prefix, a folder of prefixes, or "
                                     "'w1 prefix1 w2 prefix2').")
-    run = _train(corpus, tmp_path / "out", data=["--data-path", train, "--train-data-path", train, *_gpt2(corpus)],
-                 fails=True)
+    run = _train(corpus, tmp_path / "out", data=["--data-path", train, "--train-data-path", train, *_gpt2(corpus)])
     assert "both input_dir (--data-path) and train_data_path are set" in _one_error_line(run)
-    run = _train(corpus, tmp_path / "out", data=["--train-data-path", f"1 {train} x", *_gpt2(corpus)], fails=True)
+    run = _train(corpus, tmp_path / "out", data=["--train-data-path", f"1 {train} x", *_gpt2(corpus)])
     assert _one_error_line(run).startswith(f"train_data_path '1 {train} x' must alternate weights and prefixes")
 
 

@@ -6,28 +6,21 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 
 import pytest
 
 from megatron.checkpoint.convert import reshard
 from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model, tokenizer_for
+from tests.functional.launch import RunOutcome, outcome, run_several
 from tests.inference.conftest import PROMPTS, ROOT, _tool
 
 GENERATE = _tool("generate")
 
 
-def _generate(*args: str, nproc: int = 1, stdin: str | None = None) -> subprocess.CompletedProcess:
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc-per-node", str(nproc)]
-    return subprocess.run([*launcher, "tools/generate.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          input=stdin, timeout=300)
-
-
 def _generate_here(capsys, monkeypatch, *args: str, stdin: str | None = None) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of tools/generate.py's main in this process (one rank: no process group);
-    the subprocess form (``_generate``) is kept for torchrun."""
+    torchrun's runs go through ``run_several`` (``tp2_generations``)."""
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     capsys.readouterr()
@@ -46,19 +39,32 @@ ROWS = [{"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 11},  # gr
         {"temperature": 0.9, "top_p": 0.9, "seed": 5}, {"temperature": 0.7, "seed": 3}]  # top-p and plain: all ids
 
 
+TP2_MODELS = ["checkpoint", "moe_checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def tp2_generations(request, tmp_path_factory) -> dict[str, RunOutcome]:
+    """tools/generate.py at tp 2 on each model of TP2_MODELS, in one torchrun launch (``run_several``)."""
+    folder = tmp_path_factory.mktemp("generate-tp2")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, **row}) + "\n" for p, row in zip(PROMPTS, ROWS, strict=True)))
+    runs = [(folder / model, ["--load", request.getfixturevalue(model), "--tp", "2", "--prompts-file", str(prompts),
+                              "--max-new-tokens", "24", "--ignore-eos", "--output-format", "jsonl", "--logprobs", "0"])
+            for model in TP2_MODELS]
+    launch = run_several(runs, 2, program="tools/generate.py")
+    return {model: outcome(out, 2, launch) for model, (out, _) in zip(TP2_MODELS, runs, strict=True)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["checkpoint", "moe_checkpoint"])
-def test_tp2_under_torchrun_generates_what_one_process_generates(model, request, tmp_path):
+@pytest.mark.parametrize("model", TP2_MODELS)
+def test_tp2_under_torchrun_generates_what_one_process_generates(model, request, tp2_generations):
     """One batch, each prompt with its own sampling fields (a JSON line of --prompts-file): greedy, seeded
     top-k (the merged top-k over ranks), seeded top-p and plain temperature (the whole vocabulary gathered).
     The MoE model's experts are cut over the 2 ranks, each routing its share of the tokens (a one-token step
     padded to 2)."""
     checkpoint = request.getfixturevalue(model)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, **row}) + "\n" for p, row in zip(PROMPTS, ROWS, strict=True)))
-    result = _generate("--load", checkpoint, "--tp", "2", "--prompts-file", str(prompts), "--max-new-tokens", "24",
-                       "--ignore-eos", "--output-format", "jsonl", "--logprobs", "0", nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = tp2_generations[model]
+    result.check()
     records = [json.loads(line) for line in result.stdout.splitlines()]
     engine = _engine(checkpoint)
     expected = engine.generate([Request(engine.tokenizer.tokenize(p), SamplingParams(

@@ -22,7 +22,8 @@ from tests.inference.test_server import MODEL, alone
 openai = pytest.importorskip("openai")
 
 
-@pytest.mark.parametrize("flag", ["--max-request-bytes", "--max-stop-strings", "--max-stop-chars"])
+@pytest.mark.parametrize("flag", ["--max-request-bytes", "--max-stop-strings", "--max-stop-chars", "--max-prompts",
+                                  "--max-request-tokens"])
 def test_serve_tool_refuses_a_limit_below_one(flag, capsys):
     from tests.inference.conftest import _tool
 

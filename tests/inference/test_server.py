@@ -27,10 +27,10 @@ MODEL = "tiny"
 
 
 @contextmanager
-def running(engine, api_key=None, **scheduler_options):
+def running(engine, api_key=None, limits=None, template=None, **scheduler_options):
     """A server on a free port in a background thread: (base url, its scheduler)."""
     scheduler = Scheduler(engine, **scheduler_options).start()
-    server = HTTPServer(create_app(scheduler, MODEL, api_key=api_key), "127.0.0.1", 0)
+    server = HTTPServer(create_app(scheduler, MODEL, limits, api_key, template), "127.0.0.1", 0)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -226,7 +226,7 @@ BAD = [
     ({"prompt": [300, 301]}, "prompt"),  # beyond the tokenizer's vocabulary (and the model's)
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": [1] * 97}, "prompt"),  # more ids than the model's 96 positions, refused before decoding
-    ({"prompt": ["a"] * 33}, "prompt"),  # more prompts than --max-batch-size
+    ({"prompt": ["a"] * 4097}, "prompt"),  # more prompts than --max-prompts
 ]
 
 

@@ -86,6 +86,19 @@ def test_accepted_flags_are_listed_once_at_start():
                         "--num-distributed-optimizer-instances 1, --manual-gc (docs/megatron.md says why)."]
 
 
+@pytest.mark.parametrize("fmt, says", [
+    ("torch_dist", "`python tools/convert_checkpoint.py to-megatron RUN OUT --format torch_dist` converts"),
+    ("torch", "`python tools/convert_checkpoint.py to-megatron RUN OUT --format legacy` converts"),
+    ("zarr", "tools/convert_checkpoint.py to-megatron converts them into Megatron-LM's torch or torch_dist")])
+def test_a_megatron_checkpoint_format_says_how_to_get_one(fmt, says):
+    """--ckpt-format is accepted (a Megatron script runs unchanged) and its own line names the converter."""
+    notices: list[str] = []
+    parse_config(["--mock-data", "--ckpt-format", fmt], warnings=notices)
+    assert len(notices) == 1 and notices[0].startswith(
+        f"--ckpt-format {fmt}: checkpoints here are written in this project's format (atomic, checksummed, ")
+    assert says in notices[0]
+
+
 def test_unknown_and_absent_flags_are_reported_together():
     with pytest.raises(ConfigError) as err:
         parse_config(["--num-layer", "2", "--moe-router-num-groups", "8", "--moe-router-bias-kind", "2", "--hiden-size",
