@@ -106,7 +106,7 @@ def main() -> None:
                     loss.backward()
         run.model.zero_grad(set_to_none=True)
 
-    timed = {"evaluation (`Evaluator.score`)": _median_seconds(lambda: evaluator.score(samples, "loss"), args.repeats),
+    timed = {"evaluation (`Evaluator.score`)": _median_seconds(lambda: evaluator.score(samples), args.repeats),
              "training forward (autograd recording)": _median_seconds(lambda: training(False), args.repeats),
              "training step (forward + backward)": _median_seconds(lambda: training(True), args.repeats)}
     base = timed["training forward (autograd recording)"]

@@ -1,8 +1,8 @@
-"""Evaluate a checkpoint: perplexity of a text (overlapping windows) or LAMBADA cloze accuracy, under any
-parallel layout the training runs under.
+"""Evaluate a checkpoint: perplexity of documents or LAMBADA cloze accuracy, on lm-eval's definitions, or
+lm-evaluation-harness tasks, under any parallel layout the training runs under.
 
-    python tools/evaluate.py --task perplexity --input doc.txt --load output/run --overlapping-eval 128
-    python tools/evaluate.py --task lambada --input lambada_test.jsonl --load output/run
+    python tools/evaluate.py --task perplexity --input docs.jsonl --load output/run [--overlapping-eval 128]
+    python tools/evaluate.py --task lambada --input lambada_test.jsonl --load output/run --output-examples ex.jsonl
     python tools/evaluate.py --task lm-eval --lm-eval-tasks lambada_openai,hellaswag --load output/run --output r.json
     torchrun --nproc-per-node 4 tools/evaluate.py --task lambada --input l.jsonl --load output/run --tp 2 --pp 2
 
@@ -13,22 +13,22 @@ tokenizer, ``max_seq_len``, precision) and the flags given now set the layout (`
 any other. Progress goes to stderr; the results are one JSON object on the last line of stdout (and in
 ``--output``). Exit status 2, with a one-line message, for bad input, a missing or damaged checkpoint.
 
-Perplexity: ``loss`` is the mean token loss (nats) over every token but the first, ``perplexity`` its
-exponential; ``adjusted_perplexity`` rescales the loss by tokens per word (Megatron-LM's word-level
-figure, comparable across tokenizers). LAMBADA: ``strict_accuracy`` (every token of the last word, as
-tokenized with its leading space, predicted greedily) and ``non_strict_accuracy`` (only the text's last
-token: Megatron-LM's default). lm-eval: lm-evaluation-harness's evaluator on the checkpoint
-(``megatron.evaluation.lm_eval_model``), its results dictionary in ``--output`` (``results`` keyed by task,
-metrics as lm-eval names them; each example with ``--log-samples``) and its ``results`` on stdout; an
-unknown task or lm-eval not installed is one line, exit 2, before the checkpoint is read. docs/evaluation.md
-says more.
+Perplexity (lm-eval's rolling windows: each document on its own, its first token scored after the
+BOS or end-of-document token): ``word_perplexity``, ``byte_perplexity``, ``bits_per_byte`` as lm-eval
+defines them, and ``token_perplexity``; with ``--overlapping-eval`` also ``strided`` (Megatron-LM's
+overlapping windows: ``loss``, ``perplexity``, ``adjusted_perplexity``). LAMBADA, in ``strict``
+(lm-eval's ``lambada_openai``) and ``non_strict`` (Megatron-LM's default) modes: ``acc`` and
+``perplexity`` (of the target) each; ``--output-examples`` writes one JSON line per example.
+lm-eval: lm-evaluation-harness's evaluator on the checkpoint (``megatron.evaluation.lm_eval_model``), its
+results dictionary in ``--output`` (``results`` keyed by task, metrics as lm-eval names them; each example
+with ``--log-samples``) and its ``results`` on stdout; an unknown task or lm-eval not installed is one line,
+exit 2, before the checkpoint is read. docs/evaluation.md says more.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.checkpoint import CheckpointError  # noqa: E402
 from megatron.config import ConfigError  # noqa: E402
 from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
-from megatron.evaluation import harness  # noqa: E402
+from megatron.evaluation import harness, lambada, perplexity  # noqa: E402
 from megatron.evaluation.loading import configure, load_evaluator  # noqa: E402
-from megatron.evaluation.tasks import lambada_samples, perplexity_samples, read_texts, word_count  # noqa: E402
+from megatron.evaluation.tasks import read_texts  # noqa: E402
 from megatron.initialize import shutdown  # noqa: E402
 from megatron.tokenizer import TokenizerError  # noqa: E402
 
@@ -52,14 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the flags given now set the layout (--tp, --pp, --dp, ...) and the "
                                        "micro-batch size.")
     p.add_argument("--task", choices=("perplexity", "lambada", "lm-eval"), required=True,
-                   help="perplexity of a text, LAMBADA cloze accuracy, or lm-evaluation-harness tasks.")
+                   help="perplexity of documents, LAMBADA cloze accuracy (lm-eval's definitions), or "
+                        "lm-evaluation-harness tasks.")
     p.add_argument("--input", default=None,
                    help="perplexity, lambada: text file (one document) or JSON lines with a text key.")
     p.add_argument("--json-key", default="text", help="The key of each JSON line's text.")
     p.add_argument("--overlapping-eval", type=int, default=None, metavar="STRIDE",
-                   help="perplexity: windows of max_seq_len tokens every STRIDE tokens; each later window scores "
-                        "only its last STRIDE tokens (default: max_seq_len, no overlap).")
+                   help="perplexity: also the strided figures (Megatron-LM's): windows of max_seq_len tokens every "
+                        "STRIDE tokens over the joined documents, each later one scoring only its last STRIDE.")
     p.add_argument("--output", default=None, help="Also write the results' JSON here.")
+    p.add_argument("--output-examples", default=None, metavar="FILE.jsonl",
+                   help="lambada: one JSON line per example (context, target, the model's greedy continuation, "
+                        "whether it matched, the target's log-likelihood).")
     g = p.add_argument_group("lm-eval (--task lm-eval; pip install -e .[eval])")
     g.add_argument("--lm-eval-tasks", default=None, metavar="T1,T2",
                    help="lm-eval task (or group) names, comma-separated.")
@@ -79,19 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def samples_for(task: str, texts: list[str], tokenizer, seq_len: int, stride: int | None):
-    if task == "perplexity":
-        ids = []
-        for text in texts:  # documents joined by the end-of-document token, as the training data is
-            ids += tokenizer.tokenize(text) + [tokenizer.eod]
-        return {"all": perplexity_samples(ids[:-1], seq_len, stride)}
-    return {mode: lambada_samples(texts, tokenizer.tokenize, seq_len, strict=mode == "strict")
-            for mode in ("strict", "non_strict")}
+def prepare(args: argparse.Namespace, texts: list[str], tokenizer, seq_len: int):
+    """The task's samples, made before any collective (ValueError for a bad stride or text)."""
+    if args.task == "perplexity":
+        return perplexity.plan(texts, tokenizer, seq_len, args.overlapping_eval)
+    return lambada.plan(texts, tokenizer, seq_len)
 
 
 def read_input(args: argparse.Namespace) -> list[str]:
     """The texts of ``--input``; ValueError when it holds no words (empty, blank lines: a perplexity of
     whitespace tokens, per a word count of 0, would be a number that means nothing)."""
+    if args.output_examples and args.task != "lambada":
+        raise ValueError("--output-examples is for --task lambada (one line per example).")
+    for path in (args.output, args.output_examples):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{path}: its folder does not exist (create it, or give another path).")
     if args.input is None:
         raise ValueError(f"--task {args.task} needs --input FILE: the text to evaluate.")
     texts = read_texts(args.input, args.json_key)
@@ -100,31 +106,20 @@ def read_input(args: argparse.Namespace) -> list[str]:
     return texts
 
 
-def evaluate(args: argparse.Namespace, config, tokenizer, texts: list[str]) -> dict:
-    samples = samples_for(args.task, texts, tokenizer, config.dataset.max_seq_len, args.overlapping_eval)
+def evaluate(args: argparse.Namespace, config, tokenizer, texts: list[str]) -> tuple[dict, list[dict] | None]:
+    """(the results, the LAMBADA per-example records or None). Collective."""
+    seq_len = config.dataset.max_seq_len
+    planned = prepare(args, texts, tokenizer, seq_len)
     evaluator = load_evaluator(config)
     ps = evaluator.ps
     result = {"task": args.task, "input": args.input, "checkpoint": evaluator.path, "step": evaluator.step,
               "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "sharding": ps.sharding_size}}
     if args.task == "perplexity":
-        windows = samples["all"]
-        tokens = sum(sum(s.mask) for s in windows)
-        loss = evaluator.score(windows, "loss", "perplexity: ") / tokens
-        words = word_count(texts)
-        ratio = tokens / max(words - 1, 1)  # Megatron-LM's (tokenized - 1) / (words - 1): tokens scored per word
-        result.update(tokens=tokens, words=words, windows=len(windows), stride=args.overlapping_eval
-                      or config.dataset.max_seq_len, loss=loss, perplexity=_exp(loss),
-                      adjusted_perplexity=_exp(loss * ratio))
-    else:
-        result["examples"] = len(texts)
-        result["modes"] = {"strict": "every token of the last word (with its leading space) predicted greedily",
-                           "non_strict": "only the text's last token predicted (Megatron-LM's default; a word of "
-                                         "several tokens needs only its final piece right)"}
-        for mode, cloze in samples.items():
-            correct = evaluator.score(cloze, "cloze", f"lambada ({mode.replace('_', '-')}): ")
-            result[f"{mode}_correct"] = int(round(correct))
-            result[f"{mode}_accuracy"] = correct / len(cloze)
-    return result
+        result.update(perplexity.figures(evaluator, texts, planned))
+        return result, None
+    figures, records = lambada.figures(evaluator, planned, tokenizer, seq_len)
+    result.update(figures)
+    return result, records
 
 
 def evaluate_lm_eval(args: argparse.Namespace, rest: list[str]) -> dict | None:
@@ -155,9 +150,11 @@ def evaluate_lm_eval(args: argparse.Namespace, rest: list[str]) -> dict | None:
     return result
 
 
-def _exp(x: float) -> float:
-    """exp, infinite past what a float holds (no silent cap: Megatron-LM's min(20, .) hides the number)."""
-    return math.exp(x) if x < 709.0 else math.inf
+def _write(path: str, lines: list[str]) -> None:
+    """``lines`` into ``path``, whole or not at all (written beside it, then renamed)."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,16 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         if args.task == "lm-eval":
-            result = evaluate_lm_eval(args, rest)
+            result, records = evaluate_lm_eval(args, rest), None
             summary = result and {"results": result["results"], "megatron": result["megatron"]}
         else:
             texts = read_input(args)  # a bad input is said before the checkpoint is read
             config, tokenizer = configure(rest)
-            result = summary = evaluate(args, config, tokenizer, texts)
+            result, records = evaluate(args, config, tokenizer, texts)
+            summary = result
         if rank == 0:
+            if args.task != "lm-eval":
+                for line in (perplexity if args.task == "perplexity" else lambada).summary(result):
+                    print(line, file=sys.stderr)
+            if args.output_examples:
+                _write(args.output_examples, [json.dumps(record) for record in records])
             if args.output:
-                with open(args.output, "w", encoding="utf-8") as f:
-                    f.write(json.dumps(result) + "\n")
+                _write(args.output, [json.dumps(result)])
             print(json.dumps(summary), flush=True)
     except (ConfigError, CheckpointError, TokenizerError, ValueError, OSError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

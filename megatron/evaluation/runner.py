@@ -9,13 +9,15 @@ sums are reduced over the pipeline and data-parallel groups.
 
 - ``loss``: the training forward's per-token losses (vocabulary-parallel cross entropy), masked
   and summed.
-- ``cloze``: the last stage gathers the logits and counts the samples whose every counted
-  prediction is the argmax (Megatron-LM's LAMBADA rule).
+- ``cloze``: the last stage gathers the logits and gives each sample's log-likelihood of its counted
+  tokens, whether every counted prediction is the argmax (lm-eval's ``is_greedy``, Megatron-LM's
+  LAMBADA rule) and the argmax at each counted position; the per-sample rows are reduced to every rank.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -51,15 +53,40 @@ def _masked_sum(mask: torch.Tensor, token_losses: torch.Tensor):
     return (token_losses.double() * mask).sum(), mask.sum()
 
 
-def _cloze_step(vocab_size: int, batch: dict, model: torch.nn.Module):
+@dataclass
+class ClozeScore:
+    loglikelihood: float  # of the counted tokens, summed (natural log)
+    right: bool  # every counted token is the argmax
+    predicted: list[int]  # the argmax at each counted position, given the sample's earlier tokens
+
+
+def _cloze_step(vocab_size: int, rows: torch.Tensor, batch: dict, model: torch.nn.Module):
     logits = model(batch["tokens"], batch["position_ids"])  # the last stage: [b, s, V] gathered
-    return logits, partial(_count_correct, vocab_size, batch["labels"], batch["loss_mask"])
+    return logits, partial(_cloze_rows, vocab_size, rows, batch)
 
 
-def _count_correct(vocab_size: int, labels: torch.Tensor, mask: torch.Tensor, logits: torch.Tensor):
-    counted = mask.bool()
-    right = (logits[..., :vocab_size].argmax(dim=-1) == labels) | ~counted
-    return (right.all(dim=-1) & counted.any(dim=-1)).double().sum(), counted.any(dim=-1).sum()
+def _cloze_rows(vocab_size: int, rows: torch.Tensor, batch: dict, logits: torch.Tensor):
+    """Fill ``rows[index]`` = (log-likelihood, right, argmax at each counted position) for each sample of
+    the micro-batch; return (samples right, samples)."""
+    labels, mask = batch["labels"], batch["loss_mask"].bool()
+    where = mask.nonzero()  # [k, 2]: (row, position) of each counted prediction, in order
+    picked = logits[where[:, 0], where[:, 1], :vocab_size].float()  # [k, V]: only the counted positions
+    wanted = labels[where[:, 0], where[:, 1]]
+    loglik = picked.log_softmax(-1).gather(-1, wanted[:, None])[:, 0].double()
+    predicted = picked.argmax(-1)
+    n = mask.shape[0]
+    sums = torch.zeros(n, dtype=torch.float64, device=logits.device).index_add_(0, where[:, 0], loglik)
+    wrong = torch.zeros(n, dtype=torch.float64, device=logits.device).index_add_(
+        0, where[:, 0], (predicted != wanted).double())
+    right = (wrong == 0) & mask.any(dim=-1)
+    counts = mask.sum(dim=-1).tolist()
+    start = 0
+    for i, index in enumerate(batch["index"].tolist()):
+        if index >= 0:
+            rows[index, 0], rows[index, 1] = sums[i], right[i].double()
+            rows[index, 2:2 + counts[i]] = predicted[start:start + counts[i]].double()
+        start += counts[i]
+    return right.double().sum(), mask.any(dim=-1).sum()
 
 
 class Evaluator:
@@ -75,15 +102,35 @@ class Evaluator:
                                  load_optim=False, load_rng=False)
         self.step, self.path = loaded["step"], loaded["path"]
 
-    def score(self, samples: list[Sample], kind: str, label: str = "") -> float:
-        """The sum over ``samples`` of the masked token losses (``kind="loss"``) or of the samples
-        answered right (``"cloze"``). Collective: every rank passes the same samples."""
+    def score(self, samples: list[Sample], label: str = "") -> float:
+        """The sum over ``samples`` of the masked token losses (nats). Collective: every rank passes the
+        same samples."""
+        return self._run(samples, loss_step, label)
+
+    def cloze(self, samples: list[Sample], label: str = "") -> list[ClozeScore]:
+        """Each sample's log-likelihood of its counted tokens, whether they are all the argmax, and the
+        argmax at each (see the module's docstring). Collective: every rank passes the same samples."""
+        width = max((sum(s.mask) for s in samples), default=0)
+        rows = torch.zeros(len(samples), 2 + width, dtype=torch.float64, device=self.device)
+        self._run(samples, partial(_cloze_step, self.config.model.vocab_size, rows), label)
+        self._reduce(rows)
+        return [ClozeScore(float(r[0]), bool(r[1]), [int(t) for t in r[2:2 + sum(s.mask)].tolist()])
+                for r, s in zip(rows.cpu(), samples)]
+
+    def _reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the pipeline (only the last stage computed) and data-parallel ranks."""
+        for group in (self.run.pp_group, self.run.dp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(tensor, group=group)
+
+    def _run(self, samples: list[Sample], step, label: str) -> float:
+        """``step`` (a forward step) over ``samples`` in global batches; the sum of its loss function's
+        first values over every micro-batch and rank."""
         c, ps = self.config, self.ps
         mbs, dp = c.batch_size.micro_batch_size, ps.data_parallel_size
         per_rank = mbs * max(1, ps.pp_size)  # enough micro-batches to fill the pipeline
         per_batch = per_rank * dp
         padded = samples + [Sample([0], [])] * (-len(samples) % per_batch)
-        step = loss_step if kind == "loss" else partial(_cloze_step, c.model.vocab_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = len(padded) // per_batch
         self.run.model.eval()
@@ -91,6 +138,8 @@ class Evaluator:
             for b in range(batches):
                 start = b * per_batch + ps.data_parallel_rank * per_rank
                 batch = batch_of(padded[start:start + per_rank], c.dataset.max_seq_len, self.device)
+                batch["index"] = torch.tensor([i if i < len(samples) else -1
+                                               for i in range(start, start + per_rank)], device=self.device)
                 out = self.run.forward_backward(step, split_micro_batches(batch, mbs), self.run.model, 1.0,
                                                 forward_only=True)
                 if out is not None:
@@ -98,7 +147,5 @@ class Evaluator:
                 if self.progress:
                     print(f"\r{label}batch {b + 1}/{batches}", end="" if b + 1 < batches else "\n", file=sys.stderr,
                           flush=True)
-        for group in (self.run.pp_group, self.run.dp_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(total, group=group)
+        self._reduce(total)
         return float(total)

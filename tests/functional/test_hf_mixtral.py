@@ -115,9 +115,9 @@ def test_generate_and_evaluate_on_the_checkpoint_agree_with_transformers(exporte
     ids = torch.randint(0, VOCAB - 1, (SEQ + 1,), generator=torch.Generator().manual_seed(4)).tolist()
     (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
     done = run_tool_here("tools/evaluate.py", "--task", "perplexity", "--input", str(tmp_path / "ids.txt"),
-                         "--load", str(run_dir))
+                         "--load", str(run_dir), "--overlapping-eval", str(SEQ))  # one window: the ids' own loss
     assert done.returncode == 0, done.stderr[-2000:]
-    loss = json.loads(done.stdout.strip().splitlines()[-1])["loss"]
+    loss = json.loads(done.stdout.strip().splitlines()[-1])["strided"]["loss"]
     with torch.no_grad():
         logits = model(torch.tensor([ids[:-1]])).logits[0]
     assert loss == pytest.approx(float(F.cross_entropy(logits.double(), torch.tensor(ids[1:]))), abs=1e-5)
