@@ -125,60 +125,12 @@ def one_process(checkpoint, files, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def lm_eval_hf(hf, hf_dir):
-    """lm-eval's side on the export: an ``lm_eval`` model that scores as its ``hf`` backend (``HFLM``) does
-    (``_loglikelihood_tokens``' causal rule: context + continuation cut to ``max_length + 1`` from the left,
-    log-softmax, is-greedy; ``prefix_token_id``: BOS, else EOS; ``loglikelihood_rolling``'s windows by
-    ``lm_eval.utils``), inheriting lm-eval's own ``TemplateLM.loglikelihood`` (the pair encoding). HFLM itself
-    needs accelerate, which lm-eval's base install lacks."""
+def lm_eval_hf(hf_dir):
+    """lm-eval's own ``hf`` backend (``HFLM``) on the export, its window the checkpoint's ``max_seq_len``."""
     pytest.importorskip("lm_eval", reason="lm-eval (the eval extra) is not installed")
-    import torch.nn.functional as F
-    import transformers
-    from lm_eval import utils
-    from lm_eval.api.model import TemplateLM
+    from tests.inference.lm_eval_tasks import hf_lm
 
-    class HFScoring(TemplateLM):
-        def __init__(self, model, tokenizer, max_length: int):
-            super().__init__()
-            self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
-
-        @property
-        def eot_token_id(self) -> int:
-            return self.tokenizer.eos_token_id
-
-        @property
-        def prefix_token_id(self) -> int:
-            bos = self.tokenizer.bos_token_id
-            return bos if bos is not None else self.tokenizer.eos_token_id
-
-        def tok_encode(self, string, add_special_tokens=None, **kwargs):
-            kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-            return self.tokenizer.encode(string, **kwargs)
-
-        def _loglikelihood_tokens(self, requests, **kwargs):
-            results = []
-            for _, context, continuation in requests:
-                inp = torch.tensor([(context + continuation)[-(self.max_length + 1):][:-1]])
-                with torch.no_grad():
-                    logp = F.log_softmax(self.model(inp).logits[0, -len(continuation):].float(), dim=-1)
-                wanted = torch.tensor(continuation)
-                results.append((float(logp.gather(-1, wanted[:, None]).sum()), bool((logp.argmax(-1) == wanted).all())))
-            return results
-
-        def loglikelihood_rolling(self, requests, disable_tqdm=False):
-            results = []
-            for (string,) in (request.args for request in requests):
-                windows = utils.get_rolling_token_windows(token_list=self.tok_encode(string),
-                                                          prefix_token=self.prefix_token_id,
-                                                          max_seq_len=self.max_length, context_len=1)
-                pairs = [(None, *utils.make_disjoint_window(window)) for window in windows]
-                results.append(sum(ll for ll, _ in self._loglikelihood_tokens(pairs)))
-            return results
-
-        def generate_until(self, requests, disable_tqdm=False):
-            raise NotImplementedError
-
-    return HFScoring(hf, transformers.AutoTokenizer.from_pretrained(hf_dir), SEQ)
+    return hf_lm(hf_dir, SEQ, 1)
 
 
 def _requests(kind: str, arguments: list[tuple]) -> list:
