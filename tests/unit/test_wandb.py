@@ -18,7 +18,7 @@ import pytest
 import pretrain_gpt
 from megatron.config import ConfigError, parse_config, validate
 from megatron.metrics import WANDB_RUN_ID_FILE, MetricsWriter, get_logger, scalars
-from tests.functional.launch import TINY, run_here
+from tests.functional.launch import TINY, run
 
 
 @pytest.fixture
@@ -150,10 +150,9 @@ def test_a_resume_continues_the_w_and_b_run_and_a_fresh_start_does_not(tmp_path,
 def test_an_offline_training_run_logs_what_metrics_jsonl_holds_and_its_resume_continues_it(tmp_path, offline_wandb):
     out, save_dir = tmp_path / "out", tmp_path / "wb"
     wandb_flags = ("--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", str(save_dir))
-    first = run_here(*TINY, "--max-steps", "5", "--lr-decay-iters", "10", "--save-steps", "5", *wandb_flags,
-                     "--save", str(out))
+    first = run(out, *TINY, "--max-steps", "5", "--lr-decay-iters", "10", "--save-steps", "5", *wandb_flags)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_here(*TINY, "--load", str(out), "--save", str(out))  # inherits the saved config's W&B settings
+    second = run(out, *TINY, "--load", str(out))  # inherits the W&B settings from the saved config
     assert second.returncode == 0, second.stderr[-3000:]
 
     run_id = (out / WANDB_RUN_ID_FILE).read_text().strip()
