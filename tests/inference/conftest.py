@@ -79,3 +79,31 @@ def engine(checkpoint):
     initialize()
     model, config = load_model(checkpoint)
     return InferenceEngine(model, config, tokenizer_for(config))
+
+
+def greedy_tokens(model, vocab: int, ids: list[int], n: int) -> list[int]:
+    """The ``n`` tokens ``model`` (an inference-loaded GPT, one process) continues ``ids`` with, greedily, by full
+    forwards (no KV cache: the reference the code under test is checked against)."""
+    import torch
+
+    with torch.no_grad():
+        for _ in range(n):
+            ids = ids + [int(model(torch.tensor([ids]))[0, -1, :vocab].argmax())]
+    return ids[-n:]
+
+
+def last_word_guesses(model, tokenizer, vocab: int, lines: list[str], count: int) -> list[str]:
+    """Up to ``count`` of ``lines``, each cut after a word (from the third on) and completed by the word the model
+    predicts next greedily, when that word is one token with its leading space: cloze texts it gets right."""
+    guessed = []
+    for words in (line.split() for line in lines):
+        for n in range(3, len(words)):
+            context = " ".join(words[:n])
+            best = greedy_tokens(model, vocab, tokenizer.tokenize(context), 1)[0]
+            word = tokenizer.detokenize([best])
+            if word.startswith(" ") and word[1:].isalpha() and tokenizer.tokenize(word) == [best]:
+                guessed.append(context + word)
+                break
+        if len(guessed) == count:
+            break
+    return guessed

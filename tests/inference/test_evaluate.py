@@ -18,7 +18,7 @@ import torch
 
 from megatron.inference import initialize, load_model, tokenizer_for
 from tests.functional.launch import outcome, run_several
-from tests.inference.conftest import ROOT
+from tests.inference.conftest import ROOT, last_word_guesses
 
 pytestmark = pytest.mark.slow  # launches tools/evaluate.py
 
@@ -90,18 +90,7 @@ def files(checkpoint, tmp_path_factory):
     model, config = load_model(checkpoint)
     tokenizer = tokenizer_for(config)
     lines = [" ".join(line.split()) for line in _document().splitlines() if len(line.split()) >= 6]
-    guessed = []
-    with torch.no_grad():
-        for words in (line.split() for line in lines):
-            for n in range(3, len(words)):
-                context = " ".join(words[:n])
-                best = int(model(torch.tensor([tokenizer.tokenize(context)]))[0, -1, :config.model.vocab_size].argmax())
-                word = tokenizer.detokenize([best])
-                if word.startswith(" ") and word[1:].isalpha() and tokenizer.tokenize(word) == [best]:
-                    guessed.append(context + word)
-                    break
-            if len(guessed) == 8:
-                break
+    guessed = last_word_guesses(model, tokenizer, config.model.vocab_size, lines, 8)
     lambada = folder / "lambada.jsonl"
     lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:12] + guessed))
     return str(document), str(lambada), tokenizer

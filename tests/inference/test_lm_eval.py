@@ -9,10 +9,10 @@ import json
 import sys
 
 import pytest
-import torch
 
 from megatron.inference import initialize, load_model, tokenizer_for
 from tests.functional.launch import outcome, run_several, run_tool_here
+from tests.inference.conftest import greedy_tokens, last_word_guesses
 from tests.inference.lm_eval_tasks import MAX_GEN_TOKS, TASKS, hf_lm, write_tasks
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e .[eval]")
@@ -22,13 +22,6 @@ BATCH = 16  # requests per forward: each kind of request in one or two calls
 METRICS = {"megatron_cloze": ("acc,none", "perplexity,none"),
            "megatron_rolling": ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"),
            "megatron_generate": ("exact_match,none",)}
-
-
-def _greedy(model, tokenizer, vocab: int, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        for _ in range(n):
-            ids = ids + [int(model(torch.tensor([ids]))[0, -1, :vocab].argmax())]
-    return ids[-n:]
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +35,12 @@ def task_dir(checkpoint, tmp_path_factory):
     model, config = load_model(checkpoint)
     tokenizer, vocab = tokenizer_for(config), config.model.vocab_size
     lines = [" ".join(line.split()) for line in _document().splitlines() if len(line.split()) >= 6]
-    guessed = []
-    for words in (line.split() for line in lines):
-        for n in range(3, len(words)):
-            context = " ".join(words[:n])
-            best = _greedy(model, tokenizer, vocab, tokenizer.tokenize(context), 1)[0]
-            word = tokenizer.detokenize([best])
-            if word.startswith(" ") and word[1:].isalpha() and tokenizer.tokenize(word) == [best]:
-                guessed.append(context + word)
-                break
-        if len(guessed) == 4:
-            break
+    guessed = last_word_guesses(model, tokenizer, vocab, lines, 4)
     documents = [_document()[:700], _document()[700:1000], "the model reads every token"]
     generate = []
     for i, line in enumerate(lines[:6]):
         prompt = " ".join(line.split()[:4])
-        text = tokenizer.detokenize(_greedy(model, tokenizer, vocab, tokenizer.tokenize(prompt), MAX_GEN_TOKS))
+        text = tokenizer.detokenize(greedy_tokens(model, vocab, tokenizer.tokenize(prompt), MAX_GEN_TOKS))
         generate.append((prompt, text.split("\n")[0] if i % 2 == 0 else " no"))
     return write_tasks(tmp_path_factory.mktemp("lm-eval-tasks"), lines[:6] + guessed, documents, generate)
 

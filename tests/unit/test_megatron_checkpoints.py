@@ -35,6 +35,7 @@ from megatron.config import parse_config, validate
 from megatron.model.gpt import GPTModel
 from tests.functional.launch import program_module, run_here
 from tests.unit.megatron_core_reference import (
+    CORE_WARNINGS,
     LLAMA,
     MOE,
     SEQ,
@@ -47,9 +48,7 @@ from tests.unit.megatron_core_reference import (
     tokens_and_labels,
 )
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
-              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]  # DCP's and Megatron Core's deprecation notices
+pytestmark = CORE_WARNINGS
 
 convert = program_module("tools/convert_checkpoint.py")
 # vocab 250: ours pads to 256 (tp 1), Megatron's tp 2 to 256 too; 4 heads in 2 groups, SwiGLU width 24 (tp 2 cuts)

@@ -32,6 +32,7 @@ import torch
 from megatron import moe
 from megatron.checkpoint.megatron_core_names import from_megatron_core
 from tests.unit.megatron_core_reference import (
+    CORE_WARNINGS,
     LLAMA,
     MOE,
     TOLERANCE,
@@ -42,9 +43,7 @@ from tests.unit.megatron_core_reference import (
     tokens_and_labels,
 )
 
-# Megatron Core's own deprecation notices (tp_group None, ffn_hidden_size, cuda_graph_scope): not ours to act on
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
-              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core")]
+pytestmark = CORE_WARNINGS
 
 
 @pytest.fixture(scope="module")

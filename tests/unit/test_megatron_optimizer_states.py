@@ -29,6 +29,7 @@ from megatron.config import parse_config, validate
 from megatron.data.mock_dataset import MockGPTDataset
 from tests.functional.launch import run_here
 from tests.unit.megatron_core_reference import (
+    CORE_WARNINGS,
     LLAMA,
     MOE,
     SEQ,
@@ -43,9 +44,7 @@ from tests.unit.megatron_core_reference import (
 )
 from tests.unit.test_megatron_checkpoints import SHAPES, convert, megatron_args
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.core"),
-              pytest.mark.filterwarnings("ignore::UserWarning:megatron.core"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = CORE_WARNINGS
 
 LR, WD, GBS = 1e-3, 0.1, 4
 KINDS = ("param", "exp_avg", "exp_avg_sq")
