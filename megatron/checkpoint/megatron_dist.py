@@ -19,24 +19,24 @@ linears' ``_extra_state`` (None in the local spec) is written as Megatron writes
 and skipped on reading. The optimizer states are ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``
 (``megatron_optim``), in the same layout; a distributed optimizer's bucket layout is refused in one line.
 
-Reading never unpickles arbitrary objects: DCP's own reader unpickles ``.metadata`` with ``pickle.load``; here it is
-read with an unpickler that builds only DCP's metadata classes, ``torch.Size`` and torch dtypes, and ``common.pt``
-with ``megatron_legacy.safe_load``.
+Reading never unpickles arbitrary objects nor opens a file outside the folder: ``.metadata`` and the data files
+through ``dcp_reader.SafeReader`` (an explicit allow-list of (module, name) pairs; every path and byte range the
+index names checked first), ``common.pt`` with ``megatron_legacy.safe_load``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron.checkpoint.dcp_reader import CheckpointException, SafeReader, load_error
 from megatron.checkpoint.format import CheckpointError, write_text
 from megatron.checkpoint.megatron_legacy import CHECKPOINT_VERSION, TRACKER, safe_load
 from megatron.checkpoint.megatron_optim import NO_OPTIM
@@ -193,48 +193,12 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
     return final
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, torch.Size, dtypes, layouts and memory formats; refuses anything else."""
-
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
-
-    def find_class(self, module: str, name: str):
-        if module in self._MODULES and not name.startswith("__"):
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if name == "Size" or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        if (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                              ("pathlib", "PurePosixPath")):  # a layout by its name; the saved folder
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self):
-        path = os.path.join(str(self.path), ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as err:
-            raise CheckpointError(f"{path} holds {err}, which this tool does not unpickle (only PyTorch's "
-                                  f"distributed-checkpoint metadata is read).") from err
-        except (OSError, EOFError, ValueError, AttributeError) as err:
-            raise CheckpointError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, dict[str, torch.Tensor], dict]:
     """(args, common.pt's other entries, the whole Megatron Core state dict, {kind: the whole optimizer states}
     (empty when none are saved, or not ``optimizer``)) of ``folder``."""
     common = safe_load(os.path.join(folder, "common.pt"))
     args = common.get("args")
-    reader = _SafeReader(folder)
+    reader = SafeReader(folder)
     metadata = reader.read_metadata()
     keys = metadata.state_dict_metadata
     unknown = [k for k in keys if _OPTIMIZER.match(k) and not _BY_NAME.match(k)]
@@ -249,9 +213,8 @@ def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as err:  # noqa: BLE001 - DCP raises its own wrapper types
-        raise CheckpointError(f"cannot read the tensors of {folder} ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}).") from err
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps each rank's error (a BaseException)
+        raise load_error(folder, err) from err
     model = {k: t for k, t in state.items() if not _OPTIMIZER.match(k)}
     states: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
