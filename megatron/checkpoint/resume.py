@@ -11,6 +11,7 @@ same on every rank, raised before any process group exists.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -18,14 +19,15 @@ from megatron.checkpoint.format import find_checkpoint, same_folder, verify_file
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, load_yaml, megatron_flags, parse_config, set_value
 from megatron.config.cli import megatron_defaults
-from megatron.config.schema import SaveLoadConfig
+from megatron.config.schema import ModelConfig, SaveLoadConfig
 from megatron.config.syntax import input_dir_words
 
-__all__ = ["NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_config", "saved_config_path",
+__all__ = ["MODEL_MAY_CHANGE", "MODEL_NOT_CHANGED", "NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_config", "saved_config_path",
            "schedule_kept_warning"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
-                 "exit_interval", "use_checkpoint_args", "override_data_order", "overwrite_output_dir")
+                 "exit_interval", "use_checkpoint_args", "override_data_order", "override_model_settings",
+                 "overwrite_output_dir")
 # Where a run writes: inherited only by a resume of the run's own folder (the saved output_dir is the folder
 # loaded from); a copy of a run folder, or a downloaded one, never steers this launch's writes elsewhere.
 WRITE_PATHS = ("output_dir", "tensorboard_dir", "wandb_save_dir", "data_cache_path")
@@ -80,14 +82,17 @@ def schedule_kept_warning(base: Config, config: Config) -> str | None:
             f"{decay_steps} steps (its decay_steps, kept); pass --lr-decay-iters (decay_steps) to change it.")
 
 
-# What a resume may not change. The model's settings that no tensor shape shows (heads over the same hidden size,
-# RoPE's base, the norm's epsilon, ...): the saved weights would be read as another model. Those that decide which
-# sample comes next (once the saved run has consumed any): the data would be another order from here on.
-MODEL_NOT_CHANGED = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
-                     "max_position_embeddings", "type_vocab_size", "layernorm_epsilon", "position_embedding_type",
-                     "rotary_base", "rotary_percent", "rotary_interleaved", "normalization", "swiglu",
-                     "group_query_attention", "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights",
-                     "disable_bias_linear")
+# What a resume may not change. Every setting of the Model section but those of MODEL_MAY_CHANGE: the model's
+# settings that no tensor shape shows (heads over the same hidden size, RoPE's base, the norm's epsilon, the
+# router's top-k and score function, an expert's capacity, ...) would read the saved weights as another model, and a
+# new model setting is held by default (listing it here is a decision). MODEL_MAY_CHANGE: what the training
+# objective, the precision or the speed use, not the function the weights compute. Those that decide which sample
+# comes next (once the saved run has consumed any): the data would be another order from here on.
+MODEL_MAY_CHANGE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "moe_router_dtype",
+                    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                    "moe_router_bias_update_rate", "moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap",
+                    "moe_grouped_gemm", "moe_token_dispatcher_type")
+MODEL_NOT_CHANGED = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in MODEL_MAY_CHANGE)
 DATA_ORDER_NOT_CHANGED = (("seed",), ("dataset", "input_dir"), ("dataset", "train_data_path"), ("dataset", "split"),
                           ("dataset", "max_seq_len"), ("dataset", "mock_data"), ("dataset", "mock_document_length"),
                           ("tokenizer", "tokenizer_type"), ("tokenizer", "eod_token"))
@@ -125,13 +130,17 @@ def _effective(model, name: str):
 
 def check_resume_settings(base: Config, config: Config, ckpt_dir: str, saved_step: int) -> None:
     """ConfigError, one line naming both values, when ``config`` (a resume over the saved ``base``) changes a
-    setting that shapes the model, or (once the saved run has trained: ``saved_step`` > 0) the data order,
-    unless ``override_data_order`` is given for the latter."""
-    for name in MODEL_NOT_CHANGED:
+    setting of the model (``MODEL_NOT_CHANGED``), unless ``override_model_settings`` is given, or (once the saved
+    run has trained: ``saved_step`` > 0) the data order, unless ``override_data_order`` is given."""
+    dense = not config.model.num_experts and not base.model.num_experts  # the router's settings are unused
+    for name in () if config.save_load.override_model_settings else MODEL_NOT_CHANGED:
+        if dense and name.startswith("moe_"):
+            continue
         now, saved = _effective(config.model, name), _effective(base.model, name)
         if now != saved:
             raise ConfigError(f"resuming {ckpt_dir} with {name} {now!r}, but the saved run has {saved!r}: a setting "
-                              f"that shapes the model must stay as saved; drop it, or start a new run from these "
+                              f"of the model (its shape or what it computes) must stay as saved; drop it, pass "
+                              f"--override-model-settings to change it from here on, or start a new run from these "
                               f"weights with --finetune.")
     if saved_step == 0 or config.save_load.override_data_order:
         return

@@ -298,6 +298,10 @@ class SaveLoadConfig:
         False, "Resume with other data settings (seed, data paths or weights, split, max_seq_len, tokenizer) than "
                "the saved run's: the data is read in another order from the saved step on. Without it such a change "
                "is refused.")
+    override_model_settings: bool = opt(
+        False, "Resume with model settings that keep every tensor's shape but change what the model computes (heads, "
+               "RoPE, epsilon, the router's top-k, score function or capacity, ...): the saved weights are read as "
+               "that model from the saved step on. Without it such a change is refused.")
     exit_duration_in_mins: float | None = opt(
         None, "Save and exit (status 0) once the run has trained this many minutes (a job's time limit).")
     exit_interval: int | None = opt(

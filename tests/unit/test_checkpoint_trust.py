@@ -179,9 +179,10 @@ def _resume(ckpt, *flags):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--num-attention-heads", "8"), "with num_attention_heads 8, but the saved run has 4: a setting that shapes the "
-                                     "model must stay as saved; drop it, or start a new run from these weights with "
-                                     "--finetune."),
+    (("--num-attention-heads", "8"), "with num_attention_heads 8, but the saved run has 4: a setting of the model "
+                                     "(its shape or what it computes) must stay as saved; drop it, pass "
+                                     "--override-model-settings to change it from here on, or start a new run from "
+                                     "these weights with --finetune."),
     (("--layernorm-epsilon", "1e-06"), "with layernorm_epsilon 1e-06, but the saved run has 1e-05"),
     (("--kv-channels", "8"), "with kv_channels 8, but the saved run has 16"),  # the derived value, not None
     (("--seed", "7"), "with seed 7, but the saved run has 1024: the data would be read in another order from step 2 "
@@ -197,7 +198,48 @@ def test_a_resume_that_changes_the_model_or_the_data_order_is_one_line(saved, fl
     assert f"resuming {saved} {message}" in str(raised.value)
 
 
-def test_what_a_resume_may_change(saved):
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory):
+    """A top-2 softmax-routed mixture of experts at step 2 (random weights: only its configuration is read)."""
+    from megatron.checkpoint.convert import tensor_layout, write_params
+
+    config = make_config("--num-experts", "4", "--moe-router-topk", "2")
+    params = {name: torch.zeros(shape) for name, (shape, _) in tensor_layout(config).items()}
+    run = tmp_path_factory.mktemp("trust-moe") / "run"
+    write_params(str(run), config, params, step=2, train_state={"consumed_samples": 8, "skipped_steps": 0})
+    return run
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--moe-router-topk", "1"), "with moe_router_topk 1, but the saved run has 2"),
+    (("--moe-router-score-function", "sigmoid"), "with moe_router_score_function 'sigmoid', but the saved run has "
+                                                 "'softmax'"),
+    (("--moe-router-pre-softmax",), "with moe_router_pre_softmax True, but the saved run has False"),
+    (("--moe-expert-capacity-factor", "1.0"), "with moe_expert_capacity_factor 1.0, but the saved run has None"),
+], ids=["topk", "sigmoid", "pre-softmax", "capacity"])
+def test_a_resume_that_changes_the_router_is_one_line(saved_moe, flags, message):
+    """The same tensors, another router: the saved experts would see other tokens."""
+    with pytest.raises(ConfigError) as raised:
+        _resume(saved_moe, *flags)
+    assert f"resuming {saved_moe} {message}: a setting of the model" in str(raised.value)
+    assert "--override-model-settings" in str(raised.value)
+
+
+def test_every_model_setting_is_held_on_resume_unless_listed_as_free():
+    """A new model setting is held by default: only the objective's, precision's and speed's settings are free."""
+    from megatron.checkpoint.resume import MODEL_MAY_CHANGE, MODEL_NOT_CHANGED
+
+    assert {"moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_expert_capacity_factor",
+            "rotary_base", "normalization", "swiglu", "layernorm_epsilon"} <= set(MODEL_NOT_CHANGED)
+    assert not set(MODEL_MAY_CHANGE) & set(MODEL_NOT_CHANGED)
+
+
+def test_what_a_resume_may_change(saved, saved_moe):
+    assert _resume(saved_moe, "--moe-router-topk", "1", "--override-model-settings").model.moe_router_topk == 1
+    assert _resume(saved_moe, "--moe-aux-loss-coeff", "0.01").model.moe_aux_loss_coeff == 0.01  # the objective
+    assert _resume(saved, "--moe-router-topk", "1").model.moe_router_topk == 1  # no experts: no router to change
+    assert _resume(saved, "--num-attention-heads", "8", "--override-model-settings").model.num_attention_heads == 8
+    assert "override_model_settings" in NOT_INHERITED
     assert _resume(saved, "--seed", "7", "--override-data-order").seed == 7  # said on purpose
     assert _resume(saved, "--seed", "7", "--finetune").seed == 7  # a new run from the weights
     assert _resume(saved, "--seed", "1024", "--lr", "1e-4").optimizer.lr.max_lr == 1e-4  # the same value; the lr
@@ -230,12 +272,17 @@ def test_a_checkpoint_of_another_shape_is_one_line_naming_the_tensor(saved):
         load_checkpoint(str(saved), model, optimizer, parallel_state.get(), config, load_optim=False)
 
 
-def test_pretrain_refuses_the_changed_resume_in_one_line_before_training(saved, tmp_path):
+@pytest.mark.parametrize("run, change, message", [
+    ("saved", ("--num-attention-heads", "8"), "with num_attention_heads 8, but the saved run has 4"),
+    ("saved_moe", ("--moe-router-topk", "1"), "with moe_router_topk 1, but the saved run has 2"),
+])
+def test_pretrain_refuses_the_changed_resume_in_one_line_before_training(request, tmp_path, run, change, message):
+    ckpt = request.getfixturevalue(run)
     result = run_here("--mock-data", "--device", "cpu", *TINY, "--global-batch-size", "4", "--micro-batch-size", "4",
-                      "--max-steps", "3", "--num-workers", "0", "--load", str(saved), "--save", str(tmp_path / "out"),
-                      "--num-attention-heads", "8")
+                      "--max-steps", "3", "--num-workers", "0", "--load", str(ckpt), "--save", str(tmp_path / "out"),
+                      *change)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "with num_attention_heads 8, but the saved run has 4" in result.stderr
+    assert message in result.stderr
     assert not (tmp_path / "out" / "latest").exists()
 
 
