@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron import moe, parallel_state, watchdog
 from megatron.config import Config
 from megatron.data.loader import build_loader, split_micro_batches
+from megatron.data.token_check import check_batch
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
@@ -101,8 +102,9 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
 @torch.no_grad()
 def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_batch_size: int,
              max_batches: int, device: torch.device, dp_group=None, forward_backward: Callable = None,
-             pp_group=None) -> float | None:
-    """Token-mean loss over the first ``max_batches`` global batches (None if there are none)."""
+             pp_group=None, vocab_size: int | None = None) -> float | None:
+    """Token-mean loss over the first ``max_batches`` global batches (None if there are none); with
+    ``vocab_size``, each batch's token ids checked first (``token_check.check_batch``)."""
     forward_backward = forward_backward or forward_backward_no_pipelining
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
@@ -110,6 +112,8 @@ def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_ba
         if i >= max_batches:
             break
         watchdog.beat(f"evaluation batch {i + 1}")
+        if vocab_size:
+            check_batch(batch, vocab_size)
         batch = to_device(batch, device)
         loss = forward_backward(forward_step, split_micro_batches(batch, micro_batch_size), model, 1.0,
                                 forward_only=True)

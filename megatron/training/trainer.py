@@ -16,6 +16,7 @@ import torch
 from megatron import parallel_state, watchdog
 from megatron.config import Config
 from megatron.config.batch_schedule import build_batch_schedule
+from megatron.data.token_check import check_batch
 from megatron.distributed.parallelize import ShardingPlan
 from megatron.metrics import get_logger
 from megatron.optimizer import StepResult, build_param_schedule
@@ -80,7 +81,10 @@ class Trainer:
         while s.step < last_step:
             watchdog.beat(f"training step {s.step + 1}")
             self.step_log.step_started()
-            batch = to_device(next(loader), self.device)
+            batch = next(loader)
+            if c.model.vocab_size:
+                check_batch(batch, c.model.vocab_size)  # on the CPU tensors: no synchronisation with the device
+            batch = to_device(batch, self.device)
             self.step_log.batch_ready()
             loss, result = self._step(batch)
             self.health.after_step(s.step, loss, result, self.checkpoints.after_divergence)
@@ -125,5 +129,5 @@ class Trainer:
         if dataset is None or len(dataset) < c.batch_size.global_batch_size or c.eval_iters == 0:
             return
         loss = evaluate(self.forward_step, data_loader(c, self.ps, dataset), p.model, c.batch_size.micro_batch_size,
-                        c.eval_iters, self.device, p.dp_group, p.forward_backward, p.pp_group)
+                        c.eval_iters, self.device, p.dp_group, p.forward_backward, p.pp_group, c.model.vocab_size)
         self.step_log.evaluation(split, loss)

@@ -135,6 +135,28 @@ def test_token_ids_beyond_the_vocabulary_stop_before_training(corpus, tmp_path):
     _no_partial_files(tmp_path / "big")
 
 
+def test_a_bin_rewritten_with_its_size_and_mtime_kept_is_rescanned_before_training(corpus, tmp_path):
+    """Out-of-vocabulary ids written into a .bin whose size and mtime are kept (before: the cached scan was
+    trusted, and training died steps later with an IndexError traceback): one line, exit 2, before training."""
+    vocab = len(json.loads((corpus / "tok" / "vocab.json").read_text()))
+    (tmp_path / "d").mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy2(corpus / "data" / f"c_text_document{suffix}", tmp_path / "d" / f"c{suffix}")
+    data = ["--input-dir", str(tmp_path / "d" / "c"), *_gpt2(corpus)]
+    assert _train(corpus, tmp_path / "first", "--max-steps", "1", data=data).returncode == 0
+    bin_path = tmp_path / "d" / "c.bin"
+    before = os.stat(bin_path)
+    tokens = np.fromfile(bin_path, np.uint16)
+    tokens[len(tokens) // 2] = vocab + 3
+    with open(bin_path, "r+b") as f:
+        f.write(tokens.tobytes())
+    os.utime(bin_path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    run = _train(corpus, tmp_path / "out", data=data)
+    assert _one_error_line(run).startswith(f"{bin_path} holds token id {vocab + 3} but the model's vocabulary has "
+                                           f"{vocab} ids")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("case", ["empty dataset", "empty train split"])
 def test_an_empty_dataset_or_train_split_is_one_line(corpus, tmp_path, case):
     if case == "empty dataset":

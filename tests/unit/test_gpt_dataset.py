@@ -16,7 +16,7 @@ from megatron.data import gpt_dataset, index_cache, token_check
 from megatron.data.blended_dataset import BlendedDataset, build_datasets, parse_input_dir
 from megatron.data.gpt_dataset import GPTDataset, split_ranges
 from megatron.data.indexed_dataset import DatasetError, IndexedDataset, IndexedDatasetWriter
-from megatron.data.loader import build_loader
+from megatron.data.loader import build_batch, build_loader
 from megatron.metrics import get_logger
 
 EOD = 0
@@ -247,10 +247,12 @@ def test_token_ids_beyond_the_vocabulary_stop_and_the_scan_is_cached(tmp_path, m
     assert len(train) >= 50 and len(scans) == 1  # the second check read the cached range
 
 
-def test_a_bin_rewritten_in_place_with_the_same_size_is_rescanned(tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["new-mtime", "mtime-kept"])
+def test_a_bin_rewritten_in_place_with_the_same_size_is_rescanned(tmp_path, monkeypatch, keep_mtime):
     """The content key hashes the .idx but only the .bin's size: the token-range entry is keyed by the .bin's
-    mtime too, so new bytes under the same .idx (here an id beyond the vocabulary) are not trusted to the old
-    verdict. A copy that keeps the mtime (cp -p) keeps the entry."""
+    mtime and a probe of its bytes too, so new bytes under the same .idx (here an id beyond the vocabulary) are
+    not trusted to the old verdict, also when the rewrite kept the size and the mtime (before: trusted, and
+    training died steps later with an IndexError). A copy that keeps the mtime (cp -p) keeps the entry."""
     prefix, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
     docs = _make(prefix, 30)
     vocab = int(max(d.max() for d in docs)) + 1
@@ -266,12 +268,40 @@ def test_a_bin_rewritten_in_place_with_the_same_size_is_rescanned(tmp_path, monk
     assert len(scans) == 1  # same content, same mtime: the cached range
     before = os.stat(prefix + ".bin")
     tokens = np.fromfile(prefix + ".bin", np.int32)
-    tokens[5] = vocab + 7
+    tokens[len(tokens) // 3] = vocab + 7  # a token no sampled block need hold: the whole small file is probed
     tokens.tofile(prefix + ".bin")  # in place: same size, same .idx
-    os.utime(prefix + ".bin", ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    mtime = before.st_mtime_ns + (0 if keep_mtime else 1_000_000_000)
+    os.utime(prefix + ".bin", ns=(before.st_atime_ns, mtime))
+    assert os.stat(prefix + ".bin").st_size == before.st_size
     with pytest.raises(DatasetError, match=f"holds token id {vocab + 7} but the model's vocabulary has {vocab} ids"):
         build_datasets(prefix, "1,0,0", (50, 0, 0), 8, 1, EOD, cache, vocab_size=vocab)
     assert len(scans) == 2
+
+
+def test_a_large_bin_is_probed_by_its_sampled_blocks(tmp_path, monkeypatch):
+    """Above FULL_PROBE_BYTES the probe is the 64 sampled blocks: a change in one of them is a new key."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(bytes(1 << 20))
+    monkeypatch.setattr(token_check, "FULL_PROBE_BYTES", 1 << 16)
+    first = token_check.bin_probe(str(path))
+    with open(path, "r+b") as f:
+        f.seek((1 << 20) - 10)  # inside the last sampled block
+        f.write(b"\x01")
+    assert first.startswith("sample:") and token_check.bin_probe(str(path)) != first
+
+
+@pytest.mark.parametrize("bad", [1000, -1])
+def test_a_batch_with_an_id_outside_the_vocabulary_stops_in_one_line(bad):
+    """The last guard, on the CPU batch before it reaches the device: a change no probe saw."""
+    samples = [np.arange(9), np.arange(9)]
+    samples[1][4] = bad
+    batch = build_batch(samples, EOD)
+    token_check.check_batch(build_batch([np.arange(9)], EOD), 100)
+    with pytest.raises(DatasetError) as raised:
+        token_check.check_batch(batch, 100)
+    assert str(raised.value).startswith(f"a batch holds token id {bad}, outside the model's vocabulary of 100 ids "
+                                        f"(0..99): the data changed after its token ids were checked")
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
