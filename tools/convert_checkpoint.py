@@ -49,6 +49,7 @@ from megatron.checkpoint.convert import (  # noqa: E402
     write_checkpoint,
     write_params,
 )
+from megatron.checkpoint.format import file_inside  # noqa: E402
 from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
 from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags  # noqa: E402
 from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size  # noqa: E402
@@ -192,12 +193,15 @@ def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
         if os.path.isfile(index):
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
+            paths = [file_inside(hf_dir, name, index) for name in files]  # never a file outside the folder
             state = {}
-            for name in files:
-                state.update(load_file(os.path.join(hf_dir, name)))
+            for path in paths:
+                state.update(load_file(path))
             return state
         if os.path.isfile(legacy):
             return torch.load(legacy, map_location="cpu", weights_only=True)
+    except CheckpointError as err:
+        raise ToolError(str(err)) from err
     except Exception as err:
         raise ToolError(f"cannot read the weights in {hf_dir} ({type(err).__name__}: {err}).") from err
     raise ToolError(f"no weights in {hf_dir}: expected model.safetensors, model.safetensors.index.json or "

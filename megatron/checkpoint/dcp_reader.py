@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megatron.checkpoint.format import CheckpointError
+from megatron.checkpoint.format import CheckpointError, file_inside
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
@@ -71,25 +71,6 @@ def read_metadata(path: str):
     return metadata
 
 
-def _inside(folder: str, relative: object, where: str) -> str:
-    """The real path of ``relative`` (a data file the index names), refused unless it is a regular file inside
-    ``folder``."""
-    if not isinstance(relative, str) or not relative:
-        raise CheckpointError(f"{where} names a data file by {relative!r}, not a file name: the index is damaged.")
-    if os.path.isabs(relative) or ".." in relative.replace("\\", "/").split("/"):
-        raise CheckpointError(f"{where} names the data file {relative!r}, outside the checkpoint's folder; a "
-                              f"checkpoint reads only its own files (refusing it).")
-    root = os.path.realpath(folder)
-    real = os.path.realpath(os.path.join(folder, relative))
-    if os.path.commonpath([root, real]) != root:
-        raise CheckpointError(f"{where} names {relative!r}, a link to {real}, outside the checkpoint's folder; a "
-                              f"checkpoint reads only its own files (refusing it).")
-    if not os.path.isfile(real):
-        raise CheckpointError(f"{where} names the data file {relative!r}, which is missing from {folder}: the "
-                              f"checkpoint is incomplete.")
-    return real
-
-
 def check_storage(folder: str, metadata) -> None:
     """Every data file and byte range the index names lies inside ``folder`` and its files, and the tensors it
     declares fit in those files' bytes (see the module docstring)."""
@@ -98,7 +79,7 @@ def check_storage(folder: str, metadata) -> None:
     for index, info in metadata.storage_data.items():
         relative = getattr(info, "relative_path", None)
         if relative not in sizes:
-            sizes[relative] = os.path.getsize(_inside(folder, relative, where))
+            sizes[relative] = os.path.getsize(file_inside(folder, relative, where))
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)) \
                 or offset + length > sizes[relative]:

@@ -188,6 +188,25 @@ def same_folder(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def file_inside(folder: str, relative: object, where: str) -> str:
+    """The real path of the file ``relative`` that an index in ``folder`` (named ``where`` in messages) names;
+    CheckpointError unless it is a regular file inside ``folder``: a relative path without ``..`` that resolves,
+    symlinks followed, under the folder. A checkpoint someone else wrote reads only its own files."""
+    if not isinstance(relative, str) or not relative:
+        raise CheckpointError(f"{where} names a data file by {relative!r}, not a file name: the index is damaged.")
+    if os.path.isabs(relative) or ".." in relative.replace("\\", "/").split("/"):
+        raise CheckpointError(f"{where} names the data file {relative!r}, outside the checkpoint's folder; a "
+                              f"checkpoint reads only its own files (refusing it).")
+    root, real = os.path.realpath(folder), os.path.realpath(os.path.join(folder, relative))
+    if os.path.commonpath([root, real]) != root:
+        raise CheckpointError(f"{where} names {relative!r}, a link to {real}, outside the checkpoint's folder; a "
+                              f"checkpoint reads only its own files (refusing it).")
+    if not os.path.isfile(real):
+        raise CheckpointError(f"{where} names the data file {relative!r}, which is missing from {folder}: the "
+                              f"checkpoint is incomplete.")
+    return real
+
+
 def verify_file(step_dir: str, name: str, metadata: dict | None = None) -> None:
     """CheckpointError if ``step_dir/name`` does not match the CRC-32 that ``metadata.json`` records
     for it (nothing to check when none is recorded: format 2, or a file the format does not list)."""

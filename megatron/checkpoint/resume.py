@@ -22,7 +22,8 @@ from megatron.config.cli import megatron_defaults
 from megatron.config.schema import ModelConfig, SaveLoadConfig
 from megatron.config.syntax import input_dir_words
 
-__all__ = ["MODEL_MAY_CHANGE", "MODEL_NOT_CHANGED", "NOT_INHERITED", "check_resume_settings", "resume_base", "resumed_config", "saved_config_path",
+__all__ = ["MODEL_MAY_CHANGE", "MODEL_NOT_CHANGED", "NOT_INHERITED", "check_resume_settings", "resume_base",
+           "resumed_config", "saved_config_path",
            "schedule_kept_warning"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",

@@ -2,7 +2,8 @@
 else wrote is data, read only inside its folder (``megatron/checkpoint/dcp_reader.py``): a ``.metadata`` whose
 pickle reaches code through a dotted name after an allowed module, an index naming a data file outside the folder
 (``..``, an absolute path, a symlink out), or a truncated, empty or garbage data file is one line and exit status 2
-from ``convert_checkpoint.py from-megatron``; the payload never runs and nothing is written."""
+from ``convert_checkpoint.py from-megatron``; the payload never runs and nothing is written. A Hugging Face
+folder's ``model.safetensors.index.json`` likewise names only the folder's own shards."""
 
 from __future__ import annotations
 
@@ -134,3 +135,32 @@ def test_an_index_declaring_more_tensor_bytes_than_its_files_hold_is_refused_bef
     index.write_bytes(pickle.dumps(metadata))
     err = refused(meg, tmp_path / "ours", capsys)
     assert "more than its data files hold" in err, err
+
+
+@pytest.mark.parametrize("where", ["inside", "dotdot", "absolute", "symlink"])
+def test_a_hugging_face_index_reads_only_the_folders_own_shards(tmp_path, where):
+    """``model.safetensors.index.json`` names the shard files: one outside the folder is refused, never read."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    outside = tmp_path / "outside.safetensors"
+    save_file({"b": torch.ones(2)}, str(outside))
+    save_file({"a": torch.zeros(2)}, str(hf / "model-00001-of-00002.safetensors"))
+    second = {"inside": "model-00002-of-00002.safetensors", "dotdot": "../outside.safetensors",
+              "absolute": str(outside), "symlink": "model-00002-of-00002.safetensors"}[where]
+    if where == "inside":
+        shutil.copy(outside, hf / second)
+    elif where == "symlink":
+        os.symlink(outside, hf / second)
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": second}}))
+    if where == "inside":
+        assert sorted(convert.read_hf_state_dict(str(hf))) == ["a", "b"]
+        return
+    with pytest.raises(convert.ToolError) as raised:
+        convert.read_hf_state_dict(str(hf))
+    assert "outside the checkpoint's folder; a checkpoint reads only its own files" in str(raised.value)
