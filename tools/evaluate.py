@@ -21,14 +21,18 @@ overlapping windows: ``loss``, ``perplexity``, ``adjusted_perplexity``). LAMBADA
 ``perplexity`` (of the target) each; ``--output-examples`` writes one JSON line per example.
 lm-eval: lm-evaluation-harness's evaluator on the checkpoint (``megatron.evaluation.lm_eval_model``), its
 results dictionary in ``--output`` (``results`` keyed by task, metrics as lm-eval names them; each example
-with ``--log-samples``) and its ``results`` on stdout; an unknown task or lm-eval not installed is one line,
-exit 2, before the checkpoint is read. docs/evaluation.md says more.
+with ``--log-samples``) and its ``results`` on stdout; an unknown task, lm-eval not installed, a bad ``--limit``
+or a task YAML that YAML cannot read is one line, exit 2, before the checkpoint is read. A task folder
+(``--include-path``) is code: lm-eval runs the Python its YAML names with ``!function``; the tool says so in
+one line when the folder holds any. ``--output``'s folder is made (or refused) before the model is loaded.
+docs/evaluation.md says more.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -68,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lm-eval-tasks", default=None, metavar="T1,T2",
                    help="lm-eval task (or group) names, comma-separated.")
     g.add_argument("--include-path", default=None, metavar="DIR",
-                   help="A folder of your own lm-eval task YAML files (searched first).")
+                   help="A folder of your own lm-eval task YAML files (searched first). A task folder is code: "
+                        "lm-eval runs the Python its YAML names with !function; pass only folders you trust.")
     g.add_argument("--limit", type=float, default=None,
-                   help="At most this many examples per task (a fraction below 1: that share of them).")
+                   help="At most this many examples per task (a whole number, 1 or more), or that share of them (a "
+                        "fraction above 0, below 1).")
     g.add_argument("--num-fewshot", type=int, default=None, help="Few-shot examples per prompt (the task's default).")
     g.add_argument("--batch-size", type=int, default=None,
                    help="Requests per forward (default: micro-batch size x pp x dp).")
@@ -90,14 +96,68 @@ def prepare(args: argparse.Namespace, texts: list[str], tokenizer, seq_len: int)
     return lambada.plan(texts, tokenizer, seq_len)
 
 
+def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [(flag, path) for flag, path in (("--output", args.output), ("--output-examples", args.output_examples))
+            if path]
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before anything is read, and without writing: ValueError (one line) for an output that could not be
+    written at the end of the evaluation: a folder in its place, a file where its folder (or one above it) would
+    be, a folder that cannot be written. A folder that does not exist yet is made by ``make_output_folders``."""
+    if args.output_examples and args.task != "lambada":
+        raise ValueError("--output-examples is for --task lambada (one line per example).")
+    for flag, path in _outputs(args):
+        if os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a folder: give a file path (for example "
+                             f"{os.path.join(path, 'results.json')}).")
+        existing = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(existing):  # the nearest folder there is: the new ones are made in it
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ValueError(f"{flag} {path} cannot be written: {existing} is not a folder; give another "
+                             f"path.")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path} cannot be written: {existing} is not writable; give another path.")
+
+
+def make_output_folders(args: argparse.Namespace) -> None:
+    """Once the checkpoint is found, before it is loaded and anything is scored: the folders of ``--output``
+    and ``--output-examples`` made (on every rank: the same folders where the ranks share a disk), and written
+    to once, so that the evaluation is never lost to an output it cannot write at its end. ValueError, one
+    line, when that fails."""
+    rank = int(os.environ.get("RANK", 0))
+    for flag, path in _outputs(args):
+        folder = os.path.dirname(os.path.abspath(path))
+        probe = os.path.join(folder, f".evaluate-write-test.{rank}.{os.getpid()}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as err:
+            raise ValueError(f"{flag} {path} cannot be written ({err.strerror or err}: {err.filename or folder}); "
+                             f"give another path.") from None
+
+
+def check_lm_eval_args(args: argparse.Namespace) -> None:
+    """The lm-eval flags' numbers, before anything is read: ValueError, one line naming the flag and value.
+    ``--limit``: lm-eval takes a value below 1 as the share of each task's examples (rounded up) and any
+    other as a count (truncated): so a count of at least 1, or a share above 0 and below 1."""
+    limit = args.limit
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and math.isfinite(limit) and limit == int(limit))):
+        raise ValueError(f"--limit {limit:g}: give a number of examples per task (a whole number, 1 or more) or "
+                         f"a share of them (a fraction above 0 and below 1).")
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--num-fewshot", args.num_fewshot, 0),
+                               ("--max-gen-toks", args.max_gen_toks, 1),
+                               ("--bootstrap-iters", args.bootstrap_iters, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} {value}: give {least} or more.")
+
+
 def read_input(args: argparse.Namespace) -> list[str]:
     """The texts of ``--input``; ValueError when it holds no words (empty, blank lines: a perplexity of
     whitespace tokens, per a word count of 0, would be a number that means nothing)."""
-    if args.output_examples and args.task != "lambada":
-        raise ValueError("--output-examples is for --task lambada (one line per example).")
-    for path in (args.output, args.output_examples):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"{path}: its folder does not exist (create it, or give another path).")
     if args.input is None:
         raise ValueError(f"--task {args.task} needs --input FILE: the text to evaluate.")
     texts = read_texts(args.input, args.json_key)
@@ -129,13 +189,21 @@ def evaluate_lm_eval(args: argparse.Namespace, rest: list[str]) -> dict | None:
     tasks = [t.strip() for t in (args.lm_eval_tasks or "").split(",") if t.strip()]
     if not tasks:
         raise ValueError("--task lm-eval needs --lm-eval-tasks T1,T2: the lm-eval tasks to run.")
-    if args.include_path is not None and not os.path.isdir(args.include_path):
-        raise ValueError(f"--include-path {args.include_path} is not a folder: give the folder of your task "
-                         f"YAML files.")
+    check_lm_eval_args(args)
+    if args.include_path is not None:
+        if not os.path.isdir(args.include_path):
+            raise ValueError(f"--include-path {args.include_path} is not a folder: give the folder of your task "
+                             f"YAML files.")
+        code = harness.read_include_path(args.include_path)
+        if code and int(os.environ.get("RANK", 0)) == 0:
+            shown = "; ".join(code[:3]) + (f"; and {len(code) - 3} more" if len(code) > 3 else "")
+            print(f"{PROG}: note: --include-path {args.include_path} holds Python that lm-eval may run ({shown}): "
+                  f"a task folder is code, pass only folders you trust.", file=sys.stderr, flush=True)
     manager = harness.task_manager(tasks, args.include_path)
     from megatron.evaluation.lm_eval_model import MegatronLM
 
     config, tokenizer = configure(rest)
+    make_output_folders(args)
     evaluator = load_evaluator(config, progress=False)
     lm = MegatronLM(evaluator=evaluator, tokenizer=tokenizer, batch_size=args.batch_size,
                     max_gen_toks=args.max_gen_toks, seed=config.seed)
@@ -161,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))
     try:
+        check_outputs(args)  # an output that cannot be written is said before anything is read
         if args.task == "lm-eval":
             result, records = evaluate_lm_eval(args, rest), None
             summary = result and {"results": result["results"], "megatron": result["megatron"]}
         else:
             texts = read_input(args)  # a bad input is said before the checkpoint is read
             config, tokenizer = configure(rest)
+            make_output_folders(args)
             result, records = evaluate(args, config, tokenizer, texts)
             summary = result
         if rank == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 
 class HarnessError(ValueError):
@@ -21,6 +22,60 @@ def require_lm_eval() -> None:
     except ImportError as err:
         raise HarnessError(f"--task lm-eval needs lm-evaluation-harness ({err}): pip install -e .[eval] "
                            f"(or pip install lm-eval).") from err
+
+
+# Folders lm-eval's task index does not look in (lm_eval.tasks._yaml_loader's _IGNORE_DIRS).
+_IGNORED_FOLDERS = {"__pycache__", ".ipynb_checkpoints"}
+
+
+def read_include_path(include_path: str) -> list[str]:
+    """Read every task YAML under ``include_path`` as lm-eval's task index will (``**/*.yaml``); return what in
+    the folder is Python that lm-eval may run: the YAML files using ``!function`` (lm-eval imports the named
+    module, a ``.py`` beside the YAML, when it builds the task) and the folder's ``.py`` files. HarnessError,
+    one line naming the file and YAML's line and column, for a file YAML cannot read: lm-eval's index skips it
+    without a word, and the task it held would be reported unknown."""
+    root = Path(include_path)
+    yamls = sorted(p for p in root.glob("**/*.yaml") if not _IGNORED_FOLDERS & set(p.parts))
+    code = [f"!function in {p.relative_to(root)}" for p in yamls if _uses_function(p)]
+    code += sorted(str(p.relative_to(root)) for p in root.glob("**/*.py") if not _IGNORED_FOLDERS & set(p.parts))
+    return code
+
+
+def _uses_function(path: Path) -> bool:
+    """Whether the task YAML ``path`` uses ``!function``; HarnessError for one YAML cannot read."""
+    import yaml
+
+    used: list[str] = []
+
+    class Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # lm-eval's loader, the functions not imported
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: used.append(loader.construct_scalar(node)) or "")
+    try:
+        with path.open("rb") as f:
+            yaml.load(f, Loader=Loader)  # noqa: S506 (a safe loader)
+    except yaml.YAMLError as err:
+        raise HarnessError(f"{path} is not valid YAML ({_yaml_problem(err)}): fix it, or move it out of the "
+                           f"--include-path folder.") from None
+    except OSError as err:
+        raise HarnessError(f"cannot read {path} ({err.strerror or err}): fix it, or move it out of the "
+                           f"--include-path folder.") from None
+    return bool(used)
+
+
+def _yaml_problem(err) -> str:
+    """YAML's error on one line: ``line L, column C: problem``, and what it was reading from where."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    problem, context = getattr(err, "problem", None), getattr(err, "context", None)
+    if not problem:
+        return " ".join(str(err).split())
+    text = f"{at(err.problem_mark)}: {problem}" if getattr(err, "problem_mark", None) else str(problem)
+    if context:
+        mark = getattr(err, "context_mark", None)
+        text += f", {context}" + (f" from {at(mark)}" if mark is not None else "")
+    return text
 
 
 def task_manager(tasks: list[str], include_path: str | None):

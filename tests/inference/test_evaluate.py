@@ -107,10 +107,15 @@ def _args(task: str, files, checkpoint: str) -> list[str]:
 def one_process(checkpoint, files, tmp_path_factory) -> dict[str, dict]:
     """The one-process results, by one launch: each task as given (with the strided figures, and the LAMBADA
     examples), and with micro-batches of 2 as the layout tests run it."""
-    runs = {"perplexity": [*_args("perplexity", files, checkpoint), "--overlapping-eval", str(STRIDE)],
+    root = tmp_path_factory.mktemp("evaluate-one")
+    runs = {"perplexity": [*_args("perplexity", files, checkpoint), "--overlapping-eval", str(STRIDE), "--output",
+                           str(root / "new" / "folder" / "results.json")],  # its folders made before the scoring
             "lambada": _args("lambada", files, checkpoint)}
     runs.update({f"{task}-layouts": [*_args(task, files, checkpoint), *LAYOUT_ARGS] for task in TASKS})
-    return _evaluations(tmp_path_factory.mktemp("evaluate-one"), runs, nproc=1)
+    results = _evaluations(root, runs, nproc=1)
+    assert json.loads((root / "new" / "folder" / "results.json").read_text()) == results["perplexity"]
+    assert not [p.name for p in (root / "new" / "folder").iterdir() if p.name != "results.json"]  # no probe left
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -328,21 +333,31 @@ def test_context_parallel_evaluation_is_refused_with_what_to_do(checkpoint):
     assert "tools/evaluate.py scores whole samples on each rank: drop --context-parallel-size" in done.stderr
 
 
-@pytest.mark.parametrize("task, output, message", [
-    ("perplexity", "--output-examples", "--output-examples is for --task lambada (one line per example)."),
-    ("lambada", "--output-examples", "{path}: its folder does not exist (create it, or give another path)."),
-    ("perplexity", "--output", "{path}: its folder does not exist (create it, or give another path).")],
-    ids=["examples-of-perplexity", "examples-folder-missing", "output-folder-missing"])
-def test_an_output_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(tmp_path, task, output, message):
-    """Said in one line, exit 2, before the checkpoint is read (here there is none) or anything is scored: an
-    evaluation is not lost at its end to an output that cannot be written; nothing is written."""
+@pytest.mark.parametrize("task, output, path, message", [
+    ("perplexity", "--output-examples", "none/x.jsonl", "--output-examples is for --task lambada (one line per "
+                                                        "example)."),
+    ("lambada", "--output-examples", "t.jsonl/x.jsonl", "--output-examples {path} cannot be written: {tmp}/t.jsonl "
+                                                        "is not a folder; give another path."),
+    ("perplexity", "--output", "t.jsonl/new/x.json", "--output {path} cannot be written: {tmp}/t.jsonl is not a "
+                                                     "folder; give another path."),
+    ("lm-eval", "--output", "t.jsonl/x.json", "--output {path} cannot be written: {tmp}/t.jsonl is not a folder; "
+                                              "give another path."),
+    ("lm-eval", "--output", ".", "--output {path} is a folder: give a file path (for example {path}/results.json).")],
+    ids=["examples-of-perplexity", "examples-folder-is-a-file", "output-folder-is-a-file", "lm-eval-folder-is-a-file",
+         "lm-eval-output-is-a-folder"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(tmp_path, task, output, path,
+                                                                                   message):
+    """Said in one line, exit 2, before the checkpoint is read (here there is none), lm-eval's tasks are looked
+    up or anything is scored: an evaluation is not lost at its end to an output that cannot be written; nothing
+    is written. (A folder that does not exist yet is made once the checkpoint is found: the ``ours`` fixture of
+    test_lm_eval.py and ``one_process`` here write into one.)"""
     from tests.functional.launch import run_tool_here
 
     text = tmp_path / "t.jsonl"
     text.write_text(json.dumps({"text": "the model reads every token"}) + "\n")
-    path = tmp_path / "none" / "x.jsonl"
+    path = tmp_path / path
     done = run_tool_here("tools/evaluate.py", "--task", task, "--input", str(text), "--load", str(tmp_path / "no"),
-                         output, str(path))
+                         "--lm-eval-tasks", "megatron_cloze", output, str(path))
     assert done.returncode == 2 and done.stdout == "", done.stderr
-    assert done.stderr.strip().splitlines() == [f"evaluate.py: error: {message.format(path=path)}"]
+    assert done.stderr.strip().splitlines() == [f"evaluate.py: error: {message.format(path=path, tmp=tmp_path)}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]

@@ -54,7 +54,7 @@ def _args(task_dir, checkpoint, out) -> list[str]:
 @pytest.fixture(scope="module")
 def ours(checkpoint, task_dir, tmp_path_factory) -> dict:
     """tools/evaluate.py --task lm-eval on one process (in this one)."""
-    out = tmp_path_factory.mktemp("lm-eval-ours") / "results.json"
+    out = tmp_path_factory.mktemp("lm-eval-ours") / "new" / "results.json"  # its folder made before the scoring
     done = run_tool_here("tools/evaluate.py", *_args(task_dir, checkpoint, out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1])["results"] == json.loads(out.read_text())["results"]
@@ -195,6 +195,62 @@ def test_an_unknown_task_is_one_line_before_the_checkpoint_is_read(tmp_path, mon
                          "--include-path", str(task_dir), "--load", str(tmp_path / "none"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("evaluate.py: error: unknown lm-eval task no_such_task: ")
+
+
+LIMIT = "give a number of examples per task (a whole number, 1 or more) or a share of them (a fraction above 0 and " \
+        "below 1)."
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "0"], f"--limit 0: {LIMIT}"), (["--limit", "-1"], f"--limit -1: {LIMIT}"),
+    (["--limit", "2.5"], f"--limit 2.5: {LIMIT}"), (["--limit", "inf"], f"--limit inf: {LIMIT}"),
+    (["--batch-size", "0"], "--batch-size 0: give 1 or more."),
+    (["--bootstrap-iters", "-1"], "--bootstrap-iters -1: give 0 or more."),
+    (["--include-path", "{tasks}"], "{tasks}/megatron_cloze.yaml is not valid YAML (line 2, column 19: mapping values "
+                                    "are not allowed in this context): fix it, or move it out of the --include-path "
+                                    "folder."),
+    (["--include-path", "{tasks}"], "{tasks}/broken/b.yaml is not valid YAML (line 3, column 1: found unexpected "
+                                    "end of stream, while scanning a quoted scalar from line 2, column 14): fix it, or "
+                                    "move it out of the --include-path folder.")],
+    ids=["limit-0", "limit-negative", "limit-not-whole", "limit-inf", "batch-size-0", "bootstrap-negative",
+         "yaml-mapping", "yaml-unclosed-quote"])
+def test_a_bad_request_is_one_line_naming_it_before_anything_is_read(tmp_path, request, flags, message):
+    """Each refused in one line, exit 2, before lm-eval's tasks are looked up or the checkpoint (here none) is
+    read; nothing written. A task YAML lm-eval's index would skip without a word (the task then 'unknown') is named
+    with YAML's line and column."""
+    tasks = write_tasks(tmp_path / "tasks", ["a cloze passage"], ["a document"], [("a prompt", " an answer")])
+    if request.node.callspec.id == "yaml-mapping":
+        (tasks / "megatron_cloze.yaml").write_text("task: megatron_cloze\ndataset_path: json: x\n")
+    if request.node.callspec.id == "yaml-unclosed-quote":
+        (tasks / "broken").mkdir()
+        (tasks / "broken" / "b.yaml").write_text("task: b\ndoc_to_text: '{{text}}\n")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "megatron_cloze", "--load",
+                         str(tmp_path / "none"), "--output", str(tmp_path / "out" / "r.json"),
+                         *[f.format(tasks=tasks) for f in flags])
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.strip().splitlines() == [f"evaluate.py: error: {message.format(tasks=tasks)}"]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_task_folder_with_python_is_said_in_one_note(tmp_path):
+    """lm-eval imports the module a task YAML names with ``!function`` (a .py beside it): the folder is code, and
+    the tool says so in one line on stderr before going on (here to the missing checkpoint)."""
+    tasks = write_tasks(tmp_path / "tasks", ["a cloze passage"], ["a document"], [("a prompt", " an answer")])
+    cloze = tasks / "megatron_cloze.yaml"
+    cloze.write_text(cloze.read_text() + "process_docs: !function utils.keep\n")
+    (tasks / "utils.py").write_text("def keep(docs):\n    return docs\n")
+    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "megatron_cloze",
+                         "--include-path", str(tasks), "--load", str(tmp_path / "none"))
+    assert done.returncode == 2, done.stderr
+    note, error = done.stderr.strip().splitlines()[-2:]
+    assert note == (f"evaluate.py: note: --include-path {tasks} holds Python that lm-eval may run (!function in "
+                    f"megatron_cloze.yaml; utils.py): a task folder is code, pass only folders you trust.")
+    assert error.startswith(f"evaluate.py: error: no checkpoint at {tmp_path / 'none'}")
+    plain = write_tasks(tmp_path / "plain", ["a cloze passage"], ["a document"], [("a prompt", " an answer")])
+    done = run_tool_here("tools/evaluate.py", "--task", "lm-eval", "--lm-eval-tasks", "megatron_cloze",
+                         "--include-path", str(plain), "--load", str(tmp_path / "none"))
+    assert done.returncode == 2 and "note:" not in done.stderr, done.stderr
 
 
 def test_without_lm_eval_the_command_says_how_to_install_it(tmp_path, monkeypatch):
