@@ -9,6 +9,7 @@ the data files exist is the data layer's check (``megatron.data.blended_dataset.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from megatron.config.cli import fail as _fail
@@ -76,6 +77,30 @@ def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data:
                   f"({tokenizer_vocab_size}); raise it or leave it unset.")
     if config.model.vocab_size is None:
         config.model.vocab_size = 50304
+    _check_eod_token(config)
+
+
+def _check_eod_token(config: Config) -> None:
+    """``--eod-token`` names the end-of-document token of a Hugging Face tokenizer by its text. Every other
+    run's end-of-document id is fixed: the tokenizer's own (GPT-2 BPE's ``<|endoftext|>``, SentencePiece's
+    ``</s>``, ...), or the mock data's last id; each is inside the vocabulary by construction (a tokenizer's
+    ids are below its vocabulary size, which Model.vocab_size is at least). There the flag would change
+    nothing (the loss mask, --reset-attention-mask and --reset-position-ids would still use the fixed id):
+    refused, as is a number (a token id given for the text), which names the wrong token or none."""
+    eod, t = config.tokenizer.eod_token, config.tokenizer
+    if eod is None:
+        return
+    if config.dataset.mock_data:
+        _fail(f"--eod-token {eod} is not used with --mock-data: the mock data ends its documents with the last "
+              f"token id, vocab_size - 1 = {config.model.vocab_size - 1}; drop --eod-token.")
+    if t.tokenizer_type != "HuggingFaceTokenizer":
+        which = f"--tokenizer-type {t.tokenizer_type}" if t.tokenizer_type else "a run without a tokenizer"
+        _fail(f"--eod-token {eod} is read by --tokenizer-type HuggingFaceTokenizer only: {which} ends documents "
+              f"with its own end-of-document token, whatever --eod-token says; drop --eod-token.")
+    if re.fullmatch(r"\s*[+-]?\d+\s*", eod):
+        _fail(f"--eod-token {eod} is a number, but --eod-token takes the token's text as --tokenizer-model's "
+              f"tokenizer.json spells it (for example '<|endoftext|>'), not its id (0 to "
+              f"{config.model.vocab_size - 1} here); give the text, or drop --eod-token to use the tokenizer's own.")
 
 
 def _check_data_sources(config: Config, training_data: bool) -> None:

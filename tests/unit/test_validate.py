@@ -133,6 +133,40 @@ def test_values_that_cannot_train_refused(argv, message):
         check(valid_config(*argv))
 
 
+REAL_DATA = ["--device", "cpu", "--input-dir", "data/x_text_document", "--vocab-size", "1000"]
+HF = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "tokenizer.json"]
+GPT2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mock-data", "--eod-token", "100000", "--reset-attention-mask"],
+     "--eod-token 100000 is not used with --mock-data: the mock data ends its documents with the last token id, "
+     "vocab_size - 1 = 999; drop --eod-token."),
+    ([*REAL_DATA, *GPT2, "--eod-token=-1", "--reset-position-ids"],
+     "--eod-token -1 is read by --tokenizer-type HuggingFaceTokenizer only: --tokenizer-type GPT2BPETokenizer ends "
+     "documents with its own end-of-document token, whatever --eod-token says; drop --eod-token."),
+    ([*REAL_DATA, *HF, "--eod-token", "100000", "--eod-mask-loss"],
+     "--eod-token 100000 is a number, but --eod-token takes the token's text as --tokenizer-model's tokenizer.json "
+     "spells it (for example '<|endoftext|>'), not its id (0 to 999 here); give the text, or drop --eod-token to use "
+     "the tokenizer's own."),
+    ([*REAL_DATA, *HF, "--eod-token", "<|im_end|>", "--reset-attention-mask"], None),
+    ([*REAL_DATA, *GPT2, "--reset-attention-mask"], None),
+], ids=["mock-data", "not-hugging-face", "a-number", "hugging-face-text", "none"])
+def test_an_eod_token_that_would_change_nothing_is_refused(argv, message):
+    """--eod-token is a Hugging Face tokenizer's end-of-document token, by its text: where the end-of-document id
+    is fixed (another tokenizer, the mock data), or given a number (an id, or a token that is not the one meant),
+    the loss mask and --reset-attention-mask / --reset-position-ids would use another token than asked: one line
+    at validation (on every rank, before the data or the model is built)."""
+    config = parse_config([*argv] if "--mock-data" not in argv else ["--device", "cpu", "--vocab-size", "1000", *argv])
+    vocab = None if config.dataset.mock_data else 1000
+    if message is None:
+        validate(config, tokenizer_vocab_size=vocab)
+        return
+    with pytest.raises(ConfigError) as raised:
+        validate(config, tokenizer_vocab_size=vocab)
+    assert str(raised.value) == message
+
+
 def _numeric_leaves() -> list:
     from megatron.config.cli import LEAVES, _strip_optional
     return [leaf for leaf in LEAVES.values() if _strip_optional(leaf.type)[0] in (int, float)]
