@@ -164,6 +164,9 @@ def _prepare(output_dir: str) -> str | None:
     try:
         for name in _IN_THE_WAY:
             _not_in_the_way(os.path.join(output_dir, name))
+        for name in sorted(os.listdir(output_dir)):
+            if re.fullmatch(r"step_\d+(\.old)?", name) and not os.path.isdir(os.path.join(output_dir, name)):
+                step_not_in_the_way(os.path.join(output_dir, name))
         for path in _leftovers(output_dir):  # removed once the folder is this run's (claim_output_dir)
             if os.path.islink(path) or not os.path.isdir(path):
                 remove_leftover(path)  # in the way: one line
@@ -177,6 +180,17 @@ def _not_in_the_way(path: str) -> None:
     if os.path.lexists(path) and not os.path.isfile(path):
         kind = "a directory" if os.path.isdir(path) else "not a regular file"
         raise CheckpointError(f"{path} is in the way: the run writes a file there but it is {kind}; move it away.")
+
+
+def step_not_in_the_way(path: str) -> None:
+    """``step_N`` and ``step_N.old`` are the run's checkpoint folders: a save of step N renames an earlier
+    ``step_N`` to ``step_N.old``, then removes it. Anything else under those names (a file, a link) is not the
+    run's to move or remove: a one-line CheckpointError, at start-up (every entry) and when a save begins."""
+    if not os.path.lexists(path) or (os.path.isdir(path) and not os.path.islink(path)):
+        return
+    kind = "a link" if os.path.islink(path) else "a file" if os.path.isfile(path) else "not a folder"
+    raise CheckpointError(f"{path} is in the way of saves: it is {kind}, not a checkpoint folder, and a save of that "
+                          f"step would move it aside; move it out of the folder or give --save another folder.")
 
 
 def remove_leftover(path: str) -> None:

@@ -60,7 +60,7 @@ from megatron.checkpoint.format import (
     write_bytes,
     write_text,
 )
-from megatron.checkpoint.run_dir import on_every_rank, ranks_with, remove_leftover
+from megatron.checkpoint.run_dir import on_every_rank, ranks_with, remove_leftover, step_not_in_the_way
 from megatron.config import Config, to_yaml
 from megatron.config.schema import DistributedConfig
 from megatron.metrics import get_logger
@@ -227,6 +227,9 @@ def begin_save(output_dir: str, step: int, optimizer, ps: ParallelState, config:
 
 
 def _make_empty(tmp: str) -> None:
+    final = tmp[:-len(".tmp")]
+    for path in (final, final + ".old"):  # _commit moves an earlier step_N aside: never a file or link of someone's
+        step_not_in_the_way(path)
     remove_leftover(tmp)  # a save killed half-way earlier
     os.makedirs(tmp)
 

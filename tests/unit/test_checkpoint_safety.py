@@ -217,6 +217,9 @@ def _no_space(*args, **kwargs):
 
 
 SAVE_FAILURES = {"tmp-is-a-file": "step_3.tmp is in the way of saves: it is a file",
+                 "step-is-a-file": "step_3 is in the way of saves: it is a file, not a checkpoint folder, and a save "
+                                   "of that step would move it aside; move it out of the folder",
+                 "old-is-a-link": "step_3.old is in the way of saves: it is a link",
                  "latest-is-a-dir": "cannot save", "disk-full": "No space left on device"}
 
 
@@ -225,6 +228,10 @@ def test_a_failed_save_is_one_line_and_prunes_nothing(run_dir, monkeypatch, obst
     message = SAVE_FAILURES[obstacle]
     if obstacle == "tmp-is-a-file":
         (run_dir / "step_3.tmp").write_text("x")
+    if obstacle == "step-is-a-file":  # was moved aside to step_3.old without a word
+        (run_dir / "step_3").write_text("a user's file")
+    if obstacle == "old-is-a-link":
+        (run_dir / "step_3.old").symlink_to(run_dir / "step_1")
     if obstacle == "latest-is-a-dir":
         (run_dir / "latest").unlink()
         (run_dir / "latest").mkdir()
@@ -235,7 +242,9 @@ def test_a_failed_save_is_one_line_and_prunes_nothing(run_dir, monkeypatch, obst
     assert message in str(raised.value) and "\n" not in str(raised.value)
     assert (run_dir / "step_1").is_dir() and (run_dir / "step_2").is_dir()  # nothing pruned
     if obstacle != "latest-is-a-dir":
-        assert (run_dir / "latest").read_text() == "step_2" and not (run_dir / "step_3").exists()
+        assert (run_dir / "latest").read_text() == "step_2" and not (run_dir / "step_3").is_dir()
+    if obstacle == "step-is-a-file":
+        assert (run_dir / "step_3").read_text() == "a user's file" and not (run_dir / "step_3.old").exists()
     assert not (run_dir / "step_3.tmp").is_dir()
     assert info.main([str(run_dir / "step_2"), "--verify"]) == 0
 
@@ -254,7 +263,9 @@ def test_pruning_keeps_the_newest_and_what_latest_names(tmp_path):
 
 
 OUTPUT_DIRS = {"a-file": "is a file; give --save a folder", "latest-is-a-dir": "latest is in the way",
-               "tmp-is-a-file": "step_4.tmp is in the way of saves", "leftover-tmp": None}
+               "tmp-is-a-file": "step_4.tmp is in the way of saves",
+               "step-is-a-file": "step_4 is in the way of saves: it is a file, not a checkpoint folder",
+               "old-is-a-file": "step_4.old is in the way of saves: it is a file", "leftover-tmp": None}
 
 
 def test_a_refused_run_leaves_the_other_runs_interrupted_save(run_dir):
@@ -278,8 +289,9 @@ def test_the_output_folder_check(tmp_path, obstacle):
         out.mkdir()
     if obstacle == "latest-is-a-dir":
         (out / "latest").mkdir()
-    if obstacle == "tmp-is-a-file":
-        (out / "step_4.tmp").write_text("x")
+    if obstacle in ("tmp-is-a-file", "step-is-a-file", "old-is-a-file"):
+        (out / {"tmp-is-a-file": "step_4.tmp", "step-is-a-file": "step_4", "old-is-a-file": "step_4.old"}[
+            obstacle]).write_text("x")
     if obstacle == "leftover-tmp":
         (out / "step_4.tmp").mkdir()
         (out / "step_4.tmp" / "rank0.bin").write_bytes(b"partial")
@@ -291,8 +303,10 @@ def test_the_output_folder_check(tmp_path, obstacle):
         ownership.release(str(out))  # the end of the run: its lock goes
         assert sorted(os.listdir(out)) == ["run.json"]
         return
+    before = sorted(os.listdir(out)) if out.is_dir() else None
     with pytest.raises(CheckpointError, match=message):
         check_output_dir(str(out), 0, CPU)
+    assert (sorted(os.listdir(out)) if out.is_dir() else None) == before  # nothing moved, nothing left behind
 
 
 def _record(split: str, step: int) -> str:
