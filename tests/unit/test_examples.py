@@ -1,5 +1,6 @@
 """The example configs and scripts stay valid."""
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -83,3 +84,41 @@ def test_estimate_memory_tool(capsys):
     assert expected in out
     assert re.fullmatch(r"activations per micro-batch: \d+\.\d\d (B|KiB|MiB|GiB|TiB)", expected)
     assert re.fullmatch(r"does not fit in 8 GiB: stage 0 needs [\d.]+ GiB, [\d.]+ GiB over", out[-1])
+
+
+def _records(*records: tuple) -> str:
+    return "".join(json.dumps({"split": split, "step": step, "loss": loss}) + "\n" for split, step, loss in records)
+
+
+STOPPED = "run examples/quickstart.sh again to train the model to the end."
+
+
+@pytest.mark.parametrize("metrics, status, last", [
+    (None, 1, "quickstart: the training run wrote no {run}/metrics.jsonl: it stopped before its first logged step, so "
+              f"there is nothing to compare; {STOPPED}"),
+    ("", 1, "quickstart: the training run stopped before its first logged step ({run}/metrics.jsonl has no training "
+            f"record), so there is nothing to compare; {STOPPED}"),
+    (_records(("train", 10, 8.1), ("train", 20, 6.0)) + '{"split": "tra', 1,
+     "quickstart: the training run stopped at step 20, before its first evaluation (every 100 steps): there is no "
+     f"validation loss to compare; {STOPPED}"),
+    (_records(("train", 10, 8.1), ("valid", 100, 7.0)), 1,
+     "quickstart: the validation loss did not fall as expected (7.00 at step 100, not below 6.32)"),
+    (_records(("train", 10, 8.1), ("valid", 100, 6.0), ("train", 400, 3.9), ("valid", 400, 4.4)), 0,
+     "quickstart: the model learned.")],
+    ids=["no-metrics", "no-train-record", "stopped-before-evaluating", "did-not-learn", "learned"])
+def test_the_quickstart_summary_says_in_one_line_why_there_is_nothing_to_compare(tmp_path, metrics, status, last):
+    """examples/quickstart.sh's summary (examples/quickstart_summary.py): a run stopped by SIGTERM (saved, exit 0)
+    before its first evaluation, or its first logged step, is one line and exit 1, never an IndexError; so is a
+    run that did not learn."""
+    from tests.functional.launch import run_tool_here
+
+    run = tmp_path / "train"
+    run.mkdir()
+    (run / "config.yaml").write_text("eval_freq: 100\n")
+    if metrics is not None:
+        (run / "metrics.jsonl").write_text(metrics)
+    done = run_tool_here("examples/quickstart_summary.py", str(run))
+    assert done.returncode == status and "Traceback" not in done.stderr, done.stderr
+    assert (done.stdout + done.stderr).strip().splitlines()[-1] == last.format(run=run)
+    assert (done.stderr.strip().splitlines() if status else [done.stderr]) == ([last.format(run=run)] if status
+                                                                              else [""])
