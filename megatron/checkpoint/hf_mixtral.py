@@ -71,6 +71,11 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", "Mixtral's router has no expert bias"),
             (m.moe_expert_capacity_factor is not None, f"moe_expert_capacity_factor {m.moe_expert_capacity_factor}",
              "Mixtral drops no tokens"),
+            (bool(m.moe_router_group_topk), f"group-limited routing (moe_router_group_topk {m.moe_router_group_topk})",
+             "Mixtral's router chooses among all experts"),
+            (m.moe_router_topk_scaling_factor not in (None, 1.0),
+             f"moe_router_topk_scaling_factor {m.moe_router_topk_scaling_factor}", "Mixtral does not scale the "
+             "probabilities"),
             (not m.disable_bias_linear, "linear biases (disable_bias_linear off)",
              "Mixtral's projections have no biases")):
         if differs:

@@ -64,6 +64,11 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", "Qwen-MoE's router has no expert bias"),
             (m.moe_expert_capacity_factor is not None, f"moe_expert_capacity_factor {m.moe_expert_capacity_factor}",
              "Qwen-MoE drops no tokens"),
+            (bool(m.moe_router_group_topk), f"group-limited routing (moe_router_group_topk {m.moe_router_group_topk})",
+             "Qwen-MoE's router chooses among all experts"),
+            (m.moe_router_topk_scaling_factor not in (None, 1.0),
+             f"moe_router_topk_scaling_factor {m.moe_router_topk_scaling_factor}", "Qwen-MoE does not scale the "
+             "probabilities"),
             (not m.disable_bias_linear, "linear biases (disable_bias_linear off)",
              "Qwen-MoE's projections have none but the query/key/value ones")):
         if differs:

@@ -25,7 +25,8 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "moe_router_score_function", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
          "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
          "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type",
-         "moe_router_bias_update_rate", "moe_router_dtype")
+         "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk",
+         "moe_router_topk_scaling_factor")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
 _REFUSED = {"qk_layernorm": "LayerNorm on queries and keys (--qk-layernorm)",
             "squared_relu": "the squared-ReLU MLP (--squared-relu)",

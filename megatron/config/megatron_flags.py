@@ -132,7 +132,6 @@ NO_EFFECT: dict[str, str] = {
 _UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
            "interleaving)")
 _INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
-_MOE_GROUPS = "group-limited routing (the top experts chosen within the best groups, DeepSeek-V3)"
 _MOE_DISPATCH = "Megatron's fused or DeepEP token dispatch"
 
 
@@ -209,9 +208,6 @@ ABSENT: dict[str, Absent] = {
     "--export-kd-teacher-load": Absent("Megatron's ModelOpt export and distillation"),
     "--export-te-mcore-model": Absent("Megatron's ModelOpt export and distillation"),
     "--moe-shared-expert-gate": Absent("a gate on the shared expert's output (Qwen2-MoE's)"),
-    "--moe-router-num-groups": Absent(_MOE_GROUPS),
-    "--moe-router-group-topk": Absent(_MOE_GROUPS),
-    "--moe-router-topk-scaling-factor": Absent("a scaling factor on the routing probabilities"),
     "--moe-router-force-load-balancing": Absent("forced (benchmarking) load balancing of the router"),
     "--moe-input-jitter-eps": Absent("jitter on the router's input"),
     "--moe-layer-recompute": Absent("recomputing the MoE layer alone; --recompute-granularity full recomputes "
@@ -276,6 +272,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--num-experts", "--moe-layer-freq", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-router-pre-softmax",
     "--moe-router-score-function", "--moe-router-dtype", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
     "--moe-z-loss-coeff", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",

@@ -89,6 +89,15 @@ class ModelConfig:
     moe_router_score_function: str = opt(
         "softmax", "The router's scores: softmax of the logits, or sigmoid (the top k then normalised to sum to 1 "
                    "when k > 1, DeepSeek-V3).", ("softmax", "sigmoid"))
+    moe_router_num_groups: int | None = opt(
+        None, "Group-limited routing (DeepSeek-V2/V3): the experts in this many equal groups (its devices or nodes); "
+              "each token chooses among the experts of its moe_router_group_topk best groups.")
+    moe_router_group_topk: int | None = opt(
+        None, "Group-limited routing: the groups each token's experts come from, a group scored by the sum of its "
+              "top moe_router_topk / moe_router_group_topk scores.")
+    moe_router_topk_scaling_factor: float | None = opt(
+        None, "Multiply the chosen experts' routing probabilities by this (DeepSeek-V3's routed_scaling_factor); "
+              "None: 1.")
     moe_router_dtype: str | None = opt(
         None, "Precision of the router's logits and scores (default fp32).", ("fp32", "fp64"))
     moe_router_load_balancing_type: str = opt(

@@ -59,12 +59,15 @@ def check_moe(config: Config) -> None:
         _fail(f"expert_model_parallel_size must be at least 1, got {d.expert_model_parallel_size}.")
     if d.expert_tensor_parallel_size is not None and d.expert_tensor_parallel_size < 1:
         _fail(f"expert_tensor_parallel_size must be at least 1, got {d.expert_tensor_parallel_size}.")
-    for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+    for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                 "moe_router_num_groups", "moe_router_group_topk"):
         if getattr(m, name) is not None and getattr(m, name) < 1:  # checked for a dense model too: a typo
             _fail(f"{name} must be at least 1, got {getattr(m, name)}.")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
         if (getattr(m, name) or 0.0) < 0:
             _fail(f"{name} must be >= 0, got {getattr(m, name)}.")
+    if m.moe_router_topk_scaling_factor is not None and not m.moe_router_topk_scaling_factor > 0:
+        _fail(f"moe_router_topk_scaling_factor must be positive (or unset: 1), got {m.moe_router_topk_scaling_factor}.")
     if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
         _fail(f"moe_expert_capacity_factor must be positive (or unset: dropless), got {m.moe_expert_capacity_factor}.")
     if m.num_experts is None:
@@ -88,9 +91,7 @@ def check_moe(config: Config) -> None:
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         _fail("moe_router_enable_expert_bias (aux-loss-free balancing) needs --moe-router-score-function sigmoid, "
               "as in Megatron-LM.")
-    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
-        _fail("moe_router_pre_softmax applies to the softmax router; drop it with --moe-router-score-function "
-              "sigmoid.")
+    _check_group_limited_routing(m)
     ep, etp, tp = d.expert_model_parallel_size, d.expert_tensor_parallel_size or d.mp_degree, d.mp_degree
     stage = tp * d.context_parallel_size * d.dp_degree * d.sharding.sharding_degree
     if m.num_experts % ep:
@@ -106,3 +107,26 @@ def check_moe(config: Config) -> None:
     if tp > 1 and not d.sequence_parallel and config.dataset.max_seq_len % tp:
         _fail(f"a MoE layer under mp_degree {tp} routes each rank's share of the sequence: max_seq_len "
               f"({config.dataset.max_seq_len}) must be divisible by {tp} (or use --sequence-parallel).")
+
+
+def _check_group_limited_routing(m) -> None:
+    """moe_router_num_groups G and moe_router_group_topk g: both or neither; G divides the experts; g <= G; and k
+    such that each chosen group contributes to its score (k >= g) and the g groups hold k experts."""
+    groups, chosen, k = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
+    if groups is None and chosen is None:
+        return
+    if groups is None or chosen is None:
+        _fail("group-limited routing takes both --moe-router-num-groups and --moe-router-group-topk; give both, or "
+              "neither.")
+    if groups < 1 or chosen < 1:
+        _fail(f"moe_router_num_groups ({groups}) and moe_router_group_topk ({chosen}) must be at least 1.")
+    if m.num_experts % groups:
+        _fail(f"moe_router_num_groups ({groups}) must divide num_experts ({m.num_experts}): the groups are equal.")
+    if chosen > groups:
+        _fail(f"moe_router_group_topk ({chosen}) must be at most moe_router_num_groups ({groups}).")
+    if k < chosen:
+        _fail(f"moe_router_topk ({k}) must be at least moe_router_group_topk ({chosen}): a group is scored by the sum "
+              f"of its top moe_router_topk / moe_router_group_topk scores, none with fewer.")
+    if k > chosen * (m.num_experts // groups):
+        _fail(f"moe_router_topk ({k}) exceeds the experts of the {chosen} chosen groups ({chosen} x "
+              f"{m.num_experts // groups}); raise --moe-router-group-topk or lower the top-k.")

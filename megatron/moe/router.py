@@ -11,12 +11,20 @@ Scores (``route``), the probabilities each token's chosen experts' outputs are w
 - softmax (default): the top k logits, then a softmax over those k;
 - softmax with ``pre_softmax``: a softmax over all E, then the top k (their probabilities not renormalised);
 - sigmoid: ``sigmoid(logits)``, the top k (chosen by the scores plus the expert bias when it is enabled; the bias
-  never enters the probabilities), normalised to sum to 1 over the k when k > 1.
+  never enters the probabilities), normalised to sum to 1 over the k when k > 1; the scores always come before
+  the top k, so ``pre_softmax`` changes nothing here (Megatron Core accepts the two together: DeepSeek-V3's
+  configurations set both).
+
+Group-limited routing (``moe_router_num_groups`` G, ``moe_router_group_topk`` g; DeepSeek-V2's device-limited and
+DeepSeek-V3's node-limited routing): the E experts in G equal groups; each token picks its g best groups, a
+group's score the sum of its top ``k // g`` selection scores (the logits, softmax or biased sigmoid scores the top k
+is taken over), then its top k among those groups' experts only. ``moe_router_topk_scaling_factor`` multiplies the
+chosen experts' probabilities (DeepSeek-V3's ``routed_scaling_factor``).
 
 Balancing losses, their values before the coefficient (the coefficient multiplies them into the objective):
 
 - ``aux_loss`` (Switch Transformer): ``E / (k T^2) sum_e P_e N_e``, P_e the sum over tokens of the full score
-  distribution (softmax of the logits; sigmoid's normalised over E), N_e the tokens whose top k of that
+  distribution (softmax of the logits; sigmoid's normalised over E, whatever k), N_e the tokens whose top k of that
   distribution hold e: the tokens routed to e, except that the expert bias never counts (Megatron Core's
   ``compute_routing_scores_for_aux_loss``; the logged Switch loss of ``none`` counts the bias's choice);
 - ``seq_aux_loss`` (DeepSeek-V2): the same per sequence, ``sum_e (N_e E / (k S)) mean_s(p_e)``, averaged over
@@ -74,37 +82,58 @@ def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> i
     return math.ceil(num_tokens / num_experts * capacity_factor)
 
 
+def select_topk(scores: torch.Tensor, topk: int, num_groups: int | None = None,
+                group_topk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [T, k] of each token's top k ``scores`` [T, E]; with ``group_topk`` (group-limited
+    routing, DeepSeek-V2/V3), only among the experts of the token's ``group_topk`` best groups of the ``num_groups``
+    equal groups, a group's score the sum of its top ``topk // group_topk`` scores (Megatron Core's
+    ``group_limited_topk``)."""
+    if not group_topk:
+        return torch.topk(scores, topk, dim=-1)
+    tokens, experts = scores.shape
+    group_scores = scores.view(tokens, num_groups, -1).topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    chosen_groups = torch.topk(group_scores, group_topk, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen_groups, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-                 expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities [T, E], 0 off the chosen experts; routing map [T, E] bool) of ``logits`` [T, E]."""
+                 expert_bias: torch.Tensor | None = None, num_groups: int | None = None,
+                 group_topk: int | None = None, scaling_factor: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [T, E], 0 off the chosen experts; routing map [T, E] bool) of ``logits`` [T, E]; the choice
+    group-limited with ``group_topk`` (``select_topk``), the probabilities multiplied by ``scaling_factor``."""
     if score_function == "softmax":
         if pre_softmax:
-            probs, top = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+            probs, top = select_topk(torch.softmax(logits, dim=-1), topk, num_groups, group_topk)
         else:
-            top_logits, top = torch.topk(logits, topk, dim=-1)
+            top_logits, top = select_topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(top_logits, dim=-1)
-    elif score_function == "sigmoid":
+    elif score_function == "sigmoid":  # the scores always precede the top k (pre_softmax changes nothing)
         scores = torch.sigmoid(logits)
         if expert_bias is not None:
-            _, top = torch.topk(scores + expert_bias.to(scores.dtype), topk, dim=-1)
+            _, top = select_topk(scores + expert_bias.to(scores.dtype), topk, num_groups, group_topk)
             probs = scores.gather(1, top)
         else:
-            probs, top = torch.topk(scores, topk, dim=-1)
+            probs, top = select_topk(scores, topk, num_groups, group_topk)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"unknown router score function {score_function!r}")
+    if scaling_factor:
+        probs = probs * scaling_factor
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
     return torch.zeros_like(logits).scatter(1, top, probs), routing_map
 
 
 def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str) -> torch.Tensor:
     """The full score distribution [T, E] the balancing losses read: softmax of the logits, or the sigmoid scores
-    normalised over the experts (when k > 1), as Megatron-LM's ``compute_routing_scores_for_aux_loss``."""
+    normalised over the experts (whatever k), as Megatron Core's ``compute_routing_scores_for_aux_loss``."""
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1)
     scores = torch.sigmoid(logits)
-    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
 def routing_map_for_aux_loss(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -187,6 +216,8 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
         self.score_function, self.pre_softmax = cfg.moe_router_score_function, cfg.moe_router_pre_softmax
+        self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         self.balancing, self.aux_coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
         self.z_coeff = cfg.moe_z_loss_coeff
@@ -198,8 +229,10 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
 
     def extra_repr(self) -> str:
+        groups = f", groups={self.group_topk}/{self.num_groups}" if self.group_topk else ""
+        scaled = f", scaling={self.scaling_factor}" if self.scaling_factor else ""
         return (f"experts={self.num_experts}, topk={self.topk}, score={self.score_function}"
-                f"{', pre_softmax' if self.pre_softmax else ''}, balancing={self.balancing}")
+                f"{', pre_softmax' if self.pre_softmax else ''}{groups}{scaled}, balancing={self.balancing}")
 
     def _apply(self, fn, recurse=True):
         """The expert bias stays fp32 whatever dtype the model is cast to (its updates are ~1e-3)."""
@@ -213,7 +246,8 @@ class TopKRouter(nn.Module):
         for the balancing losses, each rank returning its term); ``with_losses`` False (evaluation): no
         auxiliary loss, the balancing value 0."""
         logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E]
-        probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias)
+        probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
+                                     self.num_groups, self.group_topk, self.scaling_factor)
         kept = chosen
         if self.capacity_factor is not None:
             capacity = get_capacity(logits.shape[0] * self.topk, self.num_experts, self.capacity_factor)

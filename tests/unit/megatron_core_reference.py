@@ -115,6 +115,8 @@ def build_pair(mcore, *flags: str):
             moe_z_loss_coeff=m.moe_z_loss_coeff or None, moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
             moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_drop_policy=m.moe_token_drop_policy,
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+            moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
+            moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
             moe_token_dispatcher_type="allgather", moe_router_dtype="fp32")
     core_config = mcore["config"](
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=nq, num_query_groups=ng,

@@ -460,7 +460,7 @@ def test_extra_words_after_a_flag_are_refused_not_dropped(argv, message):
 
 def test_a_refused_flags_values_are_not_called_extra_words():
     with pytest.raises(ConfigError) as err:
-        parse_config(["--mock-data", "--moe-router-num-groups", "8", "--moe-router-group-topk", "2"])
+        parse_config(["--mock-data", "--fim-rate", "0.5", "--fim-spm-rate", "0.5"])
     assert "not available here" in str(err.value) and "unexpected value" not in str(err.value)
 
 

@@ -9,7 +9,8 @@ backward of the same objective every parameter's gradient, within 1e-5 of the la
   each side records for the log is compared too, and the aux loss's part of the router's gradient is checked to be
   far above the tolerance. Variants: a shared expert, z-loss and ``seq_aux_loss``; softmax-then-top-1 with a
   capacity (``probs``, padded), these two through our ``alltoall`` dispatcher; the sigmoid router with the expert
-  bias and ``aux_loss``.
+  bias and ``aux_loss``; DeepSeek-V3's router (sigmoid with pre-softmax, expert bias, group-limited, scaled) and a
+  group-limited, scaled softmax router.
 - The GPT-2 shape (learned positions, LayerNorm, GELU, biases, tied head), dense; and with GELU experts, no biases.
 
 Not compared (docs/moe.md says why): ``--moe-token-drop-policy position``, experts or a shared expert with biases.
@@ -100,8 +101,14 @@ ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # ours through the other
     [*ALLTOALL, "--moe-router-pre-softmax", "--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5",
      "--moe-token-drop-policy", "probs", "--moe-pad-expert-input-to-capacity"],  # 4 experts x 2 kept of 16 tokens
     ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+    # DeepSeek-V3's router: sigmoid (with pre-softmax, as its configurations set), expert bias, 2 groups of 2
+    # experts each token choosing its best group, the probabilities scaled
+    ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+     "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5"],
+    [*ALLTOALL, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor",
+     "1.5"],
 ], ids=["alltoall_shared_expert_z_loss_seq_aux_loss", "alltoall_pre_softmax_top1_capacity",
-        "sigmoid_expert_bias_aux_loss"])
+        "sigmoid_expert_bias_aux_loss", "deepseek_v3_router", "softmax_group_limited_scaled"])
 def test_llama_moe_variants_equal_megatron_cores(mcore, flags):
     compare(mcore, *LLAMA, *MOE, *flags)
 

@@ -101,12 +101,12 @@ def test_a_megatron_checkpoint_format_says_how_to_get_one(fmt, says):
 
 def test_unknown_and_absent_flags_are_reported_together():
     with pytest.raises(ConfigError) as err:
-        parse_config(["--num-layer", "2", "--moe-router-num-groups", "8", "--moe-router-bias-kind", "2", "--hiden-size",
+        parse_config(["--num-layer", "2", "--fim-rate", "0.5", "--moe-router-bias-kind", "2", "--hiden-size",
                       "8"])
     text = str(err.value)
     assert "2 unknown arguments: '--num-layer' (did you mean '--num-layers'?), '--hiden-size' (did you mean " \
            "'--hidden-size'?)" in text
-    assert "--moe-router-num-groups 8 (group-limited routing" in text
+    assert "--fim-rate 0.5 (fill-in-the-middle datasets" in text
     assert "--moe-router-bias-kind (a mixture-of-experts option not built here" in text
 
 

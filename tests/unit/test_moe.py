@@ -297,6 +297,19 @@ def test_flops_count_active_parameters():
 
 # --------------------------------------------------------------------------- configuration
 
+def test_group_limited_routing_chooses_within_the_best_groups():
+    """4 experts in 2 groups, top 2 within the best group: a token whose two best experts sit in different groups
+    gets both of one group (the group whose top-2 sum is higher), the probabilities scaled."""
+    from megatron.moe.router import topk_routing
+
+    logits = torch.tensor([[3.0, 0.0, 2.9, 2.8], [0.0, 1.0, 2.0, 3.0]])
+    plain, plain_map = topk_routing(logits, 2)
+    probs, chosen = topk_routing(logits, 2, num_groups=2, group_topk=1, scaling_factor=2.0)
+    assert plain_map[0].tolist() == [True, False, True, False]
+    assert chosen.tolist() == [[False, False, True, True], [False, False, True, True]]  # group 1 scores 5.7 > 3.0
+    assert torch.allclose(probs.sum(dim=-1), torch.full((2,), 2.0))
+
+
 def test_flags_are_megatrons():
     config = moe_config("--moe-layer-freq", "([1]*1)*1", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "1e-2",
                         "--moe-token-dispatcher-type", "allgather", "--moe-grouped-gemm",
@@ -318,6 +331,16 @@ def test_flags_are_megatrons():
     (["--moe-pad-expert-input-to-capacity"], "needs a capacity"),
     (["--moe-router-enable-expert-bias"], "needs --moe-router-score-function sigmoid"),
     (["--moe-aux-loss-coeff", "-1"], "moe_aux_loss_coeff must be >= 0"),
+    (["--moe-router-num-groups", "2"], "takes both --moe-router-num-groups and --moe-router-group-topk"),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], "moe_router_num_groups (3) must divide "
+                                                                        "num_experts (4)"),
+    (["--moe-router-num-groups", "2", "--moe-router-group-topk", "3"], "moe_router_group_topk (3) must be at most "
+                                                                        "moe_router_num_groups (2)"),
+    (["--moe-router-topk", "1", "--moe-router-num-groups", "2", "--moe-router-group-topk", "2"],
+     "moe_router_topk (1) must be at least moe_router_group_topk (2)"),
+    (["--moe-router-topk", "3", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+     "moe_router_topk (3) exceeds the experts of the 1 chosen groups (1 x 2)"),
+    (["--moe-router-topk-scaling-factor", "0"], "moe_router_topk_scaling_factor must be positive"),
 ])
 def test_refusals_are_one_line(flags, message):
     with pytest.raises(ConfigError) as err:
@@ -335,8 +358,8 @@ def test_refusals_through_pretrain_gpt():
     dense = parse_config(["--mock-data", "--expert-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="give --num-experts too"):
         validate(dense, world_size=2)
-    proc = run_here("--mock-data", "--num-experts", "4", "--moe-router-num-groups", "2")
-    assert proc.returncode == 2 and "--moe-router-num-groups 2 (group-limited routing" in proc.stderr
+    proc = run_here("--mock-data", "--num-experts", "4", "--moe-shared-expert-gate")
+    assert proc.returncode == 2 and "--moe-shared-expert-gate (a gate on the shared expert" in proc.stderr
 
 
 # --------------------------------------------------------------------------- training
