@@ -78,7 +78,8 @@ def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str
             (m.normalization != "RMSNorm", f"normalization {m.normalization}", "RMSNorm"),
             (not m.swiglu, "a GELU MLP (swiglu off)", "a SwiGLU MLP"),
             (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "rotary embeddings on every channel"),
-            (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head")):
+            (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head"),
+            (m.qk_layernorm, "qk_layernorm (a norm on each head's queries and keys)", "none")):
         if differs:
             raise ConversionError(f"{setting} has no Hugging Face {family} equivalent ({architecture} uses {llama}), "
                                   f"so this checkpoint cannot be exported.")

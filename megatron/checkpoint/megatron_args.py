@@ -26,10 +26,9 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
          "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type",
          "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk",
-         "moe_router_topk_scaling_factor")
+         "moe_router_topk_scaling_factor", "qk_layernorm")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
-_REFUSED = {"qk_layernorm": "LayerNorm on queries and keys (--qk-layernorm)",
-            "squared_relu": "the squared-ReLU MLP (--squared-relu)",
+_REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
             "apply_layernorm_1p": "zero-centred LayerNorm (--apply-layernorm-1p)",
             "multi_latent_attention": "multi-latent attention",
             "moe_grouped_gemm": "grouped-GEMM experts (--moe-grouped-gemm: other parameter names)",
@@ -103,7 +102,7 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
         attention_dropout=model.attention_probs_dropout_prob, init_method_std=model.initializer_range,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, use_mcore_models=True, transformer_impl="local",
-        ckpt_format="torch", moe_grouped_gemm=False, qk_layernorm=False, squared_relu=False,
+        ckpt_format="torch", moe_grouped_gemm=False, squared_relu=False,
         bias_gelu_fusion=True, openai_gelu=False, params_dtype=torch.float32,
         iteration=iteration, consumed_train_samples=consumed_train_samples, consumed_valid_samples=0)
     return argparse.Namespace(**values)

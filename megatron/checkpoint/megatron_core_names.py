@@ -51,6 +51,8 @@ _IN_LAYER = {
     "input_layernorm": "input_layernorm",
     "self_attention.query_key_value": "self_attention.linear_qkv",
     "self_attention.dense": "self_attention.linear_proj",
+    "self_attention.q_layernorm": "self_attention.q_layernorm",
+    "self_attention.k_layernorm": "self_attention.k_layernorm",
     "post_attention_layernorm": "pre_mlp_layernorm",
     "mlp.dense_h_to_4h": "mlp.linear_fc1",
     "mlp.dense_4h_to_h": "mlp.linear_fc2",
@@ -141,6 +143,8 @@ def from_megatron_core_state(state: dict, swiglu: bool) -> dict[str, torch.Tenso
 _LEGACY_LAYER = {"input_norm": "input_layernorm", "input_layernorm": "input_layernorm",
                  "self_attention.query_key_value": "self_attention.linear_qkv",
                  "self_attention.dense": "self_attention.linear_proj",
+    "self_attention.q_layernorm": "self_attention.q_layernorm",
+    "self_attention.k_layernorm": "self_attention.k_layernorm",
                  "post_attention_norm": "pre_mlp_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
                  "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
 _LEGACY_OUTSIDE = {"language_model.embedding.word_embeddings": "embedding.word_embeddings",

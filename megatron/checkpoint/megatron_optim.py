@@ -63,7 +63,8 @@ def groups(names: list[str], shapes: dict) -> list[list[list[str]]]:
 
 
 # Megatron Core's module order inside a layer (its named_parameters): its attention registers linear_proj first
-_IN_LAYER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
+_IN_LAYER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+             "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
              "mlp.router.", "mlp.experts.", "mlp.shared_experts.", "mlp.linear_fc1.", "mlp.linear_fc2.")
 _OUTSIDE = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
             "decoder.final_layernorm.", "output_layer.")

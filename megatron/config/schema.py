@@ -75,6 +75,9 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the word embedding's.")
     disable_bias_linear: bool = opt(False, "No biases in the attention and MLP linear layers (Llama).")
+    qk_layernorm: bool = opt(
+        False, "Normalise each attention head's queries and keys (the model's normalization over the head width) "
+               "before rotary embeddings (Qwen3; Megatron-LM's --qk-layernorm).")
     num_experts: int | None = opt(
         None, "Mixture of experts: experts per MoE layer (Megatron-LM's --num-experts); None: every layer's MLP is "
               "dense (docs/moe.md).")

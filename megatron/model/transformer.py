@@ -58,16 +58,17 @@ def parallel_dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) 
     return F.dropout(x, p, True)
 
 
-def make_norm(cfg: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
+def make_norm(cfg: ModelConfig, sequence_parallel: bool = False, size: int | None = None) -> nn.Module:
     """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only: ``x rsqrt(mean(x^2) + eps) w``,
     ``torch.nn.RMSNorm``: computed in fp32 for bf16/fp16 inputs too and rounded once at the end, where
     Hugging Face's LlamaRMSNorm rounds before multiplying by the weight; the same in fp32) over the
-    hidden size. Replicated over the tensor-parallel group; under sequence parallelism it sees a
+    hidden size (or ``size``). Replicated over the tensor-parallel group; under sequence parallelism it sees a
     sequence shard, so its gradients are summed over the group (``mark_sequence_parallel``)."""
+    size = cfg.hidden_size if size is None else size
     if cfg.normalization == "RMSNorm":
-        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        norm = nn.RMSNorm(size, eps=cfg.layernorm_epsilon)
     elif cfg.normalization == "LayerNorm":
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        norm = nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
     else:
         raise ValueError(f"unknown normalization {cfg.normalization!r}")
     return tp.mark_sequence_parallel(norm) if sequence_parallel else norm
@@ -86,9 +87,14 @@ class SelfAttention(nn.Module):
     The QKV weight's output rows are ordered by group, ``[ng, (nq/ng queries, key, value), hd]``
     (with ng = nq: ``[heads, (q, k, v), hd]``), so any contiguous block of rows holds whole groups:
     what a tensor-parallel rank owns (tp must divide ng). With rotary embeddings, queries and keys
-    are rotated at their tokens' positions before attending.
-    ``out = dense(softmax(Q K^T / sqrt(hd) + causal_mask) V)``, each query head reading the key and
-    value of its group.
+    are rotated at their tokens' positions before attending; with ``qk_layernorm`` (Qwen3, Megatron's
+    ``--qk-layernorm``), each head's query and key are normalised first (``q_layernorm``, ``k_layernorm``: the
+    model's normalization over the head width, shared by the heads). ``out = dense(softmax(Q K^T / sqrt(hd) +
+    causal_mask) V)``, each query head reading the key and value of its group.
+
+    The QK norms are replicated over the tensor-parallel ranks, each of which feeds them its own heads: their
+    gradients are summed over the group (marked like sequence-parallel norms), with or without sequence
+    parallelism.
     """
 
     def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
@@ -108,6 +114,11 @@ class SelfAttention(nn.Module):
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
         self.rotary_interleaved = cfg.rotary_interleaved
+        if cfg.qk_layernorm:  # each rank feeds its own heads: the gradients are summed over tp
+            self.q_layernorm = make_norm(cfg, sequence_parallel=True, size=hd)
+            self.k_layernorm = make_norm(cfg, sequence_parallel=True, size=hd)
+        else:
+            self.q_layernorm = self.k_layernorm = None
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads} (per rank), head_dim={self.head_dim}, "
@@ -152,6 +163,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.num_kv_heads, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # [b, nq, s, hd]
         k, v = qkv[:, :, :, per_group].permute(1, 2, 0, 3), qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = (apply_rotary(t, *rotary, interleaved=self.rotary_interleaved) for t in (q, k))
         if kv_cache is None and plan is not None:

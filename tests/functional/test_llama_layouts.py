@@ -1,6 +1,7 @@
 """The Llama-shaped GPT (rotary positions, RMSNorm, SwiGLU, grouped-query attention, untied output
-layer, no linear biases) reproduces its single-process losses under every parallel layout, with
-Megatron-LM's recompute methods folded in (recompute changes no result)."""
+layer, no linear biases; with Qwen3's per-head RMSNorm on queries and keys, ``--qk-layernorm``, whose
+gradients each tensor-parallel rank computes for its own heads) reproduces its single-process losses under
+every parallel layout, with Megatron-LM's recompute methods folded in (recompute changes no result)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 LLAMA = [*TINY, "--num-layers", "4", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
-         "--disable-bias-linear"]
+         "--disable-bias-linear", "--qk-layernorm"]
 UNIFORM2 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "2"]
 BLOCK1 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-method", "block",

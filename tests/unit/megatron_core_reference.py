@@ -126,7 +126,7 @@ def build_pair(mcore, *flags: str):
         add_bias_linear=not m.disable_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, **moe_kwargs)
+        apply_rope_fusion=False, qk_layernorm=m.qk_layernorm, **moe_kwargs)
     spec = mcore["block_spec"](core_config, use_transformer_engine=False, normalization=m.normalization)
     theirs = mcore["GPTModel"](core_config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                                position_embedding_type=m.position_embedding_type,

@@ -53,7 +53,8 @@ pytestmark = CORE_WARNINGS
 convert = program_module("tools/convert_checkpoint.py")
 # vocab 250: ours pads to 256 (tp 1), Megatron's tp 2 to 256 too; 4 heads in 2 groups, SwiGLU width 24 (tp 2 cuts)
 SHAPES = {"gpt2": ["--vocab-size", "250"], "llama": [*LLAMA, "--vocab-size", "250"],
-          "llama_moe": [*LLAMA, *MOE, "--vocab-size", "250"]}
+          "llama_moe": [*LLAMA, *MOE, "--vocab-size", "250"],
+          "qwen3": [*LLAMA, "--qk-layernorm", "--vocab-size", "250"]}
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def assert_round_trip(tmp_path, config, params):
         assert torch.equal(back[name], t), name
 
 
-@pytest.mark.parametrize("shape", ["gpt2", "llama", "llama_moe"])
+@pytest.mark.parametrize("shape", ["gpt2", "llama", "llama_moe", "qwen3"])
 def test_ours_to_megatron_torch_dist_and_back_is_bitwise(tmp_path, one_process, shape):
     config, params = our_checkpoint(tmp_path / "run", SHAPES[shape])
     assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist",
@@ -163,7 +164,7 @@ def test_a_legacy_gpt_model_checkpoint_tp2_pp2_converts_bitwise(tmp_path, one_pr
 
 
 def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
-    for shape, flags in (("gpt2", []), ("llama", LLAMA)):
+    for shape, flags in (("gpt2", []), ("llama", LLAMA), ("qwen3", [*LLAMA, "--qk-layernorm"])):
         with megatron_core() as mcore:
             config, ours, theirs = build_pair(mcore, *flags)
             run, meg = tmp_path / shape / "run", tmp_path / shape / "meg"
@@ -369,7 +370,7 @@ def test_an_export_megatron_cannot_hold_is_one_line(tmp_path, one_process, capsy
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"qk_layernorm": True}, "LayerNorm on queries and keys"),
+    ({"squared_relu": True}, "the squared-ReLU MLP"),
     ({"moe_grouped_gemm": True, "num_experts": 4}, "grouped-GEMM experts"),
     ({"pipeline_model_parallel_size": 2}, "mp_rank_00_000"),
 ])

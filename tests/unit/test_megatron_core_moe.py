@@ -10,8 +10,10 @@ backward of the same objective every parameter's gradient, within 1e-5 of the la
   far above the tolerance. Variants: a shared expert, z-loss and ``seq_aux_loss``; softmax-then-top-1 with a
   capacity (``probs``, padded), these two through our ``alltoall`` dispatcher; the sigmoid router with the expert
   bias and ``aux_loss``; DeepSeek-V3's router (sigmoid with pre-softmax, expert bias, group-limited, scaled) and a
-  group-limited, scaled softmax router.
-- The GPT-2 shape (learned positions, LayerNorm, GELU, biases, tied head), dense; and with GELU experts, no biases.
+  group-limited, scaled softmax router; ``--qk-layernorm`` (Qwen3-MoE's attention).
+- The GPT-2 shape (learned positions, LayerNorm, GELU, biases, tied head), dense; and with GELU experts, no biases;
+  and with ``--qk-layernorm`` (a LayerNorm, weight and bias, on each head's queries and keys; with rope, under
+  which the key norm's bias changes the scores: without it, softmax cancels it and its gradient is 0, rounding).
 
 Not compared (docs/moe.md says why): ``--moe-token-drop-policy position``, experts or a shared expert with biases.
 
@@ -107,13 +109,15 @@ ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # ours through the other
      "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5"],
     [*ALLTOALL, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor",
      "1.5"],
+    ["--qk-layernorm"],  # Qwen3-MoE's attention: RMSNorm on each head's queries and keys
 ], ids=["alltoall_shared_expert_z_loss_seq_aux_loss", "alltoall_pre_softmax_top1_capacity",
-        "sigmoid_expert_bias_aux_loss", "deepseek_v3_router", "softmax_group_limited_scaled"])
+        "sigmoid_expert_bias_aux_loss", "deepseek_v3_router", "softmax_group_limited_scaled", "qk_layernorm"])
 def test_llama_moe_variants_equal_megatron_cores(mcore, flags):
     compare(mcore, *LLAMA, *MOE, *flags)
 
 
-@pytest.mark.parametrize("flags", [[], [*MOE, "--moe-layer-freq", "[0,1]", "--disable-bias-linear"]],
-                         ids=["dense", "moe_without_biases"])
+@pytest.mark.parametrize("flags", [[], [*MOE, "--moe-layer-freq", "[0,1]", "--disable-bias-linear"],
+                                   ["--qk-layernorm", "--position-embedding-type", "rope"]],
+                         ids=["dense", "moe_without_biases", "dense_rope_qk_layernorm"])
 def test_gpt2_shape_equals_megatron_cores(mcore, flags):
     compare(mcore, *flags)
