@@ -13,7 +13,10 @@ nodes. For rank r::
 
 ``rank_grid()`` builds every group's rank lists from the sizes alone (a pure function,
 testable without torch.distributed); ``initialize()`` creates the groups once and stores
-them in one frozen ``ParallelState``; ``get()`` returns it. Groups:
+them in one frozen ``ParallelState``; ``get()`` returns it; ``destroy()`` destroys the groups
+``initialize()`` created (each gloo group holds three threads and its sockets until destroyed, so a
+process that re-initializes, such as a test pool's rank or a long-lived server, would otherwise leak
+them). Calling ``initialize()`` again destroys the previous groups first. Groups:
 
 - tp: same (pp, dp, sharding, cp) coordinates; pp: same (dp, sharding, cp, tp);
 - cp: same (pp, dp, sharding, tp): the ranks that share each sample, each holding 2 of its 2 x cp chunks;
@@ -169,6 +172,7 @@ class ParallelState:
 
 
 _STATE: ParallelState | None = None
+_OWNED: list = []  # the groups initialize() created that this rank belongs to, for destroy()
 
 
 def single_process_state() -> ParallelState:
@@ -179,8 +183,10 @@ def single_process_state() -> ParallelState:
 def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 1,
                timeout_minutes: float = 10.0, cp: int = 1, shard_over_cp: bool = False, ep: int = 1,
                etp: int | None = None) -> ParallelState:
-    """Create every group once (all ranks call this with the same sizes) and store the state."""
+    """Create every group once (all ranks call this with the same sizes) and store the state; the groups of an
+    earlier call are destroyed first, so a process that re-initializes (a server, an evaluation) holds one set."""
     global _STATE
+    destroy()
     if not dist.is_initialized():
         _STATE = single_process_state()
         return _STATE
@@ -190,16 +196,36 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
     grid = rank_grid(world, tp, pp, dp, sharding, cp, shard_over_cp, ep, etp)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     groups, ranks = {}, {}
+    if any(len(lists[0]) == 1 for lists in grid.values()):
+        # one group of itself per rank, shared by every name whose group is this rank alone: nothing crosses
+        # ranks in it, so nothing can be mismatched, and each gloo group costs threads, sockets and milliseconds
+        alone = [_new_group([r], rank, timeout) for r in range(world)][rank]
     for name, lists in grid.items():
         for members in lists:  # every rank creates every group, in the same order
-            group = dist.new_group(members, timeout=timeout)
+            if len(members) == 1:
+                group = alone
+            else:
+                group = _new_group(members, rank, timeout)
             if rank in members:
                 groups[name], ranks[name] = group, members
+    if dist.get_backend() == "gloo":  # NCCL connects lazily, at a group's first collective
+        # new_group returns once this rank's side of each gloo connection is up, maybe before a peer's side: wait
+        # for every rank, so that no group is destroyed (its sockets closed) while a peer still connects to it
+        dist.barrier()
     c = coordinates(rank, tp, pp, dp, sharding, cp)
     e = expert_coordinates(rank, world // pp, ep, etp)
     _STATE = ParallelState(world, rank, tp, pp, dp, sharding, c["tp"], c["pp"], c["dp"], c["sharding"], groups, ranks,
                            cp, c["cp"], shard_over_cp, ep, e["ep"], etp, e["etp"], world // pp // (ep * etp), e["edp"])
     return _STATE
+
+
+def _new_group(members: list[int], rank: int, timeout: datetime.timedelta):
+    """``dist.new_group``, called by every rank; a group this rank belongs to is destroyed by ``destroy()``
+    (elsewhere new_group returns a placeholder, GroupMember.NON_GROUP_MEMBER, with nothing to destroy)."""
+    group = dist.new_group(members, timeout=timeout)
+    if rank in members:
+        _OWNED.append(group)
+    return group
 
 
 def get() -> ParallelState:
@@ -208,5 +234,18 @@ def get() -> ParallelState:
 
 
 def destroy() -> None:
+    """Forget the state and destroy the groups ``initialize()`` created (their threads and sockets go with them).
+    Each rank calls it after its last use of the groups (what it sent still reaches its peers: gloo closes its
+    sockets gracefully); a no-op when nothing was created or once the default group is gone
+    (``dist.destroy_process_group()`` destroys every group)."""
     global _STATE
     _STATE = None
+    owned = list(_OWNED)
+    _OWNED.clear()
+    if not dist.is_initialized():
+        return
+    for group in reversed(owned):
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # already destroyed (the default group was destroyed and created again)
+            pass

@@ -4,11 +4,13 @@
 have joined one default process group, and returns the per-rank return values (picklable). The ranks are a
 pool, started once per world size and reused by every call: starting a process that imports torch costs
 seconds on a small machine, a call milliseconds. Between calls each rank is put back as it was: the rank grid
-(``parallel_state``) destroyed, the environment, the working folder, torch's default dtype and the global RNG
-restored. A rank that raises fails the test with its traceback; a rank that is still running after
-``timeout`` seconds prints every thread's stack (faulthandler) and exits, and the test fails instead of
-hanging. After any failure the pool is discarded (a rank may be left inside a collective), and the next call
-starts a fresh one. A test that patches a module inside ``fn`` undoes it before returning.
+(``parallel_state``) destroyed with its process groups (and any group ``fn`` created itself), so that a rank's
+threads and sockets do not grow with the calls it serves (``test_group_lifecycle.py``); the environment, the
+working folder, torch's default dtype and the global RNG restored. A rank that raises fails the test with its
+traceback; a rank that is still running after ``timeout`` seconds prints every thread's stack (faulthandler) and
+exits, and the test fails instead of hanging. After any failure the pool is discarded (a rank may be left inside a
+collective), and the next call starts a fresh one. A test that patches a module inside ``fn`` undoes it before
+returning.
 """
 
 from __future__ import annotations
@@ -45,12 +47,21 @@ def _call(rank: int, world_size: int, fn: Callable, args: tuple, timeout: float)
         return "error", traceback.format_exc()
     finally:
         faulthandler.cancel_dump_traceback_later()
-        parallel_state.destroy()
+        parallel_state.destroy()  # the groups initialize() created, and with them their threads and sockets
+        _destroy_other_groups()
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
         torch.set_default_dtype(dtype)
         torch.set_rng_state(rng)
+
+
+def _destroy_other_groups() -> None:
+    """Any group ``fn`` created itself (``dist.new_group``) and left: each holds gloo threads until destroyed."""
+    from torch.distributed.distributed_c10d import GroupMember, _world
+
+    for group in [g for g in _world.pg_map if g is not GroupMember.WORLD]:
+        dist.destroy_process_group(group)
 
 
 def _join(rank: int, world_size: int, store_dir: str) -> None:
