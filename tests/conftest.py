@@ -1,34 +1,61 @@
 """Runs the tests share, each trained once per session (``tests/functional/launch.py``): the single-process
 references that every parallel layout is compared with, and the shared runs, those of one world size trained
 by one launch (``ParityRuns``). A test names the run it checks as its ``layout`` parameter (or in a
-``shared_runs`` mark); only the runs of the selected tests (and what they need first) are trained."""
+``shared_runs`` mark); only the runs of the selected tests (and what they need first) are trained.
+
+Also the session's process hygiene: the ``starts_early`` jobs start only when tests run, and whatever process a
+test started through ``tests/functional/processes.py`` is killed when the session ends."""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.functional import processes
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
 
 _SELECTED: set[str] = set()  # the shared runs of the tests this session runs
 
 
 def pytest_collection_finish(session):
-    """What the selected tests need: their shared runs; and the jobs of ``starts_early`` tests started now, to
-    wait (for a fixed grace of a launcher, say) while the other tests run."""
-    started = set()
-    for item in session.items:
-        if item.get_closest_marker("starts_early") and item.module not in started:
-            started.add(item.module)
-            item.module.start_early(Path(tempfile.mkdtemp(prefix=f"{item.module.__name__.split('.')[-1]}-")))
+    """What the selected tests need: their shared runs."""
     for item in session.items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
         if "parity" in getattr(item, "fixturenames", ()) and "layout" in params:
             _SELECTED.add(params["layout"])
         for mark in item.iter_markers("shared_runs"):  # runs a test reads through a fixture
             _SELECTED.update(mark.args)
+
+
+def _tests_will_run(session) -> bool:
+    option = session.config.option
+    if option.collectonly or getattr(option, "setuponly", False) or getattr(option, "setupplan", False):
+        return False
+    return not (session.testsfailed and not option.continue_on_collection_errors)  # collection errors: none run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """The jobs of the ``starts_early`` tests started now, when the tests are about to run (never for
+    ``--collect-only``), to wait (for a fixed grace of a launcher, say) while the other tests run."""
+    if not _tests_will_run(session):
+        return
+    started = set()
+    for item in session.items:
+        if item.get_closest_marker("starts_early") and item.module not in started:
+            started.add(item.module)
+            item.module.start_early(Path(tempfile.mkdtemp(prefix=f"{item.module.__name__.split('.')[-1]}-")))
+
+
+def pytest_unconfigure(config):
+    """Every process the tests started (``tests/functional/processes.py``'s ``popen``), and its descendants,
+    killed if still running: after --collect-only, a normal end, or a Ctrl-C."""
+    killed = processes.kill_leftovers()
+    if killed:
+        print(f"tests/conftest.py: killed {len(killed)} processes the tests left running: {killed}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

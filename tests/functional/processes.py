@@ -1,22 +1,140 @@
-"""Launch torchrun jobs in the background, find their workers, stop one, and time when all are gone.
+"""Start the test suite's background processes, launch torchrun jobs, find their workers, stop one, and time
+when all are gone.
 
-Shared by the hang and launcher-death tests and by benchmarks/watchdog.py. Linux only: workers are
-found through /proc (a worker is a child of torchrun carrying RANK in its environment).
+Shared by the hang and launcher-death tests, every test that starts a process it does not wait for, and by
+benchmarks/watchdog.py. Linux only: workers are found through /proc (a worker is a child of torchrun carrying
+RANK in its environment).
+
+**Every process a test starts dies with the test session.** ``popen`` starts a process in a session of its own
+(a Ctrl-C at the terminal reaches pytest alone, which then ends it), with ``PR_SET_PDEATHSIG`` = SIGKILL (it
+dies when the thread that started it exits, pytest killed included), carrying this session's token in
+``OWNER`` (its descendants inherit it: torchrun's workers run in sessions of their own, torch 2.13's
+``SubprocessHandler`` starts them with ``start_new_session``, and a worker that is still importing when
+torchrun dies is not reached by its own death signal), and registered. ``kill_leftovers()`` SIGKILLs every
+process still in a registered session or carrying the token; tests/conftest.py calls it when the session ends
+(normally, after ``--collect-only`` or on Ctrl-C), and so does this module at exit.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+OWNER = "MEGATRON_TEST_OWNER"  # the environment variable: which test session started the process
+_TOKEN = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"  # this process's; its own children get it
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_STARTED: list[subprocess.Popen] = []
+_LOCK = threading.Lock()  # popen and kill_leftovers: no process started while the leftovers are killed
+_CLOSED = False
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc() if sys.platform.startswith("linux") else None
+
+
+def _die_with(parent: int):
+    """The child's preexec_fn: SIGKILL when the thread that started it exits; gone now if that already happened."""
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
+
+
+def popen(command: list, *, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(command, ...)`` for a test (see the module docstring): own session, dies with the thread
+    that calls this (so call it from the thread that outlives the process: the test's), marked and registered.
+    RuntimeError once the session's leftovers were killed."""
+    environment = dict(os.environ if env is None else env)
+    environment[OWNER] = _TOKEN
+    with _LOCK:
+        if _CLOSED:
+            raise RuntimeError("the test session has ended: no new process")
+        process = subprocess.Popen(command, env=environment, start_new_session=True, preexec_fn=_die_with(os.getpid()),
+                                   **kwargs)
+        _STARTED.append(process)
+    return process
+
+
+def _stat(pid: str) -> tuple[str, int] | None:
+    """(state, session id) of a process, None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], int(fields[3])
+
+
+def _owned(pid: str, sessions: set[int], marker: bytes) -> bool:
+    """Alive, and in one of ``sessions`` or carrying ``marker`` (``NAME=value``) in its environment."""
+    stat = _stat(pid)
+    if stat is None or stat[0] in "ZX":
+        return False
+    if stat[1] in sessions:
+        return True
+    try:
+        return marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def marked(name: str = OWNER, value: str = _TOKEN, sessions: set[int] = frozenset()) -> list[int]:
+    """The live processes whose environment has ``name=value`` (default: those this process started with
+    ``popen``, and their descendants) or that are in ``sessions``; this process aside."""
+    marker, me = f"{name}={value}".encode(), str(os.getpid())
+    return [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and pid != me and _owned(pid, sessions, marker)]
+
+
+def kill_leftovers(final: bool = True) -> list[int]:
+    """SIGKILL every process ``popen`` started, and their descendants, still alive; the pids killed. A session
+    counts while its leader is not reaped (its id cannot have been reused); the token finds the rest. ``final``:
+    no ``popen`` after this."""
+    global _CLOSED
+    killed: set[int] = set()
+    with _LOCK:
+        _CLOSED = _CLOSED or final
+        if not sys.platform.startswith("linux"):
+            return []
+        sessions = {p.pid for p in _STARTED if p.returncode is None}
+        deadline = time.monotonic() + 10
+        while (left := marked(OWNER, _TOKEN, sessions)) and time.monotonic() < deadline:  # until none forks any more
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            killed.update(left)
+            time.sleep(0.01)  # SIGKILL is delivered asynchronously
+        for process in _STARTED:  # reap them
+            if process.returncode is None and process.pid in killed:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(10)
+    return sorted(killed)
+
+
+atexit.register(kill_leftovers)
 
 # fp32 tiny GPT on synthetic data, many steps: a job that trains until it is stopped.
 ENDLESS = ["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -32,12 +150,12 @@ def free_port() -> int:
 
 
 def torchrun(args: list[str], log: Path, nproc: int = 2, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
-    """``torchrun --standalone --nproc-per-node nproc <launcher> pretrain_gpt.py <args>`` in a session of
-    its own (so a test can always clean up), output to ``log``."""
+    """``torchrun --standalone --nproc-per-node nproc <launcher> pretrain_gpt.py <args>`` started by ``popen``
+    (in a session of its own, so a test can always clean up), output to ``log``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                *launcher, str(ROOT / "pretrain_gpt.py"), *args]
     with open(log, "w") as f:
-        return subprocess.Popen(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return popen(command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
 
 
 def children(pid: int) -> list[int]:

@@ -20,6 +20,7 @@ import pytest
 
 from megatron.checkpoint import CheckpointReader
 from tests.functional.launch import ROOT, TINY, losses, outcome, parity_layouts, run, run_here, run_several
+from tests.functional.processes import popen
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_runs("saved-dp2")]
 
@@ -111,8 +112,7 @@ parity_layouts({"dp2": (2, TINY)})  # the uninterrupted runs: this and the refer
 def _signal_the_group_at_step(command: list[str], step: int) -> tuple[int, str]:
     """Start ``command`` in a process group of its own and SIGTERM the whole group (as ``kill -- -PGID``,
     ``scancel`` or systemd would) once training step ``step`` is logged; its exit status and output."""
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # own session
     guard = threading.Timer(300, os.killpg, (process.pid, signal.SIGKILL))  # a hang fails the test, not the suite
     guard.start()
     output = []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.functional.launch import curves
-from tests.functional.processes import free_port
+from tests.functional.processes import free_port, popen
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -71,8 +71,7 @@ def test_two_nodes_with_their_own_disks_train_the_single_process_losses(corpus, 
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
                    str(ROOT / "pretrain_gpt.py"), *_flags(corpus, data, cache, out)]
-        launchers.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
+        launchers.append(popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
         logs = [p.communicate(timeout=300)[0] for p in launchers]

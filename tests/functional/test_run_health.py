@@ -14,6 +14,7 @@ import pytest
 
 from megatron.training.stopping import StopRequests
 from tests.functional.launch import parity_layouts
+from tests.functional.processes import popen
 from tests.functional.test_pretrain_cli import REPO, TINY
 
 pytestmark = pytest.mark.slow  # runs training processes end to end, as every functional module
@@ -109,7 +110,7 @@ def test_ctrl_c_saves_and_exits_and_a_second_stops_at_once(tmp_path):
     KeyboardInterrupt (pretrain_gpt.py prints one line and exits 130)."""
     argv = [sys.executable, "pretrain_gpt.py", *TINY, "--max-steps", "100000", "--save", str(tmp_path),
             "--save-interval", "100000"]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
             if " - global step 3," in line:

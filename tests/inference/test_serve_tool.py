@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.functional.processes import popen
 from tests.inference.conftest import PROMPTS, ROOT
 from tests.inference.test_server import MODEL, alone
 
@@ -37,8 +38,8 @@ def test_serve_tool_refuses_a_limit_below_one(flag, capsys):
 @contextmanager
 def launched(command: list[str], timeout: float = 60, env: dict | None = None):
     """``command`` (tools/serve.py) until its ready line: (process, base url, lines so far)."""
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+    process = popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
     reader.start()

@@ -18,6 +18,7 @@ import pytest
 from megatron.checkpoint import ownership
 from megatron.checkpoint.format import CheckpointError
 from megatron.checkpoint.ownership import Start, claim, held_run
+from tests.functional.processes import popen
 
 
 def run_folder(path, run_id: str | None = "aaaa", steps=(1, 2), metrics: bool = True):
@@ -87,8 +88,8 @@ HOLDER = ("import fcntl, sys; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.L
 
 
 def test_a_lock_held_by_another_process_refuses_and_a_killed_holder_leaves_none(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "run.lock")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = popen([sys.executable, "-c", HOLDER, str(tmp_path / "run.lock")], stdin=subprocess.PIPE,
+                   stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(CheckpointError, match=r"another run is writing to .* \(pid 1 on x, holding "):

@@ -101,13 +101,13 @@ def _hang(rank: int, port: int, how: str, out: str) -> None:
 def _run_two_ranks(function: str, *args) -> tuple[int, str, str]:
     """``function(rank, port, *args)`` of this module in two fresh interpreters; rank 0's (exit code,
     stdout, stderr) once it ends (rank 1 is killed then)."""
-    from tests.functional.processes import free_port
+    from tests.functional.processes import free_port, popen
 
     port = free_port()
     call = ", ".join(repr(a) for a in args)
-    procs = [subprocess.Popen([sys.executable, "-c", f"from tests.unit.test_watchdog import {function}; "
-                                                     f"{function}({rank}, {port}, {call})"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [popen([sys.executable, "-c", f"from tests.unit.test_watchdog import {function}; "
+                                          f"{function}({rank}, {port}, {call})"],
+                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     try:
         stdout, stderr = procs[0].communicate(timeout=60)
@@ -201,10 +201,10 @@ time.sleep(120)
 @pytest.mark.parametrize("mechanism", ["prctl", "poll"])
 def test_a_worker_dies_with_its_launcher(mechanism):
     """The launcher (a stand-in for torchrun's agent) is SIGKILLed; its worker must be gone at once."""
-    from tests.functional.processes import alive, wait_until
+    from tests.functional.processes import alive, popen, wait_until
 
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD.format(poll=mechanism == "poll")], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    parent = popen([sys.executable, "-c", _PARENT, _CHILD.format(poll=mechanism == "poll")], cwd=ROOT,
+                   stdout=subprocess.PIPE, text=True)  # in a session of its own: the worker's launcher
     child = int(parent.stdout.readline())
     try:
         assert parent.stdout.readline().strip() == mechanism  # the worker has installed it
