@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import os
 import queue
 import shutil
@@ -40,6 +41,7 @@ def _call(rank: int, world_size: int, fn: Callable, args: tuple, timeout: float)
     from megatron import parallel_state
 
     environ, cwd, dtype, rng = dict(os.environ), os.getcwd(), torch.get_default_dtype(), torch.get_rng_state()
+    threads = _threads()
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         return "ok", fn(rank, world_size, *args)
@@ -49,6 +51,8 @@ def _call(rank: int, world_size: int, fn: Callable, args: tuple, timeout: float)
         faulthandler.cancel_dump_traceback_later()
         parallel_state.destroy()  # the groups initialize() created, and with them their threads and sockets
         _destroy_other_groups()
+        if _threads() > threads:  # a destroyed group's threads end with the group object: something holds one
+            _release_hooked_tensors()
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
@@ -62,6 +66,21 @@ def _destroy_other_groups() -> None:
 
     for group in [g for g in _world.pg_map if g is not GroupMember.WORLD]:
         dist.destroy_process_group(group)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task")) if sys.platform.startswith("linux") else 0
+
+
+def _release_hooked_tensors() -> None:
+    """Free what parameters' gradient hooks keep alive. A hook that closes over its model (DataParallel's
+    ``register_post_accumulate_grad_hook``) makes a cycle through autograd, which Python's collector does not
+    see: the model, its buffers and the process groups it holds (three gloo threads each) would live as long as
+    the rank. Emptied, the collector frees them."""
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and getattr(obj, "_post_accumulate_grad_hooks", None):
+            obj._post_accumulate_grad_hooks.clear()
+    gc.collect()
 
 
 def _join(rank: int, world_size: int, store_dir: str) -> None:
