@@ -107,6 +107,8 @@ def die_with_launcher(sig: int = getattr(signal, "SIGKILL", signal.SIGTERM)) -> 
     """
     parent = os.getppid()
     how = "prctl" if _set_parent_death_signal(sig) else "poll"
+    if how == "prctl" and os.getppid() != parent:  # the launcher died between the two calls: no signal will come
+        os.kill(os.getpid(), sig)
     if how == "poll":
         threading.Thread(target=_watch_parent, args=(parent, sig, PARENT_POLL_SECONDS), name="parent-watch",
                          daemon=True).start()
