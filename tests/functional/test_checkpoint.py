@@ -193,7 +193,8 @@ DAMAGE = {
                   "the checkpoint is incomplete or damaged"),
     "bit-flip": (lambda d: _flip(d / "rank0.bin", 5000), 2, "rank0.bin: checksum mismatch in "),
     "rank1-rng": (lambda d: _flip(d / "rank1.rng.json"), 2, "rank1.rng.json does not match its checksum"),
-    "other-model": (None, 2, "with hidden_size 128, but the saved run has 64: a setting that shapes the model"),
+    "other-model": (None, 2, "with hidden_size 128, but the saved run has 64: a setting of the model (its shape or "
+                             "what it computes)"),
     "dangling-latest": (lambda d: (d.parent / "latest").write_text("step_9"), 1, "which holds no checkpoint"),
     "config": (lambda d: _flip(d / "config.yaml", 10), 1, "config.yaml does not match its checksum"),
     # the folder belongs to another run (--load saved-dp2 --save X), or another live run holds X's lock
