@@ -101,7 +101,8 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.kv_channels not in (None, m.hidden_size // heads), f"kv_channels {m.kv_channels}"),
             (m.untie_embeddings_and_output_weights, "untie_embeddings_and_output_weights"),
             (m.disable_bias_linear, "disable_bias_linear"),
-            (m.qk_layernorm, "qk_layernorm")):
+            (m.qk_layernorm, "qk_layernorm"),
+            (m.multi_latent_attention, "multi_latent_attention")):
         if differs:
             raise ConversionError(f"{setting} has no Hugging Face GPT-2 equivalent, and a Llama export needs rope, "
                                   f"RMSNorm and swiglu together.")

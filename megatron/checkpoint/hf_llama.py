@@ -79,7 +79,8 @@ def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str
             (not m.swiglu, "a GELU MLP (swiglu off)", "a SwiGLU MLP"),
             (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "rotary embeddings on every channel"),
             (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head"),
-            (m.qk_layernorm, "qk_layernorm (a norm on each head's queries and keys)", "none")):
+            (m.qk_layernorm, "qk_layernorm (a norm on each head's queries and keys)", "none"),
+            (m.multi_latent_attention, "multi-latent attention", "query/key/value projections per head")):
         if differs:
             raise ConversionError(f"{setting} has no Hugging Face {family} equivalent ({architecture} uses {llama}), "
                                   f"so this checkpoint cannot be exported.")

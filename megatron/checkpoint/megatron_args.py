@@ -86,6 +86,9 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
             consumed_train_samples: int) -> argparse.Namespace:
     """The ``args`` of a legacy export of ``model`` cut for ``tp`` x ``pp`` (Megatron Core model, ``torch``
     format, expert parallelism 1)."""
+    if model.multi_latent_attention:
+        raise ConversionError("multi-latent attention is not converted to Megatron-LM's checkpoints yet (its "
+                              "down-projections' tensor-parallel layout); keep the checkpoint in this format.")
     values = {name: getattr(model, name) for name in _SAME}
     nq, hd = model.num_attention_heads, model.kv_channels or model.hidden_size // model.num_attention_heads
     values.update(

@@ -53,6 +53,12 @@ _IN_LAYER = {
     "self_attention.dense": "self_attention.linear_proj",
     "self_attention.q_layernorm": "self_attention.q_layernorm",
     "self_attention.k_layernorm": "self_attention.k_layernorm",
+    "self_attention.linear_q_proj": "self_attention.linear_q_proj",  # multi-latent attention (megatron.model.mla)
+    "self_attention.linear_q_down_proj": "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj": "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj": "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj": "self_attention.linear_kv_up_proj",
+    "self_attention.kv_layernorm": "self_attention.kv_layernorm",
     "post_attention_layernorm": "pre_mlp_layernorm",
     "mlp.dense_h_to_4h": "mlp.linear_fc1",
     "mlp.dense_4h_to_h": "mlp.linear_fc2",
@@ -145,6 +151,12 @@ _LEGACY_LAYER = {"input_norm": "input_layernorm", "input_layernorm": "input_laye
                  "self_attention.dense": "self_attention.linear_proj",
     "self_attention.q_layernorm": "self_attention.q_layernorm",
     "self_attention.k_layernorm": "self_attention.k_layernorm",
+    "self_attention.linear_q_proj": "self_attention.linear_q_proj",  # multi-latent attention (megatron.model.mla)
+    "self_attention.linear_q_down_proj": "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj": "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj": "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj": "self_attention.linear_kv_up_proj",
+    "self_attention.kv_layernorm": "self_attention.kv_layernorm",
                  "post_attention_norm": "pre_mlp_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
                  "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
 _LEGACY_OUTSIDE = {"language_model.embedding.word_embeddings": "embedding.word_embeddings",

@@ -77,7 +77,27 @@ class ModelConfig:
     disable_bias_linear: bool = opt(False, "No biases in the attention and MLP linear layers (Llama).")
     qk_layernorm: bool = opt(
         False, "Normalise each attention head's queries and keys (the model's normalization over the head width) "
-               "before rotary embeddings (Qwen3; Megatron-LM's --qk-layernorm).")
+               "before rotary embeddings (Qwen3; Megatron-LM's --qk-layernorm). With multi_latent_attention: the "
+               "RMSNorms of the compressed queries and keys/values (DeepSeek-V3).")
+    multi_latent_attention: bool = opt(
+        False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank down-projections, "
+               "a rotary part of each query and one shared by the heads for the keys (docs/attention.md).")
+    q_lora_rank: int | None = opt(
+        None, "Multi-latent attention: the rank of the queries' down-projection; None: one query projection.")
+    kv_lora_rank: int = opt(32, "Multi-latent attention: the rank of the keys' and values' down-projection.")
+    qk_head_dim: int = opt(128, "Multi-latent attention: a query's and key's channels without rotary embeddings.")
+    qk_pos_emb_head_dim: int = opt(64, "Multi-latent attention: a query's and key's rotary channels.")
+    v_head_dim: int = opt(128, "Multi-latent attention: a value's channels.")
+    rope_type: str | None = opt(
+        None, "Rotary embeddings of multi-latent attention: rope, or yarn (YaRN's scaled frequencies); default yarn "
+              "(Megatron-LM's).", ("rope", "yarn"))
+    rotary_scaling_factor: float = opt(1.0, "YaRN: the context extension factor (1: the plain frequencies).")
+    original_max_position_embeddings: int = opt(
+        4096, "YaRN: the context the frequencies were trained for (transformers' original_max_position_embeddings).")
+    mscale: float = opt(1.0, "YaRN: the concentration factor's mscale (cos and sin scaled by mscale(f, mscale) / "
+                             "mscale(f, mscale_all_dim)).")
+    mscale_all_dim: float = opt(0.0, "YaRN: mscale_all_dim; the softmax scale is mscale(f, mscale_all_dim)^2 / "
+                                     "sqrt(qk_head_dim + qk_pos_emb_head_dim).")
     num_experts: int | None = opt(
         None, "Mixture of experts: experts per MoE layer (Megatron-LM's --num-experts); None: every layer's MLP is "
               "dense (docs/moe.md).")

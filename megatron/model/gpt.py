@@ -94,7 +94,12 @@ class GPTModel(nn.Module):
         layers = range(cfg.num_layers) if layers is None else layers
         per_layer, units = recompute_plan(layers, recompute, no_recompute_layers, recompute_method,
                                           recompute_num_layers)
-        if cfg.position_embedding_type == "rope":
+        if cfg.multi_latent_attention:  # the rotary channels of its queries and shared key (megatron.model.mla)
+            from megatron.model.mla import yarn_settings
+
+            self.rotary = RotaryEmbedding(cfg.qk_pos_emb_head_dim, 1.0, cfg.rotary_base, cfg.max_position_embeddings,
+                                          interleaved=True, yarn=yarn_settings(cfg))
+        elif cfg.position_embedding_type == "rope":
             _, _, head_dim = attention_shape(cfg)
             self.rotary = RotaryEmbedding(head_dim, cfg.rotary_percent, cfg.rotary_base, cfg.max_position_embeddings,
                                           cfg.rotary_interleaved)

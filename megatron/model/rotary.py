@@ -17,6 +17,9 @@ it would alone.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -29,6 +32,45 @@ def rotary_channels(head_dim: int, rotary_percent: float) -> int:
 def inverse_frequencies(rot: int, base: float, device: torch.device | None = None) -> torch.Tensor:
     """``1 / base^(arange(0, rot, 2) / rot)`` [rot/2], fp32 (as Megatron-LM and Hugging Face compute it)."""
     return 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.int64, device=device).float() / rot))
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's context extension (Peng et al. 2023) as Megatron Core's ``YarnRotaryEmbedding`` and transformers'
+    ``rope_type: yarn`` compute it: each frequency blended between the original (high frequencies, fast rotating
+    channels) and the original divided by ``factor`` (low frequencies) over a linear ramp between the channels
+    that turn ``beta_fast`` and ``beta_slow`` times over ``original_max_positions``; cos and sin multiplied by the
+    concentration factor ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, ``mscale(f, m) = 0.1 m ln f
+    + 1`` (1 for f <= 1)."""
+
+    factor: float
+    original_max_positions: int
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def inverse_frequencies(self, rot: int, base: float, device: torch.device | None = None) -> torch.Tensor:
+        extrapolated = inverse_frequencies(rot, base, device)
+        interpolated = extrapolated / self.factor
+
+        def dim_of(rotations: float) -> float:  # the channel pair that turns ``rotations`` times
+            return rot * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(math.floor(dim_of(self.beta_fast)), 0), min(math.ceil(dim_of(self.beta_slow)), rot - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(rot // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
+        return interpolated * (1 - keep) + extrapolated * keep
+
+    @property
+    def concentration(self) -> float:
+        return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 mscale ln(factor) + 1`` (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rotate_half(t: torch.Tensor) -> torch.Tensor:
@@ -63,24 +105,27 @@ class RotaryEmbedding(nn.Module):
     casting the model to bf16 does not round the angles; it is never saved (it is not a parameter)."""
 
     def __init__(self, head_dim: int, rotary_percent: float, base: float, max_positions: int,
-                 interleaved: bool = False):
+                 interleaved: bool = False, yarn: Yarn | None = None):
         super().__init__()
         self.rot, self.interleaved = rotary_channels(head_dim, rotary_percent), interleaved
-        self.base, self.max_positions = base, max_positions
+        self.base, self.max_positions, self.yarn = base, max_positions, yarn
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def extra_repr(self) -> str:
+        yarn = "" if self.yarn is None else f", yarn={self.yarn}"
         return (f"rotary_channels={self.rot}, base={self.base:g}, max_positions={self.max_positions}, "
-                f"interleaved={self.interleaved}")
+                f"interleaved={self.interleaved}{yarn}")
 
     def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [max_positions, rot] on ``device``."""
         if device not in self._tables:
-            inv_freq = inverse_frequencies(self.rot, self.base, device)
+            inv_freq = (inverse_frequencies(self.rot, self.base, device) if self.yarn is None
+                        else self.yarn.inverse_frequencies(self.rot, self.base, device))
             positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             angles = torch.outer(positions, inv_freq)  # [max_positions, rot/2]
             angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((angles, angles), dim=-1)
-            self._tables[device] = (angles.cos(), angles.sin())
+            scale = 1.0 if self.yarn is None else self.yarn.concentration
+            self._tables[device] = (angles.cos() * scale, angles.sin() * scale)
         return self._tables[device]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32

@@ -178,6 +178,16 @@ class SelfAttention(nn.Module):
         return self.dense(ctx)
 
 
+def make_attention(cfg: ModelConfig, recompute_core: bool, sequence_parallel: bool, layer_number: int) -> nn.Module:
+    """The one place that chooses a layer's attention: multi-latent (``megatron.model.mla``) or ``SelfAttention``;
+    both take ``(x, kv_cache, rotary, plan)``."""
+    if cfg.multi_latent_attention:
+        from megatron.model.mla import MultiLatentAttention
+
+        return MultiLatentAttention(cfg, recompute_core, sequence_parallel, layer_number)
+    return SelfAttention(cfg, recompute_core, sequence_parallel, layer_number)
+
+
 class MLP(nn.Module):
     """GELU: ``fc2(gelu_tanh(fc1 x))``; SwiGLU: ``fc2(silu(x W_gate) * (x W_up))``; h -> ffn -> h.
 
@@ -220,7 +230,7 @@ class TransformerDecoderLayer(nn.Module):
         self.recompute = recompute
         self.sequence_parallel = sequence_parallel
         self.input_layernorm = make_norm(cfg, sequence_parallel)
-        self.self_attention = SelfAttention(cfg, recompute == "core_attn", sequence_parallel, layer_number)
+        self.self_attention = make_attention(cfg, recompute == "core_attn", sequence_parallel, layer_number)
         self.post_attention_layernorm = make_norm(cfg, sequence_parallel)
         if is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
             from megatron.moe.layer import MoELayer
