@@ -87,11 +87,13 @@ def _check_eod_token(config: Config) -> None:
     ``</s>``, ...), or the mock data's last id; each is inside the vocabulary by construction (a tokenizer's
     ids are below its vocabulary size, which Model.vocab_size is at least). There the flag would change
     nothing (the loss mask, --reset-attention-mask and --reset-position-ids would still use the fixed id):
-    refused, as is a number (a token id given for the text), which names the wrong token or none."""
+    refused, as is a number (a token id given for the text), which names the wrong token or none. With mock data
+    and a Hugging Face tokenizer (an imported checkpoint's configuration) it describes that tokenizer for the runs
+    and tools that read text later: kept."""
     eod, t = config.tokenizer.eod_token, config.tokenizer
     if eod is None:
         return
-    if config.dataset.mock_data:
+    if config.dataset.mock_data and t.tokenizer_type != "HuggingFaceTokenizer":  # a tokenizer's: kept for later
         _fail(f"--eod-token {eod} is not used with --mock-data: the mock data ends its documents with the last "
               f"token id, vocab_size - 1 = {config.model.vocab_size - 1}; drop --eod-token.")
     if t.tokenizer_type != "HuggingFaceTokenizer":
