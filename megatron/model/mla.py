@@ -32,8 +32,8 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.model.blocks import make_norm, maybe_checkpoint
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale
-from megatron.model.transformer import _maybe_checkpoint, make_norm
 
 
 def yarn_settings(cfg: ModelConfig) -> Yarn | None:
@@ -123,6 +123,6 @@ class MultiLatentAttention(nn.Module):
             k_rot = apply_rotary(k_rot, *rotary, interleaved=True)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
-        ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v.contiguous())
+        ctx = maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v.contiguous())
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.dv)
         return self.dense(ctx)

@@ -21,9 +21,6 @@ per-rank tensor-parallel stream; dropout on replicated activations from the shar
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,45 +30,13 @@ from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import is_moe_layer
 from megatron.context_parallel import AttentionPlan, attend
+from megatron.model.blocks import make_norm, parallel_dropout
+from megatron.model.blocks import maybe_checkpoint as _maybe_checkpoint
+from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
 
 RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
-
-
-def _maybe_checkpoint(enabled: bool, fn: Callable, *args: Any) -> torch.Tensor:
-    """Run ``fn`` and, when enabled, recompute it in the backward instead of storing its
-    activations. The RNG state is saved and restored, so dropout masks are identical."""
-    if enabled and torch.is_grad_enabled():
-        return tp.checkpoint(fn, *args)  # restores the tracker's streams too
-    return fn(*args)
-
-
-def parallel_dropout(x: torch.Tensor, p: float, training: bool, per_rank: bool) -> torch.Tensor:
-    """Dropout drawing from the per-rank tensor-parallel stream when ``per_rank`` (tensor-parallel
-    regions, sequence shards) and from the default stream (replicated activations) otherwise."""
-    if not training or p == 0.0:
-        return x
-    if per_rank and parallel_state.get().tp_size > 1:
-        with tp.get_rng_tracker().fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
-
-
-def make_norm(cfg: ModelConfig, sequence_parallel: bool = False, size: int | None = None) -> nn.Module:
-    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only: ``x rsqrt(mean(x^2) + eps) w``,
-    ``torch.nn.RMSNorm``: computed in fp32 for bf16/fp16 inputs too and rounded once at the end, where
-    Hugging Face's LlamaRMSNorm rounds before multiplying by the weight; the same in fp32) over the
-    hidden size (or ``size``). Replicated over the tensor-parallel group; under sequence parallelism it sees a
-    sequence shard, so its gradients are summed over the group (``mark_sequence_parallel``)."""
-    size = cfg.hidden_size if size is None else size
-    if cfg.normalization == "RMSNorm":
-        norm = nn.RMSNorm(size, eps=cfg.layernorm_epsilon)
-    elif cfg.normalization == "LayerNorm":
-        norm = nn.LayerNorm(size, eps=cfg.layernorm_epsilon)
-    else:
-        raise ValueError(f"unknown normalization {cfg.normalization!r}")
-    return tp.mark_sequence_parallel(norm) if sequence_parallel else norm
 
 
 def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -182,8 +147,6 @@ def make_attention(cfg: ModelConfig, recompute_core: bool, sequence_parallel: bo
     """The one place that chooses a layer's attention: multi-latent (``megatron.model.mla``) or ``SelfAttention``;
     both take ``(x, kv_cache, rotary, plan)``."""
     if cfg.multi_latent_attention:
-        from megatron.model.mla import MultiLatentAttention
-
         return MultiLatentAttention(cfg, recompute_core, sequence_parallel, layer_number)
     return SelfAttention(cfg, recompute_core, sequence_parallel, layer_number)
 
