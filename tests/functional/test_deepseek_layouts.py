@@ -1,6 +1,6 @@
 """A scaled-down DeepSeek-V3 shape reproduces its single-process losses and gradient norms (within 1e-5; fp32,
-dropout off) under tensor parallelism with sequence parallelism, pipelining, expert x tensor parallelism and ZeRO-3
-with recompute. The shape: multi-latent attention
+dropout off) under tensor parallelism with sequence parallelism, pipelining, and expert x tensor parallelism (ZeRO
+and recompute treat its parameters and layers as any other's). The shape: multi-latent attention
 (query and key/value LoRA ranks, their RMSNorms, a decoupled rotary part with YaRN's frequencies and
 concentration), one dense first layer, then fine-grained experts with a shared expert of its own width under
 DeepSeek-V3's router (sigmoid with pre-softmax, expert bias, group-limited, scaled probabilities).
@@ -32,7 +32,6 @@ LAYOUTS = parity_layouts({f"deepseek-{name}": (n, [*DEEPSEEK, *flags]) for name,
     "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pp", "2"]),
     "ep2-tp2-sp": (4, ["--tp", "2", "--sequence-parallel", "--dp", "2", "--expert-model-parallel-size", "2"]),
-    "zero3-recompute": (2, ["--sharding", "2", "--sharding-stage", "3", "--use-recompute"]),
 }.items()})
 
 
