@@ -85,3 +85,13 @@ def drop(f, path: str) -> None:
     except OSError:
         pass
     f.close()
+
+
+def make_writable_folder(folder: str, tag: str = "") -> None:
+    """Create ``folder`` (and its parents) and prove it writable by creating and removing a probe file named with
+    ``tag`` and the pid; ``OSError`` when it cannot be made or written (read-only, full, not a folder)."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, f".write_test.{tag}{os.getpid()}")
+    with open(probe, "w"):
+        pass
+    os.remove(probe)

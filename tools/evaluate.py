@@ -44,6 +44,7 @@ from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.evaluation import harness, lambada, perplexity  # noqa: E402
 from megatron.evaluation.loading import configure, load_evaluator  # noqa: E402
 from megatron.evaluation.tasks import read_texts  # noqa: E402
+from megatron.file_lock import make_writable_folder  # noqa: E402
 from megatron.initialize import shutdown  # noqa: E402
 from megatron.tokenizer import TokenizerError  # noqa: E402
 
@@ -129,12 +130,8 @@ def make_output_folders(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", 0))
     for flag, path in _outputs(args):
         folder = os.path.dirname(os.path.abspath(path))
-        probe = os.path.join(folder, f".evaluate-write-test.{rank}.{os.getpid()}")
         try:
-            os.makedirs(folder, exist_ok=True)
-            with open(probe, "w"):
-                pass
-            os.remove(probe)
+            make_writable_folder(folder, f"rank{rank}.")
         except OSError as err:
             raise ValueError(f"{flag} {path} cannot be written ({err.strerror or err}: {err.filename or folder}); "
                              f"give another path.") from None

@@ -46,19 +46,15 @@ import torch
 from megatron.checkpoint.hf_common import ConversionError
 
 _LAYER, _CORE_LAYER = "layers.{}.", "decoder.layers.{}."
+# modules named as Megatron Core names them: QK-norm, multi-latent attention's projections and norms
+_SAME_NAMES = tuple(f"self_attention.{name}" for name in (
+    "q_layernorm", "k_layernorm", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+    "linear_kv_up_proj", "kv_layernorm"))
 # our name after "layers.{i}." -> Megatron Core's after "decoder.layers.{i}." ("{}" a global expert index)
 _IN_LAYER = {
     "input_layernorm": "input_layernorm",
     "self_attention.query_key_value": "self_attention.linear_qkv",
     "self_attention.dense": "self_attention.linear_proj",
-    "self_attention.q_layernorm": "self_attention.q_layernorm",
-    "self_attention.k_layernorm": "self_attention.k_layernorm",
-    "self_attention.linear_q_proj": "self_attention.linear_q_proj",  # multi-latent attention (megatron.model.mla)
-    "self_attention.linear_q_down_proj": "self_attention.linear_q_down_proj",
-    "self_attention.linear_q_up_proj": "self_attention.linear_q_up_proj",
-    "self_attention.linear_kv_down_proj": "self_attention.linear_kv_down_proj",
-    "self_attention.linear_kv_up_proj": "self_attention.linear_kv_up_proj",
-    "self_attention.kv_layernorm": "self_attention.kv_layernorm",
     "post_attention_layernorm": "pre_mlp_layernorm",
     "mlp.dense_h_to_4h": "mlp.linear_fc1",
     "mlp.dense_4h_to_h": "mlp.linear_fc2",
@@ -67,6 +63,7 @@ _IN_LAYER = {
     "mlp.experts.{}.dense_4h_to_h": "mlp.experts.local_experts.{}.linear_fc2",
     "mlp.shared_expert.dense_h_to_4h": "mlp.shared_experts.linear_fc1",
     "mlp.shared_expert.dense_4h_to_h": "mlp.shared_experts.linear_fc2",
+    **{name: name for name in _SAME_NAMES},
 }
 # whole names, outside the layers (the suffix ".weight"/".bias" kept)
 _OUTSIDE = {
@@ -149,14 +146,6 @@ def from_megatron_core_state(state: dict, swiglu: bool) -> dict[str, torch.Tenso
 _LEGACY_LAYER = {"input_norm": "input_layernorm", "input_layernorm": "input_layernorm",
                  "self_attention.query_key_value": "self_attention.linear_qkv",
                  "self_attention.dense": "self_attention.linear_proj",
-    "self_attention.q_layernorm": "self_attention.q_layernorm",
-    "self_attention.k_layernorm": "self_attention.k_layernorm",
-    "self_attention.linear_q_proj": "self_attention.linear_q_proj",  # multi-latent attention (megatron.model.mla)
-    "self_attention.linear_q_down_proj": "self_attention.linear_q_down_proj",
-    "self_attention.linear_q_up_proj": "self_attention.linear_q_up_proj",
-    "self_attention.linear_kv_down_proj": "self_attention.linear_kv_down_proj",
-    "self_attention.linear_kv_up_proj": "self_attention.linear_kv_up_proj",
-    "self_attention.kv_layernorm": "self_attention.kv_layernorm",
                  "post_attention_norm": "pre_mlp_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
                  "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
 _LEGACY_OUTSIDE = {"language_model.embedding.word_embeddings": "embedding.word_embeddings",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.agreement import first_failure
 from megatron.checkpoint import ownership
 from megatron.checkpoint.format import CheckpointError
+from megatron.file_lock import make_writable_folder
 from megatron.metrics import get_logger
 
 T = TypeVar("T")
@@ -151,11 +152,7 @@ def _prepare(output_dir: str) -> str | None:
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         raise CheckpointError(f"the output folder {output_dir} is a file; give --save a folder, or move the file.")
     try:
-        os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, f".write_test.{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        make_writable_folder(output_dir)
     except OSError as err:
         raise CheckpointError(f"the output folder {output_dir} is not writable ({err.strerror or err}); fix its "
                               f"permissions or give --save another folder.") from err
