@@ -28,6 +28,7 @@ from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
 from megatron.memory.check import check_memory
 from megatron.model import build_model
+from megatron.model.mtp import MTPInputs
 from megatron.pretrain import pretrain
 from megatron.tokenizer import Tokenizer, TokenizerError, configured_tokenizer
 
@@ -66,7 +67,7 @@ def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.
 
 def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
     token_losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                         document_ids=batch.get("document_ids"))
+                         document_ids=batch.get("document_ids"), mtp=MTPInputs.from_batch(batch))
     return token_losses, partial(loss_fn, batch["loss_mask"])
 
 

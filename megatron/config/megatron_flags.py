@@ -217,7 +217,7 @@ ABSENT: dict[str, Absent] = {
 _ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
                     "--dsa-": "experimental attention variants",
                     "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
-                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation", "--mtp-": "multi-token prediction",
+                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation",
                     "--fp8-": "FP8 training",
                     "--fp4-": "FP4 training", "--megatron-fsdp-": "Megatron FSDP"}
 
@@ -268,6 +268,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor", "--qk-layernorm",
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
     "--v-head-dim", "--rope-type", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
+    "--mtp-num-layers", "--mtp-loss-scaling-factor",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",

@@ -98,6 +98,12 @@ class ModelConfig:
                              "mscale(f, mscale_all_dim)).")
     mscale_all_dim: float = opt(0.0, "YaRN: mscale_all_dim; the softmax scale is mscale(f, mscale_all_dim)^2 / "
                                      "sqrt(qk_head_dim + qk_pos_emb_head_dim).")
+    mtp_num_layers: int | None = opt(
+        None, "Multi-token prediction (DeepSeek-V3): this many sequential modules after the decoder, the k-th "
+              "predicting each token k + 1 positions further from the previous one's hidden state and the next "
+              "token's embedding (docs/attention.md); their losses join the objective, logged apart. None: off.")
+    mtp_loss_scaling_factor: float = opt(
+        0.1, "Multi-token prediction: the weight of the modules' mean loss in the objective.")
     num_experts: int | None = opt(
         None, "Mixture of experts: experts per MoE layer (Megatron-LM's --num-experts); None: every layer's MLP is "
               "dense (docs/moe.md).")

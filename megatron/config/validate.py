@@ -16,7 +16,7 @@ from megatron.config.cli import fail as _fail
 from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
-from megatron.config.validate_attention import check_attention
+from megatron.config.validate_attention import check_attention, check_mtp
 from megatron.config.validate_context import check_context_parallel
 from megatron.config.validate_moe import check_moe
 from megatron.config.validate_schedule import (
@@ -402,6 +402,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     _check_distributed(config, world_size)
     check_moe(config)
     check_attention(config)
+    check_mtp(config)
     check_training_length(config)
     resolve_batch_schedule(config)
     _check_batch(config)

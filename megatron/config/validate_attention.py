@@ -1,4 +1,5 @@
-"""Multi-latent attention's and YaRN's settings (``megatron.model.mla``, ``megatron.model.rotary.Yarn``)."""
+"""DeepSeek-V3's model settings: multi-latent attention and YaRN (``megatron.model.mla``, ``megatron.model.rotary.Yarn``),
+multi-token prediction (``megatron.model.mtp``)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,15 @@ def check_attention(config: Config) -> None:
     if m.num_attention_heads % d.mp_degree:
         _fail(f"num_attention_heads ({m.num_attention_heads}) must be divisible by the tensor-parallel size "
               f"mp_degree ({d.mp_degree}): each rank holds whole heads.")
-    if d.context_parallel_size > 1:
-        _fail("multi-latent attention under context parallelism is not built yet: use --context-parallel-size 1 "
-              "(tensor, sequence, pipeline, data and expert parallelism and ZeRO work).")
-    if config.dataset.reset_attention_mask:
-        _fail("multi-latent attention within packed documents (--reset-attention-mask) is not built yet: drop "
-              "--reset-attention-mask.")
+
+
+def check_mtp(config: Config) -> None:
+    m = config.model
+    if not math.isfinite(m.mtp_loss_scaling_factor) or m.mtp_loss_scaling_factor < 0:
+        _fail(f"mtp_loss_scaling_factor must be a finite non-negative number, got {m.mtp_loss_scaling_factor}.")
+    if m.mtp_num_layers is None:
+        return
+    seq = config.dataset.max_seq_len
+    if not 1 <= m.mtp_num_layers < seq:
+        _fail(f"mtp_num_layers must be at least 1 and below the sequence length ({seq}), got {m.mtp_num_layers} "
+              f"(unset it to turn multi-token prediction off).")

@@ -47,8 +47,10 @@ def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether global layer ``layer`` is a MoE layer of the (validated) model."""
-    return bool(cfg.num_experts) and moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)[layer]
+    """Whether global layer ``layer`` is a MoE layer of the (validated) model. The layers after the decoder's
+    (a multi-token prediction module's, ``megatron.model.mtp``) are as its last layer, as Megatron-LM builds them."""
+    pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else None
+    return bool(pattern) and pattern[min(layer, cfg.num_layers - 1)]
 
 
 def check_moe(config: Config) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-SPLIT_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # per-token fields cut with their tokens
+WHOLE_KEYS = ("document_ids",)  # [b, s] fields every rank keeps whole; the others ([b, s, ...]) are cut with the tokens
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -38,12 +38,12 @@ def local_positions(seq_len: int, cp_rank: int, cp_size: int, device: torch.devi
 
 
 def split_batch(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
-    """This rank's share of a batch of [b, s] fields: the per-token fields (``SPLIT_KEYS``) cut to its two
-    chunks; the others (``document_ids``) whole."""
+    """This rank's share of a batch of [b, s, ...] fields: the per-token fields (tokens, labels, loss mask, position
+    ids, multi-token prediction's shifted ones) cut to its two chunks along dim 1; ``WHOLE_KEYS`` whole."""
     if cp_size == 1:
         return batch
     index = local_positions(batch["tokens"].shape[1], cp_rank, cp_size, batch["tokens"].device)
-    return {k: v.index_select(1, index).contiguous() if k in SPLIT_KEYS else v for k, v in batch.items()}
+    return {k: v.index_select(1, index).contiguous() if k not in WHOLE_KEYS else v for k, v in batch.items()}
 
 
 def merge_chunks(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

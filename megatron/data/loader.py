@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from megatron.context_parallel.layout import split_batch
+from megatron.data.future_tokens import future_fields
 from megatron.data.packing import document_ids, reset_positions
 from megatron.data.worker_signals import blocked, ignore_in_worker
 
@@ -58,13 +59,14 @@ class GlobalBatchSampler:
 
 def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool = True,
                 reset_position_ids: bool = False, reset_attention_mask: bool = False, cp_rank: int = 0,
-                cp_size: int = 1) -> dict[str, torch.Tensor]:
+                cp_size: int = 1, mtp_depth: int = 0) -> dict[str, torch.Tensor]:
     """Samples of ``seq_len + 1`` tokens -> tokens, labels, loss_mask, position_ids, all [b, s] (Megatron-LM's
     ``get_batch``): the loss masked where the input token is end-of-document (``eod_mask_loss``); positions
     restarting at each document (``reset_position_ids``) and ``document_ids`` [b, s] for attention within
     documents (``reset_attention_mask``), both from ``megatron.data.packing``. Under context parallelism
     (``cp_size`` > 1) the per-token fields are this rank's two chunks (``context_parallel.split_batch``);
-    ``document_ids`` stays whole."""
+    ``document_ids`` stays whole. ``mtp_depth`` (multi-token prediction): the fields shifted by 1..depth positions,
+    [b, s, depth] each (``future_tokens.future_fields``), computed before the split."""
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
@@ -77,6 +79,8 @@ def build_batch(samples: Sequence[np.ndarray], eod_id: int, eod_mask_loss: bool 
     batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if reset_attention_mask:
         batch["document_ids"] = document_ids(tokens, eod_id)
+    if mtp_depth:
+        batch.update(future_fields(batch, mtp_depth, batch.get("document_ids")))
     return split_batch(batch, cp_rank, cp_size)
 
 

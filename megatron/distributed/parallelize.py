@@ -37,7 +37,7 @@ from megatron.distributed.buffer_layout import lay_out, layer_buckets, split_int
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.fully_sharded import FullyShardedParameters
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
-from megatron.model.gpt import TIED_EMBEDDING
+from megatron.model.gpt import shared_embedding_names
 from megatron.parallel_state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
@@ -116,7 +116,7 @@ def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
         overlap=bool(d.overlap_grad_reduce),
         every_micro_batch=stage == 3 and not pipelined,
         keep_gathered=stage == 3 and pipelined,
-        own_bucket=(TIED_EMBEDDING,) if stage >= 2 and pipelined else (),
+        own_bucket=shared_embedding_names(config.model) if stage >= 2 and pipelined else (),
         bucket_size=int(d.bucket_size_mb * 2**20 / 4),
         first_replica=ps.writes_shard,
         # experts: the edp group even of one rank when sharded (a reduce-scatter over one rank fills the shard)

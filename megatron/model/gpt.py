@@ -20,6 +20,7 @@ from megatron import tensor_parallel as tp
 from megatron.config.schema import Config, ModelConfig
 from megatron.context_parallel import AttentionPlan
 from megatron.model.init import defer_initialization, init_parameters
+from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import (
     Rotary,
@@ -105,8 +106,13 @@ class GPTModel(nn.Module):
                                           cfg.rotary_interleaved)
         else:
             self.rotary = None
+        mtp = post_process and bool(cfg.mtp_num_layers)  # multi-token prediction: on the last stage, embedding too
         if pre_process:
             self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
+        elif mtp:  # a later stage holding the MTP modules: its own copy of the whole embedding
+            self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
+            for param in self.embedding.parameters():
+                param.tied_copy = True  # counted once (on the first stage) in the grad norm and checkpoints
         elif post_process and not self.untied:  # a later stage holding the tied head: its own copy of the weight
             self.embedding = TiedHeadWeight(padded_vocab_size, cfg.hidden_size)
         # Keyed by global layer index, so parameter names are those of the whole model on every stage.
@@ -117,9 +123,12 @@ class GPTModel(nn.Module):
             self.final_layernorm = make_norm(cfg, sequence_parallel)
             if self.untied:  # only its weight is used, by parallel_logits: [V_padded / tp, h] on this rank
                 self.output_layer = tp.ColumnParallelLinear(cfg.hidden_size, padded_vocab_size, bias=False)
-        if not self.untied and (pre_process or post_process):
+        if (not self.untied or cfg.mtp_num_layers) and (pre_process or post_process):
             # the two copies (first and last pipeline stage) have their gradients summed: finalize_grads
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            shared = self.embedding.parameters() if cfg.mtp_num_layers else [self.embedding.word_embeddings.weight]
+            for param in shared:
+                param.shared_embedding = True
+        self.mtp = MultiTokenPrediction(cfg, recompute, sequence_parallel) if mtp else None
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
@@ -127,15 +136,22 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                mtp: MTPInputs | None = None) -> torch.Tensor:
         """``document_ids`` [b, s] (packed documents, the whole sequence even under context parallelism):
-        attention stays inside each document; None: each sample is one document."""
-        x = self.hidden_states(tokens, position_ids, document_ids=document_ids)
+        attention stays inside each document; None: each sample is one document. ``mtp``: the tokens further on
+        for multi-token prediction (``megatron.model.mtp``), whose losses join the backward of the returned ones
+        in training."""
+        x, rotary, plan = self._decode(tokens, position_ids, None, document_ids)
         if not self.post_process:
             return x  # [s, b, h] for the next stage
+        gathered = tp.gather_from_sequence_region(x) if self.sequence_parallel else x
         if labels is None:
-            return tp.gather_from_tp_region(self.parallel_logits(x)).transpose(0, 1)
-        return self.loss(x, labels)
+            return tp.gather_from_tp_region(self.parallel_logits(gathered)).transpose(0, 1)
+        losses = self.loss(gathered, labels)
+        if self.mtp is not None and mtp is not None and self.training:
+            losses = self.mtp(self, x, mtp, losses, rotary, plan)
+        return losses
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token losses [b, s] (fp32) of the final hidden states x [s, b, h] against labels [b, s]:
@@ -149,6 +165,14 @@ class GPTModel(nn.Module):
         [b, s] (default 0..s-1) place each token for the position embedding or the rotary one (every
         stage receives them). ``kv_cache`` (inference): see ``SelfAttention.forward``. Under context
         parallelism ``tokens`` and ``position_ids`` are this rank's chunks (``megatron.context_parallel``)."""
+        x, _, _ = self._decode(tokens, position_ids, kv_cache, document_ids)
+        if self.post_process and self.sequence_parallel:
+            return tp.gather_from_sequence_region(x)
+        return x
+
+    def _decode(self, tokens: torch.Tensor, position_ids: torch.Tensor | None, kv_cache,
+                document_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rotary, AttentionPlan | None]:
+        """(``hidden_states`` before the sequence-parallel gather, the rotary (cos, sin), the attention plan)."""
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
@@ -161,10 +185,9 @@ class GPTModel(nn.Module):
                 continue
             for layer in layers:
                 x = layer(x, kv_cache, rotary, plan)
-        if not self.post_process:
-            return x
-        x = self.final_layernorm(x)
-        return tp.gather_from_sequence_region(x) if self.sequence_parallel else x
+        if self.post_process:
+            x = self.final_layernorm(x)
+        return x, rotary, plan
 
     def attention_plan(self, document_ids: torch.Tensor | None) -> AttentionPlan | None:
         """What this micro-batch's attention respects beyond causality (one plan for every layer): the
@@ -188,6 +211,14 @@ class GPTModel(nn.Module):
 
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it
+
+
+def shared_embedding_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The parameters the first and last pipeline stages both hold, their gradients summed (``shared_embedding``):
+    the tied word embedding; the whole embedding with multi-token prediction (the last stage's modules embed)."""
+    if cfg.mtp_num_layers and cfg.position_embedding_type == "learned_absolute":
+        return TIED_EMBEDDING, "embedding.position_embeddings.weight"
+    return (TIED_EMBEDDING,)
 
 
 class TiedHeadWeight(nn.Module):
@@ -360,13 +391,14 @@ def _keep_eager(module: nn.Module, tp_size: int) -> None:
     importing the model does not import dynamo): tensor-parallel linears under tp (their collectives), a MoE
     layer (data-dependent token counts), and the context-parallel / packed-document attention (its exchanges and
     per-document calls)."""
+    from megatron.model.mla import MultiLatentAttention
     from megatron.moe.layer import MoELayer
 
     if tp_size > 1 and isinstance(module, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
         module.forward = torch.compiler.disable(module.forward)
     elif isinstance(module, MoELayer):
         module.forward = torch.compiler.disable(module.forward)
-    elif isinstance(module, SelfAttention):
+    elif isinstance(module, (SelfAttention, MultiLatentAttention)):
         module.planned_attention = torch.compiler.disable(module.planned_attention)
 
 

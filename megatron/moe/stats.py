@@ -34,6 +34,11 @@ def _model_config(model: nn.Module):
     return next((m.cfg for m in model.modules() if hasattr(m, "cfg") and hasattr(m.cfg, "num_experts")), None)
 
 
+def _num_layers(cfg) -> int:
+    """Layers with a global index: the decoder's, then the multi-token prediction modules' (``megatron.model.mtp``)."""
+    return cfg.num_layers + (cfg.mtp_num_layers or 0)
+
+
 def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -56,7 +61,7 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
     if cfg is None or not cfg.num_experts:
         return None
     layers = moe_layers(model)
-    records = torch.zeros(cfg.num_layers, cfg.num_experts + 2, dtype=torch.float64)  # tokens..., loss sum, count
+    records = torch.zeros(_num_layers(cfg), cfg.num_experts + 2, dtype=torch.float64)  # tokens..., loss sum, count
     for layer in layers:
         records[layer.layer_number, :-2] = layer.tokens_per_expert
         records[layer.layer_number, -2:] = torch.tensor([layer.balance_sum, layer.micro_batches])
@@ -90,7 +95,7 @@ def expert_biases(model: nn.Module, pp_group=None) -> dict[str, list[float]] | N
     cfg = _model_config(model)
     if cfg is None or not cfg.num_experts or not cfg.moe_router_enable_expert_bias:
         return None
-    values = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.float64)  # the bias, whether present
+    values = torch.zeros(_num_layers(cfg), cfg.num_experts + 1, dtype=torch.float64)  # the bias, whether present
     for layer in moe_layers(model):
         values[layer.layer_number, :-1] = layer.router.expert_bias.double().cpu()
         values[layer.layer_number, -1] = 1.0
@@ -98,7 +103,7 @@ def expert_biases(model: nn.Module, pp_group=None) -> dict[str, list[float]] | N
         values = values.to(next(model.parameters()).device)
         dist.all_reduce(values, group=pp_group)
         values = values.cpu()
-    return {str(i): values[i, :-1].tolist() for i in range(cfg.num_layers) if values[i, -1] > 0}
+    return {str(i): values[i, :-1].tolist() for i in range(_num_layers(cfg)) if values[i, -1] > 0}
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ class StepResult:
     applied: bool  # False when skipped for inf/nan gradients
     grad_norm: float | None  # before clipping; None when skipped
     moe: dict | None = None  # a MoE model's load_balancing_loss and expert_load_max (megatron.moe.stats)
+    mtp: dict | None = None  # multi-token prediction's mtp_loss, one per depth (megatron.model.mtp)
 
 
 def _supports_fused(device: torch.device) -> bool:

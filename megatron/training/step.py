@@ -22,6 +22,7 @@ from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.model import mtp
 from megatron.optimizer import MixedPrecisionOptimizer, StepResult, build_optimizer
 from megatron.pipeline_parallel.schedules import (
     ForwardStep,
@@ -69,7 +70,8 @@ def data_loader(config: Config, ps: parallel_state.ParallelState, dataset, consu
     return build_loader(dataset, consumed, batches or config.batch_size.global_batch_size, dataset.eod_id,
                         d.eod_mask_loss, ps.data_parallel_rank, ps.data_parallel_size,
                         num_workers=num_workers, stop_signals=SIGNALS, reset_position_ids=d.reset_position_ids,
-                        reset_attention_mask=d.reset_attention_mask, cp_rank=ps.cp_rank, cp_size=ps.cp_size)
+                        reset_attention_mask=d.reset_attention_mask, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
+                        mtp_depth=config.model.mtp_num_layers or 0)
 
 
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,
@@ -78,8 +80,8 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
                weight_decay: float | None = None) -> tuple[float, StepResult]:
     """One optimizer step over this rank's share of the global batch (any size: it is cut into as many
     micro-batches as it holds); returns (token-mean loss of the global batch, step result). The loss is the
-    language model's; a MoE model's auxiliary losses join only the gradient (``megatron.moe``), and the result
-    carries their log values. ``model``,
+    language model's; a MoE model's auxiliary losses and multi-token prediction's losses join only the gradient
+    (``megatron.moe``, ``megatron.model.mtp``), and the result carries their log values. ``model``,
     ``buffer``: as ``parallelize`` returns them; ``dp_group``: the data-parallel group (None: one replica);
     ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group, over
     which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one)."""
@@ -89,6 +91,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     model.train()
     micro_batches = split_micro_batches(batch, micro_batch_size)
     moe.before_step(model, len(micro_batches), dp_group, optimizer.loss_scale)  # MoE: the aux losses' gradient
+    mtp.before_step(model, batch, dp_group, optimizer.loss_scale)  # multi-token prediction: its losses' gradient
     loss_sum = forward_backward(forward_step, micro_batches, model, num_tokens, optimizer.loss_scale)
     loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
@@ -96,6 +99,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     finalize_model_grads(model, parallel_state.get(), buffer)
     result = optimizer.step(lr, weight_decay)
     result.moe = moe.after_step(model, result.applied, dp_group, pp_group)  # the log's MoE values, expert bias
+    result.mtp = mtp.after_step(model, dp_group, pp_group)  # the log's multi-token prediction losses
     return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
 

@@ -100,6 +100,7 @@ class StepLog:
             "max_memory_gb": dev.peak_memory_bytes(self.device) / 2**30,
             "skipped_steps": self.state.skipped_steps,
             **(result.moe or {}),  # a MoE model's load_balancing_loss, expert_load_max and tokens_per_expert
+            **(result.mtp or {}),  # multi-token prediction's mtp_loss, one per depth
         }
 
     def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float,
@@ -118,6 +119,7 @@ class StepLog:
                  "skipped steps": s.skipped_steps or None,
                  **{key.replace("_", " "): f"{value:.5f}" for key, value in (result.moe or {}).items()
                     if isinstance(value, float)},
+                 **{f"mtp_{k + 1} loss": f"{value:.5f}" for k, value in enumerate((result.mtp or {}).get("mtp_loss", []))},
                  **self._progress()}
         self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, tokens_per_step,
                                       self.world_size, lr, shown))
