@@ -67,6 +67,10 @@ def model_flops_per_token(config: Config) -> float:
     ``topk`` experts each token goes through (each an MLP of ``moe_ffn_hidden_size``) and the shared expert
     (an MLP of ``moe_shared_expert_intermediate_size``); dropped tokens are counted as computed.
 
+    Multi-latent attention (``megatron.model.mla``) counts its projections in place of QKV and the attention out,
+    and ``2*s*a*(qk + dv)`` for the scores and the values (qk = qk_head_dim + qk_pos_emb_head_dim). Multi-token
+    prediction (``megatron.model.mtp``) adds per module a layer, its projection (2*2h*h) and the LM head again.
+
     (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
     not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
     backend. Norms, activations and rotary embeddings are not matmuls and are left out. Recompute is
@@ -74,20 +78,31 @@ def model_flops_per_token(config: Config) -> float:
     """
     m, s, v = config.model, config.dataset.max_seq_len, config.padded_vocab_size
     h, f = m.hidden_size, m.ffn_hidden_size
-    nq = m.num_attention_heads
-    ng = m.num_query_groups if m.group_query_attention else nq
-    hd = m.kv_channels or h // nq
     matmuls = 3 if m.swiglu else 2
-    per_layer = 2 * h * (nq + 2 * ng) * hd + 2 * nq * hd * h + 2 * 2 * s * nq * hd
+    per_layer = _attention_flops(m, s)
     total = 0
-    for layer in range(m.num_layers):
+    for layer in range(m.num_layers + (m.mtp_num_layers or 0)):
         if is_moe_layer(m, layer):  # the active parameters: the router, topk experts, the shared expert
             shared = m.moe_shared_expert_intermediate_size or 0
             expert = m.moe_ffn_hidden_size or f
             total += per_layer + 2 * h * m.num_experts + matmuls * 2 * h * (m.moe_router_topk * expert + shared)
         else:
             total += per_layer + matmuls * 2 * h * f
-    return 3.0 * (total + 2 * h * v)
+    mtp = (m.mtp_num_layers or 0) * (2 * 2 * h * h + 2 * h * v)  # each module's projection and its pass of the head
+    return 3.0 * (total + 2 * h * v + mtp)
+
+
+def _attention_flops(m, s: int) -> int:
+    """One layer's attention matmuls per token (``model_flops_per_token``)."""
+    h, nq = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        qk, dv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+        query = 2 * h * nq * qk if m.q_lora_rank is None else 2 * m.q_lora_rank * (h + nq * qk)
+        latent = 2 * h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + 2 * m.kv_lora_rank * nq * (m.qk_head_dim + dv)
+        return query + latent + 2 * nq * dv * h + 2 * s * nq * (qk + dv)
+    ng = m.num_query_groups if m.group_query_attention else nq
+    hd = m.kv_channels or h // nq
+    return 2 * h * (nq + 2 * ng) * hd + 2 * nq * hd * h + 2 * 2 * s * nq * hd
 
 
 def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost: float, batch_cost: float,

@@ -4,7 +4,8 @@ Every parameter is drawn at its full (global) shape from a generator seeded by
 ``(seed, global parameter name)``, so the same name always holds the same values whatever
 the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatron-LM):
 
-- Norms (LayerNorm, RMSNorm; every name ends in ``layernorm.weight``/``.bias``): weight 1, bias 0;
+- Norms (LayerNorm, RMSNorm; every name ends in ``layernorm.weight``/``.bias``, or is multi-token prediction's
+  ``enorm`` / ``hnorm``): weight 1, bias 0;
   every other bias 0.
 - Embeddings and linear weights (the untied ``output_layer`` included): N(0, initializer_range).
 - Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``, each expert's and the
@@ -28,6 +29,7 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 
+_NORMS = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")  # multi-token prediction's norms: enorm, hnorm
 _SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight")  # the MLP, experts, shared expert
 _VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
 
@@ -40,7 +42,7 @@ def name_seed(seed: int, name: str) -> int:
 
 def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The fp32 initial value of the parameter called ``name`` at its full ``shape``."""
-    if name.endswith("layernorm.weight"):
+    if name.endswith(_NORMS):
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)

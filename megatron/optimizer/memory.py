@@ -175,6 +175,13 @@ def parameter_split(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
     if pp_rank == pp - 1:
         untied = m.untie_embeddings_and_output_weights
         total += norm + (vocab // tp * h if untied or pp > 1 else 0)  # final norm, the head's own weight
+        if m.mtp_num_layers:  # multi-token prediction: its modules, and a copy of the whole embedding off stage 0
+            for k in range(m.mtp_num_layers):
+                dense, expert = layer_split(config, tp, m.num_layers + k, ep, etp)
+                total, experts = total + dense + 3 * norm + 2 * h * h // tp, experts + expert
+            if pp > 1:
+                total += (vocab // tp * h if untied else 0) + (
+                    m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
     return total, experts
 
 
@@ -203,8 +210,11 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
         return (fc1 * h + bias * fc1 + width * h) // split + bias * h
 
     qkv = (nq + 2 * ng) * hd
-    attention = (qkv * h + bias * qkv + nq * hd * h) // tp + bias * h
-    norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
+    per_norm = 2 if m.normalization == "LayerNorm" else 1  # weight (and bias) per channel
+    attention = (qkv * h + bias * qkv + nq * hd * h) // tp + bias * h + (2 * per_norm * hd if m.qk_layernorm else 0)
+    if m.multi_latent_attention:
+        attention = _mla_parameters(m, tp, per_norm)
+    norms = 2 * per_norm * h
     if not is_moe_layer(m, layer):
         return attention + mlp(f, tp) + norms, 0
     grid = expert_grid(config)
@@ -212,6 +222,20 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     shared = m.moe_shared_expert_intermediate_size
     dense = attention + m.num_experts * h + (mlp(shared, tp) if shared else 0) + norms
     return dense, m.num_experts // ep * mlp(m.moe_ffn_hidden_size or f, etp)
+
+
+def _mla_parameters(m, tp: int, per_norm: int) -> int:
+    """Multi-latent attention's parameters on a rank (``megatron.model.mla``): the down-projections and latent norms
+    replicated, the up-projections split by rows and the output projection by columns over tp."""
+    a, h = m.num_attention_heads, m.hidden_size
+    q_width, norms = a * (m.qk_head_dim + m.qk_pos_emb_head_dim), per_norm if m.qk_layernorm else 0
+    if m.q_lora_rank is None:
+        query = q_width * h // tp
+    else:
+        query = m.q_lora_rank * h + norms * m.q_lora_rank + q_width * m.q_lora_rank // tp
+    keys_values = ((m.kv_lora_rank + m.qk_pos_emb_head_dim) * h + norms * m.kv_lora_rank
+                   + a * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank // tp)
+    return query + keys_values + a * m.v_head_dim * h // tp + (0 if m.disable_bias_linear else h)
 
 
 def measured_model_state_bytes(optimizer) -> ModelStateBytes:

@@ -380,6 +380,12 @@ FLOPS_CASES = {
     "llama": (*LLAMA,),
     "gqa-kv-channels-bias": ("--group-query-attention", "--num-query-groups", "1", "--kv-channels", "8"),
 }
+# DeepSeek-V3's kind: multi-latent attention (with and without the query's LoRA), a multi-token prediction module
+MLA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--multi-latent-attention", "--kv-lora-rank", "12", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6", "--qk-layernorm", "--mtp-num-layers", "1")
+MLA_CASES = {"mla-q-lora-mtp-untied": (*MLA, "--q-lora-rank", "20", "--untie-embeddings-and-output-weights"),
+             "mla-mtp-tied": MLA}
 
 
 @pytest.mark.parametrize("case", list(FLOPS_CASES))
@@ -394,11 +400,31 @@ def test_flops_formula_matches_flop_counter(case):
     assert expected == pytest.approx(counter.get_total_flops(), rel=1e-9)
 
 
-@pytest.mark.parametrize("case", ["gpt2", "llama", "tied-pp"])
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_flops_formula_matches_flop_counter_with_multi_latent_attention_and_mtp(case):
+    from megatron.data.loader import build_batch
+    from megatron.model.mtp import MTPInputs
+
+    config = make_config(*TINY, *NO_DROPOUT, *MLA_CASES[case])
+    model = build_model(config)
+    samples = random_tokens(config, 3, seed=1)[:, :config.dataset.max_seq_len].numpy()
+    batch = build_batch([list(row) + [0] for row in samples], eod_id=-1, mtp_depth=1)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+              mtp=MTPInputs.from_batch(batch)).sum().backward()
+    expected = model_flops_per_token(config) * 3 * config.dataset.max_seq_len
+    assert expected == pytest.approx(counter.get_total_flops(), rel=1e-9)
+
+
+PARAMETER_CASES = {"gpt2": (), "llama": LLAMA, "tied-pp": ("--swiglu",), "qk-norm": (*LLAMA, "--qk-layernorm"),
+                   "gpt2-mtp": ("--mtp-num-layers", "2"), **MLA_CASES}
+
+
+@pytest.mark.parametrize("case", list(PARAMETER_CASES))
 def test_parameters_per_rank_counts_the_built_stages(case):
-    flags = {"gpt2": (), "llama": LLAMA, "tied-pp": ("--swiglu",)}[case]
-    config = make_config(*TINY, *flags, "--num-layers", "3", "--kv-channels", "8",
-                         positions="none" if case == "tied-pp" else None)
+    flags = PARAMETER_CASES[case]
+    heads = () if "mla" in case else ("--kv-channels", "8")
+    config = make_config(*TINY, *flags, "--num-layers", "3", *heads, positions="none" if case == "tied-pp" else None)
     m, vp = config.model, config.padded_vocab_size
     assert parameters_per_rank(config) == num_parameters(GPTModel(m, vp))
     bounds = segment(3, 2, config.distributed.pipeline_partition)
