@@ -34,7 +34,6 @@ from megatron.data.future_tokens import MTP_KEYS
 from megatron.model.blocks import make_norm
 
 
-
 @dataclass
 class MTPInputs:
     """Per depth k (the last dim, k - 1), at each position i: the token, label, loss mask and position id

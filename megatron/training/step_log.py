@@ -110,6 +110,7 @@ class StepLog:
         s, tokens_per_step = self.state, samples_per_step * self.config.dataset.max_seq_len
         epoch, batch_in_epoch = self._epoch_and_batch(global_batch)
         extras = self._extras(result, batch_cost, tokens_per_step)
+        mtp_losses = (result.mtp or {}).get("mtp_loss", ())  # multi-token prediction: one per depth
         shown = {"global batch size": global_batch if self.batches.varies else None,
                  "loss scale": extras["loss_scale"],
                  "grad norm": None if result.grad_norm is None else f"{result.grad_norm:.5f}",
@@ -119,7 +120,7 @@ class StepLog:
                  "skipped steps": s.skipped_steps or None,
                  **{key.replace("_", " "): f"{value:.5f}" for key, value in (result.moe or {}).items()
                     if isinstance(value, float)},
-                 **{f"mtp_{k + 1} loss": f"{value:.5f}" for k, value in enumerate((result.mtp or {}).get("mtp_loss", []))},
+                 **{f"mtp_{k} loss": f"{value:.5f}" for k, value in enumerate(mtp_losses, start=1)},
                  **self._progress()}
         self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, tokens_per_step,
                                       self.world_size, lr, shown))
