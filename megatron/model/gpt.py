@@ -377,7 +377,8 @@ def compile_model(chunks: list[GPTModel], device_type: str = "cpu", attention_ea
         return
     tp_size = parallel_state.get().tp_size
     for chunk in chunks:
-        for layer in chunk.layers.values():
+        mtp_layers = [module.transformer_layer for module in chunk.mtp.layers] if chunk.mtp is not None else []
+        for layer in [*chunk.layers.values(), *mtp_layers]:
             for module in layer.modules():
                 _keep_eager(module, tp_size)
             for owner, name, kv in _compiled_parts(layer, attention_eager):

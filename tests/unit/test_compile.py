@@ -1,4 +1,4 @@
-"""``--compile`` against eager: a few fp32 training steps (GPT-2 and Llama shapes, recompute full and
+"""``--compile`` against eager: a few fp32 training steps (GPT-2, Llama and DeepSeek-V3 shapes, recompute full and
 selective), generation with the KV cache, the fallback to eager where torch.compile fails (tp2 under
 torchrun: tests/functional/test_tensor_parallel.py). Compiling costs seconds per graph on 2 cores (inductor
 compiles its kernels with the C++ compiler; a second compilation of the same graph is a cache hit): 2
@@ -35,6 +35,10 @@ LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear")
 RECOMPUTE = ("--use-recompute", "--recompute-granularity")
 MOE = ("--num-experts", "4", "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01")
+DEEPSEEK = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+            "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-head-dim", "8",
+            "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm", "--rotary-scaling-factor", "4",
+            "--mtp-num-layers", "1")
 
 
 def make_config(*argv: str) -> Config:
@@ -53,7 +57,8 @@ def train(*argv: str, steps: int = 3) -> tuple[list[float], list[torch.Tensor], 
     data = MockGPTDataset(4 * steps, SEQ, VOCAB, seed=1)
     losses, grads = [], []
     for step in range(steps):
-        batch = build_batch([data[4 * step + j] for j in range(4)], data.eod_id)
+        batch = build_batch([data[4 * step + j] for j in range(4)], data.eod_id,
+                            mtp_depth=config.model.mtp_num_layers or 0)
         loss, result = train_step(pretrain_gpt.forward_step, batch, model, buffer, optimizer, 3e-3, 2)
         assert result.applied
         losses.append(loss)
@@ -93,7 +98,9 @@ def compiled_parts(model: torch.nn.Module) -> list[_Compiled]:
     ((*LLAMA, *RECOMPUTE, "only_attn"), 7),  # per layer _attention_block, the second norm, the MLP
     ((*LLAMA, *RECOMPUTE, "core_attn"), 7),  # per layer the two norms and the MLP
     ((*MOE, *RECOMPUTE, "full"), 3),  # the MoE layer runs eager inside the compiled _layer (a graph break)
-], ids=["gpt2", "gpt2-recompute-full", "llama-recompute-only-attn", "llama-recompute-core-attn", "moe-recompute-full"])
+    (DEEPSEEK, 4),  # multi-latent attention; the multi-token prediction module's layer compiled as the others
+], ids=["gpt2", "gpt2-recompute-full", "llama-recompute-only-attn", "llama-recompute-core-attn", "moe-recompute-full",
+        "mla-mtp"])
 def test_compiled_training_matches_eager_in_fp32(argv, parts, log_lines):
     eager_losses, eager_grads, _ = train(*argv)
     losses, grads, model = train(*argv, "--compile")
