@@ -3,12 +3,15 @@
 ``AttentionPlan`` (built once per micro-batch by the model, shared by its layers) says what attention
 must respect beyond the lower triangle: the context-parallel group this rank's tokens are split over
 (``layout.py``'s chunks) and the documents of packed samples (``document_ids``, [b, s] over the whole
-sequence). ``attend(q, k, v, plan)`` dispatches on the communication type:
+sequence). ``attend(q, k, v, plan, dropout_p, scale)`` dispatches on the communication type; ``scale`` is the
+softmax's (``q k^T x scale``; None: ``1 / sqrt(q's width)``, multi-latent attention passes its own), and the
+values may have another width than the queries and keys (multi-latent attention's ``dv`` against ``dn + dr``):
 
-- ``p2p`` (ring attention, ``RingAttention``): the keys and values go round the cp ring by send/recv; at
-  step t rank r holds those of rank r - t and merges its block result by log-sum-exp rescaling; the next
-  transfer runs while the current block computes. The backward sends the keys and values round again,
-  with the accumulating dK/dV, which arrive at their owner after the last step.
+- ``p2p`` (ring attention, ``RingAttention``): the keys and values (packed in one flat buffer whatever their
+  widths and head counts, ``_KeysValues``) go round the cp ring by send/recv; at step t rank r holds those of
+  rank r - t and merges its block result by log-sum-exp rescaling; the next transfer runs while the current
+  block computes. The backward sends the keys and values round again, with the accumulating dK/dV, which
+  arrive at their owner after the last step.
 - ``all_gather``: every rank's keys and values gathered for the local queries (gathered again in the
   backward rather than kept); their gradients reduce-scattered.
 - ``a2a`` (Ulysses): an all-to-all turns [local tokens, all heads] into [all tokens, heads / cp]; attention
@@ -96,25 +99,26 @@ class AttentionPlan:
         return self._cache[key]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan,
-           dropout_p: float = 0.0) -> torch.Tensor:
-    """q [b, nq, L, hd], k and v [b, ng, L, hd] (this rank's heads and local tokens) -> [b, nq, L, hd]."""
-    scale = q.shape[-1] ** -0.5
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float = 0.0,
+           scale: float | None = None) -> torch.Tensor:
+    """q [b, nq, L, dk], k [b, ng, L, dk], v [b, ng, L, dv] (this rank's heads and local tokens) -> [b, nq, L, dv];
+    ``softmax(q k^T x scale)``, ``scale`` None: ``1 / sqrt(dk)``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if plan.cp_size == 1:
-        return _whole_sequences(q, k, v, plan, dropout_p)
+        return _whole_sequences(q, k, v, plan, dropout_p, scale)
     if plan.comm_type == "a2a":
-        return _ulysses(q, k, v, plan, dropout_p)
+        return _ulysses(q, k, v, plan, dropout_p, scale)
     if plan.comm_type == "all_gather":
         return GatheredAttention.apply(q, k, v, plan, scale)
     return RingAttention.apply(q, k, v, plan, scale)
 
 
-def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
+def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float) -> torch.Tensor:
     """Causal attention over whole sequences, each packed document on its own (one fused call per document
     of each sample; a sample of one document is one call)."""
     extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if plan.document_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **extra)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
     samples = []
     for i, ends in enumerate(plan.document_ends()):
         pieces, start = [], 0
@@ -122,7 +126,7 @@ def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Te
             piece = slice(start, end)
             pieces.append(F.scaled_dot_product_attention(q[i:i + 1, :, piece], k[i:i + 1, :, piece],
                                                          v[i:i + 1, :, piece], dropout_p=dropout_p, is_causal=True,
-                                                         **extra))
+                                                         scale=scale, **extra))
             start = end
         samples.append(torch.cat(pieces, 2) if len(pieces) > 1 else pieces[0])
     return torch.cat(samples, 0)
@@ -131,6 +135,22 @@ def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Te
 def _boundaries(ids: list[int]) -> list[int]:
     """The end of every run of equal ids."""
     return [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
+
+
+class _KeysValues:
+    """Keys and values of any shapes in one flat buffer (one transfer or collective moves both): ``pack`` copies
+    them in, ``unpack`` gives contiguous views of a buffer of the same layout (a received one, a gradient
+    accumulator)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.shapes, self.split = (k.shape, v.shape), k.numel()
+
+    @staticmethod
+    def pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+    def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return flat[:self.split].view(self.shapes[0]), flat[self.split:].view(self.shapes[1])
 
 
 # ------------------------------------------------------------------------------------------------ p2p ring
@@ -164,12 +184,16 @@ def _next_keys(kv: torch.Tensor, t: int, plan: AttentionPlan) -> _Transfer | Non
 
 
 class _RunningResult:
-    """q's attention over the keys seen so far: fp32 (out, lse) merged block by block. The output is allocated
-    in q's memory layout (as the fused kernels allocate theirs): q is a view of the QKV output's [s, b, heads, hd]
-    order, so the layer's permute back to [s, b, heads x hd] for the dense layer is a view, not a copy."""
+    """q's attention over the keys seen so far: fp32 (out, lse) merged block by block. The output ([b, h, L, dv])
+    is allocated in q's memory layout (as the fused kernels allocate theirs): q is a view of the QKV output's
+    [s, b, heads, hd] order, so the layer's permute back to [s, b, heads x hd] for the dense layer is a view, not a
+    copy."""
 
-    def __init__(self, q: torch.Tensor):
-        self.out = torch.zeros_like(q, dtype=torch.float32)
+    def __init__(self, q: torch.Tensor, value_width: int):
+        order = sorted(range(4), key=lambda i: -q.stride(i))  # q's dimensions, outermost first
+        shape = [*q.shape[:3], value_width]
+        self.out = torch.zeros([shape[i] for i in order], dtype=torch.float32, device=q.device).permute(
+            *[order.index(i) for i in range(4)])
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
 
     def add(self, q, k, v, blocks: list[Block], scale: float) -> None:
@@ -191,11 +215,12 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
-        kv = torch.stack([k, v])
-        result = _RunningResult(q)
+        layout = _KeysValues(k, v)
+        kv = layout.pack(k, v)
+        result = _RunningResult(q, v.shape[-1])
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
-            result.add(q, kv[0], kv[1], plan.blocks((r - t) % cp, length), scale)
+            result.add(q, *layout.unpack(kv), plan.blocks((r - t) % cp, length), scale)
             if transfer is not None:
                 kv = transfer.received()
         return result.saved(ctx, q, k, v, plan, scale)
@@ -207,28 +232,30 @@ class RingAttention(torch.autograd.Function):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        layout = _KeysValues(k, v)
+        kv = layout.pack(k, v)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # for the keys held now, from those before
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
             blocks = plan.blocks((r - t) % cp, length)
             if blocks:
-                blocks_backward(dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, dkv[0], dkv[1])
+                blocks_backward(dout, q, *layout.unpack(kv), out, lse, blocks, scale, dq, *layout.unpack(dkv))
             gradients = _Transfer(dkv, plan)  # the held keys' gradients go on with them; the last step's home
             if transfer is not None:
                 kv = transfer.received()
             dkv = gradients.received()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dk, dv = layout.unpack(dkv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 # ------------------------------------------------------------------------------------------------ all_gather
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """[cp, 2, b, g, L, d]: every cp rank's keys and values."""
-    kv = torch.stack([k, v])
+    """[cp, n]: every cp rank's keys and values, packed (``_KeysValues``)."""
+    kv = _KeysValues.pack(k, v)
     gathered = torch.empty(plan.cp_size * kv.numel(), dtype=kv.dtype, device=kv.device)  # flat: as gloo needs
-    _all_gather_flat(gathered, kv.view(-1), group=plan.group)
-    return gathered.view(plan.cp_size, *kv.shape)
+    _all_gather_flat(gathered, kv, group=plan.group)
+    return gathered.view(plan.cp_size, kv.numel())
 
 
 class GatheredAttention(torch.autograd.Function):
@@ -236,26 +263,27 @@ class GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
-        gathered, result = _gather_kv(k, v, plan), _RunningResult(q)
+        gathered, result, layout = _gather_kv(k, v, plan), _RunningResult(q, v.shape[-1]), _KeysValues(k, v)
         for j in range(plan.cp_size):
-            result.add(q, gathered[j, 0], gathered[j, 1], plan.blocks(j, q.shape[2]), scale)
+            result.add(q, *layout.unpack(gathered[j]), plan.blocks(j, q.shape[2]), scale)
         return result.saved(ctx, q, k, v, plan, scale)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale, length = ctx.plan, ctx.scale, q.shape[2]
-        gathered, dout = _gather_kv(k, v, plan), dout.contiguous()
+        gathered, dout, layout = _gather_kv(k, v, plan), dout.contiguous(), _KeysValues(k, v)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
         for j in range(plan.cp_size):
             blocks = plan.blocks(j, length)
             if blocks:
-                blocks_backward(dout, q, gathered[j, 0], gathered[j, 1], out, lse, blocks, scale, dq, dkv[j, 0],
-                                dkv[j, 1])
+                blocks_backward(dout, q, *layout.unpack(gathered[j]), out, lse, blocks, scale, dq,
+                                *layout.unpack(dkv[j]))
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
-        _reduce_scatter_flat(mine.view(-1), dkv.view(-1), group=plan.group)
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+        _reduce_scatter_flat(mine, dkv.view(-1), group=plan.group)
+        dk, dv = layout.unpack(mine)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 # ------------------------------------------------------------------------------------------------ a2a (Ulysses)
@@ -279,7 +307,7 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
+def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float) -> torch.Tensor:
     """Sequence-sharded -> head-sharded, whole-sequence attention, and back."""
     cp = plan.cp_size
 
@@ -287,6 +315,6 @@ def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float) -> torch.Tensor:
         parts = _AllToAll.apply(torch.stack(t.chunk(cp, dim=1)), plan.group)  # [cp, b, n/cp, L, d]
         return merge_chunks(list(parts.unbind(0)), dim=2)
 
-    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), plan, dropout_p)
-    back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, d]
+    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), plan, dropout_p, scale)
+    back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, dv]
     return torch.cat(list(back.unbind(0)), dim=1)

@@ -12,6 +12,12 @@ Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_at
 returns the log-sum-exp); elsewhere the same computation in plain operations in fp32, a tile of query rows
 at a time so that the scores held at once stay under ``MATH_TILE_BYTES`` whatever the block's length
 (``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
+
+Widths: the values may be narrower or wider than the queries and keys (multi-latent attention: ``dn + dr``
+against ``dv``), and the softmax scale is the caller's (``q k^T x scale``). The plain kernel takes any widths;
+the fused CPU kernel wants one width for the three, so the narrower side is padded with zero channels (zero
+value channels give zero output channels; zero query and key channels add nothing to the scores) and the
+padding cut from its results.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 FUSED_ON_CPU = {"enabled": True}
 MATH_TILE_BYTES = {"limit": 256 << 20}  # the fp32 scores (and probabilities) of one tile of query rows
@@ -97,13 +104,21 @@ def _scores(q_rows: torch.Tensor, k: torch.Tensor, rows: slice, causal: bool, sc
     return scores
 
 
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` with zero channels appended up to ``width`` (the fused CPU kernel's one width)."""
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
 def kernel_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32) of one block; k, v may have fewer heads (groups)."""
+    """(out [b, h, sq, dv] in q's dtype, lse [b, h, sq] fp32) of one block; k, v may have fewer heads (groups),
+    v another width than q and k."""
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
     if _fused(q.device):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        width = max(q.shape[-1], v.shape[-1])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _widened(q, width), _widened(k, width), _widened(v, width), 0.0, causal, scale=scale)
+        return out[..., :v.shape[-1]], lse.float()
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for rows in _row_tiles(q, k.shape[2]):
         scores = _scores(q[:, :, rows], k, rows, causal, scale)
@@ -118,8 +133,12 @@ def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     groups = k.shape[1]
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
     if _fused(q.device):
+        dqk, dv_width = q.shape[-1], v.shape[-1]
+        width = max(dqk, dv_width)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            _widened(dout, width), _widened(q, width), _widened(k, width), _widened(v, width), _widened(out, width),
+            lse, 0.0, causal, scale=scale)
+        dq, dk, dv = dq[..., :dqk], dk[..., :dqk], dv[..., :dv_width]
     else:
         kf, vf = k.float(), v.float()
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -135,11 +154,11 @@ def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 
 def blocks_forward(q, k, v, blocks: list[Block], scale: float) -> tuple[slice, torch.Tensor, torch.Tensor]:
-    """(query rows, out fp32, lse fp32) of ``q`` against the keys of ``blocks`` (whose query rows are disjoint):
-    the results over the span of rows the blocks cover (half of them in half of a ring's steps); rows of the span
-    no block covers get out 0 and lse -inf."""
+    """(query rows, out fp32 [b, h, rows, dv], lse fp32) of ``q`` against the keys of ``blocks`` (whose query rows
+    are disjoint): the results over the span of rows the blocks cover (half of them in half of a ring's steps); rows
+    of the span no block covers get out 0 and lse -inf."""
     rows = slice(min(block.q.start for block in blocks), max(block.q.stop for block in blocks))
-    b, h, _, d = q.shape
+    b, h, d = q.shape[0], q.shape[1], v.shape[-1]
     out = torch.zeros(b, h, rows.stop - rows.start, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, rows.stop - rows.start), float("-inf"), dtype=torch.float32, device=q.device)
     for block in blocks:

@@ -104,8 +104,9 @@ class InferenceEngine:
             min(config.model.vocab_size, tokenizer.vocab_size)
         self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, self.vocab_size,
                                 self.tp_group, self.tp_size)
-        attention = next(iter(model.layers.values())).self_attention
-        self.heads, self.head_dim = attention.num_kv_heads, attention.head_dim  # the cache holds key/value heads
+        # what each layer's attention keeps per token in the KV cache: (heads, key width, value width)
+        self.cache_shapes = {layer.self_attention.layer_number: layer.self_attention.cache_shape
+                             for layer in model.layers.values()}
         self.dtype = next(model.parameters()).dtype
 
     # Checking ------------------------------------------------------------------------------------
@@ -163,10 +164,9 @@ class InferenceEngine:
         failure, rows = None, []
         try:
             longest = max(len(r.prompt) for r in requests)
-            layers = [layer.self_attention.layer_number for layer in self.model.layers.values()]
             pad = torch.tensor([longest - len(r.prompt) for r in requests])
-            cache = KVCache(layers, len(requests), longest + max(r.params.max_tokens for r in requests), self.heads,
-                            self.head_dim, pad, self.dtype, self.device)
+            cache = KVCache(self.cache_shapes, len(requests), longest + max(r.params.max_tokens for r in requests),
+                            pad, self.dtype, self.device)
             tokens = torch.tensor([[0] * (longest - len(r.prompt)) + list(r.prompt) for r in requests],
                                   device=self.device)
         except Exception as error:  # out of memory, say: agreed below, before the first forward

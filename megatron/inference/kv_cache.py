@@ -1,10 +1,13 @@
 """The key/value cache of a batch of sequences being generated, and the attention mask that goes
 with it.
 
-One pair of tensors per layer, ``[b, kv_heads/tp, max_len, head_dim]`` (the layout
-``scaled_dot_product_attention`` reads without a copy; ``kv_heads`` is num_query_groups under
-grouped-query attention, whose query heads share them, else the attention heads; keys are stored
-after the rotary embedding), allocated once for the batch and the longest sequence. Slot ``t`` of
+One pair of tensors per layer, keys ``[b, heads, max_len, key_width]`` and values ``[b, heads, max_len,
+value_width]`` (the layout ``scaled_dot_product_attention`` reads without a copy), allocated once for the batch
+and the longest sequence. The shapes are each layer's attention's (its ``cache_shape``): ``SelfAttention``'s
+key/value heads on this tensor-parallel rank (num_query_groups under grouped-query attention, whose query heads
+share them, else the attention heads) of ``head_dim`` both; multi-latent attention's heads with keys of
+``qk_head_dim + qk_pos_emb_head_dim`` and values of ``v_head_dim`` channels. Keys are stored after the rotary
+embedding. Slot ``t`` of
 every row holds the same step of the generation: prompts are **left-padded** to the longest, so
 the prompts end together and every step writes one slot for all rows. Row ``i`` starts at slot
 ``pad[i]``; its position ids count from there, so a padded row sees exactly what it would see alone.
@@ -22,15 +25,18 @@ import torch
 
 class KVCache:
     """The cache of one batch. Usage, per forward of the model: ``begin(s)`` (``s`` new slots),
-    then each layer calls ``store`` (through ``SelfAttention.forward``); ``mask`` and ``causal`` say
+    then each layer calls ``store`` (through its attention's ``forward``); ``mask`` and ``causal`` say
     how the queries attend."""
 
-    def __init__(self, layers: list[int], batch: int, max_len: int, heads: int, head_dim: int, pad: torch.Tensor,
+    def __init__(self, layers: dict[int, tuple[int, int, int]], batch: int, max_len: int, pad: torch.Tensor,
                  dtype: torch.dtype, device: torch.device):
+        """``layers``: per layer number, the (heads, key width, value width) its attention stores
+        (``cache_shape``)."""
         self.max_len, self.length, self.new = max_len, 0, 0
-        shape = (batch, heads, max_len, head_dim)
-        self.keys = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
-        self.values = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        self.keys = {i: torch.empty(batch, heads, max_len, kd, dtype=dtype, device=device)
+                     for i, (heads, kd, _) in layers.items()}
+        self.values = {i: torch.empty(batch, heads, max_len, vd, dtype=dtype, device=device)
+                       for i, (heads, _, vd) in layers.items()}
         self.pad = pad.to(device=device, dtype=torch.long)  # [b] left-padding slots per row
         self.mask: torch.Tensor | None = None
         self.causal = True
@@ -61,8 +67,8 @@ class KVCache:
         self.causal = False
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's keys and values [b, nh, count, hd] of ``layer``; returns every key and
-        value so far [b, nh, length + count, hd] (views of the cache)."""
+        """Write this forward's keys [b, heads, count, key_width] and values [b, heads, count, value_width] of
+        ``layer``; returns every key and value so far [b, heads, length + count, width] (views of the cache)."""
         start, end = self.length, self.length + self.new
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v

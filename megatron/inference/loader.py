@@ -91,9 +91,6 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
     reader, _, config = open_checkpoint(path)
     try:
         m = config.model
-        if m.multi_latent_attention:
-            raise CheckpointError(f"{path} is a multi-latent-attention model, which generation's KV cache does not "
-                                  f"hold yet: tools/generate.py and tools/serve.py cannot run it.")
         if m.num_attention_heads % ps.tp_size or (m.ffn_hidden_size or 4 * m.hidden_size) % ps.tp_size:
             raise CheckpointError(f"--tp {ps.tp_size} must divide num_attention_heads ({m.num_attention_heads}) "
                                   f"and ffn_hidden_size ({m.ffn_hidden_size}).")

@@ -21,9 +21,25 @@ sequence (under sequence parallelism the layer's input is gathered first, its gr
 rank's is the whole one). The ranks' partial gradients meet where the heads begin: the column-parallel
 up-projections all-reduce their input's gradient, and the shared rotary key is copied into the tensor-parallel
 region (``copy_to_tp_region``) for the same sum, so every replicated weight gets the same, whole gradient.
+
+Context parallelism and packed documents: the layer computes its queries, keys and values on this rank's tokens
+(its two chunks of the sequence, their positions' rotary embeddings), then attends through the same
+``AttentionPlan`` / ``attend`` as ``SelfAttention`` (``planned_attention``: eager under ``--compile``): every
+communication type (p2p ring, all_gather, a2a) carries keys of ``dn + dr`` and values of ``dv`` channels, and
+the softmax scale above. The keys sent are the expanded ones (``a`` heads: the shared rotary key repeated), not
+the latent: the same exchange as standard attention. Under sequence parallelism the input is gathered over the
+tensor-parallel ranks first, as without context parallelism: the tokens of this rank's chunks.
+
+KV cache (generation, ``megatron.inference.KVCache``): each layer's cache holds the keys [a, dn + dr] (after
+the rotary embedding) and values [a, dv] of every token so far (``cache_shape``), as ``SelfAttention``'s holds
+its heads: a new token's queries attend to them under the cache's mask. Holding the latent (``kv_lora_rank + dr``
+per token, a fraction of that) would save memory at the cost of up-projecting every cached latent each step (or
+absorbing ``kv_up`` into the queries and the output): not built.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +48,7 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.context_parallel import AttentionPlan, attend
 from megatron.model.blocks import make_norm, maybe_checkpoint
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale
 
@@ -54,8 +71,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MultiLatentAttention(nn.Module):
-    """See the module docstring. Inference's KV cache and context parallelism are not built for it yet (refused
-    at validation)."""
+    """See the module docstring."""
 
     def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
                  layer_number: int = 0):
@@ -91,18 +107,50 @@ class MultiLatentAttention(nn.Module):
         return (f"heads={self.num_heads} (per rank), qk_head_dim={self.dn}, qk_pos_emb_head_dim={self.dr}, "
                 f"v_head_dim={self.dv}, kv_lora_rank={self.kv_lora_rank}, softmax_scale={self.scale:.6g}")
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k [b, a, s, dn + dr], v [b, a, s, dv] -> [b, a, s, dv], causal."""
-        dropout = self.attn_dropout if self.training else 0.0
-        if dropout and parallel_state.get().tp_size > 1:
-            with tp.get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.scale)
+    @property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """(heads on this rank, key width, value width) of what the KV cache holds per token."""
+        return self.num_heads, self.dn + self.dr, self.dv
 
-    def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan=None) -> torch.Tensor:
-        if kv_cache is not None or plan is not None:
-            raise NotImplementedError("multi-latent attention has no KV cache, context parallelism or packed "
-                                      "documents yet")
+    def _dropout(self) -> tuple[float, object]:
+        """The attention dropout now, and the RNG stream it draws from (per tensor-parallel rank: its own heads)."""
+        dropout = self.attn_dropout if self.training else 0.0
+        fork = dropout and parallel_state.get().tp_size > 1
+        return dropout, tp.get_rng_tracker().fork() if fork else nullcontext()
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+        """q, k [b, a, s(k), dn + dr], v [b, a, sk, dv] -> [b, a, s, dv]: causal, or under ``mask`` (boolean, True =
+        may attend: the KV cache's) when given; ``causal=False`` without a mask: every query sees every key."""
+        dropout, rng = self._dropout()
+        with rng:
+            return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal and mask is None,
+                                                  scale=self.scale)
+
+    def planned_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          plan: AttentionPlan) -> torch.Tensor:
+        """``core_attention`` across a context-parallel split and/or within packed documents
+        (``megatron.context_parallel``, with this layer's softmax scale); eager under ``--compile``."""
+        dropout, rng = self._dropout()
+        with rng:
+            return attend(q, k, v, plan, dropout, self.scale)
+
+    def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan: AttentionPlan | None = None) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]; ``kv_cache``, ``rotary`` and ``plan`` as ``SelfAttention.forward``'s."""
+        q, k, v = self.queries_keys_values(x, rotary)
+        s, b = q.shape[2], q.shape[0]
+        if kv_cache is not None:
+            k, v = kv_cache.store(self.layer_number, k, v)
+            ctx = self.core_attention(q, k, v, kv_cache.mask, kv_cache.causal)
+        elif plan is not None:
+            ctx = maybe_checkpoint(self.recompute_core, self.planned_attention, q, k, v, plan)
+        else:
+            ctx = maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v.contiguous())
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.dv)
+        return self.dense(ctx)
+
+    def queries_keys_values(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [b, a, s, dn + dr] (rotated), v [b, a, s, dv] of this rank's heads (see the module docstring)."""
         if self.sequence_parallel:  # every rank computes the latents of the whole sequence; the gradient sliced
             x = tp.gather_from_sequence_region(x, tensor_parallel_output_grad=False)
         s, b, _ = x.shape
@@ -123,6 +171,4 @@ class MultiLatentAttention(nn.Module):
             k_rot = apply_rotary(k_rot, *rotary, interleaved=True)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
-        ctx = maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v.contiguous())
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.dv)
-        return self.dense(ctx)
+        return q, k, v

@@ -89,6 +89,12 @@ class SelfAttention(nn.Module):
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads} (per rank), head_dim={self.head_dim}, "
                 f"attn_dropout={self.attn_dropout}")
 
+    @property
+    def cache_shape(self) -> tuple[int, int, int]:
+        """(heads on this rank, key width, value width) of what the KV cache holds per token: the key/value
+        groups (shared by their query heads)."""
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
         """q [b, nq, sq, hd], k and v [b, ng, sk, hd] -> [b, nq, sq, hd] (this rank's heads; query head
@@ -145,7 +151,8 @@ class SelfAttention(nn.Module):
 
 def make_attention(cfg: ModelConfig, recompute_core: bool, sequence_parallel: bool, layer_number: int) -> nn.Module:
     """The one place that chooses a layer's attention: multi-latent (``megatron.model.mla``) or ``SelfAttention``;
-    both take ``(x, kv_cache, rotary, plan)``."""
+    both take ``(x, kv_cache, rotary, plan)``, attend through ``planned_attention`` under a plan (context
+    parallelism, packed documents) and say what the KV cache holds (``cache_shape``)."""
     if cfg.multi_latent_attention:
         return MultiLatentAttention(cfg, recompute_core, sequence_parallel, layer_number)
     return SelfAttention(cfg, recompute_core, sequence_parallel, layer_number)

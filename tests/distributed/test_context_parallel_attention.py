@@ -1,12 +1,20 @@
-"""Context-parallel attention over gloo against one process's attention with an explicit mask.
+"""Context-parallel attention over gloo against one process's attention with an explicit mask, and the
+multi-latent attention layer under context parallelism against the same layer in one process.
 
 Every rank builds the same full queries, keys and values (same seed) and documents whose boundaries fall
 inside chunks, on chunk edges and across several chunks; the reference is ``F.scaled_dot_product_attention``
 over the whole sequence with a materialised causal-and-same-document mask. Each rank attends with its two
 chunks (``split``) and its output and the gradients of its queries, keys and values must equal the matching
 rows of the reference's. One spawn of 4 ranks checks cp 2 (two rings side by side) and cp 4, every
-communication type, with and without documents, grouped queries, both block kernels (the plain one, which
-GPUs run, in tiles of a few query rows).
+communication type, with and without documents, both block kernels (the plain one, which GPUs run, in tiles of
+a few query rows), and two shapes of heads (``SHAPES``): grouped queries of one width, and multi-latent
+attention's (a key per head, values narrower than the queries and keys, its own softmax scale).
+
+The layer (``MultiLatentAttention`` with the query LoRA, the latent norms and YaRN) is checked at cp 2 with
+every communication type, with and without packed documents (positions restarting per document, as
+``--reset-position-ids`` gives them), and at cp 2 x tp 2 with sequence parallelism: its output and input
+gradient on this rank's tokens, and every weight's gradient summed over the cp ranks (as the data-parallel
+reduction over dp x cp sums them), equal the one-process layer's on the whole sequence.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from tests.distributed.harness import run_distributed
 
 B, NQ, NG, S, HD = 2, 4, 2, 48, 8
 RTOL, ATOL = 1e-5, 1e-5
+# name: (key/value heads, query/key width, value width, softmax scale: None for 1 / sqrt(width))
+SHAPES = {"gqa": (NG, HD, HD, None), "mla": (NQ, 12, 6, 0.3)}
 
 
 def documents() -> torch.Tensor:
@@ -37,22 +47,23 @@ def documents() -> torch.Tensor:
     return ids
 
 
-def reference(q, k, v, docs, weight):
+def reference(q, k, v, docs, weight, scale=None):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     mask = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
     if docs is not None:
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    out = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, scale=scale)
     (out * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _check(rank, cp, comm, docs, fused) -> list[str]:
+def _check(rank, cp, comm, docs, fused, shape) -> list[str]:
     ps = parallel_state.get()
+    groups, dk, dv, scale = SHAPES[shape]
     torch.manual_seed(0)
-    q, k, v = torch.randn(B, NQ, S, HD), torch.randn(B, NG, S, HD), torch.randn(B, NG, S, HD)
-    weight = torch.randn(B, NQ, S, HD)
-    want = reference(q, k, v, docs, weight)
+    q, k, v = torch.randn(B, NQ, S, dk), torch.randn(B, groups, S, dk), torch.randn(B, groups, S, dv)
+    weight = torch.randn(B, NQ, S, dv)
+    want = reference(q, k, v, docs, weight, scale)
     mine = local_positions(S, ps.cp_rank, cp)
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs)
@@ -60,7 +71,7 @@ def _check(rank, cp, comm, docs, fused) -> list[str]:
     limit = blocks_module.MATH_TILE_BYTES["limit"]
     blocks_module.MATH_TILE_BYTES["limit"] = B * NQ * S * 4 * 5  # tiles of a few query rows, offsets inside blocks
     try:
-        out = attend(*local, plan)
+        out = attend(*local, plan, scale=scale)
         (out * weight[:, :, mine]).sum().backward()
     finally:
         blocks_module.FUSED_ON_CPU["enabled"] = True
@@ -69,7 +80,7 @@ def _check(rank, cp, comm, docs, fused) -> list[str]:
     bad = []
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         if not torch.allclose(g, w[:, :, mine], rtol=RTOL, atol=ATOL):
-            bad.append(f"cp{cp} {comm} docs={docs is not None} fused={fused} {name}: max diff "
+            bad.append(f"cp{cp} {comm} {shape} docs={docs is not None} fused={fused} {name}: max diff "
                        f"{(g - w[:, :, mine]).abs().max().item():.2e}")
     return bad
 
@@ -104,14 +115,99 @@ def _all_cases(rank: int, world: int) -> list[str]:
         parallel_state.destroy()
         parallel_state.initialize(cp=cp)
         for comm in ("p2p", "all_gather", "a2a"):
-            if comm == "a2a" and NG % cp:
-                continue  # a2a gives each rank whole query groups (validation refuses it)
-            for docs in (None, documents()):
-                for fused in (True, False):
-                    bad += _check(rank, cp, comm, docs, fused)
-                if comm == "p2p":
+            for shape, (groups, *_) in SHAPES.items():
+                if comm == "a2a" and groups % cp:
+                    continue  # a2a gives each rank whole query groups (validation refuses it)
+                for docs in (None, documents()):
+                    for fused in (True, False):
+                        bad += _check(rank, cp, comm, docs, fused, shape)
+            if comm == "p2p":
+                for docs in (None, documents()):
                     bad += _ring_without_overlap(rank, cp, docs)
+    references = {name: _mla_reference(docs) for name, docs in (("plain", None), ("documents", documents()))}
+    parallel_state.initialize(cp=2)
+    for comm in ("p2p", "all_gather", "a2a"):
+        for docs in references.values():
+            bad += _mla_layer(1, 2, comm, *docs)
+    parallel_state.initialize(tp=2, cp=2)  # sequence parallelism: the chunks split over tp again
+    bad += _mla_layer(2, 2, "p2p", *references["documents"])
+    bad += _mla_layer(2, 2, "a2a", *references["plain"])
     return bad
+
+
+# ------------------------------------------------------------------------------------------------ the MLA layer
+
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+       "--disable-bias-linear", "--hidden-size", "16", "--num-attention-heads", "4", "--q-lora-rank", "10",
+       "--kv-lora-rank", "8", "--qk-head-dim", "6", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5",
+       "--qk-layernorm", "--rope-type", "yarn", "--rotary-scaling-factor", "4", "--mscale", "0.9",
+       "--mscale-all-dim", "0.7", "--original-max-position-embeddings", "8", "--max-position-embeddings", "64",
+       "--attention-dropout", "0"]
+
+
+def _positions(docs: torch.Tensor | None) -> torch.Tensor:
+    """[B, S]: 0..S-1, or restarting at every document (``--reset-position-ids``)."""
+    if docs is None:
+        return torch.arange(S).expand(B, S)
+    starts = torch.cat([torch.ones(B, 1, dtype=torch.bool), docs[:, 1:] != docs[:, :-1]], 1)
+    index = torch.arange(S).expand(B, S)
+    return index - torch.cummax(torch.where(starts, index, 0), 1).values
+
+
+def _mla_config():
+    from megatron.config import parse_config
+
+    return parse_config(MLA).model
+
+
+def _mla_reference(docs: torch.Tensor | None):
+    """(documents, the one-process layer after a backward on the whole sequence, its input, output, the output's
+    weight, rotary embedding, positions), built on a rank whose grid has tp 1."""
+    from megatron.model.mla import MultiLatentAttention, yarn_settings
+    from megatron.model.rotary import RotaryEmbedding
+
+    cfg = _mla_config()
+    rope = RotaryEmbedding(cfg.qk_pos_emb_head_dim, 1.0, cfg.rotary_base, 64, interleaved=True,
+                           yarn=yarn_settings(cfg))
+    positions = _positions(docs)
+    generator = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(S, B, 16, generator=generator), torch.randn(S, B, 16, generator=generator)
+    full = MultiLatentAttention(cfg).train()
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.4 + (1.0 if "layernorm" in name else 0.0))
+    x = x.requires_grad_()
+    out = full(x, None, rope(positions, x.dtype), None if docs is None else AttentionPlan(document_ids=docs))
+    (out * weight).sum().backward()
+    return docs, full, x, out.detach(), weight, rope, positions
+
+
+def _mla_layer(tp, cp, comm, docs, full, x, out_full, weight, rope, positions) -> list[str]:
+    """The layer on this rank's grid (tp, cp; sequence parallel with tp 2) against the one-process layer: the
+    output and input gradient of this rank's tokens, every weight's gradient (summed over cp) within 1e-5 of the
+    tensor's largest magnitude (fp32 sums in another order: the weights' gradients reach ~40)."""
+    from megatron.model.mla import MultiLatentAttention
+    from megatron.tensor_parallel import shard_full_tensor
+
+    ps = parallel_state.get()
+    layer = MultiLatentAttention(_mla_config(), sequence_parallel=tp > 1).train()
+    reference = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(shard_full_tensor(reference[name].detach(), p))
+    mine = local_positions(S, ps.cp_rank, cp)
+    rows = mine.chunk(tp)[ps.tp_rank] if tp > 1 else mine  # sequence parallel: this tp rank's share of the chunks
+    x_local = x.detach()[rows].clone().requires_grad_()
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs)
+    out = layer(x_local, None, rope(positions[:, mine], x.dtype), plan)
+    (out * weight[rows]).sum().backward()
+    got, want = {"out": out.detach(), "dx": x_local.grad}, {"out": out_full[rows], "dx": x.grad[rows]}
+    for name, p in layer.named_parameters():
+        torch.distributed.all_reduce(p.grad, group=ps.group("cp"))
+        got[name], want[name] = p.grad, shard_full_tensor(reference[name].grad, p)
+    return [f"MLA layer tp{tp} cp{cp} {comm} docs={docs is not None} {name}: max diff "
+            f"{(got[name] - want[name]).abs().max().item():.2e} (largest {want[name].abs().max().item():.2e})"
+            for name in got if (got[name] - want[name]).abs().max() > RTOL * want[name].abs().max() + ATOL]
 
 
 @pytest.fixture(scope="module")

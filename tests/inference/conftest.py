@@ -71,14 +71,36 @@ def moe_checkpoint(tmp_path_factory) -> str:
     return _write_checkpoint(tmp_path_factory.mktemp("gen-moe"), "--num-experts", "4", "--moe-layer-freq", "[0,1]")
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    """The inference engine on ``checkpoint`` (one per test module)."""
+@pytest.fixture(scope="session")
+def mla_checkpoint(tmp_path_factory) -> str:
+    """The same with DeepSeek-V3's multi-latent attention (query LoRA, latent norms, YaRN) in every layer."""
+    return _write_checkpoint(tmp_path_factory.mktemp("gen-mla"), *MLA_FLAGS)
+
+
+MLA_FLAGS = ["--multi-latent-attention", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+             "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+             "--v-head-dim", "12", "--qk-layernorm", "--rotary-scaling-factor", "4", "--mscale", "0.9",
+             "--mscale-all-dim", "0.9", "--original-max-position-embeddings", "8"]
+
+
+def _engine(path: str):
     from megatron.inference import InferenceEngine, initialize, load_model, tokenizer_for
 
     initialize()
-    model, config = load_model(checkpoint)
+    model, config = load_model(path)
     return InferenceEngine(model, config, tokenizer_for(config))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """The inference engine on ``checkpoint`` (one per test module)."""
+    return _engine(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def mla_engine(mla_checkpoint):
+    """The inference engine on ``mla_checkpoint``."""
+    return _engine(mla_checkpoint)
 
 
 def greedy_tokens(model, vocab: int, ids: list[int], n: int) -> list[int]:

@@ -26,9 +26,12 @@ def _requests(engine, **params) -> list[Request]:
     return [Request(engine.tokenizer.tokenize(p), SamplingParams(**params)) for p in PROMPTS]
 
 
-def test_kv_cache_decoding_equals_a_full_recompute_at_every_step(engine, monkeypatch):
+@pytest.mark.parametrize("model", ["engine", "mla_engine"])
+def test_kv_cache_decoding_equals_a_full_recompute_at_every_step(model, request, monkeypatch):
     """Every step's logits (left-padded batch, rows finishing at different lengths and dropped from the
-    cache) equal the model run on that row's whole sequence alone."""
+    cache) equal the model run on that row's whole sequence alone; for GPT-2's attention and for multi-latent
+    attention (whose cache holds keys of qk_head_dim + qk_pos_emb_head_dim channels and narrower values)."""
+    engine = request.getfixturevalue(model)
     seen = []
     real_choose = engine_module.choose
 

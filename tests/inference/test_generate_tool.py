@@ -39,7 +39,7 @@ ROWS = [{"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 11},  # gr
         {"temperature": 0.9, "top_p": 0.9, "seed": 5}, {"temperature": 0.7, "seed": 3}]  # top-p and plain: all ids
 
 
-TP2_MODELS = ["checkpoint", "moe_checkpoint"]
+TP2_MODELS = ["checkpoint", "moe_checkpoint", "mla_checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_tp2_under_torchrun_generates_what_one_process_generates(model, request,
     """One batch, each prompt with its own sampling fields (a JSON line of --prompts-file): greedy, seeded
     top-k (the merged top-k over ranks), seeded top-p and plain temperature (the whole vocabulary gathered).
     The MoE model's experts are cut over the 2 ranks, each routing its share of the tokens (a one-token step
-    padded to 2)."""
+    padded to 2); the multi-latent-attention model's heads (and their KV cache) are cut over the 2 ranks."""
     checkpoint = request.getfixturevalue(model)
     result = tp2_generations[model]
     result.check()

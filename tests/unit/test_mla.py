@@ -135,8 +135,6 @@ def test_mla_logits_and_gradients_equal_megatron_cores(mcore, flags):
     (["--rotary-scaling-factor", "8"], "rotary_scaling_factor, mscale, mscale_all_dim and rope_type set YaRN"),
     (["--multi-latent-attention", "--position-embedding-type", "learned_absolute"],
      "multi-latent attention takes --position-embedding-type rope"),
-    (["--multi-latent-attention", "--position-embedding-type", "rope", "--context-parallel-size", "2"],
-     "multi-latent attention under context parallelism is not built yet"),
     (["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "0"],
      "q_lora_rank must be at least 1"),
 ])
@@ -144,3 +142,20 @@ def test_what_multi_latent_attention_refuses_is_one_line(flags, message):
     with pytest.raises(ConfigError) as raised:
         validate(parse_config([*TINY, *flags]), world_size=2)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_context_parallelism_and_packed_documents_validate_and_compile_keeps_their_attention_eager():
+    """cp and --reset-attention-mask are accepted with multi-latent attention (checked against one process in
+    tests/distributed/test_context_parallel_attention.py); ``--compile`` leaves its ``planned_attention`` eager (its
+    exchanges and per-document calls), as SelfAttention's."""
+    from megatron import parallel_state
+    from megatron.model.gpt import _keep_eager
+    from megatron.model.mla import MultiLatentAttention
+
+    flags = [*TINY, *MLA, "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--reset-attention-mask"]
+    config = parse_config(flags)
+    validate(config, world_size=2)
+    parallel_state.initialize()
+    attention = MultiLatentAttention(config.model)
+    _keep_eager(attention, 1)
+    assert getattr(attention.planned_attention, "_torchdynamo_disable", False)

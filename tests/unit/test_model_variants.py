@@ -210,7 +210,7 @@ def test_kv_cache_generation_equals_the_full_forward_for_a_llama_shaped_model(mo
     config = make_config(*TINY, *NO_DROPOUT, *LLAMA, "--initializer-range", "0.2")
     model = build_model(config).eval()
     engine = InferenceEngine(model, config, tokenizer=None)
-    assert engine.heads == 2  # num_query_groups, not the 4 query heads
+    assert engine.cache_shapes == {0: (2, 16, 16), 1: (2, 16, 16)}  # num_query_groups, not the 4 query heads
     seen = []
     real_choose = engine_module.choose
 
