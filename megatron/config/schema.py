@@ -101,7 +101,7 @@ class ModelConfig:
     mtp_num_layers: int | None = opt(
         None, "Multi-token prediction (DeepSeek-V3): this many sequential modules after the decoder, the k-th "
               "predicting each token k + 1 positions further from the previous one's hidden state and the next "
-              "token's embedding (docs/attention.md); their losses join the objective, logged apart. None: off.")
+              "token's embedding (docs/moe.md, DeepSeek-V3); their losses join the objective, logged apart. None: off.")
     mtp_loss_scaling_factor: float = opt(
         0.1, "Multi-token prediction: the weight of the modules' mean loss in the objective.")
     num_experts: int | None = opt(
