@@ -6,7 +6,9 @@ decoupled rotary part with YaRN's frequencies and concentration), one dense firs
 with a shared expert of its own width under DeepSeek-V3's router (sigmoid with pre-softmax, expert bias,
 group-limited, scaled probabilities), and one multi-token prediction module (on the last pipeline stage).
 
-Context parallelism and the KV cache are refused for multi-latent attention (tests/unit/test_mla.py)."""
+Context parallelism: the ring (p2p) and all_gather at cp 2, a2a at cp 2 x tp 2 with sequence parallelism (the
+multi-latent attention layer alone, with packed documents too: tests/distributed/test_context_parallel_attention.py;
+its KV cache: tests/inference/test_engine.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ reference_runs({"deepseek-5": DEEPSEEK, "deepseek-10": [*DEEPSEEK, *TEN]})
 LAYOUTS = parity_layouts({f"deepseek-{name}": (n, [*DEEPSEEK, *flags]) for name, (n, flags) in {
     "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
     "ep2-tp2-sp": (4, ["--tp", "2", "--sequence-parallel", "--dp", "2", "--expert-model-parallel-size", "2"]),
+    "cp2-p2p": (2, ["--cp", "2", "--cp-comm-type", "p2p"]),
+    "cp2-all_gather": (2, ["--cp", "2", "--cp-comm-type", "all_gather"]),
+    "cp2-a2a-tp2-sp": (4, ["--cp", "2", "--cp-comm-type", "a2a", "--tp", "2", "--sequence-parallel"]),
 }.items()})
 
 SAVED = "deepseek-pp2-saved"  # steps 1-5 of the 10-step schedule under pipelining, the MTP module on the last stage
