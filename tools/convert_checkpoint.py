@@ -1,5 +1,5 @@
-"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE) and Megatron-LM, and to another
-tensor-parallel size.
+"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE, DeepSeek-V3) and Megatron-LM, and
+to another tensor-parallel size.
 
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
@@ -11,13 +11,14 @@ CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-h
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
 ``LlamaForCausalLM.from_pretrained(OUT_DIR)`` when the checkpoint's model is Llama-shaped (rope, RMSNorm
 and swiglu), with ``MixtralForCausalLM.from_pretrained(OUT_DIR)`` when it is a Llama-shaped mixture of experts
-(``Qwen2MoeForCausalLM`` with a shared expert; docs/moe.md says which), else with
+(``Qwen2MoeForCausalLM`` with a shared expert; docs/moe.md says which), with ``DeepseekV3ForCausalLM`` when it
+has multi-latent attention (its multi-token prediction layers stored as DeepSeek's checkpoints store them), else with
 ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``, and the run's tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``), so that ``transformers.pipeline("text-generation",
 model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from-hf`` reads ``config.json``
-(a ``gpt2``, ``llama``, ``mixtral`` or ``qwen2_moe`` model_type) and ``model.safetensors`` (or sharded safetensors, or
-``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for
-``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
+(a ``gpt2``, ``llama``, ``mixtral``, ``qwen2_moe`` or ``deepseek_v3`` model_type) and ``model.safetensors`` (or
+sharded safetensors, or ``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only,
+step 0, for ``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
 in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
 kind (masters and AdamW states) kept. ``from-megatron`` reads a Megatron-LM save folder (or an ``iter_N`` folder),
 legacy (any tp x pp) or torch_dist, the model's shape from its saved ``args``, and writes ``OUT_DIR/step_N`` (its
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from megatron.checkpoint import CheckpointError, hf_gpt2, hf_llama, hf_mixtral, hf_qwen_moe  # noqa: E402
+from megatron.checkpoint import CheckpointError, hf_deepseek, hf_gpt2, hf_llama, hf_mixtral, hf_qwen_moe  # noqa: E402
 from megatron.checkpoint.convert import (  # noqa: E402
     open_checkpoint,
     read_tensors,
@@ -74,6 +75,10 @@ _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden
                  "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                  "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
                  "moe_router_enable_expert_bias", "moe_expert_capacity_factor")
+_SHAPE_FIELDS += ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                  "v_head_dim", "qk_layernorm", "moe_router_num_groups", "moe_router_group_topk",
+                  "moe_router_topk_scaling_factor", "rope_type", "rotary_scaling_factor",
+                  "original_max_position_embeddings", "mscale", "mscale_all_dim", "mtp_num_layers")  # DeepSeek-V3's
 
 
 class ToolError(Exception):
@@ -100,10 +105,12 @@ def _write_bytes(path: str, data: bytes) -> None:
 
 
 def converter_for_model(model_cfg):
-    """The mapping for our ``ModelConfig``: a mixture of experts is ``hf_qwen_moe`` with a shared expert, else
-    ``hf_mixtral``; a dense model ``hf_llama`` or ``hf_gpt2``. ConversionError, naming the setting, for a model
-    that has no Hugging Face equivalent."""
-    if model_cfg.num_experts:
+    """The mapping for our ``ModelConfig``: multi-latent attention is ``hf_deepseek``; a mixture of experts is
+    ``hf_qwen_moe`` with a shared expert, else ``hf_mixtral``; a dense model ``hf_llama`` or ``hf_gpt2``.
+    ConversionError, naming the setting, for a model that has no Hugging Face equivalent."""
+    if model_cfg.multi_latent_attention:
+        module = hf_deepseek
+    elif model_cfg.num_experts:
         module = hf_qwen_moe if model_cfg.moe_shared_expert_intermediate_size else hf_mixtral
     else:
         module = hf_llama if hf_llama.is_llama_shaped(model_cfg) else hf_gpt2
@@ -120,12 +127,14 @@ def converter_for_hf(hf_cfg: dict):
         return hf_mixtral
     if model_type == "qwen2_moe" or (model_type is None and "Qwen2MoeForCausalLM" in architectures):
         return hf_qwen_moe
+    if model_type == "deepseek_v3" or (model_type is None and "DeepseekV3ForCausalLM" in architectures):
+        return hf_deepseek
     if model_type in (None, "gpt2"):
         return hf_gpt2
     named = ", ".join(architectures) or "no architectures"
     raise ConversionError(f"config.json describes a {model_type!r} model ({named}); this tool converts gpt2 "
-                          f"(GPT2LMHeadModel), llama (LlamaForCausalLM), mixtral (MixtralForCausalLM) and qwen2_moe "
-                          f"(Qwen2MoeForCausalLM).")
+                          f"(GPT2LMHeadModel), llama (LlamaForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe "
+                          f"(Qwen2MoeForCausalLM) and deepseek_v3 (DeepseekV3ForCausalLM).")
 
 
 def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = True,
@@ -143,7 +152,9 @@ def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tru
     # the tokenizer first: a file that cannot be found stops the tool before anything is written
     export = (export_tokenizer(section, config.model.vocab_size, reader.step_dir, config.model.max_position_embeddings)
               if tokenizer else None)
-    state = {name: t.to(DTYPES[dtype]) for name, t in hf.to_hf_state_dict(read_tensors(reader), config.model).items()}
+    extra = {"train_state": common.get("train_state")} if hf is hf_deepseek else {}  # its expert biases
+    state = {name: t if name.endswith(hf_deepseek.BIAS) else t.to(DTYPES[dtype])  # the expert bias stays fp32
+             for name, t in hf.to_hf_state_dict(read_tensors(reader), config.model, **extra).items()}
     os.makedirs(out_dir, exist_ok=True)
     _write_atomic(os.path.join(out_dir, "model.safetensors"),
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
@@ -209,8 +220,8 @@ def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
-    """Our resolved config for a Hugging Face GPT-2, Llama, Mixtral or Qwen-MoE config.json, with pretrain_gpt.py
-    ``flags`` on top (any flag but the model's shape and architecture; vocab_size may only grow)."""
+    """Our resolved config for a Hugging Face GPT-2, Llama, Mixtral, Qwen-MoE or DeepSeek-V3 config.json, with
+    pretrain_gpt.py ``flags`` on top (any flag but the model's shape and architecture; vocab_size may only grow)."""
     derived = converter_for_hf(hf_cfg).model_flags(hf_cfg)
     n_positions = int(derived[derived.index("--max-position-embeddings") + 1])
     return shaped_config([*derived, "--max-seq-len", str(min(1024, n_positions))], flags, "config.json")
@@ -251,9 +262,21 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     # validated with the tokenizer's files where they are; the checkpoint then names their copies
     config = hf_to_config(hf_cfg, [*flags, *_tokenizer_flags(found, hf_dir)])
     state = read_hf_state_dict(hf_dir)
+    module, train_state = converter_for_hf(hf_cfg), None
+    if module is hf_deepseek and hf_deepseek.mtp_layers_in(state, hf_cfg) != (config.model.mtp_num_layers or 0):
+        print(f"{hf_dir}: config.json names {config.model.mtp_num_layers} multi-token prediction layer(s) but the "
+              f"weights hold none (model.layers.{hf_cfg['num_hidden_layers']}.*): the model is imported without them")
+        hf_cfg = {**hf_cfg, "num_nextn_predict_layers": 0}
+        config = hf_to_config(hf_cfg, [*flags, *_tokenizer_flags(found, hf_dir)])
     # A vocab_size above the model's (flag) adds rows that start at zero, like the padding rows.
     as_saved = dataclasses.replace(config.model, vocab_size=int(hf_cfg["vocab_size"]))
-    params = converter_for_hf(hf_cfg).from_hf_state_dict(state, as_saved, config.padded_vocab_size)
+    if module is hf_deepseek:  # its rotary layout, and the expert biases: a train state, not parameters
+        params = module.from_hf_state_dict(state, as_saved, config.padded_vocab_size,
+                                           rope_interleave=hf_cfg.get("rope_interleave", True) is not False)
+        biases = module.expert_biases(state, as_saved)
+        train_state = {"consumed_samples": 0, "skipped_steps": 0, **({"moe_expert_bias": biases} if biases else {})}
+    else:
+        params = module.from_hf_state_dict(state, as_saved, config.padded_vocab_size)
     tokenizer_dir = os.path.abspath(os.path.join(out_dir, "tokenizer"))
     if found is not None:
         for name in ("vocab_file", "merge_file", "tokenizer_model"):
@@ -263,7 +286,7 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     # fixes, and its tokenizer; the schedule, batch sizes and data are that run's own (derived from its
     # flags, not pinned here).
     step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
-                            force=force, resume_config=_model_base(config))
+                            force=force, resume_config=_model_base(config), train_state=train_state)
     if found is not None:
         os.makedirs(tokenizer_dir, exist_ok=True)
         for name, source in found[1].items():
@@ -402,8 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", allow_abbrev=False,
                        help="Write a Hugging Face Llama (a rope + RMSNorm + swiglu model), Mixtral or Qwen-MoE (such a "
-                            "model with experts) or GPT-2 folder (config.json, model.safetensors and the run's "
-                            "tokenizer).")
+                            "model with experts), DeepSeek-V3 (multi-latent attention) or GPT-2 folder (config.json, "
+                            "model.safetensors and the run's tokenizer).")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="Dtype of the written weights.")
@@ -418,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "config's is not found.")
     p = sub.add_parser("from-hf", allow_abbrev=False,
                        help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2, Llama, "
-                            "Mixtral or Qwen-MoE folder; further arguments are pretrain_gpt.py flags.")
+                            "Mixtral, Qwen-MoE or DeepSeek-V3 folder; further arguments are pretrain_gpt.py flags.")
     p.add_argument("hf_dir")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")

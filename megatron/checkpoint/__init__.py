@@ -1,7 +1,8 @@
 """Checkpoints: layout-independent save and load (``save_load``), the on-disk format (``format``),
 the output folder and agreement between ranks on a failure (``run_dir``), what a resumed run inherits
 (``resume``: the saved configuration as the base of the one given now), offline writing and resharding
-(``convert``) and the Hugging Face mappings (``hf_gpt2``, ``hf_llama``, ``hf_mixtral``, ``hf_qwen_moe``)."""
+(``convert``) and the Hugging Face mappings (``hf_gpt2``, ``hf_llama``, ``hf_mixtral``, ``hf_qwen_moe``,
+``hf_deepseek``)."""
 
 from megatron.checkpoint.format import (
     KINDS,

@@ -100,6 +100,10 @@ class Evaluator:
         self.progress = progress and self.ps.rank == 0
         loaded = load_checkpoint(config.save_load.ckpt_dir, run.model, run.optimizer, self.ps, config,
                                  load_optim=False, load_rng=False)
+        if loaded.get("moe_expert_bias"):  # a MoE router's expert bias: no parameter, kept in the train state
+            from megatron import moe
+
+            moe.set_expert_biases(run.model, loaded["moe_expert_bias"])
         self.step, self.path = loaded["step"], loaded["path"]
 
     def score(self, samples: list[Sample], label: str = "") -> float:
