@@ -74,7 +74,8 @@ _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden
                  "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear",
                  "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                  "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-                 "moe_router_enable_expert_bias", "moe_expert_capacity_factor")
+                 "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "multi_latent_attention",
+                 "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm")
 _SHAPE_FIELDS += ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                   "v_head_dim", "qk_layernorm", "moe_router_num_groups", "moe_router_group_topk",
                   "moe_router_topk_scaling_factor", "rope_type", "rotary_scaling_factor",
@@ -312,7 +313,7 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
                   optim: bool = True) -> None:
     """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM checkpoint, with its
     optimizer states when it has them (not with ``finetune`` or without ``optim``)."""
-    args, head, params, states = import_state(path, optimizer=optim and not finetune)
+    args, head, params, states, expert_bias = import_state(path, optimizer=optim and not finetune)
     config = shaped_config(megatron_model_flags(args), flags, "the checkpoint's args")
     vocab, rows = megatron_vocab_size(args), config.padded_vocab_size
     params = fit_vocab(params, vocab, rows)
@@ -321,6 +322,8 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
     scheduler = head.get("opt_param_scheduler") if isinstance(head.get("opt_param_scheduler"), dict) else {}
     position = consumed if finetune or scheduler.get("num_steps") is None else int(scheduler["num_steps"])
     train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": position}
+    if expert_bias and config.model.moe_router_enable_expert_bias:  # no parameter: the train state keeps it
+        train_state["moe_expert_bias"] = expert_bias
     entries = [("param", name) for name in params]
     tensors = {"param": params}
     if states is not None:
@@ -357,7 +360,8 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
     consumed = int(train_state.get("consumed_samples", 0))
     step, adam_step = int(common["step"]), float(common.get("adam_step") or 0.0)
     params = read_params(reader)
-    whole, args = export_state(params, config, tp, pp, step=step, consumed_samples=consumed)
+    whole, args = export_state(params, config, tp, pp, step=step, consumed_samples=consumed,
+                               expert_bias=train_state.get("moe_expert_bias"))
     has_states = adam_step > 0 and all(reader.has(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params)
     optimizer = settings = scheduler = None
     if optim and has_states:

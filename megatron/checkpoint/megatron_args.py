@@ -2,9 +2,17 @@
 
 ``model_flags(args)``: the Megatron-LM command-line flags of the saved model's shape (which ``parse_config``
 accepts: ours are Megatron's, ``megatron.config.megatron_flags``); ConversionError, naming the setting, for what
-our GPT does not build (``--qk-layernorm``, ``--squared-relu``, multi-latent attention, grouped-GEMM experts, ...).
+our GPT does not build (``--squared-relu``, zero-centred LayerNorm, grouped-GEMM experts, ...).
 ``to_args(model, ...)``: the Namespace a ``to-megatron`` export saves, with the fields Megatron-LM's
 ``--use-checkpoint-args`` reads and those ``from-megatron`` reads back.
+
+Multi-latent attention (DeepSeek-V2/V3) is carried by its own fields, the same names on both sides
+(``multi_latent_attention``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
+``v_head_dim``, ``qk_layernorm``, and YaRN's ``rope_type``, ``rotary_scaling_factor``, ``mscale``,
+``mscale_all_dim``, ``original_max_position_embeddings``); an MLA model's ``kv_channels``, query groups,
+``rotary_percent`` / ``rotary_interleaved`` shape nothing (its heads are the widths above) and are not carried in.
+Multi-token prediction by ``mtp_num_layers`` and ``mtp_loss_scaling_factor``; DeepSeek-V3's router by the
+``moe_router_*`` fields and ``moe_layer_freq`` (its dense first layers: a list).
 """
 
 from __future__ import annotations
@@ -26,11 +34,17 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
          "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type",
          "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk",
-         "moe_router_topk_scaling_factor", "qk_layernorm")
+         "moe_router_topk_scaling_factor", "qk_layernorm", "multi_latent_attention")
+# multi-latent attention's own (with multi_latent_attention only), and multi-token prediction's
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+        "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings")
+_NOT_MLA = ("kv_channels", "group_query_attention", "num_query_groups", "rotary_percent", "rotary_interleaved")
+_MTP = ("mtp_num_layers", "mtp_loss_scaling_factor")
+# a runtime choice, not the network's: carried only when ours has it (Megatron's flex dispatcher has no weights)
+_DISPATCHERS = ("alltoall", "allgather")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
 _REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
             "apply_layernorm_1p": "zero-centred LayerNorm (--apply-layernorm-1p)",
-            "multi_latent_attention": "multi-latent attention",
             "moe_grouped_gemm": "grouped-GEMM experts (--moe-grouped-gemm: other parameter names)",
             "add_qkv_bias_only": "a bias on the QKV projection only (--add-qkv-bias without linear biases)"}
 
@@ -45,14 +59,21 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads") if not a.get(n)]
     if missing:
         raise ConversionError(f"the checkpoint's args lack {', '.join(missing)}; they give the model's shape.")
+    mla = bool(a.get("multi_latent_attention"))
+    names = [n for n in (*_SAME, *(_MLA if mla else ()), *(_MTP if a.get("mtp_num_layers") else ()))
+             if not (mla and n in _NOT_MLA)]
     flags: list[str] = []
-    for name in _SAME:
+    for name in names:
         value = a.get(name)
         if value is None or value is False or (name == "num_query_groups" and not a.get("group_query_attention")):
             continue
         if name == "kv_channels" and value * a["num_attention_heads"] == a["hidden_size"]:
             continue  # the default
-        if name == "position_embedding_type" and value not in ("learned_absolute", "rope"):
+        if name == "moe_token_dispatcher_type" and value not in _DISPATCHERS:
+            continue
+        if name == "position_embedding_type" and mla and value in ("rope", "yarn"):
+            value = "rope"  # multi-latent attention's own rotary channels (rope_type says which)
+        elif name == "position_embedding_type" and value not in ("learned_absolute", "rope"):
             raise ConversionError(f"position_embedding_type {value!r} is not converted (learned_absolute, rope).")
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
@@ -86,10 +107,11 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
             consumed_train_samples: int) -> argparse.Namespace:
     """The ``args`` of a legacy export of ``model`` cut for ``tp`` x ``pp`` (Megatron Core model, ``torch``
     format, expert parallelism 1)."""
+    values = {name: getattr(model, name) for name in (*_SAME, *_MLA, *_MTP)}
     if model.multi_latent_attention:
-        raise ConversionError("multi-latent attention is not converted to Megatron-LM's checkpoints yet (its "
-                              "down-projections' tensor-parallel layout); keep the checkpoint in this format.")
-    values = {name: getattr(model, name) for name in _SAME}
+        from megatron.model.mla import mla_rope_type
+
+        values["rope_type"] = mla_rope_type(model)  # explicit: Megatron's default differs by attention
     nq, hd = model.num_attention_heads, model.kv_channels or model.hidden_size // model.num_attention_heads
     values.update(
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=hd,

@@ -7,7 +7,11 @@
   ``megatron_shards`` and ``megatron_legacy``) or torch_dist (whole tensors, ``megatron_dist``).
 - ``import_state(path)``: a Megatron-LM checkpoint (legacy: its ranks merged; torch_dist: whole already) in our
   global parameter names (the word embedding and output layer with Megatron's padded rows), with its ``args``
-  and the saved dict's other entries.
+  and the saved dict's other entries (``Imported``).
+- The MoE routers' expert bias (aux-loss-free balancing): Megatron Core's buffer ``...mlp.router.expert_bias`` in
+  its state dict, ours the train state's ``moe_expert_bias`` ({global layer: values}); ``export_state`` writes
+  the buffers from it (zeros where it has none: Megatron's strict load wants them), ``import_state`` returns them
+  in that form (``megatron_core_names.expert_bias_names``).
 
 - ``export_optimizer`` / ``write_export(..., optimizer=...)``: our AdamW states (and masters) written as Megatron
   Core's fp32 optimizer saves them (``megatron_optim``); ``schedule_state``: its groups' settings and
@@ -24,13 +28,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
 import torch
 
 from megatron.checkpoint.format import CheckpointError, CheckpointReader, is_vocab_padded
 from megatron.checkpoint.hf_common import pad_vocab
 from megatron.checkpoint.megatron_args import to_args
-from megatron.checkpoint.megatron_core_names import from_megatron_core_state, to_megatron_core_state
+from megatron.checkpoint.megatron_core_names import (
+    expert_bias_state,
+    expert_biases_from_core,
+    from_megatron_core_state,
+    to_megatron_core_state,
+)
 from megatron.checkpoint.megatron_dist import is_torch_dist, read_torch_dist, write_torch_dist
 from megatron.checkpoint.megatron_legacy import (
     DISTRIBUTED,
@@ -76,8 +86,11 @@ def _core(params: dict[str, torch.Tensor], config: Config, tp: int) -> dict[str,
 
 
 def export_state(params: dict[str, torch.Tensor], config: Config, tp: int, pp: int, *, step: int,
-                 consumed_samples: int) -> tuple[dict[str, torch.Tensor], argparse.Namespace]:
-    """(the whole Megatron Core state dict, the args of an export for ``tp`` x ``pp``) of our full parameters."""
+                 consumed_samples: int, expert_bias: dict[str, list[float]] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], argparse.Namespace]:
+    """(the whole Megatron Core state dict, the args of an export for ``tp`` x ``pp``) of our full parameters, with
+    the routers' ``expert_bias`` buffers from ``expert_bias`` (the train state's ``moe_expert_bias``) when the model
+    has them."""
     m = config.model
     groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
     if m.num_attention_heads % tp or groups % tp:
@@ -85,7 +98,10 @@ def export_state(params: dict[str, torch.Tensor], config: Config, tp: int, pp: i
                               f"groups ({groups}): Megatron gives each tensor-parallel rank whole query groups.")
     args = to_args(m, tp=tp, pp=pp, seq_length=config.dataset.max_seq_len, iteration=step,
                    consumed_train_samples=consumed_samples)
-    return _core(params, config, tp), args
+    whole = _core(params, config, tp)
+    if m.num_experts and m.moe_router_enable_expert_bias:
+        whole.update(expert_bias_state(params, m.num_layers, m.num_experts, expert_bias))
+    return whole, args
 
 
 def export_optimizer(states: dict[str, dict[str, torch.Tensor]], params: dict[str, torch.Tensor], config: Config,
@@ -149,11 +165,21 @@ def read_params(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return read_tensors(reader, "param")
 
 
-def import_state(path: str, optimizer: bool = True) -> tuple[argparse.Namespace, dict, dict[str, torch.Tensor],
-                                                            OptimizerStates | None]:
-    """(args, the saved dict's other entries, our global parameters, the optimizer states under our names or None)
-    of the Megatron-LM checkpoint at ``path`` (legacy or torch_dist). ``optimizer`` False: the weights only. The
-    parameters are the fp32 masters where the optimizer saved them."""
+class Imported(NamedTuple):
+    """A Megatron-LM checkpoint in our terms: its ``args``, the saved dict's other entries (``head``), our global
+    parameters, the optimizer states under our names (None: not saved or not asked for) and the routers' expert
+    biases as our train state keeps them ({str(global layer): values}; empty without)."""
+
+    args: argparse.Namespace
+    head: dict
+    params: dict[str, torch.Tensor]
+    states: OptimizerStates | None
+    expert_bias: dict[str, list[float]]
+
+
+def import_state(path: str, optimizer: bool = True) -> Imported:
+    """The Megatron-LM checkpoint at ``path`` (legacy or torch_dist) in our terms. ``optimizer`` False: the
+    weights only. The parameters are the fp32 masters where the optimizer saved them."""
     folder = iteration_folder(path)
     states = None
     if is_torch_dist(folder):
@@ -178,8 +204,10 @@ def import_state(path: str, optimizer: bool = True) -> tuple[argparse.Namespace,
         if optimizer and optimizers:
             states = _legacy_states(folder, shards, optimizers, tp, pp, swiglu, tied)
     params = _ours(whole, swiglu)
+    biases = expert_biases_from_core(whole, params, int(getattr(args, "num_layers", 0) or 0),
+                                     int(getattr(args, "num_experts", 0) or 0))
     if states is None:
-        return args, head, params, None
+        return Imported(args, head, params, None, biases)
     ours = OptimizerStates(states.step)
     for kind, by_name in states.items():
         if by_name:
@@ -192,7 +220,7 @@ def import_state(path: str, optimizer: bool = True) -> tuple[argparse.Namespace,
     if ours.masters:
         params = ours[MASTER]
     del ours[MASTER]
-    return args, head, params, ours
+    return Imported(args, head, params, ours, biases)
 
 
 def _ours(whole: dict[str, torch.Tensor], swiglu: bool) -> dict[str, torch.Tensor]:

@@ -25,7 +25,19 @@ ours                                                 Megatron Core
 ``layers.{i}.mlp.shared_expert.dense_4h_to_h.*``     ``decoder.layers.{i}.mlp.shared_experts.linear_fc2.*``
 ``final_layernorm.*``                                ``decoder.final_layernorm.*``
 ``output_layer.weight`` (untied only)                ``output_layer.weight``
+``mtp.layers.{k}.enorm.*``, ``hnorm.*``              ``mtp.layers.{k}.enorm.*``, ``hnorm.*``
+``mtp.layers.{k}.eh_proj.weight`` [h, 2h]            ``mtp.layers.{k}.eh_proj.weight``
+``mtp.layers.{k}.transformer_layer.X``               ``mtp.layers.{k}.transformer_layer.Y``
+``mtp.layers.{k}.final_layernorm.*``                 ``mtp.layers.{k}.final_layernorm.*``
 ===================================================  =====================================================
+
+Multi-latent attention's modules keep Megatron Core's names on both sides (``self_attention.linear_q_proj``, or
+``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``; ``linear_kv_down_proj``, ``kv_layernorm``,
+``linear_kv_up_proj``; its output projection is ours ``dense``, theirs ``linear_proj``), in the same layouts (the
+queries' rows ``[a, (dn + dr)]``, ``linear_kv_up_proj``'s ``[a, (dn + dv)]``, ``linear_kv_down_proj``'s
+``[kv_lora_rank; dr]``). A multi-token prediction module ``k`` (``mtp.layers.{k}``, after the decoder) holds a
+decoder layer, ``transformer_layer``, whose names ``X`` / ``Y`` are a decoder layer's after ``layers.{i}.`` /
+``decoder.layers.{i}.``; ``eh_proj`` reads ``[enorm(embedding); hnorm(hidden)]`` on both sides.
 
 Layouts: the fused QKV rows are the same, ``[ng, (nq/ng queries, key, value), hd]``; the padded vocabulary rows
 are the same (both pad to a multiple of ``make_vocab_size_divisible_by x tp``). The one change is SwiGLU's first
@@ -34,7 +46,9 @@ matmul (the MLP's, each expert's, the shared expert's; weight and bias): our row
 
 Megatron Core's state dict also holds ``*._extra_state`` entries (Transformer Engine's metadata, None in the local
 spec), skipped here, and with a tied head no ``output_layer.weight``. Its router's ``expert_bias`` (aux-loss-free
-balancing) is a buffer; ours is kept in the checkpoint's train state, not among the parameters, and is not mapped.
+balancing) is a buffer of its state dict (``...mlp.router.expert_bias``); ours is no parameter but the checkpoint's
+train state (``moe_expert_bias``: {global layer index: values}, an MTP module's layer numbered ``num_layers + k``):
+``expert_bias_names`` pairs the two, and the parameter mappings skip it.
 """
 
 from __future__ import annotations
@@ -46,6 +60,8 @@ import torch
 from megatron.checkpoint.hf_common import ConversionError
 
 _LAYER, _CORE_LAYER = "layers.{}.", "decoder.layers.{}."
+_MTP_LAYER = "mtp.layers.{}.transformer_layer."  # a multi-token prediction module's decoder layer, on both sides
+_MTP_OWN = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # its other modules, named alike on both sides
 # modules named as Megatron Core names them: QK-norm, multi-latent attention's projections and norms
 _SAME_NAMES = tuple(f"self_attention.{name}" for name in (
     "q_layernorm", "k_layernorm", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
@@ -78,14 +94,14 @@ _SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias)$")
 def _rules(inside: dict[str, str], reverse: bool) -> list[tuple[re.Pattern, str, bool]]:
     """(pattern of a module path, its replacement template, whether it is a SwiGLU first matmul)."""
     rules = []
-    for ours, core in inside.items():
+    for ours_prefix, core_prefix in ((_LAYER, _CORE_LAYER), (_MTP_LAYER, _MTP_LAYER)):
+        for ours, core in inside.items():
+            src, dst = (core_prefix + core, ours_prefix + ours) if reverse else (ours_prefix + ours, core_prefix + core)
+            pattern = re.escape(src).replace(r"\{\}", r"(\d+)")
+            rules.append((re.compile(pattern + "$"), dst, ours.endswith("dense_h_to_4h")))
+    for ours, core in [*_OUTSIDE.items(), *((f"mtp.layers.{{}}.{m}",) * 2 for m in _MTP_OWN)]:
         src, dst = (core, ours) if reverse else (ours, core)
-        pattern = re.escape((_CORE_LAYER if reverse else _LAYER) + src).replace(r"\{\}", r"(\d+)")
-        template = (_LAYER if reverse else _CORE_LAYER) + dst
-        rules.append((re.compile(pattern + "$"), template, ours.endswith("dense_h_to_4h")))
-    for ours, core in _OUTSIDE.items():
-        src, dst = (core, ours) if reverse else (ours, core)
-        rules.append((re.compile(re.escape(src) + "$"), dst, False))
+        rules.append((re.compile(re.escape(src).replace(r"\{\}", r"(\d+)") + "$"), dst, False))
     return rules
 
 
@@ -99,7 +115,7 @@ def _rename(name: str, rules, what: str) -> tuple[str, bool]:
         if found:
             return template.format(*found.groups()) + "." + match["param"], fc1  # layer, then expert index
     raise ConversionError(f"{name!r} is not a parameter of {what}; only GPTModel's decoder (local layer spec, "
-                          "MLP or MoE with SequentialMLP experts) is mapped.")
+                          "MLP or MoE with SequentialMLP experts) and multi-token prediction modules are mapped.")
 
 
 def interleaved_to_halves(t: torch.Tensor) -> torch.Tensor:
@@ -134,9 +150,52 @@ def to_megatron_core_state(state: dict[str, torch.Tensor], swiglu: bool) -> dict
 
 def from_megatron_core_state(state: dict, swiglu: bool) -> dict[str, torch.Tensor]:
     """Megatron Core's ``GPTModel`` state dict -> our global names; ``_extra_state`` entries (None in the local
-    spec) are skipped, and so are the router's buffers (``expert_bias``, ``local_tokens_per_expert``)."""
-    skipped = ("._extra_state", ".router.expert_bias", ".router.local_tokens_per_expert")
+    spec) are skipped, and so are the router's buffers (``expert_bias``: ``expert_biases_from_core``;
+    ``local_tokens_per_expert``)."""
+    skipped = ("._extra_state", EXPERT_BIAS, ".router.local_tokens_per_expert")
     return dict(from_megatron_core(name, t, swiglu) for name, t in state.items() if not name.endswith(skipped))
+
+
+EXPERT_BIAS = ".mlp.router.expert_bias"
+_ROUTER = re.compile(r"^(?:layers\.(\d+)|mtp\.layers\.(\d+)\.transformer_layer)\.mlp\.router\.weight$")
+
+
+def expert_bias_names(names, num_layers: int) -> dict[int, str]:
+    """{our global layer index: Megatron Core's name of that layer's ``expert_bias`` buffer} for the MoE layers among
+    our parameter ``names`` (those with a router): ``decoder.layers.{i}.mlp.router.expert_bias``, or for multi-token
+    prediction module ``k`` (our layer ``num_layers + k``) ``mtp.layers.{k}.transformer_layer.`` and the same."""
+    out = {}
+    for name in names:
+        found = _ROUTER.match(name)
+        if found and found[1] is not None:
+            out[int(found[1])] = f"{_CORE_LAYER.format(found[1])[:-1]}{EXPERT_BIAS}"
+        elif found:
+            out[num_layers + int(found[2])] = f"{_MTP_LAYER.format(found[2])[:-1]}{EXPERT_BIAS}"
+    return out
+
+
+def expert_bias_state(names, num_layers: int, num_experts: int,
+                      saved: dict[str, list[float]] | None) -> dict[str, torch.Tensor]:
+    """Megatron Core's ``expert_bias`` buffers (fp32, as it keeps them) of our MoE layers among ``names``, from the
+    train state's ``moe_expert_bias`` (``saved``: {str(global layer): values}); zeros where it has none."""
+    saved = saved or {}
+    return {core: torch.tensor(saved[str(i)], dtype=torch.float32) if str(i) in saved else
+            torch.zeros(num_experts, dtype=torch.float32) for i, core in expert_bias_names(names, num_layers).items()}
+
+
+def expert_biases_from_core(state: dict, names, num_layers: int, num_experts: int) -> dict[str, list[float]]:
+    """The train state's ``moe_expert_bias`` ({str(global layer): values}) of the ``expert_bias`` buffers in
+    Megatron Core's ``state`` for our MoE layers among ``names``; ConversionError for one of another size."""
+    out = {}
+    for i, core in expert_bias_names(names, num_layers).items():
+        t = state.get(core)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_experts,) or not bool(torch.isfinite(t).all()):
+            raise ConversionError(f"{core} is not {num_experts} finite values (one per expert); the checkpoint does "
+                                  f"not match its args.")
+        out[str(i)] = [float(v) for v in t.double()]
+    return out
 
 
 # Megatron-LM's legacy GPT model (``megatron.legacy.model``, before Megatron Core; ``--use-legacy-models``): its

@@ -12,12 +12,18 @@ saved them; the decoder's layers stacked on a leading dim (``decoder.layers.self
 shape ``[num_layers, ...]``), or, for Megatron Core's non-homogeneous layers (a mixture of experts whose
 ``moe_layer_freq`` is a list, as the exports here say), one key per layer (``decoder.layers.{i}.X``); a MoE layer's
 experts stacked on a leading dim (``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight`` of shape
-``[num_experts, ...]``), its router and shared expert as in the dense MLP; the norms under the names Transformer
-Engine's fused layers give them (``input_layernorm.*`` -> ``self_attention.linear_qkv.layer_norm_*``,
-``pre_mlp_layernorm.*`` -> ``mlp.linear_fc1.layer_norm_*``), a SwiGLU ``linear_fc1`` as ``[gate; up]``. The
-linears' ``_extra_state`` (None in the local spec) is written as Megatron writes it (bytes per layer, per expert),
-and skipped on reading. The optimizer states are ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>``
-(``megatron_optim``), in the same layout; a distributed optimizer's bucket layout is refused in one line.
+``[num_experts, ...]``), its router (with its ``expert_bias`` buffer) and shared expert as in the dense MLP; the
+norms under the names Transformer Engine's fused layers give them (``input_layernorm.*`` ->
+``self_attention.linear_qkv.layer_norm_*``, ``pre_mlp_layernorm.*`` -> ``mlp.linear_fc1.layer_norm_*``: the local
+spec's ``sharded_state_dict_keys_map``), a SwiGLU ``linear_fc1`` as ``[gate; up]``. Multi-latent attention's local
+spec has no such map: its layers keep their own names (``input_layernorm``, ``pre_mlp_layernorm``,
+``self_attention.q_layernorm``, ``kv_layernorm``); reading also takes Transformer Engine's MLA names (the latent
+norms fused into ``linear_q_up_proj`` / ``linear_kv_up_proj`` as ``layer_norm_weight``). Multi-token prediction's
+modules are keyed one by one (``mtp.layers.{k}.``, never stacked), their ``transformer_layer`` named as a decoder
+layer is. The linears' ``_extra_state`` (None in the local spec) is written as Megatron writes it (bytes per layer,
+per expert, per module), and skipped on reading. The optimizer states are
+``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>`` (``megatron_optim``), in the same layout; a distributed
+optimizer's bucket layout is refused in one line.
 
 Reading never unpickles arbitrary objects nor opens a file outside the folder: ``.metadata`` and the data files
 through ``dcp_reader.SafeReader`` (an explicit allow-list of (module, name) pairs; every path and byte range the
@@ -49,10 +55,16 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, 
                  "common_backend_version": 1}
 _RENAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
-_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# read only: Transformer Engine's multi-latent attention fuses its latent norms into the up-projections
+_TE_MLA = (("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_"),
+           ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_"))
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
+            "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)experts\.(.+)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+_MLA = ".self_attention.linear_kv_down_proj.weight"
 _STACKED = "decoder.layers."
 OPTIMIZER_STATE = "optimizer.state."
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
@@ -71,18 +83,27 @@ def is_torch_dist(folder: str) -> bool:
         return False
 
 
-def _dist_name(rest: str) -> str:
-    for ours, theirs in _RENAMES:
+def _dist_name(rest: str, mla: bool = False) -> str:
+    """A layer's sharded key (after its layer prefix) of its state-dict name; multi-latent attention keeps it."""
+    for ours, theirs in () if mla else _RENAMES:
         if rest.startswith(ours):
             return theirs + rest[len(ours):]
     return rest
 
 
 def _core_name(rest: str) -> str:
-    for ours, theirs in _RENAMES:
+    for ours, theirs in (*_RENAMES, *_TE_MLA):
         if rest.startswith(theirs):
             return ours + rest[len(theirs):]
     return rest
+
+
+def _mtp_name(name: str, to_core: bool, mla: bool = False) -> str:
+    """A multi-token prediction module's key: its ``transformer_layer`` renamed as a decoder layer is."""
+    found = _MTP_LAYER.match(name)
+    if not found:
+        return name
+    return found[1] + (_core_name(found[2]) if to_core else _dist_name(found[2], mla))
 
 
 def _fold_experts(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -116,14 +137,15 @@ def _stacked(whole: dict[str, torch.Tensor], num_layers: int, prefix: str = "",
     non-homogeneous layers: a mixture of experts with a ``moe_layer_freq`` list), ``decoder.layers.{i}.X``."""
     state: dict[str, torch.Tensor] = {}
     layers: dict[str, list] = {}
+    mla = any(name.endswith(_MLA) for name in whole)
     for name, t in _fold_experts(whole).items():
         found = _LAYER.match(name)
         if found and per_layer:
-            state[f"{prefix}{_STACKED}{found[1]}.{_dist_name(found[2])}"] = t.contiguous()
+            state[f"{prefix}{_STACKED}{found[1]}.{_dist_name(found[2], mla)}"] = t.contiguous()
         elif found:
-            layers.setdefault(prefix + _STACKED + _dist_name(found[2]), [None] * num_layers)[int(found[1])] = t
+            layers.setdefault(prefix + _STACKED + _dist_name(found[2], mla), [None] * num_layers)[int(found[1])] = t
         else:
-            state[prefix + name] = t.contiguous()
+            state[prefix + _mtp_name(name, False, mla)] = t.contiguous()
     for key, per_layer_tensors in layers.items():
         state[key] = torch.stack(per_layer_tensors)
     return state
@@ -142,7 +164,7 @@ def _unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for i in range(t.shape[0]):
                 whole[f"{_STACKED}{i}.{rest}"] = t[i].clone()
         else:
-            whole[key] = t
+            whole[_mtp_name(key, True)] = t
     return _unfold_experts(whole)
 
 
@@ -154,7 +176,7 @@ def _extra_states(state: dict[str, torch.Tensor], num_layers: int, per_layer: bo
         module = key[:-len(".weight")] if key.endswith(".weight") else None
         if module is None or not module.endswith(_LINEARS):
             continue
-        if not per_layer:
+        if not per_layer and key.startswith(_STACKED):  # the decoder's layers, stacked
             out.update({f"{module}._extra_state/shard_{i}_{num_layers}": [None] for i in range(num_layers)})
         elif _EXPERTS.match(key):
             out.update({f"{module}._extra_state/shard_{e}_{t.shape[0]}": [None] for e in range(t.shape[0])})

@@ -62,27 +62,41 @@ def groups(names: list[str], shapes: dict) -> list[list[list[str]]]:
     return [[[n for n in names if decays(n, shapes[n])], [n for n in names if not decays(n, shapes[n])]]]
 
 
-# Megatron Core's module order inside a layer (its named_parameters): its attention registers linear_proj first
+# Megatron Core's module order inside a layer (its named_parameters): its attention registers linear_proj first;
+# multi-latent attention then its projections, then its norms
 _IN_LAYER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-             "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-             "mlp.router.", "mlp.experts.", "mlp.shared_experts.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+             *(f"self_attention.{m}." for m in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                                                "linear_kv_down_proj", "linear_kv_up_proj")),
+             "self_attention.q_layernorm.", "self_attention.k_layernorm.", "self_attention.kv_layernorm.",
+             "pre_mlp_layernorm.", "mlp.router.", "mlp.experts.", "mlp.shared_experts.", "mlp.linear_fc1.",
+             "mlp.linear_fc2.")
+# GPTModel's modules: embedding, decoder, mtp (multi-token prediction), output_layer
 _OUTSIDE = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
-            "decoder.final_layernorm.", "output_layer.")
+            "decoder.final_layernorm.", "mtp.layers.", "output_layer.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj|transformer_layer|final_layernorm)\.(.+)$")
+_MTP_ORDER = ("enorm", "hnorm", "eh_proj", "transformer_layer", "final_layernorm")  # MultiTokenPredictionLayer's
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.")
+
+
+def _in_layer(rest: str) -> tuple:
+    """The order key of a name inside a decoder layer (after ``decoder.layers.{i}.``)."""
+    where = next(i for i, p in enumerate(_IN_LAYER) if rest.startswith(p))
+    expert = _EXPERT.match(rest)
+    inner = (int(expert[1]), expert[2] == "linear_fc2") if expert else (0, "linear_fc2" in rest)
+    return (where, *inner, rest.endswith(".bias"))
 
 
 def core_order(names) -> list[str]:
     """``names`` (one rank's Megatron Core parameters) in Megatron Core's ``named_parameters`` order."""
     def key(name: str):
-        found = _LAYER.match(name)
-        if not found:
-            return (next(i for i, p in enumerate(_OUTSIDE) if name.startswith(p)), 0, 0, 0, 0, name.endswith(".bias"))
-        rest = found[2]
-        where = next(i for i, p in enumerate(_IN_LAYER) if rest.startswith(p))
-        expert = _EXPERT.match(rest)
-        inner = (int(expert[1]), expert[2] == "linear_fc2") if expert else (0, "linear_fc2" in rest)
-        return (2, int(found[1]), where, *inner, name.endswith(".bias"))
+        found, mtp = _LAYER.match(name), _MTP.match(name)
+        if found:
+            return (2, int(found[1]), 0, _in_layer(found[2]))
+        if mtp:
+            inner = _in_layer(mtp[3]) if mtp[2] == "transformer_layer" else (0, 0, 0, name.endswith(".bias"))
+            return (4, int(mtp[1]), _MTP_ORDER.index(mtp[2]), inner)
+        return (next(i for i, p in enumerate(_OUTSIDE) if name.startswith(p)), 0, 0, (0, 0, 0, name.endswith(".bias")))
     return sorted(names, key=key)
 
 

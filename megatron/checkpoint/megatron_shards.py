@@ -6,14 +6,23 @@ How Megatron Core cuts its parameters over ``tp`` ranks (names after ``megatron_
   ``output_layer.weight``, every ``linear_qkv`` and ``linear_fc1`` (weight and bias). A ``linear_qkv``'s rows are
   ``[ng, (nq/ng queries, key, value), hd]``, so rank ``r`` holds whole query groups. A SwiGLU ``linear_fc1`` (the
   MLP's, each expert's, the shared expert's) is ``[gate; up]`` on every rank: rank ``r``'s rows are
-  ``[gate_r; up_r]``, the ``r``-th slice of each half, not the ``r``-th slice of the whole;
+  ``[gate_r; up_r]``, the ``r``-th slice of each half, not the ``r``-th slice of the whole. Multi-latent
+  attention's projections, all ``ColumnParallelLinear`` in the local spec: ``linear_q_proj``, ``linear_q_up_proj``
+  and ``linear_kv_up_proj`` (whole heads per rank), and the down-projections ``linear_q_down_proj`` and
+  ``linear_kv_down_proj`` too (their outputs gathered over tp before use: rank ``r`` holds the ``r``-th contiguous
+  slice of the latent rows, ``[kv_lora_rank; dr]`` cut as one); a multi-token prediction module's ``eh_proj``;
 - row-parallel, columns cut (dim 1): every ``linear_proj.weight`` and ``linear_fc2.weight``;
-- replicated (whole on every rank): the norms, the position embedding, the routers, the row-parallel biases.
+- replicated (whole on every rank): the norms (multi-latent attention's ``q_layernorm`` / ``kv_layernorm``, the
+  prediction modules' ``enorm`` / ``hnorm`` / ``final_layernorm``), the position embedding, the routers (and their
+  ``expert_bias`` buffers), the row-parallel biases.
 
 Over ``pp`` stages the decoder's layers are split evenly (``num_layers / pp`` each) and numbered from 0 within a
-stage; the first stage holds the embeddings, the last the final norm and the output layer. With a tied head and
-``pp > 1`` the last stage also holds ``output_layer.weight``, Megatron's copy of the word embedding, dropped on
-merging and written on cutting. ``_extra_state`` entries (None in the local layer spec) are dropped.
+stage; the first stage holds the embeddings, the last the final norm, the multi-token prediction modules
+(``mtp.layers.{k}``, numbered alike on every layout) and the output layer. With a tied head and ``pp > 1`` the last
+stage also holds ``output_layer.weight``, Megatron's copy of the word embedding; with multi-token prediction and
+``pp > 1`` it holds the embedding itself too (``embedding.*``, which its modules read: Megatron Core's MTP stage).
+Those copies are dropped on merging and written on cutting. ``_extra_state`` entries (None in the local layer spec)
+are dropped.
 """
 
 from __future__ import annotations
@@ -26,9 +35,12 @@ from megatron.checkpoint.format import CheckpointError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
+_COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias",
+                    *(f".{m}.weight" for m in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                                               "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")))
 _ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
 TIED_COPY = "output_layer.weight"
+_EMBEDDING, _MTP = "embedding.", "mtp."
 
 
 def partition_dim(name: str) -> int | None:
@@ -78,8 +90,8 @@ def merge(shards: dict[tuple[int, int], dict], tp: int, pp: int, swiglu: bool, t
         names = [n for n, v in stage[0].items() if not n.endswith("._extra_state") and isinstance(v, torch.Tensor)]
         layers = {int(m[1]) for m in map(_LAYER.match, names) if m}
         for name in names:
-            if tied and pp > 1 and name == TIED_COPY:
-                continue  # the last stage's copy of the word embedding
+            if (tied and pp > 1 and name == TIED_COPY) or (p > 0 and name.startswith(_EMBEDDING)):
+                continue  # the last stage's copies of the word embedding (tied head, multi-token prediction)
             missing = [t for t in range(tp) if not isinstance(stage[t].get(name), torch.Tensor)]
             if missing:
                 raise CheckpointError(f"{name} is on tensor-parallel rank 0 of stage {p} but not on rank "
@@ -111,6 +123,10 @@ def cut(whole: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int, swigl
             local_name = name
         for t, piece in enumerate(cut_tp(name, tensor, tp, swiglu)):
             shards[(t, p)][local_name] = piece
+    if pp > 1 and any(name.startswith(_MTP) for name in whole):  # the prediction modules read the embedding
+        for name in [n for n in whole if n.startswith(_EMBEDDING)]:
+            for t, piece in enumerate(cut_tp(name, whole[name], tp, swiglu)):
+                shards[(t, pp - 1)][name] = piece
     if tied and pp > 1:
         for t, piece in enumerate(cut_tp(TIED_COPY, whole["embedding.word_embeddings.weight"], tp, swiglu)):
             shards[(t, pp - 1)][TIED_COPY] = piece

@@ -1,0 +1,363 @@
+"""Megatron-LM checkpoints of DeepSeek-V3's shape (``tools/convert_checkpoint.py from-megatron`` / ``to-megatron``):
+multi-latent attention (a query down-projection with its norm, or one query projection; the latent norms; YaRN),
+DeepSeek-V3's router (sigmoid, expert bias, group-limited, scaled), a shared expert, a dense first layer.
+
+- ours -> Megatron (legacy cut for tp 2 x pp 2, torch_dist) -> ours is bitwise, the weights, the AdamW states and
+  the routers' expert bias (our train state, Megatron Core's ``mlp.router.expert_bias`` buffer), and the model's
+  configuration (its MLA, YaRN and router settings through the saved ``args``); the rank files hold Megatron Core's
+  layout (the local spec's column-parallel down-projections cut by rows, the latent norms whole on every rank);
+  torch_dist keeps the local MLA spec's names (no Transformer Engine renames) and reads Transformer Engine's;
+- against NVIDIA's Megatron Core (``megatron_core_reference``; skipped when absent): a ``GPTModel`` built with the
+  local spec from the export's ``args`` by Megatron-LM's own rule (every ``args`` field that is a field of its
+  ``MLATransformerConfig``) loads the legacy export (strict ``load_state_dict``) and torch_dist (its
+  ``dist_checkpointing.load``) and gives our logits within 1e-5; its own weights and expert biases, saved as
+  Megatron-LM saves them (legacy, and torch_dist by its ``dist_checkpointing.save``), convert with
+  ``from-megatron`` and give its logits here; ``core_order`` is its parameter order (the optimizer's numbering).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron import moe, parallel_state
+from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
+from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_optim import core_order
+from megatron.config import parse_config, validate
+from megatron.model.gpt import GPTModel
+from tests.unit.megatron_core_reference import (
+    CORE_WARNINGS,
+    TINY,
+    assert_close_to_scale,
+    core_forward,
+    megatron_core,
+    tokens_and_labels,
+)
+from tests.unit.test_megatron_checkpoints import convert
+from tests.unit.test_mla import DEEPSEEK_MOE, MLA, YARN, _local_core_attention
+
+pytestmark = CORE_WARNINGS
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+# DeepSeek-V3's router as its configurations set it (sigmoid with pre-softmax, the sequence aux loss), layer 0 dense
+ROUTER = [*DEEPSEEK_MOE, "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "seq_aux_loss",
+          "--moe-aux-loss-coeff", "0.01", "--moe-router-bias-update-rate", "0.002"]
+SHAPES = {"q_lora": [*MLA, "--q-lora-rank", "10", *YARN, *ROUTER],
+          "q_proj": [*MLA, "--rope-type", "rope", *ROUTER],
+          "mtp": [*MLA, "--q-lora-rank", "10", *YARN, *ROUTER, "--mtp-num-layers", "2",
+                  "--mtp-loss-scaling-factor", "0.3"]}
+
+
+@pytest.fixture
+def one_process():
+    parallel_state.initialize()
+    yield
+    parallel_state.destroy()
+
+
+def biases(config) -> dict[str, list[float]]:
+    """An expert bias per MoE layer, as our train state keeps it (distinct values: they change the choices)."""
+    m = config.model
+    return {str(i): [0.2 * (i + 1), -0.1, 0.05 * i, -0.15] for i in range(m.num_layers + (m.mtp_num_layers or 0))
+            if m.num_experts and json.loads(m.moe_layer_freq)[min(i, m.num_layers - 1)]}  # MTP: as the last layer
+
+
+def assert_biases(got: dict, want: dict) -> None:
+    """Equal up to fp32 (Megatron Core keeps the bias in fp32; our train state in JSON numbers)."""
+    assert got.keys() == want.keys()
+    for layer, values in want.items():
+        assert got[layer] == pytest.approx(values, rel=1e-6), layer
+
+
+def our_checkpoint(run, flags, step=12, consumed=96, adam_step=5.0, scale=1.0):
+    """A checkpoint of ours: random weights and AdamW states, the expert biases in the train state. ``scale`` < 1:
+    weights of that size, the norms' around 1 (a well-conditioned network, for comparing computations)."""
+    config = parse_config([*TINY, *flags])
+    validate(config)
+    g = torch.Generator().manual_seed(3)
+    tensors = {kind: {name: torch.randn(shape, generator=g).abs() if kind == "exp_avg_sq" else
+                      torch.randn(shape, generator=g) for name, (shape, _) in tensor_layout(config).items()}
+               for kind in KINDS}
+    if scale != 1.0:
+        tensors["param"] = {name: t * scale + (1.0 if name.endswith("norm.weight") else 0.0)
+                            for name, t in tensors["param"].items()}
+    for by_name in tensors.values():
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            by_name[name][config.model.vocab_size:] = 0
+    write_checkpoint(str(run), config, [(kind, name) for kind in KINDS for name in tensors["param"]],
+                     lambda kind, name: tensors[kind][name], step=step, adam_step=adam_step,
+                     train_state={"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": consumed,
+                                  "moe_expert_bias": biases(config)})
+    return config, tensors
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_ours_to_megatron_and_back_is_bitwise(tmp_path, one_process, shape, fmt):
+    config, tensors = our_checkpoint(tmp_path / "run", [*SHAPES[shape], "--vocab-size", "250"])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", fmt,
+                         "--tp", "2", "--pp", "2"]) == 0
+    folder = tmp_path / "meg" / "iter_0000012"
+    params = tensors["param"]
+    if fmt == "legacy":  # Megatron Core's local-spec layout on the ranks; stage 1 holds layer 1 as its layer 0
+        ranks = {(t, p): safe_load(str(folder / f"mp_rank_{t:02d}_{p:03d}" / FILE)) for t in range(2) for p in range(2)}
+        args = ranks[(0, 0)]["args"]
+        assert args.multi_latent_attention and args.kv_lora_rank == 12 and args.moe_layer_freq == [0, 1]
+        kv_down = params["layers.1.self_attention.linear_kv_down_proj.weight"]  # [kv_lora_rank; dr] cut as one
+        layer = ranks[(1, 1)]["model"]
+        assert torch.equal(layer["decoder.layers.0.self_attention.linear_kv_down_proj.weight"], kv_down.chunk(2)[1])
+        assert torch.equal(layer["decoder.layers.0.self_attention.kv_layernorm.weight"],
+                           params["layers.1.self_attention.kv_layernorm.weight"])
+        assert layer["decoder.layers.0.mlp.router.expert_bias"].tolist() == pytest.approx(biases(config)["1"])
+        if shape == "mtp":  # the last stage: the modules, and the embedding they read (Megatron Core's MTP stage)
+            assert torch.equal(layer["mtp.layers.1.eh_proj.weight"], params["mtp.layers.1.eh_proj.weight"].chunk(2)[1])
+            assert torch.equal(layer["embedding.word_embeddings.weight"],
+                               ranks[(1, 0)]["model"]["embedding.word_embeddings.weight"])
+            assert layer["mtp.layers.1.transformer_layer.mlp.router.expert_bias"].tolist() == pytest.approx(
+                biases(config)["3"])
+    else:  # the local MLA spec's own names, the layers one by one (a dense layer, then a MoE one)
+        from megatron.checkpoint.dcp_reader import SafeReader
+
+        keys = SafeReader(str(folder)).read_metadata().state_dict_metadata
+        assert {"decoder.layers.0.input_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+                "decoder.layers.1.self_attention.kv_layernorm.weight",
+                "decoder.layers.1.mlp.router.expert_bias"} <= keys.keys()
+        assert not [k for k in keys if "layer_norm_weight" in k]
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
+    reader, common, back_config = open_checkpoint(str(tmp_path / "back"))
+    assert back_config.model == config.model
+    assert common["step"] == 12 and common["adam_step"] == 5.0
+    assert_biases(common["train_state"]["moe_expert_bias"], biases(config))
+    for kind in KINDS:
+        back = read_tensors(reader, kind)
+        assert back.keys() == tensors[kind].keys()
+        for name, t in tensors[kind].items():
+            assert torch.equal(back[name], t), (kind, name)
+
+
+def test_torch_dist_reads_transformer_engines_mla_names(tmp_path, one_process):
+    """Transformer Engine's MLA spec fuses the latent norms into the up-projections (``layer_norm_weight``) and a
+    dense layer's MLP norm into ``linear_fc1``: such a checkpoint reads as the local spec's."""
+    from megatron.checkpoint.megatron_dist import read_torch_dist, write_torch_dist
+
+    config, tensors = our_checkpoint(tmp_path / "run", SHAPES["q_lora"])
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist",
+                         "--no-optim"]) == 0
+    args, _, whole, _ = read_torch_dist(str(tmp_path / "meg" / "iter_0000012"))
+    renames = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+               "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+               "decoder.layers.0.pre_mlp_layernorm.": "decoder.layers.0.mlp.linear_fc1.layer_norm_"}
+    te = {}
+    for name, t in whole.items():
+        for local, fused in renames.items():
+            name = name.replace(local, fused)
+        te[name] = t
+    assert "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight" in te
+    write_torch_dist(str(tmp_path / "te"), 12, te, args, 2)
+    assert convert.main(["from-megatron", str(tmp_path / "te"), str(tmp_path / "back")]) == 0
+    back = read_tensors(open_checkpoint(str(tmp_path / "back"))[0], "param")
+    for name, t in tensors["param"].items():
+        assert torch.equal(back[name], t), name
+
+
+# ----------------------------------------------------------------------------- against Megatron Core
+
+@pytest.fixture(scope="module")
+def mcore():
+    """Megatron Core on the CPU; its MLA module told Transformer Engine is absent (test_mla.py's fixture)."""
+    with megatron_core() as env:
+        from megatron.core.transformer import multi_latent_attention
+
+        patches = pytest.MonkeyPatch()
+        patches.setattr(multi_latent_attention, "HAVE_TE", False)
+        try:
+            yield env
+        finally:
+            patches.undo()
+
+
+def core_model(mcore, args: argparse.Namespace):
+    """Megatron Core's ``GPTModel`` (local spec) of a checkpoint's ``args``, as Megatron-LM builds it
+    (``core_transformer_config_from_args``: every ``args`` field that is a field of its ``MLATransformerConfig``,
+    then its renames); on the CPU in fp32 without fusions or dropout, the allgather dispatcher, and the local
+    attention core given the value width (``test_mla._local_core_attention``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    kwargs = {name: value for name, value in vars(args).items() if name in fields}
+    kwargs.update(num_moe_experts=args.num_experts, layernorm_epsilon=args.norm_epsilon,
+                  gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+                  num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1, kv_channels=args.v_head_dim,
+                  use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
+                  masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+                  apply_rope_fusion=False, moe_token_dispatcher_type="allgather", moe_router_dtype="fp32",
+                  hidden_dropout=0.0, attention_dropout=0.0)
+    config = MLATransformerConfig(**kwargs)
+    spec = mcore["block_spec"](config, use_transformer_engine=False, normalization=args.normalization)
+    for layer_spec in spec.layer_specs:
+        layer_spec.submodules.self_attention.submodules.core_attention = _local_core_attention()
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if args.mtp_num_layers else None
+    return mcore["GPTModel"](config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
+                             position_embedding_type=args.position_embedding_type,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             mtp_block_spec=mtp)
+
+
+def our_model(reader, config, common) -> GPTModel:
+    """Our GPT holding a checkpoint's weights and its routers' expert biases (what a run loading it restores)."""
+    model = GPTModel(config.model, config.padded_vocab_size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(reader.full("param", name))
+    moe.set_expert_biases(model, common["train_state"].get("moe_expert_bias") or {})
+    return model
+
+
+def exported_pair(mcore, tmp_path, shape: str, fmt: str):
+    """(our config, our GPT, Megatron Core's GPTModel) of one checkpoint of ours: Megatron Core's built from the
+    ``to-megatron`` export's ``args`` and loaded from it (legacy: its strict ``load_state_dict``; torch_dist: its
+    ``dist_checkpointing.load``), ours from the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    run, meg = tmp_path / "run", tmp_path / fmt
+    if not run.exists():
+        our_checkpoint(run, SHAPES[shape], step=3, scale=0.3)
+    reader, common, config = open_checkpoint(str(run))
+    assert convert.main(["to-megatron", str(run), str(meg), "--format", fmt, "--no-optim"]) == 0
+    if fmt == "legacy":
+        saved = safe_load(str(meg / "iter_0000003" / "mp_rank_00" / FILE))
+        theirs = core_model(mcore, saved["args"])
+        theirs.load_state_dict(saved["model"], strict=True)
+    else:
+        theirs = core_model(mcore, safe_load(str(meg / "iter_0000003" / "common.pt"))["args"])
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, str(meg / "iter_0000003"))
+        theirs.load_state_dict(loaded["model"], strict=True)
+    for i, values in biases(config).items():
+        layer = (theirs.decoder.layers[int(i)] if int(i) < config.model.num_layers else
+                 theirs.mtp.layers[int(i) - config.model.num_layers].transformer_layer)
+        assert layer.mlp.router.expert_bias.tolist() == pytest.approx(values), i
+    return config, our_model(reader, config, common), theirs
+
+
+@pytest.mark.parametrize("shape", ["q_lora", "q_proj"])
+def test_megatron_core_loads_the_export_with_our_logits(tmp_path, mcore, shape):
+    tokens, _ = tokens_and_labels()
+    for fmt in ("legacy", "torch_dist"):
+        _, ours, theirs = exported_pair(mcore, tmp_path, shape, fmt)
+        with torch.no_grad():
+            assert_close_to_scale(core_forward(theirs.eval(), tokens), ours.eval()(tokens), f"{fmt} logits")
+
+
+def training_forward(mcore, config, ours, theirs):
+    """Both models' training forward on the same batch, each side's aux-loss and MTP-loss scale 1: (our per-token
+    language-model losses, Megatron Core's, our per-depth MTP token means, Megatron Core's record of them)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron.data.future_tokens import future_fields
+    from megatron.model.mtp import MTPInputs
+
+    tokens, labels = tokens_and_labels()
+    fields = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(tokens.shape),
+              "position_ids": torch.arange(tokens.shape[1]).expand_as(tokens)}
+    inputs = MTPInputs.from_batch(future_fields(fields, config.model.mtp_num_layers))
+    moe.set_aux_loss_scale(1.0)
+    mcore["scaler"].set_loss_scale(torch.tensor(1.0))
+    moe.before_step(ours, micro_batches=1, dp_group=None, loss_scale=1.0)
+    mcore["tracker"].get_moe_layer_wise_logging_tracker().clear()  # sized by the first model to record: 4 layers
+    MTPLossLoggingHelper.tracker.clear()
+    try:
+        want = core_forward(theirs.train(), tokens, labels)
+        depths = MTPLossLoggingHelper.tracker["values"].clone()
+    finally:
+        MTPLossLoggingHelper.tracker.clear()
+    got = ours.train()(tokens, labels=labels, mtp=inputs)
+    sums, counts = ours.mtp.records[-1]
+    return got, want, (sums / counts).float(), depths
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_megatron_cores_multi_token_prediction_equals_ours(tmp_path, mcore, fmt):
+    """With two prediction modules (their layers MoE, as the decoder's last): Megatron Core, given the export, gives
+    our language model's per-token losses, each depth's loss (its ``MTPLossLoggingHelper`` record: the token mean)
+    and, after a backward of the same objective (the mean LM loss, the depths' scaled means, the routers' sequence
+    aux loss, each side's loss scale 1), every parameter's gradient."""
+    from megatron.checkpoint.megatron_core_names import from_megatron_core
+
+    config, ours, theirs = exported_pair(mcore, tmp_path, "mtp", fmt)
+    got, want, depths, core_depths = training_forward(mcore, config, ours, theirs)
+    assert_close_to_scale(got.detach(), want.detach(), "the language model's losses")
+    assert_close_to_scale(depths, core_depths, "each depth's loss")
+    want.mean().backward()
+    got.mean().backward()
+    theirs_grads = dict(from_megatron_core(n, p.grad, True) for n, p in theirs.named_parameters())
+    ours_grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert theirs_grads.keys() == ours_grads.keys() and any(n.startswith("mtp.layers.1.") for n in ours_grads)
+    for name, grad in ours_grads.items():
+        assert_close_to_scale(theirs_grads[name], grad, f"the gradient of {name}")
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_megatron_cores_own_checkpoint_gives_its_losses_here(tmp_path, mcore, fmt):
+    """Megatron Core's own GPTModel of the DeepSeek-V3 shape with two prediction modules (its initialisation,
+    perturbed; expert biases set), saved as Megatron-LM saves it (legacy: its state dict; torch_dist: its
+    ``dist_checkpointing.save``), converts with ``from-megatron`` and gives its losses here: the language model's
+    per token (with MTP, Megatron Core's forward wants labels and returns no logits) and each depth's."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron.checkpoint.megatron_args import to_args
+
+    config = parse_config([*TINY, *SHAPES["mtp"]])
+    validate(config)
+    args = to_args(config.model, tp=1, pp=1, seq_length=8, iteration=6, consumed_train_samples=24)
+    theirs = core_model(mcore, args)
+    g = torch.Generator().manual_seed(5)
+    bias = {"1": [0.3, -0.2, 0.1, -0.05], "2": [-0.1, 0.2, 0.0, 0.1], "3": [0.05, 0.0, -0.2, 0.3]}
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        for layer in (theirs.decoder.layers[1], *(m.transformer_layer for m in theirs.mtp.layers)):
+            layer.mlp.router.expert_bias.copy_(torch.tensor(bias[str(layer.layer_number - 1)]))
+    folder = tmp_path / "meg" / "iter_0000006"
+    if fmt == "legacy":
+        (folder / "mp_rank_00").mkdir(parents=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 6, "model": theirs.state_dict()},
+                   folder / "mp_rank_00" / FILE)
+    else:
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
+            folder.mkdir(parents=True)
+            dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": args, "iteration": 6,
+                                     "checkpoint_version": 3.0}, str(folder))
+    (tmp_path / "meg" / TRACKER).write_text("6")
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 0
+    reader, common, back = open_checkpoint(str(tmp_path / "ours"))
+    assert back.model == config.model
+    assert_biases(common["train_state"]["moe_expert_bias"], bias)
+    with torch.no_grad():
+        got, want, depths, core_depths = training_forward(mcore, back, our_model(reader, back, common), theirs)
+    assert_close_to_scale(got, want, "the language model's losses")
+    assert_close_to_scale(depths, core_depths, "each depth's loss")
+
+
+def test_core_order_is_megatron_cores_parameter_order(mcore):
+    """What to-megatron numbers the legacy optimizer's states by: Megatron Core's ``named_parameters`` order, here
+    with multi-latent attention's projections and norms, the router, experts and shared expert."""
+    config = parse_config([*TINY, *SHAPES["mtp"]])
+    validate(config)
+    from megatron.checkpoint.megatron_args import to_args
+
+    theirs = core_model(mcore, to_args(config.model, tp=1, pp=1, seq_length=8, iteration=0,
+                                       consumed_train_samples=0))
+    names = [n for n, _ in theirs.named_parameters()]
+    assert core_order(reversed(names)) == names
