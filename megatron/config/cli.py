@@ -364,8 +364,9 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     if unknown and not any(u.startswith("-") for u in unknown):
         raise ConfigError(_stray_words(argv, unknown))
     if unknown or refused:
-        them = "them" if len(refused) > 1 else "it"
-        absent = (f"{'Not' if unknown else 'not'} available here: {', '.join(refused)}; remove {them} "
+        them = "them" if sum(map(len, refused.values())) > 1 else "it"
+        named = ", ".join(f"{', '.join(flags)} ({why})" for why, flags in refused.items())
+        absent = (f"{'Not' if unknown else 'not'} available here: {named}; remove {them} "
                   f"(docs/megatron.md lists Megatron-LM's flags)." if refused else "")
         ours = {s: a.dest for a in parser._actions for s in a.option_strings if not a.dest.startswith(MEGATRON_DEST)}
         unknown_text = _unknown_message(unknown, ours)  # hidden Megatron-LM flags are never suggested
@@ -380,7 +381,7 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
                            "defaults apply where FleetX's differ: "
                            + ", ".join(f"{k} {_shown(v)}" for k, v in applied.items()) + " (docs/megatron.md).")
     config = _layered(Config() if base is None else copy.deepcopy(base), given)
-    _derive_megatron(config, megatron_given)
+    notices += _derive_megatron(config, megatron_given)
     if warnings is not None:
         warnings += notices
     return config
@@ -412,11 +413,13 @@ def megatron_defaults() -> Config:
     return config
 
 
-def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[list[str], list[str]]:
+def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(notices, refused) for the Megatron flags of ``megatron_flags``' tables on the command line: the
     accepted-without-effect ones listed in one notice, the absent ones (unless at their no-op value) refused
-    by name. Unknown flags that name an absent Megatron feature (``--moe-*``) are moved from ``unknown``."""
-    accepted, refused, said = [], [], []
+    by name, those of one feature together. Unknown flags that name an absent Megatron feature (``--moe-*``) are
+    moved from ``unknown``."""
+    accepted, said = [], []
+    refused: dict[str, list[str]] = {}  # why -> the flags (with their values) refused for it
     for flag, values in given.items():
         shown = " ".join([flag, *values])
         instead = megatron_flags.said_instead(flag, values)
@@ -430,12 +433,12 @@ def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[li
                 accepted.append(shown)
             else:
                 noop = f"; accepted only as {flag} {' or '.join(entry.noop)}" if entry.noop else ""
-                refused.append(f"{shown} ({entry.feature}{noop})")
+                refused.setdefault(entry.feature + noop, []).append(shown)
     kept, after_refused = [], False
     for arg in unknown:
         feature = megatron_flags.absent_feature(arg.split("=")[0]) if arg.startswith("--") else None
         if feature:
-            refused.append(f"{arg.split('=')[0]} ({feature})")
+            refused.setdefault(feature, []).append(arg.split("=")[0])
         elif not (after_refused and not arg.startswith("-")):  # a refused flag's values go with it
             kept.append(arg)
         after_refused = bool(feature) or (after_refused and not arg.startswith("-"))
@@ -444,20 +447,15 @@ def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[li
     return [*notices, *said], refused
 
 
-def _derive_megatron(config: Config, given: dict[str, list[str]]) -> None:
-    """Megatron flags that set a value from others: --num-layers-per-virtual-pipeline-stage."""
-    flag = "--num-layers-per-virtual-pipeline-stage"
-    if flag not in given:
-        return
+def _derive_megatron(config: Config, given: dict[str, list[str]]) -> list[str]:
+    """Megatron flags that set values from others (``megatron_flags.DERIVED``); the notices to print."""
     try:
-        per_stage = int(given[flag][0]) if len(given[flag]) == 1 else -1
-    except ValueError:
-        per_stage = -1
-    d, layers = config.distributed, config.model.num_layers
-    if per_stage < 1 or layers % (per_stage * d.pp_degree):
-        raise ConfigError(f"{flag} must be a positive integer that, times the pipeline size ({d.pp_degree}), divides "
-                          f"num_layers ({layers}); got {' '.join(given[flag]) or 'no value'}.")
-    config.distributed.virtual_pp_degree = layers // (per_stage * d.pp_degree)
+        values, notices = megatron_flags.derived(given, config.model.num_layers, config.distributed.pp_degree)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for name, value in values.items():
+        set_value(config, LEAVES[name], value)
+    return notices
 
 
 def _layered(config: Config, given: dict) -> Config:

@@ -126,13 +126,23 @@ NO_EFFECT: dict[str, str] = {
     "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
     "--no-position-embedding": "positions are chosen by --position-embedding-type alone, as Megatron Core's GPTModel "
                                "reads them (rope and none add no position embedding)",
+    "--moe-permute-fusion": _IMPL,
+    "--moe-router-fusion": _IMPL,
+    "--no-check-for-nan-in-loss-and-grad": (
+        "a step with non-finite gradients is skipped here, --max-consecutive-skipped-steps bad steps in a row "
+        "(non-finite losses or gradients; 0: never) stop the run (exit 3), and a non-finite state is never saved; "
+        "the check costs nothing, the loss and gradient norm being reduced every step anyway"),
+    "--logging-level": ("the level of Megatron-LM's Python loggers; the log here (the step lines, warnings and "
+                        "errors) always prints"),
 }
 
 # --- absent: a feature this framework lacks ---------------------------------------------------------------
 _UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
            "interleaving)")
 _INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
-_MOE_DISPATCH = "Megatron's fused or DeepEP token dispatch"
+_MOE_DISPATCH = "Megatron's DeepEP token dispatch"
+_FP8 = ("FP8 training, which needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, "
+        "Hopper, Blackwell) and Transformer Engine, and is not built here; bf16 trains the same model")
 
 
 @dataclass(frozen=True)
@@ -154,13 +164,13 @@ ABSENT: dict[str, Absent] = {
     "--apply-wd-to-qk-layernorm": Absent("weight decay on the QK norms (norms never decay here)"),
     "--attention-output-gate": Absent("gated attention output"),
     "--experimental-attention-variant": Absent("experimental attention variants"),
-    "--fp8-format": Absent("FP8 training"),
-    "--fp8-recipe": Absent("FP8 training"),
-    "--fp8-param-gather": Absent("FP8 training"),
-    "--first-last-layers-bf16": Absent("FP8 training"),
-    "--use-torch-fsdp2": Absent("PyTorch FSDP2; ZeRO-3 here is --sharding-stage 3 --sharding-degree N"),
-    "--use-megatron-fsdp": Absent("Megatron FSDP; ZeRO-3 here is --sharding-stage 3 --sharding-degree N"),
-    "--data-parallel-sharding-strategy": Absent("Megatron FSDP; ZeRO here is --sharding-stage 1, 2 or 3"),
+    "--fp8-format": Absent(_FP8),
+    "--fp8-recipe": Absent(_FP8),
+    "--fp8-param-gather": Absent(_FP8),
+    "--first-last-layers-bf16": Absent(_FP8),
+    "--outer-dp-sharding-strategy": Absent(
+        "hybrid-sharded data parallelism (Megatron FSDP's outer data-parallel group); --use-megatron-fsdp shards "
+        "over the whole data-parallel group here", ("no_shard",)),
     "--use-mup": Absent("muP parametrisation"),
     "--fim-data": Absent("fill-in-the-middle datasets"),
     "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
@@ -210,16 +220,16 @@ ABSENT: dict[str, Absent] = {
     "--moe-extended-tp": Absent("extended tensor parallelism of the experts"),
     "--moe-enable-deepep": Absent(_MOE_DISPATCH),
     "--moe-flex-dispatcher-backend": Absent(_MOE_DISPATCH),
-    "--moe-permute-fusion": Absent(_MOE_DISPATCH),
-    "--moe-router-fusion": Absent(_MOE_DISPATCH),
     "--moe-apply-probs-on-input": Absent("routing probabilities applied to the experts' input"),
 }
 _ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
                     "--dsa-": "experimental attention variants",
                     "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
                     "--rl-": _INFERENCE, "--mup-": "muP parametrisation",
-                    "--fp8-": "FP8 training",
-                    "--fp4-": "FP4 training", "--megatron-fsdp-": "Megatron FSDP"}
+                    "--fp8-": _FP8,
+                    "--fp4-": "FP4 training",
+                    "--megatron-fsdp-": "Megatron FSDP's own buffers and dtypes; --use-megatron-fsdp is ZeRO here "
+                                        "(docs/megatron.md)"}
 
 # --- rewritten into our flags -----------------------------------------------------------------------------
 # Megatron flag -> (our flags it stands for; "{}" is the flag's value, None when it takes none), meaning.
@@ -230,6 +240,9 @@ REWRITES: dict[str, tuple[tuple[str, ...], str]] = {
     "--recompute-granularity": (("--use-recompute", "--recompute-granularity", "{}"),
                                 "recompute on, at this granularity (full or selective)"),
     "--use-rotary-position-embeddings": (("--position-embedding-type", "rope"), "rotary position embeddings"),
+    "--use-torch-fsdp2": (("--use-distributed-optimizer", "--sharding-stage", "3"),
+                          "PyTorch FSDP2 (fully_shard): parameters, gradients and optimizer states sharded over the "
+                          "data-parallel group, which is ZeRO stage 3 here"),
 }
 REWRITE_TAKES_VALUE = {flag: "{}" in ours for flag, (ours, _) in REWRITES.items()}
 
@@ -272,9 +285,20 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
 )
 # Megatron flags handled after parsing, from other values (cli.parse_config): flag -> meaning.
-DERIVED = {"--num-layers-per-virtual-pipeline-stage": "virtual_pp_degree = num_layers / (pp x this)"}
+DERIVED = {
+    "--num-layers-per-virtual-pipeline-stage": "virtual_pp_degree = num_layers / (pp x this)",
+    "--use-megatron-fsdp": ("Megatron FSDP: the data-parallel group shards what --data-parallel-sharding-strategy "
+                            "names (default optim_grads_params), which is ZeRO over the whole data-parallel group "
+                            "here (use_distributed_optimizer, sharding_stage 1-3; no_shard: plain data parallelism)"),
+    "--data-parallel-sharding-strategy": ("with --use-megatron-fsdp, sharding_stage: optim 1, optim_grads 2, "
+                                          "optim_grads_params 3 (no_shard: none); without it no effect, as in "
+                                          "Megatron-LM"),
+}
+# Megatron FSDP's --data-parallel-sharding-strategy -> our ZeRO stage (0: no sharding, plain data parallelism)
+FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 
 # --- Megatron-LM's defaults where FleetX's differ ---------------------------------------------------------
 MEGATRON_DEFAULTS: dict[str, object] = {
@@ -296,6 +320,38 @@ def absent_feature(flag: str) -> str | None:
     if flag in ABSENT:
         return ABSENT[flag].feature
     return next((feature for prefix, feature in _ABSENT_PREFIXES.items() if flag.startswith(prefix)), None)
+
+
+def derived(given: dict[str, list[str]], num_layers: int, pp: int) -> tuple[dict[str, object], list[str]]:
+    """(values, notices) of the ``DERIVED`` flags of ``given`` (flag -> its values): the configuration values
+    they set (leaf name -> value) and the lines to print at start. ValueError, one sentence, for a value
+    Megatron-LM would refuse."""
+    values: dict[str, object] = {}
+    notices: list[str] = []
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if flag in given:
+        text = " ".join(given[flag])
+        per_stage = int(text) if text.isdigit() and len(given[flag]) == 1 else -1
+        if per_stage < 1 or num_layers % (per_stage * pp):
+            raise ValueError(f"{flag} must be a positive integer that, times the pipeline size ({pp}), divides "
+                             f"num_layers ({num_layers}); got {text or 'no value'}.")
+        values["virtual_pp_degree"] = num_layers // (per_stage * pp)
+    fsdp, strategy_flag = "--use-megatron-fsdp", "--data-parallel-sharding-strategy"
+    if fsdp in given and given[fsdp]:
+        raise ValueError(f"{fsdp} takes no value; got {' '.join(given[fsdp])}.")
+    strategy = " ".join(given.get(strategy_flag, ["optim_grads_params"]))
+    if strategy not in FSDP_STAGES:
+        raise ValueError(f"{strategy_flag} must be one of {', '.join(FSDP_STAGES)}; got {strategy or 'no value'}.")
+    if fsdp in given:
+        stage = FSDP_STAGES[strategy]
+        values.update({"use_distributed_optimizer": stage > 0, "sharding_stage": max(stage, 1)})
+        if not stage:
+            values["sharding_degree"] = 1
+        zero = f"ZeRO stage {stage} over the whole data-parallel group" if stage else "plain data parallelism"
+        notices.append(f"{fsdp} --data-parallel-sharding-strategy {strategy}: {zero} here (docs/megatron.md).")
+    elif strategy_flag in given:
+        notices.append(f"{strategy_flag} {strategy}: no effect without {fsdp}, as in Megatron-LM.")
+    return values, notices
 
 
 def is_megatron_command_line(argv: list[str]) -> bool:

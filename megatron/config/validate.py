@@ -401,7 +401,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
     check_moe(config)
-    check_attention(config)
+    check_attention(config, warnings)
     check_mtp(config)
     check_training_length(config)
     resolve_batch_schedule(config)

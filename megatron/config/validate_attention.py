@@ -1,5 +1,5 @@
-"""DeepSeek-V3's model settings: multi-latent attention and YaRN (``megatron.model.mla``, ``megatron.model.rotary.Yarn``),
-multi-token prediction (``megatron.model.mtp``)."""
+"""DeepSeek-V3's model settings: multi-latent attention and YaRN (``megatron.model.mla``,
+``megatron.model.rotary.Yarn``), multi-token prediction (``megatron.model.mtp``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ YARN_DEFAULTS = {"rope_type": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
                  "original_max_position_embeddings": 4096}
 
 
-def check_attention(config: Config) -> None:
+def check_attention(config: Config, warnings: list[str] | None = None) -> None:
     m, d = config.model, config.distributed
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
                  "original_max_position_embeddings"):  # checked for every model: a typo is never meant
@@ -37,9 +37,12 @@ def check_attention(config: Config) -> None:
               f"{m.position_embedding_type}.")
     if m.qk_pos_emb_head_dim % 2:
         _fail(f"qk_pos_emb_head_dim ({m.qk_pos_emb_head_dim}) must be even: rotary embeddings turn channel pairs.")
-    if m.group_query_attention or m.kv_channels is not None:
-        _fail("group_query_attention / kv_channels shape SelfAttention's heads; multi-latent attention's are "
-              "qk_head_dim, qk_pos_emb_head_dim and v_head_dim: drop them.")
+    if m.group_query_attention:
+        _fail("group_query_attention shapes SelfAttention's heads; multi-latent attention's are qk_head_dim, "
+              "qk_pos_emb_head_dim and v_head_dim: drop it.")
+    if m.kv_channels is not None and warnings is not None:  # Megatron-LM's DeepSeek scripts give it; unused there too
+        warnings.append(f"kv_channels ({m.kv_channels}) shapes nothing under multi-latent attention, as in "
+                        f"Megatron-LM: its heads are qk_head_dim + qk_pos_emb_head_dim and v_head_dim wide.")
     if m.num_attention_heads % d.mp_degree:
         _fail(f"num_attention_heads ({m.num_attention_heads}) must be divisible by the tensor-parallel size "
               f"mp_degree ({d.mp_degree}): each rank holds whole heads.")

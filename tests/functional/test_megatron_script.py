@@ -1,54 +1,117 @@
-"""A Megatron-LM functional-test command line, scaled down, trains here unchanged and resumes."""
+"""Megatron-LM functional-test command lines, scaled down, train here unchanged and resume.
+
+Each is its ``FUNCTIONAL`` entry with the environment's paths filled in (the tiny BPE corpus) and only its sizes
+scaled to this machine (layers, widths, experts, sequence, batch, steps); every other flag is as Megatron's test
+gives it, but FP8's (refused on a CPU, in one line: the last test). One parallel size is scaled down: the MTP
+config's --expert-model-parallel-size 4, to 2, since ep 4 under tp 2 x pp 2 takes 8 ranks (a stage's tp x dp
+ranks hold the experts) and this suite runs on 2 cores; all its other sizes (tp 2, pp 2, vpp 4, etp 1, sequence
+parallel) are Megatron's. Every run is trained by one launch of 4 ranks.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from pathlib import Path
 
 import pytest
 
-from tests.functional.launch import outcome, run_several
+from megatron.optimizer.lr_schedule import OptimizerParamSchedule
+from tests.functional.launch import outcome, run_here, run_several
 from tests.functional.test_pretrain_data import corpus  # noqa: F401  (the fixture: a tiny BPE corpus)
 from tests.unit.megatron_flag_sets import FUNCTIONAL
 
 pytestmark = pytest.mark.slow
 
+LLAMA = "gpt3_mcore_reruns_resume"
 # Megatron-LM's Llama-shaped GPT (RMSNorm, SwiGLU, GQA, RoPE, untied, no biases, distributed optimizer,
 # pipeline 2): its sizes scaled to this machine, every other flag as Megatron's test gives it.
 SCALED = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
           "--num-query-groups": "2", "--kv-channels": "16", "--seq-length": "32", "--max-position-embeddings": "32",
           "--global-batch-size": "8", "--micro-batch-size": "2", "--train-iters": "6"}
 
+# Megatron-LM's two DeepSeek-like tests: multi-latent attention (q/kv LoRA, decoupled rope, YaRN), QK norms, the
+# DeepSeek-V3 router (sigmoid, expert bias, 4 groups choosing 2, top-4 scaled by 2), shared experts, dense first
+# layers (--moe-layer-freq), the sequence-level aux loss; the first with multi-token prediction at tp 2 x pp 2 x vpp
+# 4 (sequence parallel, etp 1), the second under Megatron FSDP (ZeRO-3 here) at ep 2.
+MTP = "gpt3_mcore_te_tp2_pp2_ep4_etp1_mtp_resume_torch_dist_fp8"
+PROXY = "deepseek_proxy_fsdp_ep2_fsdp2"
+_MLA = {"--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4", "--seq-length": "32",
+        "--max-position-embeddings": "32", "--moe-ffn-hidden-size": "32", "--moe-shared-expert-intermediate-size": "32",
+        "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8",
+        "--v-head-dim": "16", "--micro-batch-size": "2"}
+DEEPSEEK = {
+    # 8 layers: one per virtual stage (pp 2 x vpp 4), the first dense as Megatron's; ep 4 needs 8 ranks (the
+    # experts' ranks are a stage's tp x dp), so ep 2 on the 4 ranks of tp 2 x pp 2. The first run exits at
+    # step 2 (--exit-interval, saving), the second, otherwise the same, resumes there.
+    MTP: {**_MLA, "--num-layers": "8", "--moe-layer-freq": "([0]*1+[1]*7)", "--num-experts": "16",
+          "--expert-model-parallel-size": "2", "--global-batch-size": "8", "--train-iters": "4",
+          "--exit-interval": "4", "--save-interval": "2"},
+    # 8 layers, 3 dense, 8 experts as Megatron's; on 4 ranks: ZeRO-3 over dp 4, the experts over ep 2 x edp 2
+    PROXY: {**_MLA, "--num-experts": "8", "--global-batch-size": "16", "--train-iters": "4",
+            "--exit-interval": "4"},
+}
+NPROC = 4  # the fewest the MTP one's tp 2 x pp 2 takes; the others' data-parallel ranks
+# (flag, how many values it takes): refused on this machine, and dropped from the runs that train
+FP8 = {"--fp8-format": 1, "--fp8-recipe": 1, "--fp8-param-gather": 0}
 
-def _command_line(corpus_dir: Path, out: Path, **changes: str) -> list[str]:
-    text = FUNCTIONAL["gpt3_mcore_reruns_resume"]
-    paths = {"${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document":
-             corpus_dir / "data" / "c_text_document",
-             "${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json": corpus_dir / "tok" / "vocab.json",
-             "${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt": corpus_dir / "tok" / "merges.txt",
-             "${CHECKPOINT_SAVE_PATH}": out, "${CHECKPOINT_LOAD_PATH}": out, "${TENSORBOARD_PATH}": out / "tb",
-             "${DATA_CACHE_PATH}": out.parent / "cache"}
-    for placeholder, path in paths.items():
+
+def _command_line(name: str, corpus_dir: Path, out: Path, scaled: dict[str, str], **changes: str) -> list[str]:
+    """``FUNCTIONAL[name]`` with its paths (the corpus, ``out`` for the checkpoints) and its sizes filled in."""
+    text = FUNCTIONAL[name]
+    for placeholder, path in {"${CHECKPOINT_SAVE_PATH}": out, "${CHECKPOINT_LOAD_PATH}": out,
+                              "${TENSORBOARD_PATH}": out / "tb", "${DATA_CACHE_PATH}": out.parent / "cache"}.items():
         text = text.replace(placeholder, str(path))
     argv = shlex.split(text)
-    for flag, value in {**SCALED, **changes}.items():
-        argv[argv.index(flag) + 1] = value
+    data = {"--data-path": corpus_dir / "data" / "c_text_document", "--vocab-file": corpus_dir / "tok" / "vocab.json",
+            "--merge-file": corpus_dir / "tok" / "merges.txt"}
+    for flag, value in {**data, **scaled, **changes}.items():
+        argv[argv.index(flag) + 1] = str(value)
     return argv
+
+
+def _without_fp8(argv: list[str]) -> list[str]:
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] in FP8:
+            i += 1 + FP8[argv[i]]
+            continue
+        kept.append(argv[i])
+        i += 1
+    return kept
 
 
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_megatron_llama_command_line_trains_and_resumes(corpus, tmp_path):  # noqa: F811
-    """The command line trains; the same with a longer --train-iters, launched again (after it, by the same
-    torchrun: ``run_several``), resumes from the checkpoint --save wrote at the end."""
-    out = tmp_path / "ckpt"
-    launch = run_several([(tmp_path / "first", [*_command_line(corpus, out), "--device", "cpu"]),
-                          (tmp_path / "second", [*_command_line(corpus, out, **{"--train-iters": "8"}),
-                                                 "--device", "cpu"])], nproc=2)
-    first, second = (outcome(tmp_path / name, 2, launch) for name in ("first", "second"))
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):  # noqa: F811
+    """Every run of this module, trained in turn by one launch of ``NPROC`` ranks (``run_several``): the Llama
+    command line to step 6, then the same with --train-iters 8; the DeepSeek-like ones without their FP8 flags,
+    the MTP one to --exit-interval 2, then the same to 4, then the FSDP proxy. (the folder holding every run's
+    checkpoints, {run: outcome}); a run's checkpoints and metrics.jsonl are in ``<its command line's name>-ckpt``."""
+    root = tmp_path_factory.mktemp("megatron")
+
+    def argv(name: str, scaled: dict[str, str], **changes: str) -> list[str]:
+        line = _command_line(name, corpus, root / f"{name}-ckpt", scaled, **changes)
+        if "--save" not in line:  # the proxy's (Megatron's test saves nothing)
+            line += ["--save", str(root / f"{name}-ckpt")]
+        return [*_without_fp8(line), "--device", "cpu"]
+
+    lines = {"llama-first": argv(LLAMA, SCALED), "llama-second": argv(LLAMA, SCALED, **{"--train-iters": "8"}),
+             "mtp-first": argv(MTP, DEEPSEEK[MTP], **{"--exit-interval": "2"}), "mtp-resumed": argv(MTP, DEEPSEEK[MTP]),
+             "proxy": argv(PROXY, DEEPSEEK[PROXY])}
+    launch = run_several([(root / run, line) for run, line in lines.items()], nproc=NPROC)
+    return root, {run: outcome(root / run, NPROC, launch) for run in lines}
+
+
+def test_megatron_llama_command_line_trains_and_resumes(runs):
+    """The command line trains (pp 2 x dp 2, the distributed optimizer over the 2); the same with a longer
+    --train-iters, launched again, resumes from the checkpoint --save wrote at the end."""
+    root, outcomes = runs
+    first, second, out = outcomes["llama-first"], outcomes["llama-second"], root / f"{LLAMA}-ckpt"
     first.check()
     log = first.log + first.stdout
     assert "accepted, no effect here: --deterministic-mode, --manual-gc, --use-mcore-models" in log
@@ -63,3 +126,53 @@ def test_megatron_llama_command_line_trains_and_resumes(corpus, tmp_path):  # no
     second.check()
     assert "resuming at step 6" in second.log + second.stdout
     assert [r["step"] for r in _records(out) if r["split"] == "train"] == list(range(1, 9))
+
+
+def _assert_trained(records: list[dict], steps: int) -> None:
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    losses = [r["loss"] for r in train]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.02, losses
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_megatron_deepseek_command_line_trains(runs, name):
+    """Every flag but FP8's is taken (implemented, or accepted with its line at start) and the run trains: finite
+    losses that fall; the MTP one resumes at its checkpoint and goes on with Megatron-LM's schedule."""
+    root, outcomes = runs
+    first = outcomes["proxy" if name == PROXY else "mtp-first"]
+    first.check()
+    log = first.log + first.stdout
+    assert "accepted, no effect here: --attention-backend unfused," in log
+    assert "--no-check-for-nan-in-loss-and-grad" in log and "--moe-permute-fusion" in log and "--logging-level" in log
+    records = _records(root / f"{name}-ckpt")
+    if name == PROXY:
+        assert ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params: ZeRO stage 3 over the "
+                "whole data-parallel group here" in log)
+        assert "world size 4 (dp 1, tp 1, pp 1, sharding 4)" in log
+        _assert_trained(records, 4)
+        return
+    resumed = outcomes["mtp-resumed"]
+    resumed.check()
+    assert "resuming at step 2" in resumed.log + resumed.stdout
+    _assert_trained(records, 4)
+    train = [r for r in records if r["split"] == "train"]
+    assert all(len(r["mtp_loss"]) == 1 and math.isfinite(r["mtp_loss"][0]) for r in train)
+    # Megatron-LM's schedule over the 4 iterations, warm-up 1% of them, cosine to --min-lr, across the resume
+    gbs = 8
+    schedule = OptimizerParamSchedule(1.5e-4, 1e-5, warmup=0.01 * 4 * gbs, decay=4 * gbs)
+    assert [r["learning_rate"] for r in train] == pytest.approx([schedule.lr(k * gbs) for k in range(4)], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_megatron_deepseek_command_line_with_fp8_stops_with_one_line(corpus, tmp_path, name):  # noqa: F811
+    """With its FP8 flags the command line stops before anything starts: one line naming them and the GPU FP8
+    needs, exit status 2."""
+    result = run_here(*_command_line(name, corpus, tmp_path / "ckpt", DEEPSEEK[name]), "--device", "cpu")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: not available here: --fp8-format ")
+    named = {arg for arg in shlex.split(FUNCTIONAL[name]) if arg.startswith("--") and arg in lines[0]}
+    assert named == {flag for flag in FP8 if flag in FUNCTIONAL[name]}
+    assert "needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer" in lines[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "ckpt").exists()

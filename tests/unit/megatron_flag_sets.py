@@ -2,8 +2,9 @@
 
 ``EXAMPLE_175B``: the arguments of Megatron-LM's ``examples/gpt3/train_gpt3_175b_distributed.sh``.
 ``FUNCTIONAL``: the ``MODEL_ARGS`` of a representative set of its GPT functional-test configurations
-(``tests/functional_tests/test_cases/gpt/<name>/model_config.yaml``; YAML ``true`` written as the bare
-flag). ``${...}`` are the paths those files leave to the environment.
+(``tests/functional_tests/test_cases/gpt/<name>/model_config.yaml``, and two DeepSeek-like ones of ``moe/``;
+YAML ``true`` written as the bare flag, quotes and comments dropped). ``${...}`` are the paths those files
+leave to the environment.
 """
 
 EXAMPLE_175B = (
@@ -344,6 +345,65 @@ FUNCTIONAL = {
         '--attention-softmax-in-fp32 --use-checkpoint-opt_param-scheduler --use-mcore-models --ckpt-format torch_dist '
         "--dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 --log-memory-to-tensorboard "
         '--async-save --use-persistent-ckpt-worker'),
+    'gpt3_mcore_te_tp2_pp2_ep4_etp1_mtp_resume_torch_dist_fp8': (
+        '--distributed-timeout-minutes 60 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 '
+        '--num-virtual-stages-per-pipeline-rank 4 --expert-model-parallel-size 4 --context-parallel-size 1 '
+        '--expert-tensor-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather '
+        '--attention-backend unfused --use-mcore-models --sequence-parallel --disable-bias-linear --micro-batch-size '
+        '4 --global-batch-size 32 --train-iters 50 --exit-duration-in-mins 230 --no-check-for-nan-in-loss-and-grad '
+        '--no-rope-fusion --cross-entropy-loss-fusion --cross-entropy-fusion-impl native --manual-gc '
+        '--manual-gc-interval 100 --transformer-impl transformer_engine --seq-length 4096 --data-cache-path '
+        "'${DATA_CACHE_PATH}' --data-path '${DATA_PATH}/text/common_pile/v01_filtered_data/my-gpt3_00_text_document' "
+        "--vocab-file '${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/common_pile/v01_filtered_data/bpe/merges.txt' --split 949,50,1 --num-layers 16 "
+        '--hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 32 --kv-channels 128 '
+        '--max-position-embeddings 4096 --position-embedding-type rope --rotary-base 10000 '
+        '--make-vocab-size-divisible-by 3232 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu '
+        '--untie-embeddings-and-output-weights --multi-latent-attention --mtp-num-layers 1 --mtp-loss-scaling-factor '
+        '0.1 --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm '
+        '--lr-warmup-fraction .01 --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 '
+        "0.95 --num-experts 32 --moe-layer-freq '([0]*1+[1]*15)' --moe-ffn-hidden-size 1024 "
+        '--moe-shared-expert-intermediate-size 1024 --moe-router-load-balancing-type seq_aux_loss --moe-router-topk '
+        '4 --moe-token-dispatcher-type alltoall --moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff '
+        '1e-4 --moe-router-group-topk 2 --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.0 '
+        '--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 '
+        '--moe-router-dtype fp32 --moe-permute-fusion --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 '
+        '--qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 '
+        "--eval-iters 32 --eval-interval 200 --save '${CHECKPOINT_SAVE_PATH}' --load '${CHECKPOINT_LOAD_PATH}' "
+        '--save-interval 25 --init-method-std 0.02 --log-timers-to-tensorboard --log-memory-to-tensorboard '
+        '--log-num-zeros-in-grad --log-params-norm --log-validation-ppl-to-tensorboard --log-throughput '
+        "--log-interval 1 --logging-level 40 --tensorboard-dir '${TENSORBOARD_PATH}' --bf16 --fp8-format hybrid "
+        '--fp8-recipe tensorwise --exit-interval 50 --async-save --use-persistent-ckpt-worker'),
+    'deepseek_proxy_fsdp_ep2_fsdp2': (
+        '--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 '
+        '--expert-model-parallel-size 2 --context-parallel-size 1 --expert-tensor-parallel-size 1 '
+        '--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --attention-backend unfused '
+        '--num-distributed-optimizer-instances 1 --use-megatron-fsdp --data-parallel-sharding-strategy '
+        'optim_grads_params --outer-dp-sharding-strategy no_shard --deterministic-mode --ckpt-format fsdp_dtensor '
+        '--no-gradient-accumulation-fusion --fp8-format e4m3 --fp8-recipe tensorwise --fp8-param-gather '
+        '--use-mcore-models --sequence-parallel --disable-bias-linear --micro-batch-size 32 --global-batch-size 256 '
+        '--train-iters 50 --exit-duration-in-mins 60 --no-check-for-nan-in-loss-and-grad --no-rope-fusion '
+        '--manual-gc --manual-gc-interval 100 --transformer-impl transformer_engine --seq-length 1024 '
+        "--data-cache-path '${DATA_CACHE_PATH}' --data-path "
+        "'${DATA_PATH}/text/the_pile/shard00/my-gpt3_00_text_document' --vocab-file "
+        "'${DATA_PATH}/text/the_pile/shard00/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/the_pile/shard00/bpe/merges.txt' --split 949,50,1 --num-layers 8 --hidden-size 512 "
+        '--ffn-hidden-size 2048 --num-attention-heads 8 --kv-channels 128 --max-position-embeddings 1024 '
+        '--position-embedding-type rope --rotary-base 10000 --make-vocab-size-divisible-by 64 --normalization '
+        'RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --multi-latent-attention '
+        '--attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm '
+        '--lr-warmup-fraction .01 --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 '
+        "0.95 --num-experts 8 --moe-layer-freq '([0]*3+[1]*5)' --moe-ffn-hidden-size 1024 "
+        '--moe-shared-expert-intermediate-size 1024 --moe-router-load-balancing-type seq_aux_loss --moe-router-topk '
+        '4 --moe-token-dispatcher-type alltoall --moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff '
+        '1e-4 --moe-router-group-topk 2 --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.0 '
+        '--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 '
+        '--moe-router-dtype fp32 --moe-permute-fusion --q-lora-rank 256 --kv-lora-rank 128 --qk-head-dim 128 '
+        '--qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 1.0 --mscale 1.0 --mscale-all-dim 1.0 '
+        '--eval-iters 10 --eval-interval 200 --save-interval 25 --init-method-std 0.02 --log-timers-to-tensorboard '
+        '--log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm --log-validation-ppl-to-tensorboard '
+        "--log-throughput --log-interval 1 --logging-level 10 --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--exit-interval 50'),
 }
 
 

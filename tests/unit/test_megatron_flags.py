@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -23,10 +24,14 @@ REFUSED = {
     "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
     "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
     "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances": {"--num-distributed-optimizer-instances"},
-    "gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist": {"--use-torch-fsdp2"},
+    # FP8 needs a GPU with FP8 tensor cores and Transformer Engine (tests/functional/test_megatron_script.py trains
+    # these two without it)
+    "gpt3_mcore_te_tp2_pp2_ep4_etp1_mtp_resume_torch_dist_fp8": {"--fp8-format", "--fp8-recipe"},
+    "deepseek_proxy_fsdp_ep2_fsdp2": {"--fp8-format", "--fp8-recipe", "--fp8-param-gather"},
     "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": {
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"},
 }
+FP8 = {"--fp8-format", "--fp8-recipe", "--fp8-param-gather"}
 COMMAND_LINES = {"examples/gpt3/train_gpt3_175b_distributed.sh": EXAMPLE_175B, **FUNCTIONAL}
 
 
@@ -40,13 +45,27 @@ def _argv(text: str, tmp_path: Path) -> list[str]:
     return shlex.split(text)
 
 
+def _without(argv: list[str], flags: set[str]) -> list[str]:
+    """``argv`` without ``flags`` and their values."""
+    kept, dropping = [], False
+    for arg in argv:
+        dropping = arg in flags or (dropping and not arg.startswith("--"))
+        if not dropping:
+            kept.append(arg)
+    return kept
+
+
 def _world_size(argv: list[str]) -> int:
-    sizes = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1}
+    """tp x pp x cp x the fewest data-parallel ranks the experts need (a stage's tp x cp x dp ranks hold ep x etp
+    expert groups)."""
+    sizes = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1,
+             "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 0}
     for flag in sizes:
         if flag in argv:
             sizes[flag] = int(argv[argv.index(flag) + 1])
-    return sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"] * sizes[
-        "--context-parallel-size"]
+    tp, pp, cp, ep, etp = sizes.values()
+    experts = ep * (etp or tp)
+    return tp * pp * cp * experts // math.gcd(experts, tp * cp)
 
 
 @pytest.mark.parametrize("name", list(COMMAND_LINES))
@@ -59,7 +78,10 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
         refused = {flag for flag in argv if flag.startswith("--") and flag in str(err.value)}
         assert refused == REFUSED[name], str(err.value)
         assert "unknown argument" not in str(err.value)
-        return
+        if not refused <= FP8:
+            return
+        argv = _without(argv, refused)  # FP8 aside, the command line is taken
+        notices = []
     config = parse_config(argv, warnings=notices)
     infer_tokenizer_type(config.tokenizer)  # the 175B example gives GPT-2's files and no --tokenizer-type
     null = config.tokenizer.tokenizer_type == "NullTokenizer"
@@ -70,7 +92,8 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
     # what the flags say is what the configuration holds
     assert config.model.num_layers == int(argv[argv.index("--num-layers") + 1])
     d = config.distributed
-    assert d.mp_degree * d.pp_degree * d.context_parallel_size == _world_size(argv)
+    assert d.mp_degree * d.pp_degree * d.context_parallel_size * d.dp_degree * d.sharding.sharding_degree == \
+        _world_size(argv)
     if "--lr" in argv:
         assert config.optimizer.lr.max_lr == float(argv[argv.index("--lr") + 1])
     if "--seq-length" in argv:
@@ -206,7 +229,8 @@ def test_every_flag_of_megatrons_gpt_tests_has_its_row():
     gets the unknown-flag answer."""
     ours = {s for a in build_parser()._actions for s in a.option_strings if not a.dest.startswith("megatron:")}
     rows = {"implemented": [], "accepted": [], "absent": [], "unknown": []}
-    for flag in ALL_FUNCTIONAL_FLAGS:
+    in_lines = {arg for text in FUNCTIONAL.values() for arg in shlex.split(text) if arg.startswith("--")}
+    for flag in sorted(set(ALL_FUNCTIONAL_FLAGS) | in_lines):
         if flag in ours or flag in megatron_flags.REWRITES or flag in megatron_flags.DERIVED:
             rows["implemented"].append(flag)
         elif flag in megatron_flags.NO_EFFECT:
@@ -226,3 +250,81 @@ def test_the_megatron_defaults_notice_names_only_the_defaults_that_apply():
     notice = next(n for n in notices if n.startswith("Megatron-LM command line"))
     assert "seed" not in notice and "eod_mask_loss" not in notice and "decay_style linear" in notice
     assert (config.seed, config.dataset.eod_mask_loss) == (7, True)
+
+
+@pytest.mark.parametrize("strategy, stage", [(None, 3), ("optim", 1), ("optim_grads", 2), ("optim_grads_params", 3),
+                                             ("no_shard", 0)])
+def test_megatron_fsdp_is_zero_over_the_data_parallel_group(strategy, stage):
+    """--use-megatron-fsdp shards what --data-parallel-sharding-strategy names (Megatron's default
+    optim_grads_params) over the whole data-parallel group: ZeRO at that stage here; no_shard is plain data
+    parallelism. Its line at start says so."""
+    notices: list[str] = []
+    given = [] if strategy is None else ["--data-parallel-sharding-strategy", strategy]
+    config = parse_config(["--mock-data", "--use-megatron-fsdp", *given, "--global-batch-size", "8"],
+                          warnings=notices)
+    validate(config, world_size=4)
+    d = config.distributed
+    if stage:
+        assert (d.use_distributed_optimizer, d.sharding.sharding_stage, d.sharding.sharding_degree, d.dp_degree) \
+            == (True, stage, 4, 1)
+        assert f"ZeRO stage {stage} over the whole data-parallel group here" in notices[-1]
+    else:
+        assert (d.use_distributed_optimizer, d.sharding.sharding_degree, d.dp_degree) == (False, 1, 4)
+        assert "no_shard: plain data parallelism here" in notices[-1]
+
+
+def test_torch_fsdp2_is_zero3_and_a_sharding_strategy_alone_changes_nothing():
+    d = parse_config(["--mock-data", "--use-torch-fsdp2"]).distributed
+    assert (d.use_distributed_optimizer, d.sharding.sharding_stage) == (True, 3)
+    notices: list[str] = []
+    d = parse_config(["--mock-data", "--data-parallel-sharding-strategy", "optim_grads"], warnings=notices).distributed
+    assert (d.use_distributed_optimizer, d.sharding.sharding_stage) == (False, 1)  # as in Megatron-LM
+    assert notices == ["--data-parallel-sharding-strategy optim_grads: no effect without --use-megatron-fsdp, as in "
+                       "Megatron-LM."]
+    for bad, says in ((["--data-parallel-sharding-strategy", "zero3"], "--data-parallel-sharding-strategy must be one "
+                       "of no_shard, optim, optim_grads, optim_grads_params; got zero3."),
+                      (["--use-megatron-fsdp", "yes"], "--use-megatron-fsdp takes no value; got yes.")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(["--mock-data", *bad])
+        assert str(err.value) == says
+
+
+def test_hybrid_fsdp_is_refused_unless_off():
+    notices: list[str] = []
+    parse_config(["--mock-data", "--outer-dp-sharding-strategy", "no_shard"], warnings=notices)
+    assert notices == ["accepted, no effect here: --outer-dp-sharding-strategy no_shard (docs/megatron.md says why)."]
+    with pytest.raises(ConfigError, match="--outer-dp-sharding-strategy optim \\(hybrid-sharded data parallelism "
+                                          ".*; accepted only as --outer-dp-sharding-strategy no_shard\\)"):
+        parse_config(["--mock-data", "--outer-dp-sharding-strategy", "optim"])
+
+
+def test_what_megatron_only_checks_or_fuses_is_accepted():
+    notices: list[str] = []
+    parse_config(["--mock-data", "--moe-permute-fusion", "--moe-router-fusion", "--no-check-for-nan-in-loss-and-grad",
+                  "--logging-level", "40"], warnings=notices)
+    assert notices == ["accepted, no effect here: --moe-permute-fusion, --moe-router-fusion, "
+                       "--no-check-for-nan-in-loss-and-grad, --logging-level 40 (docs/megatron.md says why)."]
+
+
+def test_fp8_flags_are_refused_together_in_one_line_naming_the_gpu_they_need():
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                      "--fp8-param-gather", "--fp8-amax-history-len", "16", "--use-mup"])
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(
+        "not available here: --fp8-format hybrid, --fp8-recipe tensorwise, --fp8-param-gather, --fp8-amax-history-len "
+        "(FP8 training, which needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, "
+        "Hopper, Blackwell) and Transformer Engine, and is not built here; bf16 trains the same model), --use-mup "
+        "(muP parametrisation); remove them")
+
+
+def test_kv_channels_is_accepted_and_unused_under_multi_latent_attention():
+    """Megatron-LM's DeepSeek scripts give --kv-channels with --multi-latent-attention, whose heads it does not
+    shape there either: taken, with a line saying so (grouped-query attention stays refused)."""
+    mla = ["--mock-data", "--multi-latent-attention", "--position-embedding-type", "rope", "--num-attention-heads", "4"]
+    config = parse_config([*mla, "--kv-channels", "128"])
+    warnings = validate(config)
+    assert config.model.kv_channels == 128  # as given: a resume giving it again changes nothing
+    assert any(w.startswith("kv_channels (128) shapes nothing under multi-latent attention") for w in warnings)
+    with pytest.raises(ConfigError, match="group_query_attention shapes SelfAttention's heads"):
+        validate(parse_config([*mla, "--group-query-attention", "--num-query-groups", "2"]))
