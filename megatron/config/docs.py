@@ -86,10 +86,16 @@ in step with the tables the command line uses. A Megatron-LM `pretrain_gpt.py` s
 - **implemented** flags mean what they mean in Megatron-LM;
 - **accepted, no effect here** flags concern only Megatron's implementation; they are parsed and listed once
   at start ("accepted, no effect here: ...");
-- **absent** flags name a feature this framework lacks; the run is refused with one line naming each, except
-  with the value that changes nothing (shown).
+- **absent** flags name a feature this framework lacks; the run is refused with one line naming each (those
+  of one feature together), except with the value that changes nothing (shown).
 
 Every unknown flag of a command line is reported in one message, each with its closest flag.
+
+The `MODEL_ARGS` of a set of Megatron-LM's functional tests (`tests/unit/megatron_flag_sets.py`) parse and
+validate here, or are refused by the absent flags alone; `tests/functional/test_megatron_script.py` trains three
+of them, scaled down, unchanged otherwise: a Llama-shaped GPT, and the two DeepSeek-like ones (multi-latent
+attention, DeepSeek-V3's router, multi-token prediction at tp 2 x pp 2 x vpp 4; Megatron FSDP, here ZeRO-3),
+without their FP8 flags, which need a GPU.
 
 ## Defaults
 
