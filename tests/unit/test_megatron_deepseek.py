@@ -1,18 +1,24 @@
 """Megatron-LM checkpoints of DeepSeek-V3's shape (``tools/convert_checkpoint.py from-megatron`` / ``to-megatron``):
 multi-latent attention (a query down-projection with its norm, or one query projection; the latent norms; YaRN),
-DeepSeek-V3's router (sigmoid, expert bias, group-limited, scaled), a shared expert, a dense first layer.
+DeepSeek-V3's router (sigmoid, expert bias, group-limited, scaled), a shared expert, a dense first layer, and
+multi-token prediction (two modules whose layers are MoE; GPT-2's shape with one: tied head, learned positions).
 
-- ours -> Megatron (legacy cut for tp 2 x pp 2, torch_dist) -> ours is bitwise, the weights, the AdamW states and
-  the routers' expert bias (our train state, Megatron Core's ``mlp.router.expert_bias`` buffer), and the model's
-  configuration (its MLA, YaRN and router settings through the saved ``args``); the rank files hold Megatron Core's
-  layout (the local spec's column-parallel down-projections cut by rows, the latent norms whole on every rank);
-  torch_dist keeps the local MLA spec's names (no Transformer Engine renames) and reads Transformer Engine's;
-- against NVIDIA's Megatron Core (``megatron_core_reference``; skipped when absent): a ``GPTModel`` built with the
-  local spec from the export's ``args`` by Megatron-LM's own rule (every ``args`` field that is a field of its
-  ``MLATransformerConfig``) loads the legacy export (strict ``load_state_dict``) and torch_dist (its
-  ``dist_checkpointing.load``) and gives our logits within 1e-5; its own weights and expert biases, saved as
+- ours -> Megatron (legacy cut for tp 2 x pp 2, torch_dist) -> ours is bitwise: the weights, the AdamW states, the
+  routers' expert bias (our train state, Megatron Core's ``mlp.router.expert_bias`` buffer) and the model's
+  configuration (MLA, YaRN, router and MTP settings through the saved ``args``); the rank files hold Megatron Core's
+  layout (the local spec's column-parallel down-projections and ``eh_proj`` cut by rows, the latent norms whole,
+  the last stage holding the prediction modules and the embedding they read); torch_dist keeps the local MLA
+  spec's names (it has no keys map) and reads Transformer Engine's;
+- against NVIDIA's Megatron Core 0.16.1 (``megatron_core_reference``; skipped when absent), its ``GPTModel`` built
+  with the local spec (and ``get_gpt_mtp_block_spec``) from the export's ``args`` by Megatron-LM's own rule (every
+  ``args`` field that is a field of its ``TransformerConfig`` / ``MLATransformerConfig``): it loads the legacy
+  export (strict ``load_state_dict``) and torch_dist (its ``dist_checkpointing.load``) and gives our logits within
+  1e-5 of their scale; with MTP (its forward then wants labels), our per-token losses, each depth's MTP loss and,
+  after the same objective's backward, every parameter's gradient; its own weights and expert biases, saved as
   Megatron-LM saves them (legacy, and torch_dist by its ``dist_checkpointing.save``), convert with
-  ``from-megatron`` and give its logits here; ``core_order`` is its parameter order (the optimizer's numbering).
+  ``from-megatron`` and give its losses here; ``core_order`` is its parameter order (the legacy optimizer's).
+
+The weights are moved between the two models only by the converters (``to-megatron`` / ``from-megatron``).
 """
 
 from __future__ import annotations
@@ -51,7 +57,10 @@ ROUTER = [*DEEPSEEK_MOE, "--moe-router-pre-softmax", "--moe-router-load-balancin
 SHAPES = {"q_lora": [*MLA, "--q-lora-rank", "10", *YARN, *ROUTER],
           "q_proj": [*MLA, "--rope-type", "rope", *ROUTER],
           "mtp": [*MLA, "--q-lora-rank", "10", *YARN, *ROUTER, "--mtp-num-layers", "2",
-                  "--mtp-loss-scaling-factor", "0.3"]}
+                  "--mtp-loss-scaling-factor", "0.3"],
+          # GPT-2's shape with a prediction module: tied head, learned positions (shifted for the module), LayerNorm
+          # with biases (the modules' norms too), dense
+          "gpt2_mtp": ["--mtp-num-layers", "1"]}
 
 
 @pytest.fixture
@@ -89,7 +98,8 @@ def our_checkpoint(run, flags, step=12, consumed=96, adam_step=5.0, scale=1.0):
                             for name, t in tensors["param"].items()}
     for by_name in tensors.values():
         for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            by_name[name][config.model.vocab_size:] = 0
+            if name in by_name:
+                by_name[name][config.model.vocab_size:] = 0
     write_checkpoint(str(run), config, [(kind, name) for kind in KINDS for name in tensors["param"]],
                      lambda kind, name: tensors[kind][name], step=step, adam_step=adam_step,
                      train_state={"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": consumed,
@@ -104,41 +114,60 @@ def test_ours_to_megatron_and_back_is_bitwise(tmp_path, one_process, shape, fmt)
     assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", fmt,
                          "--tp", "2", "--pp", "2"]) == 0
     folder = tmp_path / "meg" / "iter_0000012"
-    params = tensors["param"]
-    if fmt == "legacy":  # Megatron Core's local-spec layout on the ranks; stage 1 holds layer 1 as its layer 0
-        ranks = {(t, p): safe_load(str(folder / f"mp_rank_{t:02d}_{p:03d}" / FILE)) for t in range(2) for p in range(2)}
-        args = ranks[(0, 0)]["args"]
-        assert args.multi_latent_attention and args.kv_lora_rank == 12 and args.moe_layer_freq == [0, 1]
-        kv_down = params["layers.1.self_attention.linear_kv_down_proj.weight"]  # [kv_lora_rank; dr] cut as one
-        layer = ranks[(1, 1)]["model"]
-        assert torch.equal(layer["decoder.layers.0.self_attention.linear_kv_down_proj.weight"], kv_down.chunk(2)[1])
-        assert torch.equal(layer["decoder.layers.0.self_attention.kv_layernorm.weight"],
-                           params["layers.1.self_attention.kv_layernorm.weight"])
-        assert layer["decoder.layers.0.mlp.router.expert_bias"].tolist() == pytest.approx(biases(config)["1"])
-        if shape == "mtp":  # the last stage: the modules, and the embedding they read (Megatron Core's MTP stage)
-            assert torch.equal(layer["mtp.layers.1.eh_proj.weight"], params["mtp.layers.1.eh_proj.weight"].chunk(2)[1])
-            assert torch.equal(layer["embedding.word_embeddings.weight"],
-                               ranks[(1, 0)]["model"]["embedding.word_embeddings.weight"])
-            assert layer["mtp.layers.1.transformer_layer.mlp.router.expert_bias"].tolist() == pytest.approx(
-                biases(config)["3"])
-    else:  # the local MLA spec's own names, the layers one by one (a dense layer, then a MoE one)
+    if fmt == "legacy":
+        ranks = {(t, p): safe_load(str(folder / f"mp_rank_{t:02d}_{p:03d}" / FILE))["model"]
+                 for t in range(2) for p in range(2)}
+        check_legacy_layout(shape, ranks, tensors["param"], config)
+    else:
         from megatron.checkpoint.dcp_reader import SafeReader
 
-        keys = SafeReader(str(folder)).read_metadata().state_dict_metadata
-        assert {"decoder.layers.0.input_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight",
-                "decoder.layers.1.self_attention.kv_layernorm.weight",
-                "decoder.layers.1.mlp.router.expert_bias"} <= keys.keys()
-        assert not [k for k in keys if "layer_norm_weight" in k]
+        check_torch_dist_keys(shape, SafeReader(str(folder)).read_metadata().state_dict_metadata.keys())
     assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
     reader, common, back_config = open_checkpoint(str(tmp_path / "back"))
     assert back_config.model == config.model
     assert common["step"] == 12 and common["adam_step"] == 5.0
-    assert_biases(common["train_state"]["moe_expert_bias"], biases(config))
+    assert_biases(common["train_state"].get("moe_expert_bias", {}), biases(config))
     for kind in KINDS:
         back = read_tensors(reader, kind)
         assert back.keys() == tensors[kind].keys()
         for name, t in tensors[kind].items():
             assert torch.equal(back[name], t), (kind, name)
+
+
+def check_legacy_layout(shape: str, ranks: dict, params: dict, config) -> None:
+    """Megatron Core's local-spec layout on the tp 2 x pp 2 ranks ({(t, p): model}); stage 1 holds layer 1 as its
+    layer 0, the prediction modules, and (with them) the embedding they read: Megatron Core's MTP stage."""
+    last = ranks[(1, 1)]
+    if shape != "gpt2_mtp":
+        kv_down = params["layers.1.self_attention.linear_kv_down_proj.weight"]  # [kv_lora_rank; dr] cut as one
+        assert torch.equal(last["decoder.layers.0.self_attention.linear_kv_down_proj.weight"], kv_down.chunk(2)[1])
+        assert torch.equal(last["decoder.layers.0.self_attention.kv_layernorm.weight"],
+                           params["layers.1.self_attention.kv_layernorm.weight"])
+        assert last["decoder.layers.0.mlp.router.expert_bias"].tolist() == pytest.approx(biases(config)["1"])
+    if shape in ("mtp", "gpt2_mtp"):
+        k = config.model.mtp_num_layers - 1
+        eh_proj = params[f"mtp.layers.{k}.eh_proj.weight"]  # [h, 2h], rows cut
+        assert torch.equal(last[f"mtp.layers.{k}.eh_proj.weight"], eh_proj.chunk(2)[1])
+        for name in [n for n in ranks[(1, 0)] if n.startswith("embedding.")]:
+            assert torch.equal(last[name], ranks[(1, 0)][name]), name
+    if shape == "mtp":
+        assert last["mtp.layers.1.transformer_layer.mlp.router.expert_bias"].tolist() == pytest.approx(
+            biases(config)["3"])
+    if shape == "gpt2_mtp":  # the tied head's copy too, and the learned positions the module embeds with
+        assert {"output_layer.weight", "embedding.position_embeddings.weight"} <= last.keys()
+
+
+def check_torch_dist_keys(shape: str, keys) -> None:
+    """The sharded keys Megatron Core's local spec gives: MLA's layers keep their own names (no keys map), one by one
+    (a dense layer, then a MoE one); a prediction module's layer renamed as a decoder layer is."""
+    if shape == "gpt2_mtp":
+        assert {"decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                "mtp.layers.0.transformer_layer.self_attention.linear_qkv.layer_norm_bias",
+                "mtp.layers.0.enorm.bias", "mtp.layers.0.eh_proj.weight"} <= keys
+        return
+    assert {"decoder.layers.0.input_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+            "decoder.layers.1.self_attention.kv_layernorm.weight", "decoder.layers.1.mlp.router.expert_bias"} <= keys
+    assert not [k for k in keys if "layer_norm_weight" in k]
 
 
 def test_torch_dist_reads_transformer_engines_mla_names(tmp_path, one_process):
@@ -166,6 +195,15 @@ def test_torch_dist_reads_transformer_engines_mla_names(tmp_path, one_process):
         assert torch.equal(back[name], t), name
 
 
+def test_a_tp_that_cuts_a_latent_rank_is_one_line(tmp_path, one_process, capsys):
+    """Megatron Core's local spec cuts the down-projections' rows over tp: a --tp that does not divide them."""
+    our_checkpoint(tmp_path / "run", SHAPES["q_lora"])  # q_lora_rank 10, 4 heads
+    assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--tp", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "linear_q_down_proj.weight" in err and "--tp" in err, err
+    assert not list(tmp_path.glob("meg/iter_*"))
+
+
 # ----------------------------------------------------------------------------- against Megatron Core
 
 @pytest.fixture(scope="module")
@@ -184,25 +222,29 @@ def mcore():
 
 def core_model(mcore, args: argparse.Namespace):
     """Megatron Core's ``GPTModel`` (local spec) of a checkpoint's ``args``, as Megatron-LM builds it
-    (``core_transformer_config_from_args``: every ``args`` field that is a field of its ``MLATransformerConfig``,
-    then its renames); on the CPU in fp32 without fusions or dropout, the allgather dispatcher, and the local
-    attention core given the value width (``test_mla._local_core_attention``)."""
+    (``core_transformer_config_from_args``: every ``args`` field that is a field of its ``TransformerConfig``, or
+    ``MLATransformerConfig`` with multi-latent attention, then its renames); on the CPU in fp32 without fusions or
+    dropout (GELU the fused bias-GELU's tanh form), the allgather dispatcher; MLA's local attention core given the
+    value width (``test_mla._local_core_attention``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    mla = bool(args.multi_latent_attention)
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    fields = {f.name for f in dataclasses.fields(config_class)}
     kwargs = {name: value for name, value in vars(args).items() if name in fields}
     kwargs.update(num_moe_experts=args.num_experts, layernorm_epsilon=args.norm_epsilon,
-                  gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+                  gated_linear_unit=args.swiglu,
+                  activation_func=F.silu if args.swiglu else (lambda x: F.gelu(x, approximate="tanh")),
                   num_query_groups=args.num_query_groups if args.group_query_attention else None,
-                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1, kv_channels=args.v_head_dim,
+                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
                   masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
                   apply_rope_fusion=False, moe_token_dispatcher_type="allgather", moe_router_dtype="fp32",
-                  hidden_dropout=0.0, attention_dropout=0.0)
-    config = MLATransformerConfig(**kwargs)
+                  hidden_dropout=0.0, attention_dropout=0.0, **({"kv_channels": args.v_head_dim} if mla else {}))
+    config = config_class(**kwargs)
     spec = mcore["block_spec"](config, use_transformer_engine=False, normalization=args.normalization)
-    for layer_spec in spec.layer_specs:
+    for layer_spec in spec.layer_specs if mla else ():
         layer_spec.submodules.self_attention.submodules.core_attention = _local_core_attention()
     mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if args.mtp_num_layers else None
     return mcore["GPTModel"](config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
@@ -284,23 +326,27 @@ def training_forward(mcore, config, ours, theirs):
     return got, want, (sums / counts).float(), depths
 
 
-@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-def test_megatron_cores_multi_token_prediction_equals_ours(tmp_path, mcore, fmt):
-    """With two prediction modules (their layers MoE, as the decoder's last): Megatron Core, given the export, gives
-    our language model's per-token losses, each depth's loss (its ``MTPLossLoggingHelper`` record: the token mean)
-    and, after a backward of the same objective (the mean LM loss, the depths' scaled means, the routers' sequence
-    aux loss, each side's loss scale 1), every parameter's gradient."""
+@pytest.mark.parametrize("shape, fmt", [("mtp", "legacy"), ("mtp", "torch_dist"), ("gpt2_mtp", "legacy"),
+                                        ("gpt2_mtp", "torch_dist")])
+def test_megatron_cores_multi_token_prediction_equals_ours(tmp_path, mcore, shape, fmt):
+    """With two prediction modules (their layers MoE, as the decoder's last), and GPT-2's shape with one: Megatron
+    Core, given the export, gives our language model's per-token losses, each depth's loss (its
+    ``MTPLossLoggingHelper`` record: the token mean) and, after a backward of the same objective (the mean LM loss,
+    the depths' scaled means, the routers' sequence aux loss, each side's loss scale 1), every parameter's
+    gradient."""
     from megatron.checkpoint.megatron_core_names import from_megatron_core
 
-    config, ours, theirs = exported_pair(mcore, tmp_path, "mtp", fmt)
+    config, ours, theirs = exported_pair(mcore, tmp_path, shape, fmt)
     got, want, depths, core_depths = training_forward(mcore, config, ours, theirs)
     assert_close_to_scale(got.detach(), want.detach(), "the language model's losses")
     assert_close_to_scale(depths, core_depths, "each depth's loss")
     want.mean().backward()
     got.mean().backward()
-    theirs_grads = dict(from_megatron_core(n, p.grad, True) for n, p in theirs.named_parameters())
+    swiglu = bool(config.model.swiglu)
+    theirs_grads = dict(from_megatron_core(n, p.grad, swiglu) for n, p in theirs.named_parameters())
     ours_grads = {n: p.grad for n, p in ours.named_parameters()}
-    assert theirs_grads.keys() == ours_grads.keys() and any(n.startswith("mtp.layers.1.") for n in ours_grads)
+    last = config.model.mtp_num_layers - 1
+    assert theirs_grads.keys() == ours_grads.keys() and any(n.startswith(f"mtp.layers.{last}.") for n in ours_grads)
     for name, grad in ours_grads.items():
         assert_close_to_scale(theirs_grads[name], grad, f"the gradient of {name}")
 
