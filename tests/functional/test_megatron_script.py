@@ -90,8 +90,8 @@ def _records(out: Path) -> list[dict]:
 def runs(corpus, tmp_path_factory):  # noqa: F811
     """Every run of this module, trained in turn by one launch of ``NPROC`` ranks (``run_several``): the Llama
     command line to step 6, then the same with --train-iters 8; the DeepSeek-like ones without their FP8 flags,
-    the MTP one to --exit-interval 2, then the same to 4, then the FSDP proxy. (the folder holding every run's
-    checkpoints, {run: outcome}); a run's checkpoints and metrics.jsonl are in ``<its command line's name>-ckpt``."""
+    the MTP one to --exit-interval 2, then the same to 4, then the FSDP proxy. Returns the folder of every run's
+    checkpoints and metrics.jsonl (``<the command line's name>-ckpt``) and {run: its outcome}."""
     root = tmp_path_factory.mktemp("megatron")
 
     def argv(name: str, scaled: dict[str, str], **changes: str) -> list[str]:
@@ -138,7 +138,8 @@ def _assert_trained(records: list[dict], steps: int) -> None:
 @pytest.mark.parametrize("name", DEEPSEEK)
 def test_megatron_deepseek_command_line_trains(runs, name):
     """Every flag but FP8's is taken (implemented, or accepted with its line at start) and the run trains: finite
-    losses that fall; the MTP one resumes at its checkpoint and goes on with Megatron-LM's schedule."""
+    losses that fall; the MTP one (at ep 2: the module's docstring says why) resumes at its checkpoint and goes on
+    with Megatron-LM's schedule and its data."""
     root, outcomes = runs
     first = outcomes["proxy" if name == PROXY else "mtp-first"]
     first.check()
@@ -160,6 +161,7 @@ def test_megatron_deepseek_command_line_trains(runs, name):
     assert all(len(r["mtp_loss"]) == 1 and math.isfinite(r["mtp_loss"][0]) for r in train)
     # Megatron-LM's schedule over the 4 iterations, warm-up 1% of them, cosine to --min-lr, across the resume
     gbs = 8
+    assert all(r["consumed_samples"] == gbs * r["step"] for r in train)
     schedule = OptimizerParamSchedule(1.5e-4, 1e-5, warmup=0.01 * 4 * gbs, decay=4 * gbs)
     assert [r["learning_rate"] for r in train] == pytest.approx([schedule.lr(k * gbs) for k in range(4)], rel=1e-6)
 
