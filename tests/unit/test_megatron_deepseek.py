@@ -204,6 +204,39 @@ def test_a_tp_that_cuts_a_latent_rank_is_one_line(tmp_path, one_process, capsys)
     assert not list(tmp_path.glob("meg/iter_*"))
 
 
+def test_megatron_lms_own_deepseek_args_give_the_model(tmp_path):
+    """The ``args`` a Megatron-LM DeepSeek-V3 run saves (its names and defaults: an MLA model's ``kv_channels`` and
+    query groups, which shape nothing; no ``original_max_position_embeddings``; the flex dispatcher, a runtime
+    choice) give our model: MLA, YaRN, the router, the dense first layer and MTP as the run had them."""
+    from megatron.checkpoint.megatron_args import model_flags
+
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, kv_channels=8,
+        group_query_attention=False, num_query_groups=4, max_position_embeddings=8, seq_length=8,
+        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
+        normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=True, vocab_size=None, padded_vocab_size=128,
+        multi_latent_attention=True, q_lora_rank=10, kv_lora_rank=12, qk_head_dim=6, qk_pos_emb_head_dim=4,
+        v_head_dim=5, qk_layernorm=True, rope_type="yarn", rotary_scaling_factor=4.0, mscale=0.9, mscale_all_dim=0.7,
+        num_experts=4, moe_layer_freq=[0, 1], moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=8,
+        moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_pre_softmax=True,
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3, moe_router_num_groups=2,
+        moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=1e-4, moe_token_dispatcher_type="flex", moe_router_dtype="fp32", moe_grouped_gemm=False,
+        mtp_num_layers=1, mtp_loss_scaling_factor=0.1, hidden_dropout=0.0, attention_dropout=0.0)
+    config = parse_config(["--mock-data", *model_flags(args)])
+    validate(config)
+    m = config.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+            m.v_head_dim, m.qk_layernorm) == (True, 10, 12, 6, 4, 5, True)
+    assert (m.rope_type, m.rotary_scaling_factor, m.mscale, m.mscale_all_dim, m.original_max_position_embeddings) == (
+        "yarn", 4.0, 0.9, 0.7, 4096)
+    assert (m.moe_layer_freq, m.moe_router_score_function, m.moe_router_enable_expert_bias, m.moe_router_num_groups,
+            m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == ("[0,1]", "sigmoid", True, 2, 1, 2.5)
+    assert (m.mtp_num_layers, m.mtp_loss_scaling_factor, m.kv_channels, m.group_query_attention) == (1, 0.1, None,
+                                                                                                    False)
+
+
 # ----------------------------------------------------------------------------- against Megatron Core
 
 @pytest.fixture(scope="module")
