@@ -60,6 +60,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     if missing:
         raise ConversionError(f"the checkpoint's args lack {', '.join(missing)}; they give the model's shape.")
     mla = bool(a.get("multi_latent_attention"))
+    if mla:
+        _check_mla_rope(a)
     names = [n for n in (*_SAME, *(_MLA if mla else ()), *(_MTP if a.get("mtp_num_layers") else ()))
              if not (mla and n in _NOT_MLA)]
     flags: list[str] = []
@@ -92,6 +94,17 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     if a.get("seq_length"):
         flags += ["--seq-length", str(a["seq_length"])]
     return flags
+
+
+def _check_mla_rope(a: dict) -> None:
+    """Multi-latent attention's rotary settings that Megatron Core reads and this GPT does not build: YaRN's ramp
+    other than (beta_fast 32, beta_slow 1), and with plain rope a rotary_percent other than 1."""
+    for name, default in (("beta_fast", 32), ("beta_slow", 1)):
+        if a.get(name, default) != default:
+            raise ConversionError(f"the checkpoint's YaRN has {name} {a[name]}; this GPT builds {default} only.")
+    if a.get("rope_type") == "rope" and a.get("rotary_percent", 1.0) != 1.0:
+        raise ConversionError(f"the checkpoint's multi-latent attention rotates {a['rotary_percent']} of its rotary "
+                              f"channels (rotary_percent); this GPT rotates them all.")
 
 
 def vocab_size(args: argparse.Namespace) -> int:

@@ -207,7 +207,9 @@ def test_a_tp_that_cuts_a_latent_rank_is_one_line(tmp_path, one_process, capsys)
 def test_megatron_lms_own_deepseek_args_give_the_model(tmp_path):
     """The ``args`` a Megatron-LM DeepSeek-V3 run saves (its names and defaults: an MLA model's ``kv_channels`` and
     query groups, which shape nothing; no ``original_max_position_embeddings``; the flex dispatcher, a runtime
-    choice) give our model: MLA, YaRN, the router, the dense first layer and MTP as the run had them."""
+    choice) give our model: MLA, YaRN, the router, the dense first layer and MTP as the run had them; what would
+    change the network unseen (YaRN's ramp, a partial rotary, grouped-GEMM experts) is one line."""
+    from megatron.checkpoint.hf_common import ConversionError
     from megatron.checkpoint.megatron_args import model_flags
 
     args = argparse.Namespace(
@@ -235,6 +237,12 @@ def test_megatron_lms_own_deepseek_args_give_the_model(tmp_path):
             m.moe_router_group_topk, m.moe_router_topk_scaling_factor) == ("[0,1]", "sigmoid", True, 2, 1, 2.5)
     assert (m.mtp_num_layers, m.mtp_loss_scaling_factor, m.kv_channels, m.group_query_attention) == (1, 0.1, None,
                                                                                                     False)
+    for change, message in (({"beta_fast": 16}, "beta_fast 16"),
+                            ({"rope_type": "rope", "rotary_percent": 0.5}, "rotates 0.5 of its rotary channels"),
+                            ({"moe_grouped_gemm": True}, "grouped-GEMM experts")):
+        with pytest.raises(ConversionError) as refused:
+            model_flags(argparse.Namespace(**{**vars(args), **change}))
+        assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 # ----------------------------------------------------------------------------- against Megatron Core
