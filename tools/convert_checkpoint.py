@@ -76,10 +76,9 @@ _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden
                  "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
                  "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "multi_latent_attention",
                  "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm")
-_SHAPE_FIELDS += ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                  "v_head_dim", "qk_layernorm", "moe_router_num_groups", "moe_router_group_topk",
-                  "moe_router_topk_scaling_factor", "rope_type", "rotary_scaling_factor",
-                  "original_max_position_embeddings", "mscale", "mscale_all_dim", "mtp_num_layers")  # DeepSeek-V3's
+_SHAPE_FIELDS += ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor", "rope_type",
+                  "rotary_scaling_factor", "original_max_position_embeddings", "mscale", "mscale_all_dim",
+                  "mtp_num_layers")  # the DeepSeek-V3 shape's
 
 
 class ToolError(Exception):

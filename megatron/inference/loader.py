@@ -88,7 +88,7 @@ def load_model(path: str, dtype: str = "fp32", device: torch.device | str = "cpu
 def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
     from megatron.model.gpt import GPTModel
 
-    reader, _, config = open_checkpoint(path)
+    reader, common, config = open_checkpoint(path)
     try:
         m = config.model
         if m.num_attention_heads % ps.tp_size or (m.ffn_hidden_size or 4 * m.hidden_size) % ps.tp_size:
@@ -112,12 +112,24 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
                 where = slice_of(p, ps)
                 p.copy_(reader.local_range("param", name, where.global_shape, where.partition_dim, where.tp_rank,
                                            where.tp_size, 0, p.numel()).view(p.shape))
+            _set_expert_biases(model, (common.get("train_state") or {}).get("moe_expert_bias") or {})
     finally:
         reader.close()
     model = model.to(device=device, dtype=dtype).eval()
     if device.type == "cpu" and dtype == torch.float32:
         lay_out_for_decoding(model)
     return model, config
+
+
+def _set_expert_biases(model: torch.nn.Module, saved: dict) -> None:
+    """The MoE routers' expert biases (buffers, not parameters: ``to_empty`` left them unset) from the
+    checkpoint's train state, zero where it has none."""
+    from megatron import moe
+
+    for layer in moe.moe_layers(model):
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.zero_()
+    moe.set_expert_biases(model, saved)
 
 
 def lay_out_for_decoding(model: torch.nn.Module) -> None:

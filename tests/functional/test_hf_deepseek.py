@@ -287,8 +287,8 @@ def test_from_hf_refuses_what_our_gpt_cannot_represent(tmp_path, hf_dir, change,
 def test_transformers_scores_a_trained_runs_validation_tokens_at_its_validation_loss(parity, tmp_path):
     """tests/functional/test_deepseek_layouts.py's deepseek-5 run (MLA with YaRN, DeepSeek-V3's router with a trained
     expert bias, a shared expert of 1.5 units, one MTP layer, epsilon 1e-5): its step-5 checkpoint's export scores
-    the run's validation samples at its validation loss, and tools/evaluate.py gives the checkpoint transformers'
-    loss."""
+    the run's validation samples at its validation loss; tools/evaluate.py gives the checkpoint transformers' loss
+    and tools/generate.py transformers' greedy tokens (both routing with the checkpoint's expert biases)."""
     run_dir = parity.outcome("deepseek-5").check()
     done = run_tool_here("tools/convert_checkpoint.py", "to-hf", str(run_dir), str(tmp_path / "hf"))
     assert done.returncode == 0, done.stderr
@@ -314,3 +314,19 @@ def test_transformers_scores_a_trained_runs_validation_tokens_at_its_validation_
     with torch.no_grad():
         logits = model(torch.tensor([ids[:-1]])).logits[0]
     assert loss == pytest.approx(float(F.cross_entropy(logits.double(), torch.tensor(ids[1:]))), abs=1e-5)
+    # generation: the checkpoint's expert biases in the loaded routers, transformers' greedy tokens
+    from megatron.inference.loader import load_model
+
+    parallel_state.initialize()
+    loaded, _ = load_model(str(run_dir))
+    assert {str(layer.layer_number): layer.router.expert_bias.tolist() for layer in moe.moe_layers(loaded)} == \
+        common["train_state"]["moe_expert_bias"]
+    prompt = [5, 17, 42, 8, 99, 3]
+    done = run_tool_here("tools/generate.py", "--load", str(run_dir), "--prompt", " ".join(map(str, prompt)),
+                         "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos", "--output-format", "jsonl",
+                         "--tokenizer-type", "NullTokenizer")
+    assert done.returncode == 0, done.stderr[-2000:]
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    assert json.loads(done.stdout.strip().splitlines()[-1])["tokens"] == theirs
