@@ -9,45 +9,57 @@ per activation element (4 fp32, 2 bf16/fp16). Dropout masks take ``m`` bytes per
 (``at::dropout`` keeps a scaled mask in the input's dtype), 1 on GPUs (``native_dropout``'s bool mask).
 LayerNorm's mean and rstd take ``d`` bytes each on the CPU, 4 on GPUs (``st``). The math kernel's
 probability mask takes ``m'`` = 4 bytes on the CPU (fp32 inside), 1 on GPUs. Every storage is counted once
-(a view saved by two ops costs its storage once).
+(a view saved by two ops costs its storage once). Three modules: this one (the layer, the chunk, the stage, the
+schedule, the temporaries), ``megatron.memory.attention`` (the attention block: standard attention with QK-norm,
+multi-latent attention, context parallelism's buffers) and ``megatron.memory.moe`` (a mixture of experts in place
+of the MLP); the norms' saves are ``megatron.memory.ops``.
 
 One decoder layer, no recompute (``layer_terms``)::
 
     norm1 (input x)     LayerNorm: n' h d + 2 n' st         RMSNorm: 8 n' h + 4 n'   (fp32 x, x rstd, rstd)
-    qkv input           n' h d                             (the norm's output; only the shard under sp)
-    attention core      flash: qkv_out + q* + k* + out + lse          (see ``attention_terms``)
-                        math:  4 (2 n a hd + n a s) + v [+ (m' + 4) n a s with attention dropout]
-                        cp > 1: p2p / all_gather q, k, v + out + lse; a2a whole sequences, a / c heads
-    dense input         n a hd d                           (flash: a view of its out, see below)
+    attention block     standard: qkv input n' h d, [qk norms], q, k, v + the core's saves, dense input n a hd d
+                        multi-latent: input n h d (whole), latents, q, k, v + the core's, dense input n a dv d
+                        (``megatron.memory.attention``: the flash and math kernels, cp's communication types)
     dropout mask 1      n' h m                             (hidden dropout only)
     norm2               as norm1, on the residual sum
-    fc1 input           n' h d
+    fc1 input           n' h d                             (a MoE layer: ``megatron.memory.moe`` instead)
     MLP                 GELU: 2 n f d (fc1 out, gelu out); SwiGLU: 4 n f d (fc1 out 2f, silu, product)
     dropout mask 2      n' h m
 
-with ``qkv_out = n (a + 2g) hd d`` (the QKV output: v, a view of it, keeps it whole), ``q* = n a hd d`` when
-q is a tensor of its own (rope, or g > 1 groups of several queries), ``k* = n g hd d`` with rope,
-``out = n a hd d`` only with partial rope, packed documents or context parallelism (otherwise the dense input is a
-view of it) and ``lse = 4 n a``. Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's
-saves; ``only_attn`` keeps the layer input x instead of norm1 .. dropout mask 1; ``full`` keeps only x
-(``n' h d``); a unit of several layers (``recompute_method uniform``) keeps only its first input.
+Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's saves; ``only_attn`` keeps the layer
+input x instead of norm1 .. dropout mask 1; ``full`` keeps only x (``n' h d``); a unit of several layers
+(``recompute_method uniform``) keeps only its first input.
 
 Outside the layers: the embedding (token ids ``8n``, with tp > 1 the local ids and the ``n`` bool
 out-of-shard mask; learned position ids ``8n``; its dropout mask ``n' h m``), rope's cos/sin
-(``2 n rot d`` per chunk), the final norm, the head's input (``n h d``, gathered under sp), the loss's
-``softmax - onehot`` (``n V d``) and ``loss_fn``'s mask (``4n``).
+(``2 n rot d`` per chunk; multi-latent attention's ``rot = dr``), the final norm, the head's input (``n h d``,
+gathered under sp), the loss's ``softmax - onehot`` (``n V d``) and ``loss_fn``'s mask (``4n``).
+
+Multi-token prediction (``mtp_terms``; ``D`` modules on the last stage, in training), per module::
+
+    embedding           its dropout mask n' h m; under tp the local ids and out-of-shard mask 9 n
+    enorm, hnorm        as norm1 each; enorm's input under sp without dropout a view of the whole embedding
+                        output (n h d); hnorm's the previous depth's normed output: without sp the head's input,
+                        kept there already
+    eh_proj input       2 n' h d                           (the concatenation)
+    decoder layer       ``layer_terms`` at the recompute granularity (MoE when the decoder's last layer is); under
+                        sp its input a view of eh_proj's gathered output: kept whole (n h d) when the layer keeps it
+    final norm, head    as norm1; the head's input n h d, the loss's n V d and the scalar loss (4)
+
+and once the loader's ``[b, s, D]`` fields they read: the token ids ``8 n D`` (tp = 1), learned position ids
+``8 n D``, the loss mask ``4 n D``.
 
 Attention kernels: on the CPU ``F.scaled_dot_product_attention`` runs the fused flash kernel without
-attention dropout, and the math kernel with it (which upcasts bf16/fp16 to fp32). On GPUs the estimate
-assumes a fused kernel (FlashAttention-2 for bf16/fp16, memory-efficient for fp32): q, k, v, out and an
-fp32 log-sum-exp per (head, query); dropout is replayed from a seed, no mask is kept; grouped keys are
-read in place. The GPU figures are not measured here (the tests run on the CPU); ``kernel="math"``
-gives a non-fused kernel's figure. Eager mode: ``compile`` may save less.
+attention dropout, and the math kernel with it (which upcasts bf16/fp16 to fp32) or with multi-latent attention's
+unequal q/k and v widths. On GPUs the estimate assumes a fused kernel (FlashAttention-2 for bf16/fp16,
+memory-efficient for fp32 or unequal widths): q, k, v, out and an fp32 log-sum-exp per (head, query); dropout is
+replayed from a seed, no mask is kept; grouped keys are read in place. The GPU figures are not measured here (the
+tests run on the CPU); ``kernel="math"`` gives a non-fused kernel's figure. Eager mode: ``compile`` may save less.
 
 Context parallelism (``c`` > 1, ``megatron.context_parallel``): every term counts this rank's ``n``
-tokens; the attention core's saves depend on the communication type (``attention_terms``); the
+tokens; the attention core's saves depend on the communication type (``attention.core_terms``); the
 exchanged keys and values, the ring's receive buffers and the fp32 accumulators are temporaries
-(``context_parallel_terms``). Packed documents (``reset_attention_mask``) run one kernel call per
+(``attention.context_parallel_terms``). Packed documents (``reset_attention_mask``) run one kernel call per
 document: the same bytes, but for the output kept apart from the dense input, and the math kernel's
 probabilities (an upper bound: ``s^2`` per sample where the documents' squared lengths sum to less).
 """
@@ -60,8 +72,15 @@ from dataclasses import dataclass
 from megatron.config.layer_split import chunk_layers, segment, stage_layers
 from megatron.config.schema import Config
 from megatron.config.validate_moe import is_moe_layer
-from megatron.context_parallel.blocks import MATH_TILE_BYTES
+from megatron.memory.attention import (
+    MLADims,
+    attention_kernel,
+    attention_terms,
+    context_parallel_terms,
+    mla_dims,
+)
 from megatron.memory.moe import MoEDims, dispatch_temporary_bytes, moe_dims, moe_terms
+from megatron.memory.ops import norm_bytes, saves_input_itself
 from megatron.model.gpt import recompute_plan
 from megatron.model.transformer import attention_shape
 from megatron.pipeline_parallel import schedule_tables as tables
@@ -96,7 +115,10 @@ class Dims:
     cp_comm: str = "p2p"  # p2p, all_gather or a2a (with cp > 1)
     documents: bool = False  # packed documents (reset_attention_mask): attention per document
     moe: MoEDims | None = None  # a mixture of experts' sizes (``megatron.memory.moe``)
-    moe_layers: tuple[bool, ...] = ()  # per global layer: a MoE layer
+    moe_layers: tuple[bool, ...] = ()  # per global layer (the MTP modules' after the decoder's): a MoE layer
+    qk_norm: bool = False  # standard attention's QK-norm (--qk-layernorm)
+    mla: MLADims | None = None  # multi-latent attention's widths (``megatron.memory.attention``)
+    mtp: int = 0  # multi-token prediction modules on the last stage
 
     @property
     def n(self) -> int:
@@ -122,18 +144,12 @@ class Dims:
         return 4 if self.device == "gpu" else self.d
 
 
-def attention_kernel(config: Config) -> str:
-    """The kernel ``F.scaled_dot_product_attention`` runs in training: see the module docstring."""
-    if config.device == "gpu":
-        return "flash"
-    return "math" if config.model.attention_probs_dropout_prob > 0 else "flash"
-
-
 def dims(config: Config, kernel: str | None = None) -> Dims:
     """The sizes of a validated configuration; ``kernel`` overrides ``attention_kernel``."""
     m, d = config.model, config.distributed
     tp = d.mp_degree
     nq, ng, hd = attention_shape(m)
+    mla, mtp = mla_dims(config), m.mtp_num_layers or 0
     kernel = kernel or attention_kernel(config)
     if kernel not in ("flash", "math"):
         raise ValueError(f"unknown attention kernel {kernel!r}: use 'flash' or 'math'")
@@ -143,10 +159,11 @@ def dims(config: Config, kernel: str | None = None) -> Dims:
                 hidden_dropout=m.hidden_dropout_prob > 0, attn_dropout=m.attention_probs_dropout_prob > 0,
                 device="gpu" if config.device == "gpu" else "cpu", kernel=kernel,
                 rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu,
-                rot=int(hd * m.rotary_percent) if m.position_embedding_type == "rope" else 0,
+                rot=mla.dr if mla else int(hd * m.rotary_percent) if m.position_embedding_type == "rope" else 0,
                 learned_positions=m.position_embedding_type == "learned_absolute", cp=d.context_parallel_size,
                 cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask, moe=moe_dims(config),
-                moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers)))
+                moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers + mtp)),
+                qk_norm=m.qk_layernorm and mla is None, mla=mla, mtp=mtp)
 
 
 def is_moe(D: Dims, layer: int) -> bool:
@@ -154,71 +171,6 @@ def is_moe(D: Dims, layer: int) -> bool:
 
 
 # ---------------------------------------------------------------------------- one decoder layer
-
-
-def norm_bytes(D: Dims, tokens: int) -> int:
-    """A norm's saves, its input included. LayerNorm: the input, mean and rstd. RMSNorm
-    (``torch.nn.RMSNorm``, fp32 inside): the fp32 input (the input itself in fp32, else a copy),
-    the normalised fp32 ``x rstd`` and rstd."""
-    if D.rmsnorm:
-        return 8 * tokens * D.h + 4 * tokens
-    return tokens * D.h * D.d + 2 * tokens * D.stat
-
-
-def saves_input_itself(D: Dims) -> bool:
-    """Whether a norm saves its input tensor (LayerNorm; RMSNorm in fp32) rather than an fp32 copy."""
-    return not D.rmsnorm or D.d == 4
-
-
-def qkv_bytes(D: Dims) -> int:
-    """The storages of q, k and v: the QKV output (v is a view of it), plus q and k where they are
-    tensors of their own (rotated; q of grouped queries is a reshaped copy)."""
-    out = D.n * (D.a + 2 * D.g) * D.hd * D.d
-    q_own = D.rot > 0 or (D.g > 1 and D.a != D.g)  # one group: the query rows reshape as a view
-    return out + q_own * D.n * D.a * D.hd * D.d + (D.rot > 0) * D.n * D.g * D.hd * D.d
-
-
-def attention_terms(D: Dims) -> dict[str, int]:
-    """What the attention core saves (``megatron.context_parallel.attend`` and the kernels under it).
-
-    ``F.scaled_dot_product_attention``, by kernel. flash: q, k, v (``qkv_bytes``), the output
-    ``[b, a, s, hd]`` and the fp32 log-sum-exp ``[b, a, s]``. The output is allocated in q's memory
-    layout, ``[s, b, a, hd]`` (q is a view of the QKV output, or its rotation), so the dense layer's
-    input is a view of it, counted there; with partial rope (``torch.cat``) q is contiguous
-    ``[b, a, s, hd]`` and the dense input a copy (unless a = b = 1). math (fp32 inside; grouped keys
-    and values repeated to ``a`` heads): the scaled q and k, the softmax ``[b, a, s, s]``, with
-    dropout its mask and the dropped probabilities, and v (its fp32 or repeated copy; in fp32 without
-    grouping a view of the QKV output).
-
-    Packed documents (one call per document, on slices of q, k and v): the same q, k, v and
-    log-sum-exp; each call's output is a storage of its own and the dense input a copy of their
-    concatenation. The math kernel's ``[b, a, s, s]`` is then an upper bound (the documents' squared
-    lengths sum to less).
-
-    Context parallelism (cp > 1; ``n = b s / cp`` tokens here): p2p and all_gather (``RingAttention``,
-    ``GatheredAttention``, custom autograd functions whatever the kernel) save q, k, v as given, their
-    output (allocated in q's layout, as the flash kernel's: the dense input a view of it, except with
-    partial rope) and the fp32 log-sum-exp. a2a attends whole sequences with ``a / cp`` heads: q, k and v
-    are the all-to-all's own tensors (not the QKV output), the kernel's saves on ``[b, a / cp, s, hd]``
-    (the same bytes per head as ``n a``; the probabilities ``b (a / cp) s^2``), its output its own."""
-    n, a, hd = D.n, D.a, D.hd
-    lse = 4 * n * a
-    if D.cp > 1 and D.cp_comm in ("p2p", "all_gather"):  # their output in q's layout, as the flash kernel's
-        own_out = 0 < D.rot < hd and (a > 1 or D.b > 1)
-        return {"attention q, k, v": qkv_bytes(D), "attention out": own_out * n * a * hd * D.d, "attention lse": lse}
-    ulysses = D.cp > 1  # a2a
-    exchanged = n * (a + 2 * D.g) * hd * D.d  # q, k, v after the all-to-all
-    if D.kernel == "flash":
-        own_out = ulysses or D.documents or (0 < D.rot < hd and (a > 1 or D.b > 1))
-        return {"attention q, k, v": exchanged if ulysses else qkv_bytes(D),
-                "attention out": own_out * n * a * hd * D.d, "attention lse": lse}
-    scores = n * a * D.s  # b a s^2; under a2a b (a / cp) s^2
-    v_view = D.d == 4 and D.a == D.g and not ulysses
-    terms = {"attention q, k scaled": 2 * 4 * n * a * hd, "attention probs": 4 * scores,
-             "attention v": D.n * (D.a + 2 * D.g) * D.hd * D.d if v_view else 4 * n * a * hd}
-    if D.attn_dropout:
-        terms["attention dropout"] = (D.mask if D.device == "gpu" else 4) * scores + 4 * scores
-    return terms
 
 
 def layer_terms(D: Dims, recompute: str | None = None, moe: bool = False) -> dict[str, int]:
@@ -235,9 +187,7 @@ def layer_terms(D: Dims, recompute: str | None = None, moe: bool = False) -> dic
     terms = {"norm2": norm_bytes(D, D.n_sp), **ffn, "dropout mask 2": mask}
     if recompute in ("only_attn", "full_attn"):
         return {"layer input": x, **terms}
-    core = {"attention q, k, v": qkv_bytes(D)} if recompute == "core_attn" else attention_terms(D)
-    return {"norm1": norm_bytes(D, D.n_sp), "qkv input": D.n_sp * D.h * D.d, **core,
-            "dense input": D.n * D.a * D.hd * D.d, "dropout mask 1": mask, **terms}
+    return {"norm1": norm_bytes(D, D.n_sp), **attention_terms(D, recompute), "dropout mask 1": mask, **terms}
 
 
 def layer_bytes(D: Dims, recompute: str | None = None, moe: bool = False) -> int:
@@ -262,8 +212,13 @@ def chunk_specs(config: Config, stage: int) -> list[tuple[range, bool, bool]]:
             for c in range(vpp)]
 
 
+def _granularity(config: Config) -> str | None:
+    """The recompute granularity (a multi-token prediction module's layer has it whatever the method)."""
+    return config.recompute_granularity if config.use_recompute else None
+
+
 def _recompute_units(config: Config, layers: range) -> tuple[dict[int, str | None], list[list[int]]]:
-    granularity = config.recompute_granularity if config.use_recompute else None
+    granularity = _granularity(config)
     method = config.recompute_method if granularity else None
     return recompute_plan(layers, granularity, config.no_recompute_layers, method, config.recompute_num_layers)
 
@@ -293,11 +248,15 @@ def chunk_terms(config: Config, stage: int = 0, chunk: int = 0, kernel: str | No
         terms["embedding output (whole)"] += (D.n - D.n_sp) * D.h * D.d
     if not pre and not keeps_input and layers:
         terms["received input"] += D.n_sp * D.h * D.d  # held by the pipeline executor for the backward
+    mtp = D.mtp if post else 0  # the multi-token prediction modules: after the head, their layers seeing the rope
     if D.rot:
         visible = any(len(u) == 1 and per_layer[u[0]] in (None, "core_attn") for u in units)
+        visible = visible or (mtp > 0 and _granularity(config) in (None, "core_attn"))
         terms["rope tables" if visible else "rope tables (in checkpoints)"] += 2 * D.n * D.rot * D.d
     if post:
         terms.update(head_terms(D))
+    if mtp:
+        terms.update(mtp_terms(D, _granularity(config)))
     return {k: v for k, v in terms.items() if v}
 
 
@@ -314,6 +273,33 @@ def head_terms(D: Dims) -> dict[str, int]:
     in the logits' dtype, and ``loss_fn``'s fp32 loss mask."""
     return {"final norm": norm_bytes(D, D.n_sp), "head input": D.n * D.h * D.d, "loss grad": D.n * D.vocab * D.d,
             "loss mask": 4 * D.n}
+
+
+def mtp_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
+    """What the ``D.mtp`` multi-token prediction modules save (``megatron.model.mtp``: the last stage, in
+    training), by term; ``recompute``: their layers' granularity. See the module docstring."""
+    n, n_sp, h, d, depth = D.n, D.n_sp, D.h, D.d, D.mtp
+    first_layer = len(D.moe_layers) - depth  # the modules' global layer indices follow the decoder's
+    # the loader's [b, s, D] fields, one storage each, read by every module (under tp the local ids per module)
+    ids = 8 * n * depth if D.tp == 1 else 9 * n * depth
+    terms: Counter[str] = Counter({"mtp ids": ids + (8 * n * depth if D.learned_positions else 0),
+                                   "mtp loss mask": 4 * n * depth})
+    embedded = n * h * d if D.sp and not D.hidden_dropout else None  # the embedding's shard: a view of it whole
+    keeps_input = recompute in ("full", "only_attn", "full_attn") or saves_input_itself(D)
+    for k in range(depth):
+        terms["mtp embedding dropout mask"] += n_sp * h * D.mask if D.hidden_dropout else 0
+        # enorm, and hnorm on the previous depth's output: without sp the head's input, kept there already
+        terms["mtp norms"] += norm_bytes(D, n_sp, input_bytes=embedded) + norm_bytes(D, n_sp,
+                                                                                    input_bytes=None if D.sp else 0)
+        terms["mtp eh_proj input"] += 2 * n_sp * h * d  # the concatenation (the sequence shard under sp)
+        terms.update(layer_terms(D, recompute, is_moe(D, first_layer + k)))
+        if D.sp and keeps_input:  # the layer's input: scatter_to_sequence_region's view of eh_proj's gathered output
+            terms["mtp layer input (whole)"] += (n - n_sp) * h * d
+        terms["mtp final norm"] += norm_bytes(D, n_sp)
+        terms["mtp head input"] += n * h * d
+        terms["mtp loss grad"] += n * D.vocab * d
+        terms["mtp loss"] += 4  # the scalar _AttachLoss keeps
+    return dict(terms)
 
 
 def activation_terms(config: Config, stage: int = 0, chunk: int | None = None,
@@ -383,7 +369,7 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
     - ``attention scores`` (math kernel): two fp32 ``[b, a, s, s]`` (the scores before the softmax in
       the forward; the gradients of the probabilities and of the scores in the backward);
     - ``recompute``: what the backward's recompute of the largest checkpointed unit saves beyond what
-      its forward kept;
+      its forward kept (a multi-token prediction module's layer among them);
     - ``sequence-parallel gather``: the all-gathered ``[s, b, h]`` input of a column-parallel layer;
     - ``context-parallel attention`` (cp > 1): the buffers of the exchange and the accumulators of one
       layer's attention (``context_parallel_terms``).
@@ -391,11 +377,17 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
     Not counted: gradient buffers of activations (about one layer's saves), the allocator's slack."""
     D = dims(config, kernel)
     terms: Counter[str] = Counter()
+    moe = False
     for layers, _, post in chunk_specs(config, stage):
         if post:
             rows = min(D.n, max(1, CE_CHUNK_ELEMENTS[D.device] // D.vocab))
             terms["loss"] = D.n * D.vocab * D.d + 2 * rows * D.vocab * 4
         per_layer, units = _recompute_units(config, layers)
+        if post and D.mtp:  # the modules' layers, each recomputed on its own at the granularity
+            mtp_layers = range(len(D.moe_layers) - D.mtp, len(D.moe_layers))
+            per_layer = {**per_layer, **{i: _granularity(config) for i in mtp_layers}}
+            units = [*units, *([i] for i in mtp_layers)]
+        moe = moe or any(is_moe(D, i) for unit in units for i in unit)
         for unit in units:
             recomputed = [per_layer[i] for i in unit] if len(unit) == 1 else ["unit"]
             if recomputed[0] is None:
@@ -409,46 +401,9 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
         terms["sequence-parallel gather"] = D.n * D.h * D.d
     if D.cp > 1:
         terms["context-parallel attention"] = max(context_parallel_terms(D).values())
-    if D.moe is not None and any(is_moe(D, i) for layers, _, _ in chunk_specs(config, stage) for i in layers):
+    if D.moe is not None and moe:
         terms["expert dispatch"] = dispatch_temporary_bytes(D.moe, D.n, D.h, D.d)
     return {k: v for k, v in terms.items() if v}
-
-
-def context_parallel_terms(D: Dims) -> dict[str, int]:
-    """The transient bytes of one layer's context-parallel attention, forward and backward (``kv = 2 n g hd d``:
-    this rank's keys and values stacked; fp32 accumulators ``acc = 4 n a hd + 4 n a`` of the output and
-    log-sum-exp; ``dkv = 2 n g hd 4``: fp32 gradients of keys and values):
-
-    - p2p forward: the stacked keys and values, the receive buffer of the next rank's, the running
-      accumulators and one step's block result (2 kv + 2 acc); backward: the keys and values and their
-      receive buffer, the dK/dV accumulator being sent and the one being received, the fp32 dQ and the
-      contiguous output gradient (2 kv + 2 dkv + 4 n a hd + n a hd d);
-    - all_gather forward: every rank's keys and values ``[cp, 2, b, g, L, hd]`` (cp kv) with the stacked
-      local ones during the gather, then the accumulators; backward: them gathered again, fp32 dK/dV for
-      every rank and this rank's reduce-scattered share, dQ and the output gradient;
-    - a2a: the all-to-all's send (stacked) and receive buffers of the queries and of the output
-      (2 n a hd d), forward and backward alike;
-    - on GPUs, p2p and all_gather compute each block in plain fp32 operations, a tile of query rows at a
-      time (``context_parallel.blocks``; the CPU's fused kernel keeps none of this): the backward of the
-      diagonal block holds its keys and values expanded to ``a`` heads in fp32 with their gradients
-      (``4 x 4 n a hd``), its fp32 dQ (``4 n a hd``) and, per tile, the probabilities, their gradient, a
-      difference and the score gradient (``4`` fp32 ``[b, a, rows, L]``, each at most ``MATH_TILE_BYTES``);
-      its forward holds fewer.
-
-    Not counted: the kernel's own per-block outputs and gradients (at most one block's ``q, k, v``)."""
-    n, a, g, hd, d, cp = D.n, D.a, D.g, D.hd, D.d, D.cp
-    if D.cp_comm == "a2a":
-        return {"forward": 2 * n * a * hd * d, "backward": 2 * n * a * hd * d}
-    kv, acc, dkv = 2 * n * g * hd * d, 4 * n * a * hd + 4 * n * a, 2 * n * g * hd * 4
-    grads = 4 * n * a * hd + n * a * hd * d  # fp32 dQ, the output gradient made contiguous
-    blocks = 0
-    if D.device == "gpu":
-        row = D.b * a * D.length * 4  # one query row of the diagonal block's fp32 scores, every sample and head
-        tile = row * min(D.length, max(1, MATH_TILE_BYTES["limit"] // row))
-        blocks = 4 * 4 * n * a * hd + 4 * n * a * hd + 4 * tile
-    if D.cp_comm == "all_gather":
-        return {"forward": cp * kv + max(kv, 2 * acc), "backward": cp * kv + (cp + 1) * dkv + grads + blocks}
-    return {"forward": 2 * kv + 2 * acc, "backward": 2 * kv + 2 * dkv + grads + blocks}
 
 
 def largest_temporary_bytes(config: Config, stage: int = 0, kernel: str | None = None) -> int:

@@ -19,14 +19,17 @@ experts' tensor-parallel size, ``f_e = moe_ffn_hidden_size / etp``, ``f_s`` the 
   weight's ``r E h``;
 - ``router``: softmax (default) the top-k indices (int64, ``8 T k``) and the softmax of the top k logits
   (``r T k``); ``pre_softmax`` the softmax over all experts (``r T E``) and the indices; sigmoid the scores
-  (``r T E``), the indices and, for k > 1, the chosen scores and their sums (``r T k + r T``). The balancing loss
+  (``r T E``), the indices and, for k > 1, the chosen scores and their sums (``r T k + r T``). Group-limited
+  routing (``G`` groups, each token's best ``g``) adds the indices of each group's top ``k / g`` (``8 T G k / g``)
+  and of the groups (``8 T g``) and the bool mask of the experts outside them (``T E``). The balancing loss
   (only with a coefficient): the full score distribution (``r T E``; sigmoid's normalised, with its sums
   ``r T``), its top-k indices (``8 T k``: the choice the loss counts, without the expert bias) and the counts
   (``r E``; per sequence ``r b E``); the z-loss the logits and their log-sum-exp
   (``r T E + r T``); the auxiliary loss the layer's output keeps (``r``);
 - ``dispatch indices``: alltoall the (expert, token) indices of this rank's ``k T`` pairs (int64, ``16 k T``)
   and, when chunks from several ranks arrive for several local experts, their expert-major order (``8 R``);
-  allgather the indices of the gathered pairs of this rank's experts (``24 R``);
+  allgather (at any ep) the indices of the gathered pairs of this rank's experts and their shifted expert ids
+  (``24 R``);
 - ``expert inputs``: the rows sorted by expert, ``R h d``;
 - ``experts``: GELU ``2 R f_e d`` (fc1 output, GELU output), SwiGLU ``4 R f_e d``;
 - ``expert outputs (reordered)``: alltoall with that order, the outputs put back in arrival order (``R h d``);
@@ -71,6 +74,8 @@ class MoEDims:
     capacity: float | None
     pad: bool  # every expert computes on exactly its capacity
     dispatcher: str
+    groups: int | None = None  # group-limited routing: the expert groups
+    group_topk: int | None = None  # and the groups each token picks
 
 
 def moe_dims(config: Config) -> MoEDims | None:
@@ -87,7 +92,8 @@ def moe_dims(config: Config) -> MoEDims | None:
                    balancing=m.moe_router_load_balancing_type != "none" and (m.moe_aux_loss_coeff or 0) > 0,
                    seq_aux=m.moe_router_load_balancing_type == "seq_aux_loss", pad=m.moe_pad_expert_input_to_capacity,
                    z_loss=bool(m.moe_z_loss_coeff), capacity=m.moe_expert_capacity_factor,
-                   dispatcher=m.moe_token_dispatcher_type)
+                   dispatcher=m.moe_token_dispatcher_type, groups=m.moe_router_num_groups,
+                   group_topk=m.moe_router_group_topk)
 
 
 def exchanges(M: MoEDims) -> bool:
@@ -126,6 +132,8 @@ def moe_terms(M: MoEDims, D) -> dict[str, int]:
         router = r * T * E + 8 * T * k
     else:  # the top-k indices, the softmax of the top k logits
         router = 8 * T * k + r * T * k
+    if M.group_topk:  # each group's top k / g and the groups' top g indices, the mask of the experts left out
+        router += 8 * T * M.groups * (k // M.group_topk) + 8 * T * M.group_topk + T * E
     if M.balancing:  # the full score distribution (sigmoid: normalised, with its sums), its top-k, the counts
         router += r * T * E + (r * T if M.score == "sigmoid" and k > 1 else 0) + 8 * T * k
         router += r * D.b * E if M.seq_aux else r * E
@@ -134,7 +142,7 @@ def moe_terms(M: MoEDims, D) -> dict[str, int]:
     if M.balancing or M.z_loss:  # the auxiliary loss the layer's output keeps
         router += r
     pairs, reordered = k * T, exchanges(M) and E // M.ep > 1  # this rank's (token, expert) pairs (no drop)
-    if M.dispatcher == "allgather" and exchanges(M):  # the gathered pairs of this rank's experts, their indices
+    if M.dispatcher == "allgather":  # the (gathered) pairs of this rank's experts, their indices (also at ep 1)
         indices, combined, order = 24 * R, R, 0
     else:  # this rank's pairs; the expert-major order of the received chunks and the outputs put back in it
         indices, combined, order = 16 * pairs + (8 * R if reordered else 0), pairs, R * h * d if reordered else 0

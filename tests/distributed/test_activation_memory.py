@@ -42,6 +42,15 @@ NO_DROPOUT = ["--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16"]
 SP = ["--sequence-parallel"]
+# multi-latent attention with the q LoRA and the latent norms; DeepSeek-V3's MoE layer (tests/unit's cases)
+MLA = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "24", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--q-lora-rank", "20", "--qk-layernorm"]
+DEEPSEEK_MOE = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+                "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1]",
+                "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups",
+                "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+                "--moe-token-dispatcher-type", "allgather"]
 TP_CASES = {
     "tp2-gpt2-dropout": [],
     "tp2-llama-flash": LLAMA + NO_DROPOUT,
@@ -54,12 +63,21 @@ TP_CASES = {
     "tp2-moe-gpt2": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"],
     "tp2-sp-moe-llama-shared": SP + LLAMA + NO_DROPOUT + ["--num-experts", "4", "--moe-shared-expert-intermediate-size",
                                                           "64"],
+    "tp2-sp-llama-qk-norm": SP + LLAMA + ["--qk-layernorm"],  # each rank's heads normalised
+    # multi-latent attention: the latents replicated on the whole sequence (under sp gathered first), the heads split
+    "tp2-mla": MLA,
+    "tp2-sp-mla-bf16-selective": SP + MLA + ["--bf16", "--use-recompute", "--recompute-granularity", "selective"],
+    # multi-token prediction: eh_proj's output gathered over tp (then cut to the sequence shard under sp), the
+    # embedding's local ids per module; with DeepSeek-V3's MoE layer as the module's (the decoder's last is MoE)
+    "tp2-mtp-llama": LLAMA + ["--mtp-num-layers", "2"],
+    "tp2-sp-mtp-deepseek": SP + MLA + DEEPSEEK_MOE + NO_DROPOUT + ["--mtp-num-layers", "1"],
 }
 
 
 def _batch(config, count: int, seed: int = 1) -> dict:
     data = MockGPTDataset(8, config.dataset.max_seq_len, config.model.vocab_size, seed=seed)
-    return {k: v.clone() for k, v in build_batch([data[i] for i in range(count)], data.eod_id).items()}
+    batch = build_batch([data[i] for i in range(count)], data.eod_id, mtp_depth=config.model.mtp_num_layers or 0)
+    return {k: v.clone() for k, v in batch.items()}
 
 
 def _tp_run(rank, world):
@@ -122,18 +140,20 @@ def test_expert_parallel_prediction_equals_measurement_over_the_ep_ranks(case):
     assert measured == pytest.approx(predicted, rel=0.1)
 
 
-SCHEDULES = {"1f1b": (1, tables.one_f_one_b), "gpipe": (1, tables.gpipe),
-             "interleaved": (2, lambda pp, r, m: tables.interleaved_one_f_one_b(pp, r, m, 2))}
+SCHEDULES = {"1f1b": (1, tables.one_f_one_b, []), "gpipe": (1, tables.gpipe, []),
+             "interleaved": (2, lambda pp, r, m: tables.interleaved_one_f_one_b(pp, r, m, 2), []),
+             # the last stage's multi-token prediction module: its own embedding, layer and head
+             "1f1b-mtp": (1, tables.one_f_one_b, ["--mtp-num-layers", "1", "--position-embedding-type", "rope"])}
 M = 4  # micro-batches
 
 
 def _pp_run(rank, world):
     ps = parallel_state.initialize(pp=world)
     results = {}
-    for name, (vpp, make) in SCHEDULES.items():
+    for name, (vpp, make, flags) in SCHEDULES.items():
         config = parse_config([*TINY, "--num-layers", "4", "--pp", str(world), "--vpp", str(vpp),
                                "--pipeline-schedule", "gpipe" if name == "gpipe" else "1f1b",
-                               "--global-batch-size", str(2 * M)])
+                               "--global-batch-size", str(2 * M), *flags])
         validate(config, world_size=world)
         torch.manual_seed(0)
         model = build_model(config).train()
@@ -161,7 +181,7 @@ def test_pipeline_peak_equals_in_flight_times_per_micro_batch(schedule):
         assert measured_peak == predicted_peak
         if schedule == "gpipe":
             assert predicted_peak == M * per_micro_batch
-        if schedule == "1f1b":
+        if schedule.startswith("1f1b"):
             assert predicted_peak == (2 - rank) * per_micro_batch
 
 
@@ -170,8 +190,8 @@ def test_pipeline_peak_equals_in_flight_times_per_micro_batch(schedule):
 DOCS = ["--reset-attention-mask", "--reset-position-ids"]
 CP_CASES = {  # name -> (cp, flags); cp 1: the same sequence on one rank (both ranks alike: dp 2)
     **{f"cp{cp}-{comm}-{model}": (cp, ["--cp-comm-type", comm, *flags, *NO_DROPOUT])
-       for cp in (1, 2) for comm in ("p2p", "all_gather", "a2a") for model, flags in (("gpt2", []), ("llama", LLAMA))
-       if cp == 2 or comm == "p2p"},
+       for cp in (1, 2) for comm in ("p2p", "all_gather", "a2a")
+       for model, flags in (("gpt2", []), ("llama", LLAMA), ("mla", MLA)) if cp == 2 or comm == "p2p"},
     "cp2-a2a-gpt2-dropout": (2, ["--cp-comm-type", "a2a"]),  # whole sequences: the math kernel, its masks
     "cp2-p2p-gpt2-hidden-dropout": (2, ["--cp-comm-type", "p2p", "--attention-probs-dropout-prob", "0"]),
     "cp2-p2p-llama-packed": (2, ["--cp-comm-type", "p2p", *LLAMA, *NO_DROPOUT, *DOCS]),
@@ -183,11 +203,16 @@ CP_CASES = {  # name -> (cp, flags); cp 1: the same sequence on one rank (both r
                                         "--recompute-granularity", "full"]),
     "cp2-p2p-one-head-b1": (2, ["--cp-comm-type", "p2p", *NO_DROPOUT, "--num-attention-heads", "1",
                                 "--micro-batch-size", "1"]),  # a = b = 1: the dense input is a view of out
+    # the QK norms keep views of the QKV output, which a2a's exchanged copies do not
+    "cp2-a2a-llama-qk-norm": (2, ["--cp-comm-type", "a2a", *LLAMA, *NO_DROPOUT, "--qk-layernorm"]),
+    "cp2-all_gather-mla-packed": (2, ["--cp-comm-type", "all_gather", *MLA, *NO_DROPOUT, *DOCS]),
+    "cp2-p2p-llama-mtp": (2, ["--cp-comm-type", "p2p", *LLAMA, *NO_DROPOUT, "--mtp-num-layers", "1"]),
 }
 CP_TP_CASES = {f"cp2-tp2-sp-{comm}-{model}": ["--cp-comm-type", comm, "--sequence-parallel", *flags, *NO_DROPOUT]
-               for comm in ("p2p", "all_gather", "a2a")
-               for model, flags in (("gpt2", ["--num-attention-heads", "8"]),
-                                    ("llama", [*LLAMA, "--num-query-groups", "4"]))}
+               for comm, model, flags in [
+                   *((comm, "gpt2", ["--num-attention-heads", "8"]) for comm in ("p2p", "all_gather", "a2a")),
+                   *((comm, "llama", [*LLAMA, "--num-query-groups", "4"]) for comm in ("p2p", "all_gather", "a2a")),
+                   ("a2a", "mla", [*MLA, "--num-attention-heads", "8"])]}
 
 
 def _cp_config(flags: list[str], cp: int, tp: int = 1):
@@ -203,7 +228,8 @@ def _packed_batch(config, ps) -> dict:
     for i, sample in enumerate(samples if d.reset_attention_mask else []):
         sample[[3 + i, 9, 10]] = data.eod_id  # documents of 4-5, 6-5, 1 and 5 tokens
     batch = build_batch(samples, data.eod_id, reset_position_ids=d.reset_position_ids,
-                        reset_attention_mask=d.reset_attention_mask, cp_rank=ps.cp_rank, cp_size=ps.cp_size)
+                        reset_attention_mask=d.reset_attention_mask, cp_rank=ps.cp_rank, cp_size=ps.cp_size,
+                        mtp_depth=config.model.mtp_num_layers or 0)
     return {k: v.clone() for k, v in batch.items()}
 
 
@@ -246,7 +272,7 @@ def test_context_and_tensor_parallel_prediction_equals_measurement(case):
 
 
 @pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model", ["gpt2", "llama", "mla"])
 def test_context_parallel_2_saves_at_most_0_55_of_cp_1(comm, model):
     """The issue's requirement, measured by the saved-tensor hooks: each cp 2 rank saves at most 0.55 x
     what one rank saves for the same sequence at cp 1."""

@@ -46,6 +46,19 @@ LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--kv-channels", "24")
 NO_DROPOUT = ("--hidden-dropout-prob", "0", "--attention-probs-dropout-prob", "0")
+# multi-latent attention: q/k 16 + 8 channels, values 12 (unequal: the math kernel on the CPU), latents of 24 (kv)
+# and 20 (q LoRA, with --qk-layernorm its norm)
+MLA = ("--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "24", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12")
+Q_LORA = ("--q-lora-rank", "20", "--qk-layernorm")
+# DeepSeek-V3's MoE layer (the second; the multi-token prediction module's as the decoder's last): group-limited
+# sigmoid routing with the expert bias, a shared expert
+DEEPSEEK_MOE = ("--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+                "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1]",
+                "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups",
+                "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+                "--moe-token-dispatcher-type", "allgather")
 RECOMPUTE = {"none": (), "selective": ("--use-recompute", "--recompute-granularity", "selective"),
              "only_attn": ("--use-recompute", "--recompute-granularity", "only_attn"),
              "full": ("--use-recompute", "--recompute-granularity", "full"),
@@ -73,7 +86,8 @@ def measured_bytes(config: Config, eods: tuple[int, ...] = ()) -> int:
     d = config.dataset
     # own storages: build_batch's tokens of one sample are a view of the [1, s + 1] sample
     batch = {k: v.clone() for k, v in build_batch(samples, data.eod_id, reset_position_ids=d.reset_position_ids,
-                                                  reset_attention_mask=d.reset_attention_mask).items()}
+                                                  reset_attention_mask=d.reset_attention_mask,
+                                                  mtp_depth=config.model.mtp_num_layers or 0).items()}
     return measure_microbatch(model, forward_step, batch)
 
 
@@ -113,6 +127,20 @@ def test_prediction_equals_measurement(model, recompute, dropout, dtype):
     ("--use-recompute", "--recompute-granularity", "full_attn", *LLAMA),
     ("--hidden-dropout-prob", "0"),  # attention dropout only: the math kernel, no hidden masks
     ("--attention-probs-dropout-prob", "0", "--bf16"),  # hidden dropout only: flash and masks
+    # QK-norm: the norms' outputs are [b, a, s, hd] (the output a copy of its own), they keep q and k as given
+    ("--qk-layernorm", *NO_DROPOUT),
+    ("--qk-layernorm", *LLAMA, "--bf16"),  # RMSNorm's fp32 copies; the math kernel: the QKV output kept by the norms
+    ("--qk-layernorm", *LLAMA, *RECOMPUTE["selective"]),
+    # multi-latent attention, one query projection and the q LoRA, the CPU's math kernel and (equal widths) flash
+    (*MLA, *NO_DROPOUT),
+    (*MLA, *Q_LORA, "--normalization", "RMSNorm", "--bf16"),
+    (*MLA, *Q_LORA, "--v-head-dim", "24", "--num-attention-heads", "1", "--micro-batch-size", "1", *NO_DROPOUT),
+    (*MLA, *Q_LORA, *RECOMPUTE["selective"]),
+    (*MLA, *RECOMPUTE["full"], "--bf16"),
+    # multi-token prediction: D modules after the head, each embedding, a decoder layer and the head again
+    ("--mtp-num-layers", "2", "--num-layers", "1"),
+    ("--mtp-num-layers", "1", *LLAMA, *RECOMPUTE["uniform2"], "--bf16"),
+    ("--mtp-num-layers", "1", "--num-layers", "2", *MLA, *Q_LORA, *DEEPSEEK_MOE, *NO_DROPOUT),
 ], ids=lambda a: " ".join(a))
 def test_prediction_equals_measurement_more_shapes(argv):
     assert_prediction_matches(make_config(*argv))
@@ -147,9 +175,9 @@ def test_saved_activations_live_and_peak():
 # ---------------------------------------------------------------------------- the pipeline
 
 
-def pipeline_config(pp: int, m: int, vpp: int = 1, schedule: str = "1f1b") -> Config:
+def pipeline_config(pp: int, m: int, vpp: int = 1, schedule: str = "1f1b", *argv: str) -> Config:
     return make_config("--num-layers", str(2 * pp * vpp), "--pp", str(pp), "--vpp", str(vpp),
-                       "--pipeline-schedule", schedule, "--global-batch-size", str(2 * m), world_size=pp)
+                       "--pipeline-schedule", schedule, "--global-batch-size", str(2 * m), *argv, world_size=pp)
 
 
 PIPELINES = [(2, 4, 1, "1f1b"), (4, 8, 1, "1f1b"), (4, 3, 1, "1f1b"), (4, 8, 1, "gpipe"), (3, 5, 1, "gpipe"),
@@ -187,6 +215,21 @@ def test_stage_chunks_follow_build_model():
     assert chunk_specs(config, 1) == [(range(2, 4), False, False), (range(6, 8), False, True)]
     first, last = (activation_terms(config, s) for s in (0, 1))
     assert "embedding ids" in first and "loss grad" not in first and "loss grad" in last
+    mtp = pipeline_config(2, 4, 2, "1f1b", "--mtp-num-layers", "2")  # the modules on the last stage's last chunk
+    terms = [activation_terms(mtp, s, c) for s in (0, 1) for c in (0, 1)]
+    assert [any(k.startswith("mtp") for k in t) for t in terms] == [False, False, False, True]
+    d = dims(mtp)
+    assert terms[3]["mtp head input"] == 2 * d.n * d.h * d.d and terms[3]["mtp loss mask"] == 4 * d.n * 2
+
+
+def test_attention_kernel_on_the_cpu():
+    """Multi-latent attention with unequal q/k and v widths runs the math kernel on the CPU without dropout (the fused
+    one takes one width); on GPUs a fused kernel is assumed."""
+    assert dims(make_config(*MLA, *NO_DROPOUT)).kernel == "math"
+    assert dims(make_config(*MLA, "--v-head-dim", "24", *NO_DROPOUT)).kernel == "flash"
+    gpu = make_config(*MLA, *NO_DROPOUT)
+    gpu.device = "gpu"
+    assert dims(gpu).kernel == "flash"
 
 
 # ---------------------------------------------------------------------------- temporaries and the estimate
@@ -201,6 +244,8 @@ def test_temporaries():
     assert largest_temporary_bytes(config) == max(terms.values())
     unit = make_config(*RECOMPUTE["uniform2"])
     assert temporary_terms(unit)["recompute"] == 2 * layer_bytes(d, None) - d.n_sp * d.h * d.d
+    mtp = make_config(*RECOMPUTE["uniform2"], "--num-layers", "2", "--mtp-num-layers", "1")  # the module's layer: full
+    assert temporary_terms(mtp)["recompute"] == 2 * layer_bytes(d, None) - d.n_sp * d.h * d.d
     assert "attention scores" not in temporary_terms(make_config(*NO_DROPOUT))
 
 
@@ -229,7 +274,9 @@ DOCS = ("--reset-attention-mask", "--reset-position-ids")
 
 @pytest.mark.parametrize("argv", [(*NO_DROPOUT,), (*LLAMA, *NO_DROPOUT, "--bf16"), ("--num-attention-heads", "1",
                                   "--micro-batch-size", "1", *NO_DROPOUT), (*LLAMA, "--rotary-percent", "0.5",
-                                  *NO_DROPOUT)], ids=["gpt2", "llama", "one-head-b1", "partial-rope"])
+                                  *NO_DROPOUT),
+                                  (*MLA, *Q_LORA, "--v-head-dim", "24", *NO_DROPOUT, "--mtp-num-layers", "1")],
+                         ids=["gpt2", "llama", "one-head-b1", "partial-rope", "mla-mtp"])
 def test_packed_documents_prediction_equals_measurement(argv):
     """One flash call per document: the same q, k, v and log-sum-exp, each call's output its own storage
     and the dense input a copy of their concatenation (even with a = b = 1)."""
