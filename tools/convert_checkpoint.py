@@ -153,8 +153,14 @@ def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tru
     export = (export_tokenizer(section, config.model.vocab_size, reader.step_dir, config.model.max_position_embeddings)
               if tokenizer else None)
     extra = {"train_state": common.get("train_state")} if hf is hf_deepseek else {}  # its expert biases
+    tensors = read_tensors(reader)
+    if config.model.mtp_num_layers and hf is not hf_deepseek:  # only DeepSeek-V3's checkpoints hold MTP modules
+        tensors = {name: t for name, t in tensors.items() if not name.startswith("mtp.")}
+        print(f"the {config.model.mtp_num_layers} multi-token prediction module(s) are not exported: "
+              f"{hf.hf_config(config.model, dtype)['architectures'][0]} has no place for them (the model's logits "
+              f"do not use them).")
     state = {name: t if name.endswith(hf_deepseek.BIAS) else t.to(DTYPES[dtype])  # the expert bias stays fp32
-             for name, t in hf.to_hf_state_dict(read_tensors(reader), config.model, **extra).items()}
+             for name, t in hf.to_hf_state_dict(tensors, config.model, **extra).items()}
     os.makedirs(out_dir, exist_ok=True)
     _write_atomic(os.path.join(out_dir, "model.safetensors"),
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))

@@ -307,6 +307,22 @@ def test_export_of_our_initialised_model_gives_hf_the_same_logits(tmp_path, tie,
     torch.testing.assert_close(ours[..., :VOCAB], theirs, rtol=0, atol=1e-4)
 
 
+def test_an_export_leaves_out_multi_token_prediction_with_a_notice(tmp_path, capsys):
+    """LlamaForCausalLM has no place for MTP modules (only DeepSeek-V3's checkpoints store them): the export drops
+    them, says so, and the logits (which never use them) are the same."""
+    config = make_config(*llama_flags(tie=False, bias=False), "--mtp-num-layers", "1")
+    params = {name: p.detach() + 0.05 for name, p in build_model(config).named_parameters()}
+    for name in (WTE, "output_layer.weight"):
+        params[name][VOCAB:] = 0.0
+    assert any(name.startswith("mtp.layers.0.") for name in params)
+    write_params(str(tmp_path / "ckpt"), config, params)
+    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    assert "the 1 multi-token prediction module(s) are not exported: LlamaForCausalLM" in capsys.readouterr().out
+    ids = tokens()
+    ours, theirs = our_logits(config, tmp_path / "ckpt", ids), hf_logits(tmp_path / "hf", ids)
+    torch.testing.assert_close(ours[..., :VOCAB], theirs, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("flags, setting", [
     (("--position-embedding-type", "rope", "--swiglu", "--ffn-hidden-size", "96"), "normalization LayerNorm"),
     ((*LLAMA, "--rotary-percent", "0.5"), "rotary_percent 0.5"),
