@@ -8,7 +8,7 @@ Takes the same configuration as pretrain_gpt.py, plus:
     --device-memory-gb G        usable memory of one device, GiB (2^30 bytes): prints the verdict; without
                                 it, the verdict of pretrain_gpt.py's memory check on this machine (its
                                 available RAM for a CPU run, shared by the run's ranks; GPU 0's free memory)
-    --attention-kernel K        flash or math (default: what the run would use; see megatron/memory/activations.py)
+    --attention-kernel K        flash or math (default: what the run would use; see megatron/memory/attention.py)
     --terms                     the bytes of one micro-batch's saved activations on stage 0, term by term
 
 Prints, for each pipeline stage, the bytes of parameters, fp32 gradients, fp32 master weights and
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Usable memory of one device, GiB (2^30 bytes): prints whether the run fits.")
     p.add_argument("--attention-kernel", choices=("flash", "math"), default=None,
                    help="Attention kernel of the activation estimate (default: what the run would use; see "
-                        "megatron/memory/activations.py).")
+                        "megatron/memory/attention.py).")
     p.add_argument("--terms", action="store_true",
                    help="Also print the bytes of one micro-batch's saved activations on stage 0, term by term.")
     return p

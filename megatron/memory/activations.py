@@ -288,9 +288,8 @@ def mtp_terms(D: Dims, recompute: str | None = None) -> dict[str, int]:
     keeps_input = recompute in ("full", "only_attn", "full_attn") or saves_input_itself(D)
     for k in range(depth):
         terms["mtp embedding dropout mask"] += n_sp * h * D.mask if D.hidden_dropout else 0
-        # enorm, and hnorm on the previous depth's output: without sp the head's input, kept there already
-        terms["mtp norms"] += norm_bytes(D, n_sp, input_bytes=embedded) + norm_bytes(D, n_sp,
-                                                                                    input_bytes=None if D.sp else 0)
+        hnorm = norm_bytes(D, n_sp, input_bytes=None if D.sp else 0)  # its input without sp: the head's, kept there
+        terms["mtp norms"] += norm_bytes(D, n_sp, input_bytes=embedded) + hnorm  # and enorm's
         terms["mtp eh_proj input"] += 2 * n_sp * h * d  # the concatenation (the sequence shard under sp)
         terms.update(layer_terms(D, recompute, is_moe(D, first_layer + k)))
         if D.sp and keeps_input:  # the layer's input: scatter_to_sequence_region's view of eh_proj's gathered output

@@ -49,8 +49,8 @@ The core (``core_terms``; ``dk``, ``dv`` the query/key and value widths, ``hd`` 
   documents: one call per document, their concatenation copied) and the fp32 log-sum-exp ``4 n a``;
 - math (fp32 inside; grouped keys and values repeated to ``a`` heads): the scaled q and k ``2 x 4 n a dk``, the
   softmax ``4 b a s^2``, with dropout its mask and the dropped probabilities (``(m' + 4) b a s^2``, ``m'`` = 4 on
-  the CPU, 1 on GPUs) and v: a view of its storage in fp32 where it need not be copied (standard attention
-  without grouping: the QKV output; multi-latent attention's own copy), else an fp32 copy ``4 n a dv``;
+  the CPU, 1 on GPUs) and v: in fp32 where it need not be copied its storage (standard attention without
+  grouping: the QKV output; multi-latent attention: v as given), else an fp32 copy ``4 n a dv``;
 - context parallelism, p2p and all_gather (``RingAttention``, ``GatheredAttention``: custom autograd functions
   whatever the kernel): ``given``, their output (in q's layout, as the flash kernel's) and the fp32 log-sum-exp;
 - a2a: whole sequences of ``a / c`` heads; q, k and v the all-to-all's own ``n (a dk + g (dk + dv)) d``, then

@@ -2,14 +2,17 @@
 saved_tensors_hooks (megatron/memory/measure.py), byte for byte.
 
 - tensor parallel 2, with and without sequence parallelism (under sp the column-parallel layers save
-  only their ``[s/t, b, h]`` input shard), one micro-batch's forward; with mixture-of-experts layers too;
+  only their ``[s/t, b, h]`` input shard), one micro-batch's forward; with mixture-of-experts layers too, QK-norm,
+  multi-latent attention (its latents replicated on the whole sequence) and multi-token prediction;
 - expert parallel 2 (alltoall, allgather): the sum over the ep ranks (each rank's share depends on the routing);
 - pipeline parallel 2: the saved bytes alive on each stage at the schedule's peak (1F1B, GPipe,
-  interleaved), measured across the whole schedule by the hooks' live count;
+  interleaved; 1F1B with a multi-token prediction module on the last stage), measured across the whole schedule
+  by the hooks' live count;
 - context parallel 2 with each communication type (p2p, all_gather, a2a; packed documents; the math
-  kernel of a2a with attention dropout), and cp 2 x tp 2 + sp: one micro-batch's forward on this
-  rank's s / cp tokens. The saved bytes at cp 2 are at most 0.55 x those at cp 1 for the same sequence,
-  and tools/estimate_memory.py's ``activations per micro-batch`` is the measurement's (within 5%).
+  kernel of a2a with attention dropout; multi-latent attention; QK-norm; multi-token prediction), and cp 2 x
+  tp 2 + sp: one micro-batch's forward on this rank's s / cp tokens. The saved bytes at cp 2 are at most 0.55 x
+  those at cp 1 for the same sequence, and tools/estimate_memory.py's ``activations per micro-batch`` is the
+  measurement's (within 5%).
 
 Each group of cases runs in one spawn (module-level cache), so the cases cost one start-up each: the
 two-rank groups share the harness's pool of two ranks, cp 2 x tp 2 its pool of four.
@@ -70,6 +73,8 @@ TP_CASES = {
     # multi-token prediction: eh_proj's output gathered over tp (then cut to the sequence shard under sp), the
     # embedding's local ids per module; with DeepSeek-V3's MoE layer as the module's (the decoder's last is MoE)
     "tp2-mtp-llama": LLAMA + ["--mtp-num-layers", "2"],
+    "tp2-sp-mtp-gpt2-full-recompute": SP + ["--mtp-num-layers", "1", "--use-recompute", "--recompute-granularity",
+                                            "full"],
     "tp2-sp-mtp-deepseek": SP + MLA + DEEPSEEK_MOE + NO_DROPOUT + ["--mtp-num-layers", "1"],
 }
 

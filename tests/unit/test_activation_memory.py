@@ -300,7 +300,8 @@ def test_packed_documents_math_kernel_is_bounded_by_whole_sequences():
 def test_context_parallel_temporaries(comm):
     """The exchange's buffers and the fp32 accumulators of one layer's attention; on GPUs p2p and
     all_gather add the plain block kernel's backward: fp32 expanded keys, values, their gradients and dQ,
-    and four fp32 tiles of query rows of the diagonal block's scores (each at most MATH_TILE_BYTES)."""
+    and four fp32 tiles of query rows of the diagonal block's scores (each at most MATH_TILE_BYTES). Multi-latent
+    attention's keys and values keep their widths (one packed buffer; a2a the wider of queries and outputs)."""
     config = make_config(*NO_DROPOUT, "--cp", "2", "--cp-comm-type", comm, world_size=2)
     d = dims(config)
     assert (d.cp, d.cp_comm, d.n, d.length) == (2, comm, 16, 8)
@@ -318,6 +319,10 @@ def test_context_parallel_temporaries(comm):
     extra = context_parallel_terms(long)["backward"] - context_parallel_terms(dataclasses.replace(long, device="cpu"))[
         "backward"]
     assert extra == (0 if comm == "a2a" else 5 * 4 * long.n * d.a * d.hd + 4 * MATH_TILE_BYTES["limit"])
+    mla = dims(make_config(*MLA, *NO_DROPOUT, "--cp", "2", "--cp-comm-type", comm, world_size=2))
+    packed, out = mla.n * mla.a * (24 + 12) * 4, 4 * mla.n * mla.a * 12 + 4 * mla.n * mla.a  # keys 16 + 8, values 12
+    assert context_parallel_terms(mla)["forward"] == {"p2p": 2 * packed + 2 * out, "all_gather": 3 * packed,
+                                                      "a2a": 2 * mla.n * mla.a * 24 * 4}[comm]
     if comm == "all_gather":  # every rank's keys and values, the whole sequence's at any cp
         four = dims(make_config(*NO_DROPOUT, "--cp", "4", "--cp-comm-type", comm, world_size=4))
         assert context_parallel_terms(four)["backward"] == 4 * kv // 2 + 5 * dkv // 2 + 4 * d.n * d.a * d.hd
