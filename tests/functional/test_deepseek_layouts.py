@@ -1,14 +1,15 @@
 """A scaled-down DeepSeek-V3 shape reproduces its single-process losses, multi-token prediction losses and gradient
-norms (within 1e-5; fp32, dropout off) under tensor parallelism with sequence parallelism, pipelining, expert x
-tensor parallelism, and a checkpoint saved under pipelining resumes under expert parallelism with ZeRO-3 as the
-uninterrupted run goes on. The shape: multi-latent attention (query and key/value LoRA ranks, their RMSNorms, a
-decoupled rotary part with YaRN's frequencies and concentration), one dense first layer, then fine-grained experts
-with a shared expert of its own width under DeepSeek-V3's router (sigmoid with pre-softmax, expert bias,
-group-limited, scaled probabilities), and one multi-token prediction module (on the last pipeline stage).
-
-Context parallelism: the ring (p2p) and all_gather at cp 2, a2a at cp 2 x tp 2 with sequence parallelism (the
-multi-latent attention layer alone, with packed documents too: tests/distributed/test_context_parallel_attention.py;
-its KV cache: tests/inference/test_engine.py)."""
+norms (within 1e-5; fp32, dropout off) under tensor parallelism with sequence parallelism, expert x tensor
+parallelism (the experts over the tensor-parallel ranks), context parallelism with each communication type (a2a
+with the experts over the context-parallel ranks), pipelining, and a checkpoint saved under pipelining resumes under
+expert parallelism with ZeRO-3 as the uninterrupted run goes on. Every layout takes 2 ranks (on 2 cores a 4-rank
+launch costs about twice as much per run; the experts cut over tp as well, etp = tp, are
+tests/functional/test_moe_layouts.py's, the multi-latent attention layer at cp 2 x tp 2 + sp and with packed
+documents tests/distributed/test_context_parallel_attention.py's). The shape: multi-latent attention (query and
+key/value LoRA ranks, their RMSNorms, a decoupled rotary part with YaRN's frequencies and concentration), one dense
+first layer, then fine-grained experts with a shared expert of its own width under DeepSeek-V3's router (sigmoid with
+pre-softmax, expert bias, group-limited, scaled probabilities), and one multi-token prediction module (on the last
+pipeline stage)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ reference_runs({"deepseek-5": DEEPSEEK, "deepseek-10": [*DEEPSEEK, *TEN]})
 
 LAYOUTS = parity_layouts({f"deepseek-{name}": (n, [*DEEPSEEK, *flags]) for name, (n, flags) in {
     "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
-    "ep2-tp2-sp": (4, ["--tp", "2", "--sequence-parallel", "--dp", "2", "--expert-model-parallel-size", "2"]),
+    # the experts split over the tensor-parallel ranks (etp 1, DeepSeek-V3's layout), the rest of the layer over tp
+    "tp2-sp-etp1-ep2": (2, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                            "--expert-model-parallel-size", "2"]),
     "cp2-p2p": (2, ["--cp", "2", "--cp-comm-type", "p2p"]),
     "cp2-all_gather": (2, ["--cp", "2", "--cp-comm-type", "all_gather"]),
-    "cp2-a2a-tp2-sp": (4, ["--cp", "2", "--cp-comm-type", "a2a", "--tp", "2", "--sequence-parallel"]),
+    "cp2-a2a-ep2": (2, ["--cp", "2", "--cp-comm-type", "a2a", "--expert-model-parallel-size", "2"]),
 }.items()})
 
 SAVED = "deepseek-pp2-saved"  # steps 1-5 of the 10-step schedule under pipelining, the MTP module on the last stage
