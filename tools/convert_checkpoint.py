@@ -349,10 +349,6 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
         why = "--finetune" if finetune else "--no-optim" if not optim else "the saved optimizer never stepped"
         print(f"the optimizer states are not converted ({why}): the run continues with a fresh AdamW, as Megatron's "
               f"--no-load-optim.")
-    if not config.model.swiglu and not (getattr(args, "bias_gelu_fusion", True) and getattr(args, "add_bias_linear",
-                                                                                              True)):
-        print(f"{PROG}: warning: Megatron Core's GELU is exact (erf) without --bias-gelu-fusion and linear biases; "
-              f"this GPT's is the tanh approximation (logits differ by about 1e-3).", file=sys.stderr)
 
 
 def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1, optim: bool = True) -> None:

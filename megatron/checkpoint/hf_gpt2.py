@@ -42,6 +42,7 @@ from megatron.checkpoint.hf_common import (
     unpad_vocab,
 )
 from megatron.config.schema import ModelConfig
+from megatron.model.blocks import gelu_approximation
 
 __all__ = ["ConversionError", "check_model", "from_hf_state_dict", "hf_config", "model_flags", "name_map",
            "strip_hf_prefix", "to_hf_state_dict"]
@@ -56,9 +57,11 @@ _LAYER_NAMES = {
     "mlp.dense_4h_to_h": "mlp.c_proj",
 }
 _TRANSPOSED = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
-# Our activation: F.gelu(approximate="tanh"). Hugging Face's names for the same function.
+# Our activation: F.gelu(approximate="tanh"), or exact with --no-bias-gelu-fusion (blocks.gelu_approximation).
+# Hugging Face's names for the same functions.
 ACTIVATION = "gelu_new"
 _SAME_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+_EXACT_ACTIVATIONS = ("gelu", "gelu_python")
 # Buffers some Hugging Face GPT-2 checkpoints carry (the causal mask), which are not weights.
 _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
@@ -186,7 +189,7 @@ def hf_config(model_cfg, dtype: str = "float32") -> dict:
         "n_layer": m.num_layers,
         "n_head": m.num_attention_heads,
         "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
-        "activation_function": ACTIVATION,
+        "activation_function": ACTIVATION if gelu_approximation(m) == "tanh" else _EXACT_ACTIVATIONS[0],
         "resid_pdrop": m.hidden_dropout_prob,
         "embd_pdrop": m.hidden_dropout_prob,
         "attn_pdrop": m.attention_probs_dropout_prob,
@@ -209,9 +212,10 @@ def model_flags(config: dict) -> list[str]:
     if config.get("model_type", "gpt2") != "gpt2":
         raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not gpt2.")
     activation = config.get("activation_function", "gelu_new")
-    if activation not in _SAME_ACTIVATIONS:
-        raise ConversionError(f"activation_function {activation!r} is not this GPT's tanh-approximated GELU "
-                              f"({' or '.join(_SAME_ACTIVATIONS)}).")
+    if activation not in _SAME_ACTIVATIONS + _EXACT_ACTIVATIONS:
+        raise ConversionError(f"activation_function {activation!r} is neither the tanh-approximated GELU "
+                              f"({' or '.join(_SAME_ACTIVATIONS)}) nor the exact one "
+                              f"({' or '.join(_EXACT_ACTIVATIONS)}) this GPT computes.")
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False), ("tie_word_embeddings", True)):
         if config.get(key, want) != want:
@@ -233,4 +237,4 @@ def model_flags(config: dict) -> list[str]:
     if missing:
         raise ConversionError(f"config.json lacks {', '.join(missing)} (n_embd, n_layer, n_head, vocab_size, "
                               f"n_positions).")
-    return to_flags(values)
+    return to_flags(values) + (["--no-bias-gelu-fusion"] if activation in _EXACT_ACTIVATIONS else [])

@@ -90,6 +90,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             flags += ["--" + name.replace("_", "-"), str(a[name])]
     if not a.get("add_bias_linear", True):
         flags.append("--disable-bias-linear")
+    if not a.get("bias_gelu_fusion", True):  # Megatron Core's exact GELU (blocks.gelu_approximation)
+        flags.append("--no-bias-gelu-fusion")
     flags += ["--vocab-size", str(vocab_size(args))]
     if a.get("seq_length"):
         flags += ["--seq-length", str(a["seq_length"])]
@@ -141,6 +143,6 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, use_mcore_models=True, transformer_impl="local",
         ckpt_format="torch", moe_grouped_gemm=False, squared_relu=False,
-        bias_gelu_fusion=True, openai_gelu=False, params_dtype=torch.float32,
+        bias_gelu_fusion=model.bias_gelu_fusion, openai_gelu=False, params_dtype=torch.float32,
         iteration=iteration, consumed_train_samples=consumed_train_samples, consumed_valid_samples=0)
     return argparse.Namespace(**values)

@@ -67,6 +67,10 @@ class ModelConfig:
     normalization: str = opt("LayerNorm", "Normalization of every layer and of the output.", ("LayerNorm", "RMSNorm"))
     swiglu: bool = opt(False, "SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU; ffn_hidden_size then defaults "
                               "to int(8 x hidden_size / 3 / 64) x 64, as Megatron-LM.")
+    bias_gelu_fusion: bool = opt(
+        True, "GELU MLP: the tanh approximation (Megatron-LM's fused bias-GELU, GPT-2's) when on and the linear layers "
+              "have biases; exact (erf) GELU otherwise, as Megatron Core computes it (--no-bias-gelu-fusion, or "
+              "--disable-bias-linear, which turns the fusion off there).")
     group_query_attention: bool = opt(False, "Grouped-query attention: num_query_groups key/value heads shared by "
                                              "the query heads.")
     num_query_groups: int | None = opt(None, "Key/value heads with group_query_attention; must divide "

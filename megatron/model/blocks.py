@@ -48,3 +48,9 @@ def make_norm(cfg: ModelConfig, sequence_parallel: bool = False, size: int | Non
     else:
         raise ValueError(f"unknown normalization {cfg.normalization!r}")
     return tp.mark_sequence_parallel(norm) if sequence_parallel else norm
+
+
+def gelu_approximation(cfg: ModelConfig) -> str:
+    """``F.gelu``'s ``approximate`` for a GELU MLP (the MLP's and the experts'): Megatron-LM's rule, the tanh
+    approximation only where its fused bias-GELU kernel runs (``bias_gelu_fusion`` with linear biases), else exact."""
+    return "tanh" if cfg.bias_gelu_fusion and not cfg.disable_bias_linear else "none"

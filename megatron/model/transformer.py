@@ -30,7 +30,7 @@ from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import is_moe_layer
 from megatron.context_parallel import AttentionPlan, attend
-from megatron.model.blocks import make_norm, parallel_dropout
+from megatron.model.blocks import gelu_approximation, make_norm, parallel_dropout
 from megatron.model.blocks import maybe_checkpoint as _maybe_checkpoint
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
@@ -159,14 +159,15 @@ def make_attention(cfg: ModelConfig, recompute_core: bool, sequence_parallel: bo
 
 
 class MLP(nn.Module):
-    """GELU: ``fc2(gelu_tanh(fc1 x))``; SwiGLU: ``fc2(silu(x W_gate) * (x W_up))``; h -> ffn -> h.
+    """GELU: ``fc2(gelu(fc1 x))`` (the tanh approximation or exact: ``blocks.gelu_approximation``); SwiGLU:
+    ``fc2(silu(x W_gate) * (x W_up))``; h -> ffn -> h.
 
     SwiGLU's ``dense_h_to_4h`` has 2 x ffn output rows, interleaved: row 2j is gate_j, row 2j+1 is
     up_j, so a tensor-parallel rank's contiguous block of rows holds matching pairs."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.gelu = cfg.swiglu, gelu_approximation(cfg)
         bias, ffn = not cfg.disable_bias_linear, cfg.ffn_hidden_size
         self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, bias=bias,
                                                      sequence_parallel=sequence_parallel)
@@ -174,14 +175,14 @@ class MLP(nn.Module):
                                                   sequence_parallel=sequence_parallel)
 
     def extra_repr(self) -> str:
-        return f"activation={'swiglu' if self.swiglu else 'gelu_tanh'}"
+        return f"activation={'swiglu' if self.swiglu else 'gelu_tanh' if self.gelu == 'tanh' else 'gelu'}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dense_h_to_4h(x)
         if self.swiglu:
             gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # [s, b, ffn/tp] each
             return self.dense_4h_to_h(F.silu(gate) * up)
-        return self.dense_4h_to_h(F.gelu(y, approximate="tanh"))
+        return self.dense_4h_to_h(F.gelu(y, approximate=self.gelu))
 
 
 class TransformerDecoderLayer(nn.Module):

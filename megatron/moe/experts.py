@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.model.blocks import gelu_approximation
 from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
 
 
@@ -59,7 +60,7 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, etp_rank: int = 0, etp_size: int = 1):
         super().__init__()
-        self.swiglu, self.add_bias = cfg.swiglu, etp_rank == 0
+        self.swiglu, self.add_bias, self.gelu = cfg.swiglu, etp_rank == 0, gelu_approximation(cfg)
         ffn, h, bias = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size, not cfg.disable_bias_linear
         if ffn % etp_size:
             raise ValueError(f"moe_ffn_hidden_size ({ffn}) is not divisible by the expert tensor-parallel size "
@@ -75,7 +76,7 @@ class ExpertMLP(nn.Module):
             gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y, approximate="tanh")
+            y = F.gelu(y, approximate=self.gelu)
         return F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
 
 
@@ -127,7 +128,7 @@ def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: lis
         gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
         y = F.silu(gate) * up
     else:
-        y = F.gelu(y, approximate="tanh")
+        y = F.gelu(y, approximate=first.gelu)
     w2 = torch.stack([e.dense_4h_to_h.weight for e in experts]).transpose(1, 2)  # [E, ffn, h]
     out = torch._grouped_mm(y.contiguous(), w2, offs=offsets)
     if first.dense_4h_to_h.bias is not None and first.add_bias:

@@ -122,7 +122,7 @@ def build_pair(mcore, *flags: str):
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=nq, num_query_groups=ng,
         kv_channels=hd, ffn_hidden_size=m.ffn_hidden_size, normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon, gated_linear_unit=bool(m.swiglu),
-        activation_func=F.silu if m.swiglu else (lambda x: F.gelu(x, approximate="tanh")),
+        activation_func=F.silu if m.swiglu else _megatron_gelu(m),
         add_bias_linear=not m.disable_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -145,6 +145,16 @@ def build_pair(mcore, *flags: str):
                 layer.mlp.router.expert_bias.copy_(bias)
                 theirs.decoder.layers[int(i)].mlp.router.expert_bias.copy_(bias)
     return config, ours.train(), theirs.train()
+
+
+def _megatron_gelu(m):
+    """The GELU Megatron-LM runs: its fused bias-GELU kernel (the tanh approximation) when --bias-gelu-fusion is on
+    and the linear layers have biases (its arguments.py turns the fusion off without them), else Megatron Core's
+    ``activation_func`` default, exact ``F.gelu``. On the CPU the fusion is off here: the tanh is given as the
+    function instead."""
+    if m.bias_gelu_fusion and not m.disable_bias_linear:
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.gelu
 
 
 def core_forward(theirs, tokens, labels=None):

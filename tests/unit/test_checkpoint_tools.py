@@ -163,12 +163,16 @@ def test_an_untied_head_and_another_activation_are_refused():
 # ---------------------------------------------------------------- export
 
 
-def test_export_of_written_weights_gives_hf_the_same_logits(tmp_path):
-    config = make_config()
+@pytest.mark.parametrize("flags, activation", [((), "gelu_new"), (("--no-bias-gelu-fusion",), "gelu")],
+                         ids=["gelu-tanh", "gelu-exact"])
+def test_export_of_written_weights_gives_hf_the_same_logits(tmp_path, flags, activation):
+    """GPT-2's tanh-approximated GELU by default; Megatron Core's exact GELU with --no-bias-gelu-fusion, which
+    transformers computes as ``gelu`` (the two differ by ~1e-3 in these logits: each case fails with the other)."""
+    config = make_config(*flags)
     write_params(str(tmp_path / "ckpt"), config, random_params(config))
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     hf_config_json = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert hf_config_json["activation_function"] == "gelu_new" and hf_config_json["vocab_size"] == VOCAB
+    assert hf_config_json["activation_function"] == activation and hf_config_json["vocab_size"] == VOCAB
     ids = tokens()
     model = load_weights(our_model(config), tmp_path / "ckpt")
     with torch.no_grad():
@@ -268,7 +272,10 @@ def test_from_hf_flags_and_refusals(tmp_path, hf_dir):
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "tp2")]) == 2  # step_0 exists: needs --force
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "x"), "--hidden-size", "128"]) == 2
     cfg = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu"}))  # exact GELU
+    assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "exact")]) == 0
+    assert not open_checkpoint(str(tmp_path / "exact"))[2].model.bias_gelu_fusion
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "activation_function": "relu"}))
     assert convert.main(["from-hf", str(hf_dir), str(tmp_path / "y")]) == 2
 
 

@@ -164,7 +164,11 @@ def test_a_legacy_gpt_model_checkpoint_tp2_pp2_converts_bitwise(tmp_path, one_pr
 
 
 def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
-    for shape, flags in (("gpt2", []), ("llama", LLAMA), ("qwen3", [*LLAMA, "--qk-layernorm"])):
+    """GPT-2 (the tanh GELU), its exact GELU (--no-bias-gelu-fusion, and without linear biases, as Megatron-LM runs
+    them), Llama and Qwen3: Megatron Core loads the legacy export and gives our logits."""
+    for shape, flags in (("gpt2", []), ("gpt2-exact-gelu", ["--no-bias-gelu-fusion"]),
+                         ("gpt2-no-bias", ["--disable-bias-linear"]), ("llama", LLAMA),
+                         ("qwen3", [*LLAMA, "--qk-layernorm"])):
         with megatron_core() as mcore:
             config, ours, theirs = build_pair(mcore, *flags)
             run, meg = tmp_path / shape / "run", tmp_path / shape / "meg"
