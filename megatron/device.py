@@ -39,6 +39,13 @@ def get_device(kind: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def set_matmul_reduction(device: torch.device, bf16_reduced_precision: bool) -> None:
+    """On a GPU, whether bf16 matmuls may reduce in reduced precision (PyTorch's default: yes; Megatron-LM's
+    ``--disable-bf16-reduced-precision-matmul``: no). The CPU's matmuls have no such setting."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16_reduced_precision
+
+
 def collective_device(backend: str) -> torch.device:
     """Where a tensor for a collective of ``backend`` must live: this rank's GPU for NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

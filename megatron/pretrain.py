@@ -68,6 +68,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         log.info("resolved configuration:\n" + to_yaml(config))
     set_seed(config.seed)
     device = dev.get_device(config.device, local_rank)
+    dev.set_matmul_reduction(device, not config.mix_precision.disable_bf16_reduced_precision_matmul)
     tensor_parallel_seed(config.seed, ps.tp_rank, device, ps.cp_rank)
     plan = plan_sharding(config, ps)  # decided once: the model is built for it (stage 3: on the meta device)
     model = model_provider(config, device, meta_init=plan.meta_init)

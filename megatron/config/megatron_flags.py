@@ -126,6 +126,13 @@ NO_EFFECT: dict[str, str] = {
     "--no-position-embedding": "positions are chosen by --position-embedding-type alone, as Megatron Core's GPTModel "
                                "reads them (rope and none add no position embedding)",
     "--moe-permute-fusion": _IMPL,
+    "--use-flash-attn": "attention runs in PyTorch's scaled_dot_product_attention, which takes FlashAttention on "
+                        "GPUs wherever it applies",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 here (main_grad)",
+    "--export-force-local-attention": "a ModelOpt export setting; tools/convert_checkpoint.py writes Megatron-LM's "
+                                      "local-spec names",
+    "--moe-per-layer-logging": "the log line carries the mean over MoE layers; metrics.jsonl, TensorBoard and W&B "
+                               "carry each MoE layer's tokens per expert",
     "--moe-router-fusion": _IMPL,
     "--no-check-for-nan-in-loss-and-grad": (
         "a step with non-finite gradients is skipped here, --max-consecutive-skipped-steps bad steps in a row "
@@ -214,7 +221,6 @@ ABSENT: dict[str, Absent] = {
     "--moe-input-jitter-eps": Absent("jitter on the router's input"),
     "--moe-layer-recompute": Absent("recomputing the MoE layer alone; --recompute-granularity full recomputes "
                                     "whole layers, MoE ones included"),
-    "--moe-per-layer-logging": Absent("per-layer MoE logging; the log line carries the mean over MoE layers"),
     "--moe-use-upcycling": Absent("upcycling a dense checkpoint into experts"),
     "--moe-extended-tp": Absent("extended tensor parallelism of the experts"),
     "--moe-enable-deepep": Absent(_MOE_DISPATCH),
@@ -280,7 +286,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor", "--qk-layernorm",
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
     "--v-head-dim", "--rope-type", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
-    "--mtp-num-layers", "--mtp-loss-scaling-factor", "--no-bias-gelu-fusion",
+    "--mtp-num-layers", "--mtp-loss-scaling-factor", "--no-bias-gelu-fusion", "--disable-bf16-reduced-precision-matmul",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",

@@ -271,6 +271,9 @@ class MixPrecisionConfig:
     loss_scale_window: int = opt(1000, "Clean steps before the dynamic loss scale doubles.")
     hysteresis: int = opt(2, "Overflows tolerated before the dynamic loss scale halves.")
     min_loss_scale: float = opt(1.0, "Floor of the dynamic loss scale.")
+    disable_bf16_reduced_precision_matmul: bool = opt(
+        False, "On GPUs, bf16 matmuls reduce in fp32 only (torch.backends.cuda.matmul."
+               "allow_bf16_reduced_precision_reduction off, Megatron-LM's flag); no effect on the CPU.")
 
 
 @dataclass

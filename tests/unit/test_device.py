@@ -104,3 +104,21 @@ def test_the_precision_probe_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
     dev.matmul_race(torch.bfloat16, n=16, budget_s=0.0)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_megatrons_bf16_matmul_flag_sets_torchs_reduction_on_gpus_only():
+    """--disable-bf16-reduced-precision-matmul: bf16 matmuls on a GPU reduce in fp32 only (PyTorch's global switch,
+    settable without a GPU); a CPU device leaves the switch alone."""
+    from megatron.config import parse_config
+
+    assert parse_config(["--mock-data", "--disable-bf16-reduced-precision-matmul"]).mix_precision \
+        .disable_bf16_reduced_precision_matmul
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        dev.set_matmul_reduction(torch.device("cpu"), not before)
+        assert matmul.allow_bf16_reduced_precision_reduction == before
+        dev.set_matmul_reduction(torch.device("cuda", 0), False)
+        assert matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
