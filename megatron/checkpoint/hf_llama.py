@@ -68,9 +68,11 @@ def is_llama_shaped(model_cfg: ModelConfig) -> bool:
     return m.position_embedding_type == "rope" or m.normalization == "RMSNorm" or bool(m.swiglu)
 
 
-def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str = "LlamaForCausalLM") -> None:
+def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str = "LlamaForCausalLM",
+                qk_norm: bool = False) -> None:
     """ConversionError, naming the setting, unless our ``ModelConfig`` is Llama-shaped (the message names
-    ``family`` and its ``architecture``: Mixtral's decoder is Llama's)."""
+    ``family`` and its ``architecture``: Mixtral's decoder is Llama's); ``qk_norm``: the family normalises each
+    head's queries and keys (Qwen3: ``hf_qwen3``), which then must be on."""
     m = model_cfg
     for differs, setting, llama in (
             (m.position_embedding_type != "rope", f"position_embedding_type {m.position_embedding_type}",
@@ -79,7 +81,8 @@ def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str
             (not m.swiglu, "a GELU MLP (swiglu off)", "a SwiGLU MLP"),
             (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "rotary embeddings on every channel"),
             (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head"),
-            (m.qk_layernorm, "qk_layernorm (a norm on each head's queries and keys)", "none"),
+            (m.qk_layernorm != qk_norm, f"qk_layernorm {'on' if m.qk_layernorm else 'off'} (a norm on each head's "
+             f"queries and keys)", "it" if qk_norm else "none"),
             (m.multi_latent_attention, "multi-latent attention", "query/key/value projections per head")):
         if differs:
             raise ConversionError(f"{setting} has no Hugging Face {family} equivalent ({architecture} uses {llama}), "
@@ -211,10 +214,10 @@ def map_from_hf(hf: dict[str, torch.Tensor], names: dict[str, list[str]], model_
     return out
 
 
-def hf_config(model_cfg: ModelConfig, dtype: str = "float32", moe: bool = False) -> dict:
+def hf_config(model_cfg: ModelConfig, dtype: str = "float32", moe: bool = False, qk_norm: bool = False) -> dict:
     """``config.json`` of the equivalent ``LlamaForCausalLM``; ``moe``: without the keys only Llama has (the base
-    of the Mixtral and Qwen-MoE configs)."""
-    check_model(model_cfg)
+    of the Mixtral, Qwen-MoE and Qwen3 configs); ``qk_norm``: as ``check_model``'s."""
+    check_model(model_cfg, qk_norm=qk_norm)
     m = model_cfg
     nq, ng, hd = dims(m)
     bias = not m.disable_bias_linear
