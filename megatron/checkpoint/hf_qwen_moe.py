@@ -57,22 +57,29 @@ def check_model(model_cfg: ModelConfig) -> None:
     if not m.num_experts or not m.moe_shared_expert_intermediate_size:
         raise ConversionError("the model has no shared expert: export it as Mixtral (or Llama), not Qwen-MoE.")
     hf_llama.check_model(m, "Qwen-MoE", "Qwen2MoeForCausalLM")
+    check_router(m, _ARCH, "Qwen-MoE")
+
+
+def check_router(model_cfg: ModelConfig, arch: str, family: str) -> None:
+    """ConversionError, naming the setting, unless the MoE settings are those of Qwen's routers (Qwen2-MoE's and
+    Qwen3-MoE's: a softmax, no expert bias, dropless, every expert eligible, unscaled, no linear biases)."""
+    m = model_cfg
     _pattern(m)
     for differs, setting, why in (
             (m.moe_router_score_function != "softmax", f"moe_router_score_function {m.moe_router_score_function}",
-             "Qwen-MoE's router is a softmax"),
-            (m.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", "Qwen-MoE's router has no expert bias"),
+             f"{family}'s router is a softmax"),
+            (m.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", f"{family}'s router has no expert bias"),
             (m.moe_expert_capacity_factor is not None, f"moe_expert_capacity_factor {m.moe_expert_capacity_factor}",
-             "Qwen-MoE drops no tokens"),
+             f"{family} drops no tokens"),
             (bool(m.moe_router_group_topk), f"group-limited routing (moe_router_group_topk {m.moe_router_group_topk})",
-             "Qwen-MoE's router chooses among all experts"),
+             f"{family}'s router chooses among all experts"),
             (m.moe_router_topk_scaling_factor not in (None, 1.0),
-             f"moe_router_topk_scaling_factor {m.moe_router_topk_scaling_factor}", "Qwen-MoE does not scale the "
+             f"moe_router_topk_scaling_factor {m.moe_router_topk_scaling_factor}", f"{family} does not scale the "
              "probabilities"),
             (not m.disable_bias_linear, "linear biases (disable_bias_linear off)",
-             "Qwen-MoE's projections have none but the query/key/value ones")):
+             f"{family}'s projections have no biases")):
         if differs:
-            raise ConversionError(f"{setting} has no {_ARCH} equivalent ({why}), so this checkpoint cannot be "
+            raise ConversionError(f"{setting} has no {arch} equivalent ({why}), so this checkpoint cannot be "
                                   f"exported.")
 
 

@@ -242,8 +242,8 @@ def hf_dir(tmp_path_factory):
     ({"router_jitter_noise": 0.1}, "router_jitter_noise 0.1; this GPT's router has no input jitter"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok (5) must be from 1 to num_local_experts (4)"),
     ({"num_local_experts": 8}, "missing 24 (first 'model.layers.0.block_sparse_moe.experts.4.w1.weight')"),
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
-     "'qwen3_moe' model (Qwen3MoeForCausalLM)"),
+    ({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]},
+     "'gpt_oss' model (GptOssForCausalLM)"),
 ])
 def test_unsupported_mixtral_configs_are_refused_in_one_line(tmp_path, hf_dir, change, message):
     folder = tmp_path / "hf"
