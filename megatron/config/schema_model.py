@@ -1,0 +1,134 @@
+"""The ``Model:`` section of the configuration schema (``schema.py`` holds the others): the model's shape, its
+attention and MLP variants, rotary embeddings, multi-token prediction and the mixture of experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.fields import opt
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int | None = opt(
+        None, "Vocabulary size; default the tokenizer's (50304 for mock data); padded to a multiple of "
+              "make_vocab_size_divisible_by x tp.")
+    make_vocab_size_divisible_by: int = opt(
+        128, "The word embedding's rows are vocab_size rounded up to a multiple of this x tp (the padding rows "
+             "never enter the loss).")
+    hidden_size: int = opt(1024, "Width of the residual stream.")
+    num_layers: int = opt(24, "Number of transformer decoder layers.")
+    num_attention_heads: int = opt(16, "Attention heads per layer; must divide hidden_size.")
+    ffn_hidden_size: int | None = opt(None, "Width of the MLP; default 4 x hidden_size.")
+    hidden_dropout_prob: float = opt(0.1, "Dropout on embeddings and on each residual branch.")
+    attention_probs_dropout_prob: float = opt(0.1, "Dropout on the attention probabilities.")
+    max_position_embeddings: int = opt(1024, "Rows of the learned position embedding.")
+    type_vocab_size: int = opt(16, "Accepted for FleetX compatibility; GPT does not use it.")
+    initializer_range: float = opt(0.02, "Std of the normal init; output projections get std / sqrt(2 x num_layers).")
+    layernorm_epsilon: float = opt(1e-5, "Epsilon of every normalization layer (LayerNorm or RMSNorm).")
+    position_embedding_type: str = opt(
+        "learned_absolute", "Positions: a learned embedding added to the input (GPT-2), rotary embeddings on the "
+                            "queries and keys (rope, Llama), or none.", ("learned_absolute", "rope", "none"))
+    rotary_base: int = opt(10000, "Base of the rotary embedding's frequencies (rope).")
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels that are rotated (rope).")
+    rotary_interleaved: bool = opt(
+        False, "Rotate adjacent channel pairs (2j, 2j + 1) instead of the two halves of the rotated channels (rope).")
+    normalization: str = opt("LayerNorm", "Normalization of every layer and of the output.", ("LayerNorm", "RMSNorm"))
+    swiglu: bool = opt(False, "SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU; ffn_hidden_size then defaults "
+                              "to int(8 x hidden_size / 3 / 64) x 64, as Megatron-LM.")
+    bias_gelu_fusion: bool = opt(
+        True, "GELU MLP: the tanh approximation (Megatron-LM's fused bias-GELU, GPT-2's) when on and the linear layers "
+              "have biases; exact (erf) GELU otherwise, as Megatron Core computes it (--no-bias-gelu-fusion, or "
+              "--disable-bias-linear, which turns the fusion off there).")
+    group_query_attention: bool = opt(False, "Grouped-query attention: num_query_groups key/value heads shared by "
+                                             "the query heads.")
+    num_query_groups: int | None = opt(None, "Key/value heads with group_query_attention; must divide "
+                                             "num_attention_heads and be divisible by the tensor-parallel size.")
+    kv_channels: int | None = opt(None, "Channels per attention head; default hidden_size / num_attention_heads.")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "Give the output layer its own weight instead of the word embedding's.")
+    disable_bias_linear: bool = opt(False, "No biases in the attention and MLP linear layers (Llama).")
+    qk_layernorm: bool = opt(
+        False, "Normalise each attention head's queries and keys (the model's normalization over the head width) "
+               "before rotary embeddings (Qwen3; Megatron-LM's --qk-layernorm). With multi_latent_attention: the "
+               "RMSNorms of the compressed queries and keys/values (DeepSeek-V3).")
+    multi_latent_attention: bool = opt(
+        False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank down-projections, "
+               "a rotary part of each query and one shared by the heads for the keys (docs/attention.md).")
+    q_lora_rank: int | None = opt(
+        None, "Multi-latent attention: the rank of the queries' down-projection; None: one query projection.")
+    kv_lora_rank: int = opt(32, "Multi-latent attention: the rank of the keys' and values' down-projection.")
+    qk_head_dim: int = opt(128, "Multi-latent attention: a query's and key's channels without rotary embeddings.")
+    qk_pos_emb_head_dim: int = opt(64, "Multi-latent attention: a query's and key's rotary channels.")
+    v_head_dim: int = opt(128, "Multi-latent attention: a value's channels.")
+    rope_type: str | None = opt(
+        None, "Rotary embeddings of multi-latent attention: rope, or yarn (YaRN's scaled frequencies); default yarn "
+              "(Megatron-LM's).", ("rope", "yarn"))
+    rotary_scaling_factor: float = opt(1.0, "YaRN: the context extension factor (1: the plain frequencies).")
+    original_max_position_embeddings: int = opt(
+        4096, "YaRN: the context the frequencies were trained for (transformers' original_max_position_embeddings).")
+    mscale: float = opt(1.0, "YaRN: the concentration factor's mscale (cos and sin scaled by mscale(f, mscale) / "
+                             "mscale(f, mscale_all_dim)).")
+    mscale_all_dim: float = opt(0.0, "YaRN: mscale_all_dim; the softmax scale is mscale(f, mscale_all_dim)^2 / "
+                                     "sqrt(qk_head_dim + qk_pos_emb_head_dim).")
+    mtp_num_layers: int | None = opt(
+        None, "Multi-token prediction (DeepSeek-V3): this many sequential modules after the decoder, the k-th "
+              "predicting each token k + 1 positions further from the previous one's hidden state and the next "
+              "token's embedding (docs/moe.md, DeepSeek-V3); their losses join the objective, logged apart. None: off.")
+    mtp_loss_scaling_factor: float = opt(
+        0.1, "Multi-token prediction: the weight of the modules' mean loss in the objective.")
+    num_experts: int | None = opt(
+        None, "Mixture of experts: experts per MoE layer (Megatron-LM's --num-experts); None: every layer's MLP is "
+              "dense (docs/moe.md).")
+    moe_layer_freq: str = opt(
+        "1", "Which layers are MoE layers: an integer N (every N-th layer, from layer 0) or a pattern of num_layers "
+             "0/1 entries, Megatron-LM's forms '[1,0,1,0]' or '([0]*1+[1]*3)*2' (1: MoE).")
+    moe_ffn_hidden_size: int | None = opt(None, "Width of each expert's MLP; default ffn_hidden_size.")
+    moe_router_topk: int = opt(2, "Experts each token is routed to.")
+    moe_router_pre_softmax: bool = opt(
+        False, "Softmax router: softmax over all experts, then the top k (their probabilities unnormalised); by "
+               "default the top k logits, then a softmax over those k.")
+    moe_router_score_function: str = opt(
+        "softmax", "The router's scores: softmax of the logits, or sigmoid (the top k then normalised to sum to 1 "
+                   "when k > 1, DeepSeek-V3).", ("softmax", "sigmoid"))
+    moe_router_num_groups: int | None = opt(
+        None, "Group-limited routing (DeepSeek-V2/V3): the experts in this many equal groups (its devices or nodes); "
+              "each token chooses among the experts of its moe_router_group_topk best groups.")
+    moe_router_group_topk: int | None = opt(
+        None, "Group-limited routing: the groups each token's experts come from, a group scored by the sum of its "
+              "top moe_router_topk / moe_router_group_topk scores.")
+    moe_router_topk_scaling_factor: float | None = opt(
+        None, "Multiply the chosen experts' routing probabilities by this (DeepSeek-V3's routed_scaling_factor); "
+              "None: 1.")
+    moe_router_dtype: str | None = opt(
+        None, "Precision of the router's logits and scores (default fp32).", ("fp32", "fp64"))
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "Load balancing: aux_loss (the Switch Transformer's loss over the micro-batch), seq_aux_loss "
+                    "(the same per sequence, DeepSeek-V2) or none.", ("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing loss in the objective.")
+    moe_z_loss_coeff: float | None = opt(
+        None, "Coefficient of the router z-loss, mean(logsumexp(logits)^2) (ST-MoE); None: no z-loss.")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing the "
+               "experts only, moved after every step by moe_router_bias_update_rate x sign(mean load - load).")
+    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert bias's update.")
+    moe_expert_capacity_factor: float | None = opt(
+        None, "Each expert takes at most ceil(tokens x topk / experts x this) tokens of a micro-batch, the rest "
+              "dropped (their share of the expert's output is 0); None: dropless.")
+    moe_token_drop_policy: str = opt(
+        "probs", "Which tokens an expert over capacity keeps: the highest routing probabilities (probs) or the first "
+                 "in the sequence (position).", ("probs", "position"))
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "With a capacity: every expert computes on exactly capacity rows (padded with zeros), as Megatron-LM.")
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "Width of a shared expert (an MLP every token goes through, added to the routed experts' output); "
+              "None: no shared expert.")
+    moe_shared_expert_overlap: bool = opt(
+        False, "Accepted for Megatron-LM compatibility: overlapping the shared expert with the token exchange.")
+    moe_grouped_gemm: bool = opt(
+        False, "Run the experts as one grouped matmul (torch._grouped_mm, CUDA in bf16); elsewhere (the CPU) they run "
+               "one after another on their tokens.")
+    moe_token_dispatcher_type: str = opt(
+        "alltoall", "How tokens reach the experts' ranks: alltoall (each (token, expert) pair to the rank holding "
+                    "the expert) or allgather (every token to every rank of the ep x etp group); the same result.",
+        ("alltoall", "allgather"))
