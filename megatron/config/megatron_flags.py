@@ -138,6 +138,8 @@ NO_EFFECT: dict[str, str] = {
         "a step with non-finite gradients is skipped here, --max-consecutive-skipped-steps bad steps in a row "
         "(non-finite losses or gradients; 0: never) stop the run (exit 3), and a non-finite state is never saved; "
         "the check costs nothing, the loss and gradient norm being reduced every step anyway"),
+    "--use-pytorch-profiler": ("--profile always runs PyTorch's profiler here (Megatron-LM's default without this "
+                               "flag marks the steps for an outside nsys capture instead)"),
     "--logging-level": ("the level of Megatron-LM's Python loggers; the log here (the step lines, warnings and "
                         "errors) always prints"),
 }
@@ -291,6 +293,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+    "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
 )
 # Megatron flags handled after parsing, from other values (cli.parse_config): flag -> meaning.
 DERIVED = {
