@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from megatron.config.batch_schedule import train_steps
 from megatron.config.cli import fail as _fail
 from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
@@ -369,6 +370,28 @@ def _check_run_health(config: Config) -> None:
               f"year), got {config.watchdog_timeout_minutes}.")
 
 
+def _check_profile(config: Config, world_size: int, warnings: list[str]) -> None:
+    """--profile's window, in the log's step numbers (megatron/training/profiler.py): steps profile_step_start ..
+    profile_step_end - 1 (a start of 0 is Megatron-LM's "from the first step"), on ranks of this launch."""
+    c = config
+    if not c.profile:
+        return
+    start, end, first = c.profile_step_start, c.profile_step_end, max(c.profile_step_start, 1)
+    if start < 0 or end <= first:
+        _fail(f"the profiled steps are profile_step_start ({start}) .. profile_step_end - 1 ({end - 1}), steps "
+              f"numbered from 1 as the log does: give --profile-step-start >= 0 and --profile-step-end above it "
+              f"(and above 1).")
+    outside = [rank for rank in c.profile_ranks if not 0 <= rank < world_size]
+    if outside:
+        _fail(f"profile_ranks holds {outside[0]}, but this launch has ranks 0..{world_size - 1}; give "
+              f"--profile-ranks within them (or none: every rank profiles).")
+    steps = train_steps(c)
+    if end - 1 > steps:
+        what = "nothing is profiled" if first > steps else f"profiling stops at the run's end (step {steps})"
+        warnings.append(f"the profiled steps ({start} .. {end - 1}) go past the run's last step ({steps}): {what}; "
+                        f"lower --profile-step-start / --profile-step-end to profile within the run.")
+
+
 def _resolve_distributed_optimizer(config: Config, world_size: int) -> None:
     """Megatron-LM's --use-distributed-optimizer: the optimizer states sharded (ZeRO stage 1 unless another
     stage is asked for) over the whole data-parallel group, i.e. sharding_degree = world / (tp x pp x cp); the
@@ -410,4 +433,5 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     check_batch_schedule(config, warnings)
     check_optimizer(config, warnings)
     _check_training(config, cuda_available)
+    _check_profile(config, world_size, warnings)
     return warnings

@@ -7,6 +7,7 @@
 - ``stopping.py``      SIGTERM / SIGUSR1 / Ctrl-C and the time limits, agreed by every rank
 - ``step_log.py``      the log line, metrics.jsonl / TensorBoard / W&B, evaluation results, elapsed and ETA
 - ``run_length.py``    how many steps the run takes (and why fewer than asked)
+- ``profiler.py``      ``--profile``: PyTorch's profiler over a window of steps, its trace beside the run
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron.metrics import get_logger
 from megatron.optimizer import StepResult, build_param_schedule
 from megatron.pipeline_parallel.schedules import ForwardStep
 from megatron.training.checkpointing import CheckpointCadence
+from megatron.training.profiler import StepProfiler
 from megatron.training.run_length import steps_of_run
 from megatron.training.step import TrainState, data_loader, evaluate, parallel_model, to_device, train_step
 from megatron.training.step_health import StepHealth
@@ -49,6 +51,7 @@ class Trainer:
                                 resume_step)
         self.checkpoints.report = self.step_log.save_done  # each save's cost: metrics.jsonl, TensorBoard, W&B
         self.stops = StopRequests(config, device, self.ps.world_size)
+        self.profiler = StepProfiler(config, self.ps.rank, device)
         self.log = get_logger()
 
     def run(self) -> TrainState:
@@ -63,6 +66,7 @@ class Trainer:
                 state, finished = self._train(), True
             return state
         finally:
+            self.profiler.close()  # a run that raised inside the profiled steps: their trace still written
             self.checkpoints.close()  # a save still pending when the run raised is never sealed
             watchdog.stop()
             self.step_log.close(exit_code=0 if finished else 1)  # a run that raised: its W&B run is marked failed
@@ -80,6 +84,7 @@ class Trainer:
         self.step_log.start(last_step)
         while s.step < last_step:
             watchdog.beat(f"training step {s.step + 1}")
+            self.profiler.before_step(s.step)
             self.step_log.step_started()
             batch = next(loader)
             if c.model.vocab_size:
@@ -91,12 +96,14 @@ class Trainer:
             self.checkpoints.after_step(loss, result.applied)
             stop = self.stops.agreed(s.step)
             if stop:
+                self.profiler.close()
                 self.health.at_end(self.checkpoints.after_divergence)  # a stop inside non-finite losses: exit 3
                 self.checkpoints.on_stop(stop)
                 break
             if s.step % c.eval_freq == 0 and s.step < last_step:
                 self.evaluate("valid", self.valid_ds)
         else:
+            self.profiler.close()  # a window past the run's last step ends with it (not the final save)
             if last_step < planned_steps and self.ps.rank == 0:
                 epochs = "" if c.num_train_epochs is None else f" (num_train_epochs {c.num_train_epochs})"
                 self.log.warning(f"stopped at step {s.step} of {asked}: the training data ran out{epochs}")
