@@ -98,6 +98,7 @@ ALIASES: dict[str, str] = {
     "--lr-wsd-decay-samples": "wsd_decay_samples",
     "--lr-wsd-decay-style": "wsd_decay_style",
     "--num-virtual-stages-per-pipeline-rank": "virtual_pp_degree",
+    "--yarn-original-max-position-embeddings": "original_max_position_embeddings",
 }
 MEGATRON_DEST = "megatron:"  # argparse dest prefix of the flags of megatron_flags' tables
 

@@ -247,10 +247,17 @@ REWRITES: dict[str, tuple[tuple[str, ...], str]] = {
     "--recompute-granularity": (("--use-recompute", "--recompute-granularity", "{}"),
                                 "recompute on, at this granularity (full or selective)"),
     "--use-rotary-position-embeddings": (("--position-embedding-type", "rope"), "rotary position embeddings"),
+    "--enable-gpt-oss": (("--position-embedding-type", "yarn", "--rotary-scaling-factor", "32",
+                          "--original-max-position-embeddings", "131072", "--yarn-beta-fast", "32", "--yarn-beta-slow",
+                          "1", "--mscale", "1", "--mscale-all-dim", "0", "--no-yarn-correction-range-round-to-int"),
+                         "gpt-oss's YaRN rotary embeddings, as Megatron-LM sets them (factor 32 over 131072 original "
+                         "positions, betas 32 and 1, mscale 1 and 0, the ramp unrounded); they override the same "
+                         "flags given anywhere on the line"),
     "--use-torch-fsdp2": (("--use-distributed-optimizer", "--sharding-stage", "3"),
                           "PyTorch FSDP2 (fully_shard): parameters, gradients and optimizer states sharded over the "
                           "data-parallel group, which is ZeRO stage 3 here"),
 }
+REWRITE_LAST = {"--enable-gpt-oss"}  # Megatron-LM applies it after parsing: it overrides the flags it sets
 REWRITE_TAKES_VALUE = {flag: "{}" in ours for flag, (ours, _) in REWRITES.items()}
 
 # --- implemented: Megatron flags that are our flags (leaves or aliases), for the table --------------------
@@ -294,6 +301,9 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
     "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
+    "--window-size", "--window-attn-skip-freq", "--softmax-type", "--quick-geglu", "--glu-linear-offset",
+    "--activation-func-clamp-value", "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+    "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int",
 )
 # Megatron flags handled after parsing, from other values (cli.parse_config): flag -> meaning.
 DERIVED = {
@@ -370,6 +380,7 @@ def is_megatron_command_line(argv: list[str]) -> bool:
 def rewrite(argv: list[str]) -> list[str]:
     """``argv`` with each ``REWRITES`` flag replaced by the flags of ours it stands for."""
     out: list[str] = []
+    last: list[str] = []  # REWRITE_LAST flags' expansions: after everything else, so that they win as in Megatron
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -385,8 +396,9 @@ def rewrite(argv: list[str]) -> list[str]:
                     value = argv[i]
                 else:
                     value = ""  # argparse reports the missing value on our flag
-            out += [value if part == "{}" else part for part in ours if not (part == "{}" and value == "")]
+            parts = [value if part == "{}" else part for part in ours if not (part == "{}" and value == "")]
+            (last if name in REWRITE_LAST else out).extend(parts)
         else:
             out.append(arg)
         i += 1
-    return out
+    return out + last

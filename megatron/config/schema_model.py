@@ -28,7 +28,8 @@ class ModelConfig:
     layernorm_epsilon: float = opt(1e-5, "Epsilon of every normalization layer (LayerNorm or RMSNorm).")
     position_embedding_type: str = opt(
         "learned_absolute", "Positions: a learned embedding added to the input (GPT-2), rotary embeddings on the "
-                            "queries and keys (rope, Llama), or none.", ("learned_absolute", "rope", "none"))
+                            "queries and keys (rope, Llama; yarn: with YaRN's scaled frequencies, gpt-oss), or none.",
+        ("learned_absolute", "rope", "yarn", "none"))
     rotary_base: int = opt(10000, "Base of the rotary embedding's frequencies (rope).")
     rotary_percent: float = opt(1.0, "Fraction of each head's channels that are rotated (rope).")
     rotary_interleaved: bool = opt(
@@ -40,6 +41,13 @@ class ModelConfig:
         True, "GELU MLP: the tanh approximation (Megatron-LM's fused bias-GELU, GPT-2's) when on and the linear layers "
               "have biases; exact (erf) GELU otherwise, as Megatron Core computes it (--no-bias-gelu-fusion, or "
               "--disable-bias-linear, which turns the fusion off there).")
+    quick_geglu: bool = opt(
+        False, "Gated MLP with quick GELU (x sigmoid(1.702 x)) on the gate (gpt-oss; Megatron-LM's --quick-geglu): "
+               "fc2(quick_gelu(x W_gate) * (x W_up + glu_linear_offset)).")
+    glu_linear_offset: float = opt(0.0, "Gated MLPs: added to the linear (up) half before the product (gpt-oss: 1).")
+    activation_func_clamp_value: float | None = opt(
+        None, "Gated MLPs: clamp the gate half to at most this and the linear half to [-this, this] before the "
+              "activation (gpt-oss: 7); None: no clamp.")
     group_query_attention: bool = opt(False, "Grouped-query attention: num_query_groups key/value heads shared by "
                                              "the query heads.")
     num_query_groups: int | None = opt(None, "Key/value heads with group_query_attention; must divide "
@@ -52,6 +60,18 @@ class ModelConfig:
         False, "Normalise each attention head's queries and keys (the model's normalization over the head width) "
                "before rotary embeddings (Qwen3; Megatron-LM's --qk-layernorm). With multi_latent_attention: the "
                "RMSNorms of the compressed queries and keys/values (DeepSeek-V3).")
+    window_size: str | None = opt(
+        None, "Sliding-window attention (Megatron-LM's --window-size LEFT,RIGHT; gpt-oss: 127,0): each query sees "
+              "itself and the LEFT keys before it (RIGHT must be 0: causal; LEFT -1: no limit). The layers it applies "
+              "to: window_attn_skip_freq. None: full causal attention.")
+    window_attn_skip_freq: str | None = opt(
+        None, "With window_size, which layers keep full attention: N (the layers whose number counted from 1 is a "
+              "multiple of N, e.g. 2: every second layer, gpt-oss), or a pattern of num_layers 0/1 entries "
+              "('[1,1,1,0]*3'; 1: sliding window); None: every layer has the window.")
+    softmax_type: str = opt(
+        "vanilla", "The attention softmax: vanilla; off-by-one (a zero logit in every row's denominator, "
+                   "softmax_1); learnable (a trained logit per head, gpt-oss's attention sinks).",
+        ("vanilla", "off-by-one", "learnable"))
     multi_latent_attention: bool = opt(
         False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank down-projections, "
                "a rotary part of each query and one shared by the heads for the keys (docs/attention.md).")
@@ -63,7 +83,7 @@ class ModelConfig:
     v_head_dim: int = opt(128, "Multi-latent attention: a value's channels.")
     rope_type: str | None = opt(
         None, "Rotary embeddings of multi-latent attention: rope, or yarn (YaRN's scaled frequencies); default yarn "
-              "(Megatron-LM's).", ("rope", "yarn"))
+              "(Megatron-LM's). Other attention takes YaRN from position_embedding_type yarn.", ("rope", "yarn"))
     rotary_scaling_factor: float = opt(1.0, "YaRN: the context extension factor (1: the plain frequencies).")
     original_max_position_embeddings: int = opt(
         4096, "YaRN: the context the frequencies were trained for (transformers' original_max_position_embeddings).")
@@ -71,6 +91,12 @@ class ModelConfig:
                              "mscale(f, mscale_all_dim)).")
     mscale_all_dim: float = opt(0.0, "YaRN: mscale_all_dim; the softmax scale is mscale(f, mscale_all_dim)^2 / "
                                      "sqrt(qk_head_dim + qk_pos_emb_head_dim).")
+    yarn_beta_fast: float = opt(32.0, "YaRN: channels turning at least this often over the original context keep "
+                                      "their frequency.")
+    yarn_beta_slow: float = opt(1.0, "YaRN: channels turning at most this often are fully interpolated.")
+    yarn_correction_range_round_to_int: bool = opt(
+        True, "YaRN: round the ends of the ramp between beta_fast's and beta_slow's channels to whole channels "
+              "(gpt-oss: off; transformers' truncate).")
     mtp_num_layers: int | None = opt(
         None, "Multi-token prediction (DeepSeek-V3): this many sequential modules after the decoder, the k-th "
               "predicting each token k + 1 positions further from the previous one's hidden state and the next "

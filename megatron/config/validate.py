@@ -179,7 +179,7 @@ def _check_model_variants(config: Config) -> None:
     if m.kv_channels is not None and m.kv_channels < 1:
         _fail(f"Model.kv_channels must be at least 1, got {m.kv_channels}; leave it unset for hidden_size / "
               f"num_attention_heads.")
-    if m.position_embedding_type == "rope":
+    if m.position_embedding_type in ("rope", "yarn"):
         head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
         rotated = int(head_dim * m.rotary_percent)
         if not 0.0 < m.rotary_percent <= 1.0 or rotated < 2 or rotated % 2:

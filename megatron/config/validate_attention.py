@@ -1,5 +1,6 @@
-"""DeepSeek-V3's model settings: multi-latent attention and YaRN (``megatron.model.mla``,
-``megatron.model.rotary.Yarn``), multi-token prediction (``megatron.model.mtp``)."""
+"""The attention's settings: multi-latent attention and YaRN (``megatron.model.mla``, ``megatron.model.rotary.Yarn``),
+sliding windows and the softmax's sinks (``window_layers``, ``megatron.context_parallel``), gated MLPs' offsets and
+clamps; multi-token prediction (``megatron.model.mtp``)."""
 
 from __future__ import annotations
 
@@ -25,16 +26,25 @@ def check_attention(config: Config, warnings: list[str] | None = None) -> None:
         if not math.isfinite(value) or value < 0 or (name == "rotary_scaling_factor" and value <= 0):
             _fail(f"{name} must be a finite {'positive' if name == 'rotary_scaling_factor' else 'non-negative'} "
                   f"number, got {value}.")
+    for name in ("yarn_beta_fast", "yarn_beta_slow"):
+        if not math.isfinite(getattr(m, name)) or getattr(m, name) <= 0:
+            _fail(f"{name} must be a finite positive number, got {getattr(m, name)}.")
+    check_window(config)
     if not m.multi_latent_attention:
-        changed = [name for name, default in YARN_DEFAULTS.items() if getattr(m, name) != default]
+        yarn = m.position_embedding_type == "yarn"
+        if m.rope_type not in (None, "rope"):
+            _fail(f"rope_type {m.rope_type} is multi-latent attention's; other attention takes YaRN from "
+                  f"--position-embedding-type yarn.")
+        changed = [name for name, default in YARN_DEFAULTS.items() if getattr(m, name) != default and
+                   not (yarn and name != "rope_type")]
         if changed:
-            _fail(f"{', '.join(changed)} given without --multi-latent-attention: rotary_scaling_factor, mscale, "
-                  f"mscale_all_dim and rope_type set YaRN for multi-latent attention here and would change "
-                  f"nothing; drop them (Llama 3's --use-rope-scaling is not built).")
+            _fail(f"{', '.join(changed)} given without --multi-latent-attention or --position-embedding-type yarn: "
+                  f"they set YaRN's frequencies and would change nothing; drop them or pass "
+                  f"--position-embedding-type yarn (Llama 3's --use-rope-scaling is not built).")
         return
-    if m.position_embedding_type != "rope":
-        _fail(f"multi-latent attention takes --position-embedding-type rope (its rotary channels), got "
-              f"{m.position_embedding_type}.")
+    if m.position_embedding_type not in ("rope", "yarn"):
+        _fail(f"multi-latent attention takes --position-embedding-type rope (its rotary channels; rope_type chooses "
+              f"YaRN), got {m.position_embedding_type}.")
     if m.qk_pos_emb_head_dim % 2:
         _fail(f"qk_pos_emb_head_dim ({m.qk_pos_emb_head_dim}) must be even: rotary embeddings turn channel pairs.")
     if m.group_query_attention:
@@ -58,3 +68,69 @@ def check_mtp(config: Config) -> None:
     if not 1 <= m.mtp_num_layers < seq:
         _fail(f"mtp_num_layers must be at least 1 and below the sequence length ({seq}), got {m.mtp_num_layers} "
               f"(unset it to turn multi-token prediction off).")
+
+
+def parse_window(text: str | None) -> int | None:
+    """``window_size`` 'LEFT,RIGHT' -> LEFT (the keys before each query it sees), or None: no window (unset, or LEFT
+    -1). ValueError with the reason."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in str(text).strip("()[] ").split(",")]
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"window_size must be two integers LEFT,RIGHT like 127,0, got '{text}'") from None
+    if right != 0:
+        raise ValueError(f"window_size's RIGHT must be 0 (a causal model sees no later token), got '{text}'")
+    if left < -1:
+        raise ValueError(f"window_size's LEFT must be at least 0 (or -1: no limit), got '{text}'")
+    return None if left == -1 else left
+
+
+def window_layers(cfg) -> list[bool]:
+    """Per decoder layer (0-based), whether it has the sliding window (Megatron Core's
+    ``is_layer_window_attention`` over 1-based layer numbers): ``window_attn_skip_freq`` N keeps full attention in
+    the layers numbered N, 2N, ...; a pattern marks the window layers with 1."""
+    from megatron.config.validate_moe import parse_layer_pattern
+
+    if parse_window(cfg.window_size) is None:
+        return [False] * cfg.num_layers
+    freq = cfg.window_attn_skip_freq
+    if freq is None:
+        return [True] * cfg.num_layers
+    pattern = parse_layer_pattern(freq, cfg.num_layers, "window_attn_skip_freq", "full attention", "sliding window")
+    if isinstance(pattern, int):
+        return [(i + 1) % pattern != 0 for i in range(cfg.num_layers)]
+    return pattern
+
+
+def layer_window(cfg, layer: int) -> int | None:
+    """The window (keys before each query) of global layer ``layer``, or None: full attention. Layers after the
+    decoder's (multi-token prediction's) are as its last layer."""
+    left = parse_window(cfg.window_size)
+    if left is None:
+        return None
+    return left if window_layers(cfg)[min(layer, cfg.num_layers - 1)] else None
+
+
+def check_window(config: Config) -> None:
+    m = config.model
+    try:
+        left = parse_window(m.window_size)
+        window_layers(m)
+    except ValueError as err:
+        _fail(f"{err}.")
+    if left is None and m.window_attn_skip_freq is not None:
+        _fail("window_attn_skip_freq chooses which layers keep the sliding window of window_size, which is unset: "
+              "set --window-size LEFT,0 or drop it.")
+    if m.multi_latent_attention and (left is not None or m.softmax_type != "vanilla"):
+        _fail("sliding windows and attention sinks (window_size, softmax_type) are built for standard attention, "
+              "not multi-latent attention: drop them or --multi-latent-attention.")
+    if m.activation_func_clamp_value is not None and not m.activation_func_clamp_value > 0:
+        _fail(f"activation_func_clamp_value must be positive (or unset), got {m.activation_func_clamp_value}.")
+    gated = m.swiglu or m.quick_geglu
+    if not gated and (m.glu_linear_offset != 0.0 or m.activation_func_clamp_value is not None):
+        _fail("glu_linear_offset and activation_func_clamp_value shape gated MLPs: add --quick-geglu or --swiglu, or "
+              "drop them.")
+    if m.swiglu and m.quick_geglu:
+        _fail("swiglu and quick_geglu are two MLP activations: choose one.")

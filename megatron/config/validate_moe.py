@@ -26,24 +26,33 @@ def _pattern_value(node: ast.AST) -> int | list[int]:
     raise ValueError("not a pattern")
 
 
-def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
-    """Which of the ``num_layers`` layers are MoE layers under ``moe_layer_freq`` (Megatron-LM's forms): an integer
-    N (layers 0, N, 2N, ...), or a list of num_layers 0/1 entries, written out ('[1,0,1,0]') or as an expression
-    of lists ('([0]*1+[1]*3)*2'). Raises ValueError with the reason."""
-    text = str(freq).strip()
+def parse_layer_pattern(text: str, num_layers: int, name: str, zero: str, one: str) -> int | list[bool]:
+    """A per-layer setting in Megatron-LM's forms: an integer N (returned as is, at least 1), or a list of
+    num_layers 0/1 entries, written out ('[1,0,1,0]') or as an expression of lists ('([0]*1+[1]*3)*2'), returned as
+    booleans. ``name`` the key, ``zero`` / ``one`` what 0 and 1 mean, for the errors (ValueError)."""
+    text = str(text).strip()
     try:
         value = _pattern_value(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError):
-        raise ValueError(f"moe_layer_freq '{text}' must be an integer or a list of 0/1 per layer like '[1,0,1,0]' "
+        raise ValueError(f"{name} '{text}' must be an integer or a list of 0/1 per layer like '[1,0,1,0]' "
                          f"or '([0]*1+[1]*3)*2'") from None
     if isinstance(value, int):
         if value < 1:
-            raise ValueError(f"moe_layer_freq must be at least 1, got {value}")
-        return [i % value == 0 for i in range(num_layers)]
+            raise ValueError(f"{name} must be at least 1, got {value}")
+        return value
     if len(value) != num_layers or any(v not in (0, 1) for v in value):
-        raise ValueError(f"moe_layer_freq '{text}' gives {len(value)} entries; it needs num_layers ({num_layers}) "
-                         f"entries, each 0 (dense) or 1 (MoE)")
+        raise ValueError(f"{name} '{text}' gives {len(value)} entries; it needs num_layers ({num_layers}) "
+                         f"entries, each 0 ({zero}) or 1 ({one})")
     return [v == 1 for v in value]
+
+
+def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
+    """Which of the ``num_layers`` layers are MoE layers under ``moe_layer_freq`` (Megatron-LM's forms): an integer
+    N (layers 0, N, 2N, ...), or a pattern of num_layers 0/1 entries. Raises ValueError with the reason."""
+    value = parse_layer_pattern(freq, num_layers, "moe_layer_freq", "dense", "MoE")
+    if isinstance(value, int):
+        return [i % value == 0 for i in range(num_layers)]
+    return value
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:

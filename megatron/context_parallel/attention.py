@@ -1,121 +1,76 @@
-"""Causal self-attention over a sequence split by context parallelism, and over packed documents.
+"""Causal self-attention over a sequence split by context parallelism, over packed documents, in sliding windows
+and with attention sinks.
 
-``AttentionPlan`` (built once per micro-batch by the model, shared by its layers) says what attention
-must respect beyond the lower triangle: the context-parallel group this rank's tokens are split over
-(``layout.py``'s chunks) and the documents of packed samples (``document_ids``, [b, s] over the whole
-sequence). ``attend(q, k, v, plan, dropout_p, scale)`` dispatches on the communication type; ``scale`` is the
-softmax's (``q k^T x scale``; None: ``1 / sqrt(q's width)``, multi-latent attention passes its own), and the
-values may have another width than the queries and keys (multi-latent attention's ``dv`` against ``dn + dr``):
+``attend(q, k, v, plan, dropout_p, scale, window, sinks)`` dispatches on the plan (``plan.py``: the cp group and
+its communication type, the documents) and the layer's window and sinks. ``scale`` is the softmax's (``q k^T x
+scale``; None: ``1 / sqrt(q's width)``, multi-latent attention passes its own), and the values may have another
+width than the queries and keys (multi-latent attention's ``dv`` against ``dn + dr``); ``window`` the keys before
+each query it sees (None: all); ``sinks`` [heads on this rank] each head's sink logit (``blocks.apply_sinks``):
 
+- cp 1: whole sequences, each packed document on its own, by the fused kernel (``F.scaled_dot_product_attention``);
+  with a window or sinks, ``LocalAttention``: the plan's blocks (windowed tiles) with the sinks folded in after the
+  merge; with attention dropout as well, one masked softmax with the sink as an extra zero-valued key
+  (``masked_attention``, which the KV cache's generation uses too).
 - ``p2p`` (ring attention, ``RingAttention``): the keys and values (packed in one flat buffer whatever their
   widths and head counts, ``_KeysValues``) go round the cp ring by send/recv; at step t rank r holds those of
-  rank r - t and merges its block result by log-sum-exp rescaling; the next transfer runs while the current
+  rank r - t and merges its blocks' result by log-sum-exp rescaling; the next transfer runs while the current
   block computes. The backward sends the keys and values round again, with the accumulating dK/dV, which
-  arrive at their owner after the last step.
+  arrive at their owner after the last step. Pairs of chunks the window or the documents leave empty are skipped.
 - ``all_gather``: every rank's keys and values gathered for the local queries (gathered again in the
   backward rather than kept); their gradients reduce-scattered.
 - ``a2a`` (Ulysses): an all-to-all turns [local tokens, all heads] into [all tokens, heads / cp]; attention
-  runs over whole sequences; a second all-to-all turns the result back.
+  runs over whole sequences (the cp-1 path, with the sinks of the heads held); a second all-to-all turns the result
+  back.
 
-Which blocks of (query chunk, key chunk) are computed: with rank r's chunks (r, 2cp-1-r) and rank j's,
-j = r: the lower triangle of the local tokens; j < r: every local query against j's first chunk; j > r:
-the second local chunk against all of j's tokens; the rest is above the diagonal, skipped. Each step then
-costs the same. With packed documents each block is cut into its documents' sub-blocks (no sequence x
-sequence mask is built); a pair that shares no document is skipped.
-
-Attention dropout is drawn only where a whole sequence is attended by ``F.scaled_dot_product_attention``
-(``a2a``, and packed documents without context parallelism); validation refuses it with p2p and all_gather.
+Attention dropout is drawn where whole sequences are attended by the fused kernel or the masked softmax (cp 1 and
+``a2a``); validation refuses it with p2p and all_gather.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.context_parallel.blocks import (
-    Block,
-    blocks_backward,
-    blocks_forward,
-    dense_blocks,
-    document_blocks,
-    merge,
-)
-from megatron.context_parallel.layout import local_positions, merge_chunks, scatter_chunks
+from megatron.context_parallel.blocks import apply_sinks, blocks_backward, blocks_forward, sinks_grad
+from megatron.context_parallel.layout import merge_chunks, scatter_chunks
+from megatron.context_parallel.plan import AttentionPlan
+
+__all__ = ["AttentionPlan", "attend", "masked_attention"]
 
 RING_OVERLAP = {"enabled": True}  # benchmarks turn the ring's transfer / compute overlap off to measure it
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
-class AttentionPlan:
-    """What this micro-batch's attention respects: the cp split and the documents of packed samples."""
-
-    cp_size: int = 1
-    cp_rank: int = 0
-    group: dist.ProcessGroup | None = None
-    comm_type: str = "p2p"
-    document_ids: torch.Tensor | None = None  # [b, s] over the whole sequence, or None: one document per sample
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def ring_ranks(self) -> tuple[int, int]:
-        """(next, previous) global ranks of this rank's ring."""
-        if "ring" not in self._cache:
-            ranks = dist.get_process_group_ranks(self.group)
-            self._cache["ring"] = ranks[(self.cp_rank + 1) % self.cp_size], ranks[(self.cp_rank - 1) % self.cp_size]
-        return self._cache["ring"]
-
-    def _docs(self, rank: int, length: int) -> torch.Tensor:
-        seq = length * self.cp_size
-        return self.document_ids.index_select(1, local_positions(seq, rank, self.cp_size, self.document_ids.device))
-
-    def document_ends(self) -> list[list[int]]:
-        """Per sample, the end of each of its documents over the whole sequence (cached: read once per
-        micro-batch, not per layer)."""
-        if "ends" not in self._cache:
-            self._cache["ends"] = [_boundaries(ids) for ids in self.document_ids.tolist()]
-        return self._cache["ends"]
-
-    def blocks(self, kv_rank: int, length: int) -> list[Block]:
-        """The blocks of this rank's ``length`` local queries against rank ``kv_rank``'s keys (cached)."""
-        key = (kv_rank, length)
-        if key not in self._cache:
-            r, c = self.cp_rank, length // 2
-            if kv_rank == r:
-                q_rows, k_rows, causal = slice(0, length), slice(0, length), True
-            elif kv_rank < r:
-                q_rows, k_rows, causal = slice(0, length), slice(0, c), False
-            else:
-                q_rows, k_rows, causal = slice(c, length), slice(0, length), False
-            if self.document_ids is None:
-                self._cache[key] = dense_blocks(q_rows, k_rows, causal)
-            else:
-                self._cache[key] = document_blocks(self._docs(r, length), self._docs(kv_rank, length), q_rows,
-                                                    k_rows, causal)
-        return self._cache[key]
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float = 0.0,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, nq, L, dk], k [b, ng, L, dk], v [b, ng, L, dv] (this rank's heads and local tokens) -> [b, nq, L, dv];
-    ``softmax(q k^T x scale)``, ``scale`` None: ``1 / sqrt(dk)``."""
+    ``softmax(q k^T x scale)``, ``scale`` None: ``1 / sqrt(dk)``; ``window``: the keys before each query it sees;
+    ``sinks`` [nq]: each head's sink logit."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if plan.cp_size == 1:
-        return _whole_sequences(q, k, v, plan, dropout_p, scale)
+        return _whole_sequences(q, k, v, plan, dropout_p, scale, window, sinks)
     if plan.comm_type == "a2a":
-        return _ulysses(q, k, v, plan, dropout_p, scale)
-    if plan.comm_type == "all_gather":
-        return GatheredAttention.apply(q, k, v, plan, scale)
-    return RingAttention.apply(q, k, v, plan, scale)
+        return _ulysses(q, k, v, plan, dropout_p, scale, window, sinks)
+    function = GatheredAttention if plan.comm_type == "all_gather" else RingAttention
+    return function.apply(q, k, v, _sinks_or_empty(sinks, q), plan, scale, window)
 
 
-def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float) -> torch.Tensor:
+def _sinks_or_empty(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The autograd Functions take a tensor: no sinks is an empty one."""
+    return q.new_empty(0) if sinks is None else sinks
+
+
+def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over whole sequences, each packed document on its own (one fused call per document
-    of each sample; a sample of one document is one call)."""
+    of each sample; a sample of one document is one call); with a window or sinks, ``LocalAttention`` (or, with
+    dropout, the masked softmax)."""
+    if window is not None or sinks is not None:
+        if dropout_p:
+            return _masked_whole(q, k, v, plan, dropout_p, scale, window, sinks)
+        return LocalAttention.apply(q, k, v, _sinks_or_empty(sinks, q), plan, scale, window)
     extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if plan.document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
@@ -132,9 +87,34 @@ def _whole_sequences(q, k, v, plan: AttentionPlan, dropout_p: float, scale: floa
     return torch.cat(samples, 0)
 
 
-def _boundaries(ids: list[int]) -> list[int]:
-    """The end of every run of equal ids."""
-    return [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [len(ids)]
+def masked_attention(q, k, v, visible: torch.Tensor, sinks: torch.Tensor | None, dropout_p: float,
+                     scale: float | None) -> torch.Tensor:
+    """``softmax(q k^T scale)`` under ``visible`` (bool, True: may attend; broadcast to [b, nq, sq, sk]), each head's
+    sink logit (``sinks`` [nq] or None) joining the softmax as a key of zero value, then dropout: one fused call over
+    a float mask. Every row must see a key or have a sink."""
+    extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, visible, dropout_p=dropout_p, scale=scale, **extra)
+    sk, nq = k.shape[2], q.shape[1]
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # the sink's key and value: zeros, scored by the mask
+    rows = visible.expand(visible.shape[0], nq, q.shape[2], sk)
+    bias = torch.zeros(rows.shape, dtype=q.dtype, device=q.device).masked_fill_(~rows, float("-inf"))
+    column = sinks.to(q.dtype).view(1, nq, 1, 1).expand(rows.shape[0], nq, q.shape[2], 1)
+    return F.scaled_dot_product_attention(q, k, v, torch.cat([bias, column], dim=-1), dropout_p=dropout_p,
+                                          scale=scale, **extra)
+
+
+def _masked_whole(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """``masked_attention`` over whole sequences: causal, within the window and within each document."""
+    s = q.shape[2]
+    d = torch.arange(s, device=q.device).view(-1, 1) - torch.arange(s, device=q.device)
+    visible = (d >= 0) & (d <= window) if window is not None else d >= 0
+    visible = visible.view(1, 1, s, s)
+    if plan.document_ids is not None:
+        docs = plan.document_ids
+        visible = visible & (docs[:, None, :, None] == docs[:, None, None, :])
+    return masked_attention(q, k, v, visible, sinks, dropout_p, scale)
 
 
 class _KeysValues:
@@ -196,38 +176,62 @@ class _RunningResult:
             *[order.index(i) for i in range(4)])
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
 
-    def add(self, q, k, v, blocks: list[Block], scale: float) -> None:
-        if blocks:
-            rows, block_out, block_lse = blocks_forward(q, k, v, blocks, scale)
-            merge(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
+    def add(self, q, k, v, blocks, scale: float) -> None:
+        blocks_forward(q, k, v, blocks, scale, self.out, self.lse)
 
-    def saved(self, ctx, q, k, v, plan: AttentionPlan, scale: float) -> torch.Tensor:
-        """The output in q's dtype, kept for the backward with q, k, v and the log-sum-exp."""
+    def saved(self, ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None) -> torch.Tensor:
+        """The output in q's dtype (the sinks folded in), kept for the backward with q, k, v, the sinks and the
+        log-sum-exp."""
+        if sinks.numel():
+            apply_sinks(self.out, self.lse, sinks)
         out = self.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, self.lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.save_for_backward(q, k, v, sinks, out, self.lse)
+        ctx.plan, ctx.scale, ctx.window = plan, scale, window
         return out
+
+
+def _sinks_gradient(dout, out, lse, sinks) -> torch.Tensor | None:
+    return sinks_grad(dout, out, lse, sinks) if sinks.numel() and sinks.requires_grad else None
+
+
+class LocalAttention(torch.autograd.Function):
+    """cp 1 with a window or sinks: the plan's blocks over this rank's whole sequences."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None):
+        result = _RunningResult(q, v.shape[-1])
+        result.add(q, k, v, plan.blocks(0, q.shape[2], window), scale)
+        return result.saved(ctx, q, k, v, sinks, plan, scale, window)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        blocks_backward(dout, q, k, v, out, lse, ctx.plan.blocks(0, q.shape[2], ctx.window), ctx.scale, dq, dk, dv)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_gradient(dout, out, lse, sinks), None, None,
+                None)
 
 
 class RingAttention(torch.autograd.Function):
     """Ring attention (p2p): see the module's docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
+    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         layout = _KeysValues(k, v)
         kv = layout.pack(k, v)
         result = _RunningResult(q, v.shape[-1])
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
-            result.add(q, *layout.unpack(kv), plan.blocks((r - t) % cp, length), scale)
+            result.add(q, *layout.unpack(kv), plan.blocks((r - t) % cp, length, window), scale)
             if transfer is not None:
                 kv = transfer.received()
-        return result.saved(ctx, q, k, v, plan, scale)
+        return result.saved(ctx, q, k, v, sinks, plan, scale, window)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         dout = dout.contiguous()
@@ -237,7 +241,7 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # for the keys held now, from those before
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
-            blocks = plan.blocks((r - t) % cp, length)
+            blocks = plan.blocks((r - t) % cp, length, ctx.window)
             if blocks:
                 blocks_backward(dout, q, *layout.unpack(kv), out, lse, blocks, scale, dq, *layout.unpack(dkv))
             gradients = _Transfer(dkv, plan)  # the held keys' gradients go on with them; the last step's home
@@ -245,7 +249,8 @@ class RingAttention(torch.autograd.Function):
                 kv = transfer.received()
             dkv = gradients.received()
         dk, dv = layout.unpack(dkv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_gradient(dout, out, lse, sinks), None, None,
+                None)
 
 
 # ------------------------------------------------------------------------------------------------ all_gather
@@ -262,28 +267,29 @@ class GatheredAttention(torch.autograd.Function):
     """all_gather: see the module's docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: AttentionPlan, scale: float):
+    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None):
         gathered, result, layout = _gather_kv(k, v, plan), _RunningResult(q, v.shape[-1]), _KeysValues(k, v)
         for j in range(plan.cp_size):
-            result.add(q, *layout.unpack(gathered[j]), plan.blocks(j, q.shape[2]), scale)
-        return result.saved(ctx, q, k, v, plan, scale)
+            result.add(q, *layout.unpack(gathered[j]), plan.blocks(j, q.shape[2], window), scale)
+        return result.saved(ctx, q, k, v, sinks, plan, scale, window)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         plan, scale, length = ctx.plan, ctx.scale, q.shape[2]
         gathered, dout, layout = _gather_kv(k, v, plan), dout.contiguous(), _KeysValues(k, v)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
         for j in range(plan.cp_size):
-            blocks = plan.blocks(j, length)
+            blocks = plan.blocks(j, length, ctx.window)
             if blocks:
                 blocks_backward(dout, q, *layout.unpack(gathered[j]), out, lse, blocks, scale, dq,
                                 *layout.unpack(dkv[j]))
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
         _reduce_scatter_flat(mine, dkv.view(-1), group=plan.group)
         dk, dv = layout.unpack(mine)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_gradient(dout, out, lse, sinks), None, None,
+                None)
 
 
 # ------------------------------------------------------------------------------------------------ a2a (Ulysses)
@@ -307,14 +313,17 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float) -> torch.Tensor:
-    """Sequence-sharded -> head-sharded, whole-sequence attention, and back."""
+def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None,
+             sinks: torch.Tensor | None) -> torch.Tensor:
+    """Sequence-sharded -> head-sharded, whole-sequence attention (the sinks of the heads held), and back."""
     cp = plan.cp_size
 
     def to_heads(t: torch.Tensor) -> torch.Tensor:  # [b, n, L, d] -> [b, n / cp, s, d]
         parts = _AllToAll.apply(torch.stack(t.chunk(cp, dim=1)), plan.group)  # [cp, b, n/cp, L, d]
         return merge_chunks(list(parts.unbind(0)), dim=2)
 
-    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), plan, dropout_p, scale)
+    held = None if sinks is None else sinks.chunk(cp)[plan.cp_rank]
+    whole = AttentionPlan(document_ids=plan.document_ids, _cache=plan._cache.setdefault("whole", {}))
+    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), whole, dropout_p, scale, window, held)
     back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, dv]
     return torch.cat(list(back.unbind(0)), dim=1)

@@ -1,17 +1,24 @@
 """Attention over blocks of queries and keys, with the log-sum-exp that lets partial results merge.
 
-Context-parallel attention (ring or gathered keys) computes a rank's queries against one rank's keys
-at a time. Each such pair is a list of ``Block``s: a range of query rows, a range of key rows, causal
-(the two ranges are the same tokens: the lower triangle) or full (every key precedes every query),
-over every sample of the micro-batch, or one sample (packed documents: one block per document present
-in both ranges; a pair with none is skipped). A block's result is ``(out, lse)``; results over disjoint
-key sets merge exactly by log-sum-exp rescaling (``merge``). The backward of a block needs only the
-merged output and log-sum-exp of its rows (FlashAttention's backward), so nothing of a block is kept.
+Context-parallel attention (ring or gathered keys), attention over packed documents and sliding-window attention
+compute a rank's queries against some keys at a time. Each such piece is a ``Block``: a range of query rows and a
+range of key rows of one sample or of every sample, and what the queries see of the keys, from their global
+positions: key j is seen by query i when ``0 <= pos(i) - pos(j) <= window`` (no upper bound without a window).
+A block is planned (``plan.py``) so that every query row of it sees at least one key. A block's result is
+``(out, lse)``; results over disjoint key sets merge exactly by log-sum-exp rescaling (``merge``). The backward of
+a block needs only the merged output and log-sum-exp of its rows (FlashAttention's backward), so nothing of a block
+is kept.
+
+Attention sinks (``softmax_type`` off-by-one / learnable, gpt-oss): each head's logit ``s_h`` joins every row's
+softmax as a key whose value is zero. After the merge over the keys, ``apply_sinks`` folds it in (``lse' =
+logaddexp(lse, s_h)``, ``out' = out exp(lse - lse')``); the blocks' backward with ``out'`` and ``lse'`` is then the
+exact gradient of the queries, keys and values, and ``sinks_grad`` gives the sinks' own: ``-sum_i exp(s_h -
+lse'_i) (dout_i . out'_i)``.
 
 Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
-returns the log-sum-exp); elsewhere the same computation in plain operations in fp32, a tile of query rows
-at a time so that the scores held at once stay under ``MATH_TILE_BYTES`` whatever the block's length
-(``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
+returns the log-sum-exp; a block the window cuts gets an additive mask); elsewhere the same computation in plain
+operations in fp32, a tile of query rows at a time so that the scores held at once stay under ``MATH_TILE_BYTES``
+whatever the block's length (``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
 
 Widths: the values may be narrower or wider than the queries and keys (multi-latent attention: ``dn + dr``
 against ``dv``), and the softmax scale is the caller's (``q k^T x scale``). The plain kernel takes any widths;
@@ -39,7 +46,8 @@ def _fused(device: torch.device) -> bool:
 class Block:
     q: slice  # query rows (local order)
     k: slice  # key rows (local order of the keys' owner)
-    causal: bool
+    offset: int  # pos(first query row) - pos(first key row): global positions, contiguous within the block
+    window: int | None = None  # keys before each query it sees; None: all earlier keys
     sample: int | None = None  # None: every sample of the micro-batch
 
     def rows(self, t: torch.Tensor, which: str) -> torch.Tensor:
@@ -47,33 +55,23 @@ class Block:
         batch = slice(None) if self.sample is None else slice(self.sample, self.sample + 1)
         return t[batch, :, self.q if which == "q" else self.k]
 
+    @property
+    def kind(self) -> str:
+        """``full`` (every query sees every key), ``causal`` (the lower triangle: the same positions) or ``masked``."""
+        nq, nk = self.q.stop - self.q.start, self.k.stop - self.k.start
+        near, far = self.offset - (nk - 1), self.offset + nq - 1  # the smallest and largest pos(i) - pos(j)
+        within = self.window is None or far <= self.window
+        if near >= 0 and within:
+            return "full"
+        if self.offset == 0 and nq == nk and within:
+            return "causal"
+        return "masked"
 
-def dense_blocks(q_rows: slice, k_rows: slice, causal: bool) -> list[Block]:
-    return [Block(q_rows, k_rows, causal)]
-
-
-def document_blocks(q_docs: torch.Tensor, k_docs: torch.Tensor, q_rows: slice, k_rows: slice,
-                    causal: bool) -> list[Block]:
-    """The blocks of a pair of row ranges over packed documents: per sample, one block per document with
-    tokens in both ranges (document ids never decrease along the rows). ``q_docs`` [b, Lq], ``k_docs``
-    [b, Lk]: the document id of every query and key row (local order)."""
-    blocks = []
-    q_off, k_off = q_rows.start or 0, k_rows.start or 0
-    for i, (qd, kd) in enumerate(zip(q_docs[:, q_rows].tolist(), k_docs[:, k_rows].tolist())):
-        q_runs, k_runs = _runs(qd), _runs(kd)
-        for doc, (qa, qe) in q_runs.items():
-            if doc in k_runs:
-                ka, ke = k_runs[doc]
-                blocks.append(Block(slice(q_off + qa, q_off + qe), slice(k_off + ka, k_off + ke), causal, i))
-    return blocks
-
-
-def _runs(ids: list[int]) -> dict[int, tuple[int, int]]:
-    """Each value's [first, last + 1) in a non-decreasing list."""
-    runs: dict[int, tuple[int, int]] = {}
-    for i, d in enumerate(ids):
-        runs[d] = (runs[d][0], i + 1) if d in runs else (i, i + 1)
-    return runs
+    def visible(self, device: torch.device) -> torch.Tensor:
+        """[q rows, k rows] bool: which keys each query sees."""
+        d = (self.offset + torch.arange(self.q.stop - self.q.start, device=device).unsqueeze(1)
+             - torch.arange(self.k.stop - self.k.start, device=device))
+        return (d >= 0) & (d <= self.window) if self.window is not None else d >= 0
 
 
 def _expand_groups(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -95,12 +93,12 @@ def _row_tiles(q: torch.Tensor, sk: int) -> list[slice]:
     return [slice(a, min(a + rows, sq)) for a in range(0, sq, rows)]
 
 
-def _scores(q_rows: torch.Tensor, k: torch.Tensor, rows: slice, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 ``q k^T scale`` of a tile of query rows; causal: key j is seen by query row i when j <= i."""
+def _scores(q_rows: torch.Tensor, k: torch.Tensor, rows: slice, visible: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """fp32 ``q k^T scale`` of a tile of query rows, -inf where ``visible`` [q rows, k rows] (None: all) is False."""
     scores = torch.matmul(q_rows.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        i = torch.arange(rows.start, rows.stop, device=q_rows.device).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(k.shape[2], device=q_rows.device) > i, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible[rows], float("-inf"))
     return scores
 
 
@@ -109,43 +107,60 @@ def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
-def kernel_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, h, sq, dv] in q's dtype, lse [b, h, sq] fp32) of one block; k, v may have fewer heads (groups),
-    v another width than q and k."""
+def _fused_mask(block: Block, dtype: torch.dtype, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+    """(is_causal, additive mask or None) of the fused kernel for ``block``."""
+    kind = block.kind
+    if kind != "masked":
+        return kind == "causal", None
+    mask = torch.zeros(block.q.stop - block.q.start, block.k.stop - block.k.start, dtype=dtype, device=device)
+    return False, mask.masked_fill_(~block.visible(device), float("-inf"))
+
+
+def _plain_mask(block: Block, device: torch.device) -> torch.Tensor | None:
+    return None if block.kind == "full" else block.visible(device)
+
+
+def kernel_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, h, sq, dv] in q's dtype, lse [b, h, sq] fp32) of one block (q, k, v already cut to it); k, v may
+    have fewer heads (groups), v another width than q and k."""
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
     if _fused(q.device):
         width = max(q.shape[-1], v.shape[-1])
+        causal, mask = _fused_mask(block, q.dtype, q.device)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _widened(q, width), _widened(k, width), _widened(v, width), 0.0, causal, scale=scale)
+            _widened(q, width), _widened(k, width), _widened(v, width), 0.0, causal, attn_mask=mask, scale=scale)
         return out[..., :v.shape[-1]], lse.float()
+    visible = _plain_mask(block, q.device)
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for rows in _row_tiles(q, k.shape[2]):
-        scores = _scores(q[:, :, rows], k, rows, causal, scale)
+        scores = _scores(q[:, :, rows], k, rows, visible, scale)
         lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
         out[:, :, rows] = torch.matmul(torch.exp(scores - lse[:, :, rows].unsqueeze(-1)), v.float()).to(q.dtype)
     return out, lse
 
 
-def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of one block given the rows' final ``out`` and ``lse`` (over every key, not only this
-    block's); dk, dv summed over the queries of each group."""
+def kernel_backward(dout, q, k, v, out, lse, block: Block, scale: float):
+    """(dq, dk, dv) of one block given the rows' final ``out`` and ``lse`` (over every key and the sink, not only
+    this block's); dk, dv summed over the queries of each group."""
     groups = k.shape[1]
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
     if _fused(q.device):
         dqk, dv_width = q.shape[-1], v.shape[-1]
         width = max(dqk, dv_width)
+        causal, mask = _fused_mask(block, q.dtype, q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _widened(dout, width), _widened(q, width), _widened(k, width), _widened(v, width), _widened(out, width),
-            lse, 0.0, causal, scale=scale)
+            lse, 0.0, causal, attn_mask=mask, scale=scale)
         dq, dk, dv = dq[..., :dqk], dk[..., :dqk], dv[..., :dv_width]
     else:
+        visible = _plain_mask(block, q.device)
         kf, vf = k.float(), v.float()
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         for rows in _row_tiles(q, k.shape[2]):
             qf, df = q[:, :, rows].float(), dout[:, :, rows].float()
-            p = torch.exp(_scores(qf, kf, rows, causal, scale) - lse[:, :, rows].unsqueeze(-1))
+            p = torch.exp(_scores(qf, kf, rows, visible, scale) - lse[:, :, rows].unsqueeze(-1))
             dv += torch.matmul(p.transpose(-1, -2), df)
             ds = p * (torch.matmul(df, vf.transpose(-1, -2)) - (df * out[:, :, rows].float()).sum(-1, keepdim=True))
             dq[:, :, rows] = torch.matmul(ds, kf) * scale
@@ -153,30 +168,20 @@ def kernel_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, _fold_groups(dk, groups), _fold_groups(dv, groups)
 
 
-def blocks_forward(q, k, v, blocks: list[Block], scale: float) -> tuple[slice, torch.Tensor, torch.Tensor]:
-    """(query rows, out fp32 [b, h, rows, dv], lse fp32) of ``q`` against the keys of ``blocks`` (whose query rows
-    are disjoint): the results over the span of rows the blocks cover (half of them in half of a ring's steps); rows
-    of the span no block covers get out 0 and lse -inf."""
-    rows = slice(min(block.q.start for block in blocks), max(block.q.stop for block in blocks))
-    b, h, d = q.shape[0], q.shape[1], v.shape[-1]
-    out = torch.zeros(b, h, rows.stop - rows.start, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, rows.stop - rows.start), float("-inf"), dtype=torch.float32, device=q.device)
+def blocks_forward(q, k, v, blocks: list[Block], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge the result of ``q`` against the keys of each of ``blocks`` into the running fp32 ``out`` [b, h, L,
+    dv] and ``lse`` [b, h, L] (rows no key reached yet: out 0, lse -inf)."""
     for block in blocks:
-        out_block, lse_block = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block.causal,
+        out_block, lse_block = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block,
                                               scale)
-        batch = slice(None) if block.sample is None else slice(block.sample, block.sample + 1)
-        mine = slice(block.q.start - rows.start, block.q.stop - rows.start)
-        out[batch, :, mine] = out_block
-        lse[batch, :, mine] = lse_block
-    return rows, out, lse
+        merge(block.rows(out, "q"), block.rows(lse, "q"), out_block, lse_block)
 
 
 def blocks_backward(dout, q, k, v, out, lse, blocks: list[Block], scale: float, dq, dk, dv) -> None:
     """Add each block's gradients into ``dq``, ``dk``, ``dv`` (fp32 accumulators shaped as q, k, v)."""
     for block in blocks:
         gq, gk, gv = kernel_backward(block.rows(dout, "q"), block.rows(q, "q"), block.rows(k, "k"),
-                                     block.rows(v, "k"), block.rows(out, "q"), block.rows(lse, "q"),
-                                     block.causal, scale)
+                                     block.rows(v, "k"), block.rows(out, "q"), block.rows(lse, "q"), block, scale)
         block.rows(dq, "q").add_(gq)
         block.rows(dk, "k").add_(gk)
         block.rows(dv, "k").add_(gv)
@@ -188,3 +193,17 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows no key reached yet stay 0
     out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
     lse.copy_(new)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold each head's sink logit (``sinks`` [h]) into the merged fp32 ``out`` [b, h, L, dv] and ``lse`` [b, h, L],
+    in place: the softmax over the keys and the sink, whose value is zero."""
+    new = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sinks [h] given the final ``out`` and ``lse`` (after ``apply_sinks``) of these rows."""
+    rowdot = (dout.float() * out.float()).sum(-1)  # [b, h, L]
+    return -(torch.exp(sinks.float().view(1, -1, 1) - lse) * rowdot).sum((0, 2)).to(sinks.dtype)

@@ -107,6 +107,9 @@ class InferenceEngine:
         # what each layer's attention keeps per token in the KV cache: (heads, key width, value width)
         self.cache_shapes = {layer.self_attention.layer_number: layer.self_attention.cache_shape
                              for layer in model.layers.values()}
+        # the sliding window of each layer that has one: its cache keeps only the keys the window still reaches
+        self.cache_windows = {layer.self_attention.layer_number: getattr(layer.self_attention, "window", None)
+                              for layer in model.layers.values()}
         self.dtype = next(model.parameters()).dtype
 
     # Checking ------------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ class InferenceEngine:
             longest = max(len(r.prompt) for r in requests)
             pad = torch.tensor([longest - len(r.prompt) for r in requests])
             cache = KVCache(self.cache_shapes, len(requests), longest + max(r.params.max_tokens for r in requests),
-                            pad, self.dtype, self.device)
+                            pad, self.dtype, self.device, self.cache_windows)
             tokens = torch.tensor([[0] * (longest - len(r.prompt)) + list(r.prompt) for r in requests],
                                   device=self.device)
         except Exception as error:  # out of memory, say: agreed below, before the first forward

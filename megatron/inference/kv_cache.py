@@ -16,6 +16,12 @@ The attention mask lets query slot ``q`` see key slots ``<= q`` that are not pad
 query sees itself only (a row with nothing to attend to would give NaN, and NaN in a padding slot's
 value would reach the real tokens through the masked-out product ``0 * NaN``). Without padding the
 mask is not built: the prompt uses the causal kernel and a one-token step sees every key.
+
+A layer with a sliding window of ``w`` keys (gpt-oss) keeps a rolling cache: after each forward only its last ``w``
+slots, all a later query can reach, so its memory is ``w`` slots however long the generation. A forward attends
+over those and its own new keys (``store`` returns them in slot order), under the layer's mask (``mask_for``:
+causal, within the window, not padding); slot distances are position distances (a row's positions count from its
+first real slot), so the window is the same one training used.
 """
 
 from __future__ import annotations
@@ -29,14 +35,18 @@ class KVCache:
     how the queries attend."""
 
     def __init__(self, layers: dict[int, tuple[int, int, int]], batch: int, max_len: int, pad: torch.Tensor,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, windows: dict[int, int | None] | None = None):
         """``layers``: per layer number, the (heads, key width, value width) its attention stores
-        (``cache_shape``)."""
+        (``cache_shape``); ``windows``: per layer number, its sliding window (None or absent: full attention)."""
         self.max_len, self.length, self.new = max_len, 0, 0
-        self.keys = {i: torch.empty(batch, heads, max_len, kd, dtype=dtype, device=device)
+        # layers whose window is shorter than the generation: a rolling cache of the last ``window`` slots
+        self.windows = {i: w for i, w in (windows or {}).items() if w is not None and w + 1 < max_len}
+        slots = {i: self.windows.get(i, max_len) for i in layers}
+        self.keys = {i: torch.empty(batch, heads, slots[i], kd, dtype=dtype, device=device)
                      for i, (heads, kd, _) in layers.items()}
-        self.values = {i: torch.empty(batch, heads, max_len, vd, dtype=dtype, device=device)
+        self.values = {i: torch.empty(batch, heads, slots[i], vd, dtype=dtype, device=device)
                        for i, (heads, _, vd) in layers.items()}
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
         self.pad = pad.to(device=device, dtype=torch.long)  # [b] left-padding slots per row
         self.mask: torch.Tensor | None = None
         self.causal = True
@@ -56,6 +66,7 @@ class KVCache:
             raise ValueError(f"the KV cache holds {self.max_len} positions; {self.length} are used and {count} "
                              f"more were asked for.")
         self.new = count
+        self._masks = {}
         start, end = self.length, self.length + count
         if not bool((self.pad > 0).any()):  # no padding among the keys: the kernels' own rules suffice
             self.mask, self.causal = None, count > 1
@@ -70,9 +81,43 @@ class KVCache:
         """Write this forward's keys [b, heads, count, key_width] and values [b, heads, count, value_width] of
         ``layer``; returns every key and value so far [b, heads, length + count, width] (views of the cache)."""
         start, end = self.length, self.length + self.new
+        if layer in self.windows:
+            return self._roll(layer, k, v)
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def _kept(self, layer: int) -> int:
+        """Slots a rolling layer holds from the forwards before this one."""
+        return min(self.length, self.windows[layer])
+
+    def _roll(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rolling layer: its kept slots and this forward's, in slot order; then only the last ``window`` kept."""
+        kept, window = self._kept(layer), self.windows[layer]
+        keys = torch.cat([self.keys[layer][:, :, :kept], k], dim=2)
+        values = torch.cat([self.values[layer][:, :, :kept], v], dim=2)
+        tail = min(window, keys.shape[2])
+        self.keys[layer][:, :, :tail] = keys[:, :, -tail:]
+        self.values[layer][:, :, :tail] = values[:, :, -tail:]
+        return keys, values
+
+    def mask_for(self, layer: int, window: int | None, sinks: bool = False) -> torch.Tensor | None:
+        """The mask of ``layer``'s attention in this forward: ``mask`` without a window or sinks, else one built
+        for its keys (the rolling ones of a window layer) and window (causal, within the window, not padding; a
+        padding query sees itself)."""
+        if window is None and not sinks:
+            return self.mask
+        first = self.length - self._kept(layer) if layer in self.windows else 0
+        key = (first, window)
+        if key not in self._masks:
+            start, end = self.length, self.length + self.new
+            query = torch.arange(start, end, device=self.pad.device).view(1, -1, 1)
+            slot = torch.arange(first, end, device=self.pad.device).view(1, 1, -1)
+            seen = (slot <= query) & (slot >= self.pad.view(-1, 1, 1))
+            if window is not None:
+                seen &= slot >= query - window
+            self._masks[key] = (seen | (slot == query)).unsqueeze(1)  # [b, 1, count, keys]
+        return self._masks[key]
 
     def commit(self) -> None:
         """The forward is done: its slots are now part of the sequence."""

@@ -21,9 +21,10 @@ from megatron.config.schema import Config, ModelConfig
 from megatron.context_parallel import AttentionPlan
 from megatron.model.init import defer_initialization, init_parameters
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
-from megatron.model.rotary import RotaryEmbedding
+from megatron.model.rotary import RotaryEmbedding, yarn_of
 from megatron.model.transformer import (
     Rotary,
+    attention_needs_plan,
     SelfAttention,
     TransformerDecoderLayer,
     attention_shape,
@@ -100,10 +101,11 @@ class GPTModel(nn.Module):
 
             self.rotary = RotaryEmbedding(cfg.qk_pos_emb_head_dim, 1.0, cfg.rotary_base, cfg.max_position_embeddings,
                                           interleaved=True, yarn=yarn_settings(cfg))
-        elif cfg.position_embedding_type == "rope":
+        elif cfg.position_embedding_type in ("rope", "yarn"):
             _, _, head_dim = attention_shape(cfg)
             self.rotary = RotaryEmbedding(head_dim, cfg.rotary_percent, cfg.rotary_base, cfg.max_position_embeddings,
-                                          cfg.rotary_interleaved)
+                                          cfg.rotary_interleaved,
+                                          yarn_of(cfg) if cfg.position_embedding_type == "yarn" else None)
         else:
             self.rotary = None
         mtp = post_process and bool(cfg.mtp_num_layers)  # multi-token prediction: on the last stage, embedding too
@@ -191,9 +193,10 @@ class GPTModel(nn.Module):
 
     def attention_plan(self, document_ids: torch.Tensor | None) -> AttentionPlan | None:
         """What this micro-batch's attention respects beyond causality (one plan for every layer): the
-        context-parallel split of the launch and the packed documents; None for neither."""
+        context-parallel split of the launch and the packed documents; None for neither, unless layers have sliding
+        windows or sinks (their blocks are planned whatever the layout)."""
         ps = parallel_state.get()
-        if ps.cp_size == 1 and document_ids is None:
+        if ps.cp_size == 1 and document_ids is None and not attention_needs_plan(self.cfg):
             return None
         return AttentionPlan(ps.cp_size, ps.cp_rank, ps.group("cp"), self.cp_comm_type, document_ids)
 

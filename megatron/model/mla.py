@@ -50,14 +50,14 @@ from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.context_parallel import AttentionPlan, attend
 from megatron.model.blocks import make_norm, maybe_checkpoint
-from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale
+from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
 
 
 def yarn_settings(cfg: ModelConfig) -> Yarn | None:
     """YaRN's settings for multi-latent attention's rotary channels (None: plain rope)."""
     if mla_rope_type(cfg) != "yarn":
         return None
-    return Yarn(cfg.rotary_scaling_factor, cfg.original_max_position_embeddings, cfg.mscale, cfg.mscale_all_dim)
+    return yarn_of(cfg)
 
 
 def mla_rope_type(cfg: ModelConfig) -> str:

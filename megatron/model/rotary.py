@@ -49,6 +49,7 @@ class Yarn:
     mscale_all_dim: float = 0.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    round_to_int: bool = True  # the ramp's ends rounded out to whole channels (transformers' truncate)
 
     def inverse_frequencies(self, rot: int, base: float, device: torch.device | None = None) -> torch.Tensor:
         extrapolated = inverse_frequencies(rot, base, device)
@@ -57,7 +58,10 @@ class Yarn:
         def dim_of(rotations: float) -> float:  # the channel pair that turns ``rotations`` times
             return rot * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low, high = max(math.floor(dim_of(self.beta_fast)), 0), min(math.ceil(dim_of(self.beta_slow)), rot - 1)
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.round_to_int:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rot - 1)
         high = high + 0.001 if low == high else high
         ramp = ((torch.arange(rot // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
         keep = 1.0 - ramp  # 1: the original frequency, 0: interpolated
@@ -66,6 +70,14 @@ class Yarn:
     @property
     def concentration(self) -> float:
         return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+
+
+def yarn_of(cfg) -> Yarn:
+    """The YaRN settings of a model configuration (``ModelConfig``: rotary_scaling_factor,
+    original_max_position_embeddings, mscale, mscale_all_dim, yarn_beta_fast / slow,
+    yarn_correction_range_round_to_int)."""
+    return Yarn(cfg.rotary_scaling_factor, cfg.original_max_position_embeddings, cfg.mscale, cfg.mscale_all_dim,
+                cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_correction_range_round_to_int)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

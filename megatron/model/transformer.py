@@ -28,15 +28,27 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
-from megatron.context_parallel import AttentionPlan, attend
-from megatron.model.blocks import gelu_approximation, make_norm, parallel_dropout
+from megatron.context_parallel import AttentionPlan, attend, masked_attention
+from megatron.model.blocks import activate, make_norm, mlp_activation, parallel_dropout
 from megatron.model.blocks import maybe_checkpoint as _maybe_checkpoint
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
+from megatron.tensor_parallel.layers import set_tensor_parallel_attributes
 
 RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
+
+
+def attention_needs_plan(cfg: ModelConfig) -> bool:
+    """Whether the layers attend through ``context_parallel.attend`` whatever the layout: sliding windows or
+    attention sinks."""
+    return cfg.window_size is not None or cfg.softmax_type != "vanilla"
+
+
+def attention_needs_plan_of(attention: SelfAttention) -> bool:
+    return attention.window is not None or attention.softmax_type != "vanilla"
 
 
 def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -60,6 +72,12 @@ class SelfAttention(nn.Module):
     The QK norms are replicated over the tensor-parallel ranks, each of which feeds them its own heads: their
     gradients are summed over the group (marked like sequence-parallel norms), with or without sequence
     parallelism.
+
+    gpt-oss's attention (Megatron Core's): a sliding window in the layers ``window_attn_skip_freq`` chooses
+    (``window``: each query sees itself and the ``window`` keys before it; ``validate_attention.layer_window``), and
+    sinks (``softmax_type``): a logit per head joining every row's softmax as a key of zero value, learnable
+    (``softmax_offset`` [nq], cut over tp with the heads) or 0 (off-by-one). Both go through
+    ``context_parallel.attend`` (the model always passes a plan), which computes only the blocks the window reaches.
     """
 
     def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
@@ -79,6 +97,13 @@ class SelfAttention(nn.Module):
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
         self.rotary_interleaved = cfg.rotary_interleaved
+        self.window = layer_window(cfg, layer_number)
+        self.softmax_type = cfg.softmax_type
+        if cfg.softmax_type == "learnable":  # a sink logit per head: this rank's heads
+            self.softmax_offset = nn.Parameter(torch.empty(nq // tp_size))
+            set_tensor_parallel_attributes(self.softmax_offset, 0, (nq,), parallel_state.get().tp_rank, tp_size)
+        else:
+            self.softmax_offset = None
         if cfg.qk_layernorm:  # each rank feeds its own heads: the gradients are summed over tp
             self.q_layernorm = make_norm(cfg, sequence_parallel=True, size=hd)
             self.k_layernorm = make_norm(cfg, sequence_parallel=True, size=hd)
@@ -86,8 +111,18 @@ class SelfAttention(nn.Module):
             self.q_layernorm = self.k_layernorm = None
 
     def extra_repr(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
+        sinks = "" if self.softmax_type == "vanilla" else f", softmax={self.softmax_type}"
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads} (per rank), head_dim={self.head_dim}, "
-                f"attn_dropout={self.attn_dropout}")
+                f"attn_dropout={self.attn_dropout}{window}{sinks}")
+
+    def sinks(self, like: torch.Tensor) -> torch.Tensor | None:
+        """This rank's heads' sink logits (None: vanilla softmax)."""
+        if self.softmax_type == "vanilla":
+            return None
+        if self.softmax_offset is not None:
+            return self.softmax_offset
+        return like.new_zeros(self.num_heads)  # off-by-one: a zero logit
 
     @property
     def cache_shape(self) -> tuple[int, int, int]:
@@ -102,6 +137,8 @@ class SelfAttention(nn.Module):
         [b, nq, sq, sk]) replaces the causal rule when given; ``causal=False`` without a mask lets every
         query see every key (one new token)."""
         dropout = self.attn_dropout if self.training else 0.0
+        if mask is not None and self.softmax_type != "vanilla":  # the KV cache's mask, with the sinks
+            return masked_attention(q, k, v, mask, self.sinks(q), dropout, None)
         causal = causal and mask is None
         # Grouped keys are read in place by the kernel (no copy of the keys and values per query head).
         extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
@@ -118,8 +155,8 @@ class SelfAttention(nn.Module):
         dropout = self.attn_dropout if self.training else 0.0
         if dropout and parallel_state.get().tp_size > 1:
             with tp.get_rng_tracker().fork():
-                return attend(q, k, v, plan, dropout)
-        return attend(q, k, v, plan, dropout)
+                return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q))
+        return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q))
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                 plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -138,13 +175,16 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = (apply_rotary(t, *rotary, interleaved=self.rotary_interleaved) for t in (q, k))
+        if kv_cache is None and plan is None and attention_needs_plan_of(self):
+            plan = AttentionPlan()  # windows and sinks attend by the plan's blocks
         if kv_cache is None and plan is not None:
             ctx = _maybe_checkpoint(self.recompute_core, self.planned_attention, q, k, v, plan)
         elif kv_cache is None:
             ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
         else:
             k, v = kv_cache.store(self.layer_number, k, v)
-            ctx = self.core_attention(q, k, v, kv_cache.mask, kv_cache.causal)
+            mask = kv_cache.mask_for(self.layer_number, self.window, self.softmax_type != "vanilla")
+            ctx = self.core_attention(q, k, v, mask, kv_cache.causal)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # [s, b, nq hd / tp]
         return self.dense(ctx)
 
@@ -159,30 +199,30 @@ def make_attention(cfg: ModelConfig, recompute_core: bool, sequence_parallel: bo
 
 
 class MLP(nn.Module):
-    """GELU: ``fc2(gelu(fc1 x))`` (the tanh approximation or exact: ``blocks.gelu_approximation``); SwiGLU:
-    ``fc2(silu(x W_gate) * (x W_up))``; h -> ffn -> h.
+    """GELU: ``fc2(gelu(fc1 x))`` (the tanh approximation or exact: ``blocks.gelu_approximation``); gated (SwiGLU,
+    ``fc2(silu(x W_gate) * (x W_up))``, or gpt-oss's quick GeGLU with its offset and clamp: ``blocks.activate``);
+    h -> ffn -> h.
 
-    SwiGLU's ``dense_h_to_4h`` has 2 x ffn output rows, interleaved: row 2j is gate_j, row 2j+1 is
+    A gated MLP's ``dense_h_to_4h`` has 2 x ffn output rows, interleaved: row 2j is gate_j, row 2j+1 is
     up_j, so a tensor-parallel rank's contiguous block of rows holds matching pairs."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False):
         super().__init__()
-        self.swiglu, self.gelu = cfg.swiglu, gelu_approximation(cfg)
+        self.activation = mlp_activation(cfg)
+        gated = self.activation[0] is not None
         bias, ffn = not cfg.disable_bias_linear, cfg.ffn_hidden_size
-        self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, 2 * ffn if self.swiglu else ffn, bias=bias,
+        self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=bias,
                                                      sequence_parallel=sequence_parallel)
         self.dense_4h_to_h = tp.RowParallelLinear(ffn, cfg.hidden_size, bias=bias,
                                                   sequence_parallel=sequence_parallel)
 
     def extra_repr(self) -> str:
-        return f"activation={'swiglu' if self.swiglu else 'gelu_tanh' if self.gelu == 'tanh' else 'gelu'}"
+        kind, gelu, offset, clamp = self.activation
+        extra = (f", offset={offset}" if offset else "") + (f", clamp={clamp}" if clamp is not None else "")
+        return f"activation={kind or ('gelu_tanh' if gelu == 'tanh' else 'gelu')}{extra}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.dense_h_to_4h(x)
-        if self.swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # [s, b, ffn/tp] each
-            return self.dense_4h_to_h(F.silu(gate) * up)
-        return self.dense_4h_to_h(F.gelu(y, approximate=self.gelu))
+        return self.dense_4h_to_h(activate(self.dense_h_to_4h(x), self.activation))
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -212,7 +252,7 @@ class TransformerDecoderLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout_prob
         nq, ng, hd = attention_shape(cfg)
         self._desc = (f"d_model={cfg.hidden_size}, nhead={nq}, dim_feedforward={cfg.ffn_hidden_size}, "
-                      f"dropout={cfg.hidden_dropout_prob}, activation={'swiglu' if cfg.swiglu else 'gelu'}, "
+                      f"dropout={cfg.hidden_dropout_prob}, activation={mlp_activation(cfg)[0] or 'gelu'}, "
                       f"attn_dropout={cfg.attention_probs_dropout_prob}")
         if (ng, hd) != (nq, cfg.hidden_size // nq):
             self._desc += f", num_query_groups={ng}, head_dim={hd}"

@@ -1,5 +1,5 @@
-"""The experts of a mixture-of-experts layer held by this rank: ``E / ep`` MLPs shaped like the model's (GELU or
-SwiGLU, with the MLP's interleaved gate/up rows, biases or not) of width ``moe_ffn_hidden_size``, each cut over
+"""The experts of a mixture-of-experts layer held by this rank: ``E / ep`` MLPs shaped like the model's (GELU, SwiGLU
+or quick GeGLU, with the MLP's interleaved gate/up rows, biases or not: gpt-oss's experts have them) of width ``moe_ffn_hidden_size``, each cut over
 the expert-tensor-parallel ranks (etp) like a column- then row-parallel MLP, without communication of its own:
 the dispatcher (``megatron.moe.dispatch``) gives every etp rank of an expert the same tokens and sums their
 partial outputs.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.model.blocks import gelu_approximation
+from megatron.model.blocks import activate, mlp_activation
 from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
 
 
@@ -60,23 +60,19 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, etp_rank: int = 0, etp_size: int = 1):
         super().__init__()
-        self.swiglu, self.add_bias, self.gelu = cfg.swiglu, etp_rank == 0, gelu_approximation(cfg)
+        self.activation, self.add_bias = mlp_activation(cfg), etp_rank == 0
+        gated = self.activation[0] is not None
         ffn, h, bias = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size, not cfg.disable_bias_linear
         if ffn % etp_size:
             raise ValueError(f"moe_ffn_hidden_size ({ffn}) is not divisible by the expert tensor-parallel size "
                              f"({etp_size})")
         sharded = 0 if etp_size > 1 else None
-        self.dense_h_to_4h = _ShardedLinear(2 * ffn if self.swiglu else ffn, h, bias, sharded, etp_rank, etp_size)
+        self.dense_h_to_4h = _ShardedLinear(2 * ffn if gated else ffn, h, bias, sharded, etp_rank, etp_size)
         self.dense_4h_to_h = _ShardedLinear(h, ffn, bias, 1 if etp_size > 1 else None, etp_rank, etp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
-        y = F.linear(x, fc1.weight, fc1.bias)
-        if self.swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate=self.gelu)
+        y = activate(F.linear(x, fc1.weight, fc1.bias), self.activation)
         return F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
 
 
@@ -124,11 +120,7 @@ def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: lis
     if first.dense_h_to_4h.bias is not None:
         y = y + torch.repeat_interleave(torch.stack([e.dense_h_to_4h.bias for e in experts]),
                                         torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0])
-    if first.swiglu:
-        gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-        y = F.silu(gate) * up
-    else:
-        y = F.gelu(y, approximate=first.gelu)
+    y = activate(y, first.activation)
     w2 = torch.stack([e.dense_4h_to_h.weight for e in experts]).transpose(1, 2)  # [E, ffn, h]
     out = torch._grouped_mm(y.contiguous(), w2, offs=offsets)
     if first.dense_4h_to_h.bias is not None and first.add_bias:

@@ -3,8 +3,8 @@
 ``sequence_load_balancing_loss_func``, ``z_loss_func``, ``get_capacity``, ``MoEAuxLossAutoScaler``).
 
 Shapes: T tokens (the micro-batch's ``[s, b]`` positions flattened, sequence-major), E experts, k = topk.
-The router's weight is ``[E, h]`` without a bias; its logits ``x W^T`` are computed in the router dtype (fp32 by
-default, whatever the model's).
+The router's weight is ``[E, h]``, with a bias ``[E]`` when the model's linear layers have biases (Megatron Core's
+rule: gpt-oss); its logits ``x W^T + b`` are computed in the router dtype (fp32 by default, whatever the model's).
 
 Scores (``route``), the probabilities each token's chosen experts' outputs are weighted by:
 
@@ -223,6 +223,8 @@ class TopKRouter(nn.Module):
         self.z_coeff = cfg.moe_z_loss_coeff
         self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # a bias on the logits with the model's linear biases (Megatron Core's rule; gpt-oss's router has one)
+        self.bias = None if cfg.disable_bias_linear else nn.Parameter(torch.empty(cfg.num_experts))
         if cfg.moe_router_enable_expert_bias:  # not trained: moved after each step by the step's loads (stats.py)
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
         else:
@@ -245,7 +247,8 @@ class TopKRouter(nn.Module):
         """``token_group``: the ranks holding the rest of this micro-batch's tokens (their counts are summed
         for the balancing losses, each rank returning its term); ``with_losses`` False (evaluation): no
         auxiliary loss, the balancing value 0."""
-        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype))  # [T, E]
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)  # [T, E]
         probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
                                      self.num_groups, self.group_topk, self.scaling_factor)
         kept = chosen

@@ -47,41 +47,58 @@ def documents() -> torch.Tensor:
     return ids
 
 
-def reference(q, k, v, docs, weight, scale=None):
+def reference(q, k, v, docs, weight, scale=None, window=None, sinks=None):
+    """The materialised softmax: causal, within ``window`` keys before each query, within each document, with each
+    head's sink logit as one more column (dropped after the softmax)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    mask = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
+    distance = torch.arange(S).view(-1, 1) - torch.arange(S)
+    mask = ((distance >= 0) & (distance <= (S if window is None else window))).expand(B, 1, S, S)
     if docs is not None:
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    out = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, scale=scale)
+    heads = q.shape[1]
+    keys, values = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ keys.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)).masked_fill(
+        ~mask, float("-inf"))
+    if sinks is not None:
+        sinks = sinks.detach().clone().requires_grad_()
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(B, heads, S, 1)], dim=-1)
+    out = torch.softmax(scores, dim=-1)[..., :S] @ values
     (out * weight).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
 
 
-def _check(rank, cp, comm, docs, fused, shape) -> list[str]:
+def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False) -> list[str]:
     ps = parallel_state.get()
     groups, dk, dv, scale = SHAPES[shape]
     torch.manual_seed(0)
     q, k, v = torch.randn(B, NQ, S, dk), torch.randn(B, groups, S, dk), torch.randn(B, groups, S, dv)
     weight = torch.randn(B, NQ, S, dv)
-    want = reference(q, k, v, docs, weight, scale)
+    sinks = torch.randn(NQ) if with_sinks else None
+    want = reference(q, k, v, docs, weight, scale, window, sinks)
     mine = local_positions(S, ps.cp_rank, cp)
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    local_sinks = None if sinks is None else sinks.clone().requires_grad_()
     plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs)
     blocks_module.FUSED_ON_CPU["enabled"] = fused
     limit = blocks_module.MATH_TILE_BYTES["limit"]
     blocks_module.MATH_TILE_BYTES["limit"] = B * NQ * S * 4 * 5  # tiles of a few query rows, offsets inside blocks
     try:
-        out = attend(*local, plan, scale=scale)
+        out = attend(*local, plan, scale=scale, window=window, sinks=local_sinks)
         (out * weight[:, :, mine]).sum().backward()
     finally:
         blocks_module.FUSED_ON_CPU["enabled"] = True
         blocks_module.MATH_TILE_BYTES["limit"] = limit
-    got = (out.detach(), *(t.grad for t in local))
+    got = [out.detach(), *(t.grad for t in local)]
+    wanted = [w[:, :, mine] for w in want[:4]]
+    if sinks is not None:  # each rank's sinks' gradient is its tokens' share: summed over cp, the whole gradient
+        torch.distributed.all_reduce(local_sinks.grad, group=ps.group("cp"))
+        got.append(local_sinks.grad)
+        wanted.append(want[4])
     bad = []
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        if not torch.allclose(g, w[:, :, mine], rtol=RTOL, atol=ATOL):
-            bad.append(f"cp{cp} {comm} {shape} docs={docs is not None} fused={fused} {name}: max diff "
-                       f"{(g - w[:, :, mine]).abs().max().item():.2e}")
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, wanted):
+        if not torch.allclose(g, w, rtol=RTOL, atol=ATOL):
+            bad.append(f"cp{cp} {comm} {shape} docs={docs is not None} fused={fused} window={window} "
+                       f"sinks={with_sinks} {name}: max diff {(g - w).abs().max().item():.2e}")
     return bad
 
 
@@ -121,6 +138,9 @@ def _all_cases(rank: int, world: int) -> list[str]:
                 for docs in (None, documents()):
                     for fused in (True, False):
                         bad += _check(rank, cp, comm, docs, fused, shape)
+                        if shape == "gqa":  # gpt-oss's attention: windows shorter and longer than a chunk, sinks
+                            bad += _check(rank, cp, comm, docs, fused, shape, window=3, with_sinks=True)
+                            bad += _check(rank, cp, comm, docs, fused, shape, window=17)
             if comm == "p2p":
                 for docs in (None, documents()):
                     bad += _ring_without_overlap(rank, cp, docs)

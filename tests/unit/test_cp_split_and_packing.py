@@ -9,7 +9,7 @@ import torch
 
 from megatron.config import ConfigError, parse_config, validate
 from megatron.context_parallel import AttentionPlan, attend, chunk_ids, local_positions, split_batch
-from megatron.context_parallel.blocks import document_blocks
+from megatron.context_parallel.plan import plan_blocks
 from megatron.context_parallel.layout import merge_chunks, scatter_chunks
 from megatron.data.loader import build_batch
 from megatron.data.packing import document_ids, reset_positions
@@ -97,13 +97,32 @@ def test_packing_follows_megatron_semantics():
     assert torch.equal(batch["document_ids"], docs)
 
 
-def test_document_blocks_skip_pairs_without_a_shared_document():
-    docs = torch.tensor([[0, 0, 1, 1, 2, 2, 2, 2]])
-    blocks = document_blocks(docs, docs, slice(4, 8), slice(0, 4), causal=False)
-    assert blocks == []  # the second half's only document (2) has no token in the first half
-    blocks = document_blocks(docs, docs, slice(0, 8), slice(0, 8), causal=True)
-    assert [(b.q, b.k) for b in blocks] == [(slice(0, 2), slice(0, 2)), (slice(2, 4), slice(2, 4)),
-                                            (slice(4, 8), slice(4, 8))]
+def test_planned_blocks_skip_pairs_without_a_shared_document_or_outside_the_window():
+    ends = [[2, 4, 8]]  # documents [0, 2), [2, 4), [4, 8) of one sample of 8 tokens
+    # cp 2, rank 0 (chunks 0 and 3 of 2 tokens) against rank 1's keys (chunks 1 and 2): chunk 3 sees chunk 2 only
+    # (chunk 1 holds document 1, which chunk 3 lacks)
+    blocks = plan_blocks(0, 1, 2, 4, None, ends)
+    assert [(b.q, b.k, b.offset, b.sample) for b in blocks] == [(slice(2, 4), slice(2, 4), 2, 0)]
+    # one process: the lower triangle cut into its documents
+    blocks = plan_blocks(0, 0, 1, 8, None, ends)
+    assert [(b.q, b.k, b.kind) for b in blocks] == [(slice(0, 2), slice(0, 2), "causal"),
+                                                   (slice(2, 4), slice(2, 4), "causal"),
+                                                   (slice(4, 8), slice(4, 8), "causal")]
+    # a window of 1 key over 8 tokens in tiles of 2 query rows (TILE's minimum is the window + 1): each tile against
+    # the keys it can reach, itself and the one key before it (the first tile: itself, the lower triangle)
+    from megatron.context_parallel import plan
+
+    rows, plan.TILE["rows"] = plan.TILE["rows"], 2
+    try:
+        blocks = plan_blocks(0, 0, 1, 8, 1, None)
+    finally:
+        plan.TILE["rows"] = rows
+    assert [(b.q, b.k, b.kind) for b in blocks] == [(slice(0, 2), slice(0, 2), "causal"),
+                                                   (slice(2, 4), slice(1, 4), "masked"),
+                                                   (slice(4, 6), slice(3, 6), "masked"),
+                                                   (slice(6, 8), slice(5, 8), "masked")]
+    visible = blocks[1].visible(torch.device("cpu"))  # rows 2, 3 against keys 1, 2, 3: itself and the one before
+    assert visible.tolist() == [[True, True, False], [False, True, True]]
 
 
 # ---------------------------------------------------------------- per-document attention vs each document alone
