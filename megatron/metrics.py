@@ -13,6 +13,7 @@ import time
 
 from megatron.config.cli import to_dict
 from megatron.config.schema import Config
+from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
 
 LOG_FORMAT = "[%(asctime)s] [%(levelname)8s] - %(message)s"
@@ -73,15 +74,16 @@ def model_flops_per_token(config: Config) -> float:
 
     (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
     not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
-    backend. Norms, activations and rotary embeddings are not matmuls and are left out. Recompute is
+    backend; a layer with a sliding window of w keys over s x min(s, w + 1). Norms, activations and rotary embeddings are not matmuls and are left out. Recompute is
     not counted: these are model FLOPs, the basis of MFU.
     """
     m, s, v = config.model, config.dataset.max_seq_len, config.padded_vocab_size
     h, f = m.hidden_size, m.ffn_hidden_size
-    matmuls = 3 if m.swiglu else 2
-    per_layer = _attention_flops(m, s)
+    matmuls = 3 if m.swiglu or m.quick_geglu else 2
     total = 0
     for layer in range(m.num_layers + (m.mtp_num_layers or 0)):
+        window = layer_window(m, layer)  # a sliding window: each query's keys at most window + 1
+        per_layer = _attention_flops(m, s if window is None else min(s, window + 1))
         if is_moe_layer(m, layer):  # the active parameters: the router, topk experts, the shared expert
             shared = m.moe_shared_expert_intermediate_size or 0
             expert = m.moe_ffn_hidden_size or f
@@ -93,7 +95,8 @@ def model_flops_per_token(config: Config) -> float:
 
 
 def _attention_flops(m, s: int) -> int:
-    """One layer's attention matmuls per token (``model_flops_per_token``)."""
+    """One layer's attention matmuls per token (``model_flops_per_token``), ``s`` the keys each query is counted
+    against."""
     h, nq = m.hidden_size, m.num_attention_heads
     if m.multi_latent_attention:
         qk, dv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim

@@ -374,6 +374,9 @@ def _check_profile(config: Config, world_size: int, warnings: list[str]) -> None
     """--profile's window, in the log's step numbers (megatron/training/profiler.py): steps profile_step_start ..
     profile_step_end - 1 (a start of 0 is Megatron-LM's "from the first step"), on ranks of this launch."""
     c = config
+    for name in ("profile_step_start", "profile_step_end"):  # checked without --profile too: a typo is never meant
+        if getattr(c, name) < 0:
+            _fail(f"{name} must be a step number (0 or more), got {getattr(c, name)}.")
     if not c.profile:
         return
     start, end, first = c.profile_step_start, c.profile_step_end, max(c.profile_step_start, 1)

@@ -195,7 +195,8 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     """(dense, expert) parameters of decoder layer ``layer`` on a rank of a tensor-parallel group of ``tp``:
     QKV [(nq + 2 ng) hd, h] and the MLP's first matmul ([ffn, h], SwiGLU [2 ffn, h]) split by rows with
     their biases, the output projections split by columns (biases replicated), two norms replicated.
-    A MoE layer (``megatron.moe``): the router [E, h] and the shared expert (split over tp) are dense; its
+    Learnable attention sinks: one per head, split over tp. A MoE layer (``megatron.moe``): the router [E, h] (and
+    its bias [E] with linear biases) and the shared expert (split over tp) are dense; its
     experts are this rank's E / ep (``expert_grid``), each shaped like the MLP and split over etp (the second
     matmul's bias replicated over etp)."""
     m = config.model
@@ -206,12 +207,13 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     bias = 0 if m.disable_bias_linear else 1
 
     def mlp(width: int, split: int) -> int:  # (split, replicated)
-        fc1 = (2 if m.swiglu else 1) * width
+        fc1 = (2 if m.swiglu or m.quick_geglu else 1) * width
         return (fc1 * h + bias * fc1 + width * h) // split + bias * h
 
     qkv = (nq + 2 * ng) * hd
     per_norm = 2 if m.normalization == "LayerNorm" else 1  # weight (and bias) per channel
     attention = (qkv * h + bias * qkv + nq * hd * h) // tp + bias * h + (2 * per_norm * hd if m.qk_layernorm else 0)
+    attention += nq // tp if m.softmax_type == "learnable" else 0  # the sinks of this rank's heads
     if m.multi_latent_attention:
         attention = _mla_parameters(m, tp, per_norm)
     norms = 2 * per_norm * h
@@ -220,7 +222,7 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     grid = expert_grid(config)
     ep, etp = ep or grid[0], etp or grid[1]
     shared = m.moe_shared_expert_intermediate_size
-    dense = attention + m.num_experts * h + (mlp(shared, tp) if shared else 0) + norms
+    dense = attention + m.num_experts * (h + bias) + (mlp(shared, tp) if shared else 0) + norms  # router (+ bias)
     return dense, m.num_experts // ep * mlp(m.moe_ffn_hidden_size or f, etp)
 
 

@@ -126,7 +126,7 @@ def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
     m, s = config.model, config.dataset.max_seq_len
     head = 2 * m.hidden_size * config.padded_vocab_size
     layer = (model_flops_per_token(config) / 3 - head) / m.num_layers
-    mlp = (3 if m.swiglu else 2) * 2 * m.hidden_size * m.ffn_hidden_size
+    mlp = (3 if m.swiglu or m.quick_geglu else 2) * 2 * m.hidden_size * m.ffn_hidden_size
     core = 4 * s * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
     return layer, layer - mlp, core
 

@@ -132,7 +132,9 @@ def test_mla_logits_and_gradients_equal_megatron_cores(mcore, flags):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--rotary-scaling-factor", "8"], "rotary_scaling_factor, mscale, mscale_all_dim and rope_type set YaRN"),
+    (["--rotary-scaling-factor", "8"], "rotary_scaling_factor given without --multi-latent-attention or "
+                                       "--position-embedding-type yarn"),
+    (["--position-embedding-type", "yarn", "--rope-type", "yarn"], "rope_type yarn is multi-latent attention's"),
     (["--multi-latent-attention", "--position-embedding-type", "learned_absolute"],
      "multi-latent attention takes --position-embedding-type rope"),
     (["--multi-latent-attention", "--position-embedding-type", "rope", "--q-lora-rank", "0"],

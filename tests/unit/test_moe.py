@@ -48,12 +48,18 @@ def make_layer(*flags: str, seed: int = 0) -> moe.MoELayer:
 # --------------------------------------------------------------------------- the reference: one token at a time
 
 def mlp_by_formula(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    """The MLP of one token, from its weights: GELU, or SwiGLU with rows 2j (gate) and 2j + 1 (up) interleaved."""
+    """The MLP of one token, from its weights: GELU, or SwiGLU / gpt-oss's clamped quick GeGLU with rows 2j (gate)
+    and 2j + 1 (up) interleaved."""
     w1, w2 = mlp.dense_h_to_4h.weight, mlp.dense_4h_to_h.weight
     b1 = mlp.dense_h_to_4h.bias if mlp.dense_h_to_4h.bias is not None else torch.zeros(w1.shape[0], dtype=x.dtype)
     b2 = mlp.dense_4h_to_h.bias if mlp.dense_4h_to_h.bias is not None else torch.zeros(w2.shape[0], dtype=x.dtype)
     y = w1 @ x + b1
-    hidden = F.silu(y[0::2]) * y[1::2] if mlp.swiglu else F.gelu(y, approximate="tanh")
+    kind, gelu, offset, clamp = mlp.activation
+    if kind == "quick_geglu":  # gpt-oss: gate at most c, up within [-c, c], (up + offset) * g sigmoid(1.702 g)
+        gate, up = torch.clamp(y[0::2], max=clamp), torch.clamp(y[1::2], -clamp, clamp)
+        hidden = gate * torch.sigmoid(1.702 * gate) * (up + offset)
+    else:
+        hidden = F.silu(y[0::2]) * y[1::2] if kind == "swiglu" else F.gelu(y, approximate=gelu)
     return w2 @ hidden + b2
 
 
@@ -62,7 +68,7 @@ def reference_routing(layer: moe.MoELayer, tokens: torch.Tensor) -> list[dict[in
     r = layer.router
     out = []
     for x in tokens:
-        logits = r.weight.double() @ x.double()
+        logits = r.weight.double() @ x.double() + (0.0 if r.bias is None else r.bias.double())
         key = logits.detach()
         if r.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
@@ -119,7 +125,8 @@ def assert_layer_matches_reference(layer: moe.MoELayer, capacity_policy: str | N
     (ref * upstream).sum().backward()
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
     for name, p in layer.named_parameters():
-        torch.testing.assert_close(grads[0][name], p.grad, rtol=1e-9, atol=1e-10, msg=name)
+        want = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no token reached: a zero gradient
+        torch.testing.assert_close(grads[0][name], want, rtol=1e-9, atol=1e-10, msg=name)
     torch.testing.assert_close(grads[1], x.grad, rtol=1e-9, atol=1e-10)
 
 
@@ -128,9 +135,12 @@ ROUTERS = {"softmax": [], "pre_softmax": ["--moe-router-pre-softmax"],
 NO_AUX = ["--moe-router-load-balancing-type", "none"]
 
 
+GPT_OSS_MLP = ["--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "0.7"]
+
+
 @pytest.mark.parametrize("router", list(ROUTERS))
-@pytest.mark.parametrize("mlp", [[], ["--swiglu"], ["--swiglu", "--disable-bias-linear"]], ids=["gelu", "swiglu",
-                                                                                                  "swiglu_nobias"])
+@pytest.mark.parametrize("mlp", [[], ["--swiglu"], ["--swiglu", "--disable-bias-linear"], GPT_OSS_MLP],
+                         ids=["gelu", "swiglu", "swiglu_nobias", "quick_geglu"])
 def test_layer_matches_a_per_token_loop(router, mlp):
     assert_layer_matches_reference(make_layer(*ROUTERS[router], *mlp, *NO_AUX))
 
@@ -180,7 +190,7 @@ def test_balancing_loss_values_and_gradients(kind):
     tokens = x.reshape(s * b, H)
 
     def formulas(weight):
-        logits = tokens @ weight.t()  # [T, E], token t = position * b + sample
+        logits = tokens @ weight.t() + layer.router.bias.detach()  # [T, E], token t = position * b + sample
         p = torch.softmax(logits, dim=-1)
         chosen = torch.zeros(s * b, E, dtype=torch.float64)
         for t, route in enumerate(reference_routing(layer, tokens)):
@@ -226,7 +236,7 @@ def test_sigmoid_aux_scores_and_expert_bias_choose_but_do_not_weight():
     layer = make_layer(*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", *NO_AUX)
     x = _tokens()
     tokens = x.reshape(-1, H)
-    logits = tokens @ layer.router.weight.t().detach()
+    logits = tokens @ layer.router.weight.t().detach() + layer.router.bias.detach()
     scores = torch.sigmoid(logits)
     torch.testing.assert_close(scores_for_aux_loss(logits, 2, "sigmoid"), scores / scores.sum(-1, keepdim=True))
     layer.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # experts 0 and 1 always chosen
@@ -241,7 +251,7 @@ def test_aux_loss_counts_the_choice_without_the_expert_bias():
     layer = make_layer(*ROUTERS["sigmoid"], "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "1.0")
     layer.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # experts 0 and 1 always chosen
     tokens = _tokens().reshape(-1, H)
-    scores = scores_for_aux_loss(tokens @ layer.router.weight.t().detach(), 2, "sigmoid")
+    scores = scores_for_aux_loss(tokens @ layer.router.weight.t().detach() + layer.router.bias.detach(), 2, "sigmoid")
     counted = torch.zeros_like(scores).scatter(1, scores.topk(2, dim=-1).indices, 1.0)
     _, _, chosen, aux, _ = layer.router(tokens, 2)
     assert chosen[:, :2].all() and counted[:, 2:].any()  # the two differ
