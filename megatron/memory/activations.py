@@ -23,7 +23,10 @@ One decoder layer, no recompute (``layer_terms``)::
     dropout mask 1      n' h m                             (hidden dropout only)
     norm2               as norm1, on the residual sum
     fc1 input           n' h d                             (a MoE layer: ``megatron.memory.moe`` instead)
-    MLP                 GELU: 2 n f d (fc1 out, gelu out); SwiGLU: 4 n f d (fc1 out 2f, silu, product)
+    MLP                 GELU: 2 n f d (fc1 out, gelu out); SwiGLU: 4 n f d (fc1 out 2f, silu, product); quick
+                        GeGLU: 5 n f d (fc1 out 2f, the sigmoid, the activation, product); a gated unit's clamp +2
+                        n f d (the clamped gate and linear halves, or the gate and linear + offset), an offset
+                        alone +1 (``mlp_saves``)
     dropout mask 2      n' h m
 
 Recompute: ``core_attn`` (selective) keeps q, k, v instead of the core's saves; ``only_attn`` keeps the layer
@@ -109,6 +112,7 @@ class Dims:
     kernel: str  # "flash" or "math"
     rmsnorm: bool
     swiglu: bool
+    mlp_saves: int  # the MLP's saves, in n f d (``mlp_saves``)
     rot: int  # rotated channels per head (0: no rope)
     learned_positions: bool
     cp: int = 1  # context-parallel size: this rank holds s / cp tokens of each sample
@@ -119,6 +123,7 @@ class Dims:
     qk_norm: bool = False  # standard attention's QK-norm (--qk-layernorm)
     mla: MLADims | None = None  # multi-latent attention's widths (``megatron.memory.attention``)
     mtp: int = 0  # multi-token prediction modules on the last stage
+    zero_sinks: bool = False  # off-by-one attention sinks: the zero logits the attention keeps (a d)
 
     @property
     def n(self) -> int:
@@ -158,12 +163,22 @@ def dims(config: Config, kernel: str | None = None) -> Dims:
                 tp=tp, sp=d.sequence_parallel and tp > 1, d=4 if config.params_dtype_name == "float32" else 2,
                 hidden_dropout=m.hidden_dropout_prob > 0, attn_dropout=m.attention_probs_dropout_prob > 0,
                 device="gpu" if config.device == "gpu" else "cpu", kernel=kernel,
-                rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu,
+                rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu, mlp_saves=mlp_saves(m), zero_sinks=m.softmax_type == "off-by-one",
                 rot=mla.dr if mla else int(hd * m.rotary_percent) if m.position_embedding_type in ("rope", "yarn") else 0,
                 learned_positions=m.position_embedding_type == "learned_absolute", cp=d.context_parallel_size,
                 cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask, moe=moe_dims(config),
                 moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers + mtp)),
                 qk_norm=m.qk_layernorm and mla is None, mla=mla, mtp=mtp)
+
+
+def mlp_saves(m) -> int:
+    """What the MLP's activation saves per token, in units of its width times the element size (the module
+    docstring's MLP line): fc1's output (2 for a gated unit), the activation's own saves and fc2's input."""
+    gated = m.swiglu or m.quick_geglu
+    if not gated:
+        return 2
+    extra = 2 if m.activation_func_clamp_value is not None else 1 if m.glu_linear_offset else 0
+    return (5 if m.quick_geglu else 4) + extra
 
 
 def is_moe(D: Dims, layer: int) -> bool:
@@ -183,7 +198,7 @@ def layer_terms(D: Dims, recompute: str | None = None, moe: bool = False) -> dic
     if moe:
         ffn = moe_terms(D.moe, D)
     else:
-        ffn = {"fc1 input": D.n_sp * D.h * D.d, "mlp": (4 if D.swiglu else 2) * D.n * D.f * D.d}
+        ffn = {"fc1 input": D.n_sp * D.h * D.d, "mlp": D.mlp_saves * D.n * D.f * D.d}
     terms = {"norm2": norm_bytes(D, D.n_sp), **ffn, "dropout mask 2": mask}
     if recompute in ("only_attn", "full_attn"):
         return {"layer input": x, **terms}

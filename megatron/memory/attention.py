@@ -59,6 +59,12 @@ The core (``core_terms``; ``dk``, ``dv`` the query/key and value widths, ``hd`` 
 
 Packed documents run one kernel call per document on slices of q, k and v: the same bytes but for the output
 (the math kernel's probabilities then bounded by ``s^2`` per sample).
+
+Sliding windows and attention sinks (gpt-oss) attend through the plan's blocks (``LocalAttention``, a custom
+autograd function like the ring's): ``given``, the output and the log-sum-exp, the bytes the flash kernel keeps;
+off-by-one sinks add the zero logits (``a d``). With attention dropout a window is the masked math softmax, counted
+as the math kernel; sinks with dropout (the softmax with a sink column) are counted as without the column (a few
+percent off).
 """
 
 from __future__ import annotations
@@ -162,6 +168,8 @@ def standard_terms(D, recompute: str | None = None) -> dict[str, int]:
             terms["qk norms"] += qkv_out
     layout = CoreInputs(given, hd, hd, g, 0 < D.rot < hd or D.qk_norm, v_math)
     core = {"attention q, k, v": given} if recompute == "core_attn" else core_terms(D, layout)
+    if D.zero_sinks and recompute != "core_attn":  # off-by-one: the zero logit of each head, kept by the core
+        core["attention sinks"] = a * d
     return {**terms, **core, "dense input": n * a * hd * d}
 
 

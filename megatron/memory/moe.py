@@ -147,11 +147,11 @@ def moe_terms(M: MoEDims, D) -> dict[str, int]:
     else:  # this rank's pairs; the expert-major order of the received chunks and the outputs put back in it
         indices, combined, order = 16 * pairs + (8 * R if reordered else 0), pairs, R * h * d if reordered else 0
     terms = {"router input": router_input, "router": router, "dispatch indices": indices,
-             "expert inputs": R * h * d, "experts": (4 if D.swiglu else 2) * R * M.f_e * d,
+             "expert inputs": R * h * d, "experts": D.mlp_saves * R * M.f_e * d,
              "expert outputs (reordered)": order, "combine": 8 * combined * h + 4 * combined}
     if M.f_s:  # its input is the norm's output: the router's already when in the router dtype
         shared_input = 0 if d == r else D.n_sp * h * d
-        terms["shared expert"] = shared_input + (4 if D.swiglu else 2) * D.n * M.f_s * d
+        terms["shared expert"] = shared_input + D.mlp_saves * D.n * M.f_s * d
     return {key: value for key, value in terms.items() if value}
 
 

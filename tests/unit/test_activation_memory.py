@@ -129,6 +129,14 @@ def test_prediction_equals_measurement(model, recompute, dropout, dtype):
     ("--attention-probs-dropout-prob", "0", "--bf16"),  # hidden dropout only: flash and masks
     # QK-norm: the norms' outputs are [b, a, s, hd] (the output a copy of its own), they keep q and k as given
     ("--qk-layernorm", *NO_DROPOUT),
+    # gpt-oss: quick GeGLU with its offset and clamp (7 n f d), off-by-one sinks (the zero logits kept); windows in
+    # alternate layers with learnable sinks (the planned blocks keep q, k, v, out, lse); a window with dropout (the
+    # masked math softmax); the MoE experts' quick GeGLU
+    ("--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--softmax-type", "off-by-one",
+     *NO_DROPOUT),
+    (*LLAMA, "--window-size", "5,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable", *NO_DROPOUT),
+    ("--window-size", "5,0"),
+    ("--quick-geglu", "--glu-linear-offset", "1", "--num-experts", "4", "--bf16", *NO_DROPOUT),
     ("--qk-layernorm", *LLAMA, "--bf16"),  # RMSNorm's fp32 copies; the math kernel: the QKV output kept by the norms
     ("--qk-layernorm", *LLAMA, *RECOMPUTE["selective"]),
     # multi-latent attention, one query projection and the q LoRA, the CPU's math kernel and (equal widths) flash
