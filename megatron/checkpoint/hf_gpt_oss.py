@@ -1,0 +1,358 @@
+"""Hugging Face gpt-oss (``GptOssForCausalLM``, transformers 5) to and from our GPT.
+
+gpt-oss is a Llama-shaped decoder (``hf_llama``: pre-RMSNorm, rotate-half rotary embeddings, grouped-query attention,
+any head width, tied or untied head) with every layer a mixture of experts and these marks, each one of our settings:
+
+- sliding windows (``sliding_window`` W in the layers ``layer_types`` marks ``sliding_attention``): our
+  ``window_size`` "W-1,0" (transformers' mask keeps ``kv_idx > q_idx - W``: the query and the W - 1 keys before it),
+  the layers by ``window_attn_skip_freq`` (N when the sliding layers are those whose 1-based number N does not
+  divide, e.g. 2: gpt-oss's alternation starting with a sliding layer; else a 0/1 pattern);
+- attention sinks (``self_attn.sinks`` [nq]): ``softmax_type learnable``, ``self_attention.softmax_offset``
+  (``off-by-one`` exports as zero sinks, and imports back as learnable);
+- biases on the query/key/value/output projections, the router and the experts: ``disable_bias_linear`` off
+  (``attention_bias`` false, which leaves the experts' and the router's, is refused);
+- the experts' clamped quick GeGLU ``(clamp(up, -c, c) + 1) * g sigmoid(1.702 g)``, ``g = clamp(gate, max=c)``:
+  ``quick_geglu``, ``glu_linear_offset 1``, ``activation_func_clamp_value`` c = ``swiglu_limit`` (a
+  ``swiglu_alpha`` other than 1.702 is refused);
+- the router: logits ``x W^T + b``, the top k, a softmax over those k (our default softmax router), dropless;
+- YaRN (``rope_parameters`` rope_type yarn): ``position_embedding_type yarn`` with ``rotary_scaling_factor`` =
+  factor, ``original_max_position_embeddings``, ``yarn_beta_fast`` / ``yarn_beta_slow``,
+  ``yarn_correction_range_round_to_int`` = truncate (gpt-oss: false, the ramp unrounded), and cos and sin scaled by
+  ``0.1 ln(factor) + 1`` (our ``mscale 1``, ``mscale_all_dim 0``; transformers' default ``attention_factor``: another
+  one is refused). Plain rope (rope_type default) is ``position_embedding_type rope``.
+
+The names (layer N; ``E`` experts of width ``f``; transformers 5 keeps the experts fused, transposed against ours):
+
+====================================================  ==========================================================
+ours (``layers.N.``)                                  Hugging Face (``model.layers.N.``)
+====================================================  ==========================================================
+``self_attention.softmax_offset [nq]``                ``self_attn.sinks [nq]``
+``mlp.router.weight [E, h]``, ``.bias [E]``           ``mlp.router.weight``, ``mlp.router.bias``
+``mlp.experts.i.dense_h_to_4h.weight [2f, h]``        ``mlp.experts.gate_up_proj [E, h, 2f]`` (its [i], transposed;
+                                                      column 2j gate_j, 2j + 1 up_j: our interleaved rows)
+``mlp.experts.i.dense_h_to_4h.bias [2f]``             ``mlp.experts.gate_up_proj_bias [E, 2f]`` (its [i])
+``mlp.experts.i.dense_4h_to_h.weight [h, f]``         ``mlp.experts.down_proj [E, f, h]`` (its [i], transposed)
+``mlp.experts.i.dense_4h_to_h.bias [h]``              ``mlp.experts.down_proj_bias [E, h]`` (its [i])
+everything else                                       as ``hf_llama`` maps it (q/k/v split by group, with biases)
+====================================================  ==========================================================
+
+The Hub's openai checkpoints hold the experts in MXFP4 (``*_blocks``, ``*_scales``, ``quantization_config``): they are
+refused in one line; dequantize them first. A model of ours without sliding windows exports with every layer
+``full_attention`` (``sliding_window`` is then the positions, which no layer uses). transformers before 5 reads
+``rope_scaling`` and a fixed clamp of 7: the export writes that key too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron.checkpoint import hf_llama
+from megatron.checkpoint.hf_common import ConversionError, check_names, to_flags
+from megatron.config.schema import ModelConfig
+from megatron.config.validate_attention import parse_window, window_layers
+from megatron.config.validate_moe import moe_layer_pattern
+from megatron.model.rotary import yarn_mscale
+
+ARCHITECTURE = "GptOssForCausalLM"
+_ARCH = f"Hugging Face gpt-oss ({ARCHITECTURE})"
+_HINT = "check num_hidden_layers, num_local_experts and tie_word_embeddings"
+ALPHA = 1.702  # the quick GELU's sigmoid gain, ours and gpt-oss's
+SLIDING, FULL = "sliding_attention", "full_attention"
+# our expert tensor (after "experts.{i}.") -> (Hugging Face's fused tensor after "mlp.experts.", transposed)
+_EXPERTS = {"dense_h_to_4h.weight": ("gate_up_proj", True), "dense_h_to_4h.bias": ("gate_up_proj_bias", False),
+            "dense_4h_to_h.weight": ("down_proj", True), "dense_4h_to_h.bias": ("down_proj_bias", False)}
+# GptOssConfig's defaults for the keys a config.json may leave out
+_DEFAULTS = {"head_dim": 64, "num_key_value_heads": 8, "sliding_window": 128, "num_local_experts": 128,
+             "num_experts_per_tok": 4, "rms_norm_eps": 1e-5, "swiglu_alpha": ALPHA, "swiglu_limit": 7.0,
+             "router_aux_loss_coef": 0.001, "attention_bias": True, "tie_word_embeddings": False}
+_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_DEFAULT_THETA = 150000.0
+
+
+def is_gpt_oss_shaped(model_cfg: ModelConfig) -> bool:
+    """Whether our ``ModelConfig`` has any of gpt-oss's marks (sliding windows, sinks, the quick GeGLU, its offset or
+    clamp, YaRN on standard attention): such a model exports here (``check_model`` says what else does not fit), and
+    never to an architecture that would drop the mark."""
+    m = model_cfg
+    return (parse_window(m.window_size) is not None or m.softmax_type != "vanilla" or m.quick_geglu
+            or m.glu_linear_offset != 0.0 or m.activation_func_clamp_value is not None
+            or (m.position_embedding_type == "yarn" and not m.multi_latent_attention))
+
+
+def _refusal(setting: str, why: str) -> ConversionError:
+    return ConversionError(f"{setting} has no {_ARCH} equivalent ({why}), so this checkpoint cannot be exported.")
+
+
+def check_model(model_cfg: ModelConfig) -> None:
+    """ConversionError, naming the setting, unless our ``ModelConfig`` is a gpt-oss."""
+    m = model_cfg
+    if not m.num_experts:
+        raise _refusal("a dense model (num_experts unset)", "every gpt-oss layer is a mixture of experts")
+    try:
+        dense = [n for n, is_moe in enumerate(moe_layer_pattern(m.moe_layer_freq, m.num_layers)) if not is_moe]
+    except ValueError as err:
+        raise ConversionError(f"{err}.") from None
+    for differs, setting, why in (
+            (m.multi_latent_attention, "multi-latent attention", "gpt-oss projects queries, keys and values per head"),
+            (m.normalization != "RMSNorm", f"normalization {m.normalization}", "gpt-oss uses RMSNorm"),
+            (m.position_embedding_type not in ("rope", "yarn"), f"position_embedding_type {m.position_embedding_type}",
+             "gpt-oss rotates queries and keys (yarn, or rope)"),
+            (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "gpt-oss rotates every channel"),
+            (m.rotary_interleaved, "rotary_interleaved", "gpt-oss rotates the halves of each head"),
+            (m.qk_layernorm, "qk_layernorm", "gpt-oss does not normalise queries and keys"),
+            (not m.quick_geglu, "an MLP other than the quick GeGLU (quick_geglu off)",
+             "gpt-oss's experts are quick GeGLUs"),
+            (m.glu_linear_offset != 1.0, f"glu_linear_offset {m.glu_linear_offset}", "gpt-oss adds 1 to the up half"),
+            (m.activation_func_clamp_value is None, "no activation_func_clamp_value",
+             "gpt-oss always clamps the gate and up halves, by swiglu_limit"),
+            (m.softmax_type == "vanilla", "softmax_type vanilla", "gpt-oss's attention has a sink logit per head: "
+             "softmax_type learnable"),
+            (m.disable_bias_linear, "disable_bias_linear", "gpt-oss's experts and router always have biases"),
+            (bool(dense), f"moe_layer_freq {m.moe_layer_freq} (dense layers {dense})",
+             "every gpt-oss layer is a mixture of experts"),
+            (bool(m.moe_shared_expert_intermediate_size), "a shared expert", "gpt-oss has none"),
+            (m.moe_router_score_function != "softmax", f"moe_router_score_function {m.moe_router_score_function}",
+             "gpt-oss's router is a softmax"),
+            (m.moe_router_pre_softmax, "moe_router_pre_softmax", "gpt-oss takes the softmax over the top k logits"),
+            (m.moe_router_enable_expert_bias, "moe_router_enable_expert_bias", "gpt-oss's router has no expert bias"),
+            (m.moe_expert_capacity_factor is not None, f"moe_expert_capacity_factor {m.moe_expert_capacity_factor}",
+             "gpt-oss drops no tokens"),
+            (bool(m.moe_router_group_topk), f"moe_router_group_topk {m.moe_router_group_topk}",
+             "gpt-oss's router chooses among all experts"),
+            (m.moe_router_topk_scaling_factor not in (None, 1.0),
+             f"moe_router_topk_scaling_factor {m.moe_router_topk_scaling_factor}", "gpt-oss does not scale them"),
+            (m.position_embedding_type == "yarn" and (m.mscale, m.mscale_all_dim) != (1.0, 0.0),
+             f"YaRN's mscale {m.mscale} / mscale_all_dim {m.mscale_all_dim}",
+             "gpt-oss scales cos and sin by 0.1 ln(factor) + 1: mscale 1, mscale_all_dim 0")):
+        if differs:
+            raise _refusal(setting, why)
+    hf_llama.dims(m)
+
+
+def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our global name -> the Hugging Face name(s) it holds, but for the experts (``expert_names``): ``hf_llama``'s
+    attention, norms, embedding and head, each layer's sinks and router."""
+    m = model_cfg
+    names = {ours: theirs for ours, theirs in hf_llama.name_map(m).items() if ".mlp." not in ours}
+    for n in range(m.num_layers):
+        ours, theirs = f"layers.{n}.", f"model.layers.{n}."
+        if m.softmax_type == "learnable":
+            names[ours + "self_attention.softmax_offset"] = [theirs + "self_attn.sinks"]
+        for suffix in ("weight", "bias"):
+            names[f"{ours}mlp.router.{suffix}"] = [f"{theirs}mlp.router.{suffix}"]
+    return names
+
+
+def expert_names(model_cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
+    """Hugging Face's fused expert tensor of ``layer`` -> our per-expert names it holds, in expert order."""
+    return {f"model.layers.{layer}.mlp.experts.{theirs}": [f"layers.{layer}.mlp.experts.{i}.{ours}"
+                                                           for i in range(model_cfg.num_experts)]
+            for ours, (theirs, _) in _EXPERTS.items()}
+
+
+def _transposed(name: str) -> bool:
+    return name.endswith(("gate_up_proj", "down_proj"))
+
+
+def _sinks(model_cfg: ModelConfig) -> list[str]:
+    return [f"model.layers.{n}.self_attn.sinks" for n in range(model_cfg.num_layers)]
+
+
+def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our global tensors -> a ``GptOssForCausalLM`` state dict (``lm_head.weight`` only when untied), every tensor
+    contiguous and in its own storage; off-by-one sinks written as zeros."""
+    check_model(model_cfg)
+    m, names = model_cfg, name_map(model_cfg)
+    fused = [expert_names(m, n) for n in range(m.num_layers)]
+    ours_experts = {name for layer in fused for parts in layer.values() for name in parts}
+    check_names(set(tensors), set(names) | ours_experts, "the checkpoint's tensors", "check num_layers and num_experts")
+    out = hf_llama.map_to_hf({name: tensors[name] for name in names}, names, m)
+    for layer in fused:
+        for theirs, parts in layer.items():
+            out[theirs] = torch.stack([tensors[p].t() if _transposed(theirs) else tensors[p] for p in parts]) \
+                .contiguous().clone()
+    if m.softmax_type == "off-by-one":  # a zero logit per head
+        out.update({sinks: torch.zeros(m.num_attention_heads) for sinks in _sinks(m)})
+    return out
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
+                       padded_vocab: int) -> dict[str, torch.Tensor]:
+    """A ``GptOssForCausalLM`` (or ``GptOssModel``) state dict -> our global tensors (fp32, the word embedding and an
+    untied output layer zero-padded to ``padded_vocab`` rows)."""
+    check_model(model_cfg)
+    m = model_cfg
+    hf = hf_llama.strip_hf_prefix(hf)
+    quantized = sorted(k for k in hf if k.endswith(("_blocks", "_scales")))
+    if quantized:
+        raise ConversionError(f"the state dict holds MXFP4-quantized experts ({quantized[0]}); dequantize them to "
+                              f"bfloat16 or float32 first, then import them.")
+    if m.softmax_type == "off-by-one":
+        for name in _sinks(m):
+            if name in hf and torch.count_nonzero(hf.pop(name)):
+                raise ConversionError(f"{name} is not zero, which softmax_type off-by-one is; import it with "
+                                      f"softmax_type learnable.")
+    h, f, e = m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size, m.num_experts
+    shapes = {"gate_up_proj": (e, h, 2 * f), "gate_up_proj_bias": (e, 2 * f), "down_proj": (e, f, h),
+              "down_proj_bias": (e, h)}
+    out = {}
+    for n in range(m.num_layers):
+        for theirs, parts in expert_names(m, n).items():
+            if theirs not in hf:
+                raise ConversionError(f"the Hugging Face state dict lacks {theirs!r}; {_HINT}.")
+            t, want = hf.pop(theirs).to(torch.float32), shapes[theirs.rsplit(".", 1)[1]]
+            if tuple(t.shape) != want:
+                raise ConversionError(f"{theirs} has shape {list(t.shape)}, expected {list(want)} (num_local_experts, "
+                                      f"hidden_size, intermediate_size).")
+            out.update({p: (t[i].t() if _transposed(theirs) else t[i]).contiguous().clone()
+                        for i, p in enumerate(parts)})
+    return {**hf_llama.map_from_hf(hf, name_map(m), m, padded_vocab, _HINT), **out}
+
+
+def _rope_parameters(model_cfg: ModelConfig) -> dict:
+    m = model_cfg
+    if m.position_embedding_type == "rope":
+        return {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    return {"rope_type": "yarn", "rope_theta": float(m.rotary_base), "factor": m.rotary_scaling_factor,
+            "beta_fast": m.yarn_beta_fast, "beta_slow": m.yarn_beta_slow,
+            "truncate": m.yarn_correction_range_round_to_int,
+            "original_max_position_embeddings": m.original_max_position_embeddings}
+
+
+def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """``config.json`` of the equivalent ``GptOssForCausalLM``."""
+    check_model(model_cfg)
+    m = model_cfg
+    nq, ng, hd = hf_llama.dims(m)
+    left, sliding = parse_window(m.window_size), window_layers(m)
+    rope = _rope_parameters(m)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "gpt_oss",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": nq,
+        "num_key_value_heads": ng,
+        "head_dim": hd,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.layernorm_epsilon,
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],  # the two keys transformers before 5 reads
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] == "yarn" else None,
+        "sliding_window": m.max_position_embeddings if left is None else left + 1,
+        "layer_types": [SLIDING if s else FULL for s in sliding],
+        "hidden_act": hf_llama.ACTIVATION,
+        "swiglu_alpha": ALPHA,
+        "swiglu_limit": m.activation_func_clamp_value,
+        "attention_bias": True,
+        "attention_dropout": m.attention_probs_dropout_prob,
+        "num_local_experts": m.num_experts,
+        "num_experts_per_tok": m.moe_router_topk,
+        "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        "output_router_logits": False,
+        "initializer_range": m.initializer_range,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "bos_token_id": None,  # to-hf sets both to the end-of-document id of the run's tokenizer
+        "eos_token_id": None,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def window_values(config: dict, layers: int) -> dict:
+    """Our ``window_size`` and ``window_attn_skip_freq`` for a config.json's ``sliding_window`` and ``layer_types``
+    (GptOssConfig's default: sliding, full, sliding, ...)."""
+    types = config.get("layer_types") or [SLIDING if (n + 1) % 2 else FULL for n in range(layers)]
+    if len(types) != layers or set(types) - {SLIDING, FULL}:
+        raise ConversionError(f"config.json's layer_types must give num_hidden_layers ({layers}) entries, each "
+                              f"{SLIDING!r} or {FULL!r}; got {types}.")
+    sliding = [t == SLIDING for t in types]
+    if not any(sliding):
+        return {}
+    width = config.get("sliding_window")
+    if not isinstance(width, int) or width < 1:
+        raise ConversionError(f"config.json marks sliding_attention layers but its sliding_window is {width!r}, not "
+                              f"a number of positions (at least 1).")
+    freq = None
+    if not all(sliding):
+        freq = next((str(n) for n in range(2, layers + 1) if sliding == [(i + 1) % n != 0 for i in range(layers)]),
+                    str([int(s) for s in sliding]).replace(" ", ""))
+    return {"window_size": f"{width - 1},0", "window_attn_skip_freq": freq}
+
+
+def rope_values(config: dict) -> dict:
+    """Our rotary settings for a config.json's ``rope_parameters`` (transformers 5; else ``rope_theta`` and
+    ``rope_scaling``; else GptOssConfig's default YaRN): rope, or YaRN whose cos/sin scale is ours."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or _DEFAULT_ROPE
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta", config.get("rope_theta", _DEFAULT_THETA))
+    if float(theta) != int(theta):
+        raise ConversionError(f"rope_theta {theta} is not an integer, which rotary_base must be.")
+    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConversionError(f"config.json sets partial_rotary_factor {params['partial_rotary_factor']}; gpt-oss "
+                              f"rotates every channel of a head, so the model cannot be imported.")
+    if kind == "default":
+        return {"position_embedding_type": "rope", "rotary_base": int(theta)}
+    if kind != "yarn":
+        raise ConversionError(f"config.json sets rope type {kind!r}; this GPT's gpt-oss attention takes YaRN or the "
+                              f"plain rotary embedding, so the model cannot be imported.")
+    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if not original:
+        raise ConversionError("config.json's YaRN lacks original_max_position_embeddings.")
+    f = float(params.get("factor") or config["max_position_embeddings"] / int(original))
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    target = params.get("attention_factor")  # transformers' rule for the cos / sin scale
+    if target is None:
+        target = yarn_mscale(f, mscale) / yarn_mscale(f, all_dim) if mscale and all_dim else yarn_mscale(f)
+    if not math.isclose(float(target), yarn_mscale(f), rel_tol=1e-9):
+        raise ConversionError(f"config.json's YaRN scales cos and sin by {target}, not 0.1 ln(factor) + 1 = "
+                              f"{yarn_mscale(f)} as this GPT's YaRN on standard attention does; the model cannot be "
+                              f"imported.")
+    return {"position_embedding_type": "yarn", "rotary_base": int(theta), "rotary_scaling_factor": f,
+            "original_max_position_embeddings": int(original),
+            "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
+            "yarn_correction_range_round_to_int": bool(params.get("truncate", True))}
+
+
+def model_flags(config: dict) -> list[str]:
+    """Our command-line flags for the model of a Hugging Face gpt-oss ``config.json`` (refuses what our GPT cannot
+    represent)."""
+    if config.get("model_type", "gpt_oss") != "gpt_oss":
+        raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not gpt_oss.")
+    if config.get("quantization_config"):
+        raise ConversionError("config.json sets quantization_config (gpt-oss's MXFP4 experts); dequantize the weights "
+                              "to bfloat16 or float32 first, then import them.")
+    config = {**_DEFAULTS, **config}
+    if not math.isclose(float(config["swiglu_alpha"]), ALPHA):
+        raise ConversionError(f"config.json sets swiglu_alpha {config['swiglu_alpha']}; this GPT's quick GeGLU has the "
+                              f"sigmoid gain {ALPHA}, so the model cannot be imported.")
+    limit = config["swiglu_limit"]
+    if not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+        raise ConversionError(f"config.json's swiglu_limit {limit!r} is not a positive number, which this GPT's "
+                              f"activation_func_clamp_value must be.")
+    if not config["attention_bias"]:
+        raise ConversionError("config.json sets attention_bias false, but gpt-oss's experts and router keep their "
+                              "biases and this GPT has biases on every linear layer or none; the model cannot be "
+                              "imported.")
+    experts, topk = config.get("num_local_experts") or config.get("num_experts"), config["num_experts_per_tok"]
+    if not experts or not topk or not 1 <= int(topk) <= int(experts):
+        raise ConversionError(f"num_experts_per_tok ({topk}) must be from 1 to num_local_experts ({experts}).")
+    values = hf_llama.model_values({**config, "hidden_act": hf_llama.ACTIVATION, "attention_bias": True,
+                                    "mlp_bias": True, "rope_parameters": None, "rope_scaling": None,
+                                    "rope_theta": 10000})
+    del values["swiglu"]
+    values.update(rope_values(config))
+    values.update(window_values(config, int(values["num_layers"])))
+    values.update({"quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": float(limit),
+                   "softmax_type": "learnable", "num_experts": int(experts), "moe_router_topk": int(topk),
+                   "moe_ffn_hidden_size": int(values["ffn_hidden_size"]), "moe_layer_freq": "1",
+                   "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef") or 0.0)})
+    unrounded = values.pop("yarn_correction_range_round_to_int", True) is False
+    return to_flags({k: v for k, v in values.items() if v is not None}) + (
+        ["--no-yarn-correction-range-round-to-int"] if unrounded else [])
