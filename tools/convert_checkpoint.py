@@ -1,5 +1,5 @@
-"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Mixtral, Qwen-MoE, DeepSeek-V3) and Megatron-LM, and
-to another tensor-parallel size.
+"""Convert checkpoints: to and from Hugging Face (GPT-2, Llama, Qwen3, Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-V3,
+gpt-oss) and Megatron-LM, and to another tensor-parallel size.
 
     python tools/convert_checkpoint.py to-hf CKPT OUT_DIR [--dtype float32|float16|bfloat16] [--no-tokenizer]
     python tools/convert_checkpoint.py from-hf HF_DIR OUT_DIR [pretrain_gpt.py flags, e.g. --tp 2 --max-seq-len 512]
@@ -10,23 +10,25 @@ to another tensor-parallel size.
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
 ``LlamaForCausalLM.from_pretrained(OUT_DIR)`` when the checkpoint's model is Llama-shaped (rope, RMSNorm
-and swiglu), with ``MixtralForCausalLM.from_pretrained(OUT_DIR)`` when it is a Llama-shaped mixture of experts
-(``Qwen2MoeForCausalLM`` with a shared expert; docs/moe.md says which), with ``DeepseekV3ForCausalLM`` when it
-has multi-latent attention (its multi-token prediction layers stored as DeepSeek's checkpoints store them), else with
+and swiglu; ``Qwen3ForCausalLM`` with QK-norm), with ``MixtralForCausalLM.from_pretrained(OUT_DIR)`` when it is a
+Llama-shaped mixture of experts (``Qwen2MoeForCausalLM`` with a shared expert, ``Qwen3MoeForCausalLM`` with QK-norm;
+docs/moe.md says which), with ``DeepseekV3ForCausalLM`` when it has multi-latent attention (its multi-token
+prediction layers stored as DeepSeek's checkpoints store them), with ``GptOssForCausalLM`` when it has gpt-oss's
+sliding windows, sinks, quick GeGLU or YaRN (``megatron/checkpoint/hf_models.py`` decides), else with
 ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``, and the run's tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``), so that ``transformers.pipeline("text-generation",
 model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from-hf`` reads ``config.json``
-(a ``gpt2``, ``llama``, ``mixtral``, ``qwen2_moe`` or ``deepseek_v3`` model_type) and ``model.safetensors`` (or
-sharded safetensors, or ``pytorch_model.bin``) and writes ``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only,
-step 0, for ``pretrain_gpt.py --load OUT_DIR``, with the folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named
-in the checkpoint's config. ``reshard`` writes ``OUT/step_N`` with one file per tensor-parallel rank, every
-kind (masters and AdamW states) kept. ``from-megatron`` reads a Megatron-LM save folder (or an ``iter_N`` folder),
-legacy (any tp x pp) or torch_dist, the model's shape from its saved ``args``, and writes ``OUT_DIR/step_N`` (its
-iteration and consumed samples, and its optimizer states when saved: Adam's moments and step, the fp32 masters, the
-schedule's position; ``--no-optim``: the weights only); ``to-megatron`` writes Megatron-LM's folder (Megatron Core
-names, the AdamW states unless ``--no-optim``), legacy cut for tp x pp or torch_dist (docs/checkpoints.md,
-section 7). Exit status 2, with a one-line message,
-for a missing or damaged checkpoint or a model that cannot be converted.
+(a ``gpt2``, ``llama``, ``qwen3``, ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``deepseek_v3`` or ``gpt_oss``
+model_type) and ``model.safetensors`` (or sharded safetensors, or ``pytorch_model.bin``) and writes
+``OUT_DIR/step_0`` and ``OUT_DIR/latest``: weights only, step 0, for ``pretrain_gpt.py --load OUT_DIR``, with the
+folder's tokenizer copied to ``OUT_DIR/tokenizer/`` and named in the checkpoint's config. ``reshard`` writes
+``OUT/step_N`` with one file per tensor-parallel rank, every kind (masters and AdamW states) kept. ``from-megatron``
+reads a Megatron-LM save folder (or an ``iter_N`` folder), legacy (any tp x pp) or torch_dist, the model's shape from
+its saved ``args``, and writes ``OUT_DIR/step_N`` (its iteration and consumed samples, and its optimizer states when
+saved: Adam's moments and step, the fp32 masters, the schedule's position; ``--no-optim``: the weights only);
+``to-megatron`` writes Megatron-LM's folder (Megatron Core names, the AdamW states unless ``--no-optim``), legacy cut
+for tp x pp or torch_dist (docs/checkpoints.md, section 7). Exit status 2, with a one-line message, for a missing or
+damaged checkpoint or a model that cannot be converted.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ _SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden
 _SHAPE_FIELDS += ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor", "rope_type",
                   "rotary_scaling_factor", "original_max_position_embeddings", "mscale", "mscale_all_dim",
                   "mtp_num_layers")  # the DeepSeek-V3 shape's
+_SHAPE_FIELDS += ("window_size", "window_attn_skip_freq", "softmax_type", "quick_geglu", "glu_linear_offset",
+                  "activation_func_clamp_value", "yarn_beta_fast", "yarn_beta_slow",
+                  "yarn_correction_range_round_to_int",  # gpt-oss's
+                  "rotary_base", "rotary_interleaved", "layernorm_epsilon")  # any rope's and norm's
 
 
 class ToolError(Exception):
@@ -197,7 +203,8 @@ def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
 
 
 def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
-    """Our resolved config for a Hugging Face GPT-2, Llama, Mixtral, Qwen-MoE or DeepSeek-V3 config.json, with
+    """Our resolved config for a Hugging Face config.json (``converter_for_hf``: GPT-2, Llama, Qwen3, Mixtral,
+    Qwen-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss), with
     pretrain_gpt.py ``flags`` on top (any flag but the model's shape and architecture; vocab_size may only grow)."""
     derived = converter_for_hf(hf_cfg).model_flags(hf_cfg)
     n_positions = int(derived[derived.index("--max-position-embeddings") + 1])
@@ -400,9 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("to-hf", allow_abbrev=False,
-                       help="Write a Hugging Face Llama (a rope + RMSNorm + swiglu model), Mixtral or Qwen-MoE (such a "
-                            "model with experts), DeepSeek-V3 (multi-latent attention) or GPT-2 folder (config.json, "
-                            "model.safetensors and the run's tokenizer).")
+                       help="Write a Hugging Face Llama or Qwen3 (a rope + RMSNorm + swiglu model), Mixtral, Qwen-MoE "
+                            "or Qwen3-MoE (such a model with experts), DeepSeek-V3 (multi-latent attention), gpt-oss "
+                            "(sliding windows, sinks, quick GeGLU) or GPT-2 folder (config.json, model.safetensors and "
+                            "the run's tokenizer).")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="Dtype of the written weights.")
@@ -417,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "config's is not found.")
     p = sub.add_parser("from-hf", allow_abbrev=False,
                        help="Write a checkpoint of ours (step 0, weights only) from a Hugging Face GPT-2, Llama, "
-                            "Mixtral, Qwen-MoE or DeepSeek-V3 folder; further arguments are pretrain_gpt.py flags.")
+                            "Qwen3, Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-V3 or gpt-oss folder; further arguments "
+                            "are pretrain_gpt.py flags.")
     p.add_argument("hf_dir")
     p.add_argument("out_dir", help="Run folder to write: OUT_DIR/step_0 and OUT_DIR/latest.")
     p.add_argument("--force", action="store_true", help="Replace OUT_DIR/step_0 if it exists.")

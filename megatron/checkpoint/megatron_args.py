@@ -13,6 +13,14 @@ Multi-latent attention (DeepSeek-V2/V3) is carried by its own fields, the same n
 ``rotary_percent`` / ``rotary_interleaved`` shape nothing (its heads are the widths above) and are not carried in.
 Multi-token prediction by ``mtp_num_layers`` and ``mtp_loss_scaling_factor``; DeepSeek-V3's router by the
 ``moe_router_*`` fields and ``moe_layer_freq`` (its dense first layers: a list).
+
+gpt-oss's shape (``_gpt_oss_flags``): ``window_size`` (a tuple (LEFT, RIGHT); ours "LEFT,RIGHT", RIGHT 0 only),
+``window_attn_skip_freq`` (an int or a 0/1 list; ours its string), ``softmax_type``, ``quick_geglu`` (gated, quick
+GELU) with ``glu_linear_offset`` and ``activation_func_clamp_value`` (any gated MLP's), and YaRN on standard
+attention (``position_embedding_type`` yarn with ``rotary_scaling_factor``, ``yarn_original_max_position_embeddings``,
+``yarn_beta_fast``, ``yarn_beta_slow``, ``yarn_correction_range_round_to_int``, ``mscale``, ``mscale_all_dim``, None
+read as Megatron-LM's defaults: ``_apply_yarn_config_from_args``); ``enable_gpt_oss`` (Megatron-LM's ModelOpt
+builder) sets gpt-oss's YaRN over them, as that builder does.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ import torch
 
 from megatron.checkpoint.hf_common import ConversionError
 from megatron.config.schema import ModelConfig, padded_vocab_size
-from megatron.config.validate_moe import moe_layer_pattern
+from megatron.config.validate_attention import parse_window
+from megatron.config.validate_moe import moe_layer_pattern, parse_layer_pattern
 
 # Megatron arg -> our ModelConfig field, the same value on both sides.
 _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -46,12 +55,25 @@ _DISPATCHERS = ("alltoall", "allgather")
 _REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
             "apply_layernorm_1p": "zero-centred LayerNorm (--apply-layernorm-1p)",
             "moe_grouped_gemm": "grouped-GEMM experts (--moe-grouped-gemm: other parameter names)",
-            "add_qkv_bias_only": "a bias on the QKV projection only (--add-qkv-bias without linear biases)"}
+            "add_qkv_bias_only": "a bias on the QKV projection only (--add-qkv-bias without linear biases)",
+            "use_rope_scaling": "Llama 3's rope scaling (--use-rope-scaling)",
+            "no_rope_freq": "layers without rotary embeddings (--no-rope-freq)",
+            "rotary_seq_len_interpolation_factor": "interpolated rotary positions "
+                                                   "(--rotary-seq-len-interpolation-factor)"}
+# Megatron-LM's YaRN args for standard attention -> (our flag, Megatron-LM's default for None)
+_YARN = {"rotary_scaling_factor": ("--rotary-scaling-factor", 1.0),
+         "yarn_original_max_position_embeddings": ("--original-max-position-embeddings", 4096),
+         "yarn_beta_fast": ("--yarn-beta-fast", 32.0), "yarn_beta_slow": ("--yarn-beta-slow", 1.0),
+         "mscale": ("--mscale", 1.0), "mscale_all_dim": ("--mscale-all-dim", 0.0)}
+# what --enable-gpt-oss sets (Megatron-LM's megatron/post_training/model_builder.py, over the args)
+_GPT_OSS_YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 32.0,
+                 "yarn_original_max_position_embeddings": 131072, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
+                 "mscale": 1.0, "mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": False}
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
     """Megatron-LM flags for the model of a checkpoint's saved ``args``."""
-    a = vars(args)
+    a = {**vars(args), **(_GPT_OSS_YARN if getattr(args, "enable_gpt_oss", False) else {})}
     refused = dict(a, add_qkv_bias_only=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", True))
     for name, what in _REFUSED.items():
         if refused.get(name):
@@ -75,8 +97,9 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             continue
         if name == "position_embedding_type" and mla and value in ("rope", "yarn"):
             value = "rope"  # multi-latent attention's own rotary channels (rope_type says which)
-        elif name == "position_embedding_type" and value not in ("learned_absolute", "rope"):
-            raise ConversionError(f"position_embedding_type {value!r} is not converted (learned_absolute, rope).")
+        elif name == "position_embedding_type" and value not in ("learned_absolute", "rope", "yarn"):
+            raise ConversionError(f"position_embedding_type {value!r} is not converted (learned_absolute, rope, "
+                                  f"yarn).")
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     layer_freq = a.get("moe_layer_freq")
@@ -90,11 +113,55 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             flags += ["--" + name.replace("_", "-"), str(a[name])]
     if not a.get("add_bias_linear", True):
         flags.append("--disable-bias-linear")
-    if not a.get("bias_gelu_fusion", True):  # Megatron Core's exact GELU (blocks.gelu_approximation)
-        flags.append("--no-bias-gelu-fusion")
+    if not a.get("bias_gelu_fusion", True) and not a.get("quick_geglu"):  # Megatron Core's exact GELU
+        flags.append("--no-bias-gelu-fusion")  # (blocks.gelu_approximation; quick GeGLU's MLP has no GELU)
+    flags += _gpt_oss_flags(a, mla)
     flags += ["--vocab-size", str(vocab_size(args))]
     if a.get("seq_length"):
         flags += ["--seq-length", str(a["seq_length"])]
+    return flags
+
+
+def _gpt_oss_flags(a: dict, mla: bool) -> list[str]:
+    """Our flags for gpt-oss's settings in the args ``a``: the sliding window and the layers it skips, the softmax,
+    quick GeGLU and a gated MLP's offset and clamp, YaRN on standard attention (see the module's docstring)."""
+    flags = _window_flags(a.get("window_size"), a.get("window_attn_skip_freq"))
+    if a.get("softmax_type") not in (None, "vanilla"):
+        flags += ["--softmax-type", str(a["softmax_type"])]
+    if a.get("quick_geglu"):
+        flags.append("--quick-geglu")
+    if a.get("swiglu") or a.get("quick_geglu"):  # Megatron Core's glu(); an ungated MLP reads neither
+        if a.get("glu_linear_offset"):
+            flags += ["--glu-linear-offset", str(float(a["glu_linear_offset"]))]
+        if a.get("activation_func_clamp_value") is not None:
+            flags += ["--activation-func-clamp-value", str(float(a["activation_func_clamp_value"]))]
+    if a.get("position_embedding_type") == "yarn" and not mla:
+        for name, (flag, default) in _YARN.items():
+            flags += [flag, str(default if a.get(name) is None else a[name])]
+        if a.get("yarn_correction_range_round_to_int") is False:
+            flags.append("--no-yarn-correction-range-round-to-int")
+    return flags
+
+
+def _window_flags(window, skip_freq) -> list[str]:
+    """``--window-size LEFT,0`` and ``--window-attn-skip-freq`` of Megatron's ``window_size`` (LEFT, RIGHT) and
+    ``window_attn_skip_freq`` (an int N, or a 0/1 list); none for no window (None, or LEFT -1: no limit)."""
+    if not window:
+        return []  # Megatron Core reads the skip frequency only with a window
+    try:
+        left, right = (int(v) for v in window)
+    except (TypeError, ValueError):
+        raise ConversionError(f"the checkpoint's window_size {window!r} is not two integers (LEFT, RIGHT).") from None
+    if right != 0:
+        raise ConversionError(f"the checkpoint's sliding window ({left}, {right}) lets each token see {right} later "
+                              f"token(s) (window_size RIGHT > 0), which this causal GPT does not build.")
+    if left == -1:
+        return []
+    flags = ["--window-size", f"{left},0"]
+    if isinstance(skip_freq, (list, tuple)):
+        flags += ["--window-attn-skip-freq", "[" + ",".join(str(int(v)) for v in skip_freq) + "]"]
+    elif skip_freq is not None:
+        flags += ["--window-attn-skip-freq", str(skip_freq)]
     return flags
 
 
@@ -127,6 +194,12 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
         from megatron.model.mla import mla_rope_type
 
         values["rope_type"] = mla_rope_type(model)  # explicit: Megatron's default differs by attention
+        ramp = (model.yarn_beta_fast, model.yarn_beta_slow, model.yarn_correction_range_round_to_int)
+        if ramp != (32.0, 1.0, True):  # Megatron Core's multi-latent attention reads no yarn_* field
+            raise ConversionError(f"the model's multi-latent attention has YaRN's (yarn_beta_fast, yarn_beta_slow, "
+                                  f"yarn_correction_range_round_to_int) {ramp}; Megatron Core builds (32, 1, True) "
+                                  f"there only.")
+    values.update(_gpt_oss_args(model))
     nq, hd = model.num_attention_heads, model.kv_channels or model.hidden_size // model.num_attention_heads
     values.update(
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=hd,
@@ -143,6 +216,28 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, use_mcore_models=True, transformer_impl="local",
         ckpt_format="torch", moe_grouped_gemm=False, squared_relu=False,
-        bias_gelu_fusion=model.bias_gelu_fusion, openai_gelu=False, params_dtype=torch.float32,
+        bias_gelu_fusion=model.bias_gelu_fusion and not model.quick_geglu, openai_gelu=False,
+        params_dtype=torch.float32,
         iteration=iteration, consumed_train_samples=consumed_train_samples, consumed_valid_samples=0)
     return argparse.Namespace(**values)
+
+
+def _gpt_oss_args(model: ModelConfig) -> dict:
+    """gpt-oss's settings as Megatron-LM's args: the window (a tuple) and the layers it skips (an int or a 0/1 list),
+    the softmax, quick GeGLU, a gated MLP's offset and clamp, YaRN's ramp; the fused activations off where Megatron
+    Core's fusion would not compute them (quick GeGLU's MLP has no fused form; SwiGLU's ignores the offset and
+    clamp)."""
+    left, skip = parse_window(model.window_size), None
+    if left is not None and model.window_attn_skip_freq is not None:
+        skip = parse_layer_pattern(model.window_attn_skip_freq, model.num_layers, "window_attn_skip_freq",
+                                   "full attention", "sliding window")
+        skip = skip if isinstance(skip, int) else [int(x) for x in skip]
+    shaped_glu = model.glu_linear_offset != 0.0 or model.activation_func_clamp_value is not None
+    return dict(window_size=None if left is None else (left, 0), window_attn_skip_freq=skip,
+                softmax_type=model.softmax_type, quick_geglu=model.quick_geglu,
+                glu_linear_offset=model.glu_linear_offset,
+                activation_func_clamp_value=model.activation_func_clamp_value,
+                bias_swiglu_fusion=not (model.swiglu and shaped_glu),
+                yarn_original_max_position_embeddings=model.original_max_position_embeddings,
+                yarn_beta_fast=model.yarn_beta_fast, yarn_beta_slow=model.yarn_beta_slow,
+                yarn_correction_range_round_to_int=model.yarn_correction_range_round_to_int)

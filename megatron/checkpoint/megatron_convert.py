@@ -20,8 +20,8 @@
   moments, its step; the fp32 masters replace the weights when saved), merged over tp x pp like the weights, or
   None when it has none (or ``optimizer`` False). The distributed optimizer's legacy states are refused in one line.
 
-Names and the SwiGLU layout come from ``megatron_core_names``; the optimizers' parameter order from
-``megatron_optim``.
+Names and the gated MLPs' layout come from ``megatron_core_names``; the optimizers' parameter order from
+``megatron_optim`` (``_core_order`` places gpt-oss's attention sinks in it).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from megatron.checkpoint.megatron_core_names import (
     expert_bias_state,
     expert_biases_from_core,
     from_megatron_core_state,
+    is_gated,
     to_megatron_core_state,
 )
 from megatron.checkpoint.megatron_dist import is_torch_dist, read_torch_dist, write_torch_dist
@@ -82,7 +83,7 @@ def _core(params: dict[str, torch.Tensor], config: Config, tp: int) -> dict[str,
     m = config.model
     rows = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     params = {name: _rows(t, rows, m.vocab_size, name) if is_vocab_padded(name) else t for name, t in params.items()}
-    return to_megatron_core_state(params, bool(m.swiglu))
+    return to_megatron_core_state(params, is_gated(m))
 
 
 def export_state(params: dict[str, torch.Tensor], config: Config, tp: int, pp: int, *, step: int,
@@ -127,17 +128,34 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
                                   "param_groups": [param_group(decayed, settings)
                                                    for decayed, exists in zip((True, False), present) if exists]}
         return write_torch_dist(out, step, whole, args, args.num_layers, optimizer, extra)
-    tied = not args.untie_embeddings_and_output_weights
-    shards = cut(whole, tp, pp, args.num_layers, bool(args.swiglu), tied)
-    shards = {key: {name: model[name] for name in core_order(model)} for key, model in shards.items()}  # Megatron's
+    tied, gated = not args.untie_embeddings_and_output_weights, is_gated(args)
+    shards = cut(whole, tp, pp, args.num_layers, gated, tied)
+    shards = {key: {name: model[name] for name in _core_order(model)} for key, model in shards.items()}  # Megatron's
     optimizers = None
     if optimizer is not None:
-        cut_states = {kind: cut(optimizer[kind], tp, pp, args.num_layers, bool(args.swiglu), tied)
-                      for kind in ADAM_KINDS}
+        cut_states = {kind: cut(optimizer[kind], tp, pp, args.num_layers, gated, tied) for kind in ADAM_KINDS}
         present = structure(list(shards.values()))
-        optimizers = {key: rank_optimizer(model, {kind: cut_states[kind][key] for kind in ADAM_KINDS}, adam_step,
-                                          settings, present) for key, model in shards.items()}
+        optimizers = {key: rank_optimizer(_stand_ins(model), {kind: _stand_ins(cut_states[kind][key])
+                                                              for kind in ADAM_KINDS}, adam_step, settings, present)
+                      for key, model in shards.items()}
     return write_shards(out, step, shards, args, pp, extra, optimizers)
+
+
+# gpt-oss's attention sinks, which Megatron Core registers in its attention's core, before linear_proj;
+# megatron_optim.core_order knows no core_attention and sorts them under a stand-in name as linear_proj's first
+# entry (its sort is stable and the stand-ins come first in its input)
+_SINKS, _SINKS_AT = ".self_attention.core_attention.softmax_offset", ".self_attention.linear_proj.softmax_offset"
+
+
+def _stand_ins(model: dict) -> dict:
+    """``model`` (one rank's names -> values) with the sinks renamed to their stand-ins, first."""
+    sinks = {name.replace(_SINKS, _SINKS_AT): v for name, v in model.items() if name.endswith(_SINKS)}
+    return {**sinks, **{name: v for name, v in model.items() if not name.endswith(_SINKS)}}
+
+
+def _core_order(model: dict) -> list[str]:
+    """``megatron_optim.core_order`` of one rank's state dict, the attention sinks included."""
+    return [name.replace(_SINKS_AT, _SINKS) for name in core_order(_stand_ins(model))]
 
 
 def schedule_state(config: Config, schedule_samples: int) -> tuple[dict, dict]:
@@ -195,15 +213,15 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{folder} holds no 'args' (Megatron-LM saves its arguments there; they give the "
                               f"model's shape).")
-    swiglu = bool(getattr(args, "swiglu", False))
+    gated = is_gated(args)
     if not is_torch_dist(folder):
         tied = not getattr(args, "untie_embeddings_and_output_weights", False)
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        whole = merge(shards, tp, pp, swiglu, tied)
+        whole = merge(shards, tp, pp, gated, tied)
         if optimizer and optimizers:
-            states = _legacy_states(folder, shards, optimizers, tp, pp, swiglu, tied)
-    params = _ours(whole, swiglu)
+            states = _legacy_states(folder, shards, optimizers, tp, pp, gated, tied)
+    params = _ours(whole, gated)
     biases = expert_biases_from_core(whole, params, int(getattr(args, "num_layers", 0) or 0),
                                      int(getattr(args, "num_experts", 0) or 0))
     if states is None:
@@ -211,7 +229,7 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
     ours = OptimizerStates(states.step)
     for kind, by_name in states.items():
         if by_name:
-            ours[kind] = _ours(by_name, swiglu)
+            ours[kind] = _ours(by_name, gated)
             if ours[kind].keys() != params.keys():
                 missing = sorted(params.keys() - ours[kind].keys()) or sorted(ours[kind].keys() - params.keys())
                 raise CheckpointError(f"{folder}: the optimizer's {kind} does not cover the model's parameters "
@@ -223,11 +241,11 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
     return Imported(args, head, params, ours, biases)
 
 
-def _ours(whole: dict[str, torch.Tensor], swiglu: bool) -> dict[str, torch.Tensor]:
-    return {name: t.float() for name, t in from_megatron_core_state(whole, swiglu).items()}
+def _ours(whole: dict[str, torch.Tensor], gated: bool) -> dict[str, torch.Tensor]:
+    return {name: t.float() for name, t in from_megatron_core_state(whole, gated).items()}
 
 
-def _legacy_states(folder: str, shards: dict, optimizers: dict, tp: int, pp: int, swiglu: bool,
+def _legacy_states(folder: str, shards: dict, optimizers: dict, tp: int, pp: int, gated: bool,
                    tied: bool) -> OptimizerStates | None:
     """The legacy ranks' optimizer states, merged like the weights (Megatron Core's names, whole)."""
     for key, entry in optimizers.items():
@@ -250,7 +268,7 @@ def _legacy_states(folder: str, shards: dict, optimizers: dict, tp: int, pp: int
     out = OptimizerStates(steps.pop())
     for kind in out:
         if all(r[kind] for r in per_rank.values()):
-            out[kind] = merge({key: r[kind] for key, r in per_rank.items()}, tp, pp, swiglu, tied)
+            out[kind] = merge({key: r[kind] for key, r in per_rank.items()}, tp, pp, gated, tied)
     return out
 
 

@@ -1,7 +1,8 @@
 """Our GPT parameters <-> NVIDIA Megatron Core's ``GPTModel`` (``megatron.core.models.gpt``, built from the local
 layer spec ``get_gpt_layer_local_spec`` / ``get_gpt_decoder_block_spec(..., use_transformer_engine=False)``):
 names and layouts, for the GPT-2 shape (learned positions, LayerNorm, GELU, biases, tied head) and the Llama shape
-(rope, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head), mixture-of-experts layers included.
+(rope, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head), mixture-of-experts layers included, and
+gpt-oss's (attention sinks, quick GeGLU, a router bias).
 
 Both models are the same network: Megatron Core is where our layout comes from. ``i`` is a layer's global index,
 ``e`` an expert's global index (Megatron Core's ``local_experts.{e}`` index is global when its expert-parallel size
@@ -13,12 +14,13 @@ ours                                                 Megatron Core
 ``embedding.word_embeddings.weight``                 ``embedding.word_embeddings.weight``
 ``embedding.position_embeddings.weight``             ``embedding.position_embeddings.weight``
 ``layers.{i}.input_layernorm.*``                     ``decoder.layers.{i}.input_layernorm.*``
+``layers.{i}.self_attention.softmax_offset``         ``decoder.layers.{i}.self_attention.core_attention.softmax_offset``
 ``layers.{i}.self_attention.query_key_value.*``      ``decoder.layers.{i}.self_attention.linear_qkv.*``
 ``layers.{i}.self_attention.dense.*``                ``decoder.layers.{i}.self_attention.linear_proj.*``
 ``layers.{i}.post_attention_layernorm.*``            ``decoder.layers.{i}.pre_mlp_layernorm.*``
-``layers.{i}.mlp.dense_h_to_4h.*`` (SwiGLU: rows)    ``decoder.layers.{i}.mlp.linear_fc1.*``
+``layers.{i}.mlp.dense_h_to_4h.*`` (gated: rows)     ``decoder.layers.{i}.mlp.linear_fc1.*``
 ``layers.{i}.mlp.dense_4h_to_h.*``                   ``decoder.layers.{i}.mlp.linear_fc2.*``
-``layers.{i}.mlp.router.weight``                     ``decoder.layers.{i}.mlp.router.weight``
+``layers.{i}.mlp.router.*``                          ``decoder.layers.{i}.mlp.router.*``
 ``layers.{i}.mlp.experts.{e}.dense_h_to_4h.*``       ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.*``
 ``layers.{i}.mlp.experts.{e}.dense_4h_to_h.*``       ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.*``
 ``layers.{i}.mlp.shared_expert.dense_h_to_4h.*``     ``decoder.layers.{i}.mlp.shared_experts.linear_fc1.*``
@@ -39,10 +41,15 @@ queries' rows ``[a, (dn + dr)]``, ``linear_kv_up_proj``'s ``[a, (dn + dv)]``, ``
 decoder layer, ``transformer_layer``, whose names ``X`` / ``Y`` are a decoder layer's after ``layers.{i}.`` /
 ``decoder.layers.{i}.``; ``eh_proj`` reads ``[enorm(embedding); hnorm(hidden)]`` on both sides.
 
+gpt-oss's attention sinks (``softmax_type`` learnable) are a parameter of the attention's core in Megatron Core
+(``DotProductAttention.softmax_offset``, one logit per head, in the heads' order on both sides); the router's bias
+(with linear biases) is ``mlp.router.bias`` on both sides.
+
 Layouts: the fused QKV rows are the same, ``[ng, (nq/ng queries, key, value), hd]``; the padded vocabulary rows
-are the same (both pad to a multiple of ``make_vocab_size_divisible_by x tp``). The one change is SwiGLU's first
-matmul (the MLP's, each expert's, the shared expert's; weight and bias): our rows interleave ``gate_j, up_j`` (row
-``2j`` and ``2j + 1``), Megatron Core's are ``[gate; up]`` (``torch.chunk(2)`` of ``linear_fc1``'s output).
+are the same (both pad to a multiple of ``make_vocab_size_divisible_by x tp``). The one change is a gated MLP's
+(SwiGLU's, quick GeGLU's) first matmul (the MLP's, each expert's, the shared expert's; weight and bias): our rows
+interleave ``gate_j, up_j`` (row ``2j`` and ``2j + 1``), Megatron Core's are ``[gate; up]`` (``torch.chunk(2)`` of
+``linear_fc1``'s output). The functions' ``swiglu`` argument says whether the MLP is gated (``is_gated``).
 
 Megatron Core's state dict also holds ``*._extra_state`` entries (Transformer Engine's metadata, None in the local
 spec), skipped here, and with a tied head no ``output_layer.weight``. Its router's ``expert_bias`` (aux-loss-free
@@ -69,6 +76,7 @@ _SAME_NAMES = tuple(f"self_attention.{name}" for name in (
 # our name after "layers.{i}." -> Megatron Core's after "decoder.layers.{i}." ("{}" a global expert index)
 _IN_LAYER = {
     "input_layernorm": "input_layernorm",
+    "self_attention": "self_attention.core_attention",  # its softmax_offset only (the sinks)
     "self_attention.query_key_value": "self_attention.linear_qkv",
     "self_attention.dense": "self_attention.linear_proj",
     "post_attention_layernorm": "pre_mlp_layernorm",
@@ -88,20 +96,22 @@ _OUTSIDE = {
     "final_layernorm": "decoder.final_layernorm",
     "output_layer": "output_layer",
 }
-_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias)$")
+_SUFFIX = re.compile(r"^(?P<module>.+)\.(?P<param>weight|bias|softmax_offset)$")
+_SINKS = "softmax_offset"  # the one parameter of the attention's core (ours: of the attention)
 
 
-def _rules(inside: dict[str, str], reverse: bool) -> list[tuple[re.Pattern, str, bool]]:
-    """(pattern of a module path, its replacement template, whether it is a SwiGLU first matmul)."""
+def _rules(inside: dict[str, str], reverse: bool) -> list[tuple[re.Pattern, str, bool, bool]]:
+    """(pattern of a module path, its replacement template, whether it is a gated MLP's first matmul, whether it
+    is the attention's core: its one parameter the sinks, a module's weight and bias elsewhere)."""
     rules = []
     for ours_prefix, core_prefix in ((_LAYER, _CORE_LAYER), (_MTP_LAYER, _MTP_LAYER)):
         for ours, core in inside.items():
             src, dst = (core_prefix + core, ours_prefix + ours) if reverse else (ours_prefix + ours, core_prefix + core)
             pattern = re.escape(src).replace(r"\{\}", r"(\d+)")
-            rules.append((re.compile(pattern + "$"), dst, ours.endswith("dense_h_to_4h")))
+            rules.append((re.compile(pattern + "$"), dst, ours.endswith("dense_h_to_4h"), ours == "self_attention"))
     for ours, core in [*_OUTSIDE.items(), *((f"mtp.layers.{{}}.{m}",) * 2 for m in _MTP_OWN)]:
         src, dst = (core, ours) if reverse else (ours, core)
-        rules.append((re.compile(re.escape(src).replace(r"\{\}", r"(\d+)") + "$"), dst, False))
+        rules.append((re.compile(re.escape(src).replace(r"\{\}", r"(\d+)") + "$"), dst, False, False))
     return rules
 
 
@@ -110,23 +120,29 @@ _TO_CORE, _FROM_CORE = _rules(_IN_LAYER, reverse=False), _rules(_IN_LAYER, rever
 
 def _rename(name: str, rules, what: str) -> tuple[str, bool]:
     match = _SUFFIX.match(name)
-    for pattern, template, fc1 in rules if match else ():
+    for pattern, template, fc1, sinks in rules if match else ():
         found = pattern.match(match["module"])
-        if found:
+        if found and sinks == (match["param"] == _SINKS):
             return template.format(*found.groups()) + "." + match["param"], fc1  # layer, then expert index
     raise ConversionError(f"{name!r} is not a parameter of {what}; only GPTModel's decoder (local layer spec, "
                           "MLP or MoE with SequentialMLP experts) and multi-token prediction modules are mapped.")
 
 
+def is_gated(model) -> bool:
+    """Whether the MLP of ``model`` (our ``ModelConfig``, or a Megatron-LM ``args`` Namespace) is gated: SwiGLU or
+    quick GeGLU, whose first matmul is ``[gate; up]`` in Megatron Core."""
+    return bool(getattr(model, "swiglu", False) or getattr(model, "quick_geglu", False))
+
+
 def interleaved_to_halves(t: torch.Tensor) -> torch.Tensor:
-    """SwiGLU rows ``gate_0, up_0, gate_1, up_1, ...`` (ours) -> ``[gate; up]`` (Megatron Core's)."""
+    """Gated MLP rows ``gate_0, up_0, gate_1, up_1, ...`` (ours) -> ``[gate; up]`` (Megatron Core's)."""
     return torch.cat((t[0::2], t[1::2]))
 
 
 def halves_to_interleaved(t: torch.Tensor) -> torch.Tensor:
     """``[gate; up]`` (Megatron Core's) -> rows ``gate_0, up_0, gate_1, up_1, ...`` (ours)."""
     if t.shape[0] % 2:
-        raise ConversionError(f"a SwiGLU linear_fc1 has an even number of rows, not {t.shape[0]}.")
+        raise ConversionError(f"a gated MLP's linear_fc1 has an even number of rows, not {t.shape[0]}.")
     gate, up = t.chunk(2)
     return torch.stack((gate, up), dim=1).flatten(0, 1)
 

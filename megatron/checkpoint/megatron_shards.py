@@ -4,9 +4,11 @@ How Megatron Core cuts its parameters over ``tp`` ranks (names after ``megatron_
 
 - column-parallel, rows cut (dim 0): ``embedding.word_embeddings.weight`` (``VocabParallelEmbedding``),
   ``output_layer.weight``, every ``linear_qkv`` and ``linear_fc1`` (weight and bias). A ``linear_qkv``'s rows are
-  ``[ng, (nq/ng queries, key, value), hd]``, so rank ``r`` holds whole query groups. A SwiGLU ``linear_fc1`` (the
-  MLP's, each expert's, the shared expert's) is ``[gate; up]`` on every rank: rank ``r``'s rows are
-  ``[gate_r; up_r]``, the ``r``-th slice of each half, not the ``r``-th slice of the whole. Multi-latent
+  ``[ng, (nq/ng queries, key, value), hd]``, so rank ``r`` holds whole query groups. A gated (SwiGLU or quick
+  GeGLU) ``linear_fc1`` (the MLP's, each expert's, the shared expert's) is ``[gate; up]`` on every rank: rank
+  ``r``'s rows are ``[gate_r; up_r]``, the ``r``-th slice of each half, not the ``r``-th slice of the whole. The
+  attention sinks (``self_attention.core_attention.softmax_offset``, one per head) are cut with the heads: rank
+  ``r`` holds the ``r``-th slice, its heads' sinks. Multi-latent
   attention's projections, all ``ColumnParallelLinear`` in the local spec: ``linear_q_proj``, ``linear_q_up_proj``
   and ``linear_kv_up_proj`` (whole heads per rank), and the down-projections ``linear_q_down_proj`` and
   ``linear_kv_down_proj`` too (their outputs gathered over tp before use: rank ``r`` holds the ``r``-th contiguous
@@ -35,6 +37,7 @@ from megatron.checkpoint.format import CheckpointError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+_SINKS = ".self_attention.core_attention.softmax_offset"
 _COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias",
                     *(f".{m}.weight" for m in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
                                                "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")))
@@ -45,43 +48,44 @@ _EMBEDDING, _MTP = "embedding.", "mtp."
 
 def partition_dim(name: str) -> int | None:
     """The dim Megatron Core cuts ``name`` along over tensor-parallel ranks (None: replicated)."""
-    if name in _ROWS or name.endswith(_COLUMN_PARALLEL):
+    if name in _ROWS or name.endswith((*_COLUMN_PARALLEL, _SINKS)):
         return 0
     if name.endswith(_ROW_PARALLEL):
         return 1
     return None
 
 
-def _glu(name: str, swiglu: bool) -> bool:
-    return swiglu and name.endswith((".linear_fc1.weight", ".linear_fc1.bias"))
+def _glu(name: str, gated: bool) -> bool:
+    return gated and name.endswith((".linear_fc1.weight", ".linear_fc1.bias"))
 
 
-def cut_tp(name: str, t: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Tensor]:
-    """The ``tp`` slices of the whole tensor ``name``, one per tensor-parallel rank."""
+def cut_tp(name: str, t: torch.Tensor, tp: int, gated: bool) -> list[torch.Tensor]:
+    """The ``tp`` slices of the whole tensor ``name``, one per tensor-parallel rank (``gated``: the MLP is SwiGLU or
+    quick GeGLU, its ``linear_fc1`` ``[gate; up]``)."""
     dim = partition_dim(name)
     if dim is None:
         return [t] * tp
-    if t.shape[dim] % (2 * tp if _glu(name, swiglu) else tp):
+    if t.shape[dim] % (2 * tp if _glu(name, gated) else tp):
         raise CheckpointError(f"{name} (dim {dim} of {list(t.shape)}) cannot be cut into {tp} tensor-parallel "
                               f"slices; choose a --tp that divides it.")
-    if _glu(name, swiglu):
+    if _glu(name, gated):
         gate, up = t.chunk(2)
         return [torch.cat(pair).clone() for pair in zip(gate.chunk(tp), up.chunk(tp))]
     return [s.clone() for s in t.chunk(tp, dim=dim)]
 
 
-def merge_tp(name: str, slices: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+def merge_tp(name: str, slices: list[torch.Tensor], gated: bool) -> torch.Tensor:
     """The whole tensor ``name`` of its tensor-parallel slices (rank order)."""
     dim = partition_dim(name)
     if dim is None or len(slices) == 1:
         return slices[0]
-    if _glu(name, swiglu):
+    if _glu(name, gated):
         halves = [s.chunk(2) for s in slices]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
     return torch.cat(slices, dim=dim)
 
 
-def merge(shards: dict[tuple[int, int], dict], tp: int, pp: int, swiglu: bool, tied: bool) -> dict[str, torch.Tensor]:
+def merge(shards: dict[tuple[int, int], dict], tp: int, pp: int, gated: bool, tied: bool) -> dict[str, torch.Tensor]:
     """The whole Megatron Core state dict (global layer numbers) of the ranks' state dicts."""
     whole: dict[str, torch.Tensor] = {}
     offset = 0
@@ -100,12 +104,12 @@ def merge(shards: dict[tuple[int, int], dict], tp: int, pp: int, swiglu: bool, t
             glob = f"decoder.layers.{int(found[1]) + offset}.{found[2]}" if found else name
             if glob in whole:
                 raise CheckpointError(f"{glob} is on more than one pipeline stage.")
-            whole[glob] = merge_tp(name, [stage[t][name] for t in range(tp)], swiglu)
+            whole[glob] = merge_tp(name, [stage[t][name] for t in range(tp)], gated)
         offset += len(layers)
     return whole
 
 
-def cut(whole: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int, swiglu: bool,
+def cut(whole: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int, gated: bool,
         tied: bool) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     """Each (tp rank, pp stage)'s state dict of the whole Megatron Core state dict."""
     if num_layers % pp:
@@ -121,13 +125,13 @@ def cut(whole: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int, swigl
         else:
             p = 0 if name.startswith("embedding.") else pp - 1
             local_name = name
-        for t, piece in enumerate(cut_tp(name, tensor, tp, swiglu)):
+        for t, piece in enumerate(cut_tp(name, tensor, tp, gated)):
             shards[(t, p)][local_name] = piece
     if pp > 1 and any(name.startswith(_MTP) for name in whole):  # the prediction modules read the embedding
         for name in [n for n in whole if n.startswith(_EMBEDDING)]:
-            for t, piece in enumerate(cut_tp(name, whole[name], tp, swiglu)):
+            for t, piece in enumerate(cut_tp(name, whole[name], tp, gated)):
                 shards[(t, pp - 1)][name] = piece
     if tied and pp > 1:
-        for t, piece in enumerate(cut_tp(TIED_COPY, whole["embedding.word_embeddings.weight"], tp, swiglu)):
+        for t, piece in enumerate(cut_tp(TIED_COPY, whole["embedding.word_embeddings.weight"], tp, gated)):
             shards[(t, pp - 1)][TIED_COPY] = piece
     return shards

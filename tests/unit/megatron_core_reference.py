@@ -1,6 +1,7 @@
 """NVIDIA's Megatron Core (``megatron-core``, the test extra's pinned version) run on the CPU in this process as a
 test-only reference (../shared/MEGATRON_CORE_ON_CPU.md): ``megatron_core()`` imports and patches it (skipping the
-test when it is absent), ``build_pair`` builds our GPT and its ``GPTModel`` with the same weights.
+test when it is absent), ``build_pair`` builds our GPT and its ``GPTModel`` with the same weights,
+``core_model_from_args`` its ``GPTModel`` of a checkpoint's ``args`` as Megatron-LM builds it.
 
 ``megatron-core`` installs ``megatron/core`` into site-packages' ``megatron`` folder, which this project's own
 ``megatron`` package shadows: ``megatron_core()`` adds that folder to our package's search path while it runs.
@@ -9,7 +10,9 @@ test when it is absent), ``build_pair`` builds our GPT and its ``GPTModel`` with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
+import types
 import warnings
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 
 import megatron
 from megatron import moe, parallel_state
-from megatron.checkpoint.megatron_core_names import to_megatron_core_state
+from megatron.checkpoint.megatron_core_names import is_gated, to_megatron_core_state
 from megatron.config import parse_config, validate
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.model.gpt import GPTModel
@@ -132,7 +135,7 @@ def build_pair(mcore, *flags: str):
                                position_embedding_type=m.position_embedding_type,
                                share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
                                rotary_base=m.rotary_base, rotary_percent=m.rotary_percent)
-    mapped = to_megatron_core_state({n: p.detach() for n, p in ours.named_parameters()}, bool(m.swiglu))
+    mapped = to_megatron_core_state({n: p.detach() for n, p in ours.named_parameters()}, is_gated(m))
     params = dict(theirs.named_parameters())
     assert set(mapped) == set(params), set(mapped) ^ set(params)
     with torch.no_grad():
@@ -145,6 +148,48 @@ def build_pair(mcore, *flags: str):
                 layer.mlp.router.expert_bias.copy_(bias)
                 theirs.decoder.layers[int(i)].mlp.router.expert_bias.copy_(bias)
     return config, ours.train(), theirs.train()
+
+
+def core_model_from_args(mcore, args):
+    """Megatron Core's ``GPTModel`` (local spec, standard attention) of a checkpoint's ``args`` as Megatron-LM builds
+    it (``core_transformer_config_from_args``: every ``args`` field that is a field of its ``TransformerConfig``,
+    its renames, ``quick_geglu`` as a gated ``quick_gelu``; then ``_apply_yarn_config_from_args`` for YaRN; the
+    model provider's ``rotary_base`` / ``rotary_percent``); on the CPU in fp32 without fusions or dropout, the
+    allgather dispatcher. ``quick_gelu`` is Megatron Core's own function run eagerly (its ``jit_fuser`` would
+    torch.compile it on first use: the same arithmetic, compiled)."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    fields = {f.name for f in dataclasses.fields(mcore["config"])}
+    kwargs = {name: value for name, value in vars(args).items() if name in fields}
+    if args.swiglu:
+        activation = F.silu
+    elif getattr(args, "quick_geglu", False):
+        activation = getattr(quick_gelu, "_torchdynamo_orig_callable", quick_gelu)
+    else:
+        activation = _megatron_gelu(types.SimpleNamespace(bias_gelu_fusion=args.bias_gelu_fusion,
+                                                          disable_bias_linear=not args.add_bias_linear))
+    kwargs.update(num_moe_experts=args.num_experts, layernorm_epsilon=args.norm_epsilon,
+                  gated_linear_unit=is_gated(args), activation_func=activation,
+                  num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1, use_cpu_initialization=True,
+                  bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                  persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+                  moe_token_dispatcher_type="allgather", moe_router_dtype="fp32", hidden_dropout=0.0,
+                  attention_dropout=0.0)
+    config = mcore["config"](**kwargs)
+    if args.position_embedding_type == "yarn":  # _apply_yarn_config_from_args: None is YarnRotaryEmbedding's default
+        for attr, name, default in (("rotary_scaling_factor", "rotary_scaling_factor", 1.0),
+                                    ("original_max_position_embeddings", "yarn_original_max_position_embeddings",
+                                     4096), ("beta_fast", "yarn_beta_fast", 32.0), ("beta_slow", "yarn_beta_slow", 1.0),
+                                    ("mscale", "mscale", 1.0), ("mscale_all_dim", "mscale_all_dim", 0.0),
+                                    ("correction_range_round_to_int", "yarn_correction_range_round_to_int", True)):
+            value = getattr(args, name, None)
+            setattr(config, f"yarn_{attr}", default if value is None else value)
+    spec = mcore["block_spec"](config, use_transformer_engine=False, normalization=args.normalization)
+    return mcore["GPTModel"](config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
+                             position_embedding_type=args.position_embedding_type,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
 
 
 def _megatron_gelu(m):
