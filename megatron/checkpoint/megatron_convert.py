@@ -21,7 +21,7 @@
   None when it has none (or ``optimizer`` False). The distributed optimizer's legacy states are refused in one line.
 
 Names and the gated MLPs' layout come from ``megatron_core_names``; the optimizers' parameter order from
-``megatron_optim`` (``_core_order`` places gpt-oss's attention sinks in it).
+``megatron_optim``.
 """
 
 from __future__ import annotations
@@ -130,32 +130,15 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
         return write_torch_dist(out, step, whole, args, args.num_layers, optimizer, extra)
     tied, gated = not args.untie_embeddings_and_output_weights, is_gated(args)
     shards = cut(whole, tp, pp, args.num_layers, gated, tied)
-    shards = {key: {name: model[name] for name in _core_order(model)} for key, model in shards.items()}  # Megatron's
+    shards = {key: {name: model[name] for name in core_order(model)} for key, model in shards.items()}  # Megatron's
     optimizers = None
     if optimizer is not None:
         cut_states = {kind: cut(optimizer[kind], tp, pp, args.num_layers, gated, tied) for kind in ADAM_KINDS}
         present = structure(list(shards.values()))
-        optimizers = {key: rank_optimizer(_stand_ins(model), {kind: _stand_ins(cut_states[kind][key])
-                                                              for kind in ADAM_KINDS}, adam_step, settings, present)
+        optimizers = {key: rank_optimizer(model, {kind: cut_states[kind][key] for kind in ADAM_KINDS}, adam_step,
+                                          settings, present)
                       for key, model in shards.items()}
     return write_shards(out, step, shards, args, pp, extra, optimizers)
-
-
-# gpt-oss's attention sinks, which Megatron Core registers in its attention's core, before linear_proj;
-# megatron_optim.core_order knows no core_attention and sorts them under a stand-in name as linear_proj's first
-# entry (its sort is stable and the stand-ins come first in its input)
-_SINKS, _SINKS_AT = ".self_attention.core_attention.softmax_offset", ".self_attention.linear_proj.softmax_offset"
-
-
-def _stand_ins(model: dict) -> dict:
-    """``model`` (one rank's names -> values) with the sinks renamed to their stand-ins, first."""
-    sinks = {name.replace(_SINKS, _SINKS_AT): v for name, v in model.items() if name.endswith(_SINKS)}
-    return {**sinks, **{name: v for name, v in model.items() if not name.endswith(_SINKS)}}
-
-
-def _core_order(model: dict) -> list[str]:
-    """``megatron_optim.core_order`` of one rank's state dict, the attention sinks included."""
-    return [name.replace(_SINKS_AT, _SINKS) for name in core_order(_stand_ins(model))]
 
 
 def schedule_state(config: Config, schedule_samples: int) -> tuple[dict, dict]:

@@ -64,7 +64,8 @@ def groups(names: list[str], shapes: dict) -> list[list[list[str]]]:
 
 # Megatron Core's module order inside a layer (its named_parameters): its attention registers linear_proj first;
 # multi-latent attention then its projections, then its norms
-_IN_LAYER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+_IN_LAYER = ("input_layernorm.", "self_attention.core_attention.", "self_attention.linear_proj.",
+             "self_attention.linear_qkv.",
              *(f"self_attention.{m}." for m in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
                                                 "linear_kv_down_proj", "linear_kv_up_proj")),
              "self_attention.q_layernorm.", "self_attention.k_layernorm.", "self_attention.kv_layernorm.",

@@ -11,7 +11,7 @@ the unrounded ramp (fractional ends), grouped-query attention, an untied head.
   with the local spec from the export's ``args`` by Megatron-LM's rule (``core_model_from_args``): it loads the
   legacy export (strict ``load_state_dict``) and torch_dist (its ``dist_checkpointing.load``) and gives our logits
   within 1e-5 of their scale in fp32; its own weights, saved as Megatron-LM saves them (legacy, and torch_dist by
-  its ``dist_checkpointing.save``), convert with ``from-megatron`` and give its logits here; ``_core_order`` (the
+  its ``dist_checkpointing.save``), convert with ``from-megatron`` and give its logits here; ``core_order`` (the
   legacy optimizer's parameter order) is its ``named_parameters`` order, the sinks included;
 - Megatron-LM's own ``args`` (a window tuple, a skip list, YaRN's None defaults, ``--enable-gpt-oss``) give our
   model; what would change the network unseen (a window looking ahead, Llama 3's rope scaling, ...) is refused in
@@ -350,9 +350,9 @@ def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, mcore, fm
 
 
 def test_core_order_is_megatron_cores_parameter_order(mcore):
-    """What to-megatron numbers the legacy optimizer's states by (``megatron_convert._core_order``): Megatron Core's
+    """What to-megatron numbers the legacy optimizer's states by (``megatron_optim.core_order``): Megatron Core's
     ``named_parameters`` order, the sinks (its attention's core) before ``linear_proj``, the router's bias."""
-    from megatron.checkpoint.megatron_convert import _core_order
+    from megatron.checkpoint.megatron_optim import core_order
 
     config = parse_config([*TINY, *GPT_OSS])
     validate(config)
@@ -360,4 +360,4 @@ def test_core_order_is_megatron_cores_parameter_order(mcore):
                                                  consumed_train_samples=0))
     names = [n for n, _ in theirs.named_parameters()]
     assert f"decoder.layers.1.{SINKS}" in names and "decoder.layers.0.mlp.router.bias" in names
-    assert _core_order(dict.fromkeys(reversed(names))) == names
+    assert core_order(list(reversed(names))) == names
