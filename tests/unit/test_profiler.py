@@ -125,8 +125,14 @@ def test_only_the_profile_ranks_profile_and_a_resumed_run_says_it_is_past_the_wi
     assert not StepProfiler(config, 0, torch.device("cpu")).enabled
 
 
+def test_a_negative_step_is_refused_with_or_without_profile():
+    """As every numeric key (tests/unit/test_validate.py): a negative step number is never meant."""
+    for flags in (["--profile"], []):
+        with pytest.raises(ConfigError, match=r"profile_step_start must be a step number \(0 or more\), got -1"):
+            config_of(*flags, "--profile-step-start", "-1", world_size=2)
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--profile-step-start", "-1"], r"give --profile-step-start >= 0 and --profile-step-end above it"),
     (["--profile-step-start", "5", "--profile-step-end", "5"], r"profile_step_start \(5\) .. profile_step_end - 1 "
                                                                 r"\(4\)"),
     (["--profile-step-start", "0", "--profile-step-end", "1"], r"\(and above 1\)"),
