@@ -35,8 +35,8 @@ def check_attention(config: Config, warnings: list[str] | None = None) -> None:
         if m.rope_type not in (None, "rope"):
             _fail(f"rope_type {m.rope_type} is multi-latent attention's; other attention takes YaRN from "
                   f"--position-embedding-type yarn.")
-        changed = [name for name, default in YARN_DEFAULTS.items() if getattr(m, name) != default and
-                   not (yarn and name != "rope_type")]
+        changed = [name for name, default in YARN_DEFAULTS.items() if name != "rope_type" and
+                   getattr(m, name) != default and not yarn]  # rope_type rope: Megatron-LM's for any attention
         if changed:
             _fail(f"{', '.join(changed)} given without --multi-latent-attention or --position-embedding-type yarn: "
                   f"they set YaRN's frequencies and would change nothing; drop them or pass "

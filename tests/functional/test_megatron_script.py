@@ -16,10 +16,12 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron.optimizer.lr_schedule import OptimizerParamSchedule
 from tests.functional.launch import outcome, run_here, run_several
 from tests.functional.test_pretrain_data import corpus  # noqa: F401  (the fixture: a tiny BPE corpus)
+from tests.unit.megatron_example_scripts import EXAMPLE_GPT_OSS, EXAMPLE_QWEN3_30B_A3B
 from tests.unit.megatron_flag_sets import FUNCTIONAL
 
 pytestmark = pytest.mark.slow
@@ -52,21 +54,41 @@ DEEPSEEK = {
     PROXY: {**_MLA, "--num-experts": "8", "--global-batch-size": "16", "--train-iters": "4",
             "--exit-interval": "4"},
 }
+# Megatron-LM's Qwen3-30B-A3B model config and its gpt-oss training script (tests/unit/megatron_example_scripts.py),
+# scaled: Qwen3's tp 4 to 2 (tp 4 x ep 2 takes 8 ranks: a stage's tp x dp ranks hold ep x etp), gpt-oss's pp 8 (one
+# stage per GPU of its 8) to the launch's 4, its window of 127 keys to 15 of a 64-token sequence
+QWEN3 = "qwen3_30b_a3b_moe"  # examples/rl/model_configs/qwen3_30b_a3b_moe.sh
+GPT_OSS = "gptoss_02_train"  # examples/gptoss/02_train.sh
+SCRIPTS = {**FUNCTIONAL, QWEN3: EXAMPLE_QWEN3_30B_A3B, GPT_OSS: EXAMPLE_GPT_OSS}
+OPEN_MODELS = {
+    QWEN3: {"--tensor-model-parallel-size": "2", "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
+            "--num-attention-heads": "4", "--kv-channels": "16", "--num-query-groups": "2", "--seq-length": "32",
+            "--max-position-embeddings": "32", "--num-experts": "8", "--moe-router-topk": "2",
+            "--moe-ffn-hidden-size": "32", "--vocab-size": "512", "--global-batch-size": "8", "--train-iters": "4"},
+    GPT_OSS: {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "8",
+              "--num-query-groups": "4", "--seq-length": "64", "--max-position-embeddings": "64",
+              "--window-size": "15,0", "--moe-ffn-hidden-size": "128", "--vocab-size": "1024",
+              "--global-batch-size": "8", "--train-samples": "32", "--lr-decay-samples": "31",
+              "--pipeline-model-parallel-size": "4"},
+}
 NPROC = 4  # the fewest the MTP one's tp 2 x pp 2 takes; the others' data-parallel ranks
 # (flag, how many values it takes): refused on this machine, and dropped from the runs that train
-FP8 = {"--fp8-format": 1, "--fp8-recipe": 1, "--fp8-param-gather": 0}
+FP8 = {"--fp8-format": 1, "--fp8-recipe": 1, "--fp8-param-gather": 0, "--fp8-amax-compute-algo": 1,
+       "--fp8-amax-history-len": 1}
 
 
 def _command_line(name: str, corpus_dir: Path, out: Path, scaled: dict[str, str], **changes: str) -> list[str]:
-    """``FUNCTIONAL[name]`` with its paths (the corpus, ``out`` for the checkpoints) and its sizes filled in."""
-    text = FUNCTIONAL[name]
+    """``SCRIPTS[name]`` with its paths (the corpus unless it trains on mock data, ``out`` for the checkpoints) and
+    its sizes filled in."""
+    text = SCRIPTS[name]
     for placeholder, path in {"${CHECKPOINT_SAVE_PATH}": out, "${CHECKPOINT_LOAD_PATH}": out,
-                              "${TENSORBOARD_PATH}": out / "tb", "${DATA_CACHE_PATH}": out.parent / "cache"}.items():
+                              "${CHECKPOINT_PATH}": out, "${TENSORBOARD_PATH}": out / "tb",
+                              "${DATA_CACHE_PATH}": out.parent / "cache"}.items():
         text = text.replace(placeholder, str(path))
     argv = shlex.split(text)
     data = {"--data-path": corpus_dir / "data" / "c_text_document", "--vocab-file": corpus_dir / "tok" / "vocab.json",
             "--merge-file": corpus_dir / "tok" / "merges.txt"}
-    for flag, value in {**data, **scaled, **changes}.items():
+    for flag, value in {**({} if "--mock-data" in argv else data), **scaled, **changes}.items():
         argv[argv.index(flag) + 1] = str(value)
     return argv
 
@@ -102,7 +124,8 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
 
     lines = {"llama-first": argv(LLAMA, SCALED), "llama-second": argv(LLAMA, SCALED, **{"--train-iters": "8"}),
              "mtp-first": argv(MTP, DEEPSEEK[MTP], **{"--exit-interval": "2"}), "mtp-resumed": argv(MTP, DEEPSEEK[MTP]),
-             "proxy": argv(PROXY, DEEPSEEK[PROXY])}
+             "proxy": argv(PROXY, DEEPSEEK[PROXY]), "qwen3": argv(QWEN3, OPEN_MODELS[QWEN3]),
+             "gpt-oss": argv(GPT_OSS, OPEN_MODELS[GPT_OSS])}
     launch = run_several([(root / run, line) for run, line in lines.items()], nproc=NPROC)
     return root, {run: outcome(root / run, NPROC, launch) for run in lines}
 
@@ -178,3 +201,28 @@ def test_megatron_deepseek_command_line_with_fp8_stops_with_one_line(corpus, tmp
     assert named == {flag for flag in FP8 if flag in FUNCTIONAL[name]}
     assert "needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer" in lines[0]
     assert "Traceback" not in result.stderr and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("name", OPEN_MODELS)
+def test_megatron_open_model_scripts_train(runs, name):
+    """Megatron-LM's Qwen3-30B-A3B config and gpt-oss script, scaled down, train with no flag refused but FP8's
+    (tested above for the DeepSeek-like lines; the gpt-oss script's are dropped here): every step's loss finite, the
+    model the flags describe (QK-norm; gpt-oss's window, sinks, quick GeGLU and YaRN, --enable-gpt-oss's)."""
+    root, outcomes = runs
+    run = outcomes["qwen3" if name == QWEN3 else "gpt-oss"]
+    run.check()
+    log = run.log + run.stdout
+    assert "not available here" not in log and "accepted, no effect here:" in log
+    records = [r for r in _records(root / f"{name}-ckpt") if r["split"] == "train"]
+    steps = [1, 2, 3, 4] if name == GPT_OSS else [4]  # Qwen3's config logs at Megatron's default interval (100)
+    assert [r["step"] for r in records] == steps and all(math.isfinite(r["loss"]) for r in records)
+    saved = yaml.safe_load((root / f"{name}-ckpt" / "config.yaml").read_text())
+    model = saved["Model"]
+    if name == QWEN3:
+        assert model["qk_layernorm"] and saved["Distributed"]["expert_model_parallel_size"] == 2
+    else:
+        want = {"window_size": "15,0", "window_attn_skip_freq": "2", "softmax_type": "learnable", "quick_geglu": True,
+                "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0, "position_embedding_type": "yarn",
+                "rotary_scaling_factor": 32.0, "original_max_position_embeddings": 131072,
+                "yarn_correction_range_round_to_int": False}
+        assert {key: model[key] for key in want} == want

@@ -13,6 +13,7 @@ from megatron.config.cli import build_parser
 from megatron.config.docs import render_markdown as render_configuration
 from megatron.config.docs import render_megatron_markdown
 from megatron.tokenizer import configured_tokenizer
+from tests.unit.megatron_example_scripts import EXAMPLE_GPT_OSS, EXAMPLE_QWEN3_30B_A3B
 from tests.unit.megatron_flag_sets import ALL_FUNCTIONAL_FLAGS, EXAMPLE_175B, FUNCTIONAL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +29,15 @@ REFUSED = {
     # these two without it)
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_mtp_resume_torch_dist_fp8": {"--fp8-format", "--fp8-recipe"},
     "deepseek_proxy_fsdp_ep2_fsdp2": {"--fp8-format", "--fp8-recipe", "--fp8-param-gather"},
+    "examples/gptoss/02_train.sh": {"--fp8-format", "--fp8-param-gather", "--fp8-amax-compute-algo",
+                                    "--fp8-amax-history-len"},
     "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": {
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"},
 }
 FP8 = {"--fp8-format", "--fp8-recipe", "--fp8-param-gather"}
-COMMAND_LINES = {"examples/gpt3/train_gpt3_175b_distributed.sh": EXAMPLE_175B, **FUNCTIONAL}
+COMMAND_LINES = {"examples/gpt3/train_gpt3_175b_distributed.sh": EXAMPLE_175B, **FUNCTIONAL,
+                 "examples/rl/model_configs/qwen3_30b_a3b_moe.sh": EXAMPLE_QWEN3_30B_A3B,
+                 "examples/gptoss/02_train.sh": EXAMPLE_GPT_OSS}
 
 
 def _argv(text: str, tmp_path: Path) -> list[str]:
