@@ -170,8 +170,8 @@ def model_flags(config: dict) -> list[str]:
         if config.get(key):
             raise ConversionError(f"config.json sets {key}, which Mixtral's projections do not have ({ours}).")
     if config.get("sliding_window") is not None:
-        raise ConversionError(f"config.json sets sliding_window {config['sliding_window']}; this GPT's attention has "
-                              f"no sliding window, so the model cannot be imported.")
+        raise ConversionError(f"config.json sets sliding_window {config['sliding_window']}; Mixtral's sliding window "
+                              f"is not mapped here (gpt-oss's is), so the model cannot be imported.")
     if float(config.get("router_jitter_noise") or 0.0) != 0.0:
         raise ConversionError(f"config.json sets router_jitter_noise {config['router_jitter_noise']}; this GPT's "
                               f"router has no input jitter, so the model cannot be imported.")

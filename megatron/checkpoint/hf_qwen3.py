@@ -11,8 +11,9 @@ ours (``layers.{i}.``)                             Hugging Face (``model.layers.
 everything else                                    as ``hf_llama`` maps it
 =================================================  ===========================================================
 
-Qwen3's sliding-window attention (``use_sliding_window``) is not built here: an import that turns it on is refused
-in one line, and an export writes it off. An attention bias (``attention_bias``) is refused: this GPT's linear layers
+Qwen3's sliding-window layers (``use_sliding_window``, ``max_window_layers``) are not mapped here (the windows
+themselves are built: gpt-oss's, ``hf_gpt_oss``): an import that turns them on is refused in one line, and an export
+writes them off. An attention bias (``attention_bias``) is refused: this GPT's linear layers
 have biases on all or none, and Qwen3's MLP has none.
 """
 
@@ -72,8 +73,9 @@ def model_flags(config: dict) -> list[str]:
     if config.get("model_type", "qwen3") != "qwen3":
         raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not qwen3.")
     if config.get("use_sliding_window"):
-        raise ConversionError("config.json turns Qwen3's sliding-window attention on (use_sliding_window), which this "
-                              "GPT does not build yet; import a checkpoint that attends to every position.")
+        raise ConversionError("config.json turns Qwen3's sliding-window layers on (use_sliding_window), whose mapping "
+                              "is not written here (gpt-oss's windows are); import a checkpoint that attends to every "
+                              "position.")
     if config.get("attention_bias"):
         raise ConversionError("config.json sets attention_bias, but Qwen3's MLP has no bias and this GPT has biases "
                               "on every linear layer or none; the model cannot be imported.")

@@ -238,12 +238,12 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"sliding_window": 16}, "sliding_window 16; this GPT's attention has no sliding window"),
+    ({"sliding_window": 16}, "sliding_window 16; Mixtral's sliding window is not mapped here"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise 0.1; this GPT's router has no input jitter"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok (5) must be from 1 to num_local_experts (4)"),
     ({"num_local_experts": 8}, "missing 24 (first 'model.layers.0.block_sparse_moe.experts.4.w1.weight')"),
-    ({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]},
-     "'gpt_oss' model (GptOssForCausalLM)"),
+    ({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
+     "'gemma3_text' model (Gemma3ForCausalLM)"),
 ])
 def test_unsupported_mixtral_configs_are_refused_in_one_line(tmp_path, hf_dir, change, message):
     folder = tmp_path / "hf"
