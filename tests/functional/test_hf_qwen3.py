@@ -96,7 +96,7 @@ def test_an_export_of_our_model_gives_transformers_our_logits(tmp_path, experts,
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention on (use_sliding_window)"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window layers on (use_sliding_window)"),
     ({"attention_bias": True}, "config.json sets attention_bias"),
 ])
 def test_what_this_gpt_cannot_represent_is_refused_in_one_line(tmp_path, capsys, change, message):
