@@ -64,11 +64,11 @@ OPEN_MODELS = {
     QWEN3: {"--tensor-model-parallel-size": "2", "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
             "--num-attention-heads": "4", "--kv-channels": "16", "--num-query-groups": "2", "--seq-length": "32",
             "--max-position-embeddings": "32", "--num-experts": "8", "--moe-router-topk": "2",
-            "--moe-ffn-hidden-size": "32", "--vocab-size": "512", "--global-batch-size": "8", "--train-iters": "4"},
+            "--moe-ffn-hidden-size": "32", "--vocab-size": "512", "--global-batch-size": "8", "--train-iters": "2"},
     GPT_OSS: {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "8",
               "--num-query-groups": "4", "--seq-length": "64", "--max-position-embeddings": "64",
               "--window-size": "15,0", "--moe-ffn-hidden-size": "128", "--vocab-size": "1024",
-              "--global-batch-size": "8", "--train-samples": "32", "--lr-decay-samples": "31",
+              "--global-batch-size": "8", "--train-samples": "16", "--lr-decay-samples": "15",
               "--pipeline-model-parallel-size": "4"},
 }
 NPROC = 4  # the fewest the MTP one's tp 2 x pp 2 takes; the others' data-parallel ranks
@@ -214,7 +214,7 @@ def test_megatron_open_model_scripts_train(runs, name):
     log = run.log + run.stdout
     assert "not available here" not in log and "accepted, no effect here:" in log
     records = [r for r in _records(root / f"{name}-ckpt") if r["split"] == "train"]
-    steps = [1, 2, 3, 4] if name == GPT_OSS else [4]  # Qwen3's config logs at Megatron's default interval (100)
+    steps = [1, 2] if name == GPT_OSS else [2]  # Qwen3's config logs at Megatron's default interval (100)
     assert [r["step"] for r in records] == steps and all(math.isfinite(r["loss"]) for r in records)
     saved = yaml.safe_load((root / f"{name}-ckpt" / "config.yaml").read_text())
     model = saved["Model"]
