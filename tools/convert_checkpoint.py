@@ -6,6 +6,7 @@ gpt-oss) and Megatron-LM, and to another tensor-parallel size.
     python tools/convert_checkpoint.py reshard CKPT OUT --tp T
     python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [--no-optim] [flags]
     python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M] [--no-optim]
+        [--expert-model-parallel-size E] [--moe-grouped-gemm] [--transformer-impl local|transformer_engine]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -27,7 +28,8 @@ reads a Megatron-LM save folder (or an ``iter_N`` folder), legacy (any tp x pp) 
 its saved ``args``, and writes ``OUT_DIR/step_N`` (its iteration and consumed samples, and its optimizer states when
 saved: Adam's moments and step, the fp32 masters, the schedule's position; ``--no-optim``: the weights only);
 ``to-megatron`` writes Megatron-LM's folder (Megatron Core names, the AdamW states unless ``--no-optim``), legacy cut
-for tp x pp or torch_dist (docs/checkpoints.md, section 7). Exit status 2, with a one-line message, for a missing or
+for tp x pp (x ep: ``--expert-model-parallel-size``; grouped-GEMM experts with ``--moe-grouped-gemm``) or torch_dist
+(docs/checkpoints.md, section 7). Exit status 2, with a one-line message, for a missing or
 damaged checkpoint or a model that cannot be converted.
 """
 
@@ -69,6 +71,7 @@ from megatron.checkpoint.megatron_convert import (  # noqa: E402
     schedule_state,
     write_export,
 )
+from megatron.checkpoint.megatron_experts import export_layout, megatron_flags  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
 
@@ -329,9 +332,11 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
               f"--no-load-optim.")
 
 
-def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1, optim: bool = True) -> None:
-    """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` ranks in the format ``fmt``, with the AdamW
-    states when the checkpoint has them (not without ``optim``)."""
+def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1, optim: bool = True, ep: int = 1,
+                grouped: bool = False, impl: str | None = None, legacy_grouped: bool = False) -> None:
+    """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` (x ``ep`` expert-parallel) ranks in the format
+    ``fmt``, with the AdamW states when the checkpoint has them (not without ``optim``); ``grouped``, ``impl`` and
+    ``legacy_grouped``: the experts' module and the spec of the Megatron run (``megatron_experts.export_layout``)."""
     if tp < 1 or pp < 1:
         raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
     reader, common, config = open_checkpoint(ckpt)
@@ -342,6 +347,8 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
     whole, args = export_state(params, config, tp, pp, step=step, consumed_samples=consumed,
                                expert_bias=train_state.get("moe_expert_bias"))
     has_states = adam_step > 0 and all(reader.has(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params)
+    export_layout(args, ep=ep, grouped=grouped, impl=impl, legacy_grouped=legacy_grouped, fmt=fmt,
+                  optimizer=optim and has_states)
     optimizer = settings = scheduler = None
     if optim and has_states:
         states = {kind: read_tensors(reader, kind) for kind in ("exp_avg", "exp_avg_sq")}
@@ -349,17 +356,19 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
         settings, scheduler = schedule_state(config, int(train_state.get("schedule_samples", consumed)))
     folder = write_export(out, fmt, whole, args, step, optimizer, adam_step, settings, scheduler)
     carried = "the weights, iteration and consumed samples"
+    layout = f"tensor-parallel {tp} x pipeline {pp}" + (f" x expert-parallel {ep}" if ep > 1 else "")
     if optimizer is not None:
-        print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {step}, padded vocabulary "
+        print(f"wrote {folder} ({fmt}, {layout}, iteration {step}, padded vocabulary "
               f"{args.padded_vocab_size}, the AdamW states at step {adam_step:g}) from {reader.step_dir}; load it in "
-              f"Megatron-LM with --load {out} --use-mcore-models --no-load-rng ({carried}, the optimizer and its "
-              f"learning-rate schedule: fp32, without --use-distributed-optimizer"
+              f"Megatron-LM with --load {out} --use-mcore-models --no-load-rng {megatron_flags(args)} ({carried}, "
+              f"the optimizer and its learning-rate schedule: fp32, without --use-distributed-optimizer"
               f"{'' if fmt == 'legacy' else ' or with --dist-ckpt-optim-fully-reshardable'})")
     else:
         why = "--no-optim" if has_states else "the checkpoint has no AdamW states"
-        print(f"wrote {folder} ({fmt}, tensor-parallel {tp} x pipeline {pp}, iteration {step}, padded vocabulary "
+        print(f"wrote {folder} ({fmt}, {layout}, iteration {step}, padded vocabulary "
               f"{args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
-              f"--use-mcore-models --no-load-optim --no-load-rng ({carried}; no optimizer states: {why})")
+              f"--use-mcore-models --no-load-optim --no-load-rng {megatron_flags(args)} ({carried}; no optimizer "
+              f"states: {why})")
 
 
 def _hf_tokenizer(hf_dir: str, hf_cfg: dict, flags: list[str]) -> tuple[dict, dict[str, str]] | None:
@@ -455,6 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="Megatron's pipeline-parallel size.")
     p.add_argument("--no-optim", dest="optim", action="store_false",
                    help="Leave the AdamW states out (load the export in Megatron-LM with --no-load-optim).")
+    p.add_argument("--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="Megatron's expert parallelism (legacy: rank files mp_rank_TT[_PPP]_EEE; the weights only).")
+    p.add_argument("--moe-grouped-gemm", dest="grouped", action="store_true",
+                   help="For a run with --moe-grouped-gemm: legacy files name the experts as TEGroupedMLP does "
+                        "(GroupedMLP: --transformer-impl local or --moe-use-legacy-grouped-gemm; the weights only).")
+    p.add_argument("--moe-use-legacy-grouped-gemm", dest="legacy_grouped", action="store_true",
+                   help="Grouped GEMM by Megatron Core's legacy GroupedMLP (weight1 / weight2).")
+    p.add_argument("--transformer-impl", dest="impl", choices=("local", "transformer_engine"), default=None,
+                   help="The Megatron run's spec, whose names legacy files take; default transformer_engine with "
+                        "--moe-grouped-gemm, else local.")
     p = sub.add_parser("reshard", allow_abbrev=False,
                        help="Rewrite a checkpoint with one file per tensor-parallel rank.")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
@@ -479,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "from-megatron":
             from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune, args.optim)
         elif args.command == "to-megatron":
-            to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp, args.optim)
+            to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp, args.optim, args.ep, args.grouped, args.impl,
+                        args.legacy_grouped)
         else:
             step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
             print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")

@@ -2,9 +2,11 @@
 
 ``model_flags(args)``: the Megatron-LM command-line flags of the saved model's shape (which ``parse_config``
 accepts: ours are Megatron's, ``megatron.config.megatron_flags``); ConversionError, naming the setting, for what
-our GPT does not build (``--squared-relu``, zero-centred LayerNorm, grouped-GEMM experts, ...).
+our GPT does not build (``--squared-relu``, zero-centred LayerNorm, one grouped weight for all experts, ...);
+``moe_grouped_gemm`` is carried (the same parameters, run as one grouped matmul where it can).
 ``to_args(model, ...)``: the Namespace a ``to-megatron`` export saves, with the fields Megatron-LM's
-``--use-checkpoint-args`` reads and those ``from-megatron`` reads back.
+``--use-checkpoint-args`` reads and those ``from-megatron`` reads back (``megatron_experts.export_layout`` sets its
+expert parallelism, grouped GEMM and spec).
 
 Multi-latent attention (DeepSeek-V2/V3) is carried by its own fields, the same names on both sides
 (``multi_latent_attention``, ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
@@ -43,7 +45,7 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
          "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type",
          "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk",
-         "moe_router_topk_scaling_factor", "qk_layernorm", "multi_latent_attention")
+         "moe_router_topk_scaling_factor", "qk_layernorm", "multi_latent_attention", "moe_grouped_gemm")
 # multi-latent attention's own (with multi_latent_attention only), and multi-token prediction's
 _MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
         "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings")
@@ -54,7 +56,12 @@ _DISPATCHERS = ("alltoall", "allgather")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
 _REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
             "apply_layernorm_1p": "zero-centred LayerNorm (--apply-layernorm-1p)",
-            "moe_grouped_gemm": "grouped-GEMM experts (--moe-grouped-gemm: other parameter names)",
+            "moe_single_grouped_weight": "one weight for all of a layer's experts (--moe-single-grouped-weight)",
+            "moe_single_grouped_bias": "one bias for all of a layer's experts (--moe-single-grouped-bias)",
+            "moe_mlp_glu_interleave_size": "interleaved gated expert rows (--moe-mlp-glu-interleave-size)",
+            "moe_shared_expert_glu_interleave_size": "interleaved gated shared-expert rows "
+                                                     "(--moe-shared-expert-glu-interleave-size)",
+            "moe_latent_size": "experts on a latent projection (--moe-latent-size)",
             "add_qkv_bias_only": "a bias on the QKV projection only (--add-qkv-bias without linear biases)",
             "use_rope_scaling": "Llama 3's rope scaling (--use-rope-scaling)",
             "no_rope_freq": "layers without rotary embeddings (--no-rope-freq)",
@@ -188,7 +195,7 @@ def vocab_size(args: argparse.Namespace) -> int:
 def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration: int,
             consumed_train_samples: int) -> argparse.Namespace:
     """The ``args`` of a legacy export of ``model`` cut for ``tp`` x ``pp`` (Megatron Core model, ``torch``
-    format, expert parallelism 1)."""
+    format, expert parallelism 1, no grouped GEMM)."""
     values = {name: getattr(model, name) for name in (*_SAME, *_MLA, *_MTP)}
     if model.multi_latent_attention:
         from megatron.model.mla import mla_rope_type

@@ -43,8 +43,11 @@ from megatron.checkpoint.megatron_core_names import (
     to_megatron_core_state,
 )
 from megatron.checkpoint.megatron_dist import is_torch_dist, read_torch_dist, write_torch_dist
+from megatron.checkpoint.megatron_experts import expert_shards, files_differ
 from megatron.checkpoint.megatron_legacy import (
     DISTRIBUTED,
+    EXPERT_LAYOUT,
+    EXPERT_LAYOUT_WHY,
     FILE,
     LEGACY_MODEL,
     iteration_folder,
@@ -131,6 +134,8 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
     tied, gated = not args.untie_embeddings_and_output_weights, is_gated(args)
     shards = cut(whole, tp, pp, args.num_layers, gated, tied)
     shards = {key: {name: model[name] for name in core_order(model)} for key, model in shards.items()}  # Megatron's
+    if files_differ(args):  # expert parallelism, grouped GEMM, Transformer Engine's names: the weights only
+        return write_shards(out, step, expert_shards(shards, args), args, pp, extra)
     optimizers = None
     if optimizer is not None:
         cut_states = {kind: cut(optimizer[kind], tp, pp, args.num_layers, gated, tied) for kind in ADAM_KINDS}
@@ -235,6 +240,8 @@ def _legacy_states(folder: str, shards: dict, optimizers: dict, tp: int, pp: int
         where = os.path.join(folder, rank_folder(*key, pp))
         if entry is DISTRIBUTED:
             raise DistributedOptimizerStates(where)
+        if entry is EXPERT_LAYOUT:
+            raise CheckpointError(f"{folder}: {EXPERT_LAYOUT_WHY}; {NO_OPTIM}.")
         if entry is LEGACY_MODEL:
             raise CheckpointError(f"{where}: the optimizer states of Megatron-LM's legacy (non-Core) GPT model are not "
                                   f"converted (its parameter order is its own); {NO_OPTIM}.")

@@ -12,7 +12,8 @@ saved them; the decoder's layers stacked on a leading dim (``decoder.layers.self
 shape ``[num_layers, ...]``), or, for Megatron Core's non-homogeneous layers (a mixture of experts whose
 ``moe_layer_freq`` is a list, as the exports here say), one key per layer (``decoder.layers.{i}.X``); a MoE layer's
 experts stacked on a leading dim (``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight`` of shape
-``[num_experts, ...]``), its router (with its ``expert_bias`` buffer) and shared expert as in the dense MLP; the
+``[num_experts, ...]``: SequentialMLP's keys, which its grouped-GEMM experts, TEGroupedMLP and GroupedMLP, save
+too), its router (with its ``expert_bias`` buffer) and shared expert as in the dense MLP; the
 norms under the names Transformer Engine's fused layers give them (``input_layernorm.*`` ->
 ``self_attention.linear_qkv.layer_norm_*``, ``pre_mlp_layernorm.*`` -> ``mlp.linear_fc1.layer_norm_*``: the local
 spec's ``sharded_state_dict_keys_map``), a SwiGLU ``linear_fc1`` as ``[gate; up]``. Multi-latent attention's local

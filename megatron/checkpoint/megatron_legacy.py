@@ -5,6 +5,7 @@ per saved iteration, ``iter_{N:07d}`` (or ``release``), with one file per model-
 
     DIR/iter_0000100/mp_rank_{tp:02d}/model_optim_rng.pt           pipeline size 1
     DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt  pipeline size > 1
+    DIR/iter_0000100/mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}/...       expert parallelism > 1 (megatron_experts)
 
 Each file is a ``torch.save`` of a dict: ``model`` (that rank's Megatron Core ``GPTModel`` state dict, or the
 legacy GPT model's, renamed on reading: its tensor-parallel slices, its pipeline stage's layers numbered from 0),
@@ -16,8 +17,9 @@ the types Megatron-LM itself allows in its files (``megatron.core.safe_globals``
 ``types.SimpleNamespace``, ``pathlib.PosixPath``, numpy's arrays and dtypes (an RNG state), ``io.BytesIO``
 (Transformer Engine's extra state), ``signal.Signals``, Megatron's enums (read as their names) and its
 ``OptimizerConfig`` (read as a plain record); a file holding anything else is refused in one line, naming what it
-holds. Virtual pipeline chunks (``model0``, ``model1``, ...) and expert-parallel files
-(``mp_rank_.._..._{ep:03d}``) are refused too (convert from a checkpoint saved without them).
+holds. Virtual pipeline chunks (``model0``, ``model1``, ...) are refused too (convert from a checkpoint saved
+without them). Expert-parallel ranks' files, grouped-GEMM experts and Transformer Engine's names are read into
+Megatron Core's local names (``megatron_experts``); their optimizer states are not (``EXPERT_LAYOUT``).
 """
 
 from __future__ import annotations
@@ -35,11 +37,16 @@ import torch
 
 from megatron.checkpoint.format import CheckpointError, write_text
 from megatron.checkpoint.megatron_core_names import is_legacy_model_state, legacy_to_core_state
+from megatron.checkpoint.megatron_experts import expert_ranks, local_names, merge_ep
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 DISTRIBUTED_FILE = "distrib_optim.pt"  # --use-distributed-optimizer: the Adam states, flattened by bucket
 DISTRIBUTED, LEGACY_MODEL = "distributed optimizer", "legacy model"  # optimizer entries not converted
+EXPERT_LAYOUT = "expert layout"  # the optimizer of expert-parallel, grouped-GEMM or Transformer Engine rank files
+EXPERT_LAYOUT_WHY = ("the optimizer states of rank files with expert parallelism > 1, grouped-GEMM experts or "
+                     "Transformer Engine's names are not converted (their parameter order is not Megatron Core's "
+                     "local one, which this tool derives)")
 CHECKPOINT_VERSION = 3.0
 # What Megatron-LM itself allows in its files (megatron.core.safe_globals): its enums are read as their
 # "Class.value" text and its OptimizerConfig as a plain record, never imported or constructed.
@@ -95,9 +102,11 @@ def safe_load(path: str) -> dict:
     return state
 
 
-def rank_folder(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """``mp_rank_{tp:02d}`` (pipeline size 1) or ``mp_rank_{tp:02d}_{pp:03d}``."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_folder(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """``mp_rank_{tp:02d}`` (pipeline size 1) or ``mp_rank_{tp:02d}_{pp:03d}``, with ``_{ep:03d}`` added for
+    expert parallelism ``ep`` > 1 (Megatron-LM's ``get_checkpoint_name``)."""
+    folder = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return folder if ep == 1 else f"{folder}_{ep_rank:03d}"
 
 
 def iteration_folder(path: str) -> str:
@@ -139,55 +148,68 @@ def read_shards(folder: str) -> tuple[argparse.Namespace, dict, dict[tuple[int, 
         keys = ", ".join(sorted(k for k in head if k.startswith("model"))) or "none"
         raise CheckpointError(f"{first} has no 'model' entry (model entries: {keys}); virtual pipeline chunks "
                               f"are not converted: save the run without --num-layers-per-virtual-pipeline-stage.")
-    if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-        raise CheckpointError(f"{folder} was saved with expert parallelism {args.expert_model_parallel_size}; "
-                              f"only --expert-model-parallel-size 1 checkpoints are converted.")
+    ep, local_experts = expert_ranks(args, folder)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     shards, optimizers = {}, {}
     for p in range(pp):
         for t in range(tp):
-            file = os.path.join(folder, rank_folder(t, p, pp), FILE)
-            if not os.path.isfile(file):
-                raise CheckpointError(f"{file} is missing: the checkpoint's args say tensor-parallel size {tp} and "
-                                      f"pipeline size {pp}; every rank's file is needed.")
-            saved = head if file == first else safe_load(file)
-            model = saved["model"]
-            if is_legacy_model_state(model):
-                model = legacy_to_core_state(model)
-                if "optimizer" in saved:  # its parameter order is its own model's, not Megatron Core's
-                    saved = {**saved, "optimizer": LEGACY_MODEL}
-            shards[(t, p)] = model
-            if os.path.isfile(os.path.join(folder, rank_folder(t, p, pp), DISTRIBUTED_FILE)):
+            models, files, entries, renamed, distributed = [], [], [], ep > 1, False
+            for e in range(ep):
+                file = os.path.join(folder, rank_folder(t, p, pp, e, ep), FILE)
+                if not os.path.isfile(file):
+                    raise CheckpointError(f"{file} is missing: the checkpoint's args say tensor-parallel size {tp}, "
+                                          f"pipeline size {pp} and expert parallelism {ep}; every rank's file is "
+                                          f"needed.")
+                saved = head if file == first else safe_load(file)
+                model = saved["model"]
+                if is_legacy_model_state(model):
+                    model = legacy_to_core_state(model)
+                    if "optimizer" in saved:  # its parameter order is its own model's, not Megatron Core's
+                        saved = {**saved, "optimizer": LEGACY_MODEL}
+                model, changed = local_names(model, args, local_experts, file)
+                models.append(model)
+                files.append(file)
+                renamed = renamed or changed
+                distributed = distributed or os.path.isfile(os.path.join(os.path.dirname(file), DISTRIBUTED_FILE))
+                if "optimizer" in saved:
+                    entries.append(saved["optimizer"])
+            shards[(t, p)] = merge_ep(models, local_experts, files) if ep > 1 else models[0]
+            if renamed and (distributed or entries):
+                optimizers[(t, p)] = EXPERT_LAYOUT
+            elif distributed:
                 optimizers[(t, p)] = DISTRIBUTED
-            elif "optimizer" in saved:
-                optimizers[(t, p)] = saved["optimizer"]
+            elif entries:
+                optimizers[(t, p)] = entries[0]
     return args, {k: v for k, v in head.items() if k != "model"}, shards, optimizers
 
 
 def _first_file(folder: str) -> str:
-    for name in ("mp_rank_00", "mp_rank_00_000"):
+    for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
         file = os.path.join(folder, name, FILE)
         if os.path.isfile(file):
             return file
-    raise CheckpointError(f"{folder} has no mp_rank_00/{FILE} or mp_rank_00_000/{FILE}.")
+    raise CheckpointError(f"{folder} has no mp_rank_00/{FILE}, mp_rank_00_000/{FILE} or mp_rank_00_000_000/{FILE}.")
 
 
-def write_shards(out: str, iteration: int, shards: dict[tuple[int, int], dict], args: argparse.Namespace,
+def write_shards(out: str, iteration: int, shards: dict[tuple, dict], args: argparse.Namespace,
                  pp: int, extra: dict | None = None, optimizers: dict[tuple[int, int], object] | None = None) -> str:
     """Write ``out/iter_{iteration:07d}/mp_rank_*/model_optim_rng.pt`` (into a ``.tmp`` folder renamed when
-    complete) and ``out/latest_checkpointed_iteration.txt``; returns the iteration folder. ``extra``: more
-    entries of every file; ``optimizers``: each rank's ``optimizer`` entry."""
+    complete) and ``out/latest_checkpointed_iteration.txt``; returns the iteration folder. ``shards``: keyed by
+    (tp rank, pp stage), or (tp rank, pp stage, ep rank) for the args' expert parallelism; ``extra``: more entries
+    of every file; ``optimizers``: each rank's ``optimizer`` entry."""
     final = os.path.join(out, f"iter_{iteration:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose another output folder.")
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
-    for (t, p), model in shards.items():
-        os.makedirs(os.path.join(tmp, rank_folder(t, p, pp)), exist_ok=True)
-        optimizer = {"optimizer": optimizers[(t, p)]} if optimizers else {}
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    for key, model in shards.items():
+        folder = os.path.join(tmp, rank_folder(key[0], key[1], pp, key[2] if len(key) > 2 else 0, ep))
+        os.makedirs(folder, exist_ok=True)
+        optimizer = {"optimizer": optimizers[key]} if optimizers else {}
         torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                    "model": model, **(extra or {}), **optimizer}, os.path.join(tmp, rank_folder(t, p, pp), FILE))
+                    "model": model, **(extra or {}), **optimizer}, os.path.join(folder, FILE))
     os.replace(tmp, final)
     write_text(os.path.join(out, TRACKER), str(iteration))
     return final

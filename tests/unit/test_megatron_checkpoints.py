@@ -375,7 +375,7 @@ def test_an_export_megatron_cannot_hold_is_one_line(tmp_path, one_process, capsy
 
 @pytest.mark.parametrize("change, message", [
     ({"squared_relu": True}, "the squared-ReLU MLP"),
-    ({"moe_grouped_gemm": True, "num_experts": 4}, "grouped-GEMM experts"),
+    ({"moe_single_grouped_weight": True, "num_experts": 4}, "one weight for all of a layer's experts"),
     ({"pipeline_model_parallel_size": 2}, "mp_rank_00_000"),
 ])
 def test_what_cannot_be_converted_is_one_line(tmp_path, one_process, capsys, change, message):

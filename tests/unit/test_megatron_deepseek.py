@@ -208,7 +208,7 @@ def test_megatron_lms_own_deepseek_args_give_the_model(tmp_path):
     """The ``args`` a Megatron-LM DeepSeek-V3 run saves (its names and defaults: an MLA model's ``kv_channels`` and
     query groups, which shape nothing; no ``original_max_position_embeddings``; the flex dispatcher, a runtime
     choice) give our model: MLA, YaRN, the router, the dense first layer and MTP as the run had them; what would
-    change the network unseen (YaRN's ramp, a partial rotary, grouped-GEMM experts) is one line."""
+    change the network unseen (YaRN's ramp, a partial rotary, experts on a latent projection) is one line."""
     from megatron.checkpoint.hf_common import ConversionError
     from megatron.checkpoint.megatron_args import model_flags
 
@@ -239,7 +239,7 @@ def test_megatron_lms_own_deepseek_args_give_the_model(tmp_path):
                                                                                                     False)
     for change, message in (({"beta_fast": 16}, "beta_fast 16"),
                             ({"rope_type": "rope", "rotary_percent": 0.5}, "rotates 0.5 of its rotary channels"),
-                            ({"moe_grouped_gemm": True}, "grouped-GEMM experts")):
+                            ({"moe_latent_size": 4}, "experts on a latent projection")):
         with pytest.raises(ConversionError) as refused:
             model_flags(argparse.Namespace(**{**vars(args), **change}))
         assert message in str(refused.value) and "\n" not in str(refused.value)
