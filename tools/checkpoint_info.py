@@ -7,6 +7,11 @@ tensor with its global shape, tensor-parallel split and the kinds saved for it. 
 the whole checkpoint and checks every checksum (every piece of every rank file, common.json,
 config.yaml, the RNG files). Exit status 2, with a one-line message, for a missing or damaged
 checkpoint (a checksum mismatch included).
+
+CKPT may also be a Megatron-LM folder (its save folder with ``latest_checkpointed_iteration.txt``, or an ``iter_N``
+folder; legacy or torch_dist): the format, iteration, the layout of its rank files, the model (its args), the
+optimizer's states and their layout, the scheduler's state, and whether ``convert_checkpoint.py from-megatron``
+converts it (``--verify``: by reading every tensor as the conversion does; ``megatron/checkpoint/megatron_info.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint.convert import open_checkpoint, tensor_layout  # noqa: E402
 from megatron.checkpoint.format import KINDS, CheckpointError, CheckpointReader, resolve_checkpoint  # noqa: E402
+from megatron.checkpoint.megatron_info import describe as describe_megatron  # noqa: E402
+from megatron.checkpoint.megatron_info import is_megatron  # noqa: E402
 
 PROG = "checkpoint_info.py"
 
@@ -114,11 +121,15 @@ def verify(path: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
+    parser.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder; or a Megatron-LM "
+                                     "save folder or iter_N folder.")
     parser.add_argument("--tensors", action="store_true", help="List every tensor's global shape.")
     parser.add_argument("--verify", action="store_true", help="Read everything and check every checksum.")
     args = parser.parse_args(argv)
     try:
+        if is_megatron(args.ckpt):
+            print("\n".join(describe_megatron(args.ckpt, args.verify)))
+            return 0
         print("\n".join(describe(args.ckpt, args.tensors)), flush=True)
         if args.verify:
             print(verify(args.ckpt))

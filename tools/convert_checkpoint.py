@@ -7,6 +7,7 @@ gpt-oss) and Megatron-LM, and to another tensor-parallel size.
     python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [--no-optim] [flags]
     python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M] [--no-optim]
         [--expert-model-parallel-size E] [--moe-grouped-gemm] [--transformer-impl local|transformer_engine]
+        [--use-distributed-optimizer [--dp N] [--overlap-grad-reduce [--ddp-bucket-size B]]]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -50,6 +51,7 @@ from megatron.checkpoint import (  # noqa: E402
     CheckpointError,
     hf_deepseek,
 )
+from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
 from megatron.checkpoint.convert import (  # noqa: E402
     open_checkpoint,
     read_tensors,
@@ -72,6 +74,12 @@ from megatron.checkpoint.megatron_convert import (  # noqa: E402
     write_export,
 )
 from megatron.checkpoint.megatron_experts import export_layout, megatron_flags  # noqa: E402
+from megatron.checkpoint.megatron_schedule import (  # noqa: E402
+    assumed_consumed,
+    megatron_schedule,
+    schedule_args,
+    schedule_line,
+)
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
 
@@ -286,13 +294,18 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
               f"checkpoint's config (tools/generate.py --load {out_dir} needs no tokenizer flags)")
 
 
-def _model_base(config: Config) -> str:
-    """``config.yaml`` of a converted checkpoint: a run loading it takes only the model, which the weights fix,
-    and its tokenizer from it; the schedule, batch sizes and data are that run's own."""
+def _model_base(config: Config, schedule: bool = False) -> str:
+    """``config.yaml`` of a converted checkpoint: a run loading it takes the model, which the weights fix, and its
+    tokenizer from it, and with ``schedule`` (from-megatron) Megatron's optimizer settings, learning-rate schedule,
+    training length and global batch (``megatron_schedule``); the rest (and what its flags give) is that run's own."""
     sections = to_dict(config)
     named = config.tokenizer.tokenizer_type is not None
-    return yaml.safe_dump({"Model": sections["Model"], **({"tokenizer": sections["tokenizer"]} if named else {})},
-                          sort_keys=False)
+    base = {"Model": sections["Model"], **({"tokenizer": sections["tokenizer"]} if named else {})}
+    if schedule:
+        base.update({"Optimizer": sections["Optimizer"], "max_steps": sections["max_steps"],
+                     "train_samples": sections["train_samples"],
+                     "batch_size": {"global_batch_size": sections["batch_size"]["global_batch_size"]}})
+    return yaml.safe_dump(base, sort_keys=False)
 
 
 def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False,
@@ -300,13 +313,16 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
     """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM checkpoint, with its
     optimizer states when it has them (not with ``finetune`` or without ``optim``)."""
     args, head, params, states, expert_bias = import_state(path, optimizer=optim and not finetune)
-    config = shaped_config(megatron_model_flags(args), flags, "the checkpoint's args")
+    iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
+    consumed, schedule, notes = (0, None, []) if finetune else megatron_schedule(args, head, iteration)
+    config = shaped_config([*megatron_model_flags(args), *(schedule.flags if schedule else [])], flags,
+                           "the checkpoint's args")
     vocab, rows = megatron_vocab_size(args), config.padded_vocab_size
     params = fit_vocab(params, vocab, rows)
-    iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
-    consumed = 0 if finetune else int(getattr(args, "consumed_train_samples", 0) or 0)
-    scheduler = head.get("opt_param_scheduler") if isinstance(head.get("opt_param_scheduler"), dict) else {}
-    position = consumed if finetune or scheduler.get("num_steps") is None else int(scheduler["num_steps"])
+    if consumed is None:  # neither the args' samples nor their batch
+        consumed, note = assumed_consumed(iteration, config.batch_size.global_batch_size)
+        notes.append(note)
+    position = schedule.position if schedule else consumed
     train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": position}
     if expert_bias and config.model.moe_router_enable_expert_bias:  # no parameter: the train state keeps it
         train_state["moe_expert_bias"] = expert_bias
@@ -318,10 +334,13 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
     step_dir = write_checkpoint(out_dir, config, entries, lambda kind, name: tensors[kind][name],
                                 tp=config.distributed.mp_degree, step=iteration,
                                 adam_step=states.step if states is not None else 0.0, train_state=train_state,
-                                converted_by="from-megatron", force=force, resume_config=_model_base(config))
+                                converted_by="from-megatron", force=force,
+                                resume_config=_model_base(config, schedule is not None))
     print(f"wrote {step_dir} (step {iteration}, {consumed:,} consumed samples, "
           f"{sum(t.numel() for t in params.values()):,} parameters) from {path}; continue pretraining with: "
           f"pretrain_gpt.py ... --load {out_dir}")
+    for line in [*notes, *([schedule_line(schedule, config)] if schedule else [])]:
+        print(line)
     if states is not None:
         print(f"the optimizer states are converted: Adam's moments at step {states.step:g}"
               f"{', the fp32 master weights' if states.masters else ''}, the learning-rate schedule at "
@@ -333,10 +352,12 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
 
 
 def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1, optim: bool = True, ep: int = 1,
-                grouped: bool = False, impl: str | None = None, legacy_grouped: bool = False) -> None:
+                grouped: bool = False, impl: str | None = None, legacy_grouped: bool = False,
+                distributed: tuple | None = None) -> None:
     """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` (x ``ep`` expert-parallel) ranks in the format
     ``fmt``, with the AdamW states when the checkpoint has them (not without ``optim``); ``grouped``, ``impl`` and
-    ``legacy_grouped``: the experts' module and the spec of the Megatron run (``megatron_experts.export_layout``)."""
+    ``legacy_grouped``: the experts' module and the spec of the Megatron run (``megatron_experts.export_layout``);
+    ``distributed``: (dp, overlap_grad_reduce, ddp_bucket_size) for a run with --use-distributed-optimizer."""
     if tp < 1 or pp < 1:
         raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
     reader, common, config = open_checkpoint(ckpt)
@@ -349,6 +370,9 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
     has_states = adam_step > 0 and all(reader.has(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params)
     export_layout(args, ep=ep, grouped=grouped, impl=impl, legacy_grouped=legacy_grouped, fmt=fmt,
                   optimizer=optim and has_states)
+    args.__dict__.update(schedule_args(config))  # the schedule, length and batch, as Megatron-LM saves its own
+    if distributed is not None:
+        distrib.export_args(args, *distributed)
     optimizer = settings = scheduler = None
     if optim and has_states:
         states = {kind: read_tensors(reader, kind) for kind in ("exp_avg", "exp_avg_sq")}
@@ -361,8 +385,7 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
         print(f"wrote {folder} ({fmt}, {layout}, iteration {step}, padded vocabulary "
               f"{args.padded_vocab_size}, the AdamW states at step {adam_step:g}) from {reader.step_dir}; load it in "
               f"Megatron-LM with --load {out} --use-mcore-models --no-load-rng {megatron_flags(args)} ({carried}, "
-              f"the optimizer and its learning-rate schedule: fp32, without --use-distributed-optimizer"
-              f"{'' if fmt == 'legacy' else ' or with --dist-ckpt-optim-fully-reshardable'})")
+              f"the optimizer and its learning-rate schedule: {distrib.how_to_load(args, fmt)})")
     else:
         why = "--no-optim" if has_states else "the checkpoint has no AdamW states"
         print(f"wrote {folder} ({fmt}, {layout}, iteration {step}, padded vocabulary "
@@ -474,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transformer-impl", dest="impl", choices=("local", "transformer_engine"), default=None,
                    help="The Megatron run's spec, whose names legacy files take; default transformer_engine with "
                         "--moe-grouped-gemm, else local.")
+    distrib.add_export_flags(p)
     p = sub.add_parser("reshard", allow_abbrev=False,
                        help="Rewrite a checkpoint with one file per tensor-parallel rank.")
     p.add_argument("ckpt", help="A run's output folder (its latest step) or a step_N folder.")
@@ -499,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune, args.optim)
         elif args.command == "to-megatron":
             to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp, args.optim, args.ep, args.grouped, args.impl,
-                        args.legacy_grouped)
+                        args.legacy_grouped, distrib.export_options(args))
         else:
             step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
             print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")

@@ -18,7 +18,9 @@
   ``opt_param_scheduler`` of our schedule.
 - ``import_state(path, optimizer=True)`` also returns the checkpoint's optimizer states under our names (Adam's
   moments, its step; the fp32 masters replace the weights when saved), merged over tp x pp like the weights, or
-  None when it has none (or ``optimizer`` False). The distributed optimizer's legacy states are refused in one line.
+  None when it has none (or ``optimizer`` False); the distributed optimizer's (legacy ``distrib_optim.pt``, torch_dist
+  ``dp_reshardable``) through ``megatron_distrib_optim``, and written by ``write_export`` for an ``args`` with
+  ``use_distributed_optimizer`` (legacy ``distrib_optim.pt``; torch_dist ``fully_reshardable``).
 
 Names and the gated MLPs' layout come from ``megatron_core_names``; the optimizers' parameter order from
 ``megatron_optim``.
@@ -32,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron.checkpoint import megatron_distrib_optim as distrib
 from megatron.checkpoint.format import CheckpointError, CheckpointReader, is_vocab_padded
 from megatron.checkpoint.hf_common import pad_vocab
 from megatron.checkpoint.megatron_args import to_args
@@ -124,6 +127,9 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
     the learning-rate ``scheduler``'s state (``opt_param_scheduler``)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     extra = {} if optimizer is None else {"opt_param_scheduler": scheduler}
+    distributed = optimizer is not None and getattr(args, "use_distributed_optimizer", False)
+    if fmt == "torch_dist" and distributed:
+        return _write_fully_reshardable(out, step, whole, args, optimizer, adam_step, settings, extra)
     if fmt == "torch_dist":
         if optimizer is not None:  # common.pt's part of the optimizer: its step and groups
             (present,) = structure([whole])
@@ -136,6 +142,8 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
     shards = {key: {name: model[name] for name in core_order(model)} for key, model in shards.items()}  # Megatron's
     if files_differ(args):  # expert parallelism, grouped GEMM, Transformer Engine's names: the weights only
         return write_shards(out, step, expert_shards(shards, args), args, pp, extra)
+    if distributed:  # distrib_optim.pt beside each rank file
+        return distrib.write_legacy(out, step, shards, args, extra, optimizer, adam_step, settings)
     optimizers = None
     if optimizer is not None:
         cut_states = {kind: cut(optimizer[kind], tp, pp, args.num_layers, gated, tied) for kind in ADAM_KINDS}
@@ -144,6 +152,16 @@ def write_export(out: str, fmt: str, whole: dict[str, torch.Tensor], args: argpa
                                           settings, present)
                       for key, model in shards.items()}
     return write_shards(out, step, shards, args, pp, extra, optimizers)
+
+
+def _write_fully_reshardable(out: str, step: int, whole: dict, args: argparse.Namespace, optimizer: dict,
+                             adam_step: float, settings: dict, extra: dict) -> str:
+    """torch_dist for a run with --use-distributed-optimizer: its ``fully_reshardable`` layout, the states by name
+    (the master as ``param``), which it loads at any dp, tp and pp."""
+    (present,) = structure([whole])
+    extra.update(distrib.fully_reshardable_common(present, settings, adam_step))
+    states = {("param" if kind == MASTER else kind): by_name for kind, by_name in optimizer.items()}
+    return write_torch_dist(out, step, whole, args, args.num_layers, states, extra)
 
 
 def schedule_state(config: Config, schedule_samples: int) -> tuple[dict, dict]:
@@ -189,13 +207,17 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
     folder = iteration_folder(path)
     states = None
     if is_torch_dist(folder):
-        args, head, whole, by_kind = read_torch_dist(folder, optimizer)
-        if by_kind:
+        by_bucket = optimizer and _by_bucket(folder)
+        args, head, whole, by_kind = read_torch_dist(folder, optimizer and not by_bucket)
+        if by_bucket:
+            states = _distributed_dist_states(folder, args, whole)
+        elif by_kind:
             missing = [kind for kind in ADAM_KINDS if kind not in by_kind]
             if missing:
                 raise CheckpointError(f"{folder} holds optimizer states without {missing[0]}: not Adam's; {NO_OPTIM}.")
             states = OptimizerStates(common_step(head.get("optimizer"), f"{folder}/common.pt"))
             states.update(by_kind)
+            distrib.check_by_name(states[MASTER], whole, folder, head)
     else:
         args, head, shards, optimizers = read_shards(folder)
     if not isinstance(args, argparse.Namespace):
@@ -207,7 +229,9 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         whole = merge(shards, tp, pp, gated, tied)
-        if optimizer and optimizers:
+        if optimizer and any(entry is DISTRIBUTED for entry in optimizers.values()):
+            states = _distributed_legacy_states(folder, shards, head, args, tp, pp, gated, tied)
+        elif optimizer and optimizers:
             states = _legacy_states(folder, shards, optimizers, tp, pp, gated, tied)
     params = _ours(whole, gated)
     biases = expert_biases_from_core(whole, params, int(getattr(args, "num_layers", 0) or 0),
@@ -260,6 +284,40 @@ def _legacy_states(folder: str, shards: dict, optimizers: dict, tp: int, pp: int
         if all(r[kind] for r in per_rank.values()):
             out[kind] = merge({key: r[kind] for key, r in per_rank.items()}, tp, pp, gated, tied)
     return out
+
+
+def _merged(per_rank: dict, step: float, tp: int, pp: int, gated: bool, tied: bool) -> OptimizerStates:
+    out = OptimizerStates(step)
+    for kind in out:
+        out[kind] = merge({key: by_kind[kind] for key, by_kind in per_rank.items()}, tp, pp, gated, tied)
+    return out
+
+
+def _distributed_legacy_states(folder: str, shards: dict, head: dict, args, tp: int, pp: int, gated: bool,
+                               tied: bool) -> OptimizerStates:
+    """The distributed optimizer's states of a legacy folder (``distrib_optim.pt`` per rank), merged."""
+    per_rank, step = distrib.legacy_states(folder, shards, head, args, lambda t, p: rank_folder(t, p, pp))
+    return _merged(per_rank, step, tp, pp, gated, tied)
+
+
+def _by_bucket(folder: str) -> str | None:
+    from megatron.checkpoint.dcp_reader import SafeReader
+
+    return distrib.bucketed(SafeReader(folder).read_metadata())
+
+
+def _distributed_dist_states(folder: str, args, whole: dict) -> OptimizerStates:
+    """The distributed optimizer's states of a torch_dist folder by bucket (``dp_reshardable``), merged: the whole
+    model cut as the args' tp x pp saved it, each rank's buckets read in its layout."""
+    from megatron.checkpoint.dcp_reader import SafeReader
+
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    gated, tied = is_gated(args), not getattr(args, "untie_embeddings_and_output_weights", False)
+    shards = cut(whole, tp, pp, int(args.num_layers), gated, tied)
+    reader = SafeReader(folder)
+    per_rank, step = distrib.dist_states(folder, reader, reader.read_metadata(), args, shards)
+    return _merged(per_rank, step, tp, pp, gated, tied)
 
 
 def fit_vocab(params: dict[str, torch.Tensor], vocab: int, rows: int) -> dict[str, torch.Tensor]:

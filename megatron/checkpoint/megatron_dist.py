@@ -24,7 +24,7 @@ modules are keyed one by one (``mtp.layers.{k}.``, never stacked), their ``trans
 layer is. The linears' ``_extra_state`` (None in the local spec) is written as Megatron writes it (bytes per layer,
 per expert, per module), and skipped on reading. The optimizer states are
 ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<key>`` (``megatron_optim``), in the same layout; a distributed
-optimizer's bucket layout is refused in one line.
+optimizer's bucket layout (dp_reshardable) is read by ``megatron_distrib_optim``.
 
 Reading never unpickles arbitrary objects nor opens a file outside the folder: ``.metadata`` and the data files
 through ``dcp_reader.SafeReader`` (an explicit allow-list of (module, name) pairs; every path and byte range the
@@ -226,9 +226,10 @@ def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, 
     keys = metadata.state_dict_metadata
     unknown = [k for k in keys if _OPTIMIZER.match(k) and not _BY_NAME.match(k)]
     if optimizer and unknown:
-        raise CheckpointError(f"{folder} holds optimizer states by gradient bucket ({unknown[0]}: the distributed "
-                              f"optimizer's dp_reshardable layout), which this tool does not convert; re-save it with "
-                              f"--dist-ckpt-optim-fully-reshardable (states by parameter name), {NO_OPTIM}.")
+        raise CheckpointError(f"{folder} holds optimizer states in a layout this tool does not read ({unknown[0]}; "
+                              f"the distributed optimizer's dp_reshardable buckets and states by name are read); "
+                              f"re-save it with --dist-ckpt-optim-fully-reshardable (states by parameter name), "
+                              f"{NO_OPTIM}.")
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in keys.items()
              if isinstance(meta, TensorStorageMetadata) and (optimizer or not _OPTIMIZER.match(key))
              and (not _OPTIMIZER.match(key) or _BY_NAME.match(key))}

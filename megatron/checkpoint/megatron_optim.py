@@ -13,9 +13,9 @@ Apex's / Transformer Engine's FusedAdam, the same state) over the parameter grou
 
 Legacy files (``--ckpt-format torch``) save ``optimizer.state_dict()`` per rank, for that rank's parameters:
 the fp32 optimizer's ``{"state", "param_groups"}``; the fp16/bf16 one's ``{"optimizer": that, "grad_scaler",
-"fp32_from_fp16_params": [[master per parameter] per group]}``. With
-``--use-distributed-optimizer`` the states are in ``distrib_optim.pt`` files, flattened by gradient bucket:
-refused (``DistributedOptimizerStates``). ``torch_dist`` saves them by name, layout-free:
+"fp32_from_fp16_params": [[master per parameter] per group]}``. With ``--use-distributed-optimizer`` the states
+are in ``distrib_optim.pt`` files, flattened by gradient bucket (``megatron_distrib_optim``;
+``DistributedOptimizerStates`` when they are missing). ``torch_dist`` saves them by name, layout-free:
 ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<the parameter's sharded key>``, the step as
 ``optimizer.state.common_step`` and the groups' settings in ``common.pt``.
 
@@ -115,10 +115,9 @@ def _unwrap(saved, where: str) -> tuple[dict, list | None]:
 
 class DistributedOptimizerStates(CheckpointError):
     def __init__(self, where: str):
-        super().__init__(f"{where} was saved with --use-distributed-optimizer: its Adam states are flattened by "
-                         f"gradient bucket (distrib_optim.pt), which this tool does not convert; save the run in "
-                         f"Megatron's torch_dist format (--ckpt-format torch_dist, which keeps them by name), "
-                         f"{NO_OPTIM}.")
+        super().__init__(f"{where} was saved with --use-distributed-optimizer, but its Adam states "
+                         f"(distrib_optim.pt beside the rank file, megatron_distrib_optim) are missing; copy them "
+                         f"there, {NO_OPTIM}.")
 
 
 def read_rank(entry, model: dict, where: str) -> OptimizerStates | None:
@@ -204,8 +203,9 @@ def param_group(decayed: bool, settings: dict) -> dict:
     return {"is_expert_parallel": False, "default_config": True, "wd_mult": 1.0 if decayed else 0.0, "lr_mult": 1.0,
             "is_decoupled_lr": False, "max_lr": settings["max_lr"], "min_lr": settings["min_lr"],
             "lr": settings["lr"], "betas": settings["betas"], "eps": settings["eps"],
-            "weight_decay": settings["weight_decay"], "amsgrad": False, "maximize": False, "foreach": None,
-            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+            "weight_decay": settings["weight_decay"] * (1.0 if decayed else 0.0),  # the scheduler's x wd_mult
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None, "decoupled_weight_decay": True}
 
 
 def rank_optimizer(model: dict, states: dict[str, dict[str, torch.Tensor]], step: float, settings: dict,

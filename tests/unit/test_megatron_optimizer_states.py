@@ -8,8 +8,8 @@
   converts with ``from-megatron``, and ``pretrain_gpt.py --load`` takes the same next step as Megatron Core does from
   that state (a fresh AdamW would not); our run's next checkpoint, exported with ``to-megatron``, loads into Megatron
   Core's optimizer (``load_state_dict``, ``dist_checkpointing.load``) and its next step is ours;
-- what cannot be converted is one line (the distributed optimizer's legacy states, a parameter order that does
-  not match the saved groups), nothing written.
+- what cannot be converted is one line (a damaged distributed-optimizer file, a parameter order that does not match
+  the saved groups), nothing written (the distributed optimizer's states: test_megatron_distrib_optim.py).
 """
 
 from __future__ import annotations
@@ -257,7 +257,9 @@ def test_our_export_continues_in_megatron_cores_optimizer_as_here(tmp_path, core
             assert_params_close(ours_8, ours_of(dict(theirs.named_parameters())), f"{fmt}: Megatron Core's step 8")
 
 
-def test_the_distributed_optimizers_legacy_states_are_refused_in_one_line(tmp_path, one_process, core_run, capsys):
+def test_a_damaged_distributed_optimizer_file_is_refused_in_one_line(tmp_path, one_process, core_run, capsys):
+    """A distrib_optim.pt that is not Megatron Core's distributed-optimizer state (megatron_distrib_optim converts
+    one that is): one line naming the way out, nothing written; --no-optim converts the weights."""
     folder, *_ = core_run
     meg = tmp_path / "meg"
     (meg / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
@@ -268,7 +270,7 @@ def test_the_distributed_optimizers_legacy_states_are_refused_in_one_line(tmp_pa
     (meg / TRACKER).write_text("6")
     assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--use-distributed-optimizer" in err and "--no-optim" in err, err
+    assert len(err.splitlines()) == 1 and "distributed-optimizer state" in err and "--no-optim" in err, err
     assert not (tmp_path / "ours").exists()
     assert convert.main(["from-megatron", str(meg), str(tmp_path / "ours"), "--no-optim"]) == 0
     assert "not converted" in capsys.readouterr().out
