@@ -7,7 +7,7 @@ gpt-oss) and Megatron-LM, and to another tensor-parallel size.
     python tools/convert_checkpoint.py from-megatron MEGATRON_DIR OUT_DIR [--finetune] [--no-optim] [flags]
     python tools/convert_checkpoint.py to-megatron CKPT OUT [--format legacy|torch_dist] [--tp N --pp M] [--no-optim]
         [--expert-model-parallel-size E] [--moe-grouped-gemm] [--transformer-impl local|transformer_engine]
-        [--use-distributed-optimizer [--dp N] [--overlap-grad-reduce [--ddp-bucket-size B]]]
+        [--use-distributed-optimizer [--dp N] [--overlap-grad-reduce [--ddp-bucket-size B]] [--bf16]]
 
 CKPT: a run's output folder (its ``latest`` step) or a ``step_N`` folder. ``to-hf`` writes
 ``config.json``, ``generation_config.json`` and ``model.safetensors``, loadable with
@@ -52,6 +52,7 @@ from megatron.checkpoint import (  # noqa: E402
     hf_deepseek,
 )
 from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
+from megatron.checkpoint import megatron_schedule as schedules  # noqa: E402
 from megatron.checkpoint.convert import (  # noqa: E402
     open_checkpoint,
     read_tensors,
@@ -74,12 +75,6 @@ from megatron.checkpoint.megatron_convert import (  # noqa: E402
     write_export,
 )
 from megatron.checkpoint.megatron_experts import export_layout, megatron_flags  # noqa: E402
-from megatron.checkpoint.megatron_schedule import (  # noqa: E402
-    assumed_consumed,
-    megatron_schedule,
-    schedule_args,
-    schedule_line,
-)
 from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
 
@@ -314,13 +309,13 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
     optimizer states when it has them (not with ``finetune`` or without ``optim``)."""
     args, head, params, states, expert_bias = import_state(path, optimizer=optim and not finetune)
     iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
-    consumed, schedule, notes = (0, None, []) if finetune else megatron_schedule(args, head, iteration)
+    consumed, schedule, notes = (0, None, []) if finetune else schedules.megatron_schedule(args, head, iteration)
     config = shaped_config([*megatron_model_flags(args), *(schedule.flags if schedule else [])], flags,
                            "the checkpoint's args")
     vocab, rows = megatron_vocab_size(args), config.padded_vocab_size
     params = fit_vocab(params, vocab, rows)
     if consumed is None:  # neither the args' samples nor their batch
-        consumed, note = assumed_consumed(iteration, config.batch_size.global_batch_size)
+        consumed, note = schedules.assumed_consumed(iteration, config.batch_size.global_batch_size)
         notes.append(note)
     position = schedule.position if schedule else consumed
     train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": position}
@@ -339,7 +334,7 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
     print(f"wrote {step_dir} (step {iteration}, {consumed:,} consumed samples, "
           f"{sum(t.numel() for t in params.values()):,} parameters) from {path}; continue pretraining with: "
           f"pretrain_gpt.py ... --load {out_dir}")
-    for line in [*notes, *([schedule_line(schedule, config)] if schedule else [])]:
+    for line in [*notes, *([schedules.schedule_line(schedule, config)] if schedule else [])]:
         print(line)
     if states is not None:
         print(f"the optimizer states are converted: Adam's moments at step {states.step:g}"
@@ -357,7 +352,7 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
     """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` (x ``ep`` expert-parallel) ranks in the format
     ``fmt``, with the AdamW states when the checkpoint has them (not without ``optim``); ``grouped``, ``impl`` and
     ``legacy_grouped``: the experts' module and the spec of the Megatron run (``megatron_experts.export_layout``);
-    ``distributed``: (dp, overlap_grad_reduce, ddp_bucket_size) for a run with --use-distributed-optimizer."""
+    ``distributed``: (dp, overlap_grad_reduce, ddp_bucket_size, bf16) for a run with --use-distributed-optimizer."""
     if tp < 1 or pp < 1:
         raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
     reader, common, config = open_checkpoint(ckpt)
@@ -370,7 +365,7 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
     has_states = adam_step > 0 and all(reader.has(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params)
     export_layout(args, ep=ep, grouped=grouped, impl=impl, legacy_grouped=legacy_grouped, fmt=fmt,
                   optimizer=optim and has_states)
-    args.__dict__.update(schedule_args(config))  # the schedule, length and batch, as Megatron-LM saves its own
+    args.__dict__.update(schedules.schedule_args(config))  # the schedule, length and batch, as Megatron saves them
     if distributed is not None:
         distrib.export_args(args, *distributed)
     optimizer = settings = scheduler = None

@@ -338,10 +338,14 @@ def dist_states(folder: str, reader, metadata, args, shards: dict) -> tuple[dict
 
 # ---- writing: what a run with --use-distributed-optimizer loads ----
 
-def export_args(args: argparse.Namespace, dp: int, overlap_grad_reduce: bool, ddp_bucket_size: int | None) -> None:
-    """The distributed optimizer's settings of an export, in its ``args`` (they decide the bucket layout)."""
+def export_args(args: argparse.Namespace, dp: int, overlap_grad_reduce: bool, ddp_bucket_size: int | None,
+                bf16: bool = False) -> None:
+    """The distributed optimizer's settings of an export, in its ``args`` (they decide the bucket layout; ``bf16``:
+    the buffer's dtype key, bf16 weights with fp32 gradients)."""
     args.use_distributed_optimizer, args.data_parallel_size = True, dp
     args.overlap_grad_reduce, args.ddp_bucket_size = overlap_grad_reduce, ddp_bucket_size
+    if bf16:
+        args.bf16, args.params_dtype, args.accumulate_allreduce_grads_in_fp32 = True, torch.bfloat16, True
 
 
 def groups_entry(present: list[bool], settings: dict, step: float) -> dict:
@@ -426,30 +430,38 @@ def add_export_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ddp-bucket-size", type=int, default=None,
                         help="The Megatron run's --ddp-bucket-size (with --overlap-grad-reduce; default "
                              "max(40000000, 1000000 x dp)).")
+    parser.add_argument("--bf16", action="store_true",
+                        help="The Megatron run trains in bf16 (with --use-distributed-optimizer: its buffer holds bf16 "
+                             "weights and fp32 gradients, the key of distrib_optim.pt's states).")
 
 
 def export_options(options: argparse.Namespace) -> tuple | None:
-    """(dp, overlap_grad_reduce, ddp_bucket_size) of ``add_export_flags``' parsed flags, None without the
+    """(dp, overlap_grad_reduce, ddp_bucket_size, bf16) of ``add_export_flags``' parsed flags, None without the
     distributed optimizer; CheckpointError (one line) for settings that it does not read."""
     if not options.distributed:
         if options.overlap_grad_reduce or options.ddp_bucket_size is not None or options.dp != 1:
             raise CheckpointError("--data-parallel-size, --overlap-grad-reduce and --ddp-bucket-size describe the "
                                   "distributed optimizer's buckets; add --use-distributed-optimizer or drop them.")
+        if options.bf16:
+            raise CheckpointError("--bf16 without --use-distributed-optimizer: Megatron's mixed-precision optimizer "
+                                  "expects its fp32_from_fp16_params, which this tool does not write; add "
+                                  "--use-distributed-optimizer, or export with --no-optim.")
         return None
     if options.dp < 1 or (options.ddp_bucket_size is not None and options.ddp_bucket_size < 1):
         raise CheckpointError(f"--data-parallel-size and --ddp-bucket-size must be at least 1, got {options.dp} "
                               f"and {options.ddp_bucket_size}.")
-    return options.dp, options.overlap_grad_reduce, options.ddp_bucket_size
+    return options.dp, options.overlap_grad_reduce, options.ddp_bucket_size, options.bf16
 
 
 def how_to_load(args: argparse.Namespace, fmt: str) -> str:
     """How a Megatron-LM run loads an export's optimizer states (to-megatron's message)."""
     if getattr(args, "use_distributed_optimizer", False):
+        precision = "--bf16" if getattr(args, "bf16", False) else "fp32"
         if fmt == "torch_dist":
-            return "fp32, with --use-distributed-optimizer at any data-parallel size"
+            return f"{precision}, with --use-distributed-optimizer at any data-parallel size"
         size = f" --ddp-bucket-size {args.ddp_bucket_size}" if args.ddp_bucket_size else ""
         buckets = f"--overlap-grad-reduce{size}" if args.overlap_grad_reduce else "without --overlap-grad-reduce"
-        return (f"fp32, with --use-distributed-optimizer, {buckets}, at data-parallel size {args.data_parallel_size} "
-                f"or any other")
+        return (f"{precision}, with --use-distributed-optimizer, {buckets}, at data-parallel size "
+                f"{args.data_parallel_size} or any other")
     return ("fp32, without --use-distributed-optimizer"
             + ("" if fmt == "legacy" else " or with --dist-ckpt-optim-fully-reshardable"))
