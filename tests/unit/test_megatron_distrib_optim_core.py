@@ -458,3 +458,47 @@ def test_at_data_parallel_size_2_its_states_convert_and_ours_load(tmp_path, one_
         for ours_kind, want in r["states"].items():
             for name, t in want.items():
                 assert torch.equal(reader.full(ours_kind, name), t), (kind, ours_kind, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["dense", "moe"])
+def test_its_fp32_optimizer_continues_here_too(tmp_path, one_process, shape):
+    """Without the distributed optimizer (its FP32Optimizer, one per rank file), under its scheduler: the conversion's
+    first resumed step runs at its next learning rate and gives its next weights within 1e-6 of the largest, dense and
+    MoE (test_megatron_optimizer_states.py checks the states and the reverse)."""
+    from tests.unit.megatron_core_reference import core_optimizer
+
+    def step(theirs, optimizer, tokens, labels, mcore) -> None:
+        mcore["scaler"].set_loss_scale(torch.tensor(1.0))
+        optimizer.zero_grad()
+        batch, seq = tokens.shape
+        causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        theirs(tokens, torch.arange(seq).expand(batch, seq), causal, labels=labels).mean().backward()
+        assert optimizer.step()[0]
+
+    with megatron_core() as mcore:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config, _, theirs = build_pair(mcore, *LLAMA, *SHAPES[shape])
+        optimizer = core_optimizer(theirs, LR, WD)
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = LR, MIN_LR
+        scheduler = OptimizerParamScheduler(optimizer, 0.0, LR, MIN_LR, GBS, 16 * GBS, "cosine", WD, WD, 16 * GBS,
+                                            "constant")
+        for _ in range(2):
+            step(theirs, optimizer, *tokens_and_labels(), mcore)
+            scheduler.step(increment=GBS)
+        folder = tmp_path / "meg" / "iter_0000002" / "mp_rank_00"
+        folder.mkdir(parents=True)
+        args = _args(config, shape, False, use_distributed_optimizer=False)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 2, "model": theirs.state_dict(),
+                    "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict()},
+                   folder / FILE)
+        (tmp_path / "meg" / TRACKER).write_text("2")
+        lr = optimizer.param_groups[0]["lr"]
+        step(theirs, optimizer, *mock_batch(config, 2 * GBS), mcore)
+        want = ours_of(dict(theirs.named_parameters()))
+    assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 0
+    reader, resumed_lr = resume(tmp_path / "ours", tmp_path / "run")
+    assert resumed_lr == lr and 0 < lr < LR
+    print(f"{shape}: learning rate {lr!r}, weights within {assert_next_step(reader, want):.2g} of the largest")
