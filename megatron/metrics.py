@@ -74,8 +74,8 @@ def model_flops_per_token(config: Config) -> float:
 
     (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
     not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
-    backend; a layer with a sliding window of w keys over s x min(s, w + 1). Norms, activations and rotary embeddings are not matmuls and are left out. Recompute is
-    not counted: these are model FLOPs, the basis of MFU.
+    backend; a layer with a sliding window of w keys over s x min(s, w + 1). Norms, activations and rotary
+    embeddings are not matmuls and are left out. Recompute is not counted: these are model FLOPs, the basis of MFU.
     """
     m, s, v = config.model, config.dataset.max_seq_len, config.padded_vocab_size
     h, f = m.hidden_size, m.ffn_hidden_size

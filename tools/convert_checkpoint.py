@@ -45,60 +45,20 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
-from megatron.checkpoint import (  # noqa: E402
-    CheckpointError,
-    hf_deepseek,
-)
+from megatron.checkpoint import CheckpointError, hf_deepseek  # noqa: E402
 from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
-from megatron.checkpoint import megatron_schedule as schedules  # noqa: E402
-from megatron.checkpoint.convert import (  # noqa: E402
-    open_checkpoint,
-    read_tensors,
-    reshard,
-    write_checkpoint,
-    write_params,
-)
+from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
+from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config  # noqa: E402
 from megatron.checkpoint.format import file_inside  # noqa: E402
 from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
 from megatron.checkpoint.hf_models import converter_for_hf, converter_for_model  # noqa: E402
-from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags  # noqa: E402
-from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size  # noqa: E402
-from megatron.checkpoint.megatron_convert import (  # noqa: E402
-    export_optimizer,
-    export_state,
-    fit_vocab,
-    import_state,
-    read_params,
-    schedule_state,
-    write_export,
-)
-from megatron.checkpoint.megatron_experts import export_layout, megatron_flags  # noqa: E402
-from megatron.config import Config, ConfigError, parse_config, to_dict, validate  # noqa: E402
-from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer, configured_tokenizer  # noqa: E402
+from megatron.checkpoint.megatron_commands import from_megatron, to_megatron  # noqa: E402
+from megatron.config import Config, ConfigError, parse_config  # noqa: E402
+from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 
 PROG = "convert_checkpoint.py"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Model shape and architecture: from config.json, never overridden by a flag (the weights fit these).
-_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                 "position_embedding_type", "rotary_percent", "normalization", "swiglu", "group_query_attention",
-                 "num_query_groups", "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear",
-                 "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                 "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-                 "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "multi_latent_attention",
-                 "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm")
-_SHAPE_FIELDS += ("moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor", "rope_type",
-                  "rotary_scaling_factor", "original_max_position_embeddings", "mscale", "mscale_all_dim",
-                  "mtp_num_layers")  # the DeepSeek-V3 shape's
-_SHAPE_FIELDS += ("window_size", "window_attn_skip_freq", "softmax_type", "quick_geglu", "glu_linear_offset",
-                  "activation_func_clamp_value", "yarn_beta_fast", "yarn_beta_slow",
-                  "yarn_correction_range_round_to_int",  # gpt-oss's
-                  "rotary_base", "rotary_interleaved", "layernorm_epsilon")  # any rope's and norm's
-
-
-class ToolError(Exception):
-    """A one-line message for the user (exit status 2)."""
 
 
 def _write_atomic(path: str, write) -> None:
@@ -217,30 +177,6 @@ def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
     return shaped_config([*derived, "--max-seq-len", str(min(1024, n_positions))], flags, "config.json")
 
 
-def shaped_config(derived: list[str], flags: list[str], source: str) -> Config:
-    """Our resolved config of the model flags ``derived`` (read off ``source``) with ``flags`` on top: the shape
-    fields must stay as ``derived`` says, vocab_size may only grow."""
-    config = parse_config([*derived, *flags])
-    want = parse_config(derived).model
-    for name in _SHAPE_FIELDS:
-        if getattr(config.model, name) != getattr(want, name):
-            raise ToolError(f"{name} is {getattr(want, name)} in {source}; it cannot be changed "
-                            f"(got {getattr(config.model, name)}).")
-    if config.model.vocab_size < want.vocab_size:
-        raise ToolError(f"vocab_size {config.model.vocab_size} is smaller than the model's ({want.vocab_size}).")
-    d = config.distributed
-    no_data = not config.dataset.mock_data and not config.dataset.input_dir
-    config.dataset.mock_data = config.dataset.mock_data or no_data  # validation needs a data source
-    world_size = d.mp_degree * d.pp_degree * d.sharding.sharding_degree * (d.dp_degree or 1)
-    # a TokenizerError is reported in one line, by main
-    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)
-    validate(config, world_size=world_size, cuda_available=config.device == "gpu" or torch.cuda.is_available(),
-             tokenizer_vocab_size=None if tokenizer is None else tokenizer.vocab_size)
-    if no_data:
-        config.dataset.mock_data = False  # the run that loads the checkpoint names its data
-    return config
-
-
 def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) -> None:
     path = os.path.join(hf_dir, "config.json")
     try:
@@ -276,7 +212,7 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     # fixes, and its tokenizer; the schedule, batch sizes and data are that run's own (derived from its
     # flags, not pinned here).
     step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
-                            force=force, resume_config=_model_base(config), train_state=train_state)
+                            force=force, resume_config=model_base(config), train_state=train_state)
     if found is not None:
         os.makedirs(tokenizer_dir, exist_ok=True)
         for name, source in found[1].items():
@@ -287,106 +223,6 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     if found is not None:
         print(f"tokenizer: {found[0]['tokenizer_type']} from {hf_dir}, copied to {tokenizer_dir} and named in the "
               f"checkpoint's config (tools/generate.py --load {out_dir} needs no tokenizer flags)")
-
-
-def _model_base(config: Config, schedule: bool = False) -> str:
-    """``config.yaml`` of a converted checkpoint: a run loading it takes the model, which the weights fix, and its
-    tokenizer from it, and with ``schedule`` (from-megatron) Megatron's optimizer settings, learning-rate schedule,
-    training length and global batch (``megatron_schedule``); the rest (and what its flags give) is that run's own."""
-    sections = to_dict(config)
-    named = config.tokenizer.tokenizer_type is not None
-    base = {"Model": sections["Model"], **({"tokenizer": sections["tokenizer"]} if named else {})}
-    if schedule:
-        base.update({"Optimizer": sections["Optimizer"], "max_steps": sections["max_steps"],
-                     "train_samples": sections["train_samples"],
-                     "batch_size": {"global_batch_size": sections["batch_size"]["global_batch_size"]}})
-    return yaml.safe_dump(base, sort_keys=False)
-
-
-def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False,
-                  optim: bool = True) -> None:
-    """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM checkpoint, with its
-    optimizer states when it has them (not with ``finetune`` or without ``optim``)."""
-    args, head, params, states, expert_bias = import_state(path, optimizer=optim and not finetune)
-    iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
-    consumed, schedule, notes = (0, None, []) if finetune else schedules.megatron_schedule(args, head, iteration)
-    config = shaped_config([*megatron_model_flags(args), *(schedule.flags if schedule else [])], flags,
-                           "the checkpoint's args")
-    vocab, rows = megatron_vocab_size(args), config.padded_vocab_size
-    params = fit_vocab(params, vocab, rows)
-    if consumed is None:  # neither the args' samples nor their batch
-        consumed, note = schedules.assumed_consumed(iteration, config.batch_size.global_batch_size)
-        notes.append(note)
-    position = schedule.position if schedule else consumed
-    train_state = {"consumed_samples": consumed, "skipped_steps": 0, "schedule_samples": position}
-    if expert_bias and config.model.moe_router_enable_expert_bias:  # no parameter: the train state keeps it
-        train_state["moe_expert_bias"] = expert_bias
-    entries = [("param", name) for name in params]
-    tensors = {"param": params}
-    if states is not None:
-        tensors.update({kind: fit_vocab(states[kind], vocab, rows) for kind in ("exp_avg", "exp_avg_sq")})
-        entries += [(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params]
-    step_dir = write_checkpoint(out_dir, config, entries, lambda kind, name: tensors[kind][name],
-                                tp=config.distributed.mp_degree, step=iteration,
-                                adam_step=states.step if states is not None else 0.0, train_state=train_state,
-                                converted_by="from-megatron", force=force,
-                                resume_config=_model_base(config, schedule is not None))
-    print(f"wrote {step_dir} (step {iteration}, {consumed:,} consumed samples, "
-          f"{sum(t.numel() for t in params.values()):,} parameters) from {path}; continue pretraining with: "
-          f"pretrain_gpt.py ... --load {out_dir}")
-    for line in [*notes, *([schedules.schedule_line(schedule, config)] if schedule else [])]:
-        print(line)
-    if states is not None:
-        print(f"the optimizer states are converted: Adam's moments at step {states.step:g}"
-              f"{', the fp32 master weights' if states.masters else ''}, the learning-rate schedule at "
-              f"{position:,} samples.")
-    elif "optimizer" in head:
-        why = "--finetune" if finetune else "--no-optim" if not optim else "the saved optimizer never stepped"
-        print(f"the optimizer states are not converted ({why}): the run continues with a fresh AdamW, as Megatron's "
-              f"--no-load-optim.")
-
-
-def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int = 1, optim: bool = True, ep: int = 1,
-                grouped: bool = False, impl: str | None = None, legacy_grouped: bool = False,
-                distributed: tuple | None = None) -> None:
-    """Write Megatron-LM's checkpoint of ``ckpt`` for ``tp`` x ``pp`` (x ``ep`` expert-parallel) ranks in the format
-    ``fmt``, with the AdamW states when the checkpoint has them (not without ``optim``); ``grouped``, ``impl`` and
-    ``legacy_grouped``: the experts' module and the spec of the Megatron run (``megatron_experts.export_layout``);
-    ``distributed``: (dp, overlap_grad_reduce, ddp_bucket_size, bf16) for a run with --use-distributed-optimizer."""
-    if tp < 1 or pp < 1:
-        raise ToolError(f"--tp and --pp must be at least 1, got {tp} and {pp}.")
-    reader, common, config = open_checkpoint(ckpt)
-    train_state = common.get("train_state") or {}
-    consumed = int(train_state.get("consumed_samples", 0))
-    step, adam_step = int(common["step"]), float(common.get("adam_step") or 0.0)
-    params = read_params(reader)
-    whole, args = export_state(params, config, tp, pp, step=step, consumed_samples=consumed,
-                               expert_bias=train_state.get("moe_expert_bias"))
-    has_states = adam_step > 0 and all(reader.has(kind, name) for kind in ("exp_avg", "exp_avg_sq") for name in params)
-    export_layout(args, ep=ep, grouped=grouped, impl=impl, legacy_grouped=legacy_grouped, fmt=fmt,
-                  optimizer=optim and has_states)
-    args.__dict__.update(schedules.schedule_args(config))  # the schedule, length and batch, as Megatron saves them
-    if distributed is not None:
-        distrib.export_args(args, *distributed)
-    optimizer = settings = scheduler = None
-    if optim and has_states:
-        states = {kind: read_tensors(reader, kind) for kind in ("exp_avg", "exp_avg_sq")}
-        optimizer = export_optimizer(states, params, config, tp)
-        settings, scheduler = schedule_state(config, int(train_state.get("schedule_samples", consumed)))
-    folder = write_export(out, fmt, whole, args, step, optimizer, adam_step, settings, scheduler)
-    carried = "the weights, iteration and consumed samples"
-    layout = f"tensor-parallel {tp} x pipeline {pp}" + (f" x expert-parallel {ep}" if ep > 1 else "")
-    if optimizer is not None:
-        print(f"wrote {folder} ({fmt}, {layout}, iteration {step}, padded vocabulary "
-              f"{args.padded_vocab_size}, the AdamW states at step {adam_step:g}) from {reader.step_dir}; load it in "
-              f"Megatron-LM with --load {out} --use-mcore-models --no-load-rng {megatron_flags(args)} ({carried}, "
-              f"the optimizer and its learning-rate schedule: {distrib.how_to_load(args, fmt)})")
-    else:
-        why = "--no-optim" if has_states else "the checkpoint has no AdamW states"
-        print(f"wrote {folder} ({fmt}, {layout}, iteration {step}, padded vocabulary "
-              f"{args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
-              f"--use-mcore-models --no-load-optim --no-load-rng {megatron_flags(args)} ({carried}; no optimizer "
-              f"states: {why})")
 
 
 def _hf_tokenizer(hf_dir: str, hf_cfg: dict, flags: list[str]) -> tuple[dict, dict[str, str]] | None:

@@ -163,8 +163,10 @@ def dims(config: Config, kernel: str | None = None) -> Dims:
                 tp=tp, sp=d.sequence_parallel and tp > 1, d=4 if config.params_dtype_name == "float32" else 2,
                 hidden_dropout=m.hidden_dropout_prob > 0, attn_dropout=m.attention_probs_dropout_prob > 0,
                 device="gpu" if config.device == "gpu" else "cpu", kernel=kernel,
-                rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu, mlp_saves=mlp_saves(m), zero_sinks=m.softmax_type == "off-by-one",
-                rot=mla.dr if mla else int(hd * m.rotary_percent) if m.position_embedding_type in ("rope", "yarn") else 0,
+                rmsnorm=m.normalization == "RMSNorm", swiglu=m.swiglu, mlp_saves=mlp_saves(m),
+                zero_sinks=m.softmax_type == "off-by-one",
+                rot=mla.dr if mla else int(hd * m.rotary_percent) if m.position_embedding_type in ("rope", "yarn")
+                else 0,
                 learned_positions=m.position_embedding_type == "learned_absolute", cp=d.context_parallel_size,
                 cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask, moe=moe_dims(config),
                 moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers + mtp)),

@@ -24,9 +24,9 @@ from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of
 from megatron.model.transformer import (
     Rotary,
-    attention_needs_plan,
     SelfAttention,
     TransformerDecoderLayer,
+    attention_needs_plan,
     attention_shape,
     make_norm,
     parallel_dropout,

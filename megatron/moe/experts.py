@@ -1,6 +1,7 @@
 """The experts of a mixture-of-experts layer held by this rank: ``E / ep`` MLPs shaped like the model's (GELU, SwiGLU
-or quick GeGLU, with the MLP's interleaved gate/up rows, biases or not: gpt-oss's experts have them) of width ``moe_ffn_hidden_size``, each cut over
-the expert-tensor-parallel ranks (etp) like a column- then row-parallel MLP, without communication of its own:
+or quick GeGLU, with the MLP's interleaved gate/up rows, biases or not: gpt-oss's experts have them) of width
+``moe_ffn_hidden_size``, each cut over the expert-tensor-parallel ranks (etp) like a column- then row-parallel MLP,
+without communication of its own:
 the dispatcher (``megatron.moe.dispatch``) gives every etp rank of an expert the same tokens and sums their
 partial outputs.
 

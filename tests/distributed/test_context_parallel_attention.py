@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron import parallel_state
 from megatron.context_parallel import AttentionPlan, attend, local_positions

@@ -9,8 +9,8 @@ import torch
 
 from megatron.config import ConfigError, parse_config, validate
 from megatron.context_parallel import AttentionPlan, attend, chunk_ids, local_positions, split_batch
-from megatron.context_parallel.plan import plan_blocks
 from megatron.context_parallel.layout import merge_chunks, scatter_chunks
+from megatron.context_parallel.plan import plan_blocks
 from megatron.data.loader import build_batch
 from megatron.data.packing import document_ids, reset_positions
 from megatron.model import build_model

@@ -229,7 +229,7 @@ def test_a_megatron_checkpoint_with_an_unmapped_window_is_refused_in_one_line(tm
 ])
 def test_the_checkpoints_shape_cannot_be_overridden(flags, field):
     """``from-megatron`` / ``from-hf`` take pretrain_gpt.py flags, never one that changes the network the weights
-    belong to (``_SHAPE_FIELDS``)."""
+    belong to (``converted_config.SHAPE_FIELDS``)."""
     derived = model_flags(to_args(parse_config([*TINY, *GPT_OSS]).model, tp=1, pp=1, seq_length=8, iteration=0,
                                   consumed_train_samples=0))
     assert convert.shaped_config(derived, ["--max-seq-len", "8"], "the checkpoint's args").model.window_size == "3,0"
