@@ -5,7 +5,8 @@ scaled to this machine (layers, widths, experts, sequence, batch, steps); every 
 gives it, but FP8's (refused on a CPU, in one line: the last test). One parallel size is scaled down: the MTP
 config's --expert-model-parallel-size 4, to 2, since ep 4 under tp 2 x pp 2 takes 8 ranks (a stage's tp x dp
 ranks hold the experts) and this suite runs on 2 cores; all its other sizes (tp 2, pp 2, vpp 4, etp 1, sequence
-parallel) are Megatron's. Every run is trained by one launch of 4 ranks.
+parallel) are Megatron's. Every run is trained by one launch of 4 ranks, but Megatron-LM's Qwen3-30B-A3B and gpt-oss
+lines, scaled to 2 ranks, which join the suite's shared 2-rank launch.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from megatron.optimizer.lr_schedule import OptimizerParamSchedule
-from tests.functional.launch import outcome, run_here, run_several
+from tests.functional.launch import outcome, parity_layouts, run_here, run_several
 from tests.functional.test_pretrain_data import corpus  # noqa: F401  (the fixture: a tiny BPE corpus)
 from tests.unit.megatron_example_scripts import EXAMPLE_GPT_OSS, EXAMPLE_QWEN3_30B_A3B
 from tests.unit.megatron_flag_sets import FUNCTIONAL
@@ -55,13 +56,13 @@ DEEPSEEK = {
             "--exit-interval": "4"},
 }
 # Megatron-LM's Qwen3-30B-A3B model config and its gpt-oss training script (tests/unit/megatron_example_scripts.py),
-# scaled: Qwen3's tp 4 to 2 (tp 4 x ep 2 takes 8 ranks: a stage's tp x dp ranks hold ep x etp), gpt-oss's pp 8 (one
-# stage per GPU of its 8) to the launch's 4, its window of 127 keys to 15 of a 64-token sequence
+# scaled to 2 ranks (they join the suite's shared 2-rank launch): Qwen3's tp 4 to 1 (ep 2 over the 2 data-parallel
+# ranks), gpt-oss's pp 8 (one stage per GPU of its 8) to 2, its window of 127 keys to 15 of a 64-token sequence
 QWEN3 = "qwen3_30b_a3b_moe"  # examples/rl/model_configs/qwen3_30b_a3b_moe.sh
 GPT_OSS = "gptoss_02_train"  # examples/gptoss/02_train.sh
 SCRIPTS = {**FUNCTIONAL, QWEN3: EXAMPLE_QWEN3_30B_A3B, GPT_OSS: EXAMPLE_GPT_OSS}
 OPEN_MODELS = {
-    QWEN3: {"--tensor-model-parallel-size": "2", "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
+    QWEN3: {"--tensor-model-parallel-size": "1", "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
             "--num-attention-heads": "4", "--kv-channels": "16", "--num-query-groups": "2", "--seq-length": "32",
             "--max-position-embeddings": "32", "--num-experts": "8", "--moe-router-topk": "2",
             "--moe-ffn-hidden-size": "32", "--vocab-size": "512", "--global-batch-size": "8", "--train-iters": "2"},
@@ -69,7 +70,7 @@ OPEN_MODELS = {
               "--num-query-groups": "4", "--seq-length": "64", "--max-position-embeddings": "64",
               "--window-size": "15,0", "--moe-ffn-hidden-size": "128", "--vocab-size": "1024",
               "--global-batch-size": "8", "--train-samples": "16", "--lr-decay-samples": "15",
-              "--pipeline-model-parallel-size": "4"},
+              "--pipeline-model-parallel-size": "2"},
 }
 NPROC = 4  # the fewest the MTP one's tp 2 x pp 2 takes; the others' data-parallel ranks
 # (flag, how many values it takes): refused on this machine, and dropped from the runs that train
@@ -124,8 +125,7 @@ def runs(corpus, tmp_path_factory):  # noqa: F811
 
     lines = {"llama-first": argv(LLAMA, SCALED), "llama-second": argv(LLAMA, SCALED, **{"--train-iters": "8"}),
              "mtp-first": argv(MTP, DEEPSEEK[MTP], **{"--exit-interval": "2"}), "mtp-resumed": argv(MTP, DEEPSEEK[MTP]),
-             "proxy": argv(PROXY, DEEPSEEK[PROXY]), "qwen3": argv(QWEN3, OPEN_MODELS[QWEN3]),
-             "gpt-oss": argv(GPT_OSS, OPEN_MODELS[GPT_OSS])}
+             "proxy": argv(PROXY, DEEPSEEK[PROXY])}
     launch = run_several([(root / run, line) for run, line in lines.items()], nproc=NPROC)
     return root, {run: outcome(root / run, NPROC, launch) for run in lines}
 
@@ -203,13 +203,18 @@ def test_megatron_deepseek_command_line_with_fp8_stops_with_one_line(corpus, tmp
     assert "Traceback" not in result.stderr and not (tmp_path / "ckpt").exists()
 
 
+OPEN_RUNS = parity_layouts({f"megatron-{name}": (2, [*_without_fp8(_command_line(name, Path("."), Path("{runs}") /
+                                                                                f"{name}-ckpt", scaled)), "--device",
+                                                     "cpu"]) for name, scaled in OPEN_MODELS.items()})
+
+
+@pytest.mark.shared_runs(*OPEN_RUNS)
 @pytest.mark.parametrize("name", OPEN_MODELS)
-def test_megatron_open_model_scripts_train(runs, name):
+def test_megatron_open_model_scripts_train(parity, name):
     """Megatron-LM's Qwen3-30B-A3B config and gpt-oss script, scaled down, train with no flag refused but FP8's
     (tested above for the DeepSeek-like lines; the gpt-oss script's are dropped here): every step's loss finite, the
     model the flags describe (QK-norm; gpt-oss's window, sinks, quick GeGLU and YaRN, --enable-gpt-oss's)."""
-    root, outcomes = runs
-    run = outcomes["qwen3" if name == QWEN3 else "gpt-oss"]
+    run, root = parity.outcome(f"megatron-{name}"), parity.root
     run.check()
     log = run.log + run.stdout
     assert "not available here" not in log and "accepted, no effect here:" in log
