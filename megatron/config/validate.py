@@ -76,7 +76,8 @@ def _check_data(config: Config, tokenizer_vocab_size: int | None, training_data:
             config.model.vocab_size = tokenizer_vocab_size
         elif config.model.vocab_size < tokenizer_vocab_size:
             _fail(f"Model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                  f"({tokenizer_vocab_size}); raise it or leave it unset.")
+                  f"({tokenizer_vocab_size}); pass --vocab-size {tokenizer_vocab_size} (or more), or drop vocab_size "
+                  f"from the YAML and the flags: it then defaults to the tokenizer's.")
     if config.model.vocab_size is None:
         config.model.vocab_size = 50304
     _check_eod_token(config)
@@ -112,7 +113,9 @@ def _check_data_sources(config: Config, training_data: bool) -> None:
     train_data_path (with valid_data_path and test_data_path, each split its own data, optional)."""
     d = config.dataset
     if d.mock_data and d.input_dir:
-        _fail("both mock_data and input_dir are set; choose synthetic data or a dataset.")
+        _fail("both mock_data and input_dir are set; choose synthetic data or a dataset: pass --no-mock-data to train "
+              "on input_dir (a YAML that sets mock_data: True, as the tiny CPU configs do, needs it), or drop "
+              "--input-dir.")
     if d.train_data_path and (d.mock_data or d.input_dir):
         _fail(f"both {'mock_data' if d.mock_data else 'input_dir (--data-path)'} and train_data_path are set; give "
               "one source of training data: --data-path is cut into train, validation and test by --split, while "

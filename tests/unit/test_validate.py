@@ -223,3 +223,19 @@ def test_empty_yaml_is_a_warning(tmp_path, body):
     warnings.clear()
     parse_config(["-c", write(tmp_path, "max_steps: 5\n", "full.yaml")], warnings=warnings)
     assert warnings == []
+
+
+def test_the_data_and_vocabulary_errors_name_the_flag_that_fixes_them(tmp_path):
+    """Adapting the tiny CPU config (mock_data: True, vocab_size set) to real data: each error says what to pass."""
+    yaml_path = write(tmp_path, "dataset:\n  mock_data: True\nModel:\n  vocab_size: 1024\n")
+    with pytest.raises(ConfigError, match="pass --no-mock-data to train on input_dir"):
+        check(parse_config(["-c", yaml_path, "--device", "cpu", "--input-dir", "data/corpus_text_document"]))
+    config = parse_config(["-c", yaml_path, "--device", "cpu", "--tokenizer-type", "NullTokenizer"])
+    with pytest.raises(ConfigError) as raised:
+        validate(config, world_size=1, cuda_available=False, tokenizer_vocab_size=50257)
+    message = str(raised.value)
+    assert "pass --vocab-size 50257 (or more), or drop vocab_size from the YAML" in message and "\n" not in message
+    config = parse_config(["-c", yaml_path, "--device", "cpu", "--no-mock-data", "--input-dir", "data/x_document",
+                           "--tokenizer-type", "NullTokenizer"])
+    validate(config, world_size=1, cuda_available=False, tokenizer_vocab_size=1024)  # the fix the first message names
+    assert not config.dataset.mock_data and config.dataset.input_dir
