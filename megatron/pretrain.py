@@ -22,11 +22,24 @@ from megatron.training import DatasetsProvider, ModelProvider, Trainer, TrainSta
 
 
 def _parameters_shown(config: Config, on_rank: int, ps) -> str:
-    """Rank 0's parameter count; split by tp or pp, with the whole model's (as exported: unpadded by tp)."""
-    if ps.tp_size * ps.pp_size == 1:
+    """Rank 0's parameter count; split by tp, pp or ep (rank 0 then holds a share), with the whole model's (as
+    exported: unpadded by tp, every expert)."""
+    if ps.tp_size * ps.pp_size * ps.ep_size * ps.etp_size == 1:
         return f"{on_rank / 1e6:.2f}M parameters"
     whole = parameters_per_rank(config, ep=1, etp=1)
-    return f"{on_rank / 1e6:.2f}M parameters on rank 0 (tp rank 0, pipeline stage 0) of {whole / 1e6:.2f}M in the model"
+    where = "tp rank 0, pipeline stage 0" + (", ep rank 0" if ps.ep_size > 1 else "")
+    return f"{on_rank / 1e6:.2f}M parameters on rank 0 ({where}) of {whole / 1e6:.2f}M in the model"
+
+
+def _axes(ps, config: Config, zero_stage: int) -> str:
+    """Every axis of the layout, for the start-up line: dp, tp, pp, sharding (and the ZeRO stage when the optimizer
+    is sharded), the experts' ep and etp in a MoE model, cp."""
+    parts = [f"dp {ps.dp_size}", f"tp {ps.tp_size}", f"pp {ps.pp_size}", f"sharding {ps.sharding_size}"]
+    if ps.sharding_size > 1 or ps.shard_over_cp:
+        parts.append(f"ZeRO stage {zero_stage}")
+    if config.model.num_experts:
+        parts += [f"ep {ps.ep_size}", f"etp {ps.etp_size}"]
+    return ", ".join(parts) + _context_parallel(ps, config)
 
 
 def _log_segmentation(config: Config, ps, log) -> None:
@@ -75,8 +88,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
     if ps.rank == 0:
         described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
         log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
-                 f"device {described}, world size {ps.world_size} (dp {ps.dp_size}, tp {ps.tp_size}, "
-                 f"pp {ps.pp_size}, sharding {ps.sharding_size}{_context_parallel(ps, config)})")
+                 f"device {described}, world size {ps.world_size} ({_axes(ps, config, plan.stage)})")
         if config.dataset.reset_attention_mask or config.dataset.reset_position_ids:
             log.info(f"packed documents: {_packing(config)}")
         if precision_warning:

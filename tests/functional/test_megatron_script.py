@@ -173,7 +173,7 @@ def test_megatron_deepseek_command_line_trains(runs, name):
     if name == PROXY:
         assert ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params: ZeRO stage 3 over the "
                 "whole data-parallel group here" in log)
-        assert "world size 4 (dp 1, tp 1, pp 1, sharding 4)" in log
+        assert "world size 4 (dp 1, tp 1, pp 1, sharding 4, ZeRO stage 3, ep 2, etp 1)" in log
         _assert_trained(records, 4)
         return
     resumed = outcomes["mtp-resumed"]
