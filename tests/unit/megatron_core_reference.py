@@ -265,3 +265,27 @@ def core_step(theirs, optimizer, tokens, labels, lr: float, weight_decay: float)
     optimizer.zero_grad()
     core_forward(theirs.train(), tokens, labels).mean().backward()
     assert optimizer.step()[0]
+
+
+def save_as_megatron(theirs, args, root: Path, iteration: int, fmt: str) -> None:
+    """Megatron Core's ``theirs`` saved in ``root`` as Megatron-LM saves a one-rank run at ``iteration``: legacy (its
+    state dict in ``iter_N/mp_rank_00``) or torch_dist (its own ``dist_checkpointing.save``; on the CPU its CUDA
+    synchronisation and its writer's memory probe are no-ops), then the tracker file."""
+    from megatron.checkpoint.megatron_legacy import FILE, TRACKER
+
+    folder = root / f"iter_{iteration:07d}"
+    if fmt == "legacy":
+        (folder / "mp_rank_00").mkdir(parents=True)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": theirs.state_dict()},
+                   folder / "mp_rank_00" / FILE)
+    else:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
+            folder.mkdir(parents=True)
+            dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": args, "iteration": iteration,
+                                     "checkpoint_version": 3.0}, str(folder))
+    (root / TRACKER).write_text(str(iteration))

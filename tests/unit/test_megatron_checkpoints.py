@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron import parallel_state
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_params
 from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
 from megatron.config import parse_config, validate
@@ -55,13 +54,6 @@ convert = program_module("tools/convert_checkpoint.py")
 SHAPES = {"gpt2": ["--vocab-size", "250"], "llama": [*LLAMA, "--vocab-size", "250"],
           "llama_moe": [*LLAMA, *MOE, "--vocab-size", "250"],
           "qwen3": [*LLAMA, "--qk-layernorm", "--vocab-size", "250"]}
-
-
-@pytest.fixture
-def one_process():
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
 
 
 def our_checkpoint(run, flags, step=12, consumed=96):

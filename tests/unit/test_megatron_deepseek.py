@@ -31,9 +31,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron import moe, parallel_state
+from megatron import moe
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_legacy import FILE, safe_load
 from megatron.checkpoint.megatron_optim import core_order
 from megatron.config import parse_config, validate
 from megatron.model.gpt import GPTModel
@@ -43,6 +43,7 @@ from tests.unit.megatron_core_reference import (
     assert_close_to_scale,
     core_forward,
     megatron_core,
+    save_as_megatron,
     tokens_and_labels,
 )
 from tests.unit.test_megatron_checkpoints import convert
@@ -61,13 +62,6 @@ SHAPES = {"q_lora": [*MLA, "--q-lora-rank", "10", *YARN, *ROUTER],
           # GPT-2's shape with a prediction module: tied head, learned positions (shifted for the module), LayerNorm
           # with biases (the modules' norms too), dense
           "gpt2_mtp": ["--mtp-num-layers", "1"]}
-
-
-@pytest.fixture
-def one_process():
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
 
 
 def biases(config) -> dict[str, list[float]]:
@@ -398,8 +392,6 @@ def test_megatron_cores_own_checkpoint_gives_its_losses_here(tmp_path, mcore, fm
     perturbed; expert biases set), saved as Megatron-LM saves it (legacy: its state dict; torch_dist: its
     ``dist_checkpointing.save``), converts with ``from-megatron`` and gives its losses here: the language model's
     per token (with MTP, Megatron Core's forward wants labels and returns no logits) and each depth's."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron.checkpoint.megatron_args import to_args
 
@@ -414,19 +406,7 @@ def test_megatron_cores_own_checkpoint_gives_its_losses_here(tmp_path, mcore, fm
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
         for layer in (theirs.decoder.layers[1], *(m.transformer_layer for m in theirs.mtp.layers)):
             layer.mlp.router.expert_bias.copy_(torch.tensor(bias[str(layer.layer_number - 1)]))
-    folder = tmp_path / "meg" / "iter_0000006"
-    if fmt == "legacy":
-        (folder / "mp_rank_00").mkdir(parents=True)
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 6, "model": theirs.state_dict()},
-                   folder / "mp_rank_00" / FILE)
-    else:
-        with pytest.MonkeyPatch.context() as patches:
-            patches.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
-            folder.mkdir(parents=True)
-            dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": args, "iteration": 6,
-                                     "checkpoint_version": 3.0}, str(folder))
-    (tmp_path / "meg" / TRACKER).write_text("6")
+    save_as_megatron(theirs, args, tmp_path / "meg", 6, fmt)
     assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 0
     reader, common, back = open_checkpoint(str(tmp_path / "ours"))
     assert back.model == config.model

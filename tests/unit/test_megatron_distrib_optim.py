@@ -34,15 +34,6 @@ from tests.unit.test_megatron_checkpoints import convert
 pytestmark = CORE_WARNINGS
 
 
-@pytest.fixture
-def one_process():
-    from megatron import parallel_state
-
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
-
-
 def _core_scheduler(args, gbs):
     """Megatron Core's OptimizerParamScheduler as Megatron-LM's get_optimizer_param_scheduler builds it from
     ``args`` (megatron/training/training.py), over a stand-in optimizer with one group."""

@@ -212,15 +212,6 @@ def megatron_runs(tmp_path_factory):
     return runs
 
 
-@pytest.fixture
-def one_process():
-    from megatron import parallel_state
-
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
-
-
 def resume(converted, out, *flags: str):
     """Our run resuming ``converted`` for one step (step 3), with no schedule flags: Megatron's, carried."""
     result = run_here("--mock-data", "--device", "cpu", "--load", str(converted), "--save", str(out),

@@ -35,7 +35,6 @@ import warnings
 import pytest
 import torch
 
-from megatron import parallel_state
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint, write_params
 from megatron.checkpoint.megatron_core_names import interleaved_to_halves
 from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
@@ -56,13 +55,6 @@ from tests.unit.megatron_core_reference import (
 from tests.unit.test_megatron_checkpoints import SHAPES, convert, megatron_args, our_checkpoint
 
 pytestmark = CORE_WARNINGS
-
-
-@pytest.fixture
-def one_process():
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
 
 
 def moe_args(config, **change) -> argparse.Namespace:

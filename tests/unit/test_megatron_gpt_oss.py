@@ -34,7 +34,6 @@ import types
 import pytest
 import torch
 
-from megatron import parallel_state
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
 from megatron.checkpoint.hf_common import ConversionError
 from megatron.checkpoint.megatron_args import model_flags, to_args
@@ -48,6 +47,7 @@ from tests.unit.megatron_core_reference import (
     core_forward,
     core_model_from_args,
     megatron_core,
+    save_as_megatron,
     tokens_and_labels,
 )
 from tests.unit.test_megatron_checkpoints import convert
@@ -66,13 +66,6 @@ GPT_OSS = ["--normalization", "RMSNorm", "--layernorm-epsilon", "1e-6", "--group
            "--yarn-beta-fast", "4", "--no-yarn-correction-range-round-to-int", "--num-experts", "4",
            "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]", "--moe-token-dispatcher-type", "allgather"]
 SINKS = "self_attention.core_attention.softmax_offset"
-
-
-@pytest.fixture
-def one_process():
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
 
 
 def our_checkpoint(run, flags=(), step=12, consumed=96, scale=1.0):
@@ -317,8 +310,6 @@ def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, mcore, fm
     """Megatron Core's own GPTModel of the gpt-oss shape (its initialisation, perturbed: the sinks and biases not
     zero), saved as Megatron-LM saves it (legacy: its state dict; torch_dist: its ``dist_checkpointing.save``),
     converts with ``from-megatron`` and gives its logits here."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     config = parse_config([*TINY, *GPT_OSS])
     validate(config)
@@ -328,19 +319,7 @@ def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, mcore, fm
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    folder = tmp_path / "meg" / "iter_0000006"
-    if fmt == "legacy":
-        (folder / "mp_rank_00").mkdir(parents=True)
-        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 6, "model": theirs.state_dict()},
-                   folder / "mp_rank_00" / FILE)
-    else:
-        with pytest.MonkeyPatch.context() as patches:
-            patches.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-            patches.setattr(filesystem_async, "_process_memory", lambda: 0)
-            folder.mkdir(parents=True)
-            dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": args, "iteration": 6,
-                                     "checkpoint_version": 3.0}, str(folder))
-    (tmp_path / "meg" / TRACKER).write_text("6")
+    save_as_megatron(theirs, args, tmp_path / "meg", 6, fmt)
     assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 0
     reader, _, back = open_checkpoint(str(tmp_path / "ours"))
     assert back.model == config.model

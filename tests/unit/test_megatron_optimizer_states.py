@@ -50,15 +50,6 @@ LR, WD, GBS = 1e-3, 0.1, 4
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
-@pytest.fixture
-def one_process():
-    from megatron import parallel_state
-
-    parallel_state.initialize()
-    yield
-    parallel_state.destroy()
-
-
 def trained_checkpoint(run, flags, step=12, consumed=96, adam_step=5.0):
     """A checkpoint of ours with random weights and AdamW states (the second moments positive; the vocabulary's
     padding rows zero in every kind, as a conversion leaves them)."""
