@@ -31,7 +31,8 @@ setup(
     py_modules=["pretrain_gpt"],
     python_requires=">=3.10",
     # safetensors: tools/convert_checkpoint.py's Hugging Face files (no torch dependency of its own).
-    install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors"],
+    # tqdm: megatron/progress.py's terminal bar; tokenizers already pulls it in (through huggingface-hub).
+    install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors", "tqdm"],
     # transformers: only the tests that load converted checkpoints into GPT2LMHeadModel.
     # reference: NVIDIA's megatron-core, the test-only reference of the MoE model
     # (tests/unit/test_megatron_core_moe.py), pure Python (numpy, packaging and the torch installed first). An extra
