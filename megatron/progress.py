@@ -71,6 +71,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled and is_rank_zero()
         self.done = 0
+        self.postfix = ""
         self.start = self.last = clock()
         self.closed = False
         self._tqdm = None
@@ -96,8 +97,8 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(final=exc_type is None)
 
     def set_total(self, total: float | None) -> None:
         """The total, once known (or corrected)."""
@@ -105,6 +106,12 @@ class Progress:
         if self._tqdm is not None:
             self._tqdm.total = total
             self._tqdm.refresh()
+
+    def set_postfix(self, text: str) -> None:
+        """A second count shown after the first (``12000 docs`` beside the bytes), in the bar and every line."""
+        self.postfix = text
+        if self._tqdm is not None:
+            self._tqdm.set_postfix_str(text, refresh=False)
 
     def update(self, n: float = 1) -> None:
         """``n`` more units done; reports if it is time to."""
@@ -123,29 +130,34 @@ class Progress:
             self.last = now
             self._write(self.line(now) + "\n")
 
-    def close(self) -> None:
-        """The closing report (once): tqdm's final bar, or a ``desc: done unit in 0:12 (rate)`` line."""
+    def close(self, final: bool = True) -> None:
+        """The closing report (once): tqdm's final bar, or a ``desc: done unit in 0:12 (rate)`` line. Not
+        ``final`` (the loop failed; a context manager's exception): the bar is cleared and no line is written, so
+        the error is the last word."""
         if self.closed:
             return
         self.closed = True
         if self.mode == "off":
             return
         if self._tqdm is not None:
+            self._tqdm.leave = final
             self._tqdm.close()
-            return
-        now = self.clock()
-        if self.mode == "simple":
-            self._draw_simple(now)
+        elif self.mode == "simple" and final:
+            self._draw_simple(self.clock())
             self._write("\n")
-        else:
-            self._write(self.summary(now) + "\n")
+        elif self.mode == "simple":
+            self._write("\r" + " " * self._width + "\r")
+        elif final:
+            self._write(self.summary(self.clock()) + "\n")
 
     def line(self, now: float) -> str:
         """The periodic plain line: ``desc: 40/100 docs (40%), 8 docs/s, ETA 0:07``."""
         elapsed = now - self.start
         rate = _rate(self.done, elapsed, self.unit)
+        extra = f", {self.postfix}" if self.postfix else ""
         if not self.total:
-            return f"{self.desc}: {format_count(self.done, self.unit)}, {rate}, {format_seconds(elapsed)} elapsed"
+            done = format_count(self.done, self.unit)
+            return f"{self.desc}: {done}{extra}, {rate}, {format_seconds(elapsed)} elapsed"
         pct = 100.0 * self.done / self.total
         if self.unit == "B":
             done = f"{format_count(self.done, self.unit)}/{format_count(self.total, self.unit)}"
@@ -154,13 +166,14 @@ class Progress:
         eta = "ETA -"
         if self.done > 0 and elapsed > 0:
             eta = f"ETA {format_seconds(max(0.0, self.total - self.done) * elapsed / self.done)}"
-        return f"{self.desc}: {done} ({pct:.0f}%), {rate}, {eta}"
+        return f"{self.desc}: {done} ({pct:.0f}%){extra}, {rate}, {eta}"
 
     def summary(self, now: float) -> str:
-        """The closing plain line: ``desc: 100 docs in 0:12 (8 docs/s)``."""
+        """The closing plain line: ``desc: 100 docs in 0:12 (8 docs/s)`` (then the postfix)."""
         elapsed = now - self.start
+        extra = f", {self.postfix}" if self.postfix else ""
         return f"{self.desc}: {format_count(self.done, self.unit)} in {format_seconds(elapsed)} " \
-               f"({_rate(self.done, elapsed, self.unit)})"
+               f"({_rate(self.done, elapsed, self.unit)}){extra}"
 
     def _finished(self) -> bool:
         return bool(self.total) and self.done >= self.total

@@ -33,7 +33,6 @@ import json
 import multiprocessing
 import os
 import sys
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -41,9 +40,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron import file_lock  # noqa: E402
-from megatron.data.corpus_files import CorpusError, expand_inputs, read_records  # noqa: E402
+from megatron.data.corpus_files import COMPRESSIONS, CorpusError, expand_inputs, read_records  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetWriter, best_dtype  # noqa: E402
 from megatron.data.sentences import split_sentences  # noqa: E402
+from megatron.progress import Progress  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 
 CHUNK_CHARS = 1 << 20  # the most characters the tokenizer is given at once
@@ -278,19 +278,33 @@ def _results(encoder: Encoder, batches: Iterator[list], workers: int) -> Iterato
             yield pending.popleft().get()
 
 
-class Progress:
-    def __init__(self, interval: int):
-        self.interval, self.start, self.next = interval, time.time(), interval
+class Counts:
+    """What was read and written, shown by megatron/progress.py (a bar on a terminal, a line every
+    --progress-interval seconds in a file): input bytes against the input files' size (unknown for compressed
+    input), and documents."""
+
+    def __init__(self, files: list[str], interval: float):
+        total = None if any(f.endswith(tuple(COMPRESSIONS)) for f in files) else sum(_size(f) for f in files)
+        self.bar = Progress("preprocess", total=total or None, unit="B", interval=interval)
         self.docs = self.bytes = self.bad = 0
 
-    def update(self, docs: int, size: int, final: bool = False) -> None:
+    def update(self, docs: int, size: int) -> None:
         self.docs += docs
         self.bytes += size
-        if self.docs >= self.next or final:
-            elapsed = max(time.time() - self.start, 1e-9)
-            print(f"processed {self.docs} documents ({self.docs / elapsed:.0f} docs/s, "
-                  f"{self.bytes / elapsed / 2**20:.2f} MB/s)", file=sys.stderr, flush=True)
-            self.next = self.docs + self.interval
+        self.bar.set_postfix(f"{self.docs} docs")
+        self.bar.update(size)
+
+    def close(self) -> None:
+        if self.bar.total:  # the files' size counts what was not a record too (blank lines, a BOM)
+            self.bar.set_total(self.bytes)
+        self.bar.close()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def preprocess(args: argparse.Namespace) -> dict:
@@ -330,7 +344,7 @@ def _hold_prefix(prefix: str):
 
 def _write(args: argparse.Namespace, files: list[str], encoder: Encoder, writers: list[IndexedDatasetWriter],
            prefixes: list[str]) -> dict:
-    progress, bad, kinds = Progress(args.log_interval), [], collections.Counter()
+    progress, bad, kinds = Counts(files, args.progress_interval), [], collections.Counter()
     try:
         records = read_records(files, args.txt_mode)
         for encoded, size, errors, fatal in _results(encoder, _batches(records, args.batch_size), args.workers):
@@ -349,12 +363,13 @@ def _write(args: argparse.Namespace, files: list[str], encoder: Encoder, writers
             progress.update(len(encoded[0]) if encoded else 0, size)
         _check_not_empty(writers, args.json_keys, progress.bad, bad)
     except BaseException:
+        progress.bar.close(final=False)
         for writer in writers:
             writer.abort()
         raise
     for writer in writers:
         writer.finalize()
-    progress.update(0, 0, final=True)
+    progress.close()
     if progress.bad:
         counts = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
         print(f"skipped {progress.bad} bad record(s) of {progress.docs + progress.bad} ({counts}); the first: "
@@ -398,7 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--append-eod", action="store_true", help="End every document with the end-of-document token.")
     p.add_argument("--workers", type=int, default=1, help="Tokenizer worker processes.")
     p.add_argument("--batch-size", type=int, default=256, help="Documents per worker task.")
-    p.add_argument("--log-interval", type=int, default=10000, help="Report progress every this many documents.")
+    p.add_argument("--progress-interval", type=float, default=10.0,
+                   help="Seconds between progress lines when stderr is a file or pipe (on a terminal: a bar).")
+    p.add_argument("--log-interval", type=int, default=10000,
+                   help="Megatron-LM's flag, accepted: progress is reported by time (--progress-interval).")
     p.add_argument("--txt-mode", choices=["file", "paragraph"], default="file",
                    help=".txt input: one document per file, or per blank-line-separated block.")
     p.add_argument("--fail-on-error", action="store_true", help="Stop at the first bad record.")
@@ -411,9 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.batch_size < 1 or args.log_interval < 1:
-        print("preprocess_data.py: error: --workers, --batch-size and --log-interval must be at least 1.",
-              file=sys.stderr)
+    if args.workers < 1 or args.batch_size < 1 or args.log_interval < 1 or not args.progress_interval > 0:
+        print("preprocess_data.py: error: --workers, --batch-size and --log-interval must be at least 1, "
+              "--progress-interval above 0.", file=sys.stderr)
         return 2
     try:
         preprocess(args)

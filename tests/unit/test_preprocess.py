@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.progress import format_count
 from megatron.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,11 @@ def test_documents_bad_records_and_progress(tmp_path, tokenizer_files, capsys):
     assert _run(tokenizer_files, [tmp_path / "in.jsonl"], tmp_path / "out" / "c", "--append-eod",
                 "--log-interval", "5") == 0
     err = capsys.readouterr().err
-    assert "docs/s" in err and "MB/s" in err and "skipped 4 bad record(s)" in err
+    assert "skipped 4 bad record(s)" in err
+    size = (tmp_path / "in.jsonl").stat().st_size - 1  # the records' bytes: all but the blank line
+    progress = [line for line in err.splitlines() if line.startswith("preprocess: ")]
+    assert len(progress) == 1 and progress[0].endswith(", 16 docs")  # stderr is no terminal: one closing line
+    assert progress[0].startswith(f"preprocess: {format_count(size, 'B')} in ")
     assert "in.jsonl:4: invalid JSON" in err and "in.jsonl:8: no string value for key 'text'" in err
     ds = IndexedDataset(str(tmp_path / "out" / "c_text_document"))
     tok = build_tokenizer("GPT2BPETokenizer", *tokenizer_files)

@@ -51,10 +51,12 @@ def test_unknown_total_and_bytes():
     clock, out = FakeClock(), io.StringIO()
     with Progress("preprocess", unit="B", stream=out, interval=5, clock=clock) as bar:
         clock.now += 5
+        bar.set_postfix("12 docs")
         bar.update(3 * 2**20)
         bar.set_total(None)
     lines = out.getvalue().splitlines()
-    assert lines == ["preprocess: 3.00 MiB, 614.40 KiB/s, 0:05 elapsed", "preprocess: 3.00 MiB in 0:05 (614.40 KiB/s)"]
+    assert lines == ["preprocess: 3.00 MiB, 12 docs, 614.40 KiB/s, 0:05 elapsed",
+                     "preprocess: 3.00 MiB in 0:05 (614.40 KiB/s), 12 docs"]
 
 
 def test_total_set_later_gives_an_eta():
@@ -73,9 +75,10 @@ def test_terminal_gets_a_bar(monkeypatch):
     out = Terminal()
     with Progress("evaluate", total=3, unit="batches", stream=out) as bar:
         assert bar.mode == "tqdm"
+        bar.set_postfix("7 docs")
         bar.update(3)
     text = out.getvalue()
-    assert "\r" in text and "evaluate" in text and "3/3" in text and "100%" in text
+    assert "\r" in text and "evaluate" in text and "3/3" in text and "100%" in text and "7 docs" in text
 
 
 def test_terminal_without_tqdm_gets_the_simple_bar(monkeypatch):
@@ -108,6 +111,19 @@ def test_disabled_and_other_ranks_are_silent(monkeypatch):
         assert stream.getvalue() == ""
     monkeypatch.setenv("RANK", "0")
     assert is_rank_zero()
+
+
+@pytest.mark.parametrize("bar", ["lines", "simple", "tqdm"])
+def test_a_failed_loop_leaves_no_closing_report(bar):
+    clock, out = FakeClock(), Terminal()
+    with pytest.raises(RuntimeError), Progress("x", total=9, stream=out, clock=clock, bar=bar) as progress:
+        clock.now += 1
+        progress.update(2)
+        raise RuntimeError("the loop failed")
+    text = out.getvalue()
+    assert "\n" not in text and "in 0:01" not in text  # no closing line: the error is the last word
+    if bar == "simple":
+        assert "2/9" in text and text.split("\r")[-2].strip() == ""  # the bar drawn, then blanked
 
 
 def test_a_broken_stream_turns_progress_off():
