@@ -22,6 +22,11 @@ class ModelConfig:
     ffn_hidden_size: int | None = opt(None, "Width of the MLP; default 4 x hidden_size.")
     hidden_dropout_prob: float = opt(0.1, "Dropout on embeddings and on each residual branch.")
     attention_probs_dropout_prob: float = opt(0.1, "Dropout on the attention probabilities.")
+    attention_dropout_masks: str = opt(
+        "kernel", "How attention dropout draws its masks in one process and under cp a2a: kernel (the fused "
+                  "kernel's own random stream) or positional (each entry's from the seed, layer, sample, head and "
+                  "global query and key positions, as cp p2p and all_gather always draw them: every layout then "
+                  "draws the same masks; the blocks run in plain operations, slower).", ("kernel", "positional"))
     max_position_embeddings: int = opt(1024, "Rows of the learned position embedding.")
     type_vocab_size: int = opt(16, "Accepted for FleetX compatibility; GPT does not use it.")
     initializer_range: float = opt(0.02, "Std of the normal init; output projections get std / sqrt(2 x num_layers).")

@@ -27,8 +27,3 @@ def check_context_parallel(config: Config) -> None:
                 _fail(f"--cp-comm-type a2a gives each context-parallel rank whole heads: the {what} per tensor-"
                       f"parallel rank ({count} / mp_degree {tp}) must be divisible by --context-parallel-size {cp}; "
                       f"use --cp-comm-type p2p or all_gather, or another size.")
-    if m.attention_probs_dropout_prob > 0 and d.cp_comm_type in ("p2p", "all_gather"):
-        _fail(f"--cp-comm-type {d.cp_comm_type} computes attention block by block and does not draw attention "
-              f"dropout (attention_probs_dropout_prob is {m.attention_probs_dropout_prob}); set "
-              f"--attention-dropout 0 (as Llama-style models train) or use --cp-comm-type a2a, whose attention "
-              f"sees whole sequences.")

@@ -22,17 +22,23 @@ each query it sees (None: all); ``sinks`` [heads on this rank] each head's sink 
   runs over whole sequences (the cp-1 path, with the sinks of the heads held); a second all-to-all turns the result
   back.
 
-Attention dropout is drawn where whole sequences are attended by the fused kernel or the masked softmax (cp 1 and
-``a2a``); validation refuses it with p2p and all_gather.
+Attention dropout: p2p and all_gather drop each block's probabilities by masks that are a function of global
+positions (``dropout.py``: the seed of the micro-batch, the layer, the sample, the head, the query and the key
+positions), drawn again in the backward; so do cp 1 and ``a2a`` under ``--attention-dropout-masks positional``
+(``plan.positional_dropout``), whose default is the fused kernel's own dropout over whole sequences (or the masked
+softmax's). Positional masks give every layout the one process's masks.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.context_parallel.blocks import apply_sinks, blocks_backward, blocks_forward, sinks_grad
+from megatron.context_parallel.dropout import BlockDropout
 from megatron.context_parallel.layout import merge_chunks, scatter_chunks
 from megatron.context_parallel.plan import AttentionPlan
 
@@ -44,17 +50,26 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float = 0.0,
-           scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+           layer: int = 0) -> torch.Tensor:
     """q [b, nq, L, dk], k [b, ng, L, dk], v [b, ng, L, dv] (this rank's heads and local tokens) -> [b, nq, L, dv];
     ``softmax(q k^T x scale)``, ``scale`` None: ``1 / sqrt(dk)``; ``window``: the keys before each query it sees;
-    ``sinks`` [nq]: each head's sink logit."""
+    ``sinks`` [nq]: each head's sink logit; ``layer``: the layer's global number (its dropout masks' own)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    blockwise = plan.cp_size > 1 and plan.comm_type != "a2a"
+    drop = None
+    if dropout_p and (blockwise or plan.positional_dropout):  # masks by global position (``dropout.py``)
+        from megatron import parallel_state
+
+        drop = plan.dropout(dropout_p, layer, q.shape[1], parallel_state.get().tp_rank * q.shape[1])
     if plan.cp_size == 1:
-        return _whole_sequences(q, k, v, plan, dropout_p, scale, window, sinks)
+        if drop is None:
+            return _whole_sequences(q, k, v, plan, dropout_p, scale, window, sinks)
+        return LocalAttention.apply(q, k, v, _sinks_or_empty(sinks, q), plan, scale, window, drop)
     if plan.comm_type == "a2a":
-        return _ulysses(q, k, v, plan, dropout_p, scale, window, sinks)
+        return _ulysses(q, k, v, plan, dropout_p, scale, window, sinks, drop)
     function = GatheredAttention if plan.comm_type == "all_gather" else RingAttention
-    return function.apply(q, k, v, _sinks_or_empty(sinks, q), plan, scale, window)
+    return function.apply(q, k, v, _sinks_or_empty(sinks, q), plan, scale, window, drop)
 
 
 def _sinks_or_empty(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -176,17 +191,18 @@ class _RunningResult:
             *[order.index(i) for i in range(4)])
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
 
-    def add(self, q, k, v, blocks, scale: float) -> None:
-        blocks_forward(q, k, v, blocks, scale, self.out, self.lse)
+    def add(self, q, k, v, blocks, scale: float, dropout: BlockDropout | None) -> None:
+        blocks_forward(q, k, v, blocks, scale, self.out, self.lse, dropout)
 
-    def saved(self, ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None) -> torch.Tensor:
+    def saved(self, ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,
+              dropout: BlockDropout | None) -> torch.Tensor:
         """The output in q's dtype (the sinks folded in), kept for the backward with q, k, v, the sinks and the
         log-sum-exp."""
         if sinks.numel():
             apply_sinks(self.out, self.lse, sinks)
         out = self.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, sinks, out, self.lse)
-        ctx.plan, ctx.scale, ctx.window = plan, scale, window
+        ctx.plan, ctx.scale, ctx.window, ctx.dropout = plan, scale, window, dropout  # the masks drawn again
         return out
 
 
@@ -198,36 +214,39 @@ class LocalAttention(torch.autograd.Function):
     """cp 1 with a window or sinks: the plan's blocks over this rank's whole sequences."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None):
+    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,
+                dropout: BlockDropout | None = None):
         result = _RunningResult(q, v.shape[-1])
-        result.add(q, k, v, plan.blocks(0, q.shape[2], window), scale)
-        return result.saved(ctx, q, k, v, sinks, plan, scale, window)
+        result.add(q, k, v, plan.blocks(0, q.shape[2], window), scale, dropout)
+        return result.saved(ctx, q, k, v, sinks, plan, scale, window, dropout)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-        blocks_backward(dout, q, k, v, out, lse, ctx.plan.blocks(0, q.shape[2], ctx.window), ctx.scale, dq, dk, dv)
+        blocks_backward(dout, q, k, v, out, lse, ctx.plan.blocks(0, q.shape[2], ctx.window), ctx.scale, dq, dk, dv,
+                        ctx.dropout)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_gradient(dout, out, lse, sinks), None, None,
-                None)
+                None, None)
 
 
 class RingAttention(torch.autograd.Function):
     """Ring attention (p2p): see the module's docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None):
+    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,
+                dropout: BlockDropout | None = None):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         layout = _KeysValues(k, v)
         kv = layout.pack(k, v)
         result = _RunningResult(q, v.shape[-1])
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
-            result.add(q, *layout.unpack(kv), plan.blocks((r - t) % cp, length, window), scale)
+            result.add(q, *layout.unpack(kv), plan.blocks((r - t) % cp, length, window), scale, dropout)
             if transfer is not None:
                 kv = transfer.received()
-        return result.saved(ctx, q, k, v, sinks, plan, scale, window)
+        return result.saved(ctx, q, k, v, sinks, plan, scale, window, dropout)
 
     @staticmethod
     def backward(ctx, dout):
@@ -243,14 +262,15 @@ class RingAttention(torch.autograd.Function):
             transfer = _next_keys(kv, t, plan)
             blocks = plan.blocks((r - t) % cp, length, ctx.window)
             if blocks:
-                blocks_backward(dout, q, *layout.unpack(kv), out, lse, blocks, scale, dq, *layout.unpack(dkv))
+                blocks_backward(dout, q, *layout.unpack(kv), out, lse, blocks, scale, dq, *layout.unpack(dkv),
+                                ctx.dropout)
             gradients = _Transfer(dkv, plan)  # the held keys' gradients go on with them; the last step's home
             if transfer is not None:
                 kv = transfer.received()
             dkv = gradients.received()
         dk, dv = layout.unpack(dkv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_gradient(dout, out, lse, sinks), None, None,
-                None)
+                None, None)
 
 
 # ------------------------------------------------------------------------------------------------ all_gather
@@ -267,11 +287,12 @@ class GatheredAttention(torch.autograd.Function):
     """all_gather: see the module's docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None):
+    def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,
+                dropout: BlockDropout | None = None):
         gathered, result, layout = _gather_kv(k, v, plan), _RunningResult(q, v.shape[-1]), _KeysValues(k, v)
         for j in range(plan.cp_size):
-            result.add(q, *layout.unpack(gathered[j]), plan.blocks(j, q.shape[2], window), scale)
-        return result.saved(ctx, q, k, v, sinks, plan, scale, window)
+            result.add(q, *layout.unpack(gathered[j]), plan.blocks(j, q.shape[2], window), scale, dropout)
+        return result.saved(ctx, q, k, v, sinks, plan, scale, window, dropout)
 
     @staticmethod
     def backward(ctx, dout):
@@ -284,12 +305,12 @@ class GatheredAttention(torch.autograd.Function):
             blocks = plan.blocks(j, length, ctx.window)
             if blocks:
                 blocks_backward(dout, q, *layout.unpack(gathered[j]), out, lse, blocks, scale, dq,
-                                *layout.unpack(dkv[j]))
+                                *layout.unpack(dkv[j]), ctx.dropout)
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
         _reduce_scatter_flat(mine, dkv.view(-1), group=plan.group)
         dk, dv = layout.unpack(mine)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_gradient(dout, out, lse, sinks), None, None,
-                None)
+                None, None)
 
 
 # ------------------------------------------------------------------------------------------------ a2a (Ulysses)
@@ -314,8 +335,9 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None,
-             sinks: torch.Tensor | None) -> torch.Tensor:
-    """Sequence-sharded -> head-sharded, whole-sequence attention (the sinks of the heads held), and back."""
+             sinks: torch.Tensor | None, drop: BlockDropout | None = None) -> torch.Tensor:
+    """Sequence-sharded -> head-sharded, whole-sequence attention (the sinks of the heads held), and back; ``drop``
+    (positional dropout): the plan's blocks over whole sequences, the heads held numbered globally."""
     cp = plan.cp_size
 
     def to_heads(t: torch.Tensor) -> torch.Tensor:  # [b, n, L, d] -> [b, n / cp, s, d]
@@ -324,6 +346,12 @@ def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, windo
 
     held = None if sinks is None else sinks.chunk(cp)[plan.cp_rank]
     whole = AttentionPlan(document_ids=plan.document_ids, _cache=plan._cache.setdefault("whole", {}))
-    out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), whole, dropout_p, scale, window, held)
+    if drop is None:
+        out = _whole_sequences(to_heads(q), to_heads(k), to_heads(v), whole, dropout_p, scale, window, held)
+    else:
+        heads = q.shape[1] // cp
+        drop = dataclasses.replace(drop, first_head=drop.first_head + plan.cp_rank * heads)
+        out = LocalAttention.apply(to_heads(q), to_heads(k), to_heads(v), _sinks_or_empty(held, q), whole, scale,
+                                   window, drop)
     back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, dv]
     return torch.cat(list(back.unbind(0)), dim=1)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron.context_parallel.dropout import BlockDropout
+
 FUSED_ON_CPU = {"enabled": True}
 MATH_TILE_BYTES = {"limit": 256 << 20}  # the fp32 scores (and probabilities) of one tile of query rows
 
@@ -49,6 +51,7 @@ class Block:
     offset: int  # pos(first query row) - pos(first key row): global positions, contiguous within the block
     window: int | None = None  # keys before each query it sees; None: all earlier keys
     sample: int | None = None  # None: every sample of the micro-batch
+    q_pos: int = 0  # the global position of the first query row (the keys' first: q_pos - offset)
 
     def rows(self, t: torch.Tensor, which: str) -> torch.Tensor:
         """``t`` [b, heads, L, d] (or [b, heads, L]) cut to this block's samples and rows."""
@@ -120,11 +123,22 @@ def _plain_mask(block: Block, device: torch.device) -> torch.Tensor | None:
     return None if block.kind == "full" else block.visible(device)
 
 
-def kernel_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _dropped(dropout: BlockDropout, block: Block, q: torch.Tensor, rows: slice, keys: int) -> torch.Tensor:
+    """fp32 ``keep / (1 - p)`` [b, h, rows, keys] of a tile of the block's query rows (q cut to the block)."""
+    samples = range(q.shape[0]) if block.sample is None else range(block.sample, block.sample + 1)
+    q_pos = torch.arange(block.q_pos + rows.start, block.q_pos + rows.stop, device=q.device)
+    k_pos = torch.arange(block.q_pos - block.offset, block.q_pos - block.offset + keys, device=q.device)
+    return dropout.scaled(samples, q.shape[1], q_pos, k_pos)
+
+
+def kernel_forward(q, k, v, block: Block, scale: float,
+                   dropout: BlockDropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, h, sq, dv] in q's dtype, lse [b, h, sq] fp32) of one block (q, k, v already cut to it); k, v may
-    have fewer heads (groups), v another width than q and k."""
+    have fewer heads (groups), v another width than q and k. ``dropout``: the probabilities (normalised over the
+    block's keys) dropped by the positional masks (``dropout.py``), in the plain kernel; ``lse`` is the undropped
+    one."""
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
-    if _fused(q.device):
+    if _fused(q.device) and dropout is None:
         width = max(q.shape[-1], v.shape[-1])
         causal, mask = _fused_mask(block, q.dtype, q.device)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -136,16 +150,20 @@ def kernel_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, t
     for rows in _row_tiles(q, k.shape[2]):
         scores = _scores(q[:, :, rows], k, rows, visible, scale)
         lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
-        out[:, :, rows] = torch.matmul(torch.exp(scores - lse[:, :, rows].unsqueeze(-1)), v.float()).to(q.dtype)
+        p = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))
+        if dropout is not None:
+            p.mul_(_dropped(dropout, block, q, rows, k.shape[2]))
+        out[:, :, rows] = torch.matmul(p, v.float()).to(q.dtype)
     return out, lse
 
 
-def kernel_backward(dout, q, k, v, out, lse, block: Block, scale: float):
+def kernel_backward(dout, q, k, v, out, lse, block: Block, scale: float, dropout: BlockDropout | None = None):
     """(dq, dk, dv) of one block given the rows' final ``out`` and ``lse`` (over every key and the sink, not only
-    this block's); dk, dv summed over the queries of each group."""
+    this block's); dk, dv summed over the queries of each group. ``dropout``: the forward's, its masks drawn
+    again."""
     groups = k.shape[1]
     k, v = _expand_groups(k, q.shape[1]), _expand_groups(v, q.shape[1])
-    if _fused(q.device):
+    if _fused(q.device) and dropout is None:
         dqk, dv_width = q.shape[-1], v.shape[-1]
         width = max(dqk, dv_width)
         causal, mask = _fused_mask(block, q.dtype, q.device)
@@ -161,27 +179,36 @@ def kernel_backward(dout, q, k, v, out, lse, block: Block, scale: float):
         for rows in _row_tiles(q, k.shape[2]):
             qf, df = q[:, :, rows].float(), dout[:, :, rows].float()
             p = torch.exp(_scores(qf, kf, rows, visible, scale) - lse[:, :, rows].unsqueeze(-1))
-            dv += torch.matmul(p.transpose(-1, -2), df)
-            ds = p * (torch.matmul(df, vf.transpose(-1, -2)) - (df * out[:, :, rows].float()).sum(-1, keepdim=True))
+            dp = torch.matmul(df, vf.transpose(-1, -2))
+            if dropout is None:
+                dv += torch.matmul(p.transpose(-1, -2), df)
+            else:  # out = (p z) v: dv from the dropped probabilities, dp through the mask
+                z = _dropped(dropout, block, q, rows, k.shape[2])
+                dv += torch.matmul((p * z).transpose(-1, -2), df)
+                dp.mul_(z)
+            ds = p * (dp - (df * out[:, :, rows].float()).sum(-1, keepdim=True))
             dq[:, :, rows] = torch.matmul(ds, kf) * scale
             dk += torch.matmul(ds.transpose(-1, -2), qf) * scale
     return dq, _fold_groups(dk, groups), _fold_groups(dv, groups)
 
 
-def blocks_forward(q, k, v, blocks: list[Block], scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+def blocks_forward(q, k, v, blocks: list[Block], scale: float, out: torch.Tensor, lse: torch.Tensor,
+                   dropout: BlockDropout | None = None) -> None:
     """Merge the result of ``q`` against the keys of each of ``blocks`` into the running fp32 ``out`` [b, h, L,
-    dv] and ``lse`` [b, h, L] (rows no key reached yet: out 0, lse -inf)."""
+    dv] and ``lse`` [b, h, L] (rows no key reached yet: out 0, lse -inf); ``dropout``: see ``kernel_forward``."""
     for block in blocks:
         out_block, lse_block = kernel_forward(block.rows(q, "q"), block.rows(k, "k"), block.rows(v, "k"), block,
-                                              scale)
+                                              scale, dropout)
         merge(block.rows(out, "q"), block.rows(lse, "q"), out_block, lse_block)
 
 
-def blocks_backward(dout, q, k, v, out, lse, blocks: list[Block], scale: float, dq, dk, dv) -> None:
+def blocks_backward(dout, q, k, v, out, lse, blocks: list[Block], scale: float, dq, dk, dv,
+                    dropout: BlockDropout | None = None) -> None:
     """Add each block's gradients into ``dq``, ``dk``, ``dv`` (fp32 accumulators shaped as q, k, v)."""
     for block in blocks:
         gq, gk, gv = kernel_backward(block.rows(dout, "q"), block.rows(q, "q"), block.rows(k, "k"),
-                                     block.rows(v, "k"), block.rows(out, "q"), block.rows(lse, "q"), block, scale)
+                                     block.rows(v, "k"), block.rows(out, "q"), block.rows(lse, "q"), block, scale,
+                                     dropout)
         block.rows(dq, "q").add_(gq)
         block.rows(dk, "k").add_(gk)
         block.rows(dv, "k").add_(gv)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.context_parallel.blocks import Block
+from megatron.context_parallel.dropout import BlockDropout
 from megatron.context_parallel.layout import chunk_ids
 
 TILE = {"rows": 256}  # query rows of one windowed block (at least the window + 1)
@@ -40,7 +41,20 @@ class AttentionPlan:
     group: dist.ProcessGroup | None = None
     comm_type: str = "p2p"
     document_ids: torch.Tensor | None = None  # [b, s] over the whole sequence, or None: one document per sample
+    positional_dropout: bool = False  # cp 1 and a2a too draw attention dropout by position (``dropout.py``)
+    seed: int | None = None  # the attention dropout's seed of this micro-batch (None: drawn at first use)
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def dropout(self, p: float, layer: int, heads: int, first_head: int) -> BlockDropout:
+        """The positional attention dropout of a layer in this micro-batch (``dropout.py``): its seed drawn once per
+        plan from the tracker's ``attention-dropout`` stream (alike on every rank; recompute replays it)."""
+        if self.seed is None:
+            from megatron.tensor_parallel.random import ATTENTION_DROPOUT_RNG, get_rng_tracker
+
+            tracker = get_rng_tracker()
+            with tracker.fork(ATTENTION_DROPOUT_RNG):
+                self.seed = int(torch.randint(0, 2 ** 62, (1,), device=tracker.device).item())
+        return BlockDropout(p, self.seed, layer, first_head)
 
     @property
     def ring_ranks(self) -> tuple[int, int]:
@@ -115,7 +129,8 @@ def plan_blocks(q_rank: int, kv_rank: int, cp: int, length: int, window: int | N
                     if kept is not None:
                         a, b, c, d = kept
                         blocks.append(Block(slice(a - q0 + q_local, b - q0 + q_local),
-                                            slice(c - k0 + k_local, d - k0 + k_local), a - c, window, sample))
+                                            slice(c - k0 + k_local, d - k0 + k_local), a - c, window, sample,
+                                            a))
     return blocks
 
 

@@ -196,9 +196,10 @@ class GPTModel(nn.Module):
         context-parallel split of the launch and the packed documents; None for neither, unless layers have sliding
         windows or sinks (their blocks are planned whatever the layout)."""
         ps = parallel_state.get()
-        if ps.cp_size == 1 and document_ids is None and not attention_needs_plan(self.cfg):
+        positional = self.cfg.attention_dropout_masks == "positional" and self.cfg.attention_probs_dropout_prob > 0
+        if ps.cp_size == 1 and document_ids is None and not attention_needs_plan(self.cfg) and not positional:
             return None
-        return AttentionPlan(ps.cp_size, ps.cp_rank, ps.group("cp"), self.cp_comm_type, document_ids)
+        return AttentionPlan(ps.cp_size, ps.cp_rank, ps.group("cp"), self.cp_comm_type, document_ids, positional)
 
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded

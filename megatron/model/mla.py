@@ -133,7 +133,7 @@ class MultiLatentAttention(nn.Module):
         (``megatron.context_parallel``, with this layer's softmax scale); eager under ``--compile``."""
         dropout, rng = self._dropout()
         with rng:
-            return attend(q, k, v, plan, dropout, self.scale)
+            return attend(q, k, v, plan, dropout, self.scale, layer=self.layer_number)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan: AttentionPlan | None = None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]; ``kv_cache``, ``rotary`` and ``plan`` as ``SelfAttention.forward``'s."""

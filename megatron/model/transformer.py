@@ -155,8 +155,8 @@ class SelfAttention(nn.Module):
         dropout = self.attn_dropout if self.training else 0.0
         if dropout and parallel_state.get().tp_size > 1:
             with tp.get_rng_tracker().fork():
-                return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q))
-        return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q))
+                return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number)
+        return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                 plan: AttentionPlan | None = None) -> torch.Tensor:

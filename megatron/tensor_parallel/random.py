@@ -33,6 +33,10 @@ from megatron import device as dev
 TENSOR_PARALLEL_RNG = "model-parallel"
 TENSOR_PARALLEL_SEED_OFFSET = 2718
 CONTEXT_PARALLEL_SEED_OFFSET = 100_003  # x cp_rank: beyond every tensor-parallel stream's seed + 2718 + tp_rank
+# The seeds of positional attention dropout (megatron.context_parallel.dropout): one draw per micro-batch, alike on
+# every rank (seed + 2717: no tp or cp offset, below every tensor-parallel stream's seed).
+ATTENTION_DROPOUT_RNG = "attention-dropout"
+ATTENTION_DROPOUT_SEED_OFFSET = 2717
 
 
 class RNGStatesTracker:
@@ -62,7 +66,8 @@ class RNGStatesTracker:
         return {name: state.clone() for name, state in self._states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self._states = {name: state.clone() for name, state in states.items()}
+        """Those of ``states`` (a checkpoint's older set keeps the streams it lacks as seeded)."""
+        self._states.update({name: state.clone() for name, state in states.items()})
 
     @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL_RNG) -> Iterator[None]:
@@ -93,12 +98,14 @@ def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | N
 
     Context-parallel ranks hold different tokens (and, with a2a attention, different heads): both
     streams move by ``CONTEXT_PARALLEL_SEED_OFFSET x cp_rank``, so no two chunks of a sample draw the
-    same dropout mask."""
+    same dropout mask. The ``ATTENTION_DROPOUT_RNG`` stream (seed + 2717) is alike on every rank: positional
+    attention dropout draws its masks from global positions (``megatron.context_parallel.dropout``)."""
     device = torch.get_default_device() if device is None else torch.device(device)
     device = dev.with_index(device)
+    _TRACKER.reset(device)
+    _TRACKER.add(ATTENTION_DROPOUT_RNG, seed + ATTENTION_DROPOUT_SEED_OFFSET)  # alike on every rank
     seed += CONTEXT_PARALLEL_SEED_OFFSET * cp_rank
     torch.manual_seed(seed)
-    _TRACKER.reset(device)
     _TRACKER.add(TENSOR_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
 
 
