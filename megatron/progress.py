@@ -56,7 +56,10 @@ def format_seconds(seconds: float) -> str:
 def _rate(done: float, elapsed: float, unit: str) -> str:
     if elapsed <= 0:
         return "-"
-    return f"{format_count(done / elapsed, unit)}/s"
+    rate = done / elapsed
+    if unit != "B" and rate < 100:  # 0.2 tensors/s, 12.5 docs/s
+        return f"{rate:.3g} {unit}/s" if unit else f"{rate:.3g}/s"
+    return f"{format_count(rate, unit)}/s"
 
 
 class Progress:
@@ -64,10 +67,13 @@ class Progress:
 
     def __init__(self, desc: str, total: float | None = None, *, unit: str = "it", enabled: bool = True,
                  stream: TextIO | None = None, interval: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 bar: str | None = None):
+                 bar: str | None = None, summary: bool = True):
         """``bar``: ``"tqdm"``, ``"simple"`` (the minimal terminal bar) or ``"lines"``; None picks by the stream
-        (a terminal: tqdm where importable, else simple; otherwise lines)."""
+        (a terminal: tqdm where importable, else simple; otherwise lines). ``summary=False``: a loop that ends
+        before its first periodic line says nothing (a small conversion stays quiet), and a terminal's bar is
+        cleared when done."""
         self.desc, self.total, self.unit, self.interval, self.clock = desc, total, unit, interval, clock
+        self.summary_always, self.lines = summary, 0
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled and is_rank_zero()
         self.done = 0
@@ -89,7 +95,7 @@ class Progress:
             else:
                 self._tqdm = tqdm(total=total, desc=desc, unit=unit, file=self.stream,
                                   unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
-                                  dynamic_ncols=True, leave=True)
+                                  dynamic_ncols=True, leave=summary)
         if bar not in ("tqdm", "simple", "lines"):
             raise ValueError(f"Progress: bar must be 'tqdm', 'simple' or 'lines', not {bar!r}.")
         self.mode = bar
@@ -128,6 +134,7 @@ class Progress:
                 self._draw_simple(now)
         elif now - self.last >= self.interval:
             self.last = now
+            self.lines += 1
             self._write(self.line(now) + "\n")
 
     def close(self, final: bool = True) -> None:
@@ -140,14 +147,14 @@ class Progress:
         if self.mode == "off":
             return
         if self._tqdm is not None:
-            self._tqdm.leave = final
+            self._tqdm.leave = final and self._tqdm.leave
             self._tqdm.close()
         elif self.mode == "simple" and final:
             self._draw_simple(self.clock())
             self._write("\n")
         elif self.mode == "simple":
             self._write("\r" + " " * self._width + "\r")
-        elif final:
+        elif final and (self.summary_always or self.lines):
             self._write(self.summary(self.clock()) + "\n")
 
     def line(self, now: float) -> str:

@@ -10,8 +10,9 @@ lm-evaluation-harness tasks, under any parallel layout the training runs under.
 Every other flag is a pretrain_gpt.py flag: the checkpoint's saved configuration is the base (its model,
 tokenizer, ``max_seq_len``, precision) and the flags given now set the layout (``--tp``, ``--pp``,
 ``--dp``, ``--sharding-stage``, ...) and the micro-batch size. A checkpoint of any layout evaluates under
-any other. Progress goes to stderr; the results are one JSON object on the last line of stdout (and in
-``--output``). Exit status 2, with a one-line message, for bad input, a missing or damaged checkpoint.
+any other. Progress goes to stderr (a bar on a terminal, a line every 10 s in a file); the results are one
+JSON object on the last line of stdout (and in ``--output``). Exit status 2, with a one-line message, for bad
+input, a missing or damaged checkpoint.
 
 Perplexity (lm-eval's rolling windows: each document on its own, its first token scored after the
 BOS or end-of-document token): ``word_perplexity``, ``byte_perplexity``, ``bits_per_byte`` as lm-eval
@@ -21,8 +22,9 @@ overlapping windows: ``loss``, ``perplexity``, ``adjusted_perplexity``). LAMBADA
 ``perplexity`` (of the target) each; ``--output-examples`` writes one JSON line per example.
 lm-eval: lm-evaluation-harness's evaluator on the checkpoint (``megatron.evaluation.lm_eval_model``), its
 results dictionary in ``--output`` (``results`` keyed by task, metrics as lm-eval names them; each example
-with ``--log-samples``) and its ``results`` on stdout; an unknown task, lm-eval not installed, a bad ``--limit``
-or a task YAML that YAML cannot read is one line, exit 2, before the checkpoint is read. A task folder
+with ``--log-samples``), lm-eval's results table and then its ``results`` on stdout; an unknown task, lm-eval
+not installed, a bad ``--limit`` or a task YAML that YAML cannot read is one line, exit 2, before the checkpoint
+is read. A task folder
 (``--include-path``) is code: lm-eval runs the Python its YAML names with ``!function``; the tool says so in
 one line when the folder holds any. ``--output``'s folder is made (or refused) before the model is loaded.
 docs/evaluation.md says more.
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 _write(args.output_examples, [json.dumps(record) for record in records])
             if args.output:
                 _write(args.output, [json.dumps(result)])
+            if args.task == "lm-eval":  # lm-eval's table, as its own command prints it; the JSON line stays last
+                print(harness.table(result), flush=True)
             print(json.dumps(summary), flush=True)
     except (ConfigError, CheckpointError, TokenizerError, ValueError, OSError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

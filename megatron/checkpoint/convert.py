@@ -42,6 +42,7 @@ from megatron.checkpoint.ownership import held_run
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 from megatron.config.syntax import read_yaml
+from megatron.progress import Progress
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -99,8 +100,14 @@ def read_full(reader: CheckpointReader, kind: str, name: str) -> torch.Tensor:
 
 
 def read_tensors(reader: CheckpointReader, kind: str = "param") -> dict[str, torch.Tensor]:
-    """Every global tensor of ``kind`` (fp32)."""
-    return {name: read_full(reader, kind, name) for name in reader.names if reader.has(kind, name)}
+    """Every global tensor of ``kind`` (fp32). Progress (megatron/progress.py) once the reading takes a while."""
+    names = [name for name in reader.names if reader.has(kind, name)]
+    tensors = {}
+    with Progress(f"reading {kind} tensors", total=len(names), unit="tensors", summary=False) as progress:
+        for name in names:
+            tensors[name] = read_full(reader, kind, name)
+            progress.update(1)
+    return tensors
 
 
 def _repad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -171,27 +178,10 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
                  adam_step: float, grad_scaler: dict | None, train_state: dict | None, converted_by: str,
                  config_crc: int) -> None:
     pieces = []
-    for rank in range(tp):
-        writer = RankFileWriter(tmp, rank)
-        for kind, name in entries:
-            shape, dim = layout[name]
-            if dim is None and rank > 0:
-                continue
-            full = load(kind, name).to(torch.float32)
-            if tuple(full.shape) != shape:
-                raise CheckpointError(f"{kind} {name!r} has shape {list(full.shape)}, but the configured model's is "
-                                      f"{list(shape)}.")
-            if dim is None:
-                local, tp_rank, tp_size = full, 0, 1
-            else:
-                if shape[dim] % tp:
-                    raise CheckpointError(f"{name!r} (dim {dim} of {list(shape)}) cannot be cut into {tp} slices.")
-                local, tp_rank, tp_size = full.chunk(tp, dim=dim)[rank], rank, tp
-            pieces.append({**writer.add(local), "kind": kind, "name": name, "lo": 0, "hi": local.numel(),
-                           "global_shape": list(shape), "partition_dim": dim, "tp_rank": tp_rank,
-                           "tp_size": tp_size, "local_shape": list(local.shape)})
-            del full
-        writer.close()
+    total = sum(tp if layout[name][1] is not None else 1 for _, name in entries)
+    with Progress("writing tensors", total=total, unit="tensors", summary=False) as progress:
+        for rank in range(tp):
+            _write_rank(tmp, rank, entries, load, layout, tp, pieces, progress)
     s = config.distributed.sharding
     common = {"format_version": FORMAT_VERSION, "step": step, "adam_step": float(adam_step),
               "grad_scaler": grad_scaler,
@@ -205,6 +195,32 @@ def _write_files(tmp: str, config: Config, entries: list, load: Callable, layout
     metadata = {"format_version": FORMAT_VERSION, "step": step, "layout": layout_info,
                 "checksum": {"algorithm": "crc32", "chunk_bytes": CRC_CHUNK_BYTES}, "files": files, "pieces": pieces}
     write_text(os.path.join(tmp, "metadata.json"), json.dumps(metadata))
+
+
+def _write_rank(tmp: str, rank: int, entries: list, load: Callable, layout: dict, tp: int, pieces: list,
+                progress: Progress) -> None:
+    """``rank{rank}.bin``: this tensor-parallel rank's slice of each entry (the replicated ones on rank 0)."""
+    writer = RankFileWriter(tmp, rank)
+    for kind, name in entries:
+        shape, dim = layout[name]
+        if dim is None and rank > 0:
+            continue
+        full = load(kind, name).to(torch.float32)
+        if tuple(full.shape) != shape:
+            raise CheckpointError(f"{kind} {name!r} has shape {list(full.shape)}, but the configured model's is "
+                                  f"{list(shape)}.")
+        if dim is None:
+            local, tp_rank, tp_size = full, 0, 1
+        else:
+            if shape[dim] % tp:
+                raise CheckpointError(f"{name!r} (dim {dim} of {list(shape)}) cannot be cut into {tp} slices.")
+            local, tp_rank, tp_size = full.chunk(tp, dim=dim)[rank], rank, tp
+        pieces.append({**writer.add(local), "kind": kind, "name": name, "lo": 0, "hi": local.numel(),
+                       "global_shape": list(shape), "partition_dim": dim, "tp_rank": tp_rank,
+                       "tp_size": tp_size, "local_shape": list(local.shape)})
+        del full
+        progress.update(1)
+    writer.close()
 
 
 def write_params(run_dir: str, config: Config, params: dict[str, torch.Tensor], **kwargs) -> str:

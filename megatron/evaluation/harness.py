@@ -121,3 +121,14 @@ def evaluate(lm, tasks: list[str], manager, limit: float | None = None, num_fews
     if results is None:  # a process of local rank > 0: lm-eval's evaluator returns nothing there
         return None
     return json.loads(json.dumps(results, default=handle_non_serializable))
+
+
+def table(result: dict) -> str:
+    """lm-eval's own results table (``lm_eval.utils.make_table``, Markdown), and its groups' table when the
+    tasks include groups, as the ``lm-eval`` command prints them."""
+    from lm_eval.utils import make_table
+
+    text = make_table(result)
+    if result.get("groups"):
+        text += "\n" + make_table(result, "groups")
+    return text

@@ -29,7 +29,7 @@ def plan(texts: list[str], tokenizer, seq_len: int) -> dict[str, list[ClozeItem]
 
 def greedy_continuations(evaluator, items: list[ClozeItem], seq_len: int, label: str):
     """(the scores of the items' samples, each item's greedy continuation as token ids). Collective."""
-    scores = evaluator.cloze([item.sample for item in items], label)
+    scores = evaluator.cloze([item.sample for item in items], label, "examples")
     greedy, pending = [], []
     for i, (item, score) in enumerate(zip(items, scores)):
         wrong = [k for k, (a, b) in enumerate(zip(score.predicted, item.target_ids)) if a != b]
@@ -52,7 +52,7 @@ def figures(evaluator, planned: dict[str, list[ClozeItem]], tokenizer, seq_len: 
     """(the results' fields, one record per example). Collective."""
     result, records = {"examples": len(planned["strict"]), "modes": MODES}, None
     for mode, items in planned.items():
-        scores, greedy = greedy_continuations(evaluator, items, seq_len, f"lambada ({mode.replace('_', '-')}): ")
+        scores, greedy = greedy_continuations(evaluator, items, seq_len, f"lambada ({mode.replace('_', '-')})")
         correct = sum(s.right for s in scores)
         mean = sum(s.loglikelihood for s in scores) / len(scores)
         result[mode] = {"acc": correct / len(scores), "perplexity": math.exp(-mean) if -mean < 709.0 else math.inf,

@@ -44,10 +44,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from tqdm import tqdm
 
 from megatron.evaluation.loading import configure, load_evaluator
 from megatron.evaluation.scorer import Scorer
+from megatron.progress import Progress
 
 
 @register_model("megatron-gpt")
@@ -92,7 +92,7 @@ class MegatronLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         order = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
         results = []
-        bar = tqdm(total=len(requests), disable=disable_tqdm or not self.is_main, desc="loglikelihood")
+        bar = Progress("loglikelihood", total=len(requests), unit="requests", enabled=not disable_tqdm and self.is_main)
         for chunk in order.get_batched(n=override_bs or self.batch_size):
             samples = []
             for _, context, continuation in chunk:
@@ -129,7 +129,8 @@ class MegatronLM(TemplateLM):
         order = Collator([r.args for r in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
                          group_by="gen_kwargs", group_fn=lambda r: r[1])
         results = []
-        bar = tqdm(total=len(requests), disable=disable_tqdm or not self.is_main, desc="generate_until")
+        bar = Progress("generate_until", total=len(requests), unit="requests",
+                       enabled=not disable_tqdm and self.is_main)
         for chunk in order.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk, strict=True)
             kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)

@@ -44,7 +44,7 @@ def plan(texts: list[str], tokenizer, seq_len: int, stride: int | None) -> dict:
 def figures(evaluator, texts: list[str], planned: dict) -> dict:
     """The results' fields (see the module's docstring). Collective."""
     rolling = planned["samples"]["rolling"]
-    loglikelihood = -evaluator.score(rolling, "perplexity (rolling windows): ")
+    loglikelihood = -evaluator.score(rolling, "perplexity (rolling)", "windows")
     tokens, words, size = planned["tokens"], sum(map(count_words, texts)), sum(map(count_bytes, texts))
     result = {"documents": len(texts), "tokens": tokens, "words": words, "bytes": size, "windows": len(rolling),
               "window": planned["seq_len"], "loglikelihood": loglikelihood,
@@ -53,7 +53,7 @@ def figures(evaluator, texts: list[str], planned: dict) -> dict:
     if "strided" in planned["samples"]:
         strided = planned["samples"]["strided"]
         scored = sum(sum(s.mask) for s in strided)
-        loss = evaluator.score(strided, "perplexity (strided windows): ") / scored
+        loss = evaluator.score(strided, "perplexity (strided)", "windows") / scored
         megatron_words = whitespace_words(texts)
         ratio = scored / max(megatron_words - 1, 1)  # Megatron-LM's (tokenized - 1) / (words - 1): tokens per word
         result["strided"] = {"stride": planned["stride"], "windows": len(strided), "tokens": scored,

@@ -16,7 +16,6 @@ sums are reduced over the pipeline and data-parallel groups.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +26,7 @@ from megatron.checkpoint import load_checkpoint
 from megatron.config import Config
 from megatron.data.loader import split_micro_batches
 from megatron.evaluation.tasks import Sample
+from megatron.progress import Progress
 from megatron.training import ParallelModel
 
 
@@ -106,17 +106,17 @@ class Evaluator:
             moe.set_expert_biases(run.model, loaded["moe_expert_bias"])
         self.step, self.path = loaded["step"], loaded["path"]
 
-    def score(self, samples: list[Sample], label: str = "") -> float:
+    def score(self, samples: list[Sample], label: str = "", unit: str = "samples") -> float:
         """The sum over ``samples`` of the masked token losses (nats). Collective: every rank passes the
-        same samples."""
-        return self._run(samples, loss_step, label)
+        same samples. ``label`` (with ``unit``): the progress report's name; none without one."""
+        return self._run(samples, loss_step, label, unit)
 
-    def cloze(self, samples: list[Sample], label: str = "") -> list[ClozeScore]:
+    def cloze(self, samples: list[Sample], label: str = "", unit: str = "samples") -> list[ClozeScore]:
         """Each sample's log-likelihood of its counted tokens, whether they are all the argmax, and the
         argmax at each (see the module's docstring). Collective: every rank passes the same samples."""
         width = max((sum(s.mask) for s in samples), default=0)
         rows = torch.zeros(len(samples), 2 + width, dtype=torch.float64, device=self.device)
-        self._run(samples, partial(_cloze_step, self.config.model.vocab_size, rows), label)
+        self._run(samples, partial(_cloze_step, self.config.model.vocab_size, rows), label, unit)
         self._reduce(rows)
         return [ClozeScore(float(r[0]), bool(r[1]), [int(t) for t in r[2:2 + sum(s.mask)].tolist()])
                 for r, s in zip(rows.cpu(), samples)]
@@ -127,9 +127,10 @@ class Evaluator:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(tensor, group=group)
 
-    def _run(self, samples: list[Sample], step, label: str) -> float:
+    def _run(self, samples: list[Sample], step, label: str, unit: str) -> float:
         """``step`` (a forward step) over ``samples`` in global batches; the sum of its loss function's
-        first values over every micro-batch and rank."""
+        first values over every micro-batch and rank. Progress (megatron/progress.py, rank 0): the samples
+        scored, a bar on a terminal or a line every 10 seconds in a file."""
         c, ps = self.config, self.ps
         mbs, dp = c.batch_size.micro_batch_size, ps.data_parallel_size
         per_rank = mbs * max(1, ps.pp_size)  # enough micro-batches to fill the pipeline
@@ -138,7 +139,8 @@ class Evaluator:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = len(padded) // per_batch
         self.run.model.eval()
-        with torch.no_grad():
+        enabled = self.progress and bool(label)
+        with torch.no_grad(), Progress(label, total=len(samples), unit=unit, enabled=enabled) as progress:
             for b in range(batches):
                 start = b * per_batch + ps.data_parallel_rank * per_rank
                 batch = batch_of(padded[start:start + per_rank], c.dataset.max_seq_len, self.device)
@@ -148,8 +150,6 @@ class Evaluator:
                                                 forward_only=True)
                 if out is not None:
                     total += out.double()
-                if self.progress:
-                    print(f"\r{label}batch {b + 1}/{batches}", end="" if b + 1 < batches else "\n", file=sys.stderr,
-                          flush=True)
+                progress.update(min(per_batch, len(samples) - b * per_batch))
         self._reduce(total)
         return float(total)

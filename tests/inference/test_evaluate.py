@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,13 @@ def _documents() -> list[str]:
     return [p + "\n" if i == 1 else p for i, p in enumerate(paragraphs)]
 
 
+LOGS: dict[str, str] = {}  # each evaluation's stderr, every rank's (``--- rank r`` before each), by name
+
+
 def _evaluations(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str, dict]:
     """Each named tools/evaluate.py command line run by one launch of ``nproc`` ranks (the launch is what
-    costs): name -> its JSON result (and, under ``"examples"``, its ``{out}/examples.jsonl`` when it wrote one)."""
+    costs): name -> its JSON result (and, under ``"examples"``, its ``{out}/examples.jsonl`` when it wrote one);
+    its stderr in ``LOGS``."""
     planned = [(root / name, [a.replace("{out}", str(root / name)) for a in [*args, "--max-seq-len", str(SEQ)]])
                for name, args in runs.items()]
     launch = run_several(planned, nproc, program="tools/evaluate.py")
@@ -55,6 +60,7 @@ def _evaluations(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str
     for out, _ in planned:
         done = outcome(out, nproc, launch)
         done.check()
+        LOGS[out.name] = done.log
         results[out.name] = json.loads(done.stdout.splitlines()[-1])
         if (out / "examples.jsonl").exists():
             results[out.name]["examples.jsonl"] = [json.loads(line) for line in
@@ -267,6 +273,21 @@ def test_lambada_both_modes_follow_megatron_lms_rule(one_process, hf, files):
                 line = example["non_strict"]
                 assert line["match"] == r and line["target_loglikelihood"] == pytest.approx(ll, abs=1e-4)
                 assert line["target_tokens"] == 1
+
+
+def test_progress_in_a_file_is_plain_lines_from_rank_0(one_process, layouts):
+    """stderr is a file here: no ``\\r`` bar, one closing line per scoring pass (megatron/progress.py), on rank 0
+    only under two ranks."""
+    perplexity, lambada = LOGS["perplexity"], LOGS["lambada"]
+    assert "\r" not in perplexity + lambada
+    windows = one_process["perplexity"]["windows"], one_process["perplexity"]["strided"]["windows"]
+    assert re.search(rf"^perplexity \(rolling\): {windows[0]} windows in \d+:\d\d \(", perplexity, re.M), perplexity
+    assert re.search(rf"^perplexity \(strided\): {windows[1]} windows in \d+:\d\d \(", perplexity, re.M), perplexity
+    examples = one_process["lambada"]["examples"]
+    for mode in ("strict", "non-strict"):
+        assert re.search(rf"^lambada \({mode}\): {examples} examples in ", lambada, re.M), lambada
+    ranks = LOGS["dp2"].split("--- rank 1\n")
+    assert len(ranks) == 2 and "lambada (strict): " in ranks[0] and "lambada (" not in ranks[1], LOGS["dp2"]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,9 @@ def _args(task_dir, checkpoint, out) -> list[str]:
             "--log-samples", "--bootstrap-iters", "0", "--output", str(out)]
 
 
+STDOUT: dict[str, str] = {}  # tools/evaluate.py's standard output, by fixture
+
+
 @pytest.fixture(scope="module")
 def ours(checkpoint, task_dir, tmp_path_factory) -> dict:
     """tools/evaluate.py --task lm-eval on one process (in this one)."""
@@ -58,6 +61,7 @@ def ours(checkpoint, task_dir, tmp_path_factory) -> dict:
     done = run_tool_here("tools/evaluate.py", *_args(task_dir, checkpoint, out))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1])["results"] == json.loads(out.read_text())["results"]
+    STDOUT["ours"] = done.stdout
     return json.loads(out.read_text())
 
 
@@ -108,6 +112,21 @@ def test_our_lm_gives_lm_evals_hf_backend_results(ours, hf):
 
 
 @pytest.mark.slow
+def test_lm_evals_results_table_comes_before_the_json_line(ours):
+    """Stdout holds lm-eval's own table (``make_table``: its header, a row per task and metric), then the JSON."""
+    lines = STDOUT["ours"].splitlines()
+    json.loads(lines[-1])
+    header = [i for i, line in enumerate(lines) if line.startswith("|") and "Tasks" in line]
+    assert len(header) == 1, STDOUT["ours"]
+    cells = [c.strip() for c in lines[header[0]].strip("|").split("|")]
+    assert cells[:5] == ["Tasks", "Version", "Filter", "n-shot", "Metric"] and "Value" in cells and "Stderr" in cells
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header[0] + 2:-1] if line.startswith("|")]
+    cloze = next(row for row in rows if row[0] == "megatron_cloze")
+    assert cloze[4] == "acc"
+    assert float(cloze[6]) == pytest.approx(ours["results"]["megatron_cloze"]["acc,none"], abs=1e-4)
+    assert {row[4] for row in rows} >= {"acc", "perplexity", "word_perplexity", "exact_match"}
+
+
 def test_lm_evals_local_completions_against_the_server_gives_the_same(ours, engine, task_dir):
     """The fourth path: lm-eval's local-completions with its defaults (batch size 1, the server's tokenizer) but
     base_url and max_length, against tools/serve.py's server (the KV-cache engine, left-padded batches of

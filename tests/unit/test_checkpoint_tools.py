@@ -350,6 +350,33 @@ def test_reshard_refuses_to_overwrite_its_source_and_bad_sizes(tmp_path):
     assert convert.main(["reshard", str(tmp_path / "run"), str(tmp_path / "tp2"), "--tp", "2", "--force"]) == 0
 
 
+def test_a_long_conversion_reports_its_tensors_and_a_short_one_is_quiet(tmp_path, monkeypatch, capsys):
+    """megatron/progress.py in the converters: nothing for a conversion shorter than the report interval, lines
+    of tensors read / written (stderr is no terminal here) when each tensor takes longer (an interval of 0)."""
+    import functools
+
+    from megatron import progress
+    from megatron.checkpoint import convert as conversion
+
+    config = make_config()
+    write_params(str(tmp_path / "run"), config, random_params(config))
+    capsys.readouterr()
+    assert convert.main(["reshard", str(tmp_path / "run"), str(tmp_path / "quiet"), "--tp", "2"]) == 0
+    assert "tensors" not in capsys.readouterr().err
+    monkeypatch.setattr(conversion, "Progress", functools.partial(progress.Progress, interval=0, bar="lines"))
+    assert convert.main(["reshard", str(tmp_path / "run"), str(tmp_path / "tp2"), "--tp", "2"]) == 0
+    assert convert.main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--no-tokenizer"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    layout = tensor_layout(config)
+    written = sum(2 if dim is not None else 1 for _, dim in layout.values())  # the tp slices, the rest whole
+    writing = [line for line in err if line.startswith("writing tensors: ")]
+    assert len(writing) == written + 1 and writing[0].startswith(f"writing tensors: 1/{written} tensors (")
+    assert writing[-2].startswith(f"writing tensors: {written}/{written} tensors (100%)")
+    assert writing[-1].startswith(f"writing tensors: {written} tensors in 0:")
+    reading = [line for line in err if line.startswith("reading param tensors: ")]
+    assert reading[-1].startswith(f"reading param tensors: {len(layout)} tensors in 0:")
+
+
 # ---------------------------------------------------------------- checkpoint_info and errors
 
 

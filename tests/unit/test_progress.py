@@ -126,6 +126,22 @@ def test_a_failed_loop_leaves_no_closing_report(bar):
         assert "2/9" in text and text.split("\r")[-2].strip() == ""  # the bar drawn, then blanked
 
 
+def test_without_summary_a_short_loop_is_quiet_and_a_long_one_closes():
+    clock, out = FakeClock(), io.StringIO()
+    with Progress("convert", total=4, unit="tensors", stream=out, interval=10, clock=clock, summary=False) as bar:
+        clock.now += 9
+        bar.update(4)
+    assert out.getvalue() == ""
+    with Progress("convert", total=4, unit="tensors", stream=out, interval=10, clock=clock, summary=False) as bar:
+        clock.now += 10
+        bar.update(2)
+        clock.now += 10
+        bar.update(2)
+    assert out.getvalue().splitlines() == ["convert: 2/4 tensors (50%), 0.2 tensors/s, ETA 0:10",
+                                           "convert: 4/4 tensors (100%), 0.2 tensors/s, ETA 0:00",
+                                           "convert: 4 tensors in 0:20 (0.2 tensors/s)"]
+
+
 def test_a_broken_stream_turns_progress_off():
     out = io.StringIO()
     out.close()
