@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 
 from megatron.config.cli import fail as _fail
 from megatron.config.schema import Config, ModelConfig
@@ -55,11 +56,19 @@ def moe_layer_pattern(freq: str, num_layers: int) -> list[bool]:
     return value
 
 
+@functools.lru_cache(maxsize=64)
+def _moe_layers(freq: str, num_layers: int) -> tuple[bool, ...]:
+    """``moe_layer_pattern`` as a tuple, parsed once per (freq, num_layers): the memory estimate and the layout
+    planner ask about every layer of every candidate layout."""
+    return tuple(moe_layer_pattern(freq, num_layers))
+
+
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether global layer ``layer`` is a MoE layer of the (validated) model. The layers after the decoder's
     (a multi-token prediction module's, ``megatron.model.mtp``) are as its last layer, as Megatron-LM builds them."""
-    pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else None
-    return bool(pattern) and pattern[min(layer, cfg.num_layers - 1)]
+    if not cfg.num_experts:
+        return False
+    return _moe_layers(str(cfg.moe_layer_freq), cfg.num_layers)[min(layer, cfg.num_layers - 1)]
 
 
 def check_moe(config: Config) -> None:
