@@ -29,6 +29,7 @@ from tests.distributed.harness import run_distributed
 
 B, NQ, NG, S, HD = 2, 4, 2, 48, 8
 RTOL, ATOL = 1e-5, 1e-5
+MAX_DIFF: dict[str, float] = {}  # the largest difference seen, without and with dropout (the report prints it)
 # name: (key/value heads, query/key width, value width, softmax scale: None for 1 / sqrt(width))
 SHAPES = {"gqa": (NG, HD, HD, None), "mla": (NQ, 12, 6, 0.3)}
 
@@ -46,9 +47,10 @@ def documents() -> torch.Tensor:
     return ids
 
 
-def reference(q, k, v, docs, weight, scale=None, window=None, sinks=None):
+def reference(q, k, v, docs, weight, scale=None, window=None, sinks=None, dropout=None):
     """The materialised softmax: causal, within ``window`` keys before each query, within each document, with each
-    head's sink logit as one more column (dropped after the softmax)."""
+    head's sink logit as one more column (dropped after the softmax); ``dropout`` (``BlockDropout``): its mask of
+    the whole sequence [B, heads, S, S] applied to the normalised probabilities."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     distance = torch.arange(S).view(-1, 1) - torch.arange(S)
     mask = ((distance >= 0) & (distance <= (S if window is None else window))).expand(B, 1, S, S)
@@ -61,28 +63,32 @@ def reference(q, k, v, docs, weight, scale=None, window=None, sinks=None):
     if sinks is not None:
         sinks = sinks.detach().clone().requires_grad_()
         scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(B, heads, S, 1)], dim=-1)
-    out = torch.softmax(scores, dim=-1)[..., :S] @ values
+    probs = torch.softmax(scores, dim=-1)[..., :S]
+    if dropout is not None:
+        probs = probs * dropout.scaled(range(B), heads, torch.arange(S), torch.arange(S))
+    out = probs @ values
     (out * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
 
 
-def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False) -> list[str]:
+def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False, dropout=0.0) -> list[str]:
     ps = parallel_state.get()
     groups, dk, dv, scale = SHAPES[shape]
     torch.manual_seed(0)
     q, k, v = torch.randn(B, NQ, S, dk), torch.randn(B, groups, S, dk), torch.randn(B, groups, S, dv)
     weight = torch.randn(B, NQ, S, dv)
     sinks = torch.randn(NQ) if with_sinks else None
-    want = reference(q, k, v, docs, weight, scale, window, sinks)
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs, positional_dropout=True, seed=2024)
+    drop = plan.dropout(dropout, 7, NQ, 0) if dropout else None
+    want = reference(q, k, v, docs, weight, scale, window, sinks, drop)
     mine = local_positions(S, ps.cp_rank, cp)
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     local_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs)
     blocks_module.FUSED_ON_CPU["enabled"] = fused
     limit = blocks_module.MATH_TILE_BYTES["limit"]
     blocks_module.MATH_TILE_BYTES["limit"] = B * NQ * S * 4 * 5  # tiles of a few query rows, offsets inside blocks
     try:
-        out = attend(*local, plan, scale=scale, window=window, sinks=local_sinks)
+        out = attend(*local, plan, dropout, scale=scale, window=window, sinks=local_sinks, layer=7)
         (out * weight[:, :, mine]).sum().backward()
     finally:
         blocks_module.FUSED_ON_CPU["enabled"] = True
@@ -97,7 +103,9 @@ def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False) ->
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, wanted):
         if not torch.allclose(g, w, rtol=RTOL, atol=ATOL):
             bad.append(f"cp{cp} {comm} {shape} docs={docs is not None} fused={fused} window={window} "
-                       f"sinks={with_sinks} {name}: max diff {(g - w).abs().max().item():.2e}")
+                       f"sinks={with_sinks} dropout={dropout} {name}: max diff {(g - w).abs().max().item():.2e}")
+    MAX_DIFF[f"dropout={dropout > 0}"] = max(MAX_DIFF.get(f"dropout={dropout > 0}", 0.0),
+                                            *((g - w).abs().max().item() for g, w in zip(got, wanted)))
     return bad
 
 
@@ -137,6 +145,10 @@ def _all_cases(rank: int, world: int) -> list[str]:
                 for docs in (None, documents()):
                     for fused in (True, False):
                         bad += _check(rank, cp, comm, docs, fused, shape)
+                    # attention dropout 0.3 by position (a2a: as --attention-dropout-masks positional draws it)
+                    bad += _check(rank, cp, comm, docs, True, shape, dropout=0.3)
+                    if shape == "gqa":
+                        bad += _check(rank, cp, comm, docs, True, shape, window=3, with_sinks=True, dropout=0.3)
                         if shape == "gqa":  # gpt-oss's attention: windows shorter and longer than a chunk, sinks
                             bad += _check(rank, cp, comm, docs, fused, shape, window=3, with_sinks=True)
                             bad += _check(rank, cp, comm, docs, fused, shape, window=17)
@@ -151,6 +163,8 @@ def _all_cases(rank: int, world: int) -> list[str]:
     parallel_state.initialize(tp=2, cp=2)  # sequence parallelism: the chunks split over tp again
     bad += _mla_layer(2, 2, "p2p", *references["documents"])
     bad += _mla_layer(2, 2, "a2a", *references["plain"])
+    if rank == 0:
+        print(f"largest difference from the reference: {MAX_DIFF}")
     return bad
 
 

@@ -1,8 +1,9 @@
 """Context parallelism reproduces the single-process losses under every layout it composes with, each
 communication type (p2p ring, all_gather, a2a), on ordinary samples and on packed short documents
 (``--reset-attention-mask --reset-position-ids --eod-mask-loss``, whose reference is the one-process run
-with the same flags). The layouts train 5 steps (a validation at the 5th), against 5-step references: the
-parity is as strict, at half the cost of the launches."""
+with the same flags), and with attention dropout (the ring's positional masks, those of one process under
+``--attention-dropout-masks positional``). The layouts train 5 steps (a validation at the 5th), against 5-step
+references: the parity is as strict, at half the cost of the launches."""
 
 from __future__ import annotations
 
@@ -63,6 +64,25 @@ def test_a_cp_checkpoint_resumes_under_another_cp(parity, reference, layout):
     """Saved at cp 2 with the optimizer sharded over the two cp ranks, resumed at cp 4 (unsharded) or in one
     process: the single-process run's steps 6-10 (a checkpoint holds every shard once, by global name)."""
     assert parity.curves(layout)[0] == pytest.approx(reference[0][5:], rel=1e-5)
+
+
+# Attention dropout 0.1 (GPT-2's and Megatron-LM's default), no hidden dropout: the ring's masks are functions of
+# global positions (megatron/context_parallel/dropout.py), the same as one process draws under
+# --attention-dropout-masks positional, so the losses are equal (with hidden dropout each rank draws its own
+# tokens' masks: equal only in distribution).
+ATTENTION_DROPOUT = [*FIVE, "--attention-probs-dropout-prob", "0.1"]
+DROPOUT_RUNS = parity_layouts({
+    "attn-dropout-positional": (1, [*ATTENTION_DROPOUT, "--attention-dropout-masks", "positional"]),
+    "attn-dropout-cp2-p2p": (2, [*ATTENTION_DROPOUT, *CP2]),
+})
+
+
+@pytest.mark.shared_runs(*DROPOUT_RUNS)
+def test_attention_dropout_at_cp2_draws_the_one_process_masks(parity, references):
+    single = parity.curves("attn-dropout-positional")
+    parity.assert_matches("attn-dropout-cp2-p2p", single)
+    # the dropout is drawn: the losses move by up to 9e-4 from the run without (the parity holds within 1e-5)
+    assert max(abs(a - b) for a, b in zip(single[0], references["tiny-5"][0])) > 5e-4
 
 
 LLAMA_LAYOUTS = parity_layouts({
