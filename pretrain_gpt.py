@@ -11,6 +11,8 @@ precedence: built-in default < ``-c`` YAML < ``-o Section.key=value`` < flags.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -92,30 +94,55 @@ def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokeni
     return config, tokenizer
 
 
-def main(argv: list[str] | None = None) -> int:
+JOB_ERROR_WAIT_S = 30.0  # how long a rank other than 0 waits for torchrun to stop it after rank 0's error
+
+
+def _stopped_by_launcher(timeout: float) -> bool:
+    """Whether torchrun's SIGTERM (sent to every worker once one has exited with an error) arrives within
+    ``timeout`` seconds; taken here, the rank then exits with its own status."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return signal.sigtimedwait([signal.SIGTERM], timeout) is not None
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _error(err: BaseException, status: int, once_per_job: bool) -> int:
+    """``pretrain_gpt.py: error: ...`` and the exit status. ``once_per_job`` (the script run by torchrun, where the
+    error is each rank's: the configuration, the data, the checkpoint are read alike by all): rank 0 prints it; the
+    others print nothing and exit with the same status when torchrun stops them (at rank 0's exit), or print their
+    own after ``JOB_ERROR_WAIT_S`` if it does not (rank 0 did not fail). ``main`` called in-process prints on every
+    rank."""
+    if once_per_job and int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
+        if _stopped_by_launcher(JOB_ERROR_WAIT_S):
+            return status
+    print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+    return status
+
+
+def main(argv: list[str] | None = None, once_per_job: bool = False) -> int:
+    """The run; its exit status (0, or 2 for an error of the configuration, data or checkpoint, printed on one line:
+    by every rank, or with ``once_per_job`` by rank 0 alone, see ``_error``)."""
     try:
         warnings: list[str] = []
         config, tokenizer = resolve(argv, warnings)
     except (ConfigError, CheckpointError, TokenizerError) as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err, 2, once_per_job)
     try:
         pretrain(config, model_provider, partial(datasets_provider, tokenizer=tokenizer), forward_step,
                  tuple(warnings))
     except (DatasetError, CheckpointError, ConfigError) as err:  # data, checkpoint or launch that cannot serve the run
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err, 2, once_per_job)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops at the end of the step)
         print("pretrain_gpt.py: error: interrupted (Ctrl-C twice): stopped at once, nothing saved since the last "
               "checkpoint", file=sys.stderr)
         return 130
     except TrainingDiverged as err:  # the same decision on every rank: the loss and the skips are global
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 3
+        return _error(err, 3, once_per_job)
     finally:
         shutdown()  # tear the process groups down before exit (gloo's threads must not outlive them)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(once_per_job=True))

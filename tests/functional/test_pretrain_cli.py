@@ -136,3 +136,19 @@ def test_pretrain_cli_variants(tmp_path, extra):
     else:
         assert saved.use_recompute and saved.recompute_granularity == "core_attn"
     assert (tmp_path / "latest").exists() == ("--no-save-at-end" not in extra)  # the final save, unless refused
+
+
+@pytest.mark.slow
+def test_a_configuration_error_under_torchrun_prints_one_line(tmp_path):
+    """Every rank meets the same configuration error (here before any collective): rank 0 prints the one line, the
+    other exits with the same status, quietly, when torchrun stops it (``pretrain_gpt._error``); no rank prints a
+    traceback (torchrun's own report of the failed workers follows)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "pretrain_gpt.py", *TINY, "--cp", "2", "--max-seq-len", "30", "--save", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert output.count("error:") == 1, output
+    assert output.count("pretrain_gpt.py: error: --context-parallel-size 2 cuts each sample into 4 chunks") == 1
+    assert len(re.findall(r"exitcode\s*: 2 ", output)) == 2, output  # both ranks, status 2 (none killed)
+    assert "pretrain_gpt.py\", line" not in output  # no traceback through the script
