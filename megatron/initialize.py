@@ -71,6 +71,14 @@ def launch_env() -> tuple[int, int, int]:
     return world, rank, local
 
 
+def local_ranks() -> int:
+    """The launch's ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 for a plain ``python`` launch)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1  # launch_env has already refused a value that is not an integer
+
+
 def launched_by_torchrun() -> bool:
     """torchrun (and the launchers like it) sets LOCAL_RANK and WORLD_SIZE for each worker it starts."""
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 
+from megatron import cpu_threads
 from megatron import device as dev
 from megatron.checkpoint.ownership import release as release_output_dir
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.distributed.parallelize import plan_sharding
-from megatron.initialize import initialize_distributed, launch_env
+from megatron.initialize import initialize_distributed, launch_env, local_ranks
 from megatron.metrics import get_logger
 from megatron.model import num_parameters
 from megatron.optimizer.memory import parameters_per_rank
@@ -53,6 +54,10 @@ def _log_segmentation(config: Config, ps, log) -> None:
         log.info(line)
 
 
+def _threads(choice: cpu_threads.ThreadChoice | None) -> str:
+    return f", {choice.describe()}" if choice else ""
+
+
 def _context_parallel(ps, config: Config) -> str:
     """The start-up line's cp part: the size, the communication type, whether the optimizer's shards span it."""
     if ps.cp_size == 1:
@@ -81,6 +86,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
         log.info("resolved configuration:\n" + to_yaml(config))
     set_seed(config.seed)
     device = dev.get_device(config.device, local_rank)
+    threads = cpu_threads.apply(config.cpu_threads, local_ranks()) if device.type == "cpu" else None
     dev.set_matmul_reduction(device, not config.mix_precision.disable_bf16_reduced_precision_matmul)
     tensor_parallel_seed(config.seed, ps.tp_rank, device, ps.cp_rank)
     plan = plan_sharding(config, ps)  # decided once: the model is built for it (stage 3: on the meta device)
@@ -88,7 +94,7 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
     if ps.rank == 0:
         described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
         log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
-                 f"device {described}, world size {ps.world_size} ({_axes(ps, config, plan.stage)})")
+                 f"device {described}{_threads(threads)}, world size {ps.world_size} ({_axes(ps, config, plan.stage)})")
         if config.dataset.reset_attention_mask or config.dataset.reset_position_ids:
             log.info(f"packed documents: {_packing(config)}")
         if precision_warning:

@@ -8,14 +8,21 @@ test started through ``tests/functional/processes.py`` is killed when the sessio
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.functional import processes
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
+
+# The runs the suite starts without torchrun compute with the thread count they always had (torch's default
+# here) rather than megatron/cpu_threads.py's choice from the machine's load at start: the same results on a busy
+# machine as on an idle one. torchrun's ranks keep its OMP_NUM_THREADS=1.
+os.environ.setdefault("MEGATRON_CPU_THREADS", str(torch.get_num_threads()))
 
 _SELECTED: set[str] = set()  # the shared runs of the tests this session runs
 

@@ -258,6 +258,11 @@ class Config:
     tensor_fusion: bool = opt(
         False, "Accepted for FleetX compatibility: gradients always live in one contiguous buffer.")
     peak_tflops: float | None = opt(None, "Peak TFLOP/s of one device for MFU; default from a table of known GPUs.")
+    cpu_threads: int | None = opt(
+        None, "Intra-op threads of each rank on the CPU (torch.set_num_threads). Default: the MEGATRON_CPU_THREADS or "
+              "OMP_NUM_THREADS environment variable (torchrun sets 1 for several ranks per node), else the cores this "
+              "process may use shared among the node's ranks, less the cores other processes keep busy at start "
+              "(megatron/cpu_threads.py); the start-up line says which and why.")
     max_consecutive_skipped_steps: int = opt(
         10, "Stop the run (exit 3) after this many skipped steps in a row (non-finite gradients); a skip that "
             "lowers the fp16 loss scale is not counted. 0 never stops.")

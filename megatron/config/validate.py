@@ -361,6 +361,8 @@ def _check_wandb(config: Config) -> None:
 
 
 def _check_run_health(config: Config) -> None:
+    if config.cpu_threads is not None and config.cpu_threads < 1:
+        _fail(f"cpu_threads must be at least 1, got {config.cpu_threads}; leave it unset to let the run choose.")
     if config.max_consecutive_skipped_steps < 0:
         _fail(f"max_consecutive_skipped_steps must be >= 0 (0 never stops), got "
               f"{config.max_consecutive_skipped_steps}.")

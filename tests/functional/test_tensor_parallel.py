@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.functional.launch import FIVE, TINY, losses, parity_layouts, run
@@ -31,6 +33,17 @@ def test_tp2_compiled_matches_one_eager_process(parity, reference, layout):
     (and their collectives) run eager between compiled pieces; the loss curve is the eager one's."""
     parity.assert_matches(layout, reference)
     assert "--compile:" not in parity.outcome(layout).log  # compiled: no fallback
+
+def test_the_start_up_line_says_how_many_threads_each_rank_computes_with(parity, references):
+    """torchrun's ranks compute with one thread each (its OMP_NUM_THREADS); a one-process run (python, no torchrun)
+    with the count this suite pins (MEGATRON_CPU_THREADS, tests/conftest.py): each says which and why."""
+    assert "model: " in parity.outcome("tp2").log
+    assert parity.outcome("tp2").log.count(
+        "1 compute thread (OMP_NUM_THREADS, as torchrun sets it for several ranks per node)") == 1  # rank 0's line
+    pinned = os.environ["MEGATRON_CPU_THREADS"]
+    plural = "" if pinned == "1" else "s"
+    assert f"{pinned} compute thread{plural} (MEGATRON_CPU_THREADS)" in parity.outcome("tiny-5").log
+
 
 _DROPOUT_FLAGS = {"--hidden-dropout-prob", "--attention-probs-dropout-prob"}
 _DROPOUT = [*(a for i, a in enumerate(TINY) if a not in _DROPOUT_FLAGS and TINY[i - 1] not in _DROPOUT_FLAGS),
