@@ -225,7 +225,10 @@ def context_parallel_terms(D) -> dict[str, int]:
       diagonal block holds its keys and values expanded to ``a`` heads in fp32 with their gradients
       (``2 x 4 n a (dk + dv)``), its fp32 dQ (``4 n a dk``) and, per tile, the probabilities, their gradient, a
       difference and the score gradient (``4`` fp32 ``[b, a, rows, L]``, each at most ``MATH_TILE_BYTES``);
-      its forward holds fewer.
+      its forward holds fewer;
+    - with attention dropout the blocks run that plain kernel on the CPU too, and each tile draws its mask
+      (``context_parallel.dropout``; nothing of it is saved): its int64 hash words while they are mixed, the fp32
+      scale ``keep / (1 - p)`` and the dropped probabilities, counted as 10 more fp32 tiles.
 
     Not counted: the kernel's own per-block outputs and gradients (at most one block's ``q, k, v``), and on the
     CPU the zero-padded copies that feed unequal widths (multi-latent attention) to its fused kernel."""
@@ -236,10 +239,10 @@ def context_parallel_terms(D) -> dict[str, int]:
     kv, acc, dkv = n * g * (dk + dv) * d, 4 * n * a * dv + 4 * n * a, n * g * (dk + dv) * 4
     grads = 4 * n * a * dk + n * a * dv * d  # fp32 dQ, the output gradient made contiguous
     blocks = 0
-    if D.device == "gpu":
+    if D.device == "gpu" or D.attn_dropout:  # the plain block kernel (with dropout: positional masks, on any device)
         row = D.b * a * D.length * 4  # one query row of the diagonal block's fp32 scores, every sample and head
         tile = row * min(D.length, max(1, MATH_TILE_BYTES["limit"] // row))
-        blocks = 2 * 4 * n * a * (dk + dv) + 4 * n * a * dk + 4 * tile
+        blocks = 2 * 4 * n * a * (dk + dv) + 4 * n * a * dk + (14 if D.attn_dropout else 4) * tile
     if D.cp_comm == "all_gather":
         return {"forward": cp * kv + max(kv, 2 * acc), "backward": cp * kv + (cp + 1) * dkv + grads + blocks}
     return {"forward": 2 * kv + 2 * acc, "backward": 2 * kv + 2 * dkv + grads + blocks}

@@ -199,6 +199,7 @@ CP_CASES = {  # name -> (cp, flags); cp 1: the same sequence on one rank (both r
        for model, flags in (("gpt2", []), ("llama", LLAMA), ("mla", MLA)) if cp == 2 or comm == "p2p"},
     "cp2-a2a-gpt2-dropout": (2, ["--cp-comm-type", "a2a"]),  # whole sequences: the math kernel, its masks
     "cp2-p2p-gpt2-hidden-dropout": (2, ["--cp-comm-type", "p2p", "--attention-probs-dropout-prob", "0"]),
+    "cp2-p2p-gpt2-dropout": (2, ["--cp-comm-type", "p2p"]),  # the masks drawn again in the backward: none saved
     "cp2-p2p-llama-packed": (2, ["--cp-comm-type", "p2p", *LLAMA, *NO_DROPOUT, *DOCS]),
     "cp2-all_gather-gpt2-packed": (2, ["--cp-comm-type", "all_gather", *NO_DROPOUT, *DOCS]),
     "cp2-a2a-llama-packed": (2, ["--cp-comm-type", "a2a", *LLAMA, *NO_DROPOUT, *DOCS]),

@@ -327,6 +327,9 @@ def test_context_parallel_temporaries(comm):
     extra = context_parallel_terms(long)["backward"] - context_parallel_terms(dataclasses.replace(long, device="cpu"))[
         "backward"]
     assert extra == (0 if comm == "a2a" else 5 * 4 * long.n * d.a * d.hd + 4 * MATH_TILE_BYTES["limit"])
+    dropped = dataclasses.replace(d, attn_dropout=True)  # the plain kernel on the CPU too, and the masks' tiles
+    assert context_parallel_terms(dropped)["backward"] == expected["backward"] + (
+        0 if comm == "a2a" else 5 * 4 * d.n * d.a * d.hd + 14 * 4 * d.b * d.a * d.length**2)
     mla = dims(make_config(*MLA, *NO_DROPOUT, "--cp", "2", "--cp-comm-type", comm, world_size=2))
     packed, out = mla.n * mla.a * (24 + 12) * 4, 4 * mla.n * mla.a * 12 + 4 * mla.n * mla.a  # keys 16 + 8, values 12
     assert context_parallel_terms(mla)["forward"] == {"p2p": 2 * packed + 2 * out, "all_gather": 3 * packed,
