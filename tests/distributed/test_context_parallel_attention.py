@@ -111,20 +111,21 @@ def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False, dr
 
 def _ring_without_overlap(rank, cp, docs) -> list[str]:
     """The ring with its overlap off (each transfer waited for before the block: the benchmark's switch) ends
-    and gives bitwise the overlapped ring's output and gradients."""
+    and gives bitwise the overlapped ring's output and gradients, with attention dropout too (its masks depend on
+    positions, not on when a block runs)."""
     from megatron.context_parallel.attention import RING_OVERLAP
 
     ps = parallel_state.get()
     torch.manual_seed(1)
     mine = local_positions(S, ps.cp_rank, cp)
     q, k, v = (torch.randn(B, n, S, HD)[:, :, mine] for n in (NQ, NG, NG))
-    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), "p2p", docs)
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), "p2p", docs, seed=99)
     runs = []
     for overlap in (True, False):
         RING_OVERLAP["enabled"] = overlap
         try:
             local = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = attend(*local, plan)
+            out = attend(*local, plan, 0.2)
             out.square().sum().backward()
         finally:
             RING_OVERLAP["enabled"] = True
@@ -241,6 +242,24 @@ def _mla_layer(tp, cp, comm, docs, full, x, out_full, weight, rope, positions) -
     return [f"MLA layer tp{tp} cp{cp} {comm} docs={docs is not None} {name}: max diff "
             f"{(got[name] - want[name]).abs().max().item():.2e} (largest {want[name].abs().max().item():.2e})"
             for name in got if (got[name] - want[name]).abs().max() > RTOL * want[name].abs().max() + ATOL]
+
+
+def test_positional_masks_keep_one_minus_p_and_differ_by_every_field():
+    """The hash's masks (no launch): the kept fraction is 1 - p within a few standard deviations over 2^22 entries,
+    a block's mask is the matching part of the whole sequence's, and another seed, layer, head or sample draws
+    another mask (about p (1 - p) x 2 of the entries differ)."""
+    from megatron.context_parallel.dropout import BlockDropout
+
+    drop, positions = BlockDropout(0.1, 1234, 3), torch.arange(1024)
+    whole = drop.keep(range(4), 1, positions, positions)  # [4, 1, 1024, 1024]
+    assert abs(whole.float().mean().item() - 0.9) < 5 * (0.09 / whole.numel()) ** 0.5
+    part = drop.keep(range(1, 3), 1, positions[100:164], positions[500:532])
+    assert torch.equal(part, whole[1:3, :, 100:164, 500:532])
+    for other in (BlockDropout(0.1, 1235, 3).keep(range(4), 1, positions, positions),
+                  BlockDropout(0.1, 1234, 4).keep(range(4), 1, positions, positions),
+                  BlockDropout(0.1, 1234, 3, first_head=1).keep(range(4), 1, positions, positions),
+                  whole.roll(1, 0)):
+        assert abs((other != whole).float().mean().item() - 0.18) < 0.005
 
 
 @pytest.fixture(scope="module")
