@@ -51,7 +51,12 @@ from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
 from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config  # noqa: E402
 from megatron.checkpoint.format import file_inside  # noqa: E402
-from megatron.checkpoint.hf_common import ConversionError, export_tokenizer, find_hf_tokenizer  # noqa: E402
+from megatron.checkpoint.hf_common import (  # noqa: E402
+    ConversionError,
+    export_tokenizer,
+    find_hf_tokenizer,
+    generation_config,
+)
 from megatron.checkpoint.hf_models import converter_for_hf, converter_for_model  # noqa: E402
 from megatron.checkpoint.megatron_commands import from_megatron, to_megatron  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config  # noqa: E402
@@ -109,12 +114,7 @@ def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tru
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     hf_cfg = hf.hf_config(config.model, dtype)
     hf_cfg.update(export.token_ids if export is not None else {})
-    eos = hf_cfg["eos_token_id"]
-    # max_length: generation stops at the model's positions at the latest (a pipeline's default of 256 new
-    # tokens would run past a smaller model's and fail)
-    generation = {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": eos,
-                  **({"pad_token_id": eos} if eos is not None else {}),
-                  "max_length": config.model.max_position_embeddings}
+    generation = generation_config(hf_cfg, config.model.max_position_embeddings)
     _write_bytes(os.path.join(out_dir, "generation_config.json"), _json_bytes(generation))
     _write_bytes(os.path.join(out_dir, "config.json"), _json_bytes(hf_cfg))
     written = ["config.json", "generation_config.json", "model.safetensors"]

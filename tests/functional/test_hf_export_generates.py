@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import logging
 import os
 import random
 import stat
 import sys
+import warnings
 
 import pytest
 import torch
@@ -121,14 +123,29 @@ def _check_generates(run_dir, hf_dir, eod: int) -> None:
     generation = json.loads((hf_dir / "generation_config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == eod
     assert generation["eos_token_id"] == generation["pad_token_id"] == eod
+    assert "max_length" not in generation and generation["max_new_tokens"] == POSITIONS // 2
     pipe = transformers.pipeline("text-generation", model=str(hf_dir))
     assert pipe.tokenizer.eos_token_id == eod
-    (out,) = pipe(PROMPT)
+    logged: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append
+    library = logging.getLogger("transformers")  # its records do not propagate to the root logger
+    library.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (out,) = pipe(PROMPT)
+            (greedy,) = pipe(PROMPT, do_sample=False, return_tensors=True)
+            (short,) = pipe(PROMPT, do_sample=False, max_new_tokens=3, return_tensors=True)
+    finally:
+        library.removeHandler(handler)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in logged]
+    assert not [m for m in said if "max_length" in m or "max_new_tokens" in m], said  # no length warning
     assert out["generated_text"].startswith(PROMPT) and len(out["generated_text"]) > len(PROMPT)
-    (greedy,) = pipe(PROMPT, do_sample=False, return_tensors=True)
-    prompt, continuation = _greedy(run_dir, PROMPT, POSITIONS - len(pipe.tokenizer(PROMPT)["input_ids"]))
+    prompt, continuation = _greedy(run_dir, PROMPT, POSITIONS // 2)
     assert len(continuation) > 5
     assert greedy["generated_token_ids"] == prompt + continuation
+    assert short["generated_token_ids"] == prompt + continuation[:3]
 
 
 def _check_same_ids(hf_dir, ours) -> None:
