@@ -154,7 +154,8 @@ class MetricsWriter:
     ``resume_step``: the run continues from that step (a resume, or 0 for a fresh start in the
     folder of a run that never saved). Records of later steps left by an earlier run in the same
     folder are dropped first (``drop_records_after``), and TensorBoard hides that run's later events
-    (``purge_step``), so no step appears twice.
+    (``purge_step``), so no step appears twice. A resume from a saved step (``resume_step`` > 0) writes one
+    ``{"split": "resume", "step": N, "dropped": D}`` record to metrics.jsonl only (tools/plot_runs.py marks it).
 
     A sink that cannot be written once the run is going (a full disk: ENOSPC, or any OSError; any error of
     W&B's) is one warning and is then left alone for the rest of the run: the metrics are a report, and training goes
@@ -189,16 +190,16 @@ class MetricsWriter:
             self._tb_dir = tensorboard_dir or os.path.join(output_dir, "tensorboard")
             self._tb = SummaryWriter(log_dir=self._tb_dir, purge_step=None if resume_step is None else resume_step + 1)
             _quiet_event_file(self._tb, self._tb_error)
+        if resume_step:  # a resume from a saved step: where the curves continue (tools/plot_runs.py marks it); an
+            # annotation of the file, not a metric: TensorBoard and W&B get none (W&B's resumed run starts after it)
+            self._write_line({"split": "resume", "step": resume_step, "dropped": dropped,
+                              "time": round(time.time(), 3)})
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {**record, "time": round(time.time(), 3)}  # when it was written: Unix seconds
-        if self._jsonl is not None:
-            try:
-                self._jsonl.write(json.dumps(record) + "\n")
-            except OSError as err:
-                self._jsonl = self._give_up(self._jsonl, self._jsonl_path, err)
+        self._write_line(record)
         values = scalars(record)
         if self._tb is not None:
             try:
@@ -213,6 +214,13 @@ class MetricsWriter:
                 self._wandb.log(values, step=record["step"])
             except Exception as err:  # noqa: BLE001 - wandb raises its own errors (a full disk, a dead service)
                 self._wandb = self._give_up_wandb(err)
+
+    def _write_line(self, record: dict) -> None:
+        if self._jsonl is not None:
+            try:
+                self._jsonl.write(json.dumps(record) + "\n")
+            except OSError as err:
+                self._jsonl = self._give_up(self._jsonl, self._jsonl_path, err)
 
     @staticmethod
     def _give_up_wandb(err: Exception) -> None:

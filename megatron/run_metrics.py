@@ -37,6 +37,7 @@ class Run:
     config_error: str | None = None
     unreadable: int = 0  # lines skipped (not counting a killed run's partial last line)
     replaced: int = 0  # records overridden by a later record of the same split and step
+    resumes: list[int] = field(default_factory=list)  # the steps the run resumed from (``resume`` records)
 
     def steps(self, split: str = "train") -> list[int]:
         return list(self.records[split])
@@ -125,6 +126,9 @@ def read_records(path: str, into: Run) -> None:
             record = None
         step = record.get("step") if isinstance(record, dict) else None
         split = record.get("split") if isinstance(record, dict) else None
+        if split == "resume" and isinstance(step, int) and not isinstance(step, bool):
+            into.resumes.append(step)  # written by a resumed run (megatron/metrics.py): where its curves continue
+            continue
         if isinstance(split, str) and split not in SPLITS and isinstance(step, int):
             continue  # a kind of record these tools do not know (a later version's): not an error
         if split not in SPLITS or isinstance(step, bool) or not isinstance(step, int):

@@ -8,7 +8,9 @@ validation loss, learning rate, tokens/s, MFU (TFLOP/s per device when no run kn
 norm, loss scale (fp16 runs), and peak memory; a panel appears when any run has its metric.
 ``--x tokens`` puts tokens trained on (consumed samples x max_seq_len of config.yaml) on the x axes
 rather than steps, so that runs with other batch sizes line up. ``--smooth N``: a trailing mean over
-N records of the noisy series (training loss, tokens/s, MFU, gradient norm). Needs matplotlib
+N records of the noisy series (training loss, tokens/s, MFU, gradient norm). A run that resumed (the
+``resume`` record a resumed run writes into metrics.jsonl) gets a dotted vertical line in its colour at each
+resume step in every panel, labelled "resumed" in the first. Needs matplotlib
 (``pip install -e ".[plot]"``). Exit status 2, with a one-line message, for a missing or empty
 metrics file or a bad argument.
 """
@@ -19,7 +21,7 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,6 +59,7 @@ class PlotSummary:
     size: tuple[int, int]  # (width, height) in pixels of a PNG
     x: str  # "step" or "tokens"
     x_max: float  # the largest x of any curve
+    resumes: dict[str, list[float]] = field(default_factory=dict)  # run label -> the x of each resume marked
 
 
 def choose_panels(runs: list[Run]) -> list[Panel]:
@@ -165,6 +168,7 @@ def plot(runs: list[Run], output: str, x: str = "step", smooth: int = 1) -> Plot
             ax.set_yscale("log", base=2)
         if x == "tokens":
             ax.xaxis.set_major_formatter(FuncFormatter(human))
+    resumes = mark_resumes(runs, axes[:len(panels)], x)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncols=min(len(runs), 4),
@@ -174,7 +178,27 @@ def plot(runs: list[Run], output: str, x: str = "step", smooth: int = 1) -> Plot
     fig.savefig(output, format=extension[1:])
     width, height = fig.get_size_inches() * DPI
     return PlotSummary(output=output, runs=len(runs), panels=[p.title for p in panels], lines=lines,
-                       size=(round(width), round(height)), x=x, x_max=x_max)
+                       size=(round(width), round(height)), x=x, x_max=x_max, resumes=resumes)
+
+
+def mark_resumes(runs: list[Run], axes, x: str) -> dict[str, list[float]]:
+    """A dotted vertical line in the run's colour at each step a run resumed from, in every panel (its SVG id
+    ``resume-{run}-{step}``), labelled "resumed" at the top of the first; run label -> the xs marked."""
+    marked: dict[str, list[float]] = {}
+    for i, run in enumerate(runs):
+        steps = sorted(set(run.resumes))
+        if not steps:
+            continue
+        xs = [float(v) for v in (run.tokens(steps) if x == "tokens" else steps)]
+        marked[run.label] = xs
+        for step, at in zip(steps, xs):
+            for k, ax in enumerate(axes):
+                ax.axvline(at, color=f"C{i % 10}", linestyle=":", linewidth=1.0, alpha=0.8,
+                           gid=f"resume-{i}-{step}" if k == 0 else None)
+            axes[0].annotate("resumed", xy=(at, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                             textcoords="offset points", ha="left", va="top", fontsize=7, color=f"C{i % 10}",
+                             rotation=90)
+    return marked
 
 
 def main(argv: list[str] | None = None) -> int:

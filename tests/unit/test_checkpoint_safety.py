@@ -324,4 +324,6 @@ def test_a_resume_drops_the_later_records_of_an_earlier_run(tmp_path):
     writer = MetricsWriter(str(tmp_path), str(tmp_path / "tb"), resume_step=2)
     writer.write({"split": "train", "step": 3, "loss": 2.0})
     writer.close()
-    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["split"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("resume", 2), ("train", 3)]
+    assert records[2]["dropped"] == 2  # the train and valid records of step 3 that the resume from 2 dropped

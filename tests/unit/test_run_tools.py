@@ -210,6 +210,24 @@ def test_plot_fp16_run_gets_mfu_and_loss_scale_panels(tmp_path):
     assert plot_runs.trailing_mean([1.0, 3.0, math.inf, 5.0], 2) == [1.0, 2.0, math.inf, 5.0]
 
 
+def test_plot_marks_where_a_run_resumed(tmp_path):
+    """A resumed run's ``resume`` record (megatron/metrics.py writes it at the step the run continues from) is a
+    dotted line in every panel and a "resumed" label; a run that never resumed gets none."""
+    resumed = write_metrics(tmp_path / "run_a", [train(s, 3.0 - 0.1 * s) for s in range(1, 4)]
+                            + [{"split": "resume", "step": 3, "dropped": 2, "time": 1.0}]
+                            + [train(s, 3.0 - 0.1 * s) for s in range(4, 7)])
+    fresh = write_metrics(tmp_path / "run_b", [train(s, 3.0 - 0.1 * s) for s in range(1, 7)])
+    runs = [load_run(str(resumed)), load_run(str(fresh))]
+    assert runs[0].resumes == [3] and runs[1].resumes == [] and runs[0].steps() == [1, 2, 3, 4, 5, 6]
+    assert runs[0].unreadable == 0 and runs[0].replaced == 0
+    summary = plot_runs.plot(runs, str(tmp_path / "runs.svg"))
+    assert summary.resumes == {"run_a": [3.0]}
+    svg = (tmp_path / "runs.svg").read_text()
+    assert svg.count('id="resume-0-3"') == 1 and "resume-1-" not in svg  # the first panel's line
+    assert svg.count("<!-- resumed -->") == 1  # the label (matplotlib draws text as paths, the string in a comment)
+    assert plot_runs.plot(runs, str(tmp_path / "t.png"), x="tokens").resumes == {"run_a": [3.0 * GBS * SEQ]}
+
+
 def test_run_error_names_the_folder(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(RunError, match="no metrics.jsonl in"):

@@ -80,11 +80,13 @@ def run_record(records: list):
 
 
 def expected_history(out: Path) -> dict[int, dict[str, float]]:
-    """What metrics.jsonl says W&B should hold: each record's finite numbers under ``split/key``, by step."""
+    """What metrics.jsonl says W&B should hold: each record's finite numbers under ``split/key``, by step (a
+    resume's record marks the file only)."""
     rows: dict[int, dict[str, float]] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        rows.setdefault(record["step"], {}).update(scalars(record))
+        if record["split"] != "resume":
+            rows.setdefault(record["step"], {}).update(scalars(record))
     return rows
 
 
