@@ -8,7 +8,7 @@ the sample its index in the micro-batch: a block draws exactly the entries of th
 whatever the split, the ranks' timing or the order of the blocks, and the backward draws them again instead of
 keeping them (only a tile of a block's mask exists at a time).
 
-``seed`` is drawn once per micro-batch (``AttentionPlan.dropout_seed``) from the tracker's ``attention-dropout``
+``seed`` is drawn once per micro-batch (``AttentionPlan.dropout``) from the tracker's ``positional-dropout``
 stream (``tensor_parallel.random``), seeded alike on every rank (no tp or cp offset) and replayed by recompute;
 ``layer`` (the layer's global number) makes the layers' masks independent.
 

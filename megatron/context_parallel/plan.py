@@ -47,7 +47,7 @@ class AttentionPlan:
 
     def dropout(self, p: float, layer: int, heads: int, first_head: int) -> BlockDropout:
         """The positional attention dropout of a layer in this micro-batch (``dropout.py``): its seed drawn once per
-        plan from the tracker's ``attention-dropout`` stream (alike on every rank; recompute replays it)."""
+        plan from the tracker's ``positional-dropout`` stream (alike on every rank; recompute replays it)."""
         if self.seed is None:
             from megatron.tensor_parallel.random import ATTENTION_DROPOUT_RNG, get_rng_tracker
 

@@ -35,7 +35,7 @@ TENSOR_PARALLEL_SEED_OFFSET = 2718
 CONTEXT_PARALLEL_SEED_OFFSET = 100_003  # x cp_rank: beyond every tensor-parallel stream's seed + 2718 + tp_rank
 # The seeds of positional attention dropout (megatron.context_parallel.dropout): one draw per micro-batch, alike on
 # every rank (seed + 2717: no tp or cp offset, below every tensor-parallel stream's seed).
-ATTENTION_DROPOUT_RNG = "attention-dropout"
+ATTENTION_DROPOUT_RNG = "positional-dropout"  # after "model-parallel" in sorted order (checkpoints list them so)
 ATTENTION_DROPOUT_SEED_OFFSET = 2717
 
 
@@ -103,10 +103,10 @@ def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | N
     device = torch.get_default_device() if device is None else torch.device(device)
     device = dev.with_index(device)
     _TRACKER.reset(device)
+    offset = seed + CONTEXT_PARALLEL_SEED_OFFSET * cp_rank
+    torch.manual_seed(offset)
+    _TRACKER.add(TENSOR_PARALLEL_RNG, offset + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
     _TRACKER.add(ATTENTION_DROPOUT_RNG, seed + ATTENTION_DROPOUT_SEED_OFFSET)  # alike on every rank
-    seed += CONTEXT_PARALLEL_SEED_OFFSET * cp_rank
-    torch.manual_seed(seed)
-    _TRACKER.add(TENSOR_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
