@@ -33,21 +33,23 @@ setup(
     # safetensors: tools/convert_checkpoint.py's Hugging Face files (no torch dependency of its own).
     # tqdm: megatron/progress.py's terminal bar; tokenizers already pulls it in (through huggingface-hub).
     install_requires=["numpy", "pyyaml", "tensorboard", "tokenizers", "sentencepiece", "safetensors", "tqdm"],
-    # transformers: only the tests that load converted checkpoints into GPT2LMHeadModel.
-    # reference: NVIDIA's megatron-core, the test-only reference of the MoE model
-    # (tests/unit/test_megatron_core_moe.py), pure Python (numpy, packaging and the torch installed first). An extra
-    # of its own: it installs a `megatron` folder into site-packages, which shadows an editable install of this
-    # package outside its checkout.
+    # test: what the tests need to run at all (pytest, ruff, hypothesis, regex, matplotlib for plot_runs.py): a
+    # quick install for the edit-test loop. reference: the reference implementations and heavy optional packages
+    # the tests compare with or drive (transformers, lm-eval, accelerate, NVIDIA's megatron-core, the OpenAI client,
+    # fastapi/uvicorn, W&B, tiktoken); their tests skip without them, and fail instead under
+    # MEGATRON_REQUIRE_REFERENCE=1 (.ci/run installs .[test,reference] and sets it). megatron-core, pure Python
+    # (numpy, packaging and the torch installed first), installs a `megatron` folder into site-packages, which
+    # shadows an editable install of this package outside its checkout.
     extras_require={"serve": ["fastapi", "uvicorn"],
                     "plot": ["matplotlib"],  # tools/plot_runs.py
                     "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
                     "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
                     # --task lm-eval, MegatronLM; [api]: tenacity, for local-completions (tools/serve.py)
                     "eval": ["lm-eval[api]>=0.4.13"],
-                    "test": ["pytest>=7", "ruff", "hypothesis", "regex", "transformers", "safetensors", "openai",
-                             "fastapi", "uvicorn", "matplotlib", "tiktoken", "wandb", "lm-eval[api]>=0.4.13",
-                             "accelerate"],  # lm-eval's hf backend, the tests' reference
-                    "reference": ["megatron-core==0.16.1"]},
+                    "test": ["pytest>=7", "ruff", "hypothesis", "regex", "matplotlib"],
+                    "reference": ["megatron-core==0.16.1", "transformers", "lm-eval[api]>=0.4.13",
+                                  "accelerate",  # lm-eval's hf backend, the tests' reference
+                                  "openai", "fastapi", "uvicorn", "wandb", "tiktoken"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     zip_safe=False,

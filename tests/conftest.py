@@ -18,6 +18,7 @@ import torch
 
 from tests.functional import processes
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
+from tests.reference_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (its hooks)
 
 # The runs the suite starts without torchrun compute with the thread count they always had (torch's default
 # here) rather than megatron/cpu_threads.py's choice from the machine's load at start: the same results on a busy
