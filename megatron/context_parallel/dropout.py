@@ -12,8 +12,8 @@ keeping them (only a tile of a block's mask exists at a time).
 stream (``tensor_parallel.random``), seeded alike on every rank (no tp or cp offset) and replayed by recompute;
 ``layer`` (the layer's global number) makes the layers' masks independent.
 
-The hash is a 32-bit integer mixer (``_mix``: xor-shift / multiply, a bijection of 32-bit words) chained over the
-fields, computed in int64 so that every product stays below 2^63; an entry is kept when its hash is at least
+The hash is a 32-bit integer mixer (``_mix``: xor-shift / multiply twice, a bijection of 32-bit words) chained over
+the fields, computed in int64 so that every product stays below 2^63; an entry is kept when its hash is at least
 ``p x 2^32``, and a kept probability is scaled by ``1 / (1 - p)``.
 
 With dropout applied to the normalised probabilities, a block of keys ``K_b`` with its own log-sum-exp
@@ -30,21 +30,21 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
-_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
-
-
-def _mul32(x, c: int):
-    """``x c mod 2^32`` for 32-bit words ``x`` (int64 tensors or ints), every product below 2^49."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+_M1, _M2 = 0x21F0AAAD, 0x735A2D97  # a two-round 32-bit mixer's multipliers (hash-prospector's), both below 2^31
 
 
 def _mix(x):
-    """A bijection of 32-bit words with good avalanche (lowbias32): tensors (int64) or ints alike."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, _M1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, _M2)
-    return x ^ (x >> 16)
+    """A bijection of 32-bit words with good avalanche (xor-shift / multiply, twice): int64 tensors, in place (every
+    product of a 32-bit word and a multiplier below 2^31 stays below 2^63), or ints."""
+    if isinstance(x, int):
+        x ^= x >> 16
+        x = (x * _M1) & _MASK32
+        x ^= x >> 15
+        x = (x * _M2) & _MASK32
+        return x ^ (x >> 15)
+    x.bitwise_xor_(x >> 16).mul_(_M1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15).mul_(_M2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 15)
 
 
 @dataclass(frozen=True)
