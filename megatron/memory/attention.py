@@ -52,7 +52,8 @@ The core (``core_terms``; ``dk``, ``dv`` the query/key and value widths, ``hd`` 
   the CPU, 1 on GPUs) and v: in fp32 where it need not be copied its storage (standard attention without
   grouping: the QKV output; multi-latent attention: v as given), else an fp32 copy ``4 n a dv``;
 - context parallelism, p2p and all_gather (``RingAttention``, ``GatheredAttention``: custom autograd functions
-  whatever the kernel): ``given``, their output (in q's layout, as the flash kernel's) and the fp32 log-sum-exp;
+  whatever the kernel): ``given``, their output (in q's layout, as the flash kernel's) and the fp32 log-sum-exp,
+  with attention dropout too (its masks are drawn again in the backward, ``context_parallel.dropout``);
 - a2a: whole sequences of ``a / c`` heads; q, k and v the all-to-all's own ``n (a dk + g (dk + dv)) d``, then
   the kernel's saves on them (the probabilities ``b (a / c) s^2``), the output its own;
 - ``core_attn`` recompute: ``given`` only (the checkpoint's inputs).
