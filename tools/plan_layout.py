@@ -12,7 +12,9 @@ size; for a MoE model the expert-parallel size and the experts' tensor-parallel 
 would be; its memory per
 device is megatron.memory.estimate at its worst pipeline stage (model states + activations + the
 largest temporary), its step time a documented model, every term printed (megatron/planner/). The
-best layout's pretrain_gpt.py flags are printed under the table.
+best layout's pretrain_gpt.py flags are printed under the table. Under offload the CPU's AdamW is timed and the
+host memory of a node checked (--host-memory-gb). --only AXIS=V1,V2 / --exclude AXIS=V1,V2 (and --no-offload,
+--no-cp) narrow the search. Progress goes to stderr (a bar on a terminal, a line every few seconds otherwise).
 Exit status: 0 with a list, 1 when no layout fits, 2 on bad input.
 """
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.config import Config, ConfigError, parse_config, validate  # noqa: E402
 from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.planner import (  # noqa: E402
+    AXES,
     GIB,
     Hardware,
     Plan,
@@ -36,10 +39,12 @@ from megatron.planner import (  # noqa: E402
     configured_layout,
     evaluate_layout,
     gpu_peak_tflops,
+    layout_filters,
     non_dominated,
     plan_layouts,
     rank_key,
 )
+from megatron.progress import Progress  # noqa: E402
 from megatron.tokenizer import TokenizerError, configured_tokenizer  # noqa: E402
 
 PROG = "plan_layout.py"
@@ -64,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="GB/s per device across nodes (default 12.5: one 100 Gb/s NIC per device).")
     p.add_argument("--pcie-gbps", type=float, default=12.0,
                    help="GB/s between a device and the CPU, for offload (default 12: PCIe 3.0 x16).")
+    p.add_argument("--host-memory-gb", type=float, default=1024.0,
+                   help="Host memory of one node in GiB, for offload: the offloaded optimizer states of its ranks "
+                        "(16 bytes per parameter of each rank's shard) must fit in (1 - --memory-headroom) of it "
+                        "(default 1024: a DGX A100's 1 TB).")
+    p.add_argument("--cpu-cores-per-device", type=float, default=4.0,
+                   help="Host CPU cores stepping one device's offloaded optimizer (default 4).")
+    p.add_argument("--cpu-adam-gparams-per-core", type=float, default=0.4,
+                   help="10^9 parameters per second one core's fused CPU AdamW updates, for offload (default 0.4; "
+                        "see megatron/planner/time_model.py).")
     p.add_argument("--memory-headroom", type=float, default=0.1,
                    help="Fraction of the device memory kept free for what the estimate leaves out (CUDA context, "
                         "activation gradients, allocator slack; default 0.1).")
@@ -74,6 +88,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="Largest micro-batch size tried (powers of two up to it; default 8).")
     p.add_argument("--max-vpp", type=int, default=8,
                    help="Largest number of interleaved model chunks per pipeline stage tried (default 8).")
+    p.add_argument("--only", action="append", default=[], metavar="AXIS=V1,V2",
+                   help=f"Consider only the layouts whose AXIS is one of the values; repeatable. Axes: "
+                        f"{', '.join(AXES)} (zero: the ZeRO stage, 0 unsharded; sharding: its degree; offload: on/off; "
+                        f"recompute: off, core_attn, only_attn, full, block; cp-comm: p2p, all_gather, a2a).")
+    p.add_argument("--exclude", action="append", default=[], metavar="AXIS=V1,V2",
+                   help="Leave out the layouts whose AXIS is one of the values; repeatable; axes as --only.")
+    p.add_argument("--no-offload", action="store_true", help="No optimizer offload (--exclude offload=on).")
+    p.add_argument("--no-cp", action="store_true", help="No context parallelism (--only cp=1).")
+    p.add_argument("--no-progress", action="store_true", help="No progress report on stderr.")
     p.add_argument("--top", type=int, default=10, help="Layouts shown (default 10).")
     p.add_argument("--all", action="store_true",
                    help="Also show the layouts another one beats or equals on step time, memory and micro-batch "
@@ -94,7 +117,8 @@ def _checked_hardware(args: argparse.Namespace, peak_tflops: float | None) -> Ha
     for name in ("devices", "top", "max_micro_batch", "max_vpp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("device_memory_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
+    for name in ("device_memory_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "host_memory_gb",
+                 "cpu_cores_per_device", "cpu_adam_gparams_per_core"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 < args.efficiency <= 1:
@@ -108,7 +132,16 @@ def _checked_hardware(args: argparse.Namespace, peak_tflops: float | None) -> Ha
         raise ValueError(f"--devices-per-node must be at least 1, got {per_node}")
     return Hardware(args.devices, per_node, args.device_memory_gb, peak_tflops or gpu_peak_tflops(args.gpu),
                     args.efficiency, args.intra_node_gbps, args.inter_node_gbps, args.pcie_gbps,
-                    args.memory_headroom)
+                    args.memory_headroom, args.host_memory_gb, args.cpu_cores_per_device,
+                    args.cpu_adam_gparams_per_core)
+
+
+def _filters(args: argparse.Namespace):
+    """The --only / --exclude / --no-offload / --no-cp filters; ConfigError (one line, exit 2) on a bad one."""
+    try:
+        return layout_filters(args.only, args.exclude, args.no_offload, args.no_cp)
+    except ValueError as err:
+        raise ConfigError(str(err) + ".") from None
 
 
 def _base_config(rest: list[str], devices: int) -> tuple[Config, Config | None, int | None, str | None]:
@@ -145,37 +178,52 @@ def _precision(config) -> str:
     return "bf16" if config.mix_precision.bf16 else "fp16" if config.mix_precision.use_pure_fp16 else "fp32"
 
 
+def _counts(result: PlanResult, shown: list[Plan]) -> str:
+    """``34416 candidates, 34416 valid, 4092 fit``, with what the filters left out, the layouts the host's memory
+    refused and those hidden as dominated."""
+    hidden = len(result.plans) - len(shown)
+    line = f"{result.considered} candidates"
+    if result.filters:
+        line += f" ({' '.join(f.describe() for f in result.filters)})"
+    line += f", {result.valid} valid, {len(result.plans)} fit"
+    if hidden:
+        line += f", {hidden} of them beaten or equalled on time, memory and micro-batch by another (--all shows them)"
+    if result.host_rejected:
+        line += f"; {result.host_rejected} more fit their devices but not the host's memory (offload)"
+    return line
+
+
 def render_table(result: PlanResult, shown: list[Plan], hw: Hardware, config, top: int) -> str:
     """The header (model, devices, the time model's constants, counts) and one row per layout."""
     m = config.model
     usable = hw.memory_bytes / GIB
-    hidden = len(result.plans) - len(shown)
     lines = [f"GPT {m.num_layers} layers x hidden {m.hidden_size}, global batch {config.batch_size.global_batch_size}"
              f" x {config.dataset.max_seq_len} tokens, {_precision(config)}; {hw.devices} device(s), "
              f"{hw.devices_per_node} per node, {hw.device_memory_gb:g} GiB each ({usable:.1f} usable: headroom "
-             f"{hw.headroom:g})",
+             f"{hw.headroom:g}), host {hw.host_memory_gb:g} GiB per node",
              f"time model (an estimate, not a measurement): peak {hw.peak_tflops:g} TFLOP/s x efficiency "
              f"{hw.efficiency:g}; intra-node {hw.intra_node_gbps:g} GB/s, inter-node {hw.inter_node_gbps:g} GB/s, "
-             f"PCIe {hw.pcie_gbps:g} GB/s" + ("; fp32 training: the peak is the 16-bit one unless --peak-tflops "
-                                             "gives fp32's" if _precision(config) == "fp32" else ""),
-             f"{result.considered} candidates, {result.valid} valid, {len(result.plans)} fit"
-             + (f", {hidden} of them beaten or equalled on time, memory and micro-batch by another (--all shows "
-                f"them)" if hidden else "")]
+             f"PCIe {hw.pcie_gbps:g} GB/s; CPU AdamW {hw.cpu_adam_params_per_s:.2g} params/s per device"
+             + ("; fp32 training: the peak is the 16-bit one unless --peak-tflops gives fp32's"
+                if _precision(config) == "fp32" else ""),
+             _counts(result, shown)]
     if shown:
         lines.append(f"model FLOPs per step {shown[0].time.model_flops:.3e}; memory in GiB per device (worst "
-                     f"stage), times in s per step")
+                     f"stage), host: GiB per node of offloaded states; times in s per step")
     moe = bool(m.num_experts)  # the ep comm column
-    header = (f"{'#':>3}  {'layout':<44} {'states':>6} {'activ':>6} {'temp':>5} {'total':>6}  {'compute':>8} "
-              f"{'tp comm':>8} {'cp comm':>8}" + (f" {'ep comm':>8}" if moe else "")
-              + f" {'dp exp':>7} {'bubble':>7} {'p2p':>6} {'offload':>7} {'step':>8}")
+    header = (f"{'#':>3}  {'layout':<44} {'states':>6} {'activ':>6} {'temp':>5} {'total':>6} {'host':>6}  "
+              f"{'compute':>8} {'tp comm':>8} {'cp comm':>8}" + (f" {'ep comm':>8}" if moe else "")
+              + f" {'dp exp':>7} {'bubble':>7} {'p2p':>6} {'offload':>7} {'cpu opt':>7} {'step':>8}")
     lines += ["", header] if shown else []
     for rank, plan in enumerate(shown[:top], 1):
         mem, t = plan.memory, plan.time
+        host = _gib(plan.host_per_node) if plan.layout.offload else "-"
         lines.append(f"{rank:>3}  {plan.layout.describe():<44} {_gib(mem.model_states):>6} {_gib(mem.activations):>6}"
-                     f" {_gib(mem.temporaries):>5} {_gib(mem.total):>6}  {_seconds(t.compute):>8} "
+                     f" {_gib(mem.temporaries):>5} {_gib(mem.total):>6} {host:>6}  {_seconds(t.compute):>8} "
                      f"{_seconds(t.tp_comm):>8} {_seconds(t.cp_comm):>8}"
                      + (f" {_seconds(t.ep_comm):>8}" if moe else "") + f" {_seconds(t.dp_exposed):>7} "
-                     f"{_seconds(t.bubble):>7} {_seconds(t.p2p):>6} {_seconds(t.offload):>7} {_seconds(t.step):>8}")
+                     f"{_seconds(t.bubble):>7} {_seconds(t.p2p):>6} {_seconds(t.offload):>7} "
+                     f"{_seconds(t.cpu_optimizer):>7} {_seconds(t.step):>8}")
     if shown:
         lines.append(f"flags of #1: {shown[0].layout.flags()}")
     return "\n".join(lines)
@@ -194,13 +242,18 @@ def configured(base: Config, resolved: Config | None, why_not: str | None, hw: H
         return None, None, f"the configuration's own layout, {layout.describe()}, is not a run on {hw.devices} " \
                            f"device(s): {err}"
     rank = 1 + sum(rank_key(p) < rank_key(plan) for p in result.plans) if plan.fits else None
-    where = f"rank {rank} of the {len(result.plans)} that fit" if plan.fits else "does not fit"
+    where = f"rank {rank} of the {len(result.plans)} that fit" if plan.fits else "does not fit" + (
+        f": {plan.reason}" if plan.reason else "")
     return plan, rank, (f"the configuration's own layout, {layout.describe()}: {plan.memory.total / GIB:.1f} GiB, "
                         f"{_seconds(plan.time.step)} s per step: {where}")
 
 
 def no_fit_message(result: PlanResult, hw: Hardware) -> str:
     mem, layout = result.smallest.memory, result.smallest.layout
+    if result.smallest.reason:
+        return (f"no layout fits: the smallest on the devices, {layout.describe()} ({mem.total / GIB:.1f} GiB per "
+                f"device), is refused because {result.smallest.reason}; give the hosts' real memory "
+                f"(--host-memory-gb), or try more devices (--devices) or devices with more memory")
     need = f"{'' if mem.estimated else 'at least '}{mem.total / GIB:.1f} GiB"
     return (f"no layout fits in {hw.memory_bytes / GIB:.1f} GiB per device ({hw.device_memory_gb:g} less the "
             f"headroom): the smallest requirement is {need}, with {layout.describe()}. Recompute, ZeRO stages 1-3 "
@@ -212,9 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         hw = _hardware(args, parse_config(rest).peak_tflops)
+        filters = _filters(args)
         config, resolved, vocab, why_not = _base_config(rest, hw.devices)
-        result = plan_layouts(config, hw, vocab, max_micro_batch=args.max_micro_batch, max_vpp=args.max_vpp,
-                              kernel=args.attention_kernel)
+        with Progress("plan_layout", unit="layouts", interval=5.0, enabled=not args.no_progress) as progress:
+            result = plan_layouts(config, hw, vocab, max_micro_batch=args.max_micro_batch, max_vpp=args.max_vpp,
+                                  kernel=args.attention_kernel, filters=filters, progress=progress)
+        if not result.valid and filters:
+            raise ConfigError(f"no layout of this model on {hw.devices} device(s) that --only / --exclude / "
+                              f"--no-offload / --no-cp let through is a valid run: widen them.")
         if not result.valid:
             raise ConfigError(f"no layout of this model on {hw.devices} device(s) is a valid run: "
                               + (why_not or "try another device count"))
@@ -225,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     own, own_rank, own_line = configured(config, resolved, why_not, hw, vocab, args.attention_kernel, result)
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(hw), "usable_bytes": hw.memory_bytes,
+                          "usable_host_bytes": hw.host_memory_bytes,
                           "global_batch_size": config.batch_size.global_batch_size,
+                          "filters": [f.describe() for f in result.filters],
                           "considered": result.considered, "valid": result.valid, "fit": len(result.plans),
+                          "host_rejected": result.host_rejected,
                           "shown": len(shown),
                           "layouts": [{"rank": i, **p.to_dict()} for i, p in enumerate(shown[:args.top], 1)],
                           "smallest": None if result.smallest is None else result.smallest.to_dict(),

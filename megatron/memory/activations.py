@@ -69,6 +69,7 @@ probabilities (an upper bound: ``s^2`` per sample where the documents' squared l
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -192,7 +193,17 @@ def is_moe(D: Dims, layer: int) -> bool:
 
 def layer_terms(D: Dims, recompute: str | None = None, moe: bool = False) -> dict[str, int]:
     """Bytes one decoder layer's forward saves, by term (``recompute``: its granularity or None; ``moe``: a
-    mixture of experts in place of the MLP, ``megatron.memory.moe``)."""
+    mixture of experts in place of the MLP, ``megatron.memory.moe``). A new dict each call; the terms are
+    computed once per (dims, recompute, moe): a chunk repeats its layers, and the layout planner its chunks."""
+    return dict(_layer_terms(D, recompute, moe))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_terms(D: Dims, recompute: str | None, moe: bool) -> tuple[tuple[str, int], ...]:
+    return tuple(_uncached_layer_terms(D, recompute, moe).items())
+
+
+def _uncached_layer_terms(D: Dims, recompute: str | None, moe: bool) -> dict[str, int]:
     x = D.n_sp * D.h * D.d  # the layer's input
     if recompute == "full":
         return {"layer input": x}

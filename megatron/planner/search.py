@@ -1,27 +1,24 @@
-"""The layout planner: every valid parallel layout of a model on N devices, whether it fits in their
-memory, and an estimated step time (a model, not a measurement), every term kept.
+"""The layout planner's search: every valid parallel layout of a model on N devices, whether it fits in their
+memory (the device's and, under offload, the host's), and an estimated step time (a model, not a measurement),
+every term kept.
 
-A layout is (tp, cp and its communication type, pp, vpp, dp, sharding degree and stage, offload,
-recompute, micro-batch size; for a MoE model the expert-parallel size ep and the experts' tensor-parallel size
-etp, the model's tp or 1); the global batch is the configuration's. Within a pipeline stage the tp x cp x dp x
-sharding ranks are re-cut for the experts as etp x ep x edp: ep divides the experts and ep x etp the stage's
-ranks. Sequence parallelism is on
-whenever tp > 1 and divides each rank's share of the sequence: it moves the same bytes as tp alone (an
-all-reduce is a reduce-scatter plus an all-gather) and keeps less activation memory, so it is never
-worse here. Context parallelism (cp > 1, p2p / all_gather / a2a) cuts every sample over cp ranks: the
-activations of a rank are those of ``s / cp`` tokens (``megatron.memory.activations``), the attention
-exchanges keys and values (``time_model``); its sizes divide the devices and the sequence must divide
-into 2 x cp chunks (x tp under sp); a2a needs heads and query groups divisible by tp x cp. Each candidate
-is applied to a copy of the configuration and checked by ``megatron.config.validate``; a ``ConfigError``
-drops it.
+A layout (``layout.Layout``) is (tp, cp and its communication type, pp, vpp, dp, sharding degree and stage,
+offload, recompute, micro-batch size; for a MoE model the expert-parallel size ep and the experts'
+tensor-parallel size etp, the model's tp or 1); the global batch is the configuration's. Within a pipeline stage
+the tp x cp x dp x sharding ranks are re-cut for the experts as etp x ep x edp: ep divides the experts and ep x
+etp the stage's ranks. Sequence parallelism is on whenever tp > 1 and divides each rank's share of the sequence:
+it moves the same bytes as tp alone (an all-reduce is a reduce-scatter plus an all-gather) and keeps less
+activation memory, so it is never worse here. Context parallelism (cp > 1, p2p / all_gather / a2a) cuts every
+sample over cp ranks: the activations of a rank are those of ``s / cp`` tokens (``megatron.memory.activations``),
+the attention exchanges keys and values (``time_model``); its sizes divide the devices and the sequence must
+divide into 2 x cp chunks (x tp under sp); a2a needs heads and query groups divisible by tp x cp. Candidates
+that ``--only`` / ``--exclude`` rule out (``filters``) are dropped first; each other candidate is applied to a
+copy of the configuration and checked by ``megatron.config.validate``; a ``ConfigError`` drops it.
 
-Memory (per device, the worst pipeline stage): what ``megatron.memory.estimate(config, stage)`` adds up,
-i.e. the model states of ``megatron/optimizer/memory.py`` during a step (by the sharding plan's stage
-rule), the saved activations of the micro-batches the schedule keeps in flight on that stage
-(``activations.peak_activation_bytes``) and the largest temporary. Stages alike (same layer counts,
-neither first nor last) are evaluated at the first of them, which holds the most micro-batches. The
-estimate is a lower bound of the device's peak (no CUDA context, activation gradients or allocator
-slack): a layout fits when it is within the device memory less ``headroom`` (10%).
+Memory: ``planner.memory``. A layout fits when its device estimate is within the device memory less
+``headroom`` (10%) and, under offload, its host bytes per node (a rank's times the devices of a node) within
+the host memory less the same headroom; one that fits its devices but not the host is rejected with that reason
+(``Plan.reason``).
 
 Time: an estimate, see ``megatron.planner.time_model``.
 
@@ -33,138 +30,17 @@ equals on all three.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, replace
 from itertools import product
 
 from megatron.config import Config, ConfigError, validate
-from megatron.distributed.parallelize import sharding_stage
-from megatron.memory import activations as act
-from megatron.optimizer.memory import rank_model_state_bytes, step_transient_bytes
-from megatron.planner.stages import representative_stages
+from megatron.planner.filters import AxisFilter, accepts, allows
+from megatron.planner.layout import Layout
+from megatron.planner.memory import MemoryTerms, layout_memory
 from megatron.planner.time_model import GIB, Hardware, TimeTerms, layout_time
 
 MIN_CP_TOKENS = 1024  # context parallelism tried while each rank keeps at least this many tokens of a sample
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    vpp: int
-    dp: int
-    sharding_degree: int
-    sharding_stage: int
-    offload: bool
-    recompute: str  # off, core_attn, only_attn, full, or block: full on block_layers of each model chunk
-    micro_batch_size: int
-    sequence_parallel: bool = False
-    block_layers: int = 0
-    cp: int = 1  # context-parallel size
-    cp_comm: str = "p2p"  # its communication type (p2p with cp 1)
-    ep: int = 1  # expert-parallel size (a MoE model)
-    etp: int = 0  # the experts' tensor-parallel size; 0: tp's
-    moe: bool = False  # a MoE model: its flags name ep and etp
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    def describe(self) -> str:
-        """``tp2 cp2:p2p pp4 vpp2 dp1 ep4 etp1 zero2x4 offload mb1 rc:full``: what is not the default is named
-        (``zero2x4``: stage 2 over 4 ranks, the sharding degree x cp when the shards span the cp ranks)."""
-        parts = [f"tp{self.tp}"] + ([f"cp{self.cp}:{self.cp_comm}"] if self.cp > 1 else []) + [f"pp{self.pp}"]
-        parts += ([f"vpp{self.vpp}"] if self.vpp > 1 else []) + [f"dp{self.dp}"]
-        parts += ([f"ep{self.ep}"] if self.ep > 1 else []) + ([f"etp{self.etp}"] if self.etp else [])
-        if self.sharding_degree > 1:
-            parts.append(f"zero{self.sharding_stage}x{self.sharding_degree * self.cp}")
-        if self.offload:
-            parts.append("offload")
-        parts.append(f"mb{self.micro_batch_size}")
-        if self.recompute != "off":
-            parts.append("rc:" + (f"block{self.block_layers}" if self.recompute == "block" else self.recompute))
-        return " ".join(parts)
-
-    def flags(self) -> str:
-        """The command-line flags of pretrain_gpt.py that run this layout, given after the configuration's own
-        (``-c config.yaml FLAGS``): every setting of the layout is explicit, the ones it turns off too (a
-        configuration's ``use_recompute: True`` or ``sharding_degree: 8`` would otherwise stay)."""
-        out = [f"--tp {self.tp}", f"--context-parallel-size {self.cp}"]
-        out += [f"--cp-comm-type {self.cp_comm}"] if self.cp > 1 else []
-        out += [f"--pp {self.pp}", f"--vpp {self.vpp}", f"--dp {self.dp}"]
-        if self.moe:
-            out.append(f"--expert-model-parallel-size {self.ep} --expert-tensor-parallel-size {self.expert_tp}")
-        out.append(f"--sharding {self.sharding_degree}"
-                   + (f" --sharding-stage {self.sharding_stage}" if self.sharding_degree > 1 else ""))
-        out += ["--sharding-offload" if self.offload else "--no-sharding-offload"]
-        out += ["--sequence-parallel" if self.sequence_parallel else "--no-sequence-parallel"]
-        out.append(f"--micro-batch-size {self.micro_batch_size}")
-        if self.recompute == "block":
-            out.append(f"--use-recompute --recompute-granularity full --recompute-method block "
-                       f"--recompute-num-layers {self.block_layers}")
-        elif self.recompute != "off":
-            out.append(f"--use-recompute --recompute-granularity {self.recompute}")
-        else:
-            out.append("--no-use-recompute")
-        return " ".join(out)
-
-    def apply(self, base: Config) -> Config:
-        """A copy of ``base`` (not validated) with this layout; the global batch and the rest kept."""
-        c = _copy_config(base)
-        d, b = c.distributed, c.batch_size
-        d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.dp_degree = self.tp, self.pp, self.vpp, self.dp
-        d.sharding.sharding_degree, d.sharding.sharding_stage = self.sharding_degree, self.sharding_stage
-        d.sharding.sharding_offload, d.use_distributed_optimizer = self.offload, False
-        d.sequence_parallel = self.sequence_parallel
-        d.context_parallel_size, d.cp_comm_type = self.cp, self.cp_comm
-        d.expert_model_parallel_size, d.expert_tensor_parallel_size = self.ep, self.etp or None
-        b.local_batch_size, b.micro_batch_size = None, self.micro_batch_size
-        c.use_recompute = self.recompute != "off"
-        c.recompute_granularity = None if self.recompute == "off" else "full" if self.recompute == "block" \
-            else self.recompute
-        c.recompute_method = "block" if self.recompute == "block" else None
-        c.recompute_num_layers = self.block_layers if self.recompute == "block" else None
-        c.no_recompute_layers = None
-        c.device = "gpu"
-        return c
-
-
-def _copy_config(config):
-    """A copy of a Config whose sections and lists are new objects (the leaves are immutable): a
-    deepcopy's result at a fraction of its cost, which dominates a planning run."""
-    new = copy.copy(config)
-    sections, lists = _nested_fields(type(config))
-    for name in sections:
-        setattr(new, name, _copy_config(getattr(config, name)))
-    for name in lists:
-        value = getattr(config, name)
-        if value is not None:
-            setattr(new, name, list(value))
-    return new
-
-
-@functools.cache
-def _nested_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The section fields and the list-valued fields of a schema dataclass."""
-    return (tuple(f.name for f in fields(cls) if "section" in f.metadata),
-            tuple(f.name for f in fields(cls) if str(f.type).startswith("list")))
-
-
-@dataclass(frozen=True)
-class MemoryTerms:
-    """Bytes per device at the worst stage. Activations and temporaries are None where a lower bound
-    already exceeded the limit (the schedule was not walked); ``total`` is then that bound."""
-
-    stage: int
-    model_states: int
-    activations: int | None
-    temporaries: int | None
-    total: int
-
-    @property
-    def estimated(self) -> bool:
-        return self.activations is not None
 
 
 @dataclass(frozen=True)
@@ -173,19 +49,24 @@ class Plan:
     memory: MemoryTerms
     time: TimeTerms | None  # None when it does not fit (not ranked)
     fits: bool
+    host_per_node: int = 0  # bytes of host memory a node's ranks keep (offload)
+    reason: str | None = None  # why a layout that fits its devices is rejected (the host's memory)
 
     def to_dict(self) -> dict:
         time = None if self.time is None else {**asdict(self.time), "step": self.time.step}
         return {"layout": {**asdict(self.layout), "name": self.layout.describe(), "flags": self.layout.flags()},
-                "memory": asdict(self.memory), "time": time, "fits": self.fits}
+                "memory": asdict(self.memory), "host_per_node": self.host_per_node, "time": time,
+                "fits": self.fits, "reason": self.reason}
 
 
 @dataclass
 class PlanResult:
     plans: list[Plan]  # the layouts that fit, best first
-    considered: int = 0
+    considered: int = 0  # the candidates the filters let through
     valid: int = 0
-    smallest: Plan | None = None  # the valid layout needing least memory (what to report when none fits)
+    smallest: Plan | None = None  # the valid layout needing least device memory (what to report when none fits)
+    host_rejected: int = 0  # layouts that fit their devices but not the host's memory (offload)
+    filters: tuple[AxisFilter, ...] = field(default_factory=tuple)
 
 
 def _divisors(n: int) -> list[int]:
@@ -233,24 +114,35 @@ def expert_options(config: Config, tp: int, stage_ranks: int) -> list[tuple[int,
             if not stage_ranks % (ep * (etp or tp))]
 
 
-def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, max_vpp: int = 8) -> Iterator[Layout]:
+def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, max_vpp: int = 8,
+                      filters: tuple[AxisFilter, ...] = ()) -> Iterator[Layout]:
     """Every (tp, cp, pp, vpp, dp, ep, etp, sharding, offload, recompute, micro-batch) with tp x cp x pp x dp x
     sharding = devices, tp within a node, cp as ``context_options``, ep and etp as ``expert_options``, vpp
-    dividing each stage's layers up to ``max_vpp``, micro-batches the powers of two up to ``max_micro_batch``.
-    Not yet validated. Layouts with the same pipeline schedule (pp, vpp, number of micro-batches) come one after
-    the other: its tables are cached."""
+    dividing each stage's layers up to ``max_vpp``, micro-batches the powers of two up to ``max_micro_batch``,
+    that ``filters`` let through (each loop pruned by the filters on its axes). Not yet validated. Layouts with
+    the same pipeline schedule (pp, vpp, number of micro-batches) come one after the other: its tables are
+    cached."""
     layers, moe = config.model.num_layers, bool(config.model.num_experts)
-    micro_batches = [2**k for k in range(max_micro_batch.bit_length()) if 2**k <= max_micro_batch]
-    for tp in _divisors(hw.devices):
-        for cp, comm, sp in context_options(config, tp, hw.devices // tp) if tp <= hw.devices_per_node else []:
-            for pp in _divisors(hw.devices // (tp * cp)):
+    micro_batches = [mb for mb in (2**k for k in range(max_micro_batch.bit_length()))
+                     if mb <= max_micro_batch and allows(filters, "mb", mb)]
+    offloads = [o for o in (False, True) if allows(filters, "offload", "on" if o else "off")]
+    for tp in (t for t in _divisors(hw.devices) if t <= hw.devices_per_node and allows(filters, "tp", t)):
+        for cp, comm, sp in context_options(config, tp, hw.devices // tp):
+            if not (allows(filters, "cp", cp) and allows(filters, "cp-comm", comm)):
+                continue
+            for pp in (p for p in _divisors(hw.devices // (tp * cp)) if allows(filters, "pp", p)):
                 group = hw.devices // (tp * cp * pp)  # dp x sharding
-                shardings = [(n, stage) for n in _divisors(group) for stage in ((1, 2, 3) if n > 1 else (1,))]
+                shardings = [(n, stage) for n in _divisors(group) for stage in ((1, 2, 3) if n > 1 else (1,))
+                             if allows(filters, "sharding", n) and allows(filters, "dp", group // n)
+                             and allows(filters, "zero", stage if n > 1 else 0)]
                 vpps = [1] + [v for v in _divisors(layers // pp) if 1 < v <= max_vpp and pp > 1 and not layers % pp]
-                experts = expert_options(config, tp, hw.devices // pp)
-                for vpp, mb in product(vpps if pp <= layers else [], micro_batches):
+                experts = [(ep, etp) for ep, etp in expert_options(config, tp, hw.devices // pp)
+                           if allows(filters, "ep", ep) and allows(filters, "etp", etp or tp)]
+                vpps = [v for v in vpps if allows(filters, "vpp", v)] if pp <= layers else []
+                for vpp, mb in product(vpps, micro_batches):
+                    recomputes = [r for r in recompute_options(layers, pp, vpp) if allows(filters, "recompute", r[0])]
                     for (n, stage), offload, (recompute, block), (ep, etp) in product(
-                            shardings, (False, True), recompute_options(layers, pp, vpp), experts):
+                            shardings, offloads, recomputes, experts):
                         yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, sp, block, cp, comm,
                                      ep, etp, moe)
 
@@ -263,125 +155,93 @@ def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_si
     return config
 
 
-def _model_states(config: Config, stage: int) -> tuple[int, int]:
-    """(between steps, during a step) device bytes of model states: memory.py's, as ``estimate``."""
-    held = rank_model_state_bytes(config, stage).device_total
-    return held, held + step_transient_bytes(config, stage)
+def validation_key(layout: Layout) -> Layout:
+    """The layout with what ``validate`` does not look at reset: the sharding stage, offload and recompute. Layouts
+    with one key are valid or not together, and their validated configurations differ in those fields only
+    (``variant_config``)."""
+    return replace(layout, sharding_stage=1, offload=False, recompute="off", block_layers=0)
 
 
-def _chunk_key(config: Config, stage: int, kernel: str | None) -> tuple:
-    """What one micro-batch's saved activations and the temporaries of a stage depend on in one planning
-    run (the model is fixed): not dp, sharding, offload or the number of micro-batches."""
-    d = config.distributed
-    return (d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.pp_degree, d.virtual_pp_degree,
-            d.sequence_parallel, d.pipeline_partition, d.expert_model_parallel_size, d.expert_tensor_parallel_size,
-            config.batch_size.micro_batch_size, config.use_recompute, config.recompute_granularity,
-            config.recompute_method, config.recompute_num_layers, stage, kernel)
-
-
-def _stage_activations(config: Config, stage: int, kernel: str | None, cache: dict) -> tuple[tuple[int, ...], int]:
-    """(bytes one micro-batch saves on each model chunk of ``stage``, the largest temporary), cached."""
-    key = _chunk_key(config, stage, kernel)
-    if key not in cache:
-        chunks = range(len(act.chunk_specs(config, stage)))
-        cache[key] = (tuple(act.activation_bytes_per_microbatch(config, stage, c, kernel) for c in chunks),
-                      act.largest_temporary_bytes(config, stage, kernel))
-    return cache[key]
-
-
-def walked_micro_batches(config: Config) -> int:
-    """The micro-batches whose interleaved schedule has the same peak as the step's: the warm-up only
-    adds and the cool-down only removes activations, and the steady state repeats every pp x vpp
-    forwards, so a steady state of two periods after the longest warm-up shows every held set. The
-    tables of a 1536-micro-batch step take seconds to build; this keeps them small."""
-    d, m = config.distributed, config.num_micro_batches
-    pp, vpp = d.pp_degree, d.virtual_pp_degree
-    if vpp == 1:
-        return m
-    warm_up = 2 * (pp - 1) + (vpp - 1) * pp
-    enough = -(-(warm_up + 2 * pp * vpp) // (vpp * pp)) * pp  # a multiple of pp, as the schedule needs
-    return min(m, enough)
-
-
-def _peak_activations(config: Config, stage: int, per_chunk: tuple[int, ...], cache: dict) -> int:
-    """``activations.peak_activation_bytes``: per-chunk bytes times the micro-batches of each chunk in
-    flight at the schedule's peak; the schedule walk cached by what it depends on."""
-    d, m = config.distributed, walked_micro_batches(config)
-    key = (d.pp_degree, d.virtual_pp_degree, d.pipeline_schedule, m, stage, per_chunk)
-    if key not in cache:
-        walked = config
-        if m != config.num_micro_batches:
-            walked = _copy_config(config)
-            walked.batch_size.local_batch_size = m * config.batch_size.micro_batch_size
-        cache[key] = act.in_flight_at_peak(walked, stage, list(per_chunk))
-    return sum(k * w for k, w in zip(cache[key], per_chunk))
-
-
-def layout_memory(config: Config, limit_bytes: float, kernel: str | None = None,
-                  cache: dict | None = None) -> MemoryTerms:
-    """Model states + peak saved activations + the largest temporary (``megatron.memory.estimate``'s
-    sum) at the worst stage. Where a stage's lower bound (its model states, one micro-batch's largest
-    chunk and its temporary) already exceeds ``limit_bytes`` the schedule is not walked and that bound
-    is returned (``activations`` None). ``cache``: figures already computed in this planning run."""
-    cache = {} if cache is None else cache
-    stages = representative_stages(config)
-    states = {s: _model_states(config, s) for s in stages}
-    heaviest = max(stages, key=lambda s: states[s][1])
-    if states[heaviest][0] > limit_bytes:
-        return MemoryTerms(heaviest, states[heaviest][1], None, None, states[heaviest][1])
-    chunks = {s: _stage_activations(config, s, kernel, cache) for s in stages}
-    bounds = {s: states[s][1] + max(chunks[s][0]) + chunks[s][1] for s in stages}
-    over = max(stages, key=lambda s: bounds[s])
-    if bounds[over] > limit_bytes:
-        return MemoryTerms(over, states[over][1], None, None, bounds[over])
-    worst = None
-    for s in stages:
-        activations = _peak_activations(config, s, chunks[s][0], cache)
-        terms = MemoryTerms(s, states[s][1], activations, chunks[s][1], states[s][1] + activations + chunks[s][1])
-        worst = terms if worst is None or terms.total > worst.total else worst
-    return worst
-
-
-def configured_layout(config: Config) -> Layout:
-    """The layout a validated configuration runs (recompute in the planner's terms; a uniform recompute
-    of several layers per unit is counted as ``full``)."""
-    d, g = config.distributed, config.recompute_granularity if config.use_recompute else None
-    block = config.recompute_num_layers if g == "full" and config.recompute_method == "block" else 0
-    recompute = "off" if g is None else "block" if block else "only_attn" if g == "full_attn" else g
-    n, cp = d.sharding.sharding_degree, d.context_parallel_size
-    etp = d.expert_tensor_parallel_size
-    return Layout(d.mp_degree, d.pp_degree, d.virtual_pp_degree, d.dp_degree, n,
-                  sharding_stage(n, d.sharding.sharding_stage), d.sharding.sharding_offload, recompute,
-                  config.batch_size.micro_batch_size, d.sequence_parallel and d.mp_degree > 1, block, cp,
-                  d.cp_comm_type if cp > 1 else "p2p", d.expert_model_parallel_size,
-                  0 if etp in (None, d.mp_degree) else etp, bool(config.model.num_experts))
+def variant_config(validated: Config, layout: Layout) -> Config:
+    """``layout_config(base, layout)`` made from the validated configuration of another layout with the same
+    ``validation_key``: a copy (of the sections it changes) with the layout's sharding stage, offload and
+    recompute. ``validate`` reads neither the stage nor offload, and leaves the planner's recompute settings (a
+    granularity, or full with the block method and its layer count) as they are, so this is the configuration
+    validating the layout gives, without the validation (a planning run's largest cost): checked layout by
+    layout in tests/unit/test_plan_search.py."""
+    config = copy.copy(validated)
+    config.distributed = copy.copy(validated.distributed)
+    config.distributed.sharding = copy.copy(validated.distributed.sharding)
+    sharding = config.distributed.sharding
+    sharding.sharding_stage, sharding.sharding_offload = layout.sharding_stage, layout.offload
+    config.use_recompute = layout.recompute != "off"
+    config.recompute_granularity = None if layout.recompute == "off" else "full" if layout.recompute == "block" \
+        else layout.recompute
+    config.recompute_method = "block" if layout.recompute == "block" else None
+    config.recompute_num_layers = layout.block_layers if layout.recompute == "block" else None
+    return config
 
 
 def evaluate_layout(base: Config, layout: Layout, hw: Hardware, tokenizer_vocab_size: int | None = None,
-                    kernel: str | None = None, cache: dict | None = None, complete: bool = False) -> Plan:
+                    kernel: str | None = None, cache: dict | None = None, complete: bool = False,
+                    validated: Config | None = None) -> Plan:
     """One layout's memory and, when it fits, step time; ``complete``: the whole memory estimate and the
-    step time even when it does not fit. ConfigError if the layout is no valid run."""
-    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size)
+    step time even when it does not fit. ConfigError if the layout is no valid run. ``validated``: the validated
+    configuration of a layout with the same ``validation_key`` (this one's is then ``variant_config``'s)."""
+    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size) if validated is None \
+        else variant_config(validated, layout)
     memory = layout_memory(config, float("inf") if complete else hw.memory_bytes, kernel, cache)
     fits = memory.estimated and memory.total <= hw.memory_bytes
-    return Plan(layout, memory, layout_time(config, hw) if fits or complete else None, fits)
+    host, reason = memory.host * hw.ranks_per_node, None
+    if fits and host > hw.host_memory_bytes:
+        fits, reason = False, (f"its offloaded optimizer states need {host / GIB:.1f} GiB of host memory per node "
+                               f"({hw.ranks_per_node} ranks x {memory.host / GIB:.1f}), more than the "
+                               f"{hw.host_memory_bytes / GIB:.1f} usable of --host-memory-gb {hw.host_memory_gb:g}")
+    time = layout_time(config, hw, cache) if fits or complete else None
+    return Plan(layout, memory, time, fits, host, reason)
 
 
 def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = None, max_micro_batch: int = 8,
-                 max_vpp: int = 8, kernel: str | None = None) -> PlanResult:
-    """Every valid layout of ``base``'s model and global batch on ``hw``: those that fit, ranked by the
-    estimated step time; when none fits, ``smallest`` is the valid layout needing least memory.
-    ``kernel``: the attention kernel of the activation estimate (``megatron.memory.activations.dims``)."""
-    result, cache = PlanResult(plans=[]), {}
-    for layout in candidate_layouts(base, hw, max_micro_batch, max_vpp):
+                 max_vpp: int = 8, kernel: str | None = None, filters: tuple[AxisFilter, ...] = (),
+                 progress=None, share_validation: bool = True) -> PlanResult:
+    """Every valid layout of ``base``'s model and global batch on ``hw`` that ``filters`` let through: those
+    that fit, ranked by the estimated step time; when none fits, ``smallest`` is the valid layout needing least
+    device memory. ``kernel``: the attention kernel of the activation estimate
+    (``megatron.memory.activations.dims``). ``progress``: an object with ``set_total(n)`` and ``update(k)``
+    (``megatron.progress.Progress``), told the candidates and each one done. ``share_validation``: validate one
+    layout per ``validation_key`` and derive the others (``variant_config``); False validates each (the tests
+    compare the two)."""
+    kept = [layout for layout in candidate_layouts(base, hw, max_micro_batch, max_vpp, filters)
+            if accepts(layout, filters)]
+    result, cache = PlanResult(plans=[], filters=tuple(filters)), {}
+    validated: dict[Layout, Config | None] = {}  # validation_key -> its validated configuration (None: invalid)
+    block = None
+    if progress is not None:
+        progress.set_total(len(kept))
+    for layout in kept:
         result.considered += 1
+        if progress is not None:
+            progress.update(1)
+        if block != (layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size):
+            block = (layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size)
+            validated.clear()  # the candidates of one key come within one such block
+        key = validation_key(layout) if share_validation else None
+        if key is not None and key not in validated:
+            try:
+                validated[key] = layout_config(base, key, hw.devices, tokenizer_vocab_size)
+            except ConfigError:
+                validated[key] = None
+        if key is not None and validated[key] is None:
+            continue
         try:
-            plan = evaluate_layout(base, layout, hw, tokenizer_vocab_size, kernel, cache)
+            plan = evaluate_layout(base, layout, hw, tokenizer_vocab_size, kernel, cache,
+                                   validated=validated.get(key))
         except ConfigError:
             continue
         result.valid += 1
         if plan.fits:
             result.plans.append(plan)
+        result.host_rejected += plan.reason is not None
         if result.smallest is None or plan.memory.total < result.smallest.memory.total:
             result.smallest = plan
     result.plans.sort(key=rank_key)

@@ -46,8 +46,14 @@ activations of ``a`` bytes (2 in bf16/fp16, 4 in fp32):
   (GPipe's cost is memory: all m micro-batches in flight, which the memory side counts).
 - p2p: 2 m vpp messages of ``b (s / cp) h a`` bytes (``/ tp`` under sequence parallelism) per stage and
   step, over the inter-node bandwidth when the job spans nodes (pp is the outermost dimension).
-- offload: the fp32 gradient shard to the CPU and the fp32 master shard back, 8 bytes per parameter of
-  the shard, over PCIe. The CPU's AdamW itself is not counted.
+- offload: the fp32 gradient shard to the CPU and the fp32 master shard back, 8 bytes per parameter of the
+  rank's offloaded shard (its dense parameters over the ZeRO group, its experts over the expert-data-parallel
+  ranks: ``ModelStateBytes.master_weights / 4``, at the stage with the most), over PCIe; not overlapped.
+- cpu optimizer (offload): torch's fused CPU AdamW over that shard, at ``cpu_adam_gparams_per_core`` x
+  ``cpu_cores_per_device`` parameters per second (defaults 0.4 x 4: one core of this project's machine stepped
+  4.6e8 parameters/s, 2026-11-27; 4 cores each serve 8 devices of a 32-core host. AdamW reads and writes about
+  28 bytes per parameter, so 1.6e9/s per device is 45 GB/s, 360 GB/s for 8 devices: about what a two-socket
+  host's memory delivers, beyond which more cores buy nothing); not overlapped with the device's work.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from megatron.config import Config
 from megatron.device import _PEAK_TFLOPS_16BIT as PEAK_TFLOPS_16BIT
 from megatron.distributed.parallelize import sharding_stage
 from megatron.metrics import model_flops_per_token
-from megatron.optimizer.memory import parameters_per_rank
+from megatron.optimizer.memory import parameters_per_rank, rank_model_state_bytes
 from megatron.planner.stages import representative_stages
 from megatron.planner.stages import stage_chunks as _stage_chunks
 
@@ -79,12 +85,30 @@ class Hardware:
     inter_node_gbps: float = 12.5  # GB/s per device across nodes (a 100 Gb/s NIC per device)
     pcie_gbps: float = 12.0  # GB/s between a device and the CPU (PCIe 3.0 x16)
     headroom: float = 0.1  # fraction of the memory kept for what the estimate leaves out
+    host_memory_gb: float = 1024.0  # GiB of host memory per node (a DGX A100's 1 TB), for offload
+    cpu_cores_per_device: float = 4.0  # host CPU cores stepping one device's offloaded optimizer
+    cpu_adam_gparams_per_core: float = 0.4  # 10^9 parameters/s one core's fused AdamW updates
 
     @property
     def memory_bytes(self) -> float:
         """What a layout's estimate may use: the estimate is a lower bound of the peak (no CUDA context,
         activation gradients or allocator slack), so ``headroom`` of the device is kept free."""
         return self.device_memory_gb * GIB * (1 - self.headroom)
+
+    @property
+    def host_memory_bytes(self) -> float:
+        """What a node's offloaded states may use: the host memory less the same ``headroom`` (the processes,
+        the data loader, pinned buffers)."""
+        return self.host_memory_gb * GIB * (1 - self.headroom)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.devices_per_node, self.devices)
+
+    @property
+    def cpu_adam_params_per_s(self) -> float:
+        """Parameters per second the CPU AdamW of one device's offloaded shard updates."""
+        return self.cpu_adam_gparams_per_core * 1e9 * self.cpu_cores_per_device
 
 
 def gpu_peak_tflops(name: str) -> float:
@@ -113,29 +137,41 @@ class TimeTerms:
     hardware_flops: float  # the same with the recomputed forward
     cp_comm: float = 0.0  # context parallelism's exchanges, the part not hidden behind attention
     ep_comm: float = 0.0  # expert parallelism's token dispatch and combine
+    cpu_optimizer: float = 0.0  # offload: the CPU's AdamW over the rank's offloaded shard
 
     @property
     def step(self) -> float:
         return (self.compute + self.tp_comm + self.cp_comm + self.ep_comm + self.dp_exposed + self.bubble + self.p2p
-                + self.offload)
+                + self.offload + self.cpu_optimizer)
 
 
-def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
+def _model_flops_per_token(config: Config, cache: dict | None) -> float:
+    """``metrics.model_flops_per_token``, cached in a planning run by the one thing a layout changes in it: the
+    vocabulary padded for tp."""
+    if cache is None:
+        return model_flops_per_token(config)
+    key = ("model flops per token", config.padded_vocab_size)
+    if key not in cache:
+        cache[key] = model_flops_per_token(config)
+    return cache[key]
+
+
+def _layer_forward_flops(config: Config, cache: dict | None = None) -> tuple[float, float, float]:
     """Forward matmul FLOPs per token of one decoder layer, of its attention block and of its core
     attention (QK^T and x V), from metrics.model_flops_per_token's count."""
     m, s = config.model, config.dataset.max_seq_len
     head = 2 * m.hidden_size * config.padded_vocab_size
-    layer = (model_flops_per_token(config) / 3 - head) / m.num_layers
+    layer = (_model_flops_per_token(config, cache) / 3 - head) / m.num_layers
     mlp = (3 if m.swiglu or m.quick_geglu else 2) * 2 * m.hidden_size * m.ffn_hidden_size
     core = 4 * s * m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
     return layer, layer - mlp, core
 
 
-def _recomputed(config: Config, chunks: tuple[int, ...]) -> tuple[float, int]:
+def _recomputed(config: Config, chunks: tuple[int, ...], cache: dict | None = None) -> tuple[float, int]:
     """Per token: the forward FLOPs recompute replays on a stage, and its extra tp collectives."""
     if not config.use_recompute:
         return 0.0, 0
-    layer, attention, core = _layer_forward_flops(config)
+    layer, attention, core = _layer_forward_flops(config, cache)
     layers, g = sum(chunks), config.recompute_granularity
     if g == "full":
         if config.recompute_method == "block":
@@ -212,7 +248,8 @@ def _bandwidth(hw: Hardware, extent: int) -> float:
     return (hw.intra_node_gbps if extent <= hw.devices_per_node else hw.inter_node_gbps) * GB
 
 
-def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, float, float, float, float]:
+def _stage_times(config: Config, hw: Hardware, cache: dict | None = None
+                 ) -> tuple[float, float, float, float, float, float, float]:
     """Of the slowest stage: (compute, tp comm, cp comm, ep comm) per step, (forward, backward) of one
     micro-batch, and the parameters of the largest rank."""
     from megatron.memory.activations import chunk_specs
@@ -221,7 +258,7 @@ def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, flo
     tp, pp, mb, count = d.mp_degree, d.pp_degree, config.batch_size.micro_batch_size, config.num_micro_batches
     cp = d.context_parallel_size
     a = 4 if config.params_dtype_name == "float32" else 2  # bytes per activation element
-    layer, _, core = _layer_forward_flops(config)
+    layer, _, core = _layer_forward_flops(config, cache)
     head = 2 * m.hidden_size * config.padded_vocab_size
     flops_per_s = hw.peak_tflops * 1e12 * hw.efficiency
     collective = _ring(mb * s / cp * m.hidden_size * a, tp, all_reduce=True) / _bandwidth(hw, tp)
@@ -232,7 +269,7 @@ def _stage_times(config: Config, hw: Hardware) -> tuple[float, float, float, flo
     for stage in range(pp):
         chunks = _stage_chunks(config, stage)
         forward = sum(chunks) * layer + (head if stage == pp - 1 else 0.0)
-        replay, extra = _recomputed(config, chunks)
+        replay, extra = _recomputed(config, chunks, cache)
         compute = count * tokens * (3 * forward + replay) / flops_per_s
         tp_comm = count * (4 * sum(chunks) + extra + (stage == 0) + (stage == pp - 1)) * collective
         cp_comm = count * (sum(chunks) * (cp_forward + cp_backward) + _replayed_attention(config, chunks) * cp_forward)
@@ -274,21 +311,29 @@ def _dp_times(config: Config, hw: Hardware, params: float, forward: float, backw
     return total, total - (min(reduce, backward) if overlap else 0.0)
 
 
-def layout_time(config: Config, hw: Hardware) -> TimeTerms:
-    """The step-time terms of a validated configuration on ``hw`` (see the module docstring)."""
+def offloaded_parameters(config: Config) -> int:
+    """Parameters of the largest offloaded shard of a rank (the masters it keeps on the host); 0 without offload."""
+    if not config.distributed.sharding.sharding_offload:
+        return 0
+    return max(rank_model_state_bytes(config, stage).master_weights // 4 for stage in representative_stages(config))
+
+
+def layout_time(config: Config, hw: Hardware, cache: dict | None = None) -> TimeTerms:
+    """The step-time terms of a validated configuration on ``hw`` (see the module docstring). ``cache``: a
+    planning run's, for what depends on the tensor-parallel size only (the FLOPs per layer and token)."""
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, vpp, count = d.mp_degree, d.pp_degree, d.virtual_pp_degree, config.num_micro_batches
     mb = config.batch_size.micro_batch_size
-    compute, tp_comm, cp_comm, ep_comm, forward, backward, params = _stage_times(config, hw)
+    compute, tp_comm, cp_comm, ep_comm, forward, backward, params = _stage_times(config, hw, cache)
     dp_comm, dp_exposed = _dp_times(config, hw, params, forward, backward)
     bubble = (pp - 1) / (count * vpp) * (compute + tp_comm + cp_comm + ep_comm)
     a = 4 if config.params_dtype_name == "float32" else 2
     message = mb * s / d.context_parallel_size * m.hidden_size * a / (tp if d.sequence_parallel else 1)
     p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
-    n = config.zero_shards
-    offload = 8.0 * -(-params // n) / (hw.pcie_gbps * GB) if d.sharding.sharding_offload else 0.0
+    shard = offloaded_parameters(config)
+    offload, cpu_optimizer = 8.0 * shard / (hw.pcie_gbps * GB), shard / hw.cpu_adam_params_per_s
     tokens = config.batch_size.global_batch_size * s
-    model_flops = model_flops_per_token(config) * tokens
-    replay = sum(_recomputed(config, _stage_chunks(config, st))[0] for st in range(pp))
+    model_flops = _model_flops_per_token(config, cache) * tokens
+    replay = sum(_recomputed(config, _stage_chunks(config, st), cache)[0] for st in range(pp))
     return TimeTerms(compute, tp_comm, dp_comm, dp_exposed, bubble, p2p, offload, count, model_flops,
-                     model_flops + replay * tokens, cp_comm, ep_comm)
+                     model_flops + replay * tokens, cp_comm, ep_comm, cpu_optimizer)
