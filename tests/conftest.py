@@ -20,10 +20,13 @@ from tests.functional import processes
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
 from tests.reference_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (its hooks)
 
-# The runs the suite starts without torchrun compute with the thread count they always had (torch's default
-# here) rather than megatron/cpu_threads.py's choice from the machine's load at start: the same results on a busy
-# machine as on an idle one. torchrun's ranks keep its OMP_NUM_THREADS=1.
-os.environ.setdefault("MEGATRON_CPU_THREADS", str(torch.get_num_threads()))
+# One compute thread in every process of the suite (torchrun's ranks have it from torchrun's OMP_NUM_THREADS=1; the
+# runs started without torchrun from MEGATRON_CPU_THREADS, megatron/cpu_threads.py; this process here): the tiny
+# models gain nothing from a second thread, a second thread on a busy 2-core machine made a launch of four tiny
+# runs 6x slower (54-89 s against 9-15 s), and a fixed count keeps results independent of the machine's load.
+os.environ.setdefault("MEGATRON_CPU_THREADS", "1")
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 _SELECTED: set[str] = set()  # the shared runs of the tests this session runs
 

@@ -189,7 +189,6 @@ def _validate(*argv: str, world_size: int = 2) -> None:
      "must be divisible by 2 x context_parallel_size x mp_degree = 8"),
     (["--cp", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--tp", "2"], 4,
      "the attention heads per tensor-parallel rank (2 / mp_degree 2) must be divisible by --context-parallel-size 2"),
-    (["--cp", "2", "--attention-dropout", "0.1"], 2, "--cp-comm-type p2p computes attention block by block"),
     (["--cp", "2"], 3, "world size 3 is not divisible by mp_degree x pp_degree x sharding_degree x "
                        "context_parallel_size = 2"),
     (["--cp", "0"], 1, "Distributed.context_parallel_size must be at least 1"),
