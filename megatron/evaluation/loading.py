@@ -4,12 +4,13 @@ the layout given now) and the loaded parallel model. ``tools/evaluate.py`` and t
 
 from __future__ import annotations
 
+from megatron import cpu_threads
 from megatron import device as dev
 from megatron.checkpoint import CheckpointError, find_checkpoint, resumed_config
 from megatron.config import ConfigError, validate
 from megatron.distributed.parallelize import plan_sharding
 from megatron.evaluation.runner import Evaluator
-from megatron.initialize import initialize_distributed, launch_env
+from megatron.initialize import initialize_distributed, launch_env, local_ranks
 from megatron.model import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.tokenizer import configured_tokenizer
@@ -50,6 +51,8 @@ def load_evaluator(config, progress: bool = True) -> Evaluator:
     checkpoint into it (collective)."""
     ps = initialize_distributed(config)
     device = dev.get_device(config.device, launch_env()[2])
+    if device.type == "cpu":
+        cpu_threads.apply(config.cpu_threads, local_ranks())
     tensor_parallel_seed(config.seed, ps.tp_rank, device)
     plan = plan_sharding(config, ps)
     run = parallel_model(config, build_model(config, device, meta_init=plan.meta_init), device, plan)

@@ -7,9 +7,11 @@ import argparse
 import os
 import time
 
+from megatron import cpu_threads
 from megatron.checkpoint.run_dir import on_every_rank
 from megatron.inference.engine import InferenceEngine
 from megatron.inference.loader import DTYPES, collective_device, initialize, load_model, tokenizer_for, torch_device
+from megatron.initialize import local_ranks
 from megatron.tokenizer import TOKENIZER_TYPES
 
 
@@ -34,12 +36,14 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     CheckpointError, a TokenizerError) with a one-line message on a problem."""
     initialize(args.tp, args.device)
     device = torch_device(args.device)
+    threads = cpu_threads.apply(None, local_ranks()) if device.type == "cpu" else None
     start = time.perf_counter()
     model, config = load_model(args.load, args.dtype, device)
     tokenizer = on_every_rank(lambda: _tokenizer(args, config), collective_device(device), "cannot load the tokenizer",
                               "give --tokenizer-type and its files")
     engine = InferenceEngine(model, config, tokenizer, device)
     engine.load_seconds = time.perf_counter() - start
+    engine.threads = threads
     return engine
 
 
@@ -58,4 +62,9 @@ def describe(engine: InferenceEngine, path: str) -> str:
     m = engine.config.model
     return (f"loaded {os.path.normpath(path)}: {m.num_layers} layers, hidden {m.hidden_size}, "
             f"{m.max_position_embeddings} positions, vocabulary {m.vocab_size}, tp {engine.tp_size}, "
-            f"{engine.dtype} on {engine.device} ({engine.load_seconds:.1f} s)")
+            f"{engine.dtype} on {engine.device}{_threads(engine)} ({engine.load_seconds:.1f} s)")
+
+
+def _threads(engine: InferenceEngine) -> str:
+    threads = getattr(engine, "threads", None)
+    return f", {threads.describe()}" if threads else ""
