@@ -8,7 +8,8 @@ What a tiny run costs is mostly its launch (the interpreter, torch, the rendezvo
 small machine), not its ten steps; the layouts of one world size share it. PLAN.json is a list of
 ``{"out": folder, "args": [...], "program": path}``; ``program`` (default ``pretrain_gpt.py``) is relative to the
 repository. A training run saves to its folder (``--save`` is added unless given); a run's stderr on rank r goes to
-``folder/rank{r}.log``, its stdout to ``folder/rank{r}.out``, its exit code to ``folder/rank{r}.rc``. Between
+``folder/rank{r}.log``, its stdout to ``folder/rank{r}.out``, its exit code to ``folder/rank{r}.rc``, its wall time
+to ``folder/rank{r}.seconds``. Between
 runs only the rank grid is torn down (the program's ``shutdown`` becomes ``parallel_state.destroy``), not the
 default group, whose rendezvous could not be repeated in one process.
 """
@@ -19,6 +20,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -55,8 +57,10 @@ def _run(program: str, args: list[str], out: Path, rank: int) -> int:
 def main(plan_path: str) -> int:
     rank = int(os.environ.get("RANK", 0))
     for run in json.loads(Path(plan_path).read_text()):
+        start = time.perf_counter()
         rc = _run(run.get("program", "pretrain_gpt.py"), run["args"], Path(run["out"]), rank)
         (Path(run["out"]) / f"rank{rank}.rc").write_text(str(rc))
+        (Path(run["out"]) / f"rank{rank}.seconds").write_text(f"{time.perf_counter() - start:.3f}")  # its cost
         if dist.is_initialized():
             dist.barrier()  # the next run starts together
     if dist.is_initialized():
