@@ -125,3 +125,28 @@ def test_low_precision_cp_tracks_one_process(parity, references, layout):
 ])
 def test_bad_cp_settings_fail_on_every_rank(parity, layout, message):
     parity.assert_fails_on_every_rank(layout, message)
+
+
+def _doc_example() -> list[str]:
+    """docs/context_parallel.md's CPU example, its pretrain_gpt.py arguments as written."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "context_parallel.md").read_text()
+    command = re.search(r"(torchrun --standalone --nproc-per-node 2 pretrain_gpt\.py .*?)\n(?!    )", text, re.S)
+    argv = shlex.split(command.group(1).replace("\\\n", " "))
+    return argv[argv.index("pretrain_gpt.py") + 1:]
+
+
+@pytest.mark.parametrize("layout", parity_layouts({"cp2-docs-example": (2, _doc_example())}))
+def test_the_cpu_example_of_the_docs_runs_as_written_with_gpt2_dropout_and_learns(parity, layout):
+    """The example a reader tries first: GPT-2's dropout (0.1 on the attention probabilities too) under the default
+    p2p ring, which once refused it; its validation loss ends at least a nat below ln(1024), an untrained model's."""
+    import math
+
+    from tests.functional.launch import losses
+
+    out = parity.outcome(layout).check()
+    valid = losses(out, "valid")
+    assert len(valid) == 2 and valid[-1] < valid[0] < math.log(1024) and valid[-1] < math.log(1024) - 1.0, valid
