@@ -250,6 +250,22 @@ def _bandwidth(hw: Hardware, extent: int) -> float:
 
 def _stage_times(config: Config, hw: Hardware, cache: dict | None = None
                  ) -> tuple[float, float, float, float, float, float, float]:
+    """``_slowest_stage``, cached in a planning run (one ``hw``) by what it depends on: not the sharding stage,
+    offload or how dp x sharding is split, only their product (through the number of micro-batches)."""
+    if cache is None:
+        return _slowest_stage(config, hw, cache)
+    d = config.distributed
+    key = ("stage times", d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.pp_degree, d.virtual_pp_degree,
+           d.pipeline_partition, d.sequence_parallel, d.expert_model_parallel_size, d.expert_tensor_parallel_size,
+           config.batch_size.micro_batch_size, config.num_micro_batches, config.use_recompute,
+           config.recompute_granularity, config.recompute_method, config.recompute_num_layers)
+    if key not in cache:
+        cache[key] = _slowest_stage(config, hw, cache)
+    return cache[key]
+
+
+def _slowest_stage(config: Config, hw: Hardware, cache: dict | None = None
+                   ) -> tuple[float, float, float, float, float, float, float]:
     """Of the slowest stage: (compute, tp comm, cp comm, ep comm) per step, (forward, backward) of one
     micro-batch, and the parameters of the largest rank."""
     from megatron.memory.activations import chunk_specs
@@ -311,10 +327,16 @@ def _dp_times(config: Config, hw: Hardware, params: float, forward: float, backw
     return total, total - (min(reduce, backward) if overlap else 0.0)
 
 
-def offloaded_parameters(config: Config) -> int:
-    """Parameters of the largest offloaded shard of a rank (the masters it keeps on the host); 0 without offload."""
+def offloaded_parameters(config: Config, cache: dict | None = None) -> int:
+    """Parameters of the largest offloaded shard of a rank (the masters it keeps on the host); 0 without offload.
+    ``cache``: a planning run's, whose host bytes per rank (``planner.memory.model_states``: 16 per parameter
+    of the shard) it reads."""
+    from megatron.planner.memory import model_states
+
     if not config.distributed.sharding.sharding_offload:
         return 0
+    if cache is not None:
+        return max(model_states(config, stage, cache)[2] for stage in representative_stages(config)) // 16
     return max(rank_model_state_bytes(config, stage).master_weights // 4 for stage in representative_stages(config))
 
 
@@ -330,7 +352,7 @@ def layout_time(config: Config, hw: Hardware, cache: dict | None = None) -> Time
     a = 4 if config.params_dtype_name == "float32" else 2
     message = mb * s / d.context_parallel_size * m.hidden_size * a / (tp if d.sequence_parallel else 1)
     p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
-    shard = offloaded_parameters(config)
+    shard = offloaded_parameters(config, cache)
     offload, cpu_optimizer = 8.0 * shard / (hw.pcie_gbps * GB), shard / hw.cpu_adam_params_per_s
     tokens = config.batch_size.global_batch_size * s
     model_flops = _model_flops_per_token(config, cache) * tokens

@@ -116,6 +116,8 @@ def test_shared_validation_gives_the_plans_validating_each_layout_gives(argv, de
     assert (shared.considered, shared.valid) == (each.considered, each.valid)
     assert shared.plans and shared.valid > len(shared.plans)  # some fit, some do not
     assert devices != 6 or shared.considered > shared.valid  # tp 3 and 6 do not divide the heads
+    for plan in shared.plans[::7]:  # the run's caches change no figure: each layout alone, nothing cached
+        assert evaluate_layout(parse_config(argv), plan.layout, hw) == plan
 
 
 def test_offload_counts_the_cpu_adamw_pcie_and_the_hosts_memory():
