@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         hw = _hardware(args, parse_config(rest).peak_tflops)
         filters = _filters(args)
         config, resolved, vocab, why_not = _base_config(rest, hw.devices)
-        with Progress("plan_layout", unit="layouts", interval=5.0, enabled=not args.no_progress) as progress:
+        with Progress("plan_layout", unit="layouts", interval=5.0, enabled=not args.no_progress,
+                      summary=False) as progress:
             result = plan_layouts(config, hw, vocab, max_micro_batch=args.max_micro_batch, max_vpp=args.max_vpp,
                                   kernel=args.attention_kernel, filters=filters, progress=progress)
         if not result.valid and filters:

@@ -63,6 +63,15 @@ def _moe_layers(freq: str, num_layers: int) -> tuple[bool, ...]:
     return tuple(moe_layer_pattern(freq, num_layers))
 
 
+def moe_layer_flags(cfg: ModelConfig, extra_layers: int = 0) -> tuple[bool, ...]:
+    """``is_moe_layer`` of each decoder layer and of ``extra_layers`` after them (multi-token prediction modules',
+    as the last layer), the pattern parsed once."""
+    if not cfg.num_experts:
+        return (False,) * (cfg.num_layers + extra_layers)
+    pattern = _moe_layers(str(cfg.moe_layer_freq), cfg.num_layers)
+    return pattern + pattern[-1:] * extra_layers
+
+
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether global layer ``layer`` is a MoE layer of the (validated) model. The layers after the decoder's
     (a multi-token prediction module's, ``megatron.model.mtp``) are as its last layer, as Megatron-LM builds them."""

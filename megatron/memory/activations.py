@@ -75,7 +75,7 @@ from dataclasses import dataclass
 
 from megatron.config.layer_split import chunk_layers, segment, stage_layers
 from megatron.config.schema import Config
-from megatron.config.validate_moe import is_moe_layer
+from megatron.config.validate_moe import moe_layer_flags
 from megatron.memory.attention import (
     MLADims,
     attention_kernel,
@@ -170,7 +170,7 @@ def dims(config: Config, kernel: str | None = None) -> Dims:
                 else 0,
                 learned_positions=m.position_embedding_type == "learned_absolute", cp=d.context_parallel_size,
                 cp_comm=d.cp_comm_type, documents=config.dataset.reset_attention_mask, moe=moe_dims(config),
-                moe_layers=tuple(is_moe_layer(m, i) for i in range(m.num_layers + mtp)),
+                moe_layers=moe_layer_flags(m, mtp),
                 qk_norm=m.qk_layernorm and mla is None, mla=mla, mtp=mtp)
 
 
