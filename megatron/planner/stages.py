@@ -25,10 +25,16 @@ def _chunks(layers: int, pp: int, vpp: int, partition: str, stage: int) -> tuple
 
 def representative_stages(config: Config) -> list[int]:
     """The first stage of each distinct chunk signature, and the last stage (the LM head)."""
-    pp, seen, stages = config.distributed.pp_degree, set(), []
+    d = config.distributed
+    return list(_representatives(config.model.num_layers, d.pp_degree, d.virtual_pp_degree, d.pipeline_partition))
+
+
+@functools.lru_cache(maxsize=4096)
+def _representatives(layers: int, pp: int, vpp: int, partition: str) -> tuple[int, ...]:
+    seen, stages = set(), []
     for stage in range(pp):
-        key = stage_chunks(config, stage)
+        key = _chunks(layers, pp, vpp, partition, stage)
         if stage == 0 or stage == pp - 1 or key not in seen:
             stages.append(stage)
         seen.add(key)
-    return stages
+    return tuple(stages)
