@@ -68,24 +68,29 @@ LOADERS = ("pretrain_gpt --load", "generate", "evaluate", "serve", "convert to-h
            "convert to-megatron", "checkpoint_info --verify")
 
 
-@pytest.mark.parametrize("planted", ["common.pt", "rank0.rng.pt"])
-def test_a_crafted_pickle_is_refused_by_every_loader_and_never_runs(legacy, tmp_path, planted):
+# common.pt is read by every loader; a rank's RNG file by a resume under the same layout, and by --verify
+PLANTED = [*(("common.pt", name) for name in LOADERS),
+           *(("rank0.rng.pt", name) for name in ("pretrain_gpt --load", "checkpoint_info --verify"))]
+
+
+@pytest.mark.parametrize(("planted", "name"), PLANTED, ids=[f"{p}-{n.split()[0]}-{n.split()[-1]}" for p, n in PLANTED])
+def test_a_crafted_pickle_is_refused_by_every_loader_and_never_runs(legacy, tmp_path, planted, name):
     """The payload (``os.system('touch MARKER')``) sits inside otherwise valid content and its checksum is
     recorded, as whoever crafted the file would do: the checksums are no defence, the reader is."""
+    if name == "serve":  # the server's packages are the serve (and reference) extra's
+        pytest.importorskip("fastapi")
+        pytest.importorskip("uvicorn")
     marker = tmp_path / "payload-ran"
     plant_payload(legacy / "step_2", planted, f"touch {marker}")
     loaders = _loaders(tmp_path, legacy)
-    # common.pt is read by every loader; a rank's RNG file by a resume under the same layout, and by --verify
-    names = LOADERS if planted == "common.pt" else ("pretrain_gpt --load", "checkpoint_info --verify")
-    for name in names:
-        result = loaders[name]()
-        text = (result.stderr + result.stdout).strip()
-        assert not marker.exists(), f"{name} ran the payload"
-        assert result.returncode != 0, f"{name} accepted the checkpoint: {text[-300:]}"
-        lines = [line for line in text.splitlines() if "refusing" in line]
-        assert lines, f"{name}: {text[-500:]}"
-        assert f"refusing {legacy / 'step_2' / planted}: its pickle names posix.system, which a checkpoint never " \
-               f"holds" in lines[0], f"{name}: {lines[0]}"
+    result = loaders[name]()
+    text = (result.stderr + result.stdout).strip()
+    assert not marker.exists(), f"{name} ran the payload"
+    assert result.returncode != 0, f"{name} accepted the checkpoint: {text[-300:]}"
+    lines = [line for line in text.splitlines() if "refusing" in line]
+    assert lines, f"{name}: {text[-500:]}"
+    assert f"refusing {legacy / 'step_2' / planted}: its pickle names posix.system, which a checkpoint never " \
+           f"holds" in lines[0], f"{name}: {lines[0]}"
 
 
 def test_checkpoint_info_verify_refuses_a_crafted_rng_file_it_would_otherwise_only_checksum(legacy, tmp_path):
