@@ -40,6 +40,6 @@ quickstart: the trained model is in $work/train (checkpoint $(cat "$work/train/l
   python tools/generate.py --load $work/train --prompt "def " --max-new-tokens 64       # continue a prompt
   python tools/evaluate.py --task perplexity --input README.md --load $work/train        # perplexity of a text
   python tools/convert_checkpoint.py to-hf $work/train $work/hf                          # a Hugging Face model
-  python -c 'import transformers; print(transformers.pipeline("text-generation", model="$work/hf")("def ")[0]["generated_text"])'
+  python -c 'import transformers; print(transformers.pipeline("text-generation", model="$work/hf")("def ", max_new_tokens=64)[0]["generated_text"])'
   tensorboard --logdir $work/train/tensorboard                                           # the curves
 EOF

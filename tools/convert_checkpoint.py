@@ -114,7 +114,7 @@ def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tru
                   lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     hf_cfg = hf.hf_config(config.model, dtype)
     hf_cfg.update(export.token_ids if export is not None else {})
-    generation = generation_config(hf_cfg, config.model.max_position_embeddings)
+    generation = generation_config(hf_cfg)
     _write_bytes(os.path.join(out_dir, "generation_config.json"), _json_bytes(generation))
     _write_bytes(os.path.join(out_dir, "config.json"), _json_bytes(hf_cfg))
     written = ["config.json", "generation_config.json", "model.safetensors"]

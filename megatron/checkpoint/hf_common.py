@@ -112,20 +112,15 @@ def resolve_tokenizer_section(section, step_dir: str):
     return section
 
 
-# transformers.pipeline("text-generation")'s own default of new tokens
-PIPELINE_NEW_TOKENS = 256
-
-
-def generation_config(hf_cfg: dict, positions: int) -> dict:
-    """``generation_config.json`` of an export: the bos, eos and pad ids (pad: the end-of-document id) and
-    ``max_new_tokens``: the pipeline's 256, at most half the model's positions, so that a prompt of up to half
-    of them generates within the positions with nothing given. Never ``max_length``: transformers warns that
-    ``max_new_tokens`` and ``max_length`` are both set whenever a caller passes ``max_new_tokens`` (as its
-    documentation recommends) to a model whose generation config holds ``max_length``."""
+def generation_config(hf_cfg: dict) -> dict:
+    """``generation_config.json`` of an export: the bos, eos and pad ids (pad: the end-of-document id), and no
+    length, as Hugging Face's own GPT-2 and Llama files: with ``max_length`` there transformers warns at every
+    ``generate(max_new_tokens=N)``; with ``max_new_tokens`` there it overrides every caller's ``max_length`` (lm-eval's
+    ``hf`` backend passes one), changing what they generate. A caller gives the length; a model with learned
+    positions cannot generate past them."""
     eos = hf_cfg["eos_token_id"]
-    return {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": eos,
-            **({"pad_token_id": eos} if eos is not None else {}),
-            "max_new_tokens": max(1, min(PIPELINE_NEW_TOKENS, positions // 2))}
+    return {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": eos, **({"pad_token_id": eos} if eos is not None
+                                                                             else {})}
 
 
 def export_tokenizer(section, vocab_size: int, step_dir: str, max_length: int) -> TokenizerExport:

@@ -118,12 +118,13 @@ def umask_022():
 
 
 def _check_generates(run_dir, hf_dir, eod: int) -> None:
-    """The pipeline, with nothing but the folder and a prompt, generates; greedily, our engine's tokens."""
+    """The pipeline, with the folder, a prompt and a length, generates without a length warning; greedily, our
+    engine's tokens."""
     config = json.loads((hf_dir / "config.json").read_text())
     generation = json.loads((hf_dir / "generation_config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == eod
     assert generation["eos_token_id"] == generation["pad_token_id"] == eod
-    assert "max_length" not in generation and generation["max_new_tokens"] == POSITIONS // 2
+    assert not {"max_length", "max_new_tokens"} & set(generation)  # the caller's length, as Hugging Face's files
     pipe = transformers.pipeline("text-generation", model=str(hf_dir))
     assert pipe.tokenizer.eos_token_id == eod
     logged: list = []
@@ -134,8 +135,8 @@ def _check_generates(run_dir, hf_dir, eod: int) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            (out,) = pipe(PROMPT)
-            (greedy,) = pipe(PROMPT, do_sample=False, return_tensors=True)
+            (out,) = pipe(PROMPT, max_new_tokens=POSITIONS // 2)
+            (greedy,) = pipe(PROMPT, do_sample=False, max_new_tokens=POSITIONS // 2, return_tensors=True)
             (short,) = pipe(PROMPT, do_sample=False, max_new_tokens=3, return_tensors=True)
     finally:
         library.removeHandler(handler)
