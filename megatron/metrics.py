@@ -155,7 +155,8 @@ class MetricsWriter:
     folder of a run that never saved). Records of later steps left by an earlier run in the same
     folder are dropped first (``drop_records_after``), and TensorBoard hides that run's later events
     (``purge_step``), so no step appears twice. A resume from a saved step (``resume_step`` > 0) writes one
-    ``{"split": "resume", "step": N, "dropped": D}`` record to metrics.jsonl only (tools/plot_runs.py marks it).
+    ``{"split": "resume", "step": N, "dropped": D}`` record to metrics.jsonl only, before the continued run's first
+    record (tools/plot_runs.py marks it).
 
     A sink that cannot be written once the run is going (a full disk: ENOSPC, or any OSError; any error of
     W&B's) is one warning and is then left alone for the rest of the run: the metrics are a report, and training goes
@@ -190,15 +191,19 @@ class MetricsWriter:
             self._tb_dir = tensorboard_dir or os.path.join(output_dir, "tensorboard")
             self._tb = SummaryWriter(log_dir=self._tb_dir, purge_step=None if resume_step is None else resume_step + 1)
             _quiet_event_file(self._tb, self._tb_error)
-        if resume_step:  # a resume from a saved step: where the curves continue (tools/plot_runs.py marks it); an
-            # annotation of the file, not a metric: TensorBoard and W&B get none (W&B's resumed run starts after it)
-            self._write_line({"split": "resume", "step": resume_step, "dropped": dropped,
-                              "time": round(time.time(), 3)})
+        # a resume from a saved step: where the curves continue (tools/plot_runs.py marks it), written before the
+        # continued run's first record (a finished run launched again, which writes none, adds nothing); an
+        # annotation of the file, not a metric: TensorBoard and W&B get none (W&B's resumed run starts after it)
+        self._resume = ({"split": "resume", "step": resume_step, "dropped": dropped, "time": round(time.time(), 3)}
+                        if resume_step else None)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         record = {**record, "time": round(time.time(), 3)}  # when it was written: Unix seconds
+        if self._resume is not None:
+            self._write_line(self._resume)
+            self._resume = None
         self._write_line(record)
         values = scalars(record)
         if self._tb is not None:

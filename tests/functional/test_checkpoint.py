@@ -329,8 +329,8 @@ def test_an_unusable_output_folder_stops_the_run_at_start(tmp_path, saved_dp2, o
             if path.is_dir():
                 path.chmod(0o755)
     assert result.returncode == (2 if nproc == 1 else 1), result.stderr[-3000:]
-    assert result.stderr.count("pretrain_gpt.py: error: ") == result.stderr.count(message) == nproc, \
-        result.stderr[-3000:]  # every rank, the same line
+    assert result.stderr.count("pretrain_gpt.py: error: ") == result.stderr.count(message) == 1, \
+        result.stderr[-3000:]  # agreed by every rank, said once per job (rank 0's line under torchrun)
     assert "global step" not in result.stderr  # stopped before training
     assert (_snapshot(out) if out.is_dir() else out.read_text()) == before  # nothing written or removed
     if out.is_dir():
