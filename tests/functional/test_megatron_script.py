@@ -65,7 +65,7 @@ OPEN_MODELS = {
     QWEN3: {"--tensor-model-parallel-size": "1", "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
             "--num-attention-heads": "4", "--kv-channels": "16", "--num-query-groups": "2", "--seq-length": "32",
             "--max-position-embeddings": "32", "--num-experts": "8", "--moe-router-topk": "2",
-            "--moe-ffn-hidden-size": "32", "--vocab-size": "512", "--global-batch-size": "8", "--train-iters": "2"},
+            "--moe-ffn-hidden-size": "32", "--vocab-size": "512", "--global-batch-size": "2", "--train-iters": "2"},
     GPT_OSS: {"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "8",
               "--num-query-groups": "4", "--seq-length": "64", "--max-position-embeddings": "64",
               "--window-size": "15,0", "--moe-ffn-hidden-size": "128", "--vocab-size": "1024",
