@@ -19,9 +19,12 @@ without dp, sharding or offload, the schedule's walk by (pp, vpp, micro-batches,
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron.config import Config
+from megatron.config.validate_moe import moe_layer_flags
 from megatron.memory import activations as act
 from megatron.optimizer.memory import rank_model_state_bytes, step_transient_bytes
 from megatron.planner.layout import copy_config
@@ -67,23 +70,57 @@ def model_states(config: Config, stage: int, cache: dict) -> tuple[int, int, int
     return cache[key]
 
 
-def _chunk_key(config: Config, stage: int, kernel: str | None) -> tuple:
-    """What one micro-batch's saved activations and the temporaries of a stage depend on in one planning
-    run (the model is fixed): not dp, sharding, offload or the number of micro-batches."""
+def _dims_key(config: Config, kernel: str | None) -> tuple:
+    """What a chunk's saved activations and a stage's temporaries depend on besides the chunk's own layers, in one
+    planning run (the model is fixed): the layout's tp, cp and its communication type, sequence parallelism, ep,
+    etp, micro-batch size and recompute settings; not pp, vpp, dp, sharding, offload or the micro-batches."""
     d = config.distributed
-    return ("chunks", d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.pp_degree, d.virtual_pp_degree,
-            d.sequence_parallel, d.pipeline_partition, d.expert_model_parallel_size, d.expert_tensor_parallel_size,
-            config.batch_size.micro_batch_size, config.use_recompute, config.recompute_granularity,
-            config.recompute_method, config.recompute_num_layers, stage, kernel)
+    return (d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.sequence_parallel, d.expert_model_parallel_size,
+            d.expert_tensor_parallel_size, config.batch_size.micro_batch_size, config.use_recompute,
+            config.recompute_granularity, config.recompute_method, config.recompute_num_layers, kernel)
 
 
-def _stage_activations(config: Config, stage: int, kernel: str | None, cache: dict) -> tuple[tuple[int, ...], int]:
-    """(bytes one micro-batch saves on each model chunk of ``stage``, the largest temporary), cached."""
-    key = _chunk_key(config, stage, kernel)
+def _chunk_shape(config: Config, spec: tuple[range, bool, bool], cache: dict) -> tuple:
+    """A model chunk as its activations see it: whether each of its layers is a MoE layer, and whether it holds
+    the embedding (pre) and the head (post). ``chunk_terms`` reads the layers' indices only through those flags
+    and the recompute plan, which counts within the chunk (the planner names no ``no_recompute_layers``), so
+    chunks of one shape save the same bytes whatever the pipeline that cut them."""
+    if "moe flags" not in cache:
+        cache["moe flags"] = moe_layer_flags(config.model)
+    flags = cache["moe flags"]
+    layers, pre, post = spec
+    return tuple(flags[i] for i in layers), pre, post
+
+
+def stage_chunk_bytes(config: Config, stage: int, kernel: str | None, cache: dict) -> tuple[int, ...]:
+    """Bytes one micro-batch saves on each model chunk of ``stage``. Cached by the stage's layout (pp, vpp, stage
+    and ``_dims_key``) and, below that, each chunk's by (``_dims_key``, its ``_chunk_shape``): pipelines of
+    different pp and vpp cut chunks of the same shapes, computed once."""
+    d, dims = config.distributed, _dims_key(config, kernel)
+    key = ("chunks", d.pp_degree, d.virtual_pp_degree, d.pipeline_partition, stage, dims)
     if key not in cache:
-        chunks = range(len(act.chunk_specs(config, stage)))
-        cache[key] = (tuple(act.activation_bytes_per_microbatch(config, stage, c, kernel) for c in chunks),
-                      act.largest_temporary_bytes(config, stage, kernel))
+        per_chunk = []
+        for c, spec in enumerate(act.chunk_specs(config, stage)):
+            chunk_key = ("chunk bytes", dims, _chunk_shape(config, spec, cache))
+            if chunk_key not in cache:
+                cache[chunk_key] = act.activation_bytes_per_microbatch(config, stage, c, kernel)
+            per_chunk.append(cache[chunk_key])
+        cache[key] = tuple(per_chunk)
+    return cache[key]
+
+
+def stage_temporary(config: Config, stage: int, kernel: str | None, cache: dict) -> int:
+    """The largest temporary of ``stage``; cached by the stage's layout and, below that, by (``_dims_key``, the
+    set of the stage's chunk shapes): ``temporary_terms`` keeps the largest of each kind over the stage's chunks
+    (the loss on the head's chunk, the largest recomputed unit, the expert dispatch if a chunk has MoE layers),
+    which neither the order of the chunks nor how many share a shape changes."""
+    d, dims = config.distributed, _dims_key(config, kernel)
+    key = ("temporaries", d.pp_degree, d.virtual_pp_degree, d.pipeline_partition, stage, dims)
+    if key not in cache:
+        shapes = frozenset(_chunk_shape(config, spec, cache) for spec in act.chunk_specs(config, stage))
+        if ("temporary", dims, shapes) not in cache:
+            cache["temporary", dims, shapes] = act.largest_temporary_bytes(config, stage, kernel)
+        cache[key] = cache["temporary", dims, shapes]
     return cache[key]
 
 
@@ -101,43 +138,68 @@ def walked_micro_batches(config: Config) -> int:
     return min(m, enough)
 
 
-def _peak_activations(config: Config, stage: int, per_chunk: tuple[int, ...], cache: dict) -> int:
+def peak_activations(config: Config, stage: int, per_chunk: tuple[int, ...], cache: dict) -> int:
     """``activations.peak_activation_bytes``: per-chunk bytes times the micro-batches of each chunk in
-    flight at the schedule's peak; the schedule walk cached by what it depends on."""
+    flight at the schedule's peak; the schedule walk cached by what it depends on: (pp, vpp, schedule, walked
+    micro-batches, stage) and the chunks' bytes up to a common factor. The walk keeps the first set of
+    micro-batches in flight whose weighted sum is the largest, and dividing every weight by their greatest
+    common divisor leaves each comparison of two sums as it was (with one chunk, the weight is 1)."""
     d, m = config.distributed, walked_micro_batches(config)
-    key = ("peak", d.pp_degree, d.virtual_pp_degree, d.pipeline_schedule, m, stage, per_chunk)
+    common = math.gcd(*per_chunk)
+    weights = tuple(w // common for w in per_chunk) if common else per_chunk
+    key = ("peak", d.pp_degree, d.virtual_pp_degree, d.pipeline_schedule, m, stage, weights)
     if key not in cache:
         walked = config
         if m != config.num_micro_batches:
             walked = copy_config(config)
             walked.batch_size.local_batch_size = m * config.batch_size.micro_batch_size
-        cache[key] = act.in_flight_at_peak(walked, stage, list(per_chunk))
+        cache[key] = act.in_flight_at_peak(walked, stage, list(weights))
     return sum(k * w for k, w in zip(cache[key], per_chunk))
 
 
-def layout_memory(config: Config, limit_bytes: float, kernel: str | None = None,
-                  cache: dict | None = None) -> MemoryTerms:
+def layout_memory(config: Config, limit_bytes: float, kernel: str | None = None, cache: dict | None = None,
+                  exact_below: float = float("inf")) -> MemoryTerms:
     """Model states + peak saved activations + the largest temporary (``megatron.memory.estimate``'s
-    sum) at the worst stage, and the host bytes of a rank. Where a stage's lower bound (its model states, one
-    micro-batch's largest chunk and its temporary) already exceeds ``limit_bytes`` the schedule is not walked
-    and that bound is returned (``activations`` None). ``cache``: figures already computed in this planning
-    run."""
+    sum) at the worst stage, and the host bytes of a rank (``memory_terms``). ``cache``: figures already computed
+    in this planning run."""
     cache = {} if cache is None else cache
-    stages = representative_stages(config)
-    states = {s: model_states(config, s, cache) for s in stages}
+    states = {s: model_states(config, s, cache) for s in representative_stages(config)}
+    return memory_terms(states, lambda s: stage_chunk_bytes(config, s, kernel, cache),
+                        lambda s: stage_temporary(config, s, kernel, cache),
+                        lambda s, per_chunk: peak_activations(config, s, per_chunk, cache), limit_bytes, exact_below)
+
+
+def memory_terms(states: dict[int, tuple[int, int, int]], chunks: Callable[[int], tuple[int, ...]],
+                 temporary: Callable[[int], int], peak: Callable[[int, tuple[int, ...]], int], limit_bytes: float,
+                 exact_below: float = float("inf")) -> MemoryTerms:
+    """The worst of the representative stages ``states`` holds (``model_states`` of each), given a stage's bytes
+    per micro-batch and chunk (``chunks``), its largest temporary (``temporary``) and its peak saved activations
+    (``peak``, of the stage and its chunk bytes), each asked for only when needed.
+
+    Lower bounds, returned (``activations`` None) where they already exceed ``limit_bytes`` and the schedule is
+    not walked: the model states between steps; then each stage's states during a step, its largest chunk and
+    its temporary. The temporary is computed only where the bound without it does not already exceed the limit,
+    or where that bound is below ``exact_below`` (the search's smallest requirement so far: a layout that does
+    not fit matters only if it needs less, and its requirement is then the full bound's)."""
+    stages = list(states)
     host = max(states[s][2] for s in stages)
     heaviest = max(stages, key=lambda s: states[s][1])
     if states[heaviest][0] > limit_bytes:
         return MemoryTerms(heaviest, states[heaviest][1], None, None, states[heaviest][1], host)
-    chunks = {s: _stage_activations(config, s, kernel, cache) for s in stages}
-    bounds = {s: states[s][1] + max(chunks[s][0]) + chunks[s][1] for s in stages}
+    per_chunk = {s: chunks(s) for s in stages}
+    floors = {s: states[s][1] + max(per_chunk[s]) for s in stages}
+    low = max(stages, key=lambda s: floors[s])
+    if floors[low] > limit_bytes and floors[low] >= exact_below:
+        return MemoryTerms(low, states[low][1], None, None, floors[low], host)
+    temporaries = {s: temporary(s) for s in stages}
+    bounds = {s: floors[s] + temporaries[s] for s in stages}
     over = max(stages, key=lambda s: bounds[s])
     if bounds[over] > limit_bytes:
         return MemoryTerms(over, states[over][1], None, None, bounds[over], host)
     worst = None
     for s in stages:
-        activations = _peak_activations(config, s, chunks[s][0], cache)
-        terms = MemoryTerms(s, states[s][1], activations, chunks[s][1], states[s][1] + activations + chunks[s][1],
-                            host)
+        activations = peak(s, per_chunk[s])
+        terms = MemoryTerms(s, states[s][1], activations, temporaries[s],
+                            states[s][1] + activations + temporaries[s], host)
         worst = terms if worst is None or terms.total > worst.total else worst
     return worst

@@ -36,8 +36,25 @@ from itertools import product
 from megatron.config import Config, ConfigError, validate
 from megatron.planner.filters import AxisFilter, accepts, allows
 from megatron.planner.layout import Layout
-from megatron.planner.memory import MemoryTerms, layout_memory
-from megatron.planner.time_model import GIB, Hardware, TimeTerms, layout_time
+from megatron.planner.memory import (
+    MemoryTerms,
+    layout_memory,
+    memory_terms,
+    model_states,
+    peak_activations,
+    stage_chunk_bytes,
+    stage_temporary,
+)
+from megatron.planner.stages import representative_stages
+from megatron.planner.time_model import (
+    GIB,
+    Hardware,
+    TimeTerms,
+    layout_time,
+    offloaded_parameters,
+    stage_times,
+    step_terms,
+)
 
 MIN_CP_TOKENS = 1024  # context parallelism tried while each rank keeps at least this many tokens of a sample
 
@@ -82,23 +99,21 @@ def recompute_options(num_layers: int, pp: int, vpp: int) -> list[tuple[str, int
 
 def context_options(config: Config, tp: int, devices: int) -> list[tuple[int, str, bool]]:
     """(cp, communication type, sequence parallel) for a tensor-parallel size: cp 1, and each cp > 1
-    dividing ``devices`` whose 2 x cp chunks (x tp under sp) divide the sequence, with p2p and all_gather
-    (not with attention dropout, which they do not draw) and a2a where tp x cp divides the heads and query
-    groups. What ``validate`` would refuse anyway, left out early: a search on many devices is mostly these.
-    Only while each rank keeps at least ``MIN_CP_TOKENS`` tokens of a sample: the time model has no
-    latency, which shorter exchanges would be dominated by (and a search on many devices would be mostly
-    these too)."""
+    dividing ``devices`` whose 2 x cp chunks (x tp under sp) divide the sequence, with p2p and all_gather, and
+    a2a where tp x cp divides the heads and query groups (attention dropout runs under each of them). What
+    ``validate`` would refuse anyway, left out early: a search on many devices is mostly these. Only while each
+    rank keeps at least ``MIN_CP_TOKENS`` tokens of a sample: the time model has no latency, which shorter
+    exchanges would be dominated by (and a search on many devices would be mostly these too)."""
     seq, m = config.dataset.max_seq_len, config.model
     nq = m.num_attention_heads
     ng = m.num_query_groups if m.group_query_attention and m.num_query_groups else nq
     options = [(1, "p2p", tp > 1 and seq % tp == 0)]
-    blockwise = [] if m.attention_probs_dropout_prob > 0 else ["p2p", "all_gather"]
     for cp in _divisors(devices)[1:]:
         if seq % (2 * cp) or seq // cp < MIN_CP_TOKENS:
             continue
         sp = tp > 1 and seq % (2 * cp * tp) == 0
         a2a = ["a2a"] if not nq % (tp * cp) and not ng % (tp * cp) else []
-        options += [(cp, comm, sp) for comm in [*blockwise, *a2a]]
+        options += [(cp, comm, sp) for comm in ["p2p", "all_gather", *a2a]]
     return options
 
 
@@ -189,23 +204,95 @@ def variant_config(validated: Config, layout: Layout) -> Config:
     return config
 
 
-def evaluate_layout(base: Config, layout: Layout, hw: Hardware, tokenizer_vocab_size: int | None = None,
-                    kernel: str | None = None, cache: dict | None = None, complete: bool = False,
-                    validated: Config | None = None) -> Plan:
-    """One layout's memory and, when it fits, step time; ``complete``: the whole memory estimate and the
-    step time even when it does not fit. ConfigError if the layout is no valid run. ``validated``: the validated
-    configuration of a layout with the same ``validation_key`` (this one's is then ``variant_config``'s)."""
-    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size) if validated is None \
-        else variant_config(validated, layout)
-    memory = layout_memory(config, float("inf") if complete else hw.memory_bytes, kernel, cache)
+def _fits(layout: Layout, memory: MemoryTerms, hw: Hardware) -> tuple[bool, int, str | None]:
+    """(whether it fits, the host bytes of a node, why a layout that fits its devices is refused)."""
     fits = memory.estimated and memory.total <= hw.memory_bytes
     host, reason = memory.host * hw.ranks_per_node, None
     if fits and host > hw.host_memory_bytes:
         fits, reason = False, (f"its offloaded optimizer states need {host / GIB:.1f} GiB of host memory per node "
                                f"({hw.ranks_per_node} ranks x {memory.host / GIB:.1f}), more than the "
                                f"{hw.host_memory_bytes / GIB:.1f} usable of --host-memory-gb {hw.host_memory_gb:g}")
+    return fits, host, reason
+
+
+def evaluate_layout(base: Config, layout: Layout, hw: Hardware, tokenizer_vocab_size: int | None = None,
+                    kernel: str | None = None, cache: dict | None = None, complete: bool = False,
+                    validated: Config | None = None, exact_below: float = float("inf")) -> Plan:
+    """One layout's memory and, when it fits, step time; ``complete``: the whole memory estimate and the
+    step time even when it does not fit. ConfigError if the layout is no valid run. ``validated``: the validated
+    configuration of a layout with the same ``validation_key`` (this one's is then ``variant_config``'s).
+    ``exact_below``: ``memory_terms``'."""
+    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size) if validated is None \
+        else variant_config(validated, layout)
+    memory = layout_memory(config, float("inf") if complete else hw.memory_bytes, kernel, cache, exact_below)
+    fits, host, reason = _fits(layout, memory, hw)
     time = layout_time(config, hw, cache) if fits or complete else None
     return Plan(layout, memory, time, fits, host, reason)
+
+
+class _Family:
+    """The layouts of one ``validation_key``, evaluated from its validated configuration: what depends on the
+    sharding stage and offload (the model states, the offloaded shard) is computed once per (stage, offload),
+    what depends on recompute (the activations per stage and chunk, the temporaries, the schedule's peak, the
+    stage times) once per recompute, each on a ``variant_config`` of the first layout asking for it; a layout's
+    plan adds them up as ``evaluate_layout`` does (the tests compare the two)."""
+
+    def __init__(self, validated: Config, hw: Hardware, kernel: str | None, cache: dict):
+        self.validated, self.hw, self.kernel, self.cache = validated, hw, kernel, cache
+        self.sharded: dict[tuple, tuple[Config, dict, int]] = {}  # (stage, offload) -> config, states, shard
+        self.recomputed: dict[tuple, _Recompute] = {}  # (recompute, block layers) -> its figures
+
+    def plan(self, layout: Layout, exact_below: float) -> Plan:
+        key = (layout.sharding_stage, layout.offload)
+        if key not in self.sharded:
+            config = variant_config(self.validated, layout)
+            states = {s: model_states(config, s, self.cache) for s in representative_stages(config)}
+            self.sharded[key] = (config, states, None)
+        config, states, shard = self.sharded[key]
+        recompute = self.recomputed.get((layout.recompute, layout.block_layers))
+        if recompute is None:
+            recompute = _Recompute(variant_config(self.validated, layout), self)
+            self.recomputed[layout.recompute, layout.block_layers] = recompute
+        hw = self.hw
+        memory = memory_terms(states, recompute.chunks, recompute.temporary, recompute.peak, hw.memory_bytes,
+                              exact_below)
+        fits, host, reason = _fits(layout, memory, hw)
+        if not fits:
+            return Plan(layout, memory, None, fits, host, reason)
+        if shard is None:
+            shard = offloaded_parameters(config, self.cache)
+            self.sharded[key] = (config, states, shard)
+        time = step_terms(config, hw, recompute.stage_times(), shard, self.cache)
+        return Plan(layout, memory, time, fits, host, reason)
+
+
+class _Recompute:
+    """A family's figures under one recompute: per stage the bytes per chunk, the largest temporary and the
+    peak activations, and the stage times, each computed when first asked for."""
+
+    def __init__(self, config: Config, family: _Family):
+        self.config, self.family = config, family
+        self._chunks, self._temporaries, self._peaks, self._times = {}, {}, {}, None
+
+    def chunks(self, stage: int) -> tuple[int, ...]:
+        if stage not in self._chunks:
+            self._chunks[stage] = stage_chunk_bytes(self.config, stage, self.family.kernel, self.family.cache)
+        return self._chunks[stage]
+
+    def temporary(self, stage: int) -> int:
+        if stage not in self._temporaries:
+            self._temporaries[stage] = stage_temporary(self.config, stage, self.family.kernel, self.family.cache)
+        return self._temporaries[stage]
+
+    def peak(self, stage: int, per_chunk: tuple[int, ...]) -> int:
+        if stage not in self._peaks:
+            self._peaks[stage] = peak_activations(self.config, stage, per_chunk, self.family.cache)
+        return self._peaks[stage]
+
+    def stage_times(self) -> tuple:
+        if self._times is None:
+            self._times = stage_times(self.config, self.family.hw, self.family.cache)
+        return self._times
 
 
 def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = None, max_micro_batch: int = 8,
@@ -215,42 +302,52 @@ def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = 
     that fit, ranked by the estimated step time; when none fits, ``smallest`` is the valid layout needing least
     device memory. ``kernel``: the attention kernel of the activation estimate
     (``megatron.memory.activations.dims``). ``progress``: an object with ``set_total(n)`` and ``update(k)``
-    (``megatron.progress.Progress``), told the candidates and each one done. ``share_validation``: validate one
-    layout per ``validation_key`` and derive the others (``variant_config``); False validates each (the tests
-    compare the two)."""
+    (``megatron.progress.Progress``), told the candidates and those done. ``share_validation``: validate one
+    layout per ``validation_key`` and evaluate its family from it (``_Family``); False validates and evaluates
+    each layout on its own (``evaluate_layout``; the tests compare the two)."""
     kept = [layout for layout in candidate_layouts(base, hw, max_micro_batch, max_vpp, filters)
             if accepts(layout, filters)]
     result, cache = PlanResult(plans=[], filters=tuple(filters)), {}
-    validated: dict[tuple, Config | None] = {}  # validation_key -> a validated configuration (None: invalid)
-    block = None
+    families: dict[tuple, _Family | None] = {}  # validation_key -> its family (None: invalid)
+    block, done = None, 0
     if progress is not None:
         progress.set_total(len(kept))
     for layout in kept:
-        result.considered += 1
-        if progress is not None:
-            progress.update(1)
         if block != (layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size):
             block = (layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size)
-            validated.clear()  # the candidates of one key come within one such block
-        key = validation_key(layout) if share_validation else None
-        if key is not None and key not in validated:
+            families.clear()  # the candidates of one key come within one such block
+            if progress is not None:  # told a block at a time: a call per candidate costs
+                progress.update(result.considered - done)
+                done = result.considered
+        result.considered += 1
+        smallest = float("inf") if result.smallest is None else result.smallest.memory.total
+        if share_validation:
+            key = validation_key(layout)
+            if key not in families:
+                try:
+                    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size)
+                    families[key] = _Family(config, hw, kernel, cache)
+                except ConfigError:
+                    families[key] = None
             try:
-                validated[key] = layout_config(base, layout, hw.devices, tokenizer_vocab_size)
+                if families[key] is None:
+                    continue
+                plan = families[key].plan(layout, smallest)
             except ConfigError:
-                validated[key] = None
-        if key is not None and validated[key] is None:
-            continue
-        try:
-            plan = evaluate_layout(base, layout, hw, tokenizer_vocab_size, kernel, cache,
-                                   validated=validated.get(key))
-        except ConfigError:
-            continue
+                continue
+        else:
+            try:
+                plan = evaluate_layout(base, layout, hw, tokenizer_vocab_size, kernel, cache, exact_below=smallest)
+            except ConfigError:
+                continue
         result.valid += 1
         if plan.fits:
             result.plans.append(plan)
         result.host_rejected += plan.reason is not None
         if result.smallest is None or plan.memory.total < result.smallest.memory.total:
             result.smallest = plan
+    if progress is not None:
+        progress.update(result.considered - done)
     result.plans.sort(key=rank_key)
     return result
 

@@ -249,18 +249,53 @@ def _bandwidth(hw: Hardware, extent: int) -> float:
 
 
 def _stage_times(config: Config, hw: Hardware, cache: dict | None = None
-                 ) -> tuple[float, float, float, float, float, float, float]:
-    """``_slowest_stage``, cached in a planning run (one ``hw``) by what it depends on: not the sharding stage,
-    offload or how dp x sharding is split, only their product (through the number of micro-batches)."""
+                 ) -> tuple[float, float, float, float, float, float, float, float]:
+    """``_slowest_stage`` and the forward FLOPs per token recompute replays over all stages, cached in a planning
+    run (one ``hw``) by what they depend on: not the sharding stage, offload or how dp x sharding is split, only
+    their product (through the number of micro-batches)."""
     if cache is None:
-        return _slowest_stage(config, hw, cache)
+        return (*_slowest_stage(config, hw, cache), _replayed_flops(config, cache))
     d = config.distributed
     key = ("stage times", d.mp_degree, d.context_parallel_size, d.cp_comm_type, d.pp_degree, d.virtual_pp_degree,
            d.pipeline_partition, d.sequence_parallel, d.expert_model_parallel_size, d.expert_tensor_parallel_size,
            config.batch_size.micro_batch_size, config.num_micro_batches, config.use_recompute,
            config.recompute_granularity, config.recompute_method, config.recompute_num_layers)
     if key not in cache:
-        cache[key] = _slowest_stage(config, hw, cache)
+        cache[key] = (*_slowest_stage(config, hw, cache), _replayed_flops(config, cache))
+    return cache[key]
+
+
+def _replayed_flops(config: Config, cache: dict | None) -> float:
+    """Forward FLOPs per token that recompute replays, summed over the pipeline stages."""
+    return sum(_recomputed(config, _stage_chunks(config, st), cache)[0] for st in range(config.distributed.pp_degree))
+
+
+def _stage_moe_layers(config: Config, stage: int, cache: dict | None) -> int:
+    """The MoE layers of a pipeline stage (all its chunks); cached by (pp, vpp, partition, stage)."""
+    from megatron.memory.activations import chunk_specs
+
+    d = config.distributed
+    key = ("moe layers", d.pp_degree, d.virtual_pp_degree, d.pipeline_partition, stage)
+    if cache is None or key not in cache:
+        count = _moe_layers(config, [i for layers, _, _ in chunk_specs(config, stage) for i in layers])
+        if cache is None:
+            return count
+        cache[key] = count
+    return cache[key]
+
+
+def _rank_parameters(config: Config, stage: int, cache: dict | None) -> int:
+    """``parameters_per_rank`` of a stage's rank under the configuration's tp, pp, vpp, ep and etp; cached by
+    those and the stage."""
+    d = config.distributed
+    tp, pp = d.mp_degree, d.pp_degree
+    key = ("rank parameters", tp, pp, d.virtual_pp_degree, d.pipeline_partition, d.expert_model_parallel_size,
+           d.expert_tensor_parallel_size, stage)
+    if cache is None or key not in cache:
+        count = parameters_per_rank(config, tp, pp, stage)
+        if cache is None:
+            return count
+        cache[key] = count
     return cache[key]
 
 
@@ -268,8 +303,6 @@ def _slowest_stage(config: Config, hw: Hardware, cache: dict | None = None
                    ) -> tuple[float, float, float, float, float, float, float]:
     """Of the slowest stage: (compute, tp comm, cp comm, ep comm) per step, (forward, backward) of one
     micro-batch, and the parameters of the largest rank."""
-    from megatron.memory.activations import chunk_specs
-
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, mb, count = d.mp_degree, d.pp_degree, config.batch_size.micro_batch_size, config.num_micro_batches
     cp = d.context_parallel_size
@@ -291,13 +324,13 @@ def _slowest_stage(config: Config, hw: Hardware, cache: dict | None = None
         cp_comm = count * (sum(chunks) * (cp_forward + cp_backward) + _replayed_attention(config, chunks) * cp_forward)
         ep_comm = 0.0
         if ep_layer:  # a fully recomputed MoE layer exchanges its tokens again (half the forward and backward's)
-            moe = _moe_layers(config, [i for layers, _, _ in chunk_specs(config, stage) for i in layers])
+            moe = _stage_moe_layers(config, stage, cache)
             full = config.use_recompute and config.recompute_granularity == "full"
             ep_comm = count * moe * ep_layer * (1.5 if full else 1.0)
         if compute + tp_comm + cp_comm + ep_comm > sum(best[:4]):
             best = (compute, tp_comm, cp_comm, ep_comm, tokens * forward / flops_per_s,
                     tokens * (2 * forward + replay) / flops_per_s)
-    params = max(parameters_per_rank(config, tp, pp, stage) for stage in representative_stages(config))
+    params = max(_rank_parameters(config, stage, cache) for stage in representative_stages(config))
     return (*best, params)
 
 
@@ -342,20 +375,30 @@ def offloaded_parameters(config: Config, cache: dict | None = None) -> int:
 
 def layout_time(config: Config, hw: Hardware, cache: dict | None = None) -> TimeTerms:
     """The step-time terms of a validated configuration on ``hw`` (see the module docstring). ``cache``: a
-    planning run's, for what depends on the tensor-parallel size only (the FLOPs per layer and token)."""
+    planning run's, for what depends on a few of the layout's axes (``_stage_times``, the offloaded shard)."""
+    return step_terms(config, hw, _stage_times(config, hw, cache), offloaded_parameters(config, cache), cache)
+
+
+def stage_times(config: Config, hw: Hardware, cache: dict | None = None) -> tuple:
+    """What ``step_terms`` takes of the pipeline's stages: the same for every sharding stage and offload of a
+    layout (``_stage_times``)."""
+    return _stage_times(config, hw, cache)
+
+
+def step_terms(config: Config, hw: Hardware, stages: tuple, shard: int, cache: dict | None = None) -> TimeTerms:
+    """``layout_time`` given ``stage_times`` of the layout (the part that depends on its recompute) and its
+    offloaded shard (``offloaded_parameters``); ``config`` is read for everything else, not for recompute."""
     m, d, s = config.model, config.distributed, config.dataset.max_seq_len
     tp, pp, vpp, count = d.mp_degree, d.pp_degree, d.virtual_pp_degree, config.num_micro_batches
     mb = config.batch_size.micro_batch_size
-    compute, tp_comm, cp_comm, ep_comm, forward, backward, params = _stage_times(config, hw, cache)
+    compute, tp_comm, cp_comm, ep_comm, forward, backward, params, replay = stages
     dp_comm, dp_exposed = _dp_times(config, hw, params, forward, backward)
     bubble = (pp - 1) / (count * vpp) * (compute + tp_comm + cp_comm + ep_comm)
     a = 4 if config.params_dtype_name == "float32" else 2
     message = mb * s / d.context_parallel_size * m.hidden_size * a / (tp if d.sequence_parallel else 1)
     p2p = 2 * count * vpp * message / _bandwidth(hw, hw.devices) if pp > 1 else 0.0
-    shard = offloaded_parameters(config, cache)
     offload, cpu_optimizer = 8.0 * shard / (hw.pcie_gbps * GB), shard / hw.cpu_adam_params_per_s
     tokens = config.batch_size.global_batch_size * s
     model_flops = _model_flops_per_token(config, cache) * tokens
-    replay = sum(_recomputed(config, _stage_chunks(config, st), cache)[0] for st in range(pp))
     return TimeTerms(compute, tp_comm, dp_comm, dp_exposed, bubble, p2p, offload, count, model_flops,
                      model_flops + replay * tokens, cp_comm, ep_comm, cpu_optimizer)
