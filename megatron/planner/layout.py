@@ -5,7 +5,6 @@ decides that from the flag, and the name keeps to the flag's number)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass, fields
 
@@ -112,8 +111,10 @@ class Layout:
 
 def copy_config(config):
     """A copy of a Config whose sections and lists are new objects (the leaves are immutable): a
-    deepcopy's result at a fraction of its cost, which dominates a planning run."""
-    new = copy.copy(config)
+    deepcopy's result at a fraction of its cost, which dominates a planning run. A schema dataclass is a plain
+    ``__dict__`` (no slots, no ``__copy__``): copied as ``copy.copy`` would, at a third of its cost."""
+    new = object.__new__(type(config))
+    new.__dict__.update(config.__dict__)
     sections, lists = _nested_fields(type(config))
     for name in sections:
         setattr(new, name, copy_config(getattr(config, name)))

@@ -109,15 +109,32 @@ def stage_chunk_bytes(config: Config, stage: int, kernel: str | None, cache: dic
     return cache[key]
 
 
+def _temporary_shape(config: Config, spec: tuple[range, bool, bool], cache: dict) -> tuple:
+    """A model chunk as its temporaries see it: the kinds of its layers (MoE or not), the kinds of the layers it
+    recomputes (all of them, or the first ``recompute_num_layers`` under the block method), and whether it holds
+    the head. ``temporary_terms`` keeps the largest of each kind of buffer: the loss on the head's chunk, the
+    expert dispatch if a layer is a MoE layer, and the recompute's, the most a recomputed layer saves beyond what
+    its forward kept, which depends on the layer's kind and granularity, not on where it is or how many there
+    are."""
+    if "moe flags" not in cache:
+        cache["moe flags"] = moe_layer_flags(config.model)
+    flags = cache["moe flags"]
+    layers, _, post = spec
+    kinds = frozenset(flags[i] for i in layers)
+    recomputed = kinds
+    if config.use_recompute and config.recompute_method == "block":
+        recomputed = frozenset(flags[i] for i in layers[:config.recompute_num_layers])
+    return kinds, recomputed, post
+
+
 def stage_temporary(config: Config, stage: int, kernel: str | None, cache: dict) -> int:
     """The largest temporary of ``stage``; cached by the stage's layout and, below that, by (``_dims_key``, the
-    set of the stage's chunk shapes): ``temporary_terms`` keeps the largest of each kind over the stage's chunks
-    (the loss on the head's chunk, the largest recomputed unit, the expert dispatch if a chunk has MoE layers),
-    which neither the order of the chunks nor how many share a shape changes."""
+    set of its chunks' ``_temporary_shape``): ``temporary_terms`` keeps the largest of each kind of buffer over
+    the stage's chunks, which neither their order nor how many share a shape changes."""
     d, dims = config.distributed, _dims_key(config, kernel)
     key = ("temporaries", d.pp_degree, d.virtual_pp_degree, d.pipeline_partition, stage, dims)
     if key not in cache:
-        shapes = frozenset(_chunk_shape(config, spec, cache) for spec in act.chunk_specs(config, stage))
+        shapes = frozenset(_temporary_shape(config, spec, cache) for spec in act.chunk_specs(config, stage))
         if ("temporary", dims, shapes) not in cache:
             cache["temporary", dims, shapes] = act.largest_temporary_bytes(config, stage, kernel)
         cache[key] = cache["temporary", dims, shapes]
@@ -169,9 +186,19 @@ def layout_memory(config: Config, limit_bytes: float, kernel: str | None = None,
                         lambda s, per_chunk: peak_activations(config, s, per_chunk, cache), limit_bytes, exact_below)
 
 
+def states_too_large(states: dict[int, tuple[int, int, int]], limit_bytes: float) -> MemoryTerms | None:
+    """The lower bound ``memory_terms`` returns where the model states alone, between steps, exceed
+    ``limit_bytes`` on a stage (whatever the activations); None where they do not."""
+    heaviest = max(states, key=lambda s: states[s][1])
+    if states[heaviest][0] <= limit_bytes:
+        return None
+    host = max(states[s][2] for s in states)
+    return MemoryTerms(heaviest, states[heaviest][1], None, None, states[heaviest][1], host)
+
+
 def memory_terms(states: dict[int, tuple[int, int, int]], chunks: Callable[[int], tuple[int, ...]],
                  temporary: Callable[[int], int], peak: Callable[[int, tuple[int, ...]], int], limit_bytes: float,
-                 exact_below: float = float("inf")) -> MemoryTerms:
+                 exact_below: float = float("inf"), states_fit: bool = False) -> MemoryTerms:
     """The worst of the representative stages ``states`` holds (``model_states`` of each), given a stage's bytes
     per micro-batch and chunk (``chunks``), its largest temporary (``temporary``) and its peak saved activations
     (``peak``, of the stage and its chunk bytes), each asked for only when needed.
@@ -180,20 +207,21 @@ def memory_terms(states: dict[int, tuple[int, int, int]], chunks: Callable[[int]
     not walked: the model states between steps; then each stage's states during a step, its largest chunk and
     its temporary. The temporary is computed only where the bound without it does not already exceed the limit,
     or where that bound is below ``exact_below`` (the search's smallest requirement so far: a layout that does
-    not fit matters only if it needs less, and its requirement is then the full bound's)."""
+    not fit matters only if it needs less, and its requirement is then the full bound's). ``states_fit``: the
+    caller has found ``states_too_large`` None."""
+    too_large = None if states_fit else states_too_large(states, limit_bytes)
+    if too_large is not None:
+        return too_large
     stages = list(states)
     host = max(states[s][2] for s in stages)
-    heaviest = max(stages, key=lambda s: states[s][1])
-    if states[heaviest][0] > limit_bytes:
-        return MemoryTerms(heaviest, states[heaviest][1], None, None, states[heaviest][1], host)
     per_chunk = {s: chunks(s) for s in stages}
     floors = {s: states[s][1] + max(per_chunk[s]) for s in stages}
-    low = max(stages, key=lambda s: floors[s])
+    low = max(stages, key=floors.__getitem__)
     if floors[low] > limit_bytes and floors[low] >= exact_below:
         return MemoryTerms(low, states[low][1], None, None, floors[low], host)
     temporaries = {s: temporary(s) for s in stages}
     bounds = {s: floors[s] + temporaries[s] for s in stages}
-    over = max(stages, key=lambda s: bounds[s])
+    over = max(stages, key=bounds.__getitem__)
     if bounds[over] > limit_bytes:
         return MemoryTerms(over, states[over][1], None, None, bounds[over], host)
     worst = None

@@ -44,6 +44,7 @@ from megatron.planner.memory import (
     peak_activations,
     stage_chunk_bytes,
     stage_temporary,
+    states_too_large,
 )
 from megatron.planner.stages import representative_stages
 from megatron.planner.time_model import (
@@ -239,7 +240,9 @@ class _Family:
 
     def __init__(self, validated: Config, hw: Hardware, kernel: str | None, cache: dict):
         self.validated, self.hw, self.kernel, self.cache = validated, hw, kernel, cache
-        self.sharded: dict[tuple, tuple[Config, dict, int]] = {}  # (stage, offload) -> config, states, shard
+        # (stage, offload) -> its config, model states, offloaded shard (once asked for), and the memory terms
+        # when the states alone exceed the device (every recompute of it then does not fit)
+        self.sharded: dict[tuple, tuple[Config, dict, int | None, MemoryTerms | None]] = {}
         self.recomputed: dict[tuple, _Recompute] = {}  # (recompute, block layers) -> its figures
 
     def plan(self, layout: Layout, exact_below: float) -> Plan:
@@ -247,21 +250,23 @@ class _Family:
         if key not in self.sharded:
             config = variant_config(self.validated, layout)
             states = {s: model_states(config, s, self.cache) for s in representative_stages(config)}
-            self.sharded[key] = (config, states, None)
-        config, states, shard = self.sharded[key]
+            self.sharded[key] = (config, states, None, states_too_large(states, self.hw.memory_bytes))
+        config, states, shard, early = self.sharded[key]
+        if early is not None:  # whatever the recompute: what memory_terms returns, and does not fit
+            return Plan(layout, early, None, False, early.host * self.hw.ranks_per_node, None)
         recompute = self.recomputed.get((layout.recompute, layout.block_layers))
         if recompute is None:
             recompute = _Recompute(variant_config(self.validated, layout), self)
             self.recomputed[layout.recompute, layout.block_layers] = recompute
         hw = self.hw
         memory = memory_terms(states, recompute.chunks, recompute.temporary, recompute.peak, hw.memory_bytes,
-                              exact_below)
+                              exact_below, states_fit=True)
         fits, host, reason = _fits(layout, memory, hw)
         if not fits:
             return Plan(layout, memory, None, fits, host, reason)
         if shard is None:
             shard = offloaded_parameters(config, self.cache)
-            self.sharded[key] = (config, states, shard)
+            self.sharded[key] = (config, states, shard, None)
         time = step_terms(config, hw, recompute.stage_times(), shard, self.cache)
         return Plan(layout, memory, time, fits, host, reason)
 

@@ -16,6 +16,7 @@ import pytest
 
 from megatron.config import parse_config, validate
 from megatron.distributed.parallelize import sharding_stage
+from megatron.memory import estimate
 from megatron.optimizer.memory import rank_model_state_bytes
 from megatron.planner import (
     GIB,
@@ -118,6 +119,22 @@ def test_shared_validation_gives_the_plans_validating_each_layout_gives(argv, de
     assert devices != 6 or shared.considered > shared.valid  # tp 3 and 6 do not divide the heads
     for plan in shared.plans[::7]:  # the run's caches change no figure: each layout alone, nothing cached
         assert evaluate_layout(parse_config(argv), plan.layout, hw) == plan
+
+
+def test_the_searchs_cached_figures_are_the_estimators():
+    """The search caches a chunk's activations by its shape, a stage's temporary by the set of its chunks' shapes
+    and the schedule's walk by the chunk bytes' ratio (planner.memory): every fitting layout's memory is still
+    ``megatron.memory.estimate``'s at its worst stage, pipelines of several depths and interleavings, experts and
+    block recompute among them."""
+    argv = SMALL + EXPERTS + ["--num-layers", "8", "--global-batch-size", "16"]
+    hw = Hardware(devices=8, devices_per_node=8, device_memory_gb=1000)
+    result = plan_layouts(parse_config(argv), hw, max_micro_batch=2, max_vpp=4)
+    assert {(p.layout.pp, p.layout.vpp) for p in result.plans} >= {(2, 2), (2, 4), (4, 2), (8, 1)}
+    for plan in result.plans[::5]:
+        config = layout_config(parse_config(argv), plan.layout, 8)
+        worst = max((estimate(config, s) for s in range(plan.layout.pp)), key=lambda e: e.total)
+        assert (plan.memory.total, plan.memory.activations, plan.memory.temporaries) == (
+            worst.total, worst.activations, worst.temporaries), plan.layout.describe()
 
 
 def test_offload_counts_the_cpu_adamw_pcie_and_the_hosts_memory():
