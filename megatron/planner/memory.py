@@ -12,10 +12,21 @@ Host memory (offload): the fp32 master weights, AdamW's two moments and the CPU 
 16 bytes per parameter of the rank's offloaded shard (its dense shard over the ZeRO group and its experts' over
 the expert-data-parallel ranks), ``ModelStateBytes.cpu_total`` at the worst stage.
 
-A planning run evaluates tens of thousands of layouts; every figure is cached in a dict the run passes
-(``cache``) under the settings it depends on: the model states under the layout without its micro-batch size,
-recompute or cp communication type (each of which multiplies the candidates), one micro-batch's activations
-without dp, sharding or offload, the schedule's walk by (pp, vpp, micro-batches, stage, per-chunk bytes)."""
+A planning run evaluates hundreds of thousands of layouts; every figure is cached in a dict the run passes
+(``cache``) under the settings it depends on:
+
+- model states (``model_states``): the layout without its micro-batch size, recompute, sequence parallelism or cp
+  communication type (each of which multiplies the candidates), and the stage;
+- one micro-batch's activations of a chunk (``stage_chunk_bytes``): ``_dims_key`` (tp, cp and its communication
+  type, sp, ep, etp, micro-batch size, recompute) and the chunk's shape (which of its layers are MoE layers,
+  whether it holds the embedding or the head), whatever pp and vpp cut it;
+- a stage's largest temporary (``stage_temporary``): ``_dims_key`` and the set of its chunks' kinds of layers, of
+  recomputed layers, and whether one holds the head;
+- the schedule's walk (``peak_activations``): (pp, vpp, schedule, walked micro-batches, stage) and the chunk
+  bytes up to a common factor.
+
+``memory_terms`` adds them up and stops at the first lower bound over the limit (``search._Family`` calls it with
+a validation family's figures, each computed once)."""
 
 from __future__ import annotations
 
@@ -212,20 +223,24 @@ def memory_terms(states: dict[int, tuple[int, int, int]], chunks: Callable[[int]
     too_large = None if states_fit else states_too_large(states, limit_bytes)
     if too_large is not None:
         return too_large
-    stages = list(states)
-    host = max(states[s][2] for s in stages)
-    per_chunk = {s: chunks(s) for s in stages}
-    floors = {s: states[s][1] + max(per_chunk[s]) for s in stages}
-    low = max(stages, key=floors.__getitem__)
+    host = max(held[2] for held in states.values())
+    per_chunk, floors, low = {}, {}, None  # low: the first stage with the largest floor
+    for s, (_, during, _) in states.items():
+        per_chunk[s] = stage_chunks = chunks(s)
+        floors[s] = floor = during + max(stage_chunks)
+        if low is None or floor > floors[low]:
+            low = s
     if floors[low] > limit_bytes and floors[low] >= exact_below:
         return MemoryTerms(low, states[low][1], None, None, floors[low], host)
-    temporaries = {s: temporary(s) for s in stages}
-    bounds = {s: floors[s] + temporaries[s] for s in stages}
-    over = max(stages, key=bounds.__getitem__)
-    if bounds[over] > limit_bytes:
-        return MemoryTerms(over, states[over][1], None, None, bounds[over], host)
+    temporaries, over = {}, None
+    for s in states:
+        temporaries[s] = temporary(s)
+        if over is None or floors[s] + temporaries[s] > floors[over] + temporaries[over]:
+            over = s
+    if floors[over] + temporaries[over] > limit_bytes:
+        return MemoryTerms(over, states[over][1], None, None, floors[over] + temporaries[over], host)
     worst = None
-    for s in stages:
+    for s in states:
         activations = peak(s, per_chunk[s])
         terms = MemoryTerms(s, states[s][1], activations, temporaries[s],
                             states[s][1] + activations + temporaries[s], host)
