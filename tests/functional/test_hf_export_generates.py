@@ -12,12 +12,10 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
-import logging
 import os
 import random
 import stat
 import sys
-import warnings
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ from megatron.model.gpt import GPTModel
 from megatron.model.init import init_parameters
 from megatron.tokenizer import build_tokenizer
 from tests.functional.launch import ROOT
+from tests.transformers_said import transformers_said
 
 transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
@@ -127,20 +126,10 @@ def _check_generates(run_dir, hf_dir, eod: int) -> None:
     assert not {"max_length", "max_new_tokens"} & set(generation)  # the caller's length, as Hugging Face's files
     pipe = transformers.pipeline("text-generation", model=str(hf_dir))
     assert pipe.tokenizer.eos_token_id == eod
-    logged: list = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = logged.append
-    library = logging.getLogger("transformers")  # its records do not propagate to the root logger
-    library.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            (out,) = pipe(PROMPT, max_new_tokens=POSITIONS // 2)
-            (greedy,) = pipe(PROMPT, do_sample=False, max_new_tokens=POSITIONS // 2, return_tensors=True)
-            (short,) = pipe(PROMPT, do_sample=False, max_new_tokens=3, return_tensors=True)
-    finally:
-        library.removeHandler(handler)
-    said = [str(w.message) for w in caught] + [r.getMessage() for r in logged]
+    with transformers_said() as said:
+        (out,) = pipe(PROMPT, max_new_tokens=POSITIONS // 2)
+        (greedy,) = pipe(PROMPT, do_sample=False, max_new_tokens=POSITIONS // 2, return_tensors=True)
+        (short,) = pipe(PROMPT, do_sample=False, max_new_tokens=3, return_tensors=True)
     assert not [m for m in said if "max_length" in m or "max_new_tokens" in m], said  # no length warning
     assert out["generated_text"].startswith(PROMPT) and len(out["generated_text"]) > len(PROMPT)
     prompt, continuation = _greedy(run_dir, PROMPT, POSITIONS // 2)

@@ -32,6 +32,7 @@ from megatron.model import build_model
 from megatron.optimizer import build_optimizer
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
+from tests.transformers_said import transformers_said
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, SEQ = 250, 32  # vocab 250 pads to 256: the padding rows are exercised
@@ -187,9 +188,6 @@ def test_the_exports_generation_config_makes_transformers_generate_without_a_len
     """generation_config.json holds no length: with max_length there, transformers logs "Both `max_new_tokens` ...
     and `max_length` ... seem to have been set" at every generate(max_new_tokens=N); with max_new_tokens there, a
     caller's max_length (lm-eval's hf backend's) is overridden and it warns too."""
-    import logging
-    import warnings
-
     transformers = pytest.importorskip("transformers")
     config = make_config()
     write_params(str(tmp_path / "ckpt"), config, random_params(config))
@@ -198,19 +196,9 @@ def test_the_exports_generation_config_makes_transformers_generate_without_a_len
     assert not {"max_length", "max_new_tokens"} & set(generation)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     prompt = tokens(batch=1)[:, :5]
-    logged: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = logged.append
-    library = logging.getLogger("transformers")  # its records do not propagate to the root logger
-    library.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            three = model.generate(prompt, max_new_tokens=3, do_sample=False)
-            upto = model.generate(prompt, max_length=SEQ, do_sample=False)
-    finally:
-        library.removeHandler(handler)
-    said = [str(w.message) for w in caught] + [r.getMessage() for r in logged]
+    with transformers_said() as said:
+        three = model.generate(prompt, max_new_tokens=3, do_sample=False)
+        upto = model.generate(prompt, max_length=SEQ, do_sample=False)
     assert not [m for m in said if "max_length" in m or "max_new_tokens" in m], said
     assert three.shape == (1, 8) and upto.shape == (1, SEQ)  # each caller's own length
 

@@ -8,7 +8,6 @@ import dataclasses
 import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from megatron.planner import (
     plan_layouts,
     walked_micro_batches,
 )
+from tests.functional.launch import program_module
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -36,15 +36,7 @@ SMALL = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-atten
          "--micro-batch-size", "8", "--bf16"]
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("plan_layout", ROOT / "tools" / "plan_layout.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plan_layout"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plan_layout = _tool()
+plan_layout = program_module("tools/plan_layout.py")
 
 
 def _base(argv: list[str]):

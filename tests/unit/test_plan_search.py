@@ -6,10 +6,8 @@ each candidate gives; offload is costed (the CPU's AdamW, PCIe, the host's memor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,24 +25,15 @@ from megatron.planner import (
     layout_filters,
     plan_layouts,
 )
+from tests.functional.launch import program_module
+from tests.unit.test_plan_layout import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--max-seq-len", "32", "--max-position-embeddings", "32", "--vocab-size", "512", "--global-batch-size", "8",
-         "--micro-batch-size", "8", "--bf16"]
 EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
 LONG = ["--max-seq-len", "4096", "--max-position-embeddings", "4096", "--attention-probs-dropout-prob", "0"]
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("plan_layout_tool", ROOT / "tools" / "plan_layout.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plan_layout_tool"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plan_layout = _tool()
+plan_layout = program_module("tools/plan_layout.py")
 
 
 def _name_axes(name: str) -> dict:
