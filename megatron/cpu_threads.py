@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.config.cli import ConfigError
+
 ENV = "MEGATRON_CPU_THREADS"
 SAMPLE_S = 0.25
 
@@ -102,7 +104,7 @@ def _positive(value: str, name: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{name}={value!r} is not a positive whole number of threads; set it to 1 or more, or "
+        raise ConfigError(f"{name}={value!r} is not a positive whole number of threads; set it to 1 or more, or "
                          "unset it to let the run choose")
     return n
 
@@ -127,7 +129,7 @@ def _automatic(local_ranks: int) -> ThreadChoice:
 
 def choose(requested: int | None, local_ranks: int = 1, environ: dict[str, str] | None = None) -> ThreadChoice:
     """The thread count by the rules of this module's docstring (``local_ranks``: the launch's ranks on this
-    node). Raises ValueError, in one sentence, for a bad count."""
+    node). Raises ConfigError (a ValueError), in one sentence, for a bad count."""
     environ = os.environ if environ is None else environ
     if requested is not None:
         return ThreadChoice(_positive(str(requested), "--cpu-threads"), "--cpu-threads")
