@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron import cpu_threads
+from megatron.config import ConfigError
 from megatron.cpu_threads import ENV, busy_cores, choose, decide
 
 STAT = """cpu  300 0 100 600 0 0 0 0 0 0
@@ -64,7 +65,7 @@ def test_automatic_when_nothing_is_set(monkeypatch):
 
 @pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "0"}, {ENV: "two"}])
 def test_a_bad_count_is_one_sentence_naming_the_variable(env):
-    with pytest.raises(ValueError, match=f"{next(iter(env))}=.* is not a positive whole number"):
+    with pytest.raises(ConfigError, match=f"{next(iter(env))}=.* is not a positive whole number"):  # one line, exit 2
         choose(None, environ=env)
 
 
