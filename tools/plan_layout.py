@@ -28,6 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron import cpu_threads  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config, validate  # noqa: E402
 from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.planner import (  # noqa: E402
@@ -97,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-offload", action="store_true", help="No optimizer offload (--exclude offload=on).")
     p.add_argument("--no-cp", action="store_true", help="No context parallelism (--only cp=1).")
     p.add_argument("--no-progress", action="store_true", help="No progress report on stderr.")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="Processes that share the candidates (default: as --cpu-threads chooses for a run: "
+                        "OMP_NUM_THREADS or MEGATRON_CPU_THREADS if set, else the usable cores not busy with "
+                        "other work). The result is the same whatever the number.")
     p.add_argument("--top", type=int, default=10, help="Layouts shown (default 10).")
     p.add_argument("--all", action="store_true",
                    help="Also show the layouts another one beats or equals on step time, memory and micro-batch "
@@ -117,6 +122,8 @@ def _checked_hardware(args: argparse.Namespace, peak_tflops: float | None) -> Ha
     for name in ("devices", "top", "max_micro_batch", "max_vpp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     for name in ("device_memory_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "host_memory_gb",
                  "cpu_cores_per_device", "cpu_adam_gparams_per_core"):
         if getattr(args, name) <= 0:
@@ -266,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         hw = _hardware(args, parse_config(rest).peak_tflops)
         filters = _filters(args)
+        jobs = cpu_threads.choose(args.jobs)
         config, resolved, vocab, why_not = _base_config(rest, hw.devices)
         with Progress("plan_layout", unit="layouts", interval=5.0, enabled=not args.no_progress,
                       summary=False) as progress:
             result = plan_layouts(config, hw, vocab, max_micro_batch=args.max_micro_batch, max_vpp=args.max_vpp,
-                                  kernel=args.attention_kernel, filters=filters, progress=progress)
+                                  kernel=args.attention_kernel, filters=filters, progress=progress,
+                                  jobs=jobs.threads)
         if not result.valid and filters:
             raise ConfigError(f"no layout of this model on {hw.devices} device(s) that --only / --exclude / "
                               f"--no-offload / --no-cp let through is a valid run: widen them.")

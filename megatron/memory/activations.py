@@ -264,11 +264,16 @@ def chunk_terms(config: Config, stage: int = 0, chunk: int = 0, kernel: str | No
     terms: Counter[str] = Counter()
     if pre:
         terms.update(embedding_terms(D))
-    for unit in units:
-        if len(unit) > 1:  # checkpointed as one: only the unit's input is kept
-            terms["layer input"] += D.n_sp * D.h * D.d
+    # units of one kind save the same terms: counted, then added once per kind (in the order they first come,
+    # so the terms keep their order); a chunk of a deep model repeats a few kinds many times
+    kinds: Counter[tuple] = Counter(("unit",) if len(unit) > 1 else (per_layer[unit[0]], is_moe(D, unit[0]))
+                                    for unit in units)
+    for kind, count in kinds.items():
+        if kind == ("unit",):  # checkpointed as one: only the unit's input is kept
+            terms["layer input"] += count * D.n_sp * D.h * D.d
             continue
-        terms.update(layer_terms(D, per_layer[unit[0]], is_moe(D, unit[0])))
+        for name, value in _layer_terms(D, *kind):
+            terms[name] += count * value
     first = per_layer[units[0][0]] if units and len(units[0]) == 1 else "full"
     keeps_input = first in ("full", "only_attn", "full_attn") or saves_input_itself(D)
     if pre and keeps_input and D.sp and not D.hidden_dropout and layers:
@@ -415,12 +420,16 @@ def temporary_terms(config: Config, stage: int = 0, kernel: str | None = None) -
             per_layer = {**per_layer, **{i: _granularity(config) for i in mtp_layers}}
             units = [*units, *([i] for i in mtp_layers)]
         moe = moe or any(is_moe(D, i) for unit in units for i in unit)
-        for unit in units:
-            recomputed = [per_layer[i] for i in unit] if len(unit) == 1 else ["unit"]
-            if recomputed[0] is None:
+        # what a unit's recompute saves depends on its granularity and its layers' kinds only: once per kind
+        kinds = {(per_layer[unit[0]], is_moe(D, unit[0])) if len(unit) == 1
+                 else ("unit", tuple(is_moe(D, i) for i in unit)) for unit in units}
+        for granularity, moe_flags in kinds:
+            if granularity is None:
                 continue
-            full = sum(layer_bytes(D, None, is_moe(D, i)) for i in unit)
-            kept = D.n_sp * D.h * D.d if recomputed[0] == "unit" else layer_bytes(D, recomputed[0], is_moe(D, unit[0]))
+            if granularity == "unit":
+                full, kept = sum(layer_bytes(D, None, flag) for flag in moe_flags), D.n_sp * D.h * D.d
+            else:
+                full, kept = layer_bytes(D, None, moe_flags), layer_bytes(D, granularity, moe_flags)
             terms["recompute"] = max(terms["recompute"], full - kept)
     if D.kernel == "math" and not (D.cp > 1 and D.cp_comm != "a2a"):
         terms["attention scores"] = 2 * 4 * D.n * D.a * D.s  # b a s^2 (a2a: a / cp heads)

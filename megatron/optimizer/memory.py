@@ -136,8 +136,10 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     if pp > 1:
         gathered = num_params
     else:
-        sizes = sorted((layer_parameters(config, tp, i) for i in range(config.model.num_layers)), reverse=True)
-        gathered = num_params - sum(sizes) + sum(sizes[:2])  # the two largest layers gathered at once
+        kinds = _layer_kinds(config, tp, range(config.model.num_layers))
+        layers = sum(count * (dense + expert) for dense, expert, count in kinds)
+        largest = sorted((dense + expert for dense, expert, count in kinds for _ in range(min(count, 2))), reverse=True)
+        gathered = num_params - layers + sum(largest[:2])  # the two largest layers gathered at once
     return (param_bytes + 4) * max(0, gathered - shard)
 
 
@@ -167,8 +169,9 @@ def parameter_split(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
     h = m.hidden_size
     vocab = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     norm = 2 * h if m.normalization == "LayerNorm" else h
-    splits = [layer_split(config, tp, i, ep, etp) for i in layers]
-    total, experts = sum(dense for dense, _ in splits), sum(expert for _, expert in splits)
+    total, experts = 0, 0
+    for dense, expert, count in _layer_kinds(config, tp, layers, ep, etp):
+        total, experts = total + count * dense, experts + count * expert
     if pp_rank == 0:
         total += vocab // tp * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute"
                                     else 0)
@@ -183,6 +186,20 @@ def parameter_split(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
                 total += (vocab // tp * h if untied else 0) + (
                     m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
     return total, experts
+
+
+def _layer_kinds(config: Config, tp: int, layers, ep: int | None = None,
+                 etp: int | None = None) -> list[tuple[int, int, int]]:
+    """(dense, expert, how many) of ``layers``, a ``layer_split`` per kind of layer (MoE or not: all it depends
+    on): a deep model's stages repeat two kinds, and the layout planner asks for thousands of stages."""
+    counts: dict[bool, list] = {}
+    for i in layers:
+        kind = is_moe_layer(config.model, i)
+        if kind in counts:
+            counts[kind][1] += 1
+        else:
+            counts[kind] = [i, 1]
+    return [(*layer_split(config, tp, first, ep, etp), count) for first, count in counts.values()]
 
 
 def layer_parameters(config: Config, tp: int = 1, layer: int = 0) -> int:

@@ -30,7 +30,7 @@ equals on all three.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from itertools import product
 
 from megatron.config import Config, ConfigError, validate
@@ -56,6 +56,7 @@ from megatron.planner.time_model import (
     stage_times,
     step_terms,
 )
+from megatron.planner.workers import map_slices
 
 MIN_CP_TOKENS = 1024  # context parallelism tried while each rank keeps at least this many tokens of a sample
 
@@ -158,8 +159,8 @@ def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, ma
                     recomputes = [r for r in recompute_options(layers, pp, vpp) if allows(filters, "recompute", r[0])]
                     for (n, stage), offload, (recompute, block), (ep, etp) in product(
                             shardings, offloads, recomputes, experts):
-                        yield Layout(tp, pp, vpp, group // n, n, stage, offload, recompute, mb, sp, block, cp, comm,
-                                     ep, etp, moe)
+                        yield _made(Layout, _LAYOUT_FIELDS, (tp, pp, vpp, group // n, n, stage, offload, recompute,
+                                                             mb, sp, block, cp, comm, ep, etp, moe))
 
 
 def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_size: int | None = None) -> Config:
@@ -302,59 +303,133 @@ class _Recompute:
 
 def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = None, max_micro_batch: int = 8,
                  max_vpp: int = 8, kernel: str | None = None, filters: tuple[AxisFilter, ...] = (),
-                 progress=None, share_validation: bool = True) -> PlanResult:
+                 progress=None, share_validation: bool = True, jobs: int = 1) -> PlanResult:
     """Every valid layout of ``base``'s model and global batch on ``hw`` that ``filters`` let through: those
     that fit, ranked by the estimated step time; when none fits, ``smallest`` is the valid layout needing least
     device memory. ``kernel``: the attention kernel of the activation estimate
     (``megatron.memory.activations.dims``). ``progress``: an object with ``set_total(n)`` and ``update(k)``
     (``megatron.progress.Progress``), told the candidates and those done. ``share_validation``: validate one
     layout per ``validation_key`` and evaluate its family from it (``_Family``); False validates and evaluates
-    each layout on its own (``evaluate_layout``; the tests compare the two)."""
+    each layout on its own (``evaluate_layout``; the tests compare the two). ``jobs``: processes that share
+    the candidates (``megatron.planner.workers``); the result is the same whatever their number."""
     kept = [layout for layout in candidate_layouts(base, hw, max_micro_batch, max_vpp, filters)
             if accepts(layout, filters)]
-    result, cache = PlanResult(plans=[], filters=tuple(filters)), {}
-    families: dict[tuple, _Family | None] = {}  # validation_key -> its family (None: invalid)
-    block, done = None, 0
     if progress is not None:
         progress.set_total(len(kept))
-    for layout in kept:
-        if block != (layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size):
-            block = (layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size)
-            families.clear()  # the candidates of one key come within one such block
-            if progress is not None:  # told a block at a time: a call per candidate costs
-                progress.update(result.considered - done)
-                done = result.considered
-        result.considered += 1
-        smallest = float("inf") if result.smallest is None else result.smallest.memory.total
-        if share_validation:
+    search = _Search(kept, base, hw, tokenizer_vocab_size, kernel, share_validation)
+    parts = map_slices(search.run, _blocks(kept), jobs, None if progress is None else progress.update,
+                               pack=search.pack, unpack=search.unpack)
+    result = PlanResult(plans=[], filters=tuple(filters))
+    for part in parts:  # in candidate order: the smallest is the first of least memory, as one process finds it
+        result.considered += part.considered
+        result.valid += part.valid
+        result.host_rejected += part.host_rejected
+        result.plans += part.plans
+        if part.smallest is not None and (result.smallest is None
+                                          or part.smallest.memory.total < result.smallest.memory.total):
+            result.smallest = part.smallest
+    result.plans.sort(key=rank_key)
+    return result
+
+
+def _block_key(layout: Layout) -> tuple:
+    """Layouts of one key come one after the other among the candidates, and so do those of a ``validation_key``."""
+    return layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size
+
+
+def _blocks(kept: list[Layout]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of candidates with one ``_block_key``."""
+    bounds = [i for i in range(1, len(kept)) if _block_key(kept[i]) != _block_key(kept[i - 1])]
+    return list(zip([0, *bounds], [*bounds, len(kept)]))
+
+
+_LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))
+_MEMORY_FIELDS = tuple(f.name for f in fields(MemoryTerms))
+_TIME_FIELDS = tuple(f.name for f in fields(TimeTerms))
+
+
+def _values(obj) -> tuple:
+    """A dataclass's field values in order, without ``astuple``'s deep copy."""
+    return tuple(getattr(obj, name) for name in (_MEMORY_FIELDS if type(obj) is MemoryTerms else _TIME_FIELDS))
+
+
+def _made(cls, names: tuple[str, ...], values: tuple):
+    """``cls(*values)`` of a plain frozen dataclass (no ``__post_init__``), at half the cost: a search makes
+    10^5 candidates and unpacks as many plans from its worker processes."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(zip(names, values))
+    return obj
+
+
+class _Search:
+    """The evaluation of a slice of the candidates: a ``PlanResult`` of its own (plans not yet sorted). The
+    caches (``cache``: memory and time figures of this planning run) live as long as the object, in each
+    process that evaluates slices."""
+
+    def __init__(self, kept: list[Layout], base: Config, hw: Hardware, vocab: int | None, kernel: str | None,
+                 share_validation: bool):
+        self.kept, self.base, self.hw, self.vocab, self.kernel = kept, base, hw, vocab, kernel
+        self.share_validation, self.cache = share_validation, {}
+
+    def run(self, start: int, stop: int, before: list[PlanResult]) -> PlanResult:
+        """The candidates ``start:stop``, one block (``_blocks``) or more; ``before``: results of slices before it
+        in candidate order (some or all of them). A layout that does not fit matters only if it needs less than
+        every valid layout before it (``memory_terms``' exact_below): the least of ``before``'s bounds that, since
+        their layouts came first, leaves each layout that is the smallest so far exact, as one process finds it."""
+        least = min((part.smallest.memory.total for part in before if part.smallest is not None),
+                    default=float("inf"))
+        result, families = PlanResult(plans=[]), {}  # validation_key -> its family (None: invalid)
+        block = None
+        for layout in self.kept[start:stop]:
+            if block != _block_key(layout):
+                block = _block_key(layout)
+                families.clear()  # the candidates of one key come within one block
+            result.considered += 1
+            plan = self._plan(layout, families, least)
+            if plan is None:
+                continue
+            result.valid += 1
+            if plan.fits:
+                result.plans.append(plan)
+            result.host_rejected += plan.reason is not None
+            if result.smallest is None or plan.memory.total < result.smallest.memory.total:
+                result.smallest = plan
+                least = min(least, plan.memory.total)
+        return result
+
+    def pack(self, result: PlanResult, start: int) -> tuple:
+        """A slice's result as a forked process sends it: each fitting plan as its candidate's index and its
+        figures, plain tuples (pickling a plan's dataclasses cost seconds over a search's 10^5 plans)."""
+        plans, j = [], start
+        for plan in result.plans:  # in candidate order
+            while self.kept[j] is not plan.layout:
+                j += 1
+            plans.append((j, _values(plan.memory), _values(plan.time),
+                          plan.host_per_node, plan.reason))
+        return plans, result.considered, result.valid, result.host_rejected, result.smallest
+
+    def unpack(self, packed: tuple) -> PlanResult:
+        plans, considered, valid, host_rejected, smallest = packed
+        return PlanResult([Plan(self.kept[j], _made(MemoryTerms, _MEMORY_FIELDS, memory),
+                                _made(TimeTerms, _TIME_FIELDS, time), True, host, reason)
+                           for j, memory, time, host, reason in plans], considered, valid, smallest, host_rejected)
+
+    def _plan(self, layout: Layout, families: dict, smallest: float) -> Plan | None:
+        """The layout's plan; None if it is no valid run."""
+        try:
+            if not self.share_validation:
+                return evaluate_layout(self.base, layout, self.hw, self.vocab, self.kernel, self.cache,
+                                       exact_below=smallest)
             key = validation_key(layout)
             if key not in families:
                 try:
-                    config = layout_config(base, layout, hw.devices, tokenizer_vocab_size)
-                    families[key] = _Family(config, hw, kernel, cache)
+                    config = layout_config(self.base, layout, self.hw.devices, self.vocab)
+                    families[key] = _Family(config, self.hw, self.kernel, self.cache)
                 except ConfigError:
                     families[key] = None
-            try:
-                if families[key] is None:
-                    continue
-                plan = families[key].plan(layout, smallest)
-            except ConfigError:
-                continue
-        else:
-            try:
-                plan = evaluate_layout(base, layout, hw, tokenizer_vocab_size, kernel, cache, exact_below=smallest)
-            except ConfigError:
-                continue
-        result.valid += 1
-        if plan.fits:
-            result.plans.append(plan)
-        result.host_rejected += plan.reason is not None
-        if result.smallest is None or plan.memory.total < result.smallest.memory.total:
-            result.smallest = plan
-    if progress is not None:
-        progress.update(result.considered - done)
-    result.plans.sort(key=rank_key)
-    return result
+            return None if families[key] is None else families[key].plan(layout, smallest)
+        except ConfigError:
+            return None
 
 
 def rank_key(plan: Plan) -> tuple:

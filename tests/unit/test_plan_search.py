@@ -99,11 +99,15 @@ def test_every_rows_flags_make_the_layout_its_name_says(argv, devices, capsys):
                          ids=["dense", "moe", "cp"])
 def test_shared_validation_gives_the_plans_validating_each_layout_gives(argv, devices, memory):
     """The search validates one layout per validation key and derives its stage, offload and recompute variants
-    (search.variant_config); validating every candidate gives the same plans, counts and smallest layout."""
+    (search.variant_config); validating every candidate gives the same plans, counts and smallest layout; and so
+    does the search shared among two processes (planner.workers: each its own caches and pruning bound)."""
     hw = Hardware(devices=devices, devices_per_node=devices, device_memory_gb=memory)
-    shared, each = (plan_layouts(parse_config(argv), hw, max_micro_batch=2, share_validation=s) for s in (True, False))
-    assert shared.plans == each.plans and shared.smallest == each.smallest
-    assert (shared.considered, shared.valid) == (each.considered, each.valid)
+    shared, each, forked = (plan_layouts(parse_config(argv), hw, max_micro_batch=2, share_validation=s, jobs=j)
+                            for s, j in ((True, 1), (False, 1), (True, 2)))
+    for other in (each, forked):
+        assert other.plans == shared.plans and other.smallest == shared.smallest
+        assert (other.considered, other.valid, other.host_rejected) == (shared.considered, shared.valid,
+                                                                        shared.host_rejected)
     assert shared.plans and shared.valid > len(shared.plans)  # some fit, some do not
     assert devices != 6 or shared.considered > shared.valid  # tp 3 and 6 do not divide the heads
     for plan in shared.plans[::7]:  # the run's caches change no figure: each layout alone, nothing cached
