@@ -225,3 +225,32 @@ def test_the_flavour_configs_parse_and_plan(name, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fit"] >= 1 and data["layouts"][0]["fits"]
     assert (data["layouts"][0]["layout"]["ep"] > 1) == bool(config.model.num_experts)
+
+
+def test_the_worker_processes_cover_every_slice_once_and_a_failure_is_raised_not_lost():
+    """planner.workers: the slices join whole blocks and cover them in order; ``map_slices`` returns every
+    slice's result in slice order from forked processes (each told the results before it that it computed); a
+    process that fails raises in the parent with its traceback, and no process is left behind."""
+    import multiprocessing
+
+    from megatron.planner import workers
+
+    blocks = [(0, 3), (3, 4), (4, 10), (10, 11), (11, 20), (20, 21)]
+    slices = workers.group(blocks, 3)
+    assert [b for s in slices for b in blocks if s[0] <= b[0] and b[1] <= s[1]] == blocks
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:])) and slices[0][0] == 0 and slices[-1][1] == 21
+    many = [(k, k + 1) for k in range(40)]
+    seen = []
+    results = workers.map_slices(lambda start, stop, before: (start, [r[0] for r in before]), many, 2,
+                                 done=seen.append)
+    assert [r[0] for r in results] == list(range(40)) and sum(seen) == 40
+    assert all(earlier == sorted(earlier) and set(earlier) <= set(range(start)) for start, earlier in results)
+
+    def fail(start, stop, before):
+        if start == 17:
+            raise ValueError("slice 17 is bad")
+        return start
+
+    with pytest.raises(RuntimeError, match="slice 17 is bad"):
+        workers.map_slices(fail, many, 2)
+    assert not multiprocessing.active_children()
