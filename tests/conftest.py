@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.functional import processes
+from tests.functional.corpus import corpus  # noqa: F401 (a session fixture)
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
 from tests.reference_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (its hooks)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import FIVE, TINY, parity_layouts, reference_runs
+from tests.functional.launch import FIVE, TINY, parity_layouts, reference_runs, whole_share
 from tests.functional.test_llama_layouts import LLAMA
 
 pytestmark = pytest.mark.slow
@@ -21,18 +21,19 @@ reference_runs({"tiny-packed": PACKED, "llama-5": LLAMA5})
 
 CP2 = ["--cp", "2"]
 # (processes, flags, communication type on plain samples, on packed documents): every type meets several axes
+# one micro-batch a step where nothing accumulates micro-batches but the reference (``whole_share``)
 LAYOUTS = {
-    "cp2-p2p": (2, CP2, "p2p", "p2p"),
-    "cp2-all_gather": (2, CP2, "all_gather", "all_gather"),
-    "cp2-a2a": (2, CP2, "a2a", "a2a"),
-    "cp4": (4, ["--cp", "4"], "p2p", "all_gather"),
-    "cp2-tp2-sp": (4, [*CP2, "--tp", "2", "--sequence-parallel"], "p2p", "a2a"),
+    "cp2-p2p": (2, [*CP2, *whole_share()], "p2p", "p2p"),
+    "cp2-all_gather": (2, [*CP2, *whole_share()], "all_gather", "all_gather"),
+    "cp2-a2a": (2, [*CP2, *whole_share()], "a2a", "a2a"),
+    "cp4": (4, ["--cp", "4", *whole_share()], "p2p", "all_gather"),
+    "cp2-tp2-sp": (4, [*CP2, *whole_share(), "--tp", "2", "--sequence-parallel"], "p2p", "a2a"),
     "cp2-pp2": (4, [*CP2, "--pp", "2"], "all_gather", "p2p"),
     "cp2-zero3": (4, [*CP2, "--sharding", "2", "--sharding-stage", "3"], "p2p", "all_gather"),
-    "cp2-recompute": (2, [*CP2, "--use-recompute", "--recompute-granularity", "full"], "a2a", "p2p"),
+    "cp2-recompute": (2, [*CP2, *whole_share(), "--use-recompute", "--recompute-granularity", "full"], "a2a", "p2p"),
     # data parallelism beside cp (the loss averaged over dp x cp); cp with tp is cp2-tp2-sp's (an 8-rank cp2 x dp2 x tp2
     # cost 39 s on 2 cores for nothing the two do not check)
-    "cp2-dp2": (4, [*CP2, "--dp", "2"], "p2p", "p2p"),
+    "cp2-dp2": (4, [*CP2, *whole_share(2), "--dp", "2"], "p2p", "p2p"),
 }
 PLAIN = parity_layouts({name: (n, [*FIVE, *flags, "--cp-comm-type", plain])
                         for name, (n, flags, plain, _) in LAYOUTS.items()})
@@ -89,10 +90,10 @@ LLAMA_LAYOUTS = parity_layouts({
     # rope at each chunk's positions, grouped queries split over the a2a ranks, interleaved pipeline
     "llama-cp2-a2a-pp2-vpp2": (4, [*LLAMA5, *CP2, "--cp-comm-type", "a2a", "--pp", "2", "--vpp", "2"]),
     # compiled norms and MLP around the eager ring
-    "llama-cp2-p2p-compile": (2, [*LLAMA5, *CP2, "--compile"]),
+    "llama-cp2-p2p-compile": (2, [*LLAMA5, *CP2, *whole_share(), "--compile"]),
     # selective recompute: the gathered attention replayed in the backward
-    "llama-cp2-all_gather-core-attn": (2, [*LLAMA5, *CP2, "--cp-comm-type", "all_gather", "--use-recompute",
-                                           "--recompute-granularity", "core_attn"]),
+    "llama-cp2-all_gather-core-attn": (2, [*LLAMA5, *CP2, *whole_share(), "--cp-comm-type", "all_gather",
+                                           "--use-recompute", "--recompute-granularity", "core_attn"]),
 })
 
 

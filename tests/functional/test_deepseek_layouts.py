@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import FIVE, TINY, losses, parity_layouts, reference_runs
+from tests.functional.launch import FIVE, TINY, losses, parity_layouts, reference_runs, whole_share
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,11 @@ DEEPSEEK = [*FIVE, "--num-layers", "4", "--position-embedding-type", "rope", "--
             "0.01", "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss",
             "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 TEN = ["--max-steps", str(TINY[TINY.index("--max-steps") + 1])]  # the 10-step schedule a resumed run goes on in
-reference_runs({"deepseek-5": DEEPSEEK, "deepseek-10": [*DEEPSEEK, *TEN]})
+# the layouts below (tp, cp: no data parallelism, no pipelining) and their reference take the global batch in one
+# micro-batch (``whole_share``: a MoE model's auxiliary losses are per micro-batch)
+reference_runs({"deepseek-5": [*DEEPSEEK, *whole_share()], "deepseek-10": [*DEEPSEEK, *TEN]})
 
-LAYOUTS = parity_layouts({f"deepseek-{name}": (n, [*DEEPSEEK, *flags]) for name, (n, flags) in {
+LAYOUTS = parity_layouts({f"deepseek-{name}": (n, [*DEEPSEEK, *whole_share(), *flags]) for name, (n, flags) in {
     "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
     # the experts split over the tensor-parallel ranks (etp 1, DeepSeek-V3's layout), the rest of the layer over tp
     "tp2-sp-etp1-ep2": (2, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import TINY, parity_layouts, reference_runs
+from tests.functional.launch import TINY, parity_layouts, reference_runs, whole_share
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,8 @@ def llama_reference(references):
 
 
 LAYOUTS = parity_layouts({
-    "llama-tp2": (2, [*LLAMA, "--tp", "2"]),
-    "llama-tp2-sp": (2, [*LLAMA, "--tp", "2", "--sequence-parallel"]),
+    "llama-tp2": (2, [*LLAMA, *whole_share(), "--tp", "2"]),
+    "llama-tp2-sp": (2, [*LLAMA, *whole_share(), "--tp", "2", "--sequence-parallel"]),
     # interleaved pipeline: each of the 4 chunks recomputes its first (only) layer; untied head on the last stage
     "llama-pp2-vpp2-block": (2, [*LLAMA, "--pp", "2", "--vpp", "2", *BLOCK1]),
     # stage 3 gathers each layer around its use, also inside a two-layer recompute unit's replay

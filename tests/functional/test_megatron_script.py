@@ -21,7 +21,6 @@ import yaml
 
 from megatron.optimizer.lr_schedule import OptimizerParamSchedule
 from tests.functional.launch import outcome, parity_layouts, run_here, run_several
-from tests.functional.test_pretrain_data import corpus  # noqa: F401  (the fixture: a tiny BPE corpus)
 from tests.unit.megatron_example_scripts import EXAMPLE_GPT_OSS, EXAMPLE_QWEN3_30B_A3B
 from tests.unit.megatron_flag_sets import FUNCTIONAL
 
@@ -110,7 +109,7 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):  # noqa: F811
+def runs(corpus, tmp_path_factory):
     """Every run of this module, trained in turn by one launch of ``NPROC`` ranks (``run_several``): the Llama
     command line to step 6, then the same with --train-iters 8; the DeepSeek-like ones without their FP8 flags,
     the MTP one to --exit-interval 2, then the same to 4, then the FSDP proxy. Returns the folder of every run's
@@ -190,7 +189,7 @@ def test_megatron_deepseek_command_line_trains(runs, name):
 
 
 @pytest.mark.parametrize("name", DEEPSEEK)
-def test_megatron_deepseek_command_line_with_fp8_stops_with_one_line(corpus, tmp_path, name):  # noqa: F811
+def test_megatron_deepseek_command_line_with_fp8_stops_with_one_line(corpus, tmp_path, name):
     """With its FP8 flags the command line stops before anything starts: one line naming them and the GPU FP8
     needs, exit status 2."""
     result = run_here(*_command_line(name, corpus, tmp_path / "ckpt", DEEPSEEK[name]), "--device", "cpu")

@@ -1,10 +1,9 @@
 """Two "nodes" on one machine: two torchrun launchers joined by c10d rendezvous, each with its own copy
-of a preprocessed corpus at another path and its own index cache (no shared disk), train the same
-losses as one process."""
+of a preprocessed corpus at another path and its own index cache (no shared disk), train the same losses as one
+process."""
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import subprocess
@@ -13,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.launch import curves
+from tests.functional.corpus import build
+from tests.functional.launch import curves, run_here
 from tests.functional.processes import free_port, popen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,19 +24,10 @@ WORDS = ["the cat", "a dog", "my friend", "sees", "likes", "finds", "the ball", 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """A 400-document corpus, a BPE tokenizer trained on it, and its mmap dataset under data/c_text_document."""
-    work = tmp_path_factory.mktemp("corpus")
+    """400 documents of 10-40 words, a 300-token BPE tokenizer and their mmap dataset (``corpus.build``)."""
     rng = random.Random(0)
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40))) + "." for _ in range(400)]
-    (work / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tools = ROOT / "tools"
-    subprocess.run([sys.executable, tools / "train_tokenizer.py", "--input", work / "c.jsonl", "--type", "bpe",
-                    "--vocab-size", "300", "--output-dir", work / "tok"], check=True, capture_output=True)
-    subprocess.run([sys.executable, tools / "preprocess_data.py", "--input", work / "c.jsonl", "--output-prefix",
-                    work / "data" / "c", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                    work / "tok" / "vocab.json", "--merge-file", work / "tok" / "merges.txt", "--append-eod",
-                    "--workers", "1"], check=True, capture_output=True)
-    return work
+    return build(tmp_path_factory.mktemp("corpus"), docs, 300)
 
 
 def _flags(corpus: Path, data: Path, cache: Path, out: Path) -> list[str]:
@@ -60,9 +51,7 @@ def _node(corpus: Path, root: Path) -> tuple[Path, Path, Path]:
 
 
 def test_two_nodes_with_their_own_disks_train_the_single_process_losses(corpus, tmp_path):
-    single = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"),
-                             *_flags(corpus, corpus / "data", tmp_path / "single-cache", tmp_path / "single")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    single = run_here(*_flags(corpus, corpus / "data", tmp_path / "single-cache", tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-3000:]
     reference = curves(tmp_path / "single")
 

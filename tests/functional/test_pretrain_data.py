@@ -16,32 +16,11 @@ import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from tests.functional.corpus import sentences
 from tests.functional.launch import run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _sentences(n: int) -> list[str]:
-    rng = random.Random(0)
-    subjects, verbs, objects = ["the cat", "a dog", "my friend", "the teacher"], ["sees", "likes", "finds"], \
-        ["the ball", "a book", "the garden", "some bread"]
-    return [" ".join([rng.choice(subjects), rng.choice(verbs), rng.choice(objects)]) + "." for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    work = tmp_path_factory.mktemp("corpus")
-    docs = [" ".join(_sentences(random.Random(i).randint(3, 12))) for i in range(600)]
-    (work / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tools = ROOT / "tools"
-    subprocess.run([sys.executable, tools / "train_tokenizer.py", "--input", work / "c.jsonl", "--type", "bpe",
-                    "--vocab-size", "400", "--output-dir", work / "tok"], check=True, capture_output=True)
-    subprocess.run([sys.executable, tools / "preprocess_data.py", "--input", work / "c.jsonl", "--output-prefix",
-                    work / "data" / "c", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                    work / "tok" / "vocab.json", "--merge-file", work / "tok" / "merges.txt", "--append-eod",
-                    "--workers", "2"], check=True, capture_output=True)
-    return work
 
 
 def _gpt2(corpus: Path) -> list[str]:
@@ -76,7 +55,7 @@ def test_trains_from_input_dir_and_validation_loss_falls(corpus, tmp_path):
 
 def test_trains_on_sentence_split_data(corpus, tmp_path):
     """preprocess_data.py --split-sentences: one sequence per sentence, documents kept; training reads it."""
-    docs = [" ".join(s.capitalize() for s in _sentences(random.Random(i).randint(3, 12))) for i in range(600)]
+    docs = [" ".join(s.capitalize() for s in sentences(random.Random(i).randint(3, 12))) for i in range(600)]
     (tmp_path / "s.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", tmp_path / "s.jsonl",
                     "--output-prefix", tmp_path / "s", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
@@ -232,7 +211,7 @@ def _preprocess(corpus: Path, docs: list[str], prefix: Path) -> Path:
 def test_separate_train_and_valid_paths_train_and_evaluate_on_their_own_data(corpus, tmp_path):
     """Megatron-LM's --train-data-path / --valid-data-path: no --split, validation on the valid data only, no
     test data (no test pass)."""
-    valid = _preprocess(corpus, [" ".join(_sentences(random.Random(i).randint(3, 12))) for i in range(1000, 1100)],
+    valid = _preprocess(corpus, [" ".join(sentences(random.Random(i).randint(3, 12))) for i in range(1000, 1100)],
                         tmp_path / "valid" / "v")
     train = corpus / "data" / "c_text_document"
     run = _train(corpus, tmp_path / "out", "--max-steps", "4", "--eval-freq", "2", "--eval-iters", "1",
@@ -249,7 +228,7 @@ def test_per_split_datasets_take_every_sequence_of_their_own_data(corpus, tmp_pa
     from megatron.data.blended_dataset import BlendedDataset, build_per_split_datasets
     from megatron.data.gpt_dataset import GPTDataset
 
-    other = _preprocess(corpus, [" ".join(_sentences(random.Random(i).randint(3, 12))) for i in range(2000, 2100)],
+    other = _preprocess(corpus, [" ".join(sentences(random.Random(i).randint(3, 12))) for i in range(2000, 2100)],
                         tmp_path / "o" / "o")
     train = corpus / "data" / "c_text_document"
     built = build_per_split_datasets((f"0.5 {train} 0.5 {other}", f"2 {other}", None), (64, 16, 16), 32, 1234, 0,

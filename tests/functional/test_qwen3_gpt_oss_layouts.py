@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.functional.launch import FIVE, parity_layouts, reference_runs
+from tests.functional.launch import FIVE, parity_layouts, reference_runs, whole_share
 
 pytestmark = pytest.mark.slow
 
@@ -35,34 +35,41 @@ GPT_OSS = [*FIVE, *PACKED, "--position-embedding-type", "yarn", "--rotary-base",
            "--softmax-type", "learnable", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
            "--moe-aux-loss-coeff", "0.01"]
 WIDE = [*GPT_OSS, "--window-size", "11,0"]  # a window longer than a cp 2 chunk (8 tokens)
-reference_runs({"qwen3-moe-5": QWEN3_MOE, "gpt-oss-5": GPT_OSS, "gpt-oss-wide-5": WIDE})
+# the layouts but pp 2 take the global batch in one micro-batch (``whole_share``), and so do their references (a MoE
+# model's auxiliary losses are per micro-batch); pp 2 pipelines 4 micro-batches against the 4-micro-batch reference
+reference_runs({"qwen3-moe-5": QWEN3_MOE, "qwen3-moe-5-whole": [*QWEN3_MOE, *whole_share()], "gpt-oss-5": GPT_OSS,
+                "gpt-oss-5-whole": [*GPT_OSS, *whole_share()], "gpt-oss-wide-5": [*WIDE, *whole_share()]})
 
-QWEN3_LAYOUTS = parity_layouts({f"qwen3-moe-{name}": (2, [*QWEN3_MOE, *flags]) for name, flags in {
+
+def _whole(name: str) -> list[str]:
+    return [] if name == "pp2" else whole_share()
+
+QWEN3_LAYOUTS = parity_layouts({f"qwen3-moe-{name}": (2, [*QWEN3_MOE, *_whole(name), *flags]) for name, flags in {
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],  # the experts over the tensor-parallel ranks too (etp = tp)
     "pp2": ["--pp", "2"],
     "cp2-p2p-ep2": ["--cp", "2", "--cp-comm-type", "p2p", "--expert-model-parallel-size", "2"],
     "cp2-all_gather": ["--cp", "2", "--cp-comm-type", "all_gather"],
     "cp2-a2a": ["--cp", "2", "--cp-comm-type", "a2a"],
 }.items()})
-GPT_OSS_LAYOUTS = parity_layouts({f"gpt-oss-{name}": (2, [*GPT_OSS, *flags]) for name, flags in {
+GPT_OSS_LAYOUTS = parity_layouts({f"gpt-oss-{name}": (2, [*GPT_OSS, *_whole(name), *flags]) for name, flags in {
     "tp2-sp-etp1-ep2": ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
                         "--expert-model-parallel-size", "2"],
     "pp2": ["--pp", "2"],
     "cp2-p2p": ["--cp", "2", "--cp-comm-type", "p2p"],
     "cp2-a2a-ep2": ["--cp", "2", "--cp-comm-type", "a2a", "--expert-model-parallel-size", "2"],
 }.items()})
-WIDE_LAYOUTS = parity_layouts({"gpt-oss-wide-cp2-all_gather": (2, [*WIDE, "--cp", "2", "--cp-comm-type",
-                                                                   "all_gather"])})
+WIDE_LAYOUTS = parity_layouts({"gpt-oss-wide-cp2-all_gather": (2, [*WIDE, *whole_share(), "--cp", "2",
+                                                                   "--cp-comm-type", "all_gather"])})
 
 
 @pytest.mark.parametrize("layout", QWEN3_LAYOUTS)
 def test_qwen3_moe_losses_equal_single_process(parity, references, layout):
-    parity.assert_matches(layout, references["qwen3-moe-5"])
+    parity.assert_matches(layout, references["qwen3-moe-5" if layout.endswith("-pp2") else "qwen3-moe-5-whole"])
 
 
 @pytest.mark.parametrize("layout", GPT_OSS_LAYOUTS)
 def test_gpt_oss_losses_equal_single_process(parity, references, layout):
-    parity.assert_matches(layout, references["gpt-oss-5"])
+    parity.assert_matches(layout, references["gpt-oss-5" if layout.endswith("-pp2") else "gpt-oss-5-whole"])
 
 
 @pytest.mark.parametrize("layout", WIDE_LAYOUTS)
@@ -73,4 +80,4 @@ def test_gpt_oss_window_longer_than_a_chunk_equals_single_process(parity, refere
 def test_the_window_and_the_documents_change_the_model(references):
     """The runs above would agree without the window or the documents doing anything: the two windows give
     other losses."""
-    assert references["gpt-oss-5"][0] != pytest.approx(references["gpt-oss-wide-5"][0], rel=1e-4)
+    assert references["gpt-oss-5-whole"][0] != pytest.approx(references["gpt-oss-wide-5"][0], rel=1e-4)

@@ -6,17 +6,17 @@ import os
 
 import pytest
 
-from tests.functional.launch import FIVE, TINY, losses, parity_layouts, run
+from tests.functional.launch import FIVE, TINY, losses, parity_layouts, run, whole_share
 
 pytestmark = pytest.mark.slow
 
 
 LAYOUTS = parity_layouts({
-    "tp2": (2, [*FIVE, "--tp", "2"]),
-    "tp4": (4, [*FIVE, "--tp", "4"]),
-    "tp2-dp2": (4, [*FIVE, "--tp", "2", "--dp", "2"]),
-    "tp2-sp": (2, [*FIVE, "--tp", "2", "--sequence-parallel"]),
-    "tp2-recompute": (2, [*FIVE, "--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
+    "tp2": (2, [*FIVE, *whole_share(), "--tp", "2"]),
+    "tp4": (4, [*FIVE, *whole_share(), "--tp", "4"]),
+    "tp2-dp2": (4, [*FIVE, *whole_share(2), "--tp", "2", "--dp", "2"]),
+    "tp2-sp": (2, [*FIVE, *whole_share(), "--tp", "2", "--sequence-parallel"]),
+    "tp2-recompute": (2, [*FIVE, *whole_share(), "--tp", "2", "--use-recompute", "--recompute-granularity", "full"]),
 })
 
 
@@ -26,7 +26,7 @@ def test_tp_losses_equal_single_process(parity, references, layout):
 
 
 @pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-recompute-compile": (
-    2, [*TINY, "--tp", "2", "--sequence-parallel", "--use-recompute", "--recompute-granularity", "full",
+    2, [*TINY, *whole_share(), "--tp", "2", "--sequence-parallel", "--use-recompute", "--recompute-granularity", "full",
         "--compile"])}))
 def test_tp2_compiled_matches_one_eager_process(parity, reference, layout):
     """tp2 with sequence parallelism and full recompute, compiled: the column- and row-parallel layers
@@ -46,8 +46,9 @@ def test_the_start_up_line_says_how_many_threads_each_rank_computes_with(parity,
 
 
 _DROPOUT_FLAGS = {"--hidden-dropout-prob", "--attention-probs-dropout-prob"}
-_DROPOUT = [*(a for i, a in enumerate(TINY) if a not in _DROPOUT_FLAGS and TINY[i - 1] not in _DROPOUT_FLAGS),
-            "--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1", "--attention-probs-dropout-prob", "0.1"]
+_DROPOUT = [*(a for i, a in enumerate(FIVE) if a not in _DROPOUT_FLAGS and FIVE[i - 1] not in _DROPOUT_FLAGS),
+            *whole_share(), "--tp", "2", "--sequence-parallel", "--hidden-dropout-prob", "0.1",
+            "--attention-probs-dropout-prob", "0.1"]
 
 
 @pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-dropout": (2, _DROPOUT)}))
