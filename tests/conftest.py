@@ -18,6 +18,7 @@ import torch
 
 from tests.functional import processes
 from tests.functional.corpus import corpus  # noqa: F401 (a session fixture)
+from tests.functional.corpus import shared as corpus_folder
 from tests.functional.launch import PARITY, REFERENCES, ParityRuns
 from tests.reference_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (its hooks)
 
@@ -72,7 +73,8 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def parity(tmp_path_factory) -> ParityRuns:
-    return ParityRuns(tmp_path_factory.mktemp("shared-runs"), PARITY, _SELECTED | REFERENCES)
+    return ParityRuns(tmp_path_factory.mktemp("shared-runs"), PARITY, _SELECTED | REFERENCES,
+                      {"{corpus}": lambda: str(corpus_folder(tmp_path_factory.getbasetemp()))})
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ tests/conftest.py) and in this process (the tools' ``main``: no interpreter and 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -34,8 +35,16 @@ def build(work: Path, docs: list[str], vocab_size: int) -> Path:
     return work
 
 
+@functools.cache
+def shared(root: Path) -> Path:
+    """The suite's corpus, under ``root`` (the session's temporary folder), built at its first use: 600 documents
+    of 3-12 sentences, a 400-token BPE tokenizer trained on them and their mmap dataset."""
+    work = root / "corpus"
+    work.mkdir()
+    return build(work, [" ".join(sentences(random.Random(i).randint(3, 12))) for i in range(600)], 400)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """600 documents of 3-12 sentences, a 400-token BPE tokenizer trained on them and their mmap dataset."""
-    return build(tmp_path_factory.mktemp("corpus"),
-                 [" ".join(sentences(random.Random(i).randint(3, 12))) for i in range(600)], 400)
+    """``shared``: the same folder as the shared runs' "{corpus}"."""
+    return shared(tmp_path_factory.getbasetemp())

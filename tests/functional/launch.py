@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def curves(out: Path) -> tuple[list[float], list[float], list[float]]:
 
 
 # Every run the functional tests share: name -> (processes, pretrain_gpt.py arguments[, runs it needs first]).
-# "{runs}" in an argument stands for the folder that holds every run's folder (``--load {runs}/a/step_5``). The
+# "{runs}" in an argument stands for the folder that holds every run's folder (``--load {runs}/a/step_5``), "{corpus}"
+# for the suite's tiny BPE corpus (``tests/functional/corpus.py``, built when a launch first needs it). The
 # test modules register theirs (``parity_layouts``); ``ParityRuns`` trains those a session selects, by world size.
 PARITY: dict[str, tuple] = {}
 
@@ -119,17 +121,17 @@ reference_runs({"tiny-5": FIVE, "tiny4-5": [*FIVE, "--num-layers", "4"]})
 
 
 def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900,
-                program: str = "pretrain_gpt.py") -> subprocess.CompletedProcess:
+                program: str = "pretrain_gpt.py", preexec_fn=None) -> subprocess.CompletedProcess:
     """Each (folder, args) of ``runs`` run in turn by one launch of ``nproc`` ranks (``several_runs.py``) of
     ``program`` (a path in the repository whose ``main(argv)`` returns the exit status): the folder gets the
     run's files (a training run's checkpoints and metrics), ``rank{r}.log`` (stderr), ``rank{r}.out`` (stdout)
-    and ``rank{r}.rc``."""
+    and ``rank{r}.rc``. ``preexec_fn``: run in the launch's process before it starts (``subprocess.Popen``'s)."""
     plan = runs[0][0].parent / f"plan-{runs[0][0].name}.json"
     plan.write_text(json.dumps([{"out": str(out), "args": list(args), "program": program} for out, args in runs]))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(nproc)]
     return subprocess.run([*launcher, str(ROOT / "tests" / "functional" / "several_runs.py"), str(plan)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
 
 
 @dataclass
@@ -162,8 +164,12 @@ class ParityRuns:
     """The shared runs, each trained once per test session: the first test that asks for a run of world size N
     launches every selected run of size N whose prerequisites are trained (or come before it in that launch)."""
 
-    def __init__(self, root: Path, cases: dict[str, tuple], selected: set[str]):
+    def __init__(self, root: Path, cases: dict[str, tuple], selected: set[str],
+                 placeholders: dict[str, Callable[[], str]] | None = None):
+        """``placeholders``: what else an argument may name ("{corpus}": a function giving its path, called when
+        a launch first needs it)."""
         self.root, self.cases, self.done = root, cases, {}
+        self.placeholders = {"{runs}": lambda: str(root), **(placeholders or {})}
         self.preparing: set[int] = set()  # world sizes whose launch waits for prerequisites of other sizes
         self.wanted = set()
         for name in selected & set(cases):
@@ -194,10 +200,16 @@ class ParityRuns:
                 if (n in self.wanted | {name} and n not in self.done and self.cases[n][0] == nproc
                         and all(b in self.done or b in batch for b in self._after(n))):
                     batch.append(n)
-            runs = [(self.root / n, [a.replace("{runs}", str(self.root)) for a in self.cases[n][1]]) for n in batch]
+            runs = [(self.root / n, [self._filled(a) for a in self.cases[n][1]]) for n in batch]
             launch = run_several(runs, nproc)
             self.done.update({n: outcome(self.root / n, nproc, launch) for n in batch})
         return self.done[name]
+
+    def _filled(self, arg: str) -> str:
+        for placeholder, value in self.placeholders.items():
+            if placeholder in arg:
+                arg = arg.replace(placeholder, value())
+        return arg
 
     def curves(self, name: str) -> tuple[list[float], list[float], list[float]]:
         """(train losses, validation losses, gradient norms) of a run that must have succeeded."""

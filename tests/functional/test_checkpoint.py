@@ -308,33 +308,75 @@ OBSTACLES = {  # name: (what is in the way, nproc, with --load, the message)
 }
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="drops root's capabilities with prctl")
-@pytest.mark.parametrize("obstacle", list(OBSTACLES))
-def test_an_unusable_output_folder_stops_the_run_at_start(tmp_path, saved_dp2, obstacle):
-    """Checked before training (rank 0, agreed by every rank): one line, exit 2, nothing lost."""
-    harm, nproc, with_load, message = OBSTACLES[obstacle]
-    out = tmp_path / "run"
+def _prepare(obstacle: str, out: Path, saved: Path):
+    """The run folder ``out`` with the obstacle in place; what is there before the run."""
     if obstacle != "output-is-a-file":
-        _copy_run(saved_dp2, out)
-    harm(out)
-    before = _snapshot(out) if out.is_dir() else out.read_text()
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc-per-node", str(nproc)]
-    load = ["--load", str(out)] if with_load else []
+        _copy_run(saved, out)
+    OBSTACLES[obstacle][0](out)
+    return _snapshot(out) if out.is_dir() else out.read_text()
+
+
+def _unblock(out: Path) -> None:
+    for path in (out, out / "step_4.tmp"):
+        if path.is_dir():
+            path.chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def blocked(saved_dp2, tmp_path_factory) -> dict[str, tuple]:
+    """The one-process OBSTACLES, each in its own copy of the run, launched in turn by one unprivileged process
+    (``run_several``): name -> (the outcome, the folder, what was there before)."""
+    root, cases = tmp_path_factory.mktemp("blocked"), {}
+    for name, (_, nproc, with_load, _) in OBSTACLES.items():
+        if nproc == 1:
+            out = root / name / "run"
+            (root / name).mkdir()
+            cases[name] = (out, _prepare(name, out, saved_dp2),
+                           [*TINY, "--save", str(out), *(["--load", str(out)] if with_load else [])])
     try:
-        result = subprocess.run([*launcher, str(ROOT / "pretrain_gpt.py"), *TINY, "--save", str(out), *load],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_unprivileged)
+        launch = run_several([(root / f"{name}-logs", args) for name, (_, _, args) in cases.items()], 1,
+                             preexec_fn=_unprivileged)
     finally:
-        for path in (out, out / "step_4.tmp"):
-            if path.is_dir():
-                path.chmod(0o755)
-    assert result.returncode == (2 if nproc == 1 else 1), result.stderr[-3000:]
-    assert result.stderr.count("pretrain_gpt.py: error: ") == result.stderr.count(message) == 1, \
-        result.stderr[-3000:]  # agreed by every rank, said once per job (rank 0's line under torchrun)
-    assert "global step" not in result.stderr  # stopped before training
+        for out, _, _ in cases.values():
+            _unblock(out)
+    return {name: (outcome(root / f"{name}-logs", 1, launch), out, before) for name, (out, before, _) in cases.items()}
+
+
+def _unchanged(out: Path, before) -> None:
     assert (_snapshot(out) if out.is_dir() else out.read_text()) == before  # nothing written or removed
     if out.is_dir():
         assert CheckpointReader(str(out / "step_2")).verify_all()[0] > 0  # the checkpoint is whole: every checksum
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="drops root's capabilities with prctl")
+@pytest.mark.parametrize("obstacle", [name for name, case in OBSTACLES.items() if case[1] == 1])
+def test_an_unusable_output_folder_stops_the_run_at_start(blocked, obstacle):
+    """Checked before training (rank 0, agreed by every rank): one line, exit 2, nothing lost."""
+    result, out, before = blocked[obstacle]
+    log = (result.out / "rank0.log").read_text()
+    assert result.returncode == 2, result.log[-3000:]
+    assert log.count("pretrain_gpt.py: error: ") == log.count(OBSTACLES[obstacle][3]) == 1, result.log[-3000:]
+    assert "global step" not in log  # stopped before training
+    _unchanged(out, before)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="drops root's capabilities with prctl")
+def test_an_unusable_output_folder_under_torchrun_is_one_line_for_the_job(tmp_path, saved_dp2):
+    """The same under torchrun (2 ranks): rank 0's line, once for the job, exit 1 from torchrun."""
+    out = tmp_path / "run"
+    before = _prepare("tmp-is-a-file", out, saved_dp2)
+    message = OBSTACLES["tmp-is-a-file"][3]
+    try:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", str(ROOT / "pretrain_gpt.py"), *TINY, "--save", str(out), "--load", str(out)],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_unprivileged)
+    finally:
+        _unblock(out)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("pretrain_gpt.py: error: ") == result.stderr.count(message) == 1, \
+        result.stderr[-3000:]  # agreed by every rank, said once per job (rank 0's line under torchrun)
+    assert "global step" not in result.stderr
+    _unchanged(out, before)
 
 
 parity_layouts({"keep-last-2": (1, [*TINY, "--save-interval", "2", "--keep-last-checkpoints", "2"]),

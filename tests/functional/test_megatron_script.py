@@ -5,8 +5,8 @@ scaled to this machine (layers, widths, experts, sequence, batch, steps); every 
 gives it, but FP8's (refused on a CPU, in one line: the last test). One parallel size is scaled down: the MTP
 config's --expert-model-parallel-size 4, to 2, since ep 4 under tp 2 x pp 2 takes 8 ranks (a stage's tp x dp
 ranks hold the experts) and this suite runs on 2 cores; all its other sizes (tp 2, pp 2, vpp 4, etp 1, sequence
-parallel) are Megatron's. Every run is trained by one launch of 4 ranks, but Megatron-LM's Qwen3-30B-A3B and gpt-oss
-lines, scaled to 2 ranks, which join the suite's shared 2-rank launch.
+parallel) are Megatron's. The runs join the suite's shared launches: the 4-rank one, and the 2-rank one for
+Megatron-LM's Qwen3-30B-A3B and gpt-oss lines, scaled to 2 ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from megatron.optimizer.lr_schedule import OptimizerParamSchedule
-from tests.functional.launch import outcome, parity_layouts, run_here, run_several
+from tests.functional.launch import parity_layouts, run_here
 from tests.unit.megatron_example_scripts import EXAMPLE_GPT_OSS, EXAMPLE_QWEN3_30B_A3B
 from tests.unit.megatron_flag_sets import FUNCTIONAL
 
@@ -108,27 +108,33 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):
-    """Every run of this module, trained in turn by one launch of ``NPROC`` ranks (``run_several``): the Llama
-    command line to step 6, then the same with --train-iters 8; the DeepSeek-like ones without their FP8 flags,
-    the MTP one to --exit-interval 2, then the same to 4, then the FSDP proxy. Returns the folder of every run's
-    checkpoints and metrics.jsonl (``<the command line's name>-ckpt``) and {run: its outcome}."""
-    root = tmp_path_factory.mktemp("megatron")
-
-    def argv(name: str, scaled: dict[str, str], **changes: str) -> list[str]:
-        line = _command_line(name, corpus, root / f"{name}-ckpt", scaled, **changes)
-        if "--save" not in line:  # the proxy's (Megatron's test saves nothing)
-            line += ["--save", str(root / f"{name}-ckpt")]
-        return [*_without_fp8(line), "--device", "cpu"]
-
-    lines = {"llama-first": argv(LLAMA, SCALED), "llama-second": argv(LLAMA, SCALED, **{"--train-iters": "8"}),
-             "mtp-first": argv(MTP, DEEPSEEK[MTP], **{"--exit-interval": "2"}), "mtp-resumed": argv(MTP, DEEPSEEK[MTP]),
-             "proxy": argv(PROXY, DEEPSEEK[PROXY])}
-    launch = run_several([(root / run, line) for run, line in lines.items()], nproc=NPROC)
-    return root, {run: outcome(root / run, NPROC, launch) for run in lines}
+def _shared_line(name: str, scaled: dict[str, str], **changes: str) -> list[str]:
+    """A run of the shared 4-rank launch: the command line with the corpus and its checkpoint folder named by the
+    shared runs' placeholders ("{corpus}", "{runs}/<name>-ckpt"), its FP8 flags dropped."""
+    line = _command_line(name, Path("{corpus}"), Path("{runs}") / f"{name}-ckpt", scaled, **changes)
+    if "--save" not in line:  # the proxy's (Megatron's test saves nothing)
+        line += ["--save", f"{{runs}}/{name}-ckpt"]
+    return [*_without_fp8(line), "--device", "cpu"]
 
 
+# Every 4-rank run of this module, in the suite's shared 4-rank launch: the Llama command line to step 6, then the
+# same with --train-iters 8; the DeepSeek-like ones, the MTP one to --exit-interval 2, then the same to 4, then the
+# FSDP proxy. Each pair shares its checkpoint folder (<the command line's name>-ckpt): the second resumes there.
+RUNS = {"llama-first": (_shared_line(LLAMA, SCALED),),
+        "llama-second": (_shared_line(LLAMA, SCALED, **{"--train-iters": "8"}), ("megatron-llama-first",)),
+        "mtp-first": (_shared_line(MTP, DEEPSEEK[MTP], **{"--exit-interval": "2"}),),
+        "mtp-resumed": (_shared_line(MTP, DEEPSEEK[MTP]), ("megatron-mtp-first",)),
+        "proxy": (_shared_line(PROXY, DEEPSEEK[PROXY]),)}
+SHARED = parity_layouts({f"megatron-{run}": (NPROC, *case) for run, case in RUNS.items()})
+
+
+@pytest.fixture
+def runs(parity):
+    """(the folder of every run's checkpoint folder, {run: its outcome})."""
+    return parity.root, {run: parity.outcome(f"megatron-{run}") for run in RUNS}
+
+
+@pytest.mark.shared_runs(*SHARED)
 def test_megatron_llama_command_line_trains_and_resumes(runs):
     """The command line trains (pp 2 x dp 2, the distributed optimizer over the 2); the same with a longer
     --train-iters, launched again, resumes from the checkpoint --save wrote at the end."""
@@ -157,6 +163,7 @@ def _assert_trained(records: list[dict], steps: int) -> None:
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.02, losses
 
 
+@pytest.mark.shared_runs(*SHARED)
 @pytest.mark.parametrize("name", DEEPSEEK)
 def test_megatron_deepseek_command_line_trains(runs, name):
     """Every flag but FP8's is taken (implemented, or accepted with its line at start) and the run trains: finite

@@ -15,6 +15,7 @@ import torch
 
 from megatron.checkpoint.convert import open_checkpoint, read_tensors
 from megatron.config import parse_config, to_dict, validate
+from tests.functional.launch import run_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,7 +124,8 @@ def test_pretrain_cli_end_to_end(tmp_path):
                                    ["--bf16"]],
                          ids=["recompute-core-attn", "bf16"])
 def test_pretrain_cli_variants(tmp_path, extra):
-    proc = run_cli(*TINY, "--max-steps", "4", "--save", str(tmp_path), *extra)
+    """In this process (``run_here``): the command line itself is the end-to-end test's."""
+    proc = run_here(*TINY, "--max-steps", "4", "--save", str(tmp_path), *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert len(re.findall(r"global step \d+,", output)) == 4
