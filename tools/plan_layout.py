@@ -14,7 +14,8 @@ device is megatron.memory.estimate at its worst pipeline stage (model states + a
 largest temporary), its step time a documented model, every term printed (megatron/planner/). The
 best layout's pretrain_gpt.py flags are printed under the table. Under offload the CPU's AdamW is timed and the
 host memory of a node checked (--host-memory-gb). --only AXIS=V1,V2 / --exclude AXIS=V1,V2 (and --no-offload,
---no-cp) narrow the search. Progress goes to stderr (a bar on a terminal, a line every few seconds otherwise).
+--no-cp) narrow the search. --jobs N processes share the candidates (default: the usable cores not busy with other
+work). Progress goes to stderr (a bar on a terminal, a line every few seconds otherwise).
 Exit status: 0 with a list, 1 when no layout fits, 2 on bad input.
 """
 

@@ -251,6 +251,7 @@ def test_the_worker_processes_cover_every_slice_once_and_a_failure_is_raised_not
             raise ValueError("slice 17 is bad")
         return start
 
+    before = set(multiprocessing.active_children())  # the suite's own pools are not the planner's
     with pytest.raises(RuntimeError, match="slice 17 is bad"):
         workers.map_slices(fail, many, 2)
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= before
