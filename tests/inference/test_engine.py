@@ -3,8 +3,6 @@ exported weights, plus sampling, stopping and streaming (fp32, one process)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from contextlib import contextmanager
 
 import pytest
@@ -19,7 +17,8 @@ from megatron.inference import (
     load_model,
     tokenizer_for,
 )
-from tests.inference.conftest import PROMPTS, ROOT
+from tests.functional.launch import run_tool_here
+from tests.inference.conftest import PROMPTS
 
 
 def _requests(engine, **params) -> list[Request]:
@@ -55,8 +54,7 @@ def test_kv_cache_decoding_equals_a_full_recompute_at_every_step(model, request,
 def _hf_model(checkpoint, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", checkpoint, str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = run_tool_here("tools/convert_checkpoint.py", "to-hf", checkpoint, str(out))  # in this process
     assert result.returncode == 0, result.stderr
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
     hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as ignore_eos does

@@ -10,15 +10,13 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.inference import initialize, load_model, tokenizer_for
-from tests.functional.launch import outcome, run_several
+from tests.functional.launch import outcome, run_several, run_tool_here
 from tests.inference.conftest import ROOT, last_word_guesses
 
 pytestmark = pytest.mark.slow  # launches tools/evaluate.py
@@ -72,8 +70,7 @@ def _evaluations(root: Path, runs: dict[str, list[str]], nproc: int) -> dict[str
 def hf_dir(checkpoint, tmp_path_factory) -> str:
     """The checkpoint exported by ``convert_checkpoint.py to-hf`` (weights and tokenizer)."""
     out = tmp_path_factory.mktemp("hf")
-    done = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", checkpoint, str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = run_tool_here("tools/convert_checkpoint.py", "to-hf", checkpoint, str(out))  # in this process
     assert done.returncode == 0, done.stderr
     return str(out)
 
@@ -322,8 +319,7 @@ def test_every_layout_gives_the_one_process_results(one_process, layouts, layout
 def test_a_missing_checkpoint_or_input_is_one_line(checkpoint, tmp_path):
     for args, message in ((["--input", str(tmp_path / "none.txt"), "--load", checkpoint], "No such file"),
                           (["--input", str(ROOT / "README.md"), "--load", str(tmp_path / "none")], "no checkpoint at")):
-        result = subprocess.run([sys.executable, "tools/evaluate.py", "--task", "perplexity", *args], cwd=ROOT,
-                                capture_output=True, text=True, timeout=120)
+        result = run_tool_here("tools/evaluate.py", "--task", "perplexity", *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert message in result.stderr.strip().splitlines()[-1]
 

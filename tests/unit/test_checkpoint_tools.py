@@ -32,6 +32,7 @@ from megatron.model import build_model
 from megatron.optimizer import build_optimizer
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
+from tests.functional.launch import run_tool_here
 from tests.transformers_said import transformers_said
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -417,6 +418,10 @@ def test_checkpoint_info_prints_the_step_sizes_and_shapes(tmp_path, capsys):
 
 
 def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """checkpoint_info as its own process (a script's exit status, from ``sys.exit(main())``); the converter's
+    two commands in this process (``run_tool_here``: the same ``main``, without an interpreter of their own)."""
+    if tool != "checkpoint_info":
+        return run_tool_here(f"tools/{tool}.py", *args)
     return subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
