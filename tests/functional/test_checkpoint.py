@@ -217,7 +217,8 @@ DAMAGE = {
 @pytest.fixture(scope="module")
 def damaged(saved_dp2, tmp_path_factory) -> dict[str, tuple]:
     """Every DAMAGE case on its own copy of the run, launched with ``--save X --load X`` (the ranks of one
-    world size in one launch): name -> (the outcome, the copy, its files before the launch)."""
+    world size in one launch; the one-process cases, which stop before any process group, in this process):
+    name -> (the outcome, the copy, its files before the launch)."""
     root, cases = tmp_path_factory.mktemp("damaged"), {}
     for name, (harm, nproc, _) in DAMAGE.items():
         out = _copy_run(saved_dp2, root / name)
@@ -233,7 +234,17 @@ def damaged(saved_dp2, tmp_path_factory) -> dict[str, tuple]:
     try:
         for nproc in {case[0] for case in cases.values()}:
             batch = {name: case for name, case in cases.items() if case[0] == nproc}
-            launch = run_several([(root / f"{name}-logs", case[3]) for name, case in batch.items()], nproc)
+            if nproc == 1:  # stopped by the configuration layer, before any process group: in this process
+                launch = subprocess.CompletedProcess([], 0)
+                for name, (_, _, _, args) in batch.items():
+                    logs = root / f"{name}-logs"
+                    logs.mkdir()
+                    done = run_here(*args)
+                    (logs / "rank0.log").write_text(done.stderr)
+                    (logs / "rank0.out").write_text(done.stdout)
+                    (logs / "rank0.rc").write_text(str(done.returncode))
+            else:
+                launch = run_several([(root / f"{name}-logs", case[3]) for name, case in batch.items()], nproc)
             results.update({name: (outcome(root / f"{name}-logs", nproc, launch), out, before)
                             for name, (_, out, before, _) in batch.items()})
     finally:

@@ -9,7 +9,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +16,16 @@ import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from tests.functional.corpus import sentences
-from tests.functional.launch import run_here
+from tests.functional.launch import run_here, run_tool_here
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+
+
+def _preprocess_here(*args) -> None:
+    """tools/preprocess_data.py in this process (its ``main``: no interpreter of its own); it must succeed."""
+    done = run_tool_here("tools/preprocess_data.py", *map(str, args))
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def _gpt2(corpus: Path) -> list[str]:
@@ -57,10 +62,9 @@ def test_trains_on_sentence_split_data(corpus, tmp_path):
     """preprocess_data.py --split-sentences: one sequence per sentence, documents kept; training reads it."""
     docs = [" ".join(s.capitalize() for s in sentences(random.Random(i).randint(3, 12))) for i in range(600)]
     (tmp_path / "s.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", tmp_path / "s.jsonl",
-                    "--output-prefix", tmp_path / "s", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                    corpus / "tok" / "vocab.json", "--merge-file", corpus / "tok" / "merges.txt", "--append-eod",
-                    "--split-sentences"], check=True, capture_output=True)
+    _preprocess_here("--input", tmp_path / "s.jsonl", "--output-prefix", tmp_path / "s", "--tokenizer-type",
+                     "GPT2BPETokenizer", "--vocab-file", corpus / "tok" / "vocab.json", "--merge-file",
+                     corpus / "tok" / "merges.txt", "--append-eod", "--split-sentences")
     ds = IndexedDataset(str(tmp_path / "s_text_sentence"))
     assert ds.num_documents == 600 and len(ds) > 5 * 600  # 3 to 12 sentences a document
     run = _train(corpus, tmp_path / "out", "--input-dir", str(tmp_path / "s_text_sentence"), "--max-steps", "4")
@@ -203,8 +207,7 @@ def test_a_truncated_cached_index_is_rebuilt_with_a_warning(corpus, tmp_path):
 def _preprocess(corpus: Path, docs: list[str], prefix: Path) -> Path:
     (prefix.parent).mkdir(parents=True, exist_ok=True)
     (prefix.parent / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", prefix.parent / "in.jsonl",
-                    "--output-prefix", prefix, *_gpt2(corpus), "--append-eod"], check=True, capture_output=True)
+    _preprocess_here("--input", prefix.parent / "in.jsonl", "--output-prefix", prefix, *_gpt2(corpus), "--append-eod")
     return Path(f"{prefix}_text_document")
 
 
@@ -262,8 +265,7 @@ def test_null_tokenizer_preprocesses_and_trains_on_pre_tokenized_data(tmp_path):
     docs = [" ".join(str(rng.randrange(63)) for _ in range(rng.randint(5, 40))) for _ in range(200)]
     (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
-    subprocess.run([sys.executable, ROOT / "tools" / "preprocess_data.py", "--input", tmp_path / "ids.jsonl",
-                    "--output-prefix", tmp_path / "n", *null, "--append-eod"], check=True, capture_output=True)
+    _preprocess_here("--input", tmp_path / "ids.jsonl", "--output-prefix", tmp_path / "n", *null, "--append-eod")
     ds = IndexedDataset(str(tmp_path / "n_text_document"))
     assert ds[0].tolist() == [int(w) for w in docs[0].split()] + [63]
     run = _train(tmp_path, tmp_path / "out", "--max-steps", "2", "--eval-freq", "2", "--eval-iters", "1",
