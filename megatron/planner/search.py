@@ -318,7 +318,7 @@ def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = 
         progress.set_total(len(kept))
     search = _Search(kept, base, hw, tokenizer_vocab_size, kernel, share_validation)
     parts = map_slices(search.run, _blocks(kept), jobs, None if progress is None else progress.update,
-                               pack=search.pack, unpack=search.unpack)
+                       pack=search.pack, unpack=search.unpack)
     result = PlanResult(plans=[], filters=tuple(filters))
     for part in parts:  # in candidate order: the smallest is the first of least memory, as one process finds it
         result.considered += part.considered
@@ -348,9 +348,9 @@ _MEMORY_FIELDS = tuple(f.name for f in fields(MemoryTerms))
 _TIME_FIELDS = tuple(f.name for f in fields(TimeTerms))
 
 
-def _values(obj) -> tuple:
-    """A dataclass's field values in order, without ``astuple``'s deep copy."""
-    return tuple(getattr(obj, name) for name in (_MEMORY_FIELDS if type(obj) is MemoryTerms else _TIME_FIELDS))
+def _values(obj, names: tuple[str, ...]) -> tuple:
+    """A dataclass's field values in order (``names``), without ``astuple``'s deep copy."""
+    return tuple(getattr(obj, name) for name in names)
 
 
 def _made(cls, names: tuple[str, ...], values: tuple):
@@ -404,11 +404,12 @@ class _Search:
         for plan in result.plans:  # in candidate order
             while self.kept[j] is not plan.layout:
                 j += 1
-            plans.append((j, _values(plan.memory), _values(plan.time),
+            plans.append((j, _values(plan.memory, _MEMORY_FIELDS), _values(plan.time, _TIME_FIELDS),
                           plan.host_per_node, plan.reason))
         return plans, result.considered, result.valid, result.host_rejected, result.smallest
 
     def unpack(self, packed: tuple) -> PlanResult:
+        """``pack``'s tuples as a ``PlanResult`` again (every plan sent fits)."""
         plans, considered, valid, host_rejected, smallest = packed
         return PlanResult([Plan(self.kept[j], _made(MemoryTerms, _MEMORY_FIELDS, memory),
                                 _made(TimeTerms, _TIME_FIELDS, time), True, host, reason)

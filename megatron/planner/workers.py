@@ -87,7 +87,7 @@ def map_slices(work: Callable[[int, int, list[R]], R], blocks: list[tuple[int, i
     if jobs == 1 or len(slices) == 1:
         results: list[R] = []
         for start, stop in slices:
-            results.append(work(start, stop, list(results)))
+            results.append(work(start, stop, results))  # every slice before it
             if done is not None:
                 done(stop - start)
         return results
