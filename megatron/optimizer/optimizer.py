@@ -2,8 +2,8 @@
 
 Composition, not inheritance: this wrapper owns the flat parameter/gradient buffer, the fp32
 master copy of the parameters (the model's own buffer when training in fp32), the loss
-scaler and clipping; the inner ``torch.optim.AdamW`` sees one flat fp32 tensor per
-weight-decay group and steps it with the fused kernel where available.
+scaler and clipping; the inner AdamW (``megatron.optimizer.adamw``: torch's fused kernel without
+``torch.optim``'s machinery) sees one flat fp32 tensor per piece and steps it.
 
 One step: unscale the fp32 gradients (fp16) and check them for inf/nan (skip the step and
 back the scale off if found) -> global norm (skip the step if it is not finite, in every
@@ -16,7 +16,7 @@ master weights and AdamW states for that slice only, and steps it. The gradients
 (all-reduced, or reduce-scattered into a 1/N shard from stage 2); after the step each bucket
 publishes the updated slice (all-gathered into every rank's full parameters, or, under stage 3,
 kept as the shard). Offload: the masters and AdamW states live on the CPU and the step runs there
-(torch's fused CPU AdamW); the clipped gradient shard goes down, the updated low-precision
+(torch's fused CPU AdamW kernel); the clipped gradient shard goes down, the updated low-precision
 parameters come back. The optimizer builds no buckets and decides no stage: ``parallelize`` does.
 """
 
@@ -33,6 +33,7 @@ from megatron import device as dev
 from megatron.config.schema import OptimizerConfig
 from megatron.distributed.parallelize import ShardingPlan, counts_once
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.optimizer.adamw import AdamW, has_fused_kernel
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
 
@@ -43,10 +44,6 @@ class StepResult:
     grad_norm: float | None  # before clipping; None when skipped
     moe: dict | None = None  # a MoE model's load_balancing_loss and expert_load_max (megatron.moe.stats)
     mtp: dict | None = None  # multi-token prediction's mtp_loss, one per depth (megatron.model.mtp)
-
-
-def _supports_fused(device: torch.device) -> bool:
-    return device.type in ("cpu", "cuda")
 
 
 class MixedPrecisionOptimizer:
@@ -73,8 +70,8 @@ class MixedPrecisionOptimizer:
         # "decays": the group whose weight decay the schedule sets each step (biases and norms never decay)
         param_groups = [{"params": ps, "weight_decay": rate, "decays": decays} for ps, rate, decays in
                         ((groups[True], cfg.weight_decay, True), (groups[False], 0.0, False)) if ps]
-        self.inner = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                       eps=cfg.adam_epsilon, fused=_supports_fused(self._master_device()))
+        self.inner = AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                           fused=has_fused_kernel(self._master_device()))
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._counted = self._counted_grads()
 
@@ -165,12 +162,7 @@ class MixedPrecisionOptimizer:
 
     def adam_state(self, master: nn.Parameter, step: int = 0) -> dict:
         """AdamW's state for one master view, created (zeroed, at ``step``) if it does not exist yet."""
-        state = self.inner.state[master]
-        if not state:
-            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=master.device)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-        return state
+        return self.inner.state_for(master, step)
 
     def pieces(self) -> list[tuple]:
         """(bucket, start, end, master) for every slice this rank steps."""

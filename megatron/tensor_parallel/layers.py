@@ -101,7 +101,10 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
 
 def _init_sharded(param: nn.Parameter, init) -> None:
     """Draw the full tensor (same on every rank given the same seed) and keep this rank's slice,
-    so the values do not depend on the tensor-parallel size."""
+    so the values do not depend on the tensor-parallel size. A meta parameter (ZeRO stage 3) draws nothing:
+    its ``DeferredInit`` draws it later, into the shards."""
+    if param.is_meta:
+        return
     with torch.no_grad():
         full = torch.empty(param.full_shape, dtype=torch.float32)
         init(full)
