@@ -50,12 +50,44 @@ def _tests_will_run(session) -> bool:
     return not (session.testsfailed and not option.continue_on_collection_errors)  # collection errors: none run
 
 
+def _reads_shared_runs(item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    return any(name in names for name in ("parity", "references", "reference", "reference4")) \
+        or item.get_closest_marker("shared_runs") is not None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that read no shared run first, in their order, then the others: the shared launches train in
+    the background meanwhile (``pytest_runtestloop``). A module is kept whole (its module fixtures are set up
+    once)."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.module, []).append(item)
+    reading = {module for module, its in modules.items() if any(_reads_shared_runs(item) for item in its)}
+    items[:] = [item for module, its in modules.items() if module not in reading for item in its] + \
+               [item for module, its in modules.items() if module in reading for item in its]
+
+
+_PARITY: list[ParityRuns] = []  # the session's shared runs, once made
+
+
+def _parity(config) -> ParityRuns:
+    if not _PARITY:
+        factory = config._tmp_path_factory  # the tmp_path_factory fixture's, before any fixture is set up
+        _PARITY.append(ParityRuns(factory.mktemp("shared-runs"), PARITY, _SELECTED | REFERENCES,
+                                  {"{corpus}": lambda: str(corpus_folder(factory.getbasetemp()))}))
+    return _PARITY[0]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
-    """The jobs of the ``starts_early`` tests started now, when the tests are about to run (never for
-    ``--collect-only``), to wait (for a fixed grace of a launcher, say) while the other tests run."""
+    """The shared launches and the jobs of the ``starts_early`` tests started now, when the tests are about to run
+    (never for ``--collect-only``), to train (or wait for a fixed grace of a launcher, say) while the other tests
+    run."""
     if not _tests_will_run(session):
         return
+    if any(_reads_shared_runs(item) for item in session.items):
+        _parity(session.config).start()
     started = set()
     for item in session.items:
         if item.get_closest_marker("starts_early") and item.module not in started:
@@ -72,9 +104,8 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def parity(tmp_path_factory) -> ParityRuns:
-    return ParityRuns(tmp_path_factory.mktemp("shared-runs"), PARITY, _SELECTED | REFERENCES,
-                      {"{corpus}": lambda: str(corpus_folder(tmp_path_factory.getbasetemp()))})
+def parity(pytestconfig) -> ParityRuns:
+    return _parity(pytestconfig)
 
 
 @pytest.fixture(scope="session")

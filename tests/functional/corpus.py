@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,18 @@ def build(work: Path, docs: list[str], vocab_size: int) -> Path:
     return work
 
 
-@functools.cache
+_LOCK = threading.Lock()  # the shared launches' threads may ask for it too
+
+
 def shared(root: Path) -> Path:
     """The suite's corpus, under ``root`` (the session's temporary folder), built at its first use: 600 documents
     of 3-12 sentences, a 400-token BPE tokenizer trained on them and their mmap dataset."""
+    with _LOCK:
+        return _shared(root)
+
+
+@functools.cache
+def _shared(root: Path) -> Path:
     work = root / "corpus"
     work.mkdir()
     return build(work, [" ".join(sentences(random.Random(i).randint(3, 12))) for i in range(600)], 400)
