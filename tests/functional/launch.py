@@ -122,26 +122,27 @@ def whole_share(data_ranks: int = 1) -> list[str]:
 reference_runs({"tiny-5": FIVE, "tiny4-5": [*FIVE, "--num-layers", "4"]})
 
 
-def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900,
-                program: str = "pretrain_gpt.py", preexec_fn=None, nice: int = 0) -> subprocess.CompletedProcess:
+def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float = 900, program: str = "pretrain_gpt.py",
+                preexec_fn=None, background: bool = False) -> subprocess.CompletedProcess:
     """Each (folder, args) of ``runs`` run in turn by one launch of ``nproc`` ranks (``several_runs.py``) of
     ``program`` (a path in the repository whose ``main(argv)`` returns the exit status): the folder gets the
     run's files (a training run's checkpoints and metrics), ``rank{r}.log`` (stderr), ``rank{r}.out`` (stdout)
     and ``rank{r}.rc``. ``preexec_fn``: run in the launch's process before it starts (``subprocess.Popen``'s).
-    ``nice``: a launch in the background of the tests (``processes.popen``: at that lower priority, and killed
+    ``background``: a launch in the background of the tests (``processes.popen``: on idle cores only, and killed
     with the session)."""
     plan = runs[0][0].parent / f"plan-{runs[0][0].name}.json"
     plan.write_text(json.dumps([{"out": str(out), "args": list(args), "program": program} for out, args in runs]))
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(nproc)]
     command = [*launcher, str(ROOT / "tests" / "functional" / "several_runs.py"), str(plan)]
-    if not nice:
+    if not background:
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=preexec_fn)
     assert preexec_fn is None, "a background launch runs processes.popen's preparation"
     from tests.functional import processes
 
-    process = processes.popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, nice=nice)
+    process = processes.popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              background=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -178,12 +179,14 @@ def outcome(out: Path, nproc: int, launch: subprocess.CompletedProcess) -> RunOu
 
 
 class ParityRuns:
-    """The shared runs, each trained once per test session, one launch per world size: ``start`` launches every
-    selected run in the background when the tests begin (tests/conftest.py), at a lower priority than the tests
-    that run meanwhile (those that read no shared run come first); ``outcome`` waits for a run's launch, or
-    launches it (and what it needs first) if no launch took it yet."""
+    """The shared runs, each trained once per test session: ``start`` trains every selected run in the background
+    when the tests begin (tests/conftest.py), one launch at a time, on the cores the tests leave idle (those that
+    read no shared run come first); ``outcome`` waits for a run, or has it (and what it needs first) trained if no
+    launch took it yet.
 
-    NICE = 10  # the launches' priority drop: the tests in the foreground, one at a time, keep a core to themselves
+    A launch runs the runs of one world size whose prerequisites are trained or come before them in it: first
+    those of the largest size that has any such run, so each size's runs that resume another size's save
+    (prerequisites, ``cases[name][2]``) wait in a later launch while the others train."""
 
     def __init__(self, root: Path, cases: dict[str, tuple], selected: set[str],
                  placeholders: dict[str, Callable[[], str]] | None = None):
@@ -193,8 +196,8 @@ class ParityRuns:
         self.placeholders = {"{runs}": lambda: str(root), **(placeholders or {})}
         self._resolved: dict[str, str] = {}  # placeholder -> its value, once asked for
         self.wanted = set()
-        self._lock = threading.Lock()  # done, wanted and the launches, shared by the launches' threads
-        self._launches: dict[int, threading.Thread] = {}  # world size -> its launch in flight
+        self._changed = threading.Condition()  # guards done, wanted and _trainer; told when runs are done
+        self._trainer: threading.Thread | None = None  # the background thread that launches, while there is work
         for name in selected & set(cases):
             self._want(name)
 
@@ -206,73 +209,61 @@ class ParityRuns:
     def _after(self, name: str) -> tuple[str, ...]:
         return tuple(self.cases[name][2]) if len(self.cases[name]) > 2 else ()
 
-    def _size(self, name: str) -> int:
-        return self.cases[name][0]
-
     def start(self) -> None:
-        """Every wanted run launched now, in the background: a launch per world size, each waiting for the runs of
-        other sizes its runs resume from. A ValueError if two sizes wait for each other (no launch could start)."""
-        waits = {n: {self._size(b) for r in self.wanted if self._size(r) == n for b in self._after(r)} - {n}
-                 for n in {self._size(r) for r in self.wanted}}
-        for size in waits:
-            seen, todo = set(), list(waits[size])
-            while todo:
-                other = todo.pop()
-                if other == size:
-                    raise ValueError(f"the shared launches of {size} ranks wait for themselves through those of other "
-                                     f"sizes: save the run they resume from in the launch that resumes it")
-                if other not in seen:
-                    seen.add(other)
-                    todo += waits.get(other, ())
+        """Every wanted run trained from now on, in the background."""
         for placeholder in self.placeholders:  # resolved here, in the tests' thread (the corpus is built in process)
             if any(placeholder in arg for name in self.wanted for arg in self.cases[name][1]):
                 self._filled(placeholder)
-        with self._lock:
-            for size in sorted(waits, reverse=True):
-                self._launch(size)
+        with self._changed:
+            self._keep_training()
 
     def outcome(self, name: str) -> RunOutcome:
-        while True:
-            with self._lock:
-                if name in self.done:
-                    return self.done[name]
-                self._want(name)  # asked for without being selected: it, and what it needs, are wanted now
-                launch = self._launch(self._size(name))
-            launch.join()  # a launch that began before it was wanted leaves it to the next one
+        with self._changed:
+            self._want(name)  # asked for without being selected: it, and what it needs, are wanted now
+            while name not in self.done:
+                self._keep_training()
+                self._changed.wait()
+            return self.done[name]
 
-    def _launch(self, nproc: int) -> threading.Thread:
-        """The launch of ``nproc`` ranks in flight, or a new one (the caller holds the lock)."""
-        launch = self._launches.get(nproc)
-        if launch is None or not launch.is_alive():
-            launch = self._launches[nproc] = threading.Thread(target=self._train, args=(nproc,),
-                                                              name=f"shared-launch-{nproc}", daemon=True)
-            launch.start()
-        return launch
+    def _keep_training(self) -> None:
+        """The background thread started unless it runs (the caller holds the lock)."""
+        if self._trainer is None:
+            self._trainer = threading.Thread(target=self._train, name="shared-launches", daemon=True)
+            self._trainer.start()
 
-    def _train(self, nproc: int) -> None:
-        """One launch of ``nproc`` ranks: the wanted runs of that size not yet trained whose prerequisites are (or
-        come before them in it), after waiting for those of other sizes. Whatever goes wrong is the outcome of its
-        runs, for the tests that read them to report."""
-        with self._lock:
-            mine = [n for n in self.wanted if self._size(n) == nproc and n not in self.done]
-        for before in {b for n in mine for b in self._after(n) if self._size(b) != nproc}:
-            self.outcome(before)
-        with self._lock:
+    def _next_launch(self) -> tuple[int, list[str]]:
+        """(world size, runs) of the next launch, (0, []) when none can start (the caller holds the lock)."""
+        for nproc in sorted({self.cases[n][0] for n in self.wanted if n not in self.done}, reverse=True):
             batch = []
             for n in self.cases:  # registration order: a prerequisite of the same size runs first
-                if (n in self.wanted and n not in self.done and self._size(n) == nproc
+                if (n in self.wanted and n not in self.done and self.cases[n][0] == nproc
                         and all(b in self.done or b in batch for b in self._after(n))):
                     batch.append(n)
-        if not batch:
-            return
-        try:
-            runs = [(self.root / n, [self._filled(a) for a in self.cases[n][1]]) for n in batch]
-            launch = run_several(runs, nproc, nice=self.NICE)
-            outcomes = {n: outcome(self.root / n, nproc, launch) for n in batch}
-        except BaseException:  # noqa: B036 - the runs' tests report it
-            outcomes = {n: RunOutcome(self.root / n, None, traceback.format_exc()) for n in batch}
-        with self._lock:
-            self.done.update(outcomes)
+            if batch:
+                return nproc, batch
+        return 0, []
+
+    def _train(self) -> None:
+        """Launch after launch until every wanted run is done; whatever goes wrong is the outcome of its runs, for
+        the tests that read them to report."""
+        while True:
+            with self._changed:
+                nproc, batch = self._next_launch()
+                if not batch:  # done, or runs whose prerequisites wait for each other: say so to their tests
+                    self.done.update({n: RunOutcome(self.root / n, None, f"{n}: its prerequisites wait for it")
+                                      for n in self.wanted if n not in self.done})
+                    self._trainer = None
+                    self._changed.notify_all()
+                    return
+            try:
+                runs = [(self.root / n, [self._filled(a) for a in self.cases[n][1]]) for n in batch]
+                launch = run_several(runs, nproc, timeout=1800, background=True)  # idle cores only: slower
+                outcomes = {n: outcome(self.root / n, nproc, launch) for n in batch}
+            except BaseException:  # noqa: B036 - the runs' tests report it
+                outcomes = {n: RunOutcome(self.root / n, None, traceback.format_exc()) for n in batch}
+            with self._changed:
+                self.done.update(outcomes)
+                self._changed.notify_all()
 
     def _filled(self, arg: str) -> str:
         for placeholder, value in self.placeholders.items():

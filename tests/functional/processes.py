@@ -52,12 +52,15 @@ def _libc():
 _LIBC = _libc() if sys.platform.startswith("linux") else None
 
 
-def _die_with(parent: int, nice: int = 0):
+def _die_with(parent: int, background: bool = False):
     """The child's preexec_fn: SIGKILL when the thread that started it exits; gone now if that already happened;
-    its priority lowered by ``nice``."""
+    ``background``: scheduled only on an idle core."""
     def preexec() -> None:
-        if nice:
-            os.nice(nice)
+        if background:
+            if hasattr(os, "SCHED_IDLE"):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.nice(19)
         if _LIBC is not None:
             _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:
@@ -65,18 +68,18 @@ def _die_with(parent: int, nice: int = 0):
     return preexec
 
 
-def popen(command: list, *, env: dict | None = None, nice: int = 0, **kwargs) -> subprocess.Popen:
+def popen(command: list, *, env: dict | None = None, background: bool = False, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(command, ...)`` for a test (see the module docstring): own session, dies with the thread
     that calls this (so call it from the thread that outlives the process: the test's), marked and registered;
-    ``nice``: its scheduling priority lowered by that much (work in the background of the tests).
-    RuntimeError once the session's leftovers were killed."""
+    ``background``: it (and its descendants) computes only when a core is otherwise idle (``SCHED_IDLE``; the
+    lowest priority where that is missing). RuntimeError once the session's leftovers were killed."""
     environment = dict(os.environ if env is None else env)
     environment[OWNER] = _TOKEN
     with _LOCK:
         if _CLOSED:
             raise RuntimeError("the test session has ended: no new process")
         process = subprocess.Popen(command, env=environment, start_new_session=True,
-                                   preexec_fn=_die_with(os.getpid(), nice), **kwargs)
+                                   preexec_fn=_die_with(os.getpid(), background), **kwargs)
         _STARTED.append(process)
     return process
 
