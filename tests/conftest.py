@@ -56,16 +56,26 @@ def _reads_shared_runs(item) -> bool:
         or item.get_closest_marker("shared_runs") is not None
 
 
+# Which folders' modules run first among those that read no shared run: mostly one process (tests/unit) while the
+# launches take the other core, the gloo ranks (tests/distributed) last, which a background launch slows most.
+_FOLDER_ORDER = ("unit", "inference", "functional", "distributed")
+
+
+def _folder_rank(module) -> int:
+    folder = Path(module.__file__).parent.name
+    return _FOLDER_ORDER.index(folder) if folder in _FOLDER_ORDER else len(_FOLDER_ORDER)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The modules that read no shared run first, in their order, then the others: the shared launches train in
-    the background meanwhile (``pytest_runtestloop``). A module is kept whole (its module fixtures are set up
-    once)."""
+    """The modules that read no shared run first (by ``_FOLDER_ORDER``, then in their order), then the others: the
+    shared launches train in the background meanwhile (``pytest_runtestloop``). A module is kept whole (its
+    module fixtures are set up once)."""
     modules: dict = {}
     for item in items:
         modules.setdefault(item.module, []).append(item)
     reading = {module for module, its in modules.items() if any(_reads_shared_runs(item) for item in its)}
-    items[:] = [item for module, its in modules.items() if module not in reading for item in its] + \
-               [item for module, its in modules.items() if module in reading for item in its]
+    order = sorted(modules, key=lambda module: (module in reading, 0 if module in reading else _folder_rank(module)))
+    items[:] = [item for module in order for item in modules[module]]
 
 
 _PARITY: list[ParityRuns] = []  # the session's shared runs, once made
