@@ -61,6 +61,10 @@ def _die_with(parent: int, background: bool = False):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
             else:
                 os.nice(19)
+            # with autogroups (Linux's default on desktops and these VMs) a new session is a scheduling group of its
+            # own, which competes with the tests' group as an equal whatever its tasks' policy: lower the group
+            with contextlib.suppress(OSError):
+                Path("/proc/self/autogroup").write_text("19")
         if _LIBC is not None:
             _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:
@@ -71,8 +75,9 @@ def _die_with(parent: int, background: bool = False):
 def popen(command: list, *, env: dict | None = None, background: bool = False, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(command, ...)`` for a test (see the module docstring): own session, dies with the thread
     that calls this (so call it from the thread that outlives the process: the test's), marked and registered;
-    ``background``: it (and its descendants) computes only when a core is otherwise idle (``SCHED_IDLE``; the
-    lowest priority where that is missing). RuntimeError once the session's leftovers were killed."""
+    ``background``: it (and its descendants) computes only when a core is otherwise idle (``SCHED_IDLE``, and
+    its session's scheduling group at nice 19; the lowest priority where those are missing). RuntimeError once
+    the session's leftovers were killed."""
     environment = dict(os.environ if env is None else env)
     environment[OWNER] = _TOKEN
     with _LOCK:
