@@ -138,6 +138,14 @@ def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, ma
     that ``filters`` let through (each loop pruned by the filters on its axes). Not yet validated. Layouts with
     the same pipeline schedule (pp, vpp, number of micro-batches) come one after the other: its tables are
     cached."""
+    for block in candidate_blocks(config, hw, max_micro_batch, max_vpp, filters):
+        yield from block
+
+
+def candidate_blocks(config: Config, hw: Hardware, max_micro_batch: int = 8, max_vpp: int = 8,
+                     filters: tuple[AxisFilter, ...] = ()) -> Iterator[list[Layout]]:
+    """``candidate_layouts`` a block at a time: the (non-empty) run of layouts of one tp, cp and its communication
+    type, pp, vpp and micro-batch size (every layout of a ``validation_key`` is within one block)."""
     layers, moe = config.model.num_layers, bool(config.model.num_experts)
     micro_batches = [mb for mb in (2**k for k in range(max_micro_batch.bit_length()))
                      if mb <= max_micro_batch and allows(filters, "mb", mb)]
@@ -157,10 +165,12 @@ def candidate_layouts(config: Config, hw: Hardware, max_micro_batch: int = 8, ma
                 vpps = [v for v in vpps if allows(filters, "vpp", v)] if pp <= layers else []
                 for vpp, mb in product(vpps, micro_batches):
                     recomputes = [r for r in recompute_options(layers, pp, vpp) if allows(filters, "recompute", r[0])]
-                    for (n, stage), offload, (recompute, block), (ep, etp) in product(
-                            shardings, offloads, recomputes, experts):
-                        yield _made(Layout, _LAYOUT_FIELDS, (tp, pp, vpp, group // n, n, stage, offload, recompute,
-                                                             mb, sp, block, cp, comm, ep, etp, moe))
+                    block = [_made(Layout, _LAYOUT_FIELDS, (tp, pp, vpp, group // n, n, stage, offload, recompute, mb,
+                                                            sp, block_layers, cp, comm, ep, etp, moe))
+                             for (n, stage), offload, (recompute, block_layers), (ep, etp)
+                             in product(shardings, offloads, recomputes, experts)]
+                    if block:
+                        yield block
 
 
 def layout_config(base: Config, layout: Layout, devices: int, tokenizer_vocab_size: int | None = None) -> Config:
@@ -312,12 +322,16 @@ def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = 
     layout per ``validation_key`` and evaluate its family from it (``_Family``); False validates and evaluates
     each layout on its own (``evaluate_layout``; the tests compare the two). ``jobs``: processes that share
     the candidates (``megatron.planner.workers``); the result is the same whatever their number."""
-    kept = [layout for layout in candidate_layouts(base, hw, max_micro_batch, max_vpp, filters)
-            if accepts(layout, filters)]
+    kept, blocks = [], []
+    for block in candidate_blocks(base, hw, max_micro_batch, max_vpp, filters):
+        block = [layout for layout in block if accepts(layout, filters)] if filters else block
+        if block:
+            blocks.append((len(kept), len(kept) + len(block)))
+            kept += block
     if progress is not None:
         progress.set_total(len(kept))
-    search = _Search(kept, base, hw, tokenizer_vocab_size, kernel, share_validation)
-    parts = map_slices(search.run, _blocks(kept), jobs, None if progress is None else progress.update,
+    search = _Search(kept, blocks, base, hw, tokenizer_vocab_size, kernel, share_validation)
+    parts = map_slices(search.run, blocks, jobs, None if progress is None else progress.update,
                        pack=search.pack, unpack=search.unpack)
     result = PlanResult(plans=[], filters=tuple(filters))
     for part in parts:  # in candidate order: the smallest is the first of least memory, as one process finds it
@@ -332,20 +346,10 @@ def plan_layouts(base: Config, hw: Hardware, tokenizer_vocab_size: int | None = 
     return result
 
 
-def _block_key(layout: Layout) -> tuple:
-    """Layouts of one key come one after the other among the candidates, and so do those of a ``validation_key``."""
-    return layout.tp, layout.cp, layout.cp_comm, layout.pp, layout.vpp, layout.micro_batch_size
-
-
-def _blocks(kept: list[Layout]) -> list[tuple[int, int]]:
-    """(start, stop) of each run of candidates with one ``_block_key``."""
-    bounds = [i for i in range(1, len(kept)) if _block_key(kept[i]) != _block_key(kept[i - 1])]
-    return list(zip([0, *bounds], [*bounds, len(kept)]))
-
-
 _LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))
 _MEMORY_FIELDS = tuple(f.name for f in fields(MemoryTerms))
 _TIME_FIELDS = tuple(f.name for f in fields(TimeTerms))
+_PLAN_FIELDS = tuple(f.name for f in fields(Plan))
 
 
 def _values(obj, names: tuple[str, ...]) -> tuple:
@@ -366,23 +370,24 @@ class _Search:
     caches (``cache``: memory and time figures of this planning run) live as long as the object, in each
     process that evaluates slices."""
 
-    def __init__(self, kept: list[Layout], base: Config, hw: Hardware, vocab: int | None, kernel: str | None,
-                 share_validation: bool):
+    def __init__(self, kept: list[Layout], blocks: list[tuple[int, int]], base: Config, hw: Hardware,
+                 vocab: int | None, kernel: str | None, share_validation: bool):
         self.kept, self.base, self.hw, self.vocab, self.kernel = kept, base, hw, vocab, kernel
+        self.block_starts = frozenset(start for start, _ in blocks)  # ``candidate_blocks``' bounds in ``kept``
         self.share_validation, self.cache = share_validation, {}
 
     def run(self, start: int, stop: int, before: list[PlanResult]) -> PlanResult:
-        """The candidates ``start:stop``, one block (``_blocks``) or more; ``before``: results of slices before it
-        in candidate order (some or all of them). A layout that does not fit matters only if it needs less than
+        """The candidates ``start:stop``, one block (``candidate_blocks``) or more; ``before``: results of slices before
+        it in candidate order (some or all of them). A layout that does not fit matters only if it needs less than
         every valid layout before it (``memory_terms``' exact_below): the least of ``before``'s bounds that, since
         their layouts came first, leaves each layout that is the smallest so far exact, as one process finds it."""
         least = min((part.smallest.memory.total for part in before if part.smallest is not None),
                     default=float("inf"))
         result, families = PlanResult(plans=[]), {}  # validation_key -> its family (None: invalid)
-        block = None
-        for layout in self.kept[start:stop]:
-            if block != _block_key(layout):
-                block = _block_key(layout)
+        starts = self.block_starts
+        for i in range(start, stop):
+            layout = self.kept[i]
+            if i in starts:
                 families.clear()  # the candidates of one key come within one block
             result.considered += 1
             plan = self._plan(layout, families, least)
@@ -411,8 +416,9 @@ class _Search:
     def unpack(self, packed: tuple) -> PlanResult:
         """``pack``'s tuples as a ``PlanResult`` again (every plan sent fits)."""
         plans, considered, valid, host_rejected, smallest = packed
-        return PlanResult([Plan(self.kept[j], _made(MemoryTerms, _MEMORY_FIELDS, memory),
-                                _made(TimeTerms, _TIME_FIELDS, time), True, host, reason)
+        kept = self.kept
+        return PlanResult([_made(Plan, _PLAN_FIELDS, (kept[j], _made(MemoryTerms, _MEMORY_FIELDS, memory),
+                                                      _made(TimeTerms, _TIME_FIELDS, time), True, host, reason))
                            for j, memory, time, host, reason in plans], considered, valid, smallest, host_rejected)
 
     def _plan(self, layout: Layout, families: dict, smallest: float) -> Plan | None:
