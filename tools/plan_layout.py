@@ -22,6 +22,7 @@ Exit status: 0 with a list, 1 when no layout fits, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import os
@@ -249,7 +250,7 @@ def configured(base: Config, resolved: Config | None, why_not: str | None, hw: H
     except ConfigError as err:
         return None, None, f"the configuration's own layout, {layout.describe()}, is not a run on {hw.devices} " \
                            f"device(s): {err}"
-    rank = 1 + sum(rank_key(p) < rank_key(plan) for p in result.plans) if plan.fits else None
+    rank = 1 + bisect.bisect_left(result.plans, rank_key(plan), key=rank_key) if plan.fits else None  # plans sorted
     where = f"rank {rank} of the {len(result.plans)} that fit" if plan.fits else "does not fit" + (
         f": {plan.reason}" if plan.reason else "")
     return plan, rank, (f"the configuration's own layout, {layout.describe()}: {plan.memory.total / GIB:.1f} GiB, "
