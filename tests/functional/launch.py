@@ -139,7 +139,7 @@ def run_several(runs: list[tuple[Path, list[str]]], nproc: int, timeout: float =
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=preexec_fn)
     assert preexec_fn is None, "a background launch runs processes.popen's preparation"
-    from tests.functional import processes
+    from tests.functional import processes  # here: several_runs.py's ranks import this module, and need none of it
 
     process = processes.popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               background=True)
