@@ -156,7 +156,8 @@ def one_process(args) -> list[dict]:
 
 def _rank_main(rank: int, world: int, store_dir: str, args, queue) -> None:
     from megatron import parallel_state
-    from megatron.optimizer.memory import measured_model_state_bytes, rank_model_state_bytes
+    from megatron.memory.measure import measured_model_state_bytes
+    from megatron.memory.model_states import rank_model_state_bytes
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,

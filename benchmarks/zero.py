@@ -47,9 +47,9 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.distributed.parallelize import parallelize, plan_sharding
+    from megatron.memory.measure import measured_model_state_bytes
     from megatron.model import build_model, num_parameters
     from megatron.optimizer import build_optimizer
-    from megatron.optimizer.memory import measured_model_state_bytes
     from megatron.tensor_parallel import tensor_parallel_seed
     from megatron.training import train_step
     from pretrain_gpt import forward_step
@@ -109,7 +109,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
 
 
 def _predicted(r: dict):
-    from megatron.optimizer.memory import model_state_bytes
+    from megatron.memory.model_states import model_state_bytes
 
     n = r["ranks"] if r["stage"] >= 1 else 1
     return model_state_bytes(r["num_params"], r["precision"], sharding=n, stage=max(r["stage"], 1),

@@ -26,8 +26,6 @@ import os
 import time
 from collections.abc import Callable
 
-import torch
-
 from megatron.config.cli import ConfigError
 
 ENV = "MEGATRON_CPU_THREADS"
@@ -142,7 +140,10 @@ def choose(requested: int | None, local_ranks: int = 1, environ: dict[str, str] 
 
 
 def apply(requested: int | None, local_ranks: int = 1) -> ThreadChoice:
-    """Choose and set torch's intra-op thread count; returns the choice for the start-up line."""
+    """Choose and set torch's intra-op thread count; returns the choice for the start-up line. (Only this imports
+    torch: ``choose`` also serves the layout planner's worker count, which runs without it.)"""
+    import torch
+
     choice = choose(requested, local_ranks)
     if torch.get_num_threads() != choice.threads:
         torch.set_num_threads(choice.threads)

@@ -21,11 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Dense bf16/fp16 tensor-core peak TFLOP/s of one device (no sparsity), for MFU.
-_PEAK_TFLOPS_16BIT = {
-    "H200": 989.0, "H100": 989.0, "A100": 312.0, "A800": 312.0, "H800": 989.0,
-    "L40S": 362.0, "A10": 125.0, "L4": 121.0, "V100": 125.0, "B200": 2250.0,
-}
+from megatron.hardware import named_peak_tflops
 
 
 def cuda_available() -> bool:
@@ -129,12 +125,8 @@ def device_name(device: torch.device) -> str:
 
 
 def peak_tflops(device: torch.device) -> float | None:
-    """Table value for known GPUs (16-bit dense peak); None for the CPU and unknown devices."""
-    name = device_name(device)
-    for key, value in _PEAK_TFLOPS_16BIT.items():
-        if key in name:
-            return value
-    return None
+    """Table value for known GPUs (16-bit dense peak, ``megatron.hardware``); None for the CPU and unknown devices."""
+    return None if device.type != "cuda" else named_peak_tflops(device_name(device))
 
 
 def reset_peak_memory(device: torch.device) -> None:

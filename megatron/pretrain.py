@@ -14,9 +14,9 @@ from megatron.checkpoint.ownership import release as release_output_dir
 from megatron.config import Config, save_yaml, to_yaml
 from megatron.distributed.parallelize import plan_sharding
 from megatron.initialize import initialize_distributed, launch_env, local_ranks
+from megatron.memory.model_states import parameters_per_rank
 from megatron.metrics import get_logger
 from megatron.model import num_parameters
-from megatron.optimizer.memory import parameters_per_rank
 from megatron.pipeline_parallel.schedules import ForwardStep
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import DatasetsProvider, ModelProvider, Trainer, TrainState, set_seed

@@ -37,7 +37,7 @@ from megatron.config.help import CONFIG_FLAGS_NOTE  # noqa: E402
 from megatron.device import cuda_available  # noqa: E402
 from megatron.memory import check, estimate  # noqa: E402
 from megatron.memory.activations import activation_terms, attention_kernel, temporary_terms  # noqa: E402
-from megatron.optimizer.memory import (  # noqa: E402
+from megatron.memory.model_states import (  # noqa: E402
     expert_grid,
     parameters_per_rank,
     rank_model_state_bytes,

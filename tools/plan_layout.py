@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gb", type=float, default=80.0,
                    help="Memory of one device in GiB (2^30 bytes); a layout's estimate must fit in (1 - "
                         "--memory-headroom) of it (default 80).")
-    p.add_argument("--gpu", default="A100", help="GPU name for the peak TFLOP/s (megatron/device.py's table of "
+    p.add_argument("--gpu", default="A100", help="GPU name for the peak TFLOP/s (megatron/hardware.py's table of "
                                                  "dense 16-bit peaks; default A100: 312).")
     p.add_argument("--efficiency", type=float, default=0.5,
                    help="Fraction of the peak the matmuls achieve (default 0.5).")

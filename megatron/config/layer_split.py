@@ -1,4 +1,5 @@
-"""The layer-cutting rule: which decoder layers each pipeline stage, and each interleaved model chunk, holds.
+"""The layer-cutting rules: which decoder layers each pipeline stage, and each interleaved model chunk, holds;
+and which layers recompute together (``recompute_plan``).
 
 Pure (standard library only) and part of the configuration: ``validate`` refuses a layout the rule cannot
 cut, and the model builder, the memory estimator and the layout planner cut by the same rule.
@@ -123,3 +124,27 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -
     size = num_layers // (pp * vpp)
     index = chunk * pp + pp_rank
     return range(index * size, (index + 1) * size)
+
+
+def recompute_plan(layers: range, granularity: str | None, skip: list[int] | None, method: str | None,
+                   num_layers: int | None) -> tuple[dict[int, str | None], list[list[int]]]:
+    """(each layer's own recompute granularity, the layers cut into units run in order).
+
+    Without ``method``: every layer not in ``skip`` recomputes at ``granularity``, each on its own.
+    With ``method`` (granularity ``full``, Megatron-LM's rules, per model chunk): ``uniform`` checkpoints
+    each run of ``num_layers`` consecutive layers as one unit (only the unit's input is kept);
+    ``block`` recomputes the first ``num_layers`` layers of the chunk, each on its own, and the others
+    not at all. Units of several layers are checkpointed by ``GPTModel.hidden_states``; a layer alone
+    in its unit by itself."""
+    skip, num_layers = set(skip or []), num_layers or 1
+    if granularity is None or method is None:
+        return {i: None if granularity is None or i in skip else granularity for i in layers}, [[i] for i in layers]
+    if granularity != "full":
+        raise ValueError(f"recompute_method {method!r} needs recompute granularity 'full', got {granularity!r}")
+    if method == "block":
+        return {i: "full" if n < num_layers else None for n, i in enumerate(layers)}, [[i] for i in layers]
+    if method != "uniform":
+        raise ValueError(f"unknown recompute_method {method!r}")
+    units = [list(layers[n:n + num_layers]) for n in range(0, len(layers), num_layers)]
+    # a unit of one layer (num_layers 1, or the chunk's last unit) is that layer's own full recompute
+    return {i: "full" if len(unit) == 1 else None for unit in units for i in unit}, units

@@ -163,3 +163,10 @@ class ModelConfig:
         "alltoall", "How tokens reach the experts' ranks: alltoall (each (token, expert) pair to the rank holding "
                     "the expert) or allgather (every token to every rank of the ep x etp group); the same result.",
         ("alltoall", "allgather"))
+
+
+def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(query heads nq, key/value groups ng, head width hd) of the whole model."""
+    nq = cfg.num_attention_heads
+    ng = cfg.num_query_groups if cfg.group_query_attention else nq
+    return nq, ng, cfg.kv_channels or cfg.hidden_size // nq

@@ -18,7 +18,7 @@ lse'_i) (dout_i . out'_i)``.
 Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
 returns the log-sum-exp; a block the window cuts gets an additive mask); elsewhere the same computation in plain
 operations in fp32, a tile of query rows at a time so that the scores held at once stay under ``MATH_TILE_BYTES``
-whatever the block's length (``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
+(``tiling.py``) whatever the block's length (``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
 
 Widths: the values may be narrower or wider than the queries and keys (multi-latent attention: ``dn + dr``
 against ``dv``), and the softmax scale is the caller's (``q k^T x scale``). The plain kernel takes any widths;
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.context_parallel.dropout import BlockDropout
+from megatron.context_parallel.tiling import tile_rows
 
 FUSED_ON_CPU = {"enabled": True}
-MATH_TILE_BYTES = {"limit": 256 << 20}  # the fp32 scores (and probabilities) of one tile of query rows
 
 
 def _fused(device: torch.device) -> bool:
@@ -92,7 +92,7 @@ def _fold_groups(dk: torch.Tensor, groups: int) -> torch.Tensor:
 def _row_tiles(q: torch.Tensor, sk: int) -> list[slice]:
     """Query rows cut so that one tile's fp32 scores [b, h, rows, sk] take at most ``MATH_TILE_BYTES``."""
     b, h, sq, _ = q.shape
-    rows = max(1, MATH_TILE_BYTES["limit"] // max(1, b * h * sk * 4))
+    rows = tile_rows(b * h * sk * 4)
     return [slice(a, min(a + rows, sq)) for a in range(0, sq, rows)]
 
 

@@ -37,16 +37,11 @@ from megatron.distributed.buffer_layout import lay_out, layer_buckets, split_int
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.fully_sharded import FullyShardedParameters
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megatron.distributed.sharding_rule import sharding_stage, shards_grads, shards_params
 from megatron.model.gpt import shared_embedding_names
 from megatron.parallel_state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements
-
-
-def sharding_stage(sharding_degree: int, stage: int) -> int:
-    """The stage in effect: ``stage`` over a sharding group of more than one rank; otherwise 1 (the
-    whole optimizer state on every rank, gradients all-reduced)."""
-    return stage if sharding_degree > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -84,11 +79,11 @@ class ShardingPlan:
 
     @property
     def shards_grads(self) -> bool:
-        return self.stage >= 2
+        return shards_grads(self.stage)
 
     @property
     def shards_params(self) -> bool:
-        return self.stage == 3
+        return shards_params(self.stage)
 
     def bucket_groups(self, expert: bool) -> BucketGroups:
         """The groups of a dense or an expert bucket."""
@@ -186,4 +181,4 @@ def parallelize(model: nn.Module, plan: ShardingPlan) -> Parallelized:
 
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "Parallelized", "ShardingPlan", "build_buffer", "counts_once", "parallelize",
-           "plan_sharding", "sharding_stage"]
+           "plan_sharding"]

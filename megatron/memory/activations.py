@@ -73,8 +73,9 @@ import functools
 from collections import Counter
 from dataclasses import dataclass
 
-from megatron.config.layer_split import chunk_layers, segment, stage_layers
+from megatron.config.layer_split import chunk_layers, recompute_plan, segment, stage_layers
 from megatron.config.schema import Config
+from megatron.config.schema_model import attention_shape
 from megatron.config.validate_moe import moe_layer_flags
 from megatron.memory.attention import (
     MLADims,
@@ -85,8 +86,6 @@ from megatron.memory.attention import (
 )
 from megatron.memory.moe import MoEDims, dispatch_temporary_bytes, moe_dims, moe_terms
 from megatron.memory.ops import norm_bytes, saves_input_itself
-from megatron.model.gpt import recompute_plan
-from megatron.model.transformer import attention_shape
 from megatron.pipeline_parallel import schedule_tables as tables
 
 CE_CHUNK_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 25}  # tensor_parallel/cross_entropy.py's fp32 row chunk

@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import Config
-from megatron.context_parallel.blocks import MATH_TILE_BYTES
+from megatron.context_parallel.tiling import tile_rows
 from megatron.memory.ops import norm_bytes, saves_input_itself
 
 
@@ -242,7 +242,7 @@ def context_parallel_terms(D) -> dict[str, int]:
     blocks = 0
     if D.device == "gpu" or D.attn_dropout:  # the plain block kernel (with dropout: positional masks, on any device)
         row = D.b * a * D.length * 4  # one query row of the diagonal block's fp32 scores, every sample and head
-        tile = row * min(D.length, max(1, MATH_TILE_BYTES["limit"] // row))
+        tile = row * min(D.length, tile_rows(row))
         blocks = 2 * 4 * n * a * (dk + dv) + 4 * n * a * dk + (14 if D.attn_dropout else 4) * tile
     if D.cp_comm == "all_gather":
         return {"forward": cp * kv + max(kv, 2 * acc), "backward": cp * kv + (cp + 1) * dkv + grads + blocks}

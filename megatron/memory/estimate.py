@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron.config.schema import Config
 from megatron.memory import activations as act
-from megatron.optimizer.memory import rank_model_state_bytes, step_transient_bytes
+from megatron.memory.model_states import rank_model_state_bytes, step_transient_bytes
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Activation memory measured: the storages autograd saves for the backward, via ``saved_tensors_hooks``.
+"""Memory measured: the storages autograd saves for the backward (via ``saved_tensors_hooks``), and the model
+states an optimizer holds (``measured_model_state_bytes``, by ``model_states``' headings).
 
 ``SavedActivations(exclude)`` is a context manager. Every tensor saved for the backward inside it
 is counted by its storage (``untyped_storage().data_ptr()`` on its device), each storage once: a
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from megatron.memory.model_states import ModelStateBytes
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -89,3 +92,18 @@ def measure_microbatch(model: torch.nn.Module, forward_step: Callable, micro_bat
         loss, _ = loss_fn(output)
     loss.backward()
     return saved.total
+
+
+def measured_model_state_bytes(optimizer) -> ModelStateBytes:
+    """What a ``MixedPrecisionOptimizer`` and its buffer hold now, by the same headings (AdamW's
+    scalar step counters left out)."""
+    def nbytes(t) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    buf = optimizer.buffer
+    states = sum(nbytes(t) for state in optimizer.inner.state.values() for t in state.values()
+                 if torch.is_tensor(t) and t.numel() > 1)
+    return ModelStateBytes(parameters=nbytes(buf.param_data) + nbytes(buf.param_shard),
+                           gradients=nbytes(buf.grad_data) + nbytes(buf.grad_shard),
+                           master_weights=nbytes(optimizer.master_data), optimizer_states=states,
+                           cpu_gradients=nbytes(optimizer.cpu_grad), offload=optimizer.offload)

@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.config.schema import Config
-from megatron.optimizer.memory import expert_grid
+from megatron.memory.model_states import expert_grid
 
 ROUTER_BYTES = {None: 4, "fp32": 4, "fp64": 8}
 

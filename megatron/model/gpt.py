@@ -17,8 +17,10 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
+from megatron.config.layer_split import recompute_plan
 from megatron.config.schema import Config, ModelConfig
-from megatron.context_parallel import AttentionPlan
+from megatron.config.schema_model import attention_shape
+from megatron.context_parallel.attention import AttentionPlan
 from megatron.model.init import defer_initialization, init_parameters
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of
@@ -27,7 +29,6 @@ from megatron.model.transformer import (
     SelfAttention,
     TransformerDecoderLayer,
     attention_needs_plan,
-    attention_shape,
     make_norm,
     parallel_dropout,
 )
@@ -234,30 +235,6 @@ class TiedHeadWeight(nn.Module):
         super().__init__()
         self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, hidden_size)
         self.word_embeddings.weight.tied_copy = True  # counted once (on the first stage) in the grad norm
-
-
-def recompute_plan(layers: range, granularity: str | None, skip: list[int] | None, method: str | None,
-                   num_layers: int | None) -> tuple[dict[int, str | None], list[list[int]]]:
-    """(each layer's own recompute granularity, the layers cut into units run in order).
-
-    Without ``method``: every layer not in ``skip`` recomputes at ``granularity``, each on its own.
-    With ``method`` (granularity ``full``, Megatron-LM's rules, per model chunk): ``uniform`` checkpoints
-    each run of ``num_layers`` consecutive layers as one unit (only the unit's input is kept);
-    ``block`` recomputes the first ``num_layers`` layers of the chunk, each on its own, and the others
-    not at all. Units of several layers are checkpointed by ``GPTModel.hidden_states``; a layer alone
-    in its unit by itself."""
-    skip, num_layers = set(skip or []), num_layers or 1
-    if granularity is None or method is None:
-        return {i: None if granularity is None or i in skip else granularity for i in layers}, [[i] for i in layers]
-    if granularity != "full":
-        raise ValueError(f"recompute_method {method!r} needs recompute granularity 'full', got {granularity!r}")
-    if method == "block":
-        return {i: "full" if n < num_layers else None for n, i in enumerate(layers)}, [[i] for i in layers]
-    if method != "uniform":
-        raise ValueError(f"unknown recompute_method {method!r}")
-    units = [list(layers[n:n + num_layers]) for n in range(0, len(layers), num_layers)]
-    # a unit of one layer (num_layers 1, or the chunk's last unit) is that layer's own full recompute
-    return {i: "full" if len(unit) == 1 else None for unit in units for i in unit}, units
 
 
 def _checkpointed_unit(layers: list[nn.Module]) -> Callable:

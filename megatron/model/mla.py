@@ -48,7 +48,7 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
-from megatron.context_parallel import AttentionPlan, attend
+from megatron.context_parallel.attention import AttentionPlan, attend
 from megatron.model.blocks import make_norm, maybe_checkpoint
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
 

@@ -28,9 +28,10 @@ from torch import nn
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
+from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
-from megatron.context_parallel import AttentionPlan, attend, masked_attention
+from megatron.context_parallel.attention import AttentionPlan, attend, masked_attention
 from megatron.model.blocks import activate, make_norm, mlp_activation, parallel_dropout
 from megatron.model.blocks import maybe_checkpoint as _maybe_checkpoint
 from megatron.model.mla import MultiLatentAttention
@@ -49,13 +50,6 @@ def attention_needs_plan(cfg: ModelConfig) -> bool:
 
 def attention_needs_plan_of(attention: SelfAttention) -> bool:
     return attention.window is not None or attention.softmax_type != "vanilla"
-
-
-def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(query heads nq, key/value groups ng, head width hd) of the whole model."""
-    nq = cfg.num_attention_heads
-    ng = cfg.num_query_groups if cfg.group_query_attention else nq
-    return nq, ng, cfg.kv_channels or cfg.hidden_size // nq
 
 
 class SelfAttention(nn.Module):

@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass, fields
 
 from megatron.config import Config
-from megatron.distributed.parallelize import sharding_stage
+from megatron.distributed.sharding_rule import sharding_stage
 
 # The axes a layout is made of, as ``--only`` / ``--exclude`` name them (``Layout.axes``).
 AXES = ("tp", "cp", "cp-comm", "pp", "vpp", "dp", "sharding", "zero", "offload", "recompute", "mb", "ep", "etp")

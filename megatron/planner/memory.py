@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from megatron.config import Config
 from megatron.config.validate_moe import moe_layer_flags
 from megatron.memory import activations as act
-from megatron.optimizer.memory import rank_model_state_bytes, step_transient_bytes
+from megatron.memory.model_states import rank_model_state_bytes, step_transient_bytes
 from megatron.planner.layout import copy_config
 from megatron.planner.stages import representative_stages
 

@@ -61,10 +61,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config import Config
-from megatron.device import _PEAK_TFLOPS_16BIT as PEAK_TFLOPS_16BIT
-from megatron.distributed.parallelize import sharding_stage
+from megatron.distributed.sharding_rule import sharding_stage
+from megatron.hardware import PEAK_TFLOPS_16BIT
+from megatron.memory.model_states import parameters_per_rank, rank_model_state_bytes
 from megatron.metrics import model_flops_per_token
-from megatron.optimizer.memory import parameters_per_rank, rank_model_state_bytes
 from megatron.planner.stages import representative_stages
 from megatron.planner.stages import stage_chunks as _stage_chunks
 
@@ -112,7 +112,7 @@ class Hardware:
 
 
 def gpu_peak_tflops(name: str) -> float:
-    """The dense 16-bit peak of a GPU named in megatron/device.py's table ("V100", "a100", ...)."""
+    """The dense 16-bit peak of a GPU named in megatron/hardware.py's table ("V100", "a100", ...)."""
     for key, value in PEAK_TFLOPS_16BIT.items():
         if key.lower() == name.lower():
             return value

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.context_parallel import AttentionPlan, attend, local_positions
 from megatron.context_parallel import blocks as blocks_module
+from megatron.context_parallel.attention import AttentionPlan, attend
+from megatron.context_parallel.layout import local_positions
+from megatron.context_parallel.tiling import MATH_TILE_BYTES
 from tests.distributed.harness import run_distributed
 
 B, NQ, NG, S, HD = 2, 4, 2, 48, 8
@@ -85,14 +87,14 @@ def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False, dr
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
     local_sinks = None if sinks is None else sinks.clone().requires_grad_()
     blocks_module.FUSED_ON_CPU["enabled"] = fused
-    limit = blocks_module.MATH_TILE_BYTES["limit"]
-    blocks_module.MATH_TILE_BYTES["limit"] = B * NQ * S * 4 * 5  # tiles of a few query rows, offsets inside blocks
+    limit = MATH_TILE_BYTES["limit"]
+    MATH_TILE_BYTES["limit"] = B * NQ * S * 4 * 5  # tiles of a few query rows, offsets inside blocks
     try:
         out = attend(*local, plan, dropout, scale=scale, window=window, sinks=local_sinks, layer=7)
         (out * weight[:, :, mine]).sum().backward()
     finally:
         blocks_module.FUSED_ON_CPU["enabled"] = True
-        blocks_module.MATH_TILE_BYTES["limit"] = limit
+        MATH_TILE_BYTES["limit"] = limit
     got = [out.detach(), *(t.grad for t in local)]
     wanted = [w[:, :, mine] for w in want[:4]]
     if sinks is not None:  # each rank's sinks' gradient is its tokens' share: summed over cp, the whole gradient

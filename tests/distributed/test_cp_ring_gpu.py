@@ -32,7 +32,7 @@ B, NQ, NG, S, HD = 2, 8, 4, 4096, 64
 
 
 def _ring(q, k, v, plan, weight, mine):
-    from megatron.context_parallel import attend
+    from megatron.context_parallel.attention import attend
 
     local = [t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v)]
     out = attend(*local, plan)
@@ -50,8 +50,8 @@ def _overlapping_nccl(prof) -> bool:
 
 def _check(rank: int, world: int) -> None:
     from megatron import parallel_state
-    from megatron.context_parallel import AttentionPlan, local_positions
-    from megatron.context_parallel.attention import RING_OVERLAP
+    from megatron.context_parallel.attention import RING_OVERLAP, AttentionPlan
+    from megatron.context_parallel.layout import local_positions
 
     device = dev.get_device("gpu", rank)
     ps = parallel_state.initialize(cp=world)

@@ -13,9 +13,10 @@ from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.parallelize import parallelize, plan_sharding
+from megatron.memory.measure import measured_model_state_bytes
+from megatron.memory.model_states import model_state_bytes, parameters_per_rank
 from megatron.model import build_model, num_parameters
 from megatron.optimizer import build_optimizer
-from megatron.optimizer.memory import measured_model_state_bytes, model_state_bytes, parameters_per_rank
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
 from pretrain_gpt import forward_step
@@ -125,7 +126,7 @@ def test_parameters_per_rank_follows_the_pipeline_cut(extra):
 
 def _measure_moe(rank, world, ep, sharding, stage):
     """A MoE model at ep over ``world`` ranks (dp x sharding): what the rank holds against the accounting."""
-    from megatron.optimizer.memory import parameter_split, rank_model_state_bytes
+    from megatron.memory.model_states import parameter_split, rank_model_state_bytes
 
     ps = parallel_state.initialize(sharding=sharding, ep=ep)
     config = parse_config(["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64",

@@ -24,9 +24,9 @@ import megatron
 from megatron import moe, parallel_state
 from megatron.checkpoint.megatron_core_names import is_gated, to_megatron_core_state
 from megatron.config import parse_config, validate
+from megatron.config.schema_model import attention_shape
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.model.gpt import GPTModel
-from megatron.model.transformer import attention_shape
 
 PINNED = "0.16.1"  # setup.py's test extra
 TOLERANCE = 1e-5  # of the largest |value| of the compared tensor

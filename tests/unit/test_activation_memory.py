@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron.config import Config, parse_config, validate
-from megatron.context_parallel.blocks import MATH_TILE_BYTES
+from megatron.context_parallel.tiling import MATH_TILE_BYTES
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.memory import estimate
@@ -35,8 +35,8 @@ from megatron.memory.activations import (
     temporary_terms,
 )
 from megatron.memory.measure import SavedActivations, measure_microbatch
+from megatron.memory.model_states import model_state_bytes, parameters_per_rank
 from megatron.model import build_model
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank
 from megatron.pipeline_parallel import schedule_tables as tables
 from pretrain_gpt import forward_step
 

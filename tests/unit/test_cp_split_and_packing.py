@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, parse_config, validate
-from megatron.context_parallel import AttentionPlan, attend, chunk_ids, local_positions, split_batch
-from megatron.context_parallel.layout import merge_chunks, scatter_chunks
+from megatron.context_parallel.attention import AttentionPlan, attend
+from megatron.context_parallel.layout import chunk_ids, local_positions, merge_chunks, scatter_chunks, split_batch
 from megatron.context_parallel.plan import plan_blocks
 from megatron.data.loader import build_batch
 from megatron.data.packing import document_ids, reset_positions

@@ -14,14 +14,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron import parallel_state
 from megatron.config import Config, ConfigError, parse_config, validate
-from megatron.config.layer_split import segment, stage_layers
+from megatron.config.layer_split import recompute_plan, segment, stage_layers
 from megatron.inference import InferenceEngine, Request, SamplingParams
+from megatron.memory.model_states import parameters_per_rank
 from megatron.metrics import model_flops_per_token
 from megatron.model import build_model, num_parameters
-from megatron.model.gpt import GPTModel, recompute_plan
+from megatron.model.gpt import GPTModel
 from megatron.model.rotary import RotaryEmbedding, apply_rotary
 from megatron.model.transformer import MLP, SelfAttention
-from megatron.optimizer.memory import parameters_per_rank
 from tests.distributed.harness import run_distributed
 from tests.grads import assert_grads_close
 

@@ -463,7 +463,7 @@ def test_generation_with_the_kv_cache_matches_full_forwards():
 @pytest.mark.parametrize("flags", [[], ["--swiglu", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
                                         "8", "--moe-ffn-hidden-size", "12"]])
 def test_parameter_count_of_the_memory_estimate_is_exact(flags):
-    from megatron.optimizer.memory import parameters_per_rank
+    from megatron.memory.model_states import parameters_per_rank
 
     config = moe_config("--num-layers", "3", "--moe-layer-freq", "[1,0,1]", *flags)
     parallel_state.initialize()

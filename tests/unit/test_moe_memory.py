@@ -15,9 +15,7 @@ from megatron import parallel_state
 from megatron.config import parse_config, validate
 from megatron.memory import estimate
 from megatron.memory.activations import activation_terms, temporary_terms
-from megatron.memory.moe import moe_dims
-from megatron.model import build_model
-from megatron.optimizer.memory import (
+from megatron.memory.model_states import (
     expert_grid,
     layer_split,
     model_state_bytes,
@@ -26,6 +24,8 @@ from megatron.optimizer.memory import (
     rank_model_state_bytes,
     step_transient_bytes,
 )
+from megatron.memory.moe import moe_dims
+from megatron.model import build_model
 from megatron.planner import Hardware, Layout, layout_time, plan_layouts
 from tests.unit.test_activation_memory import LLAMA, RECOMPUTE, make_config, measured_bytes
 
@@ -80,8 +80,8 @@ def test_one_process_model_states_are_what_the_optimizer_holds(flags):
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.distributed.parallelize import parallelize, plan_sharding
+    from megatron.memory.measure import measured_model_state_bytes
     from megatron.optimizer import build_optimizer
-    from megatron.optimizer.memory import measured_model_state_bytes
     from megatron.training import train_step
     from pretrain_gpt import forward_step
 

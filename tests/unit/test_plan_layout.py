@@ -8,6 +8,8 @@ import dataclasses
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from megatron.config import ConfigError, parse_config, validate
 from megatron.memory import estimate
 from megatron.memory.activations import in_flight_at_peak
-from megatron.optimizer.memory import model_state_bytes, parameters_per_rank
+from megatron.memory.model_states import model_state_bytes, parameters_per_rank
 from megatron.planner import (
     GIB,
     Hardware,
@@ -158,6 +160,31 @@ def test_cli_prints_the_table_and_json(capsys):
     assert set(first["time"]) >= {"compute", "tp_comm", "dp_exposed", "bubble", "p2p", "offload", "step"}
     assert first["memory"]["total"] <= 16 * GIB * 0.9 and data["hardware"]["devices"] == 4
     assert data["configured"]["layout"]["name"] == "tp1 pp1 dp4 mb2" and data["configured"]["rank"] >= 1
+
+
+_WITHOUT_TORCH = """
+import runpy, sys
+
+class NoTorch:  # any import of torch fails: the planner must not need it
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"the layout planner imported {name}")
+
+sys.meta_path.insert(0, NoTorch())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_the_planner_runs_without_importing_torch():
+    """torch's import is ~2 s of the planner's start-up, and forking the search's workers with it loaded costs
+    more: the planner, the memory estimate and the rules they read (``sharding_rule``, ``layer_split``,
+    ``context_parallel.tiling``, ``hardware``) are standard library only."""
+    argv = SMALL + ["--devices", "4", "--device-memory-gb", "16", "--top", "2", "--no-progress"]
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, str(ROOT / "tools/plan_layout.py"), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "an estimate, not a measurement" in done.stdout
 
 
 def test_the_seeds_config_is_estimate_memorys_figure(capsys):

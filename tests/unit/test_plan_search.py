@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from megatron.config import parse_config, validate
-from megatron.distributed.parallelize import sharding_stage
+from megatron.distributed.sharding_rule import sharding_stage
 from megatron.memory import estimate
-from megatron.optimizer.memory import rank_model_state_bytes
+from megatron.memory.model_states import rank_model_state_bytes
 from megatron.planner import (
     GIB,
     Hardware,

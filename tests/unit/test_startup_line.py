@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from megatron.config import parse_config, validate
-from megatron.optimizer.memory import parameters_per_rank
+from megatron.memory.model_states import parameters_per_rank
 from megatron.pretrain import _axes, _parameters_shown
 
 MOE = ["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

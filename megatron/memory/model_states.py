@@ -11,27 +11,28 @@ With P parameters on a rank (its tensor/pipeline share of the model), N = the ra
 | AdamW exp_avg + exp_avg_sq (fp32) | 8P | 8P | 1 |
 
 A sharded state is 1/N of the table per rank; which states a stage shards, and that without a
-sharding group (N = 1) the stage in effect is 1, is read from ``ShardingPlan`` and ``sharding_stage``
-(``megatron/distributed/parallelize.py``), the rule the run itself applies. ZeRO's 2Psi + 2Psi +
-K Psi with K = 12 (Adam, mixed precision) is this table with fp32 gradients (4P rather than 2P:
-main grads are accumulated in fp32 here, as Megatron-LM does). The figures are those held between
+sharding group (N = 1) the stage in effect is 1, is read from ``megatron/distributed/sharding_rule.py``, the
+rule the run itself applies (``ShardingPlan``). ZeRO's 2Psi + 2Psi + K Psi with K = 12 (Adam, mixed
+precision) is this table with fp32 gradients (4P rather than 2P: main grads are accumulated in fp32 here, as
+Megatron-LM does). The figures are those held between
 steps: under stage 2 the full 4P gradient buffer also exists during the backward, and under stage 3
 the full parameters (and gradients) of the layers being used: at most the non-layer parameters
 plus two layers at once: ``step_transient_bytes`` counts those.
 
 Offload (``sharding_offload``): the master weights (fp32 even when training in fp32) and the AdamW
 states live on the CPU, with a CPU copy of the gradient shard (4P/N) that the step reads.
+
+Standard library only: the layout planner counts without importing torch. What an optimizer holds, measured,
+is ``megatron.memory.measure.measured_model_state_bytes``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from megatron.config.schema import Config, padded_vocab_size
 from megatron.config.validate_moe import is_moe_layer
-from megatron.distributed.parallelize import ShardingPlan, sharding_stage
+from megatron.distributed.sharding_rule import sharding_stage, shards_grads, shards_params
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,11 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
         raise ValueError(f"sharding stage must be 1, 2 or 3, got {stage}")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown precision {precision!r}")
-    plan = ShardingPlan(stage=sharding_stage(sharding, stage), offload=offload)  # what the run would shard
+    in_effect = sharding_stage(sharding, stage)  # what the run would shard
     shard = -(-num_params // sharding)  # shards are padded to equal size
     low = precision != "fp32"
-    params = shard if plan.shards_params else num_params
-    grads = shard if plan.shards_grads else num_params
+    params = shard if shards_params(in_effect) else num_params
+    grads = shard if shards_grads(in_effect) else num_params
     return ModelStateBytes(parameters=params * (2 if low else 4), gradients=4 * grads,
                            master_weights=4 * shard if low or offload else 0, optimizer_states=8 * shard,
                            cpu_gradients=4 * shard if offload else 0, offload=offload)
@@ -255,18 +256,3 @@ def _mla_parameters(m, tp: int, per_norm: int) -> int:
     keys_values = ((m.kv_lora_rank + m.qk_pos_emb_head_dim) * h + norms * m.kv_lora_rank
                    + a * (m.qk_head_dim + m.v_head_dim) * m.kv_lora_rank // tp)
     return query + keys_values + a * m.v_head_dim * h // tp + (0 if m.disable_bias_linear else h)
-
-
-def measured_model_state_bytes(optimizer) -> ModelStateBytes:
-    """What a ``MixedPrecisionOptimizer`` and its buffer hold now, by the same headings (AdamW's
-    scalar step counters left out)."""
-    def nbytes(t) -> int:
-        return 0 if t is None else t.numel() * t.element_size()
-
-    buf = optimizer.buffer
-    states = sum(nbytes(t) for state in optimizer.inner.state.values() for t in state.values()
-                 if torch.is_tensor(t) and t.numel() > 1)
-    return ModelStateBytes(parameters=nbytes(buf.param_data) + nbytes(buf.param_shard),
-                           gradients=nbytes(buf.grad_data) + nbytes(buf.grad_shard),
-                           master_weights=nbytes(optimizer.master_data), optimizer_states=states,
-                           cpu_gradients=nbytes(optimizer.cpu_grad), offload=optimizer.offload)
