@@ -13,7 +13,7 @@ Takes the same configuration as pretrain_gpt.py, plus:
 
 Prints, for each pipeline stage, the bytes of parameters, fp32 gradients, fp32 master weights and
 AdamW states one rank holds between steps and how much of it is on the device and on the CPU
-(offload; megatron/optimizer/memory.py); then the activations one micro-batch's forward saves for
+(offload; megatron/memory/model_states.py); then the activations one micro-batch's forward saves for
 the backward, the micro-batches the schedule keeps in flight, the largest temporary buffer and the
 total with the model states of a step (megatron/memory/). Without pipelining one line reads
 ``activations per micro-batch: <value> <unit>``. Under context parallelism (``--context-parallel-size``)

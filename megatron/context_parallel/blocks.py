@@ -44,6 +44,11 @@ def _fused(device: torch.device) -> bool:
     return device.type == "cpu" and FUSED_ON_CPU["enabled"]
 
 
+def kernel_name(device: torch.device) -> str:
+    """The kernel a block without dropout runs on ``device`` (benchmarks/gpu.py reports it)."""
+    return "the CPU's fused flash kernel" if _fused(device) else "the plain fp32 kernel"
+
+
 @dataclass(frozen=True)
 class Block:
     q: slice  # query rows (local order)

@@ -2,7 +2,7 @@
 
 ``estimate(config, stage)`` adds:
 
-- ``model_states``: what the rank holds on the device between steps (``megatron/optimizer/memory.py``:
+- ``model_states``: what the rank holds on the device between steps (``megatron/memory/model_states.py``:
   parameters, fp32 gradients, masters, AdamW states, by the sharding stage in effect; a MoE model's experts
   those of its expert-parallel rank, sharded over the expert-data-parallel ranks; offloaded states
   excluded) plus what exists only during a step (``step_transient_bytes``: stage 2's full gradient

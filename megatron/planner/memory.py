@@ -2,7 +2,7 @@
 largest temporary (what ``megatron.memory.estimate(config, stage)`` adds up), and per rank on the host what
 ZeRO offload keeps there.
 
-Device memory: the model states of ``megatron/optimizer/memory.py`` during a step (by the sharding plan's stage
+Device memory: the model states of ``megatron/memory/model_states.py`` during a step (by the sharding plan's stage
 rule), the saved activations of the micro-batches the schedule keeps in flight on that stage
 (``activations.peak_activation_bytes``) and the largest temporary. Stages alike (same layer counts, neither
 first nor last) are evaluated at the first of them, which holds the most micro-batches. The estimate is a lower

@@ -1,4 +1,4 @@
-"""The memory estimate and the planner with experts (megatron/memory/moe.py, megatron/optimizer/memory.py,
+"""The memory estimate and the planner with experts (megatron/memory/moe.py, megatron/memory/model_states.py,
 megatron/planner/): a MoE layer's saved activations against what saved_tensors_hooks measure (to the byte, one
 process), the model states of one process against what its optimizer holds (to the byte), and with expert
 parallelism by arithmetic: E / ep experts per rank split over etp, their states sharded over the expert-data-
