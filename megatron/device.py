@@ -260,6 +260,17 @@ def fastest_precision(device_type: str = "cpu") -> str:
     return "bf16" if half_precision("bf16", device_type).native else "fp32"
 
 
+def fp8_problem(device: torch.device) -> str | None:
+    """None when ``device`` has FP8 tensor cores (a CUDA GPU of compute capability 8.9 or newer); else why."""
+    if device.type != "cuda":
+        return "FP8 matmuls need an NVIDIA GPU; this run is on the CPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; FP8 tensor cores need "
+                f"8.9 or newer (Ada, Hopper, Blackwell)")
+    return None
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 

@@ -149,8 +149,7 @@ _UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives l
            "interleaving)")
 _INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
 _MOE_DISPATCH = "Megatron's DeepEP token dispatch"
-_FP8 = ("FP8 training, which needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, "
-        "Hopper, Blackwell) and Transformer Engine, and is not built here; bf16 trains the same model")
+_FP8 = "an FP8 option not built here (docs/fp8.md lists those built)"
 
 
 @dataclass(frozen=True)
@@ -172,10 +171,8 @@ ABSENT: dict[str, Absent] = {
     "--apply-wd-to-qk-layernorm": Absent("weight decay on the QK norms (norms never decay here)"),
     "--attention-output-gate": Absent("gated attention output"),
     "--experimental-attention-variant": Absent("experimental attention variants"),
-    "--fp8-format": Absent(_FP8),
-    "--fp8-recipe": Absent(_FP8),
-    "--fp8-param-gather": Absent(_FP8),
-    "--first-last-layers-bf16": Absent(_FP8),
+    "--first-last-layers-bf16": Absent("the first and last transformer layers kept in bf16 under FP8 (every "
+                                       "layer's linear layers run in FP8 here; docs/fp8.md)"),
     "--outer-dp-sharding-strategy": Absent(
         "hybrid-sharded data parallelism (Megatron FSDP's outer data-parallel group); --use-megatron-fsdp shards "
         "over the whole data-parallel group here", ("no_shard",)),
@@ -298,6 +295,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--mtp-num-layers", "--mtp-loss-scaling-factor", "--no-bias-gelu-fusion", "--disable-bf16-reduced-precision-matmul",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
+    "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
     "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",

@@ -137,6 +137,19 @@ class MixPrecisionConfig:
     disable_bf16_reduced_precision_matmul: bool = opt(
         False, "On GPUs, bf16 matmuls reduce in fp32 only (torch.backends.cuda.matmul."
                "allow_bf16_reduced_precision_reduction off, Megatron-LM's flag); no effect on the CPU.")
+    fp8_format: str | None = opt(
+        None, "FP8 matmuls in the tensor-parallel linear layers (docs/fp8.md): e4m3 (every operand E4M3) or hybrid "
+              "(the output gradient E5M2); needs a GPU of compute capability 8.9 or newer.", ("e4m3", "hybrid"))
+    fp8_recipe: str = opt(
+        "tensorwise", "FP8 scaling: tensorwise (each tensor by its own amax, the whole tensor's over the ranks "
+                      "that split it). delayed, mxfp8 and blockwise are refused (not built).",
+        ("tensorwise", "delayed", "mxfp8", "blockwise"))
+    fp8_amax_history_len: int = opt(1, "Delayed scaling's amax history (Megatron-LM's); without effect under "
+                                       "tensorwise.")
+    fp8_amax_compute_algo: str = opt("most_recent", "Delayed scaling's amax from the history (Megatron-LM's); "
+                                                    "without effect under tensorwise.", ("most_recent", "max"))
+    fp8_param_gather: bool = opt(False, "Gather ZeRO-sharded parameters in FP8 (refused: not built; they are "
+                                        "gathered in the training dtype).")
 
 
 @dataclass

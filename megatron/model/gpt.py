@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron import tensor_parallel as tp
+from megatron.config.cli import ConfigError
 from megatron.config.layer_split import recompute_plan
 from megatron.config.schema import Config, ModelConfig
 from megatron.config.schema_model import attention_shape
@@ -287,10 +288,25 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
         else:
             init_parameters(chunk, config.seed, m)
             chunks.append(chunk.to(device=device, dtype=dtype))
+    if config.mix_precision.fp8_format is not None:
+        _enable_fp8(chunks, config, torch.device(device), ps)
     if config.compile:
         compile_model(chunks, torch.device(device).type,
                       attention_eager=d.context_parallel_size > 1 or config.dataset.reset_attention_mask)
     return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+
+
+def _enable_fp8(chunks: list[nn.Module], config: Config, device: torch.device, ps) -> None:
+    """The tensor-parallel linear layers' matmuls in FP8 (``tensor_parallel.fp8``); refused, in one line on every
+    rank, on a device without FP8 tensor cores."""
+    from megatron import device as dev
+
+    problem = dev.fp8_problem(device)
+    if problem is not None:
+        raise ConfigError(f"--fp8-format: {problem}; drop --fp8-format (bf16 trains the same model).")
+    recipe = tp.FP8Recipe(config.mix_precision.fp8_format)
+    for chunk in chunks:
+        tp.enable_fp8(chunk, recipe, ps.group("cp") if ps.cp_size > 1 else None)
 
 
 def _materialize_expert_biases(chunk: nn.Module, device: torch.device | str) -> None:

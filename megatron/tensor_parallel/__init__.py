@@ -4,11 +4,13 @@ rank or vocabulary-parallel), and random streams with activation recompute that 
 Activations are ``[s, b, h]``."""
 
 from megatron.tensor_parallel.cross_entropy import token_cross_entropy, vocab_parallel_cross_entropy
+from megatron.tensor_parallel.fp8 import FP8Recipe
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_matmul,
+    enable_fp8,
     mark_sequence_parallel,
     set_async_communication,
     shard_full_tensor,
@@ -33,12 +35,14 @@ from megatron.tensor_parallel.random import (
 __all__ = [
     "TENSOR_PARALLEL_RNG",
     "ColumnParallelLinear",
+    "FP8Recipe",
     "RNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "checkpoint",
     "column_parallel_matmul",
     "copy_to_tp_region",
+    "enable_fp8",
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "get_rng_tracker",

@@ -37,6 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import parallel_state
+from megatron.tensor_parallel.fp8 import (
+    AmaxGroups,
+    FP8Recipe,
+    cast_grad,
+    forward_mm,
+    fp8_linear,
+    input_grad,
+    weight_grad,
+)
 from megatron.tensor_parallel.mappings import (
     Pending,
     gather_from_tp_region,
@@ -134,44 +143,61 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, async_communication):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, group, sequence_parallel, async_communication, fp8=None):
         ctx.has_bias, ctx.group = bias is not None, group
         ctx.sequence_parallel, ctx.async_communication = sequence_parallel, async_communication
         total = start_all_gather(x, group, async_op=False).wait() if sequence_parallel else x
-        return F.linear(total, weight, bias)
+        ctx.fp8 = fp8  # (FP8Recipe, AmaxGroups) or None
+        if fp8 is None:
+            ctx.save_for_backward(x, weight)
+            return F.linear(total, weight, bias)
+        out, x_scale, w_scale = forward_mm(total.reshape(-1, total.shape[-1]), weight, fp8[1])
+        ctx.save_for_backward(x, weight, x_scale, w_scale)
+        out = out.view(*total.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight, *scales = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         group, async_op = ctx.group, ctx.async_communication
         gather: Pending | None = None
         if ctx.sequence_parallel and need_weight:
             gather = start_all_gather(x, group, async_op)
-        grad_input = grad_out.matmul(weight) if need_input else None  # [s, b, in]: partial over the ranks
+        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        g8 = None if ctx.fp8 is None else cast_grad(grad_out_2d, *ctx.fp8)  # once for both matmuls
+        grad_input = None
+        if need_input and g8 is None:
+            grad_input = grad_out.matmul(weight)  # [s, b, in]: partial over the ranks
+        elif need_input:
+            grad_input = input_grad(g8, weight, scales[1], grad_out.dtype).view(*grad_out.shape[:-1], weight.shape[1])
         total = gather.wait() if gather is not None else x
         reduction: Pending | None = None
         if need_input:
             start = start_reduce_scatter if ctx.sequence_parallel else start_all_reduce
             reduction = start(grad_input, group, async_op)
-        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1])) if need_weight else None
+        grad_weight = None
+        if need_weight and g8 is None:
+            grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        elif need_weight:
+            grad_weight = weight_grad(g8, total.reshape(-1, total.shape[-1]), scales[0], weight.dtype)
         grad_bias = grad_out_2d.sum(0) if ctx.has_bias and need_bias else None
         if reduction is not None:
             grad_input = reduction.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group=None,
-                           sequence_parallel: bool = False, async_communication: bool = True) -> torch.Tensor:
+                           sequence_parallel: bool = False, async_communication: bool = True,
+                           fp8: tuple[FP8Recipe, AmaxGroups] | None = None) -> torch.Tensor:
     """``F.linear(X, weight, bias)`` for a column-parallel weight ``[out/t, in]``: see
     ``_ColumnParallelMatmul`` (forward all-gather of the sequence under ``sequence_parallel``; backward
-    all-reduce or reduce-scatter of dX, hidden behind the weight-gradient matmul). One rank: ``F.linear``."""
+    all-reduce or reduce-scatter of dX, hidden behind the weight-gradient matmul). One rank: ``F.linear``.
+    ``fp8``: the matmuls in FP8 (``fp8.py``) with this recipe and these amax groups."""
     group = resolve_group(group)
     if group is None:
-        return F.linear(x, weight, bias)
-    return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel, async_communication)
+        return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, *fp8, bias=bias)
+    return _ColumnParallelMatmul.apply(x, weight, bias, group, sequence_parallel, async_communication, fp8)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -193,6 +219,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.async_communication = async_communication
+        self.fp8: tuple[FP8Recipe, AmaxGroups] | None = None  # set by enable_fp8
         self.output_size_per_partition = _divide(out_features, world, "out_features")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, in_features))
         set_tensor_parallel_attributes(self.weight, 0, (out_features, in_features), rank, world)
@@ -212,7 +239,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_matmul(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                   self.async_communication)
+                                   self.async_communication, self.fp8)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -228,6 +255,23 @@ def set_async_communication(model: nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.async_communication = enabled
     return len(layers)
+
+
+def enable_fp8(model: nn.Module, recipe: FP8Recipe, cp_group=None) -> int:
+    """Run the matmuls of every tensor-parallel linear layer of ``model`` in FP8 (``fp8.py``); returns how many.
+    Each operand's amax is taken over the ranks that split it: the layer's tp group (a column-parallel weight and
+    output gradient, a row-parallel weight and input) and ``cp_group`` (every activation and its gradient)."""
+    cp = () if cp_group is None else (cp_group,)
+    layers = 0
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            group = resolve_group(module.group)
+            tp = () if group is None else (group,)
+            column = isinstance(module, ColumnParallelLinear)
+            groups = AmaxGroups(input=cp if column else tp + cp, weight=tp, grad=tp + cp if column else cp)
+            module.fp8 = (recipe, groups)
+            layers += 1
+    return layers
 
 
 class RowParallelLinear(nn.Module):
@@ -246,6 +290,7 @@ class RowParallelLinear(nn.Module):
         world, rank = group_size_and_rank(group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.fp8: tuple[FP8Recipe, AmaxGroups] | None = None  # set by enable_fp8
         self.input_size_per_partition = _divide(in_features, world, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.input_size_per_partition))
         set_tensor_parallel_attributes(self.weight, 1, (out_features, in_features), rank, world)
@@ -268,7 +313,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        partial = F.linear(x, self.weight)
+        partial = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, *self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(partial, self.group)
         else:

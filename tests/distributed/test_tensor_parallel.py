@@ -21,9 +21,11 @@ from torch import nn
 from megatron import parallel_state
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
+    FP8Recipe,
     RowParallelLinear,
     VocabParallelEmbedding,
     checkpoint,
+    enable_fp8,
     gather_from_sequence_region,
     get_rng_tracker,
     mappings,
@@ -32,6 +34,7 @@ from megatron.tensor_parallel import (
     tensor_parallel_seed,
     vocab_parallel_cross_entropy,
 )
+from megatron.tensor_parallel.fp8 import AmaxGroups, fp8_linear
 from megatron.tensor_parallel.mappings import _reduce_scatter, reduce_scatter_fallback
 from tests.distributed.harness import run_distributed
 
@@ -97,6 +100,62 @@ def _check_linear_layers(tp: int, rank: int) -> None:
     y, _ = _forward_backward(layer, ids, dy)
     _close(y, y_ref, "embedding output")
     _close(layer.weight.grad, chunk(ref.weight.grad, 0), "embedding weight grad")
+
+
+def _fp8_reference(ref: nn.Linear, x: torch.Tensor, dy: torch.Tensor, recipe: FP8Recipe):
+    """One process's FP8 layer: ``ref``'s parameters, the matmul in FP8; (output, input grad) and ``ref``'s grads."""
+    x = x.detach().clone().requires_grad_()
+    y = fp8_linear(x, ref.weight, recipe, bias=ref.bias)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def _check_fp8_layers(tp: int, rank: int, group) -> None:
+    """Under FP8 (hybrid) the column- and row-parallel layers, with and without sequence parallelism, equal one
+    process's FP8 layer within fp32 round-off: every operand is scaled by the whole tensor's amax (the maximum over
+    the ranks that split it), so every element is cast as in one process. And the cp rule: tokens split over a
+    group, the input's and the gradient's amax over it, give one process's rows."""
+    recipe = FP8Recipe("hybrid")
+
+    def chunk(t, dim=-1):
+        return t.chunk(tp, dim)[rank]
+
+    for sp in (False, True):
+        ref, layer = nn.Linear(H, 4 * H), ColumnParallelLinear(H, 4 * H, sequence_parallel=sp)
+        _load_shards(layer, ref)
+        assert enable_fp8(layer, recipe) == 1
+        x, dy = 3 * torch.randn(S, B, H), torch.randn(S, B, 4 * H)
+        y_ref, dx_ref = _fp8_reference(ref, x, dy, recipe)
+        assert 1e-4 < (y_ref - F.linear(x, ref.weight, ref.bias)).abs().max() < 0.2 * y_ref.abs().max()  # FP8 ran
+        y, dx = _forward_backward(layer, chunk(x, 0) if sp else x, chunk(dy))
+        what = f"fp8 column (sp={sp})"
+        _close(y, chunk(y_ref), f"{what} output")
+        _close(dx, chunk(dx_ref, 0) if sp else dx_ref, f"{what} input grad")
+        _close(layer.weight.grad, chunk(ref.weight.grad, 0), f"{what} weight grad")
+        _close(layer.bias.grad, chunk(ref.bias.grad, 0), f"{what} bias grad")
+
+        ref, layer = nn.Linear(4 * H, H), RowParallelLinear(4 * H, H, sequence_parallel=sp)
+        _load_shards(layer, ref)
+        enable_fp8(layer, recipe)
+        x, dy = torch.randn(S, B, 4 * H), torch.randn(S, B, H)
+        y_ref, dx_ref = _fp8_reference(ref, x, dy, recipe)
+        y, dx = _forward_backward(layer, chunk(x), chunk(dy, 0) if sp else dy)
+        what = f"fp8 row (sp={sp})"
+        _close(y, chunk(y_ref, 0) if sp else y_ref, f"{what} output")
+        _close(dx, chunk(dx_ref), f"{what} input grad")
+        _close(layer.weight.grad, chunk(ref.weight.grad), f"{what} weight grad")
+
+    w = torch.randn(4 * H, H)  # the cp rule, the group standing for a context-parallel one
+    x, dy = torch.randn(S, B, H), torch.randn(S, B, 4 * H)
+    ref_x, shard_x, ref_w, shard_w = x.clone().requires_grad_(), chunk(x, 0).requires_grad_(), w.clone(), w.clone()
+    ref_w.requires_grad_(), shard_w.requires_grad_()
+    fp8_linear(ref_x, ref_w, recipe).backward(dy)
+    y = fp8_linear(shard_x, shard_w, recipe, AmaxGroups(input=(group,), grad=(group,)))
+    y.backward(chunk(dy, 0))
+    dist.all_reduce(shard_w.grad, group=group)  # each rank's tokens' share of dW
+    _close(y, chunk(fp8_linear(x, w, recipe), 0), "fp8 split tokens output")
+    _close(shard_x.grad, chunk(ref_x.grad, 0), "fp8 split tokens input grad")
+    _close(shard_w.grad, ref_w.grad, "fp8 split tokens weight grad")
 
 
 def _sum_sequence_parallel_grads(module: nn.Module) -> None:
@@ -274,6 +333,7 @@ def _all_checks(rank: int, world_size: int, tp: int) -> str:
     state = parallel_state.initialize(tp=tp)
     torch.manual_seed(0)  # every rank draws the same references and inputs
     _check_linear_layers(tp, state.tp_rank)
+    _check_fp8_layers(tp, state.tp_rank, state.group("tp"))
     _check_sequence_parallel(tp, state.tp_rank)
     _check_column_parallel_communication(tp, state.tp_rank)
     _check_column_parallel_main_grads(tp, state.tp_rank)

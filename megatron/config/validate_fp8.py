@@ -1,0 +1,44 @@
+"""FP8 training: the checks of its settings (part of ``validate``). What runs is ``megatron/tensor_parallel/fp8.py``;
+whether the GPU has FP8 tensor cores is asked at start-up (``megatron.device.fp8_problem``), on every rank."""
+
+from __future__ import annotations
+
+from megatron.config.cli import fail as _fail
+from megatron.config.schema import Config
+from megatron.config.schema_model import attention_shape
+
+_NOT_BUILT = {
+    "delayed": "delayed scaling (an amax history) is not built here",
+    "mxfp8": "MXFP8 (32-element blocks, Blackwell's compute capability 10.0) is not built here",
+    "blockwise": "blockwise scaling (1x128 / 128x128 blocks) is not built here",
+}
+
+
+def check_fp8(config: Config, warnings: list[str]) -> None:
+    mp, m, d = config.mix_precision, config.model, config.distributed
+    if mp.fp8_format is None:
+        return
+    if config.device == "cpu":
+        _fail("--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+              "Blackwell); on the CPU torch's FP8 matmul is emulated and slower than bf16: drop --fp8-format (bf16 "
+              "trains the same model).")
+    if mp.fp8_recipe in _NOT_BUILT:
+        _fail(f"--fp8-recipe {mp.fp8_recipe}: {_NOT_BUILT[mp.fp8_recipe]}; --fp8-recipe tensorwise is (each tensor "
+              f"scaled by its own amax, the same whatever the layout).")
+    if mp.fp8_param_gather:
+        _fail("--fp8-param-gather is not built here (ZeRO gathers parameters in the training dtype); drop it.")
+    if (mp.fp8_amax_history_len, mp.fp8_amax_compute_algo) != (1, "most_recent"):
+        warnings.append("--fp8-amax-history-len and --fp8-amax-compute-algo shape delayed scaling's history; under "
+                        "--fp8-recipe tensorwise each tensor is scaled by its own amax and they have no effect.")
+    tp, cp = d.mp_degree, d.context_parallel_size
+    nq, ng, hd = attention_shape(m)
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    widths = {"hidden_size": m.hidden_size, "ffn_hidden_size / mp_degree": ffn // tp,
+              "the attention heads' width / mp_degree": nq * hd // tp,
+              "the query-key-value width / mp_degree": (nq + 2 * ng) * hd // tp,
+              "the tokens of a micro-batch (micro_batch_size x max_seq_len / context_parallel_size)":
+                  config.batch_size.micro_batch_size * config.dataset.max_seq_len // cp}
+    for what, size in widths.items():
+        if size % 16:
+            _fail(f"--fp8-format: FP8 matmuls need sizes that are multiples of 16, and {what} is {size}; change "
+                  f"the model or the batch, or drop --fp8-format.")
