@@ -54,6 +54,11 @@ def _log_segmentation(config: Config, ps, log) -> None:
         log.info(line)
 
 
+def _fp8(config: Config) -> str:
+    mp = config.mix_precision
+    return "" if mp.fp8_format is None else f" (linear layers in FP8: {mp.fp8_format}, {mp.fp8_recipe})"
+
+
 def _threads(choice: cpu_threads.ThreadChoice | None) -> str:
     return f", {choice.describe()}" if choice else ""
 
@@ -93,7 +98,8 @@ def pretrain(config: Config, model_provider: ModelProvider, datasets_provider: D
     model = model_provider(config, device, meta_init=plan.meta_init)
     if ps.rank == 0:
         described, precision_warning = dev.describe_precision(device, config.params_dtype_name)
-        log.info(f"model: {_parameters_shown(config, num_parameters(model), ps)}, dtype {config.params_dtype_name}, "
+        shown = _parameters_shown(config, num_parameters(model), ps)
+        log.info(f"model: {shown}, dtype {config.params_dtype_name}{_fp8(config)}, "
                  f"device {described}{_threads(threads)}, world size {ps.world_size} ({_axes(ps, config, plan.stage)})")
         if config.dataset.reset_attention_mask or config.dataset.reset_position_ids:
             log.info(f"packed documents: {_packing(config)}")

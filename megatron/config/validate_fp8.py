@@ -16,6 +16,8 @@ _NOT_BUILT = {
 
 def check_fp8(config: Config, warnings: list[str]) -> None:
     mp, m, d = config.mix_precision, config.model, config.distributed
+    if mp.fp8_amax_history_len < 1:
+        _fail(f"fp8_amax_history_len must be at least 1, got {mp.fp8_amax_history_len}.")
     if mp.fp8_format is None:
         return
     if config.device == "cpu":

@@ -25,16 +25,9 @@ REFUSED = {
     "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
     "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
     "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances": {"--num-distributed-optimizer-instances"},
-    # FP8 needs a GPU with FP8 tensor cores and Transformer Engine (tests/functional/test_megatron_script.py trains
-    # these two without it)
-    "gpt3_mcore_te_tp2_pp2_ep4_etp1_mtp_resume_torch_dist_fp8": {"--fp8-format", "--fp8-recipe"},
-    "deepseek_proxy_fsdp_ep2_fsdp2": {"--fp8-format", "--fp8-recipe", "--fp8-param-gather"},
-    "examples/gptoss/02_train.sh": {"--fp8-format", "--fp8-param-gather", "--fp8-amax-compute-algo",
-                                    "--fp8-amax-history-len"},
     "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": {
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"},
 }
-FP8 = {"--fp8-format", "--fp8-recipe", "--fp8-param-gather"}
 COMMAND_LINES = {"examples/gpt3/train_gpt3_175b_distributed.sh": EXAMPLE_175B, **FUNCTIONAL,
                  "examples/rl/model_configs/qwen3_30b_a3b_moe.sh": EXAMPLE_QWEN3_30B_A3B,
                  "examples/gptoss/02_train.sh": EXAMPLE_GPT_OSS}
@@ -73,6 +66,16 @@ def _world_size(argv: list[str]) -> int:
     return tp * pp * cp * experts // math.gcd(experts, tp * cp)
 
 
+def _validated(argv: list[str], notices: list[str] | None = None):
+    config = parse_config(argv, warnings=notices)
+    infer_tokenizer_type(config.tokenizer)  # the 175B example gives GPT-2's files and no --tokenizer-type
+    null = config.tokenizer.tokenizer_type == "NullTokenizer"
+    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size) if null else None
+    vocab = tokenizer.vocab_size if tokenizer else (GPT2_VOCAB if config.tokenizer.tokenizer_type else None)
+    validate(config, world_size=_world_size(argv), tokenizer_vocab_size=vocab)
+    return config
+
+
 @pytest.mark.parametrize("name", list(COMMAND_LINES))
 def test_megatron_command_lines_parse_and_validate(name, tmp_path):
     argv = _argv(COMMAND_LINES[name], tmp_path)
@@ -83,16 +86,13 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
         refused = {flag for flag in argv if flag.startswith("--") and flag in str(err.value)}
         assert refused == REFUSED[name], str(err.value)
         assert "unknown argument" not in str(err.value)
-        if not refused <= FP8:
-            return
-        argv = _without(argv, refused)  # FP8 aside, the command line is taken
-        notices = []
-    config = parse_config(argv, warnings=notices)
-    infer_tokenizer_type(config.tokenizer)  # the 175B example gives GPT-2's files and no --tokenizer-type
-    null = config.tokenizer.tokenizer_type == "NullTokenizer"
-    tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size) if null else None
-    vocab = tokenizer.vocab_size if tokenizer else (GPT2_VOCAB if config.tokenizer.tokenizer_type else None)
-    validate(config, world_size=_world_size(argv), tokenizer_vocab_size=vocab)
+        return
+    fp8 = {flag for flag in argv if flag.startswith("--fp8-")}
+    if fp8:  # taken, and refused by validation on a CPU in one line (tests/functional/test_megatron_script.py)
+        with pytest.raises(ConfigError, match=r"^--fp8-format needs an NVIDIA GPU with FP8 tensor cores"):
+            _validated(argv)
+        argv = _without(argv, fp8)  # FP8 aside, the command line is taken
+    config = _validated(argv, notices)
     assert any(n.startswith("Megatron-LM command line") for n in notices)
     # what the flags say is what the configuration holds
     assert config.model.num_layers == int(argv[argv.index("--num-layers") + 1])
@@ -311,16 +311,21 @@ def test_what_megatron_only_checks_or_fuses_is_accepted():
                        "--no-check-for-nan-in-loss-and-grad, --logging-level 40 (docs/megatron.md says why)."]
 
 
-def test_fp8_flags_are_refused_together_in_one_line_naming_the_gpu_they_need():
+def test_fp8_flags_are_ours_and_refused_on_a_cpu_in_one_line_naming_the_gpu_they_need():
+    fp8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16"]
+    config = parse_config(["--mock-data", "--bf16", *fp8])
+    mp = config.mix_precision
+    assert (mp.fp8_format, mp.fp8_recipe, mp.fp8_amax_history_len) == ("hybrid", "tensorwise", 16)
     with pytest.raises(ConfigError) as err:
-        parse_config(["--mock-data", "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
-                      "--fp8-param-gather", "--fp8-amax-history-len", "16", "--use-mup"])
+        validate(config)
     text = str(err.value)
     assert "\n" not in text and text.startswith(
-        "not available here: --fp8-format hybrid, --fp8-recipe tensorwise, --fp8-param-gather, --fp8-amax-history-len "
-        "(FP8 training, which needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, "
-        "Hopper, Blackwell) and Transformer Engine, and is not built here; bf16 trains the same model), --use-mup "
-        "(muP parametrisation); remove them")
+        "--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+        "Blackwell); on the CPU")
+    with pytest.raises(ConfigError) as err:  # what is still not built is refused at parsing, in the same line
+        parse_config(["--mock-data", *fp8, "--fp8-margin", "0", "--use-mup"])
+    assert str(err.value).startswith("not available here: --use-mup (muP parametrisation), --fp8-margin (an FP8 "
+                                     "option not built here (docs/fp8.md lists those built)); remove them")
 
 
 def test_kv_channels_is_accepted_and_unused_under_multi_latent_attention():
