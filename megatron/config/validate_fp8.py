@@ -40,6 +40,12 @@ def check_fp8(config: Config, warnings: list[str]) -> None:
               "the query-key-value width / mp_degree": (nq + 2 * ng) * hd // tp,
               "the tokens of a micro-batch (micro_batch_size x max_seq_len / context_parallel_size)":
                   config.batch_size.micro_batch_size * config.dataset.max_seq_len // cp}
+    if m.multi_latent_attention:  # its projections (megatron/model/mla.py)
+        widths.update({"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or 16,
+                       "the queries' width / mp_degree": nq * (m.qk_head_dim + m.qk_pos_emb_head_dim) // tp,
+                       "the values' width / mp_degree": nq * m.v_head_dim // tp})
+    if m.moe_shared_expert_intermediate_size:
+        widths["moe_shared_expert_intermediate_size / mp_degree"] = m.moe_shared_expert_intermediate_size // tp
     for what, size in widths.items():
         if size % 16:
             _fail(f"--fp8-format: FP8 matmuls need sizes that are multiples of 16, and {what} is {size}; change "
