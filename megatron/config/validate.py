@@ -19,7 +19,7 @@ from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
 from megatron.config.validate_attention import check_attention, check_mtp
 from megatron.config.validate_context import check_context_parallel
-from megatron.config.validate_fp8 import check_fp8
+from megatron.config.validate_fp8 import check_fp8_settings, check_fp8_sizes
 from megatron.config.validate_moe import check_moe
 from megatron.config.validate_schedule import (
     check_batch_schedule,
@@ -427,6 +427,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     Model.vocab_size, and its lower bound). ``training_data=False`` (evaluation, whose data is the task's
     file): no training data is asked for."""
     warnings: list[str] = []
+    check_fp8_settings(config, cuda_available, warnings)
     _check_counts(config)
     _check_data(config, tokenizer_vocab_size, training_data)
     _check_model(config)
@@ -442,6 +443,6 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     check_batch_schedule(config, warnings)
     check_optimizer(config, warnings)
     _check_training(config, cuda_available)
-    check_fp8(config, warnings)
+    check_fp8_sizes(config)
     _check_profile(config, world_size, warnings)
     return warnings

@@ -14,13 +14,14 @@ _NOT_BUILT = {
 }
 
 
-def check_fp8(config: Config, warnings: list[str]) -> None:
-    mp, m, d = config.mix_precision, config.model, config.distributed
+def check_fp8_settings(config: Config, cuda_available: bool, warnings: list[str]) -> None:
+    """First of all the checks: a CPU run, or a recipe not built, is refused before anything else is said."""
+    mp = config.mix_precision
     if mp.fp8_amax_history_len < 1:
         _fail(f"fp8_amax_history_len must be at least 1, got {mp.fp8_amax_history_len}.")
     if mp.fp8_format is None:
         return
-    if config.device == "cpu":
+    if (config.device or ("gpu" if cuda_available else "cpu")) == "cpu":
         _fail("--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
               "Blackwell); on the CPU torch's FP8 matmul is emulated and slower than bf16: drop --fp8-format (bf16 "
               "trains the same model).")
@@ -32,6 +33,13 @@ def check_fp8(config: Config, warnings: list[str]) -> None:
     if (mp.fp8_amax_history_len, mp.fp8_amax_compute_algo) != (1, "most_recent"):
         warnings.append("--fp8-amax-history-len and --fp8-amax-compute-algo shape delayed scaling's history; under "
                         "--fp8-recipe tensorwise each tensor is scaled by its own amax and they have no effect.")
+
+
+def check_fp8_sizes(config: Config) -> None:
+    """After the batch sizes and the model's widths are resolved: ``torch._scaled_mm`` wants multiples of 16."""
+    mp, m, d = config.mix_precision, config.model, config.distributed
+    if mp.fp8_format is None:
+        return
     tp, cp = d.mp_degree, d.context_parallel_size
     nq, ng, hd = attention_shape(m)
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
