@@ -248,16 +248,16 @@ def cp_kernel(bench: Bench) -> dict:
         out, lse = blocks.kernel_forward(q, k, v, block, scale)
         blocks.kernel_backward(torch.ones_like(out), q, k, v, out, lse, block, scale)
 
-    result = {"length": length, "heads": heads, "width": width, "dtype": str(dtype).replace("torch.", "")}
-    saved = blocks.FUSED_ON_CPU["enabled"]
+    result = {"length": length, "heads": heads, "width": width, "dtype": str(dtype).replace("torch.", ""),
+              "kernel": blocks.kernel_name(bench.device, dtype, width)}
+    saved = blocks.FUSED_ON_CPU["enabled"], blocks.FUSED_ON_GPU["enabled"]
     try:
-        for name, fused in (("dispatched", saved), ("plain", False)):
-            blocks.FUSED_ON_CPU["enabled"] = fused
+        for name, fused in (("dispatched", saved), ("plain", (False, False))):
+            blocks.FUSED_ON_CPU["enabled"], blocks.FUSED_ON_GPU["enabled"] = fused
             bench.timed(run, 1)
             result[name + "_s"] = statistics.median(bench.timed(run, max(2, bench.steps // 2)))
     finally:
-        blocks.FUSED_ON_CPU["enabled"] = saved
-    result["kernel"] = blocks.kernel_name(bench.device)
+        blocks.FUSED_ON_CPU["enabled"], blocks.FUSED_ON_GPU["enabled"] = saved
     result["speedup"] = result["plain_s"] / result["dispatched_s"]
     return result
 

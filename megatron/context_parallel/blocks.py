@@ -16,9 +16,12 @@ exact gradient of the queries, keys and values, and ``sinks_grad`` gives the sin
 lse'_i) (dout_i . out'_i)``.
 
 Kernels: on the CPU PyTorch's fused flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
-returns the log-sum-exp; a block the window cuts gets an additive mask); elsewhere the same computation in plain
-operations in fp32, a tile of query rows at a time so that the scores held at once stay under ``MATH_TILE_BYTES``
-(``tiling.py``) whatever the block's length (``FUSED_ON_CPU["enabled"] = False`` runs it on the CPU too, for tests).
+returns the log-sum-exp; a block the window cuts gets an additive mask); on a CUDA GPU, for a block without a mask
+in bf16 or fp16, PyTorch's FlashAttention-2 kernel (``_scaled_dot_product_flash_attention`` and its backward, which
+take the merged output and log-sum-exp as the CPU's does) once a probe on the device has found it equal to the
+plain kernel (``gpu_flash``); otherwise the same computation in plain operations in fp32, a tile of query rows at
+a time so that the scores held at once stay under ``MATH_TILE_BYTES`` (``tiling.py``) whatever the block's length
+(``FUSED_ON_CPU["enabled"] = False`` / ``FUSED_ON_GPU`` run it everywhere, for tests).
 
 Widths: the values may be narrower or wider than the queries and keys (multi-latent attention: ``dn + dr``
 against ``dv``), and the softmax scale is the caller's (``q k^T x scale``). The plain kernel takes any widths;
@@ -29,6 +32,7 @@ padding cut from its results.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,15 +42,63 @@ from megatron.context_parallel.dropout import BlockDropout
 from megatron.context_parallel.tiling import tile_rows
 
 FUSED_ON_CPU = {"enabled": True}
+FUSED_ON_GPU = {"enabled": True}
+_FLASH_PROBES: dict[tuple, str | None] = {}  # (device, dtype, width) -> None: the flash kernel agrees; else why not
 
 
 def _fused(device: torch.device) -> bool:
     return device.type == "cpu" and FUSED_ON_CPU["enabled"]
 
 
-def kernel_name(device: torch.device) -> str:
-    """The kernel a block without dropout runs on ``device`` (benchmarks/gpu.py reports it)."""
-    return "the CPU's fused flash kernel" if _fused(device) else "the plain fp32 kernel"
+def _flash_on_gpu(q: torch.Tensor, v: torch.Tensor, block: Block) -> bool:
+    """Whether this block runs on the GPU's flash kernel: no mask, bf16 or fp16, a width it takes, a probe passed."""
+    if q.device.type != "cuda" or not FUSED_ON_GPU["enabled"] or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    width = max(q.shape[-1], v.shape[-1])
+    return block.kind != "masked" and width <= 256 and width % 8 == 0 and gpu_flash(q.device, q.dtype, width) is None
+
+
+def gpu_flash(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
+    """None when the GPU's flash kernel runs here and its forward and backward equal the plain kernel's on a small
+    causal block (within ``dtype``'s rounding); else why not, said once in a warning (the plain kernel runs)."""
+    key = (device, dtype, width)
+    if key not in _FLASH_PROBES:
+        _FLASH_PROBES[key] = _probe_flash(device, dtype, width)
+        if _FLASH_PROBES[key] is not None:
+            logging.getLogger(__name__).warning(
+                f"context-parallel blocks: the GPU's flash kernel is not used ({_FLASH_PROBES[key]}); the plain fp32 "
+                f"kernel runs instead (slower)")
+    return _FLASH_PROBES[key]
+
+
+def _probe_flash(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 128, width, device=device, dtype=dtype, generator=generator)
+                     for _ in range(4))
+    try:
+        out, lse = _flash_forward(q, k, v, True, width ** -0.5)
+        grads = _flash_backward(dout, q, k, v, out, lse, True, width ** -0.5)
+    except Exception as err:  # a kernel this build or device lacks: the plain kernel runs
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
+    block = Block(slice(0, 128), slice(0, 128), 0)
+    plain_out, plain_lse = _plain_forward(q, k, v, block, width ** -0.5, None)
+    plain = _plain_backward(dout, q, k, v, plain_out, plain_lse, block, width ** -0.5, None)
+    tolerance = 2 * torch.finfo(dtype).eps
+    for name, got, want in (("out", out, plain_out), ("lse", lse, plain_lse), ("dq", grads[0], plain[0]),
+                            ("dk", grads[1], plain[1]), ("dv", grads[2], plain[2])):
+        error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+        if not error <= 4 * tolerance:
+            return f"its {name} differs from the plain kernel's by {error:.2e} of its largest value"
+    return None
+
+
+def kernel_name(device: torch.device, dtype: torch.dtype = torch.bfloat16, width: int = 128) -> str:
+    """The kernel a block without dropout or mask runs on ``device`` (benchmarks/gpu.py reports it)."""
+    if _fused(device):
+        return "the CPU's fused flash kernel"
+    if device.type == "cuda" and FUSED_ON_GPU["enabled"] and gpu_flash(device, dtype, width) is None:
+        return "the GPU's flash kernel"
+    return "the plain fp32 kernel"
 
 
 @dataclass(frozen=True)
@@ -149,6 +201,12 @@ def kernel_forward(q, k, v, block: Block, scale: float,
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _widened(q, width), _widened(k, width), _widened(v, width), 0.0, causal, attn_mask=mask, scale=scale)
         return out[..., :v.shape[-1]], lse.float()
+    if dropout is None and _flash_on_gpu(q, v, block):
+        return _flash_forward(q, k, v, block.kind == "causal", scale)
+    return _plain_forward(q, k, v, block, scale, dropout)
+
+
+def _plain_forward(q, k, v, block: Block, scale: float, dropout: BlockDropout | None):
     visible = _plain_mask(block, q.device)
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -160,6 +218,25 @@ def kernel_forward(q, k, v, block: Block, scale: float,
             p.mul_(_dropped(dropout, block, q, rows, k.shape[2]))
         out[:, :, rows] = torch.matmul(p, v.float()).to(q.dtype)
     return out, lse
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float):
+    """The GPU's FlashAttention-2 forward of a block without a mask (k, v with q's heads): (out, lse fp32)."""
+    width = max(q.shape[-1], v.shape[-1])
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+        _widened(q, width), _widened(k, width), _widened(v, width), 0.0, causal, False, scale=scale)
+    return out[..., :v.shape[-1]], lse.float()
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Its backward from the rows' final ``out`` and ``lse``: (dq, dk, dv) with q's heads (no dropout: the random
+    state the kernel would read is not)."""
+    width = max(q.shape[-1], v.shape[-1])
+    unused = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _widened(dout, width), _widened(q, width), _widened(k, width), _widened(v, width), _widened(out, width),
+        lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, *unused, scale=scale)
+    return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
 
 
 def kernel_backward(dout, q, k, v, out, lse, block: Block, scale: float, dropout: BlockDropout | None = None):
@@ -176,25 +253,32 @@ def kernel_backward(dout, q, k, v, out, lse, block: Block, scale: float, dropout
             _widened(dout, width), _widened(q, width), _widened(k, width), _widened(v, width), _widened(out, width),
             lse, 0.0, causal, attn_mask=mask, scale=scale)
         dq, dk, dv = dq[..., :dqk], dk[..., :dqk], dv[..., :dv_width]
+    elif dropout is None and _flash_on_gpu(q, v, block):
+        dq, dk, dv = _flash_backward(dout, q, k, v, out, lse, block.kind == "causal", scale)
     else:
-        visible = _plain_mask(block, q.device)
-        kf, vf = k.float(), v.float()
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        for rows in _row_tiles(q, k.shape[2]):
-            qf, df = q[:, :, rows].float(), dout[:, :, rows].float()
-            p = torch.exp(_scores(qf, kf, rows, visible, scale) - lse[:, :, rows].unsqueeze(-1))
-            dp = torch.matmul(df, vf.transpose(-1, -2))
-            if dropout is None:
-                dv += torch.matmul(p.transpose(-1, -2), df)
-            else:  # out = (p z) v: dv from the dropped probabilities, dp through the mask
-                z = _dropped(dropout, block, q, rows, k.shape[2])
-                dv += torch.matmul((p * z).transpose(-1, -2), df)
-                dp.mul_(z)
-            ds = p * (dp - (df * out[:, :, rows].float()).sum(-1, keepdim=True))
-            dq[:, :, rows] = torch.matmul(ds, kf) * scale
-            dk += torch.matmul(ds.transpose(-1, -2), qf) * scale
+        dq, dk, dv = _plain_backward(dout, q, k, v, out, lse, block, scale, dropout)
     return dq, _fold_groups(dk, groups), _fold_groups(dv, groups)
+
+
+def _plain_backward(dout, q, k, v, out, lse, block: Block, scale: float, dropout: BlockDropout | None):
+    visible = _plain_mask(block, q.device)
+    kf, vf = k.float(), v.float()
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    for rows in _row_tiles(q, k.shape[2]):
+        qf, df = q[:, :, rows].float(), dout[:, :, rows].float()
+        p = torch.exp(_scores(qf, kf, rows, visible, scale) - lse[:, :, rows].unsqueeze(-1))
+        dp = torch.matmul(df, vf.transpose(-1, -2))
+        if dropout is None:
+            dv += torch.matmul(p.transpose(-1, -2), df)
+        else:  # out = (p z) v: dv from the dropped probabilities, dp through the mask
+            z = _dropped(dropout, block, q, rows, k.shape[2])
+            dv += torch.matmul((p * z).transpose(-1, -2), df)
+            dp.mul_(z)
+        ds = p * (dp - (df * out[:, :, rows].float()).sum(-1, keepdim=True))
+        dq[:, :, rows] = torch.matmul(ds, kf) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qf) * scale
+    return dq, dk, dv
 
 
 def blocks_forward(q, k, v, blocks: list[Block], scale: float, out: torch.Tensor, lse: torch.Tensor,
