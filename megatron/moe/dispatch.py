@@ -135,13 +135,25 @@ class Groups:
         self.etp_rank = dist.get_rank(etp) if etp is not None else 0
 
 
+def kept_pairs(kept: torch.Tensor, pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert index, token index) of the kept (token, expert) pairs of ``kept [T, E]``, sorted by expert, then
+    token. ``pairs``: their number when it is known (dropless routing: T x topk), found then without waiting for
+    the device (``nonzero_static``); else ``nonzero``, which does."""
+    if pairs is None:
+        return kept.t().nonzero(as_tuple=True)
+    flat = torch.nonzero_static(kept.t().reshape(-1), size=pairs).squeeze(1)
+    return flat // kept.shape[0], flat % kept.shape[0]
+
+
 def alltoall(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, experts, groups: Groups,
-             acc_dtype: torch.dtype, pad_to: int | None = None) -> torch.Tensor:
-    """The alltoall dispatcher (see the module doc); ``experts``: this rank's ``Experts``."""
+             acc_dtype: torch.dtype, pad_to: int | None = None, pairs: int | None = None) -> torch.Tensor:
+    """The alltoall dispatcher (see the module doc); ``experts``: this rank's ``Experts``; ``pairs``: see
+    ``kept_pairs``. With one expert-parallel and one expert-tensor-parallel rank nothing waits for the device:
+    the experts take their row counts as a tensor (a grouped matmul reads them there)."""
     num_tokens, num_experts = kept.shape
     ep, etp = groups.ep_size, groups.etp_size
     local = num_experts // ep
-    expert_index, token_index = kept.t().nonzero(as_tuple=True)  # sorted by expert, then token
+    expert_index, token_index = kept_pairs(kept, pairs)
     rows = tokens[token_index]
     counts = kept.sum(dim=0)  # [E]
     if ep > 1:
@@ -160,7 +172,7 @@ def alltoall(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, expe
     if gathered.shape[0] * gathered.shape[1] > 1 and local > 1:  # chunks (source, expert) -> expert-major
         order = _expert_major(gathered.reshape(-1, local)).to(rows.device)
         rows = rows[order]
-    out = experts(rows, gathered.sum(dim=(0, 1)).tolist(), pad_to)
+    out = experts(rows, gathered.sum(dim=(0, 1)), pad_to)
     if order is not None:
         out = torch.empty_like(out).index_copy(0, order, out)
     if etp > 1:
@@ -171,7 +183,7 @@ def alltoall(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, expe
 
 
 def allgather(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, experts, groups: Groups,
-              acc_dtype: torch.dtype, pad_to: int | None = None) -> torch.Tensor:
+              acc_dtype: torch.dtype, pad_to: int | None = None, pairs: int | None = None) -> torch.Tensor:
     """The allgather dispatcher (see the module doc)."""
     group = groups.ep_etp
     if _size(group) > 1:
@@ -181,7 +193,7 @@ def allgather(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, exp
     first = experts.local_range.start
     mine = kept[:, first:first + len(experts.local_range)]
     expert_index, token_index = mine.t().nonzero(as_tuple=True)
-    out = experts(tokens[token_index], mine.sum(dim=0).tolist(), pad_to)
+    out = experts(tokens[token_index], mine.sum(dim=0), pad_to)
     combined = _weighted_sum(out, probs[token_index, expert_index + first], token_index, tokens.shape[0], acc_dtype)
     return reduce_scatter_to_sequence_region(combined, group) if _size(group) > 1 else combined
 

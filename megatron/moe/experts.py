@@ -84,10 +84,11 @@ def _grouped_mm_available(x: torch.Tensor, grouped: bool) -> bool:
 class Experts(nn.ModuleDict):
     """This ep rank's experts, keyed by their global index (``local_range``).
 
-    ``forward(tokens [N, h] sorted by local expert, counts [E/ep] ints summing to N, pad_to)`` -> [N, h]: expert
-    j's (partial) output on its ``counts[j]`` rows. ``pad_to`` (``moe_pad_expert_input_to_capacity``): each expert
-    computes on at least that many rows, padded with zero rows whose outputs are dropped (static shapes; the
-    result is the same)."""
+    ``forward(tokens [N, h] sorted by local expert, counts [E/ep] summing to N, pad_to)`` -> [N, h]: expert
+    j's (partial) output on its ``counts[j]`` rows. ``counts``: a tensor (on the tokens' device: the grouped
+    matmul reads it there, without waiting for the device) or a list. ``pad_to``
+    (``moe_pad_expert_input_to_capacity``): each expert computes on at least that many rows, padded with zero
+    rows whose outputs are dropped (static shapes; the result is the same)."""
 
     def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1):
         if cfg.num_experts % ep_size:
@@ -98,10 +99,12 @@ class Experts(nn.ModuleDict):
         super().__init__({str(i): ExpertMLP(cfg, etp_rank, etp_size) for i in self.local_range})
         self.grouped = bool(cfg.moe_grouped_gemm)
 
-    def forward(self, tokens: torch.Tensor, counts: list[int], pad_to: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | list[int],
+                pad_to: int | None = None) -> torch.Tensor:
         experts = list(self.values())
         if _grouped_mm_available(tokens, self.grouped) and pad_to is None:
-            return _grouped_forward(experts, tokens, counts)
+            return _grouped_forward(experts, tokens, torch.as_tensor(counts, device=tokens.device))
+        counts = counts.tolist() if torch.is_tensor(counts) else counts
         outputs = []
         for expert, rows in zip(experts, tokens.split(counts)):
             if pad_to is not None and rows.shape[0] < pad_to:
@@ -112,20 +115,20 @@ class Experts(nn.ModuleDict):
         return torch.cat(outputs)
 
 
-def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """The loop of ``Experts.forward`` as two grouped matmuls over the experts' stacked weights."""
-    offsets = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The loop of ``Experts.forward`` as two grouped matmuls over the experts' stacked weights (``counts`` on the
+    device)."""
+    offsets = counts.cumsum(0).to(torch.int32)
     w1 = torch.stack([e.dense_h_to_4h.weight for e in experts]).transpose(1, 2)  # [E, h, rows]
     y = torch._grouped_mm(tokens, w1, offs=offsets)
     first = experts[0]
     if first.dense_h_to_4h.bias is not None:
         y = y + torch.repeat_interleave(torch.stack([e.dense_h_to_4h.bias for e in experts]),
-                                        torch.tensor(counts, device=tokens.device), dim=0, output_size=tokens.shape[0])
+                                        counts, dim=0, output_size=tokens.shape[0])
     y = activate(y, first.activation)
     w2 = torch.stack([e.dense_4h_to_h.weight for e in experts]).transpose(1, 2)  # [E, ffn, h]
     out = torch._grouped_mm(y.contiguous(), w2, offs=offsets)
     if first.dense_4h_to_h.bias is not None and first.add_bias:
-        out = out + torch.repeat_interleave(torch.stack([e.dense_4h_to_h.bias for e in experts]),
-                                            torch.tensor(counts, device=tokens.device), dim=0,
+        out = out + torch.repeat_interleave(torch.stack([e.dense_4h_to_h.bias for e in experts]), counts, dim=0,
                                             output_size=tokens.shape[0])
     return out

@@ -73,15 +73,20 @@ class MoELayer(nn.Module):
 
     def reset_stats(self) -> None:
         """Forget the recorded micro-batches (the training step calls it before its first forward)."""
-        self.tokens_per_expert = torch.zeros(self.router.num_experts, dtype=torch.float64, device="cpu")
-        self.balance_sum, self.micro_batches = 0.0, 0
+        self.tokens_per_expert: torch.Tensor | None = None  # float64 [E] on the model's device
+        self.balance_sum: torch.Tensor | None = None  # float64, 0-dim
+        self.micro_batches = 0
 
     def _record(self, chosen: torch.Tensor, balance: torch.Tensor) -> None:
         """This rank's tokens' choices and its part of the micro-batch's balancing loss (summed over the ranks
-        by ``megatron.moe.stats``; the micro-batch counted once, on the first rank of its tokens)."""
+        by ``megatron.moe.stats``; the micro-batch counted once, on the first rank of its tokens). Kept on the
+        device: read once per step, by ``stats.after_step``, not after every layer (no host synchronisation)."""
         if self.training and not _in_backward():
-            self.tokens_per_expert += chosen.sum(dim=0).to("cpu", torch.float64)
-            self.balance_sum += float(balance)
+            counts = chosen.sum(dim=0).to(torch.float64)
+            loss = torch.as_tensor(balance, device=counts.device).detach().to(torch.float64)
+            first = self.tokens_per_expert is None
+            self.tokens_per_expert = counts if first else self.tokens_per_expert + counts
+            self.balance_sum = loss if first else self.balance_sum + loss
             self.micro_batches += int(self.token_share)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +113,8 @@ class MoELayer(nn.Module):
             pad_to = sources * get_capacity(s * b * self.router.topk, self.router.num_experts,
                                             self.router.capacity_factor)
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
-        out = self.dispatch(tokens, probs, kept, self.experts, self.groups, acc, pad_to).to(x.dtype)
+        pairs = s * b * self.router.topk if self.router.capacity_factor is None else None  # dropless: each token's k
+        out = self.dispatch(tokens, probs, kept, self.experts, self.groups, acc, pad_to, pairs).to(x.dtype)
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossScaler.apply(out, aux)
         return out.view(s, b, h)

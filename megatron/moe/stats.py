@@ -61,18 +61,19 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
     if cfg is None or not cfg.num_experts:
         return None
     layers = moe_layers(model)
-    records = torch.zeros(_num_layers(cfg), cfg.num_experts + 2, dtype=torch.float64)  # tokens..., loss sum, count
-    for layer in layers:
-        records[layer.layer_number, :-2] = layer.tokens_per_expert
-        records[layer.layer_number, -2:] = torch.tensor([layer.balance_sum, layer.micro_batches])
     device = next(model.parameters()).device
+    # tokens..., loss sum, count: built on the device, where the layers recorded them, and read here once a step
+    records = torch.zeros(_num_layers(cfg), cfg.num_experts + 2, dtype=torch.float64, device=device)
+    for layer in layers:
+        if layer.tokens_per_expert is not None:
+            records[layer.layer_number, :-2] = layer.tokens_per_expert
+            records[layer.layer_number, -2] = layer.balance_sum
+        records[layer.layer_number, -1] = layer.micro_batches
     tp_group = parallel_state.get().group("tp") if parallel_state.get().tp_size > 1 else None
-    if dp_group is not None or pp_group is not None or tp_group is not None:  # each rank routed its own tokens
-        records = records.to(device)
-        for group in (dp_group, pp_group, tp_group):
-            if group is not None:
-                dist.all_reduce(records, group=group)
-        records = records.cpu()
+    for group in (dp_group, pp_group, tp_group):  # each rank routed its own tokens
+        if group is not None:
+            dist.all_reduce(records, group=group)
+    records = records.cpu()
     present = records[:, -1] > 0
     if not present.any():
         return None

@@ -21,6 +21,7 @@ from megatron.model import build_model
 from megatron.model.gpt import GPTModel
 from megatron.model.init import init_parameters
 from megatron.model.transformer import MLP
+from megatron.moe.dispatch import kept_pairs
 from megatron.moe.router import get_capacity, scores_for_aux_loss
 from tests.functional.launch import run_here
 
@@ -145,6 +146,15 @@ def test_layer_matches_a_per_token_loop(router, mlp):
     assert_layer_matches_reference(make_layer(*ROUTERS[router], *mlp, *NO_AUX))
 
 
+def test_dropless_pairs_are_found_as_nonzero_finds_them():
+    """kept_pairs with their known number (dropless routing: T x topk, no wait for the device) gives nonzero's
+    pairs: sorted by expert, then token."""
+    scores = torch.randn(37, 8, generator=torch.Generator().manual_seed(0))
+    kept = torch.zeros(37, 8, dtype=torch.bool).scatter_(1, scores.topk(3, dim=1).indices, True)
+    for found, expected in zip(kept_pairs(kept, 37 * 3), kept_pairs(kept)):
+        assert torch.equal(found, expected)
+
+
 @pytest.mark.parametrize("topk", [1, 3])
 def test_layer_matches_with_other_topk(topk):
     assert_layer_matches_reference(make_layer("--moe-router-topk", str(topk), *NO_AUX))
@@ -209,7 +219,7 @@ def test_balancing_loss_values_and_gradients(kind):
     layer.train()
     layer.reset_stats()
     grad = _router_grad(layer, x)
-    assert layer.micro_batches == 1 and math.isclose(layer.balance_sum, float(balance), rel_tol=1e-12)
+    assert layer.micro_batches == 1 and math.isclose(float(layer.balance_sum), float(balance), rel_tol=1e-12)
     # the gradient is that of sum(output) + coeff * balance + z_coeff * z
     weight = layer.router.weight.detach().clone().requires_grad_(True)
     bal, zz = formulas(weight)
