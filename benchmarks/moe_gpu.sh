@@ -20,7 +20,7 @@ PY
   grep -i "error" /tmp/$name.log | head -3; }
 # dense with the active parameters of the MoE: ffn 2 x 2816 = top-2 of 8 experts of 2816
 run dense --ffn-hidden-size 5632
-run moe-loop --ffn-hidden-size 2816 --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2
+run moe-loop --ffn-hidden-size 2816 --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --no-moe-grouped-gemm
 run moe-grouped --ffn-hidden-size 2816 --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm
 tail -2 /tmp/moe-grouped.log | cut -c1-400
 cp /tmp/*.log ${OUT:-/tmp}/ 2>/dev/null; true

@@ -97,7 +97,7 @@ class Experts(nn.ModuleDict):
         per_rank = cfg.num_experts // ep_size
         self.local_range = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         super().__init__({str(i): ExpertMLP(cfg, etp_rank, etp_size) for i in self.local_range})
-        self.grouped = bool(cfg.moe_grouped_gemm)
+        self.grouped = cfg.moe_grouped_gemm is not False  # None: where torch._grouped_mm runs
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor | list[int],
                 pad_to: int | None = None) -> torch.Tensor:

@@ -54,7 +54,7 @@ def test_cuda_equals_cpu_in_fp32():
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
 def test_grouped_gemm_equals_the_loop_in_bf16():
     """The experts on tokens sorted by expert, one expert given none (the grouped matmul's empty group)."""
-    loop, grouped = _layer().experts, _layer("--moe-grouped-gemm").experts
+    loop, grouped = _layer("--no-moe-grouped-gemm").experts, _layer("--moe-grouped-gemm").experts
     grouped.load_state_dict(loop.state_dict())
     loop, grouped = loop.cuda().bfloat16(), grouped.cuda().bfloat16()
     counts = [40, 0, 17, 64, 1, 30, 8, 96]
