@@ -260,6 +260,12 @@ def fastest_precision(device_type: str = "cpu") -> str:
     return "bf16" if half_precision("bf16", device_type).native else "fp32"
 
 
+def grouped_mm_fast(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` has its own kernel on ``device`` (Hopper and Blackwell, compute capability 9 or
+    10); elsewhere it falls back to a loop that waits for the device."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def fp8_problem(device: torch.device) -> str | None:
     """None when ``device`` has FP8 tensor cores (a CUDA GPU of compute capability 8.9 or newer); else why."""
     if device.type != "cuda":

@@ -327,6 +327,7 @@ MEGATRON_DEFAULTS: dict[str, object] = {
     "eval_iters": 100,
     "logging_freq": 100,
     "scale_loss": 2.0 ** 32,
+    "fp8_recipe": "delayed",  # refused with --fp8-format (not built); --fp8-recipe tensorwise is
 }
 MEGATRON_LENGTH_FLAGS = ("--train-iters", "--train-samples")
 

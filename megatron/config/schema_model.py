@@ -157,10 +157,11 @@ class ModelConfig:
     moe_shared_expert_overlap: bool = opt(
         False, "Accepted for Megatron-LM compatibility: overlapping the shared expert with the token exchange.")
     moe_grouped_gemm: bool | None = opt(
-        None, "Run the experts as one grouped matmul (torch._grouped_mm) where it runs: CUDA in bf16, 1.45x faster "
-              "there (docs/benchmarks.md); elsewhere (the CPU) they run one after another on their tokens. Default: "
-              "grouped where it runs; --no-moe-grouped-gemm: always one after another. The parameters are the same "
-              "either way (a Megatron-LM export writes grouped-GEMM experts only when it is set).")
+        None, "Run the experts as one grouped matmul (torch._grouped_mm, CUDA in bf16); elsewhere (the CPU) they run "
+              "one after another on their tokens. Default: grouped on Hopper and Blackwell GPUs, where torch has its "
+              "own kernel (1.45x the loop's tokens/s on an H200, docs/benchmarks.md), for widths in multiples of 8; "
+              "--moe-grouped-gemm: wherever it runs; --no-moe-grouped-gemm: never. The parameters are the same either "
+              "way (a Megatron-LM export writes grouped-GEMM experts only when it is set).")
     moe_token_dispatcher_type: str = opt(
         "alltoall", "How tokens reach the experts' ranks: alltoall (each (token, expert) pair to the rank holding "
                     "the expert) or allgather (every token to every rank of the ep x etp group); the same result.",

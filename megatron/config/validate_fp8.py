@@ -6,6 +6,7 @@ from __future__ import annotations
 from megatron.config.cli import fail as _fail
 from megatron.config.schema import Config
 from megatron.config.schema_model import attention_shape
+from megatron.config.validate_moe import moe_layer_flags
 
 _NOT_BUILT = {
     "delayed": "delayed scaling (an amax history) is not built here",
@@ -24,7 +25,7 @@ def check_fp8_settings(config: Config, cuda_available: bool, warnings: list[str]
     if (config.device or ("gpu" if cuda_available else "cpu")) == "cpu":
         _fail("--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
               "Blackwell); on the CPU torch's FP8 matmul is emulated and slower than bf16: drop --fp8-format (bf16 "
-              "trains the same model).")
+              "trains the same model; --fp8-format none where a YAML file or a resumed run sets it).")
     if mp.fp8_recipe in _NOT_BUILT:
         _fail(f"--fp8-recipe {mp.fp8_recipe}: {_NOT_BUILT[mp.fp8_recipe]}; --fp8-recipe tensorwise is (each tensor "
               f"scaled by its own amax, the same whatever the layout).")
@@ -43,15 +44,19 @@ def check_fp8_sizes(config: Config) -> None:
     tp, cp = d.mp_degree, d.context_parallel_size
     nq, ng, hd = attention_shape(m)
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    widths = {"hidden_size": m.hidden_size, "ffn_hidden_size / mp_degree": ffn // tp,
-              "the attention heads' width / mp_degree": nq * hd // tp,
-              "the query-key-value width / mp_degree": (nq + 2 * ng) * hd // tp,
+    widths = {"hidden_size": m.hidden_size,
               "the tokens of a micro-batch (micro_batch_size x max_seq_len / context_parallel_size)":
                   config.batch_size.micro_batch_size * config.dataset.max_seq_len // cp}
+    if not all(moe_layer_flags(m)):  # a dense MLP somewhere
+        widths["ffn_hidden_size / mp_degree"] = ffn // tp
     if m.multi_latent_attention:  # its projections (megatron/model/mla.py)
         widths.update({"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or 16,
                        "the queries' width / mp_degree": nq * (m.qk_head_dim + m.qk_pos_emb_head_dim) // tp,
+                       "the keys' and values' up-projection / mp_degree": nq * (m.qk_head_dim + m.v_head_dim) // tp,
                        "the values' width / mp_degree": nq * m.v_head_dim // tp})
+    else:
+        widths.update({"the attention heads' width / mp_degree": nq * hd // tp,
+                       "the query-key-value width / mp_degree": (nq + 2 * ng) * hd // tp})
     if m.moe_shared_expert_intermediate_size:
         widths["moe_shared_expert_intermediate_size / mp_degree"] = m.moe_shared_expert_intermediate_size // tp
     for what, size in widths.items():

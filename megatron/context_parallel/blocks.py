@@ -72,23 +72,27 @@ def gpu_flash(device: torch.device, dtype: torch.dtype, width: int) -> str | Non
 
 
 def _probe_flash(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
+    """Both kinds of block the flash kernel takes: a causal square one, and a full one of more keys than queries."""
     generator = torch.Generator(device=device).manual_seed(0)
-    q, k, v, dout = (torch.randn(1, 2, 128, width, device=device, dtype=dtype, generator=generator)
-                     for _ in range(4))
-    try:
-        out, lse = _flash_forward(q, k, v, True, width ** -0.5)
-        grads = _flash_backward(dout, q, k, v, out, lse, True, width ** -0.5)
-    except Exception as err:  # a kernel this build or device lacks: the plain kernel runs
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
-    block = Block(slice(0, 128), slice(0, 128), 0)
-    plain_out, plain_lse = _plain_forward(q, k, v, block, width ** -0.5, None)
-    plain = _plain_backward(dout, q, k, v, plain_out, plain_lse, block, width ** -0.5, None)
-    tolerance = 2 * torch.finfo(dtype).eps
-    for name, got, want in (("out", out, plain_out), ("lse", lse, plain_lse), ("dq", grads[0], plain[0]),
-                            ("dk", grads[1], plain[1]), ("dv", grads[2], plain[2])):
-        error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
-        if not error <= 4 * tolerance:
-            return f"its {name} differs from the plain kernel's by {error:.2e} of its largest value"
+    for block in (Block(slice(0, 128), slice(0, 128), 0), Block(slice(0, 64), slice(0, 192), 192)):
+        q, dout = (torch.randn(1, 2, 64 if block.kind == "full" else 128, width, device=device, dtype=dtype,
+                               generator=generator) for _ in range(2))
+        k, v = (torch.randn(1, 2, block.k.stop, width, device=device, dtype=dtype, generator=generator)
+                for _ in range(2))
+        try:
+            out, lse = _flash_forward(q, k, v, block.kind == "causal", width ** -0.5)
+            grads = _flash_backward(dout, q, k, v, out, lse, block.kind == "causal", width ** -0.5)
+        except Exception as err:  # a kernel this build or device lacks: the plain kernel runs
+            return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
+        plain_out, plain_lse = _plain_forward(q, k, v, block, width ** -0.5, None)
+        plain = _plain_backward(dout, q, k, v, plain_out, plain_lse, block, width ** -0.5, None)
+        if not (lse - plain_lse).abs().max().item() <= 1e-2:  # both fp32: the merge's weights are exp(lse)
+            return f"its log-sum-exp differs from the plain kernel's by {(lse - plain_lse).abs().max().item():.2e}"
+        for name, got, want in (("out", out, plain_out), ("dq", grads[0], plain[0]), ("dk", grads[1], plain[1]),
+                                ("dv", grads[2], plain[2])):
+            error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+            if not error <= 8 * torch.finfo(dtype).eps:
+                return f"its {name} differs from the plain kernel's by {error:.2e} of its largest value ({block.kind})"
     return None
 
 

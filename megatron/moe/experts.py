@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import device as dev
 from megatron.config.schema import ModelConfig
 from megatron.model.blocks import activate, mlp_activation
 from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
@@ -77,8 +78,12 @@ class ExpertMLP(nn.Module):
         return F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
 
 
-def _grouped_mm_available(x: torch.Tensor, grouped: bool) -> bool:
-    return grouped and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+def _grouped_mm_available(x: torch.Tensor, grouped: bool | None, widths: tuple[int, ...]) -> bool:
+    """``grouped`` True: wherever torch has the grouped matmul (CUDA, bf16); None (the default): there, and only on
+    a GPU where it has its own kernel, for widths it takes (multiples of 8); False: never."""
+    if grouped is False or not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    return grouped is True or (dev.grouped_mm_fast(x.device) and all(w % 8 == 0 for w in widths))
 
 
 class Experts(nn.ModuleDict):
@@ -97,12 +102,13 @@ class Experts(nn.ModuleDict):
         per_rank = cfg.num_experts // ep_size
         self.local_range = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         super().__init__({str(i): ExpertMLP(cfg, etp_rank, etp_size) for i in self.local_range})
-        self.grouped = cfg.moe_grouped_gemm is not False  # None: where torch._grouped_mm runs
+        self.grouped = cfg.moe_grouped_gemm  # None: where torch._grouped_mm is fast (``_grouped_mm_available``)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor | list[int],
                 pad_to: int | None = None) -> torch.Tensor:
         experts = list(self.values())
-        if _grouped_mm_available(tokens, self.grouped) and pad_to is None:
+        widths = (tokens.shape[-1], experts[0].dense_h_to_4h.weight.shape[0], experts[0].dense_4h_to_h.weight.shape[1])
+        if pad_to is None and _grouped_mm_available(tokens, self.grouped, widths):
             return _grouped_forward(experts, tokens, torch.as_tensor(counts, device=tokens.device))
         counts = counts.tolist() if torch.is_tensor(counts) else counts
         outputs = []

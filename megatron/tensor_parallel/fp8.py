@@ -65,8 +65,9 @@ def amax(t: torch.Tensor, groups: tuple) -> torch.Tensor:
 
 
 def scale_for(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``fmax / amax`` (1 for an all-zero tensor): multiplying by it fills the FP8 range."""
-    return torch.where(value > 0, _MAX[dtype] / value.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    """``fmax / amax`` (1 for an all-zero tensor): multiplying by it fills the FP8 range. An amax under 1e-12 (torchao's
+    floor) counts as 1e-12, so that the scale stays finite: ``0 x scale`` must not be NaN."""
+    return torch.where(value > 0, _MAX[dtype] / value.clamp(min=1e-12), 1.0)
 
 
 def cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,8 +78,10 @@ def cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 def scaled_mm(a8: torch.Tensor, a_scale: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """``(a8 / a_scale) @ (b8 / b_scale)`` accumulated in fp32: ``a8`` [m, k] row-major, ``b8`` [k, n] (made
-    column-major here, as the kernel wants)."""
+    """``(a8 / a_scale) @ (b8 / b_scale)`` accumulated in fp32: ``a8`` [m, k] (made row-major) and ``b8`` [k, n] (made
+    column-major) here, as the GPU's kernel wants (the CPU's emulation takes any layout)."""
+    if a8.stride(1) != 1:
+        a8 = a8.contiguous()
     if b8.stride(0) != 1:
         b8 = b8.t().contiguous().t()
     return torch._scaled_mm(a8, b8, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype)

@@ -72,6 +72,14 @@ def test_zeros_and_huge_values_stay_finite():
     assert torch.isfinite(fp8_linear(big, w.detach(), FP8Recipe())).all()
 
 
+def test_a_tensor_of_tiny_values_casts_without_nan():
+    """An amax under 1e-12 counts as 1e-12: the scale stays finite, and the zeros beside a tiny value stay 0."""
+    x = torch.zeros(16, 32)
+    x[0, 0] = 1e-37
+    y = fp8_linear(x, torch.randn(16, 32), FP8Recipe())
+    assert torch.isfinite(y).all()
+
+
 def _tiny(steps: int, fp8: bool) -> list[float]:
     config = parse_config(["--mock-data", "--device", "cpu", "--num-layers", "2", "--hidden-size", "64",
                            "--num-attention-heads", "4", "--max-seq-len", "64", "--max-position-embeddings", "64",
@@ -120,6 +128,26 @@ def test_what_fp8_cannot_run_is_refused_in_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
         _gpu_config("--fp8-format", "hybrid", *argv)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_size_checks_follow_the_layers_the_model_has():
+    """Multi-latent attention has no QKV layer but a key-value up-projection of heads x (qk_head_dim + v_head_dim);
+    a model whose every layer is MoE has no dense MLP (its experts stay in bf16)."""
+    mla = ["--multi-latent-attention", "--position-embedding-type", "rope", "--kv-lora-rank", "32",
+           "--qk-head-dim", "24", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--num-attention-heads", "1"]
+    with pytest.raises(ConfigError, match="the keys' and values' up-projection / mp_degree is 40"):
+        _gpu_config("--fp8-format", "hybrid", *mla)
+    _gpu_config("--fp8-format", "hybrid", "--num-experts", "4", "--ffn-hidden-size", "40")  # every layer MoE
+    with pytest.raises(ConfigError, match="ffn_hidden_size / mp_degree is 40"):
+        _gpu_config("--fp8-format", "hybrid", "--ffn-hidden-size", "40")
+
+
+def test_a_megatron_command_line_without_a_recipe_asks_for_delayed_scaling_and_is_told():
+    """Megatron-LM's --fp8-recipe defaults to delayed, which is not built: its command line says which to pass."""
+    with pytest.raises(ConfigError, match=r"^--fp8-recipe delayed: .* --fp8-recipe tensorwise is"):
+        _gpu_config("--train-iters", "10", "--fp8-format", "hybrid")
+    config, _ = _gpu_config("--train-iters", "10", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert config.mix_precision.fp8_recipe == "tensorwise"
 
 
 def test_delayed_scalings_history_flags_are_taken_with_a_line_saying_they_do_nothing():
