@@ -43,12 +43,11 @@ def check_fp8_sizes(config: Config) -> None:
         return
     tp, cp = d.mp_degree, d.context_parallel_size
     nq, ng, hd = attention_shape(m)
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
     widths = {"hidden_size": m.hidden_size,
               "the tokens of a micro-batch (micro_batch_size x max_seq_len / context_parallel_size)":
                   config.batch_size.micro_batch_size * config.dataset.max_seq_len // cp}
     if not all(moe_layer_flags(m)):  # a dense MLP somewhere
-        widths["ffn_hidden_size / mp_degree"] = ffn // tp
+        widths["ffn_hidden_size / mp_degree"] = m.ffn_hidden_size // tp  # resolved by _check_model
     if m.multi_latent_attention:  # its projections (megatron/model/mla.py)
         widths.update({"kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or 16,
                        "the queries' width / mp_degree": nq * (m.qk_head_dim + m.qk_pos_emb_head_dim) // tp,

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from megatron.context_parallel.dropout import BlockDropout
 from megatron.context_parallel.tiling import tile_rows
+from megatron.device import first_line
 
 FUSED_ON_CPU = {"enabled": True}
 FUSED_ON_GPU = {"enabled": True}
@@ -60,7 +61,7 @@ def _flash_on_gpu(q: torch.Tensor, v: torch.Tensor, block: Block) -> bool:
 
 def gpu_flash(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
     """None when the GPU's flash kernel runs here and its forward and backward equal the plain kernel's on a small
-    causal block (within ``dtype``'s rounding); else why not, said once in a warning (the plain kernel runs)."""
+    causal block and a full one (``_probe_flash``); else why not, said once in a warning (the plain kernel runs)."""
     key = (device, dtype, width)
     if key not in _FLASH_PROBES:
         _FLASH_PROBES[key] = _probe_flash(device, dtype, width)
@@ -83,7 +84,7 @@ def _probe_flash(device: torch.device, dtype: torch.dtype, width: int) -> str | 
             out, lse = _flash_forward(q, k, v, block.kind == "causal", width ** -0.5)
             grads = _flash_backward(dout, q, k, v, out, lse, block.kind == "causal", width ** -0.5)
         except Exception as err:  # a kernel this build or device lacks: the plain kernel runs
-            return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err).strip() else ''}"
+            return first_line(err)
         plain_out, plain_lse = _plain_forward(q, k, v, block, width ** -0.5, None)
         plain = _plain_backward(dout, q, k, v, plain_out, plain_lse, block, width ** -0.5, None)
         if not (lse - plain_lse).abs().max().item() <= 1e-2:  # both fp32: the merge's weights are exp(lse)

@@ -25,8 +25,8 @@ from megatron.training import train_step
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _through(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` cast to FP8 with its own amax's scale and back: what the matmul multiplies."""
+def through_fp8(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` cast to FP8 with its own amax's scale and back: what the matmul multiplies (test_fp8_gpu.py's too)."""
     scale = scale_for(amax(t, ()), dtype)
     return cast(t, scale, dtype).float() / scale
 
@@ -40,10 +40,10 @@ def test_each_matmul_is_the_product_of_its_operands_cast_to_fp8(fmt):
     y = fp8_linear(x, w, FP8Recipe(fmt))
     y.backward(dy)
     x2, g2 = x.detach().reshape(-1, 32), dy.reshape(-1, 48)
-    grad = _through(g2, E5M2 if fmt == "hybrid" else E4M3)
-    torch.testing.assert_close(y.detach().reshape(-1, 48), _through(x2, E4M3) @ _through(w.detach(), E4M3).t())
-    torch.testing.assert_close(x.grad.reshape(-1, 32), grad @ _through(w.detach(), E4M3))
-    torch.testing.assert_close(w.grad, grad.t() @ _through(x2, E4M3))
+    grad = through_fp8(g2, E5M2 if fmt == "hybrid" else E4M3)
+    torch.testing.assert_close(y.detach().reshape(-1, 48), through_fp8(x2, E4M3) @ through_fp8(w.detach(), E4M3).t())
+    torch.testing.assert_close(x.grad.reshape(-1, 32), grad @ through_fp8(w.detach(), E4M3))
+    torch.testing.assert_close(w.grad, grad.t() @ through_fp8(x2, E4M3))
     exact = x2 @ w.detach().t()  # and FP8 is FP8: close to the fp32 product, not equal
     error = ((y.detach().reshape(-1, 48) - exact).norm() / exact.norm()).item()
     assert 1e-3 < error < 0.05

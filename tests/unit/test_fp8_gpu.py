@@ -10,7 +10,8 @@ import torch
 
 from megatron import device as dev
 from megatron.tensor_parallel import ColumnParallelLinear, FP8Recipe, enable_fp8
-from megatron.tensor_parallel.fp8 import amax, cast, fp8_linear, scale_for
+from megatron.tensor_parallel.fp8 import fp8_linear
+from tests.unit.test_fp8 import through_fp8
 
 
 def _fp8_gpu() -> bool:
@@ -18,11 +19,6 @@ def _fp8_gpu() -> bool:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 tensor cores")]
-
-
-def _through(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    scale = scale_for(amax(t, ()), dtype)
-    return cast(t, scale, dtype).float() / scale
 
 
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
@@ -35,10 +31,9 @@ def test_each_matmul_is_the_product_of_its_fp8_operands_on_the_gpu(fmt):
     y.backward(dy)
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
     x2, g2 = x.detach().reshape(-1, 256).float(), dy.reshape(-1, 512).float()
-    grad = _through(g2, torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn)
-    expected = {"output": _through(x2, torch.float8_e4m3fn) @ _through(w.detach().float(), torch.float8_e4m3fn).t(),
-                "input grad": grad @ _through(w.detach().float(), torch.float8_e4m3fn),
-                "weight grad": grad.t() @ _through(x2, torch.float8_e4m3fn)}
+    grad = through_fp8(g2, torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn)
+    x8, w8 = through_fp8(x2, torch.float8_e4m3fn), through_fp8(w.detach().float(), torch.float8_e4m3fn)
+    expected = {"output": x8 @ w8.t(), "input grad": grad @ w8, "weight grad": grad.t() @ x8}
     got = {"output": y.detach().reshape(-1, 512), "input grad": x.grad.reshape(-1, 256), "weight grad": w.grad}
     for name, want in expected.items():  # fp32 accumulation, rounded once to bf16
         assert (got[name].float() - want).abs().max() <= 2 ** -7 * want.abs().max(), name
