@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 
 from megatron.config.batch_schedule import train_steps
+from megatron.config.bounds import MAXIMA, size_problem
 from megatron.config.cli import fail as _fail
 from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
@@ -128,6 +129,15 @@ def _check_data_sources(config: Config, training_data: bool) -> None:
     if training_data and not (d.mock_data or d.input_dir or d.train_data_path):
         _fail("no training data: give --input-dir (a dataset prefix from tools/preprocess_data.py), "
               "--train-data-path or --mock-data.")
+
+
+def _check_bounds(config: Config) -> None:
+    """Every size within its sane maximum (``bounds.MAXIMA``) before any check builds a per-layer list."""
+    for name in MAXIMA:
+        section, owner = ("dataset", config.dataset) if name == "max_seq_len" else ("Model", config.model)
+        problem = size_problem(f"{section}.{name}", getattr(owner, name, None), name)
+        if problem is not None:
+            _fail(f"{problem}; check the value.")
 
 
 def _check_model(config: Config) -> None:
@@ -427,6 +437,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     Model.vocab_size, and its lower bound). ``training_data=False`` (evaluation, whose data is the task's
     file): no training data is asked for."""
     warnings: list[str] = []
+    _check_bounds(config)
     check_fp8_settings(config, cuda_available, warnings)
     _check_counts(config)
     _check_data(config, tokenizer_vocab_size, training_data)
