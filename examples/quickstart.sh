@@ -29,7 +29,7 @@ fi
 python pretrain_gpt.py -c examples/configs/gpt_quickstart.yaml --input-dir "$work/data/stdlib_text_document" \
     --tokenizer-type GPT2BPETokenizer --vocab-file "$work/tokenizer/vocab.json" \
     --merge-file "$work/tokenizer/merges.txt" --save "$work/train" "$precision_flag" "$@"
-python examples/quickstart_summary.py "$work/train" --vocab-size 4096  # exit 1: stopped early, or no learning
+python examples/quickstart_summary.py "$work/train" --vocab-size 4096  # exit 1: no learning (a stopped run: 0)
 echo
 echo "quickstart: the trained model continues a prompt (tools/generate.py --load $work/train):"
 python tools/generate.py --load "$work/train" --prompt "Return the" --max-new-tokens 48 --temperature 0.7 \

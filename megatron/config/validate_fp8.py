@@ -15,22 +15,33 @@ _NOT_BUILT = {
 }
 
 
+def recipe_refusal(recipe: str) -> str | None:
+    """The one line refusing an FP8 recipe not built here; None for tensorwise. ``parse_config`` asks it of a recipe
+    given on the command line, FP8 on or off (Megatron-LM's default recipe, delayed, is refused only where FP8 is on:
+    a Megatron-LM command line without FP8 carries it unused)."""
+    if recipe not in _NOT_BUILT:
+        return None
+    return (f"--fp8-recipe {recipe}: {_NOT_BUILT[recipe]}; --fp8-recipe tensorwise is (each tensor scaled by its "
+            f"own amax, the same whatever the layout).")
+
+
 def check_fp8_settings(config: Config, cuda_available: bool, warnings: list[str]) -> None:
     """First of all the checks: a CPU run, or a recipe not built, is refused before anything else is said."""
     mp = config.mix_precision
     if mp.fp8_amax_history_len < 1:
         _fail(f"fp8_amax_history_len must be at least 1, got {mp.fp8_amax_history_len}.")
+    if mp.fp8_param_gather:  # with FP8 or without: never a default, and never built
+        _fail("--fp8-param-gather is not built here (ZeRO gathers parameters in the training dtype); drop it.")
     if mp.fp8_format is None:
+        if mp.fp8_recipe in _NOT_BUILT and mp.fp8_recipe != "delayed":  # delayed: Megatron-LM's default, unused
+            _fail(recipe_refusal(mp.fp8_recipe))
         return
     if (config.device or ("gpu" if cuda_available else "cpu")) == "cpu":
         _fail("--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
               "Blackwell); on the CPU torch's FP8 matmul is emulated and slower than bf16: drop --fp8-format (bf16 "
               "trains the same model; --fp8-format none where a YAML file or a resumed run sets it).")
     if mp.fp8_recipe in _NOT_BUILT:
-        _fail(f"--fp8-recipe {mp.fp8_recipe}: {_NOT_BUILT[mp.fp8_recipe]}; --fp8-recipe tensorwise is (each tensor "
-              f"scaled by its own amax, the same whatever the layout).")
-    if mp.fp8_param_gather:
-        _fail("--fp8-param-gather is not built here (ZeRO gathers parameters in the training dtype); drop it.")
+        _fail(recipe_refusal(mp.fp8_recipe))
     if (mp.fp8_amax_history_len, mp.fp8_amax_compute_algo) != (1, "most_recent"):
         warnings.append("--fp8-amax-history-len and --fp8-amax-compute-algo shape delayed scaling's history; under "
                         "--fp8-recipe tensorwise each tensor is scaled by its own amax and they have no effect.")

@@ -52,10 +52,15 @@ def _libc():
 _LIBC = _libc() if sys.platform.startswith("linux") else None
 
 
-def _die_with(parent: int, background: bool = False):
+def _die_with(parent: int, background: bool = False, address_space: int | None = None):
     """The child's preexec_fn: SIGKILL when the thread that started it exits; gone now if that already happened;
-    ``background``: scheduled only on an idle core."""
+    ``background``: scheduled only on an idle core; ``address_space``: its virtual memory capped at that many bytes
+    (``RLIMIT_AS``: an allocation beyond it fails, as on a machine that small)."""
     def preexec() -> None:
+        if address_space is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         if background:
             if hasattr(os, "SCHED_IDLE"):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -72,7 +77,8 @@ def _die_with(parent: int, background: bool = False):
     return preexec
 
 
-def popen(command: list, *, env: dict | None = None, background: bool = False, **kwargs) -> subprocess.Popen:
+def popen(command: list, *, env: dict | None = None, background: bool = False, address_space: int | None = None,
+          **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(command, ...)`` for a test (see the module docstring): own session, dies with the thread
     that calls this (so call it from the thread that outlives the process: the test's), marked and registered;
     ``background``: it (and its descendants) computes only when a core is otherwise idle (``SCHED_IDLE``, and
@@ -84,9 +90,24 @@ def popen(command: list, *, env: dict | None = None, background: bool = False, *
         if _CLOSED:
             raise RuntimeError("the test session has ended: no new process")
         process = subprocess.Popen(command, env=environment, start_new_session=True,
-                                   preexec_fn=_die_with(os.getpid(), background), **kwargs)
+                                   preexec_fn=_die_with(os.getpid(), background, address_space), **kwargs)
         _STARTED.append(process)
     return process
+
+
+def run_in_bounded_memory(command: list, address_space: int = 3 << 30, timeout: float = 120,
+                          **kwargs) -> subprocess.CompletedProcess:
+    """``command`` run to its end (text output captured) with its virtual memory capped at ``address_space`` bytes
+    (default 3 GiB: torch and the tools need about 1.5): an input that makes it grow without bound fails there, fast,
+    rather than filling the machine."""
+    process = popen(command, address_space=address_space, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    **kwargs)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def _stat(pid: str) -> tuple[str, int] | None:

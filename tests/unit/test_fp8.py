@@ -130,6 +130,26 @@ def test_what_fp8_cannot_run_is_refused_in_one_line(argv, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--fp8-recipe", "delayed"], "--fp8-recipe delayed: delayed scaling (an amax history) is not built here"),
+    (["--fp8-recipe", "blockwise"], "--fp8-recipe blockwise: blockwise scaling (1x128 / 128x128 blocks) is not built"),
+    (["--fp8-param-gather"], "--fp8-param-gather is not built here"),
+    (["-o", "fp8_param_gather=True"], "--fp8-param-gather is not built here"),
+    (["--train-iters", "10", "--fp8-recipe", "delayed"], "--fp8-recipe delayed: delayed scaling"),
+])
+def test_what_is_not_built_is_refused_without_fp8_format_too(argv, message):
+    """docs/fp8.md lists these as refused: FP8 off does not make them silently accepted (it did)."""
+    with pytest.raises(ConfigError) as err:
+        _gpu_config(*argv)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_megatrons_default_recipe_without_fp8_is_no_refusal():
+    """A Megatron-LM command line carries its default recipe (delayed), unused while FP8 is off."""
+    config, _ = _gpu_config("--train-iters", "10")
+    assert config.mix_precision.fp8_format is None and config.mix_precision.fp8_recipe == "delayed"
+
+
 def test_the_size_checks_follow_the_layers_the_model_has():
     """Multi-latent attention has no QKV layer but a key-value up-projection of heads x (qk_head_dim + v_head_dim);
     a model whose every layer is MoE has no dense MLP (its experts stay in bf16)."""

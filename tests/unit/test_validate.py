@@ -187,6 +187,13 @@ def test_every_numeric_flag_refuses_negative_and_non_finite_spellings_in_one_lin
                 assert "\n" not in message
 
 
+@pytest.mark.parametrize("argv", [["--window-size", "-1,0"], ["--window-size=-1,0"], ["--window-size", "-1, 0"]])
+def test_a_list_that_starts_with_a_negative_number_is_a_value(argv):
+    """docs/attention.md's ``--window-size -1,0`` (no limit): argparse took '-1,0' for an option ("expected one
+    argument"); only the '=' spelling parsed."""
+    assert parse_config(argv).model.window_size.replace(" ", "") == "-1,0"
+
+
 @pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,-1e-3,1", "-inf"])
 def test_a_split_of_non_finite_or_negative_numbers_refused(split):
     """'--split nan,1,1' was normalized to NaN fractions (and 'inf,1,1' to nan, 0, 0) without a word."""

@@ -1,0 +1,81 @@
+"""Every size a configuration gives is bounded before anything proportional to it is built
+(``megatron/config/bounds.py``): ``--num-layers 1000000000`` grew the process to the machine's memory (a per-layer
+window pattern, a MemoryError traceback under a limit); now it is one line naming the field, exit 2, with memory
+bounded. The converters' own readers apply the same maxima (tests/unit/test_megatron_hostile.py,
+tests/unit/test_hf_config_checks.py)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from megatron.config import ConfigError, parse_config, validate
+from megatron.config.bounds import MAXIMA, check_sizes, size_problem
+from tests.functional.processes import ROOT, run_in_bounded_memory
+from tests.unit.test_config import valid_config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["gpt_tiny_cpu", "gpt_oss_tiny_cpu"])
+def test_a_layer_count_of_a_billion_is_one_line_in_bounded_memory(config):
+    """gpt_oss_tiny_cpu builds a window pattern per layer: 5 GB before its MemoryError at 10^9 layers."""
+    done = run_in_bounded_memory([sys.executable, str(ROOT / "pretrain_gpt.py"), "-c",
+                                  str(ROOT / "examples" / "configs" / f"{config}.yaml"), "--num-layers", "1000000000"],
+                                 cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == ("pretrain_gpt.py: error: Model.num_layers is 1,000,000,000, above the largest this "
+                                   "framework accepts (16,384, far beyond any published model); check the value.")
+
+
+@pytest.mark.parametrize("name", sorted(MAXIMA))
+def test_every_bounded_size_is_refused_above_its_maximum_naming_it(name):
+    flag = "--" + name.replace("_", "-")
+    argv = [flag, str(MAXIMA[name] + 1)]
+    if name in ("num_query_groups",):
+        argv.append("--group-query-attention")
+    with pytest.raises(ConfigError) as err:
+        validate(valid_config(*argv))
+    section = "dataset" if name == "max_seq_len" else "Model"
+    assert str(err.value).startswith(f"{section}.{name} is {MAXIMA[name] + 1:,}, above the largest"), str(err.value)
+
+
+def test_the_maxima_admit_the_largest_published_shapes():
+    """126 layers and hidden 16384 (Llama 3.1 405B), a 262,144-token vocabulary, 256 experts of top 8 (DeepSeek-V3),
+    a 10M-token context: none is near a bound."""
+    published = {"num_layers": 126, "hidden_size": 16384, "ffn_hidden_size": 53248, "num_attention_heads": 128,
+                 "vocab_size": 262144, "num_experts": 256, "moe_router_topk": 8, "max_position_embeddings": 10485760,
+                 "kv_lora_rank": 512, "q_lora_rank": 1536}
+    for name, value in published.items():
+        assert size_problem(name, value) is None and value * 8 <= MAXIMA[name], name
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("64", "hidden_size is '64', not a whole number"),
+    (True, "hidden_size is True, not a whole number"),
+    (64.5, "hidden_size is 64.5, not a whole number"),
+    (math.inf, "hidden_size is inf, not a whole number"),
+    (math.nan, "hidden_size is nan, not a whole number"),
+    (-1, "hidden_size is -1, below 0"),
+    ([64], "hidden_size is [64], not a whole number"),
+])
+def test_a_size_that_is_not_a_whole_number_in_range_is_named(value, problem):
+    assert size_problem("hidden_size", value) == problem
+    assert size_problem("hidden_size", 64.0) is None and size_problem("hidden_size", None) is None
+
+
+def test_a_foreign_field_is_bounded_as_ours_and_named_as_its_file_names_it():
+    def fail(message):
+        raise ValueError(message)
+
+    with pytest.raises(ValueError, match=r"^config.json: num_hidden_layers is 1,000,000,000, above the largest"):
+        check_sizes({"num_hidden_layers": 10**9}, "config.json", fail, {"num_hidden_layers": "num_layers"})
+    check_sizes({"num_hidden_layers": 126, "other": 10**9}, "config.json", fail, {"num_hidden_layers": "num_layers"})
+
+
+def test_a_flag_within_the_bounds_is_untouched():
+    config = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--max-seq-len", "64", "--max-position-embeddings", "64", "--vocab-size", "512"])
+    validate(config)
+    assert config.model.num_layers == 2
