@@ -65,3 +65,15 @@ def check_sizes(values: dict, source: str, fail, names: dict[str, str] | None = 
             problem = size_problem(name, values[name], ours)
             if problem is not None:
                 fail(f"{source}: {problem}; check the value.")
+
+
+def config_size_problem(config) -> str | None:
+    """The first size of a ``Config`` (its model's, and ``dataset.max_seq_len``) beyond its bound, as one sentence
+    naming it (``Model.num_layers is ...``), or None. ``validate`` asks it first; so does every reader of a saved
+    configuration (a checkpoint's) before building the model it describes."""
+    for name in MAXIMA:
+        section, owner = ("dataset", config.dataset) if name == "max_seq_len" else ("Model", config.model)
+        problem = size_problem(f"{section}.{name}", getattr(owner, name, None), name)
+        if problem is not None:
+            return f"{problem}; check the value."
+    return None

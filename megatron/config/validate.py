@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 
 from megatron.config.batch_schedule import train_steps
-from megatron.config.bounds import MAXIMA, size_problem
+from megatron.config.bounds import config_size_problem
 from megatron.config.cli import fail as _fail
 from megatron.config.layer_split import chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
@@ -133,11 +133,9 @@ def _check_data_sources(config: Config, training_data: bool) -> None:
 
 def _check_bounds(config: Config) -> None:
     """Every size within its sane maximum (``bounds.MAXIMA``) before any check builds a per-layer list."""
-    for name in MAXIMA:
-        section, owner = ("dataset", config.dataset) if name == "max_seq_len" else ("Model", config.model)
-        problem = size_problem(f"{section}.{name}", getattr(owner, name, None), name)
-        if problem is not None:
-            _fail(f"{problem}; check the value.")
+    problem = config_size_problem(config)
+    if problem is not None:
+        _fail(problem)
 
 
 def _check_model(config: Config) -> None:

@@ -79,3 +79,31 @@ def test_a_flag_within_the_bounds_is_untouched():
                            "--max-seq-len", "64", "--max-position-embeddings", "64", "--vocab-size", "512"])
     validate(config)
     assert config.model.num_layers == 2
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_config_claims_a_billion_layers_is_one_line_in_bounded_memory(tmp_path, one_process):
+    """A checkpoint of ours handed over by someone else: its ``common.json`` config (checksummed anew, as a crafter
+    would) is bounded before any tool builds the model it describes (before: a MemoryError traceback from
+    checkpoint_info.py, to-hf and reshard; generate.py's 'MemoryError: ')."""
+    import json
+    import zlib
+
+    from tests.unit.test_megatron_checkpoints import SHAPES, our_checkpoint
+
+    our_checkpoint(tmp_path / "run", SHAPES["gpt2"])
+    step = tmp_path / "run" / "step_12"
+    common = json.loads((step / "common.json").read_text())
+    assert "num_layers: 2," in common["config"]
+    common["config"] = common["config"].replace("num_layers: 2,", "num_layers: 1000000000,")
+    (step / "common.json").write_text(json.dumps(common))
+    meta = json.loads((step / "metadata.json").read_text())
+    meta["files"]["common.json"] = zlib.crc32((step / "common.json").read_bytes())
+    (step / "metadata.json").write_text(json.dumps(meta))
+    run = str(tmp_path / "run")
+    for tool, *args in (["checkpoint_info.py", run], ["convert_checkpoint.py", "to-hf", run, "hf"],
+                        ["generate.py", "--load", run, "--prompt", "1", "--tokenizer-type", "NullTokenizer"]):
+        done = run_in_bounded_memory([sys.executable, str(ROOT / "tools" / tool), *args], cwd=tmp_path)
+        assert done.returncode == 2, (tool, done.stderr[-2000:])
+        assert done.stderr.count("\n") == 1 and "Model.num_layers is 1,000,000,000, above the largest" in done.stderr
+    assert not (tmp_path / "hf").exists()
