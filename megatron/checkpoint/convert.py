@@ -41,6 +41,7 @@ from megatron.checkpoint.format import (
 from megatron.checkpoint.ownership import held_run
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
+from megatron.config.bounds import config_size_problem
 from megatron.config.syntax import read_yaml
 from megatron.progress import Progress
 
@@ -52,6 +53,9 @@ def config_from_yaml(text: str) -> Config:
     config = Config()
     for leaf, value in flatten_yaml(read_yaml(text) or {}, "the checkpoint's config"):
         set_value(config, leaf, value)
+    problem = config_size_problem(config)  # before anything builds the model it describes
+    if problem is not None:
+        raise ConfigError(f"the checkpoint's config: {problem}")
     return config
 
 
