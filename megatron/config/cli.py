@@ -291,9 +291,8 @@ def parse_override(text: str) -> tuple[Leaf, Any]:
 
 
 # Every spelling of a negative or non-finite number (-1, -1e-3, -.5, -inf, -nan, -Infinity): argparse takes
-# only -1 and -0.5 for a value, and reads the others as an unknown option ("--lr: expected one argument").
-# With it, the value reaches coerce() and validation, which refuse it naming the key and its range. A list of
-# whole numbers that starts with a negative one (--window-size -1,0: no limit) is a value too.
+# only -1 and -0.5 for a value, and reads the others as an unknown option ("--lr: expected one argument"). With it,
+# the value reaches coerce() and validation, which refuse it naming the key and its range; so does --window-size -1,0.
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$|^-\d+(,\s*-?\d+)+$",
                               re.IGNORECASE)
 
@@ -374,11 +373,8 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
         ours = {s: a.dest for a in parser._actions for s in a.option_strings if not a.dest.startswith(MEGATRON_DEST)}
         unknown_text = _unknown_message(unknown, ours)  # hidden Megatron-LM flags are never suggested
         raise ConfigError(" ".join(part for part in (unknown_text, absent) if part))
-    if "fp8_recipe" in given:  # given on the command line: refused whether FP8 is on or not
-        from megatron.config.validate_fp8 import recipe_refusal
-
-        if recipe_refusal(given["fp8_recipe"]):
-            raise ConfigError(recipe_refusal(given["fp8_recipe"]))
+    if megatron_flags.fp8_recipe_refusal(given.get("fp8_recipe")):  # given here: refused with FP8 off too
+        raise ConfigError(megatron_flags.fp8_recipe_refusal(given["fp8_recipe"]))
     if "config" in given and not load_yaml(given["config"]) and warnings is not None:
         warnings.append(f"config file '{given['config']}' sets nothing: every value is a default or a flag.")
     if base is None and megatron_flags.is_megatron_command_line(argv):

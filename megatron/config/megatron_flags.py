@@ -331,6 +331,23 @@ MEGATRON_DEFAULTS: dict[str, object] = {
 }
 MEGATRON_LENGTH_FLAGS = ("--train-iters", "--train-samples")
 
+# FP8 recipes Megatron-LM has and this framework does not build (its default, delayed, among them)
+FP8_RECIPES_NOT_BUILT = {
+    "delayed": "delayed scaling (an amax history) is not built here",
+    "mxfp8": "MXFP8 (32-element blocks, Blackwell's compute capability 10.0) is not built here",
+    "blockwise": "blockwise scaling (1x128 / 128x128 blocks) is not built here",
+}
+
+
+def fp8_recipe_refusal(recipe: str) -> str | None:
+    """The one line refusing an FP8 recipe not built here; None for tensorwise. ``parse_config`` asks it of a recipe
+    given on the command line, FP8 on or off (Megatron-LM's default recipe, delayed, is refused only where FP8 is on:
+    a Megatron-LM command line without FP8 carries it unused)."""
+    if recipe not in FP8_RECIPES_NOT_BUILT:
+        return None
+    return (f"--fp8-recipe {recipe}: {FP8_RECIPES_NOT_BUILT[recipe]}; --fp8-recipe tensorwise is (each tensor "
+            f"scaled by its own amax, the same whatever the layout).")
+
 
 def absent_feature(flag: str) -> str | None:
     """The feature a Megatron flag needs that this framework lacks; None when the flag is not absent."""

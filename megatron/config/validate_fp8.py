@@ -4,25 +4,10 @@ whether the GPU has FP8 tensor cores is asked at start-up (``megatron.device.fp8
 from __future__ import annotations
 
 from megatron.config.cli import fail as _fail
+from megatron.config.megatron_flags import fp8_recipe_refusal
 from megatron.config.schema import Config
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_moe import moe_layer_flags
-
-_NOT_BUILT = {
-    "delayed": "delayed scaling (an amax history) is not built here",
-    "mxfp8": "MXFP8 (32-element blocks, Blackwell's compute capability 10.0) is not built here",
-    "blockwise": "blockwise scaling (1x128 / 128x128 blocks) is not built here",
-}
-
-
-def recipe_refusal(recipe: str) -> str | None:
-    """The one line refusing an FP8 recipe not built here; None for tensorwise. ``parse_config`` asks it of a recipe
-    given on the command line, FP8 on or off (Megatron-LM's default recipe, delayed, is refused only where FP8 is on:
-    a Megatron-LM command line without FP8 carries it unused)."""
-    if recipe not in _NOT_BUILT:
-        return None
-    return (f"--fp8-recipe {recipe}: {_NOT_BUILT[recipe]}; --fp8-recipe tensorwise is (each tensor scaled by its "
-            f"own amax, the same whatever the layout).")
 
 
 def check_fp8_settings(config: Config, cuda_available: bool, warnings: list[str]) -> None:
@@ -30,18 +15,18 @@ def check_fp8_settings(config: Config, cuda_available: bool, warnings: list[str]
     mp = config.mix_precision
     if mp.fp8_amax_history_len < 1:
         _fail(f"fp8_amax_history_len must be at least 1, got {mp.fp8_amax_history_len}.")
-    if mp.fp8_param_gather:  # with FP8 or without: never a default, and never built
-        _fail("--fp8-param-gather is not built here (ZeRO gathers parameters in the training dtype); drop it.")
-    if mp.fp8_format is None:
-        if mp.fp8_recipe in _NOT_BUILT and mp.fp8_recipe != "delayed":  # delayed: Megatron-LM's default, unused
-            _fail(recipe_refusal(mp.fp8_recipe))
-        return
-    if (config.device or ("gpu" if cuda_available else "cpu")) == "cpu":
+    if mp.fp8_format is not None and (config.device or ("gpu" if cuda_available else "cpu")) == "cpu":
         _fail("--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
               "Blackwell); on the CPU torch's FP8 matmul is emulated and slower than bf16: drop --fp8-format (bf16 "
               "trains the same model; --fp8-format none where a YAML file or a resumed run sets it).")
-    if mp.fp8_recipe in _NOT_BUILT:
-        _fail(recipe_refusal(mp.fp8_recipe))
+    if mp.fp8_param_gather:  # with FP8 or without: never a default, and never built
+        _fail("--fp8-param-gather is not built here (ZeRO gathers parameters in the training dtype); drop it.")
+    if mp.fp8_format is None:
+        if fp8_recipe_refusal(mp.fp8_recipe) and mp.fp8_recipe != "delayed":  # delayed: Megatron-LM's default, unused
+            _fail(fp8_recipe_refusal(mp.fp8_recipe))
+        return
+    if fp8_recipe_refusal(mp.fp8_recipe):
+        _fail(fp8_recipe_refusal(mp.fp8_recipe))
     if (mp.fp8_amax_history_len, mp.fp8_amax_compute_algo) != (1, "most_recent"):
         warnings.append("--fp8-amax-history-len and --fp8-amax-compute-algo shape delayed scaling's history; under "
                         "--fp8-recipe tensorwise each tensor is scaled by its own amax and they have no effect.")
