@@ -21,6 +21,9 @@
   None when it has none (or ``optimizer`` False); the distributed optimizer's (legacy ``distrib_optim.pt``, torch_dist
   ``dp_reshardable``) through ``megatron_distrib_optim``, and written by ``write_export`` for an ``args`` with
   ``use_distributed_optimizer`` (legacy ``distrib_optim.pt``; torch_dist ``fully_reshardable``).
+- Every weight, master and optimizer state read is checked by ``foreign_numbers`` (a floating-point tensor, finite,
+  Adam's second moment never negative) before anything uses it: a NaN master would pass the masters' comparison
+  with the weights, and a model with a NaN weight converts to one that generates token 0 forever.
 
 Names and the gated MLPs' layout come from ``megatron_core_names``; the optimizers' parameter order from
 ``megatron_optim``.
@@ -35,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from megatron.checkpoint import megatron_distrib_optim as distrib
+from megatron.checkpoint.foreign_numbers import check_states, check_weights
 from megatron.checkpoint.format import CheckpointError, CheckpointReader, is_vocab_padded
 from megatron.checkpoint.hf_common import pad_vocab
 from megatron.checkpoint.megatron_args import to_args
@@ -60,6 +64,7 @@ from megatron.checkpoint.megatron_legacy import (
 )
 from megatron.checkpoint.megatron_optim import (
     ADAM_KINDS,
+    DAMAGED,
     MASTER,
     NO_OPTIM,
     DistributedOptimizerStates,
@@ -209,6 +214,7 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
     if is_torch_dist(folder):
         by_bucket = optimizer and _by_bucket(folder)
         args, head, whole, by_kind = read_torch_dist(folder, optimizer and not by_bucket)
+        _check_weights(whole, folder)
         if by_bucket:
             states = _distributed_dist_states(folder, args, whole)
         elif by_kind:
@@ -217,7 +223,9 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
                 raise CheckpointError(f"{folder} holds optimizer states without {missing[0]}: not Adam's; {NO_OPTIM}.")
             states = OptimizerStates(common_step(head.get("optimizer"), f"{folder}/common.pt"))
             states.update(by_kind)
-            distrib.check_by_name(states[MASTER], whole, folder, head)
+            check_states(states, folder, DAMAGED, {n: tuple(t.shape) for n, t in whole.items()
+                                                   if isinstance(t, torch.Tensor)})
+            distrib.check_by_name(states[MASTER], whole, folder, head)  # after check_states: NaN would pass it
     else:
         args, head, shards, optimizers = read_shards(folder)
     if not isinstance(args, argparse.Namespace):
@@ -229,6 +237,7 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         whole = merge(shards, tp, pp, gated, tied)
+        _check_weights(whole, folder)
         if optimizer and any(entry is DISTRIBUTED for entry in optimizers.values()):
             states = _distributed_legacy_states(folder, shards, head, args, tp, pp, gated, tied)
         elif optimizer and optimizers:
@@ -251,6 +260,13 @@ def import_state(path: str, optimizer: bool = True) -> Imported:
         params = ours[MASTER]
     del ours[MASTER]
     return Imported(args, head, params, ours, biases)
+
+
+def _check_weights(whole: dict, folder: str) -> None:
+    """``foreign_numbers``' rule on the weights (and the routers' buffers) of Megatron Core's whole state dict, before
+    any optimizer state is compared with them; its ``_extra_state`` entries are not numbers."""
+    check_weights(whole, folder, "a model with such a weight cannot be trained or run: convert an earlier checkpoint",
+                  skip=("._extra_state",))
 
 
 def _ours(whole: dict[str, torch.Tensor], gated: bool) -> dict[str, torch.Tensor]:

@@ -34,9 +34,10 @@ experts have their own optimizer and buffer, not converted here). Its layout:
 None of these depends on the dp size (the end padding is never saved), so they load at any dp (torch_dist
 ``fully_reshardable`` at any tp and pp too). Reading recomputes the layout from the saved ``args`` and checks it
 against the saved sizes (the buffer's; every bucket's in torch_dist) and against the weights (each fp32 master,
-rounded to the saved weight's dtype, is that weight); a checkpoint that does not match is refused in one line,
-never guessed. The ShardedObjects' bytes and ``distrib_optim.pt`` are read with ``torch.load(weights_only=True)``
-(tensors, dtypes and plain containers only).
+rounded to the saved weight's dtype, is that weight; each state is first checked by ``foreign_numbers``: finite,
+the second moment never negative); a checkpoint that does not match is refused in one line, never guessed. The
+ShardedObjects' bytes and ``distrib_optim.pt`` are read with ``torch.load(weights_only=True)`` (tensors, dtypes and
+plain containers only).
 """
 
 from __future__ import annotations
@@ -51,8 +52,17 @@ from typing import NamedTuple
 
 import torch
 
+from megatron.checkpoint.foreign_numbers import check_state
 from megatron.checkpoint.format import CheckpointError, file_inside
-from megatron.checkpoint.megatron_optim import ADAM_KINDS, MASTER, NO_OPTIM, core_order, param_group, parameters
+from megatron.checkpoint.megatron_optim import (
+    ADAM_KINDS,
+    DAMAGED,
+    MASTER,
+    NO_OPTIM,
+    core_order,
+    param_group,
+    parameters,
+)
 
 KINDS = ("param", *ADAM_KINDS)  # Megatron's names: "param" is the fp32 master
 FILE = "distrib_optim.pt"
@@ -169,14 +179,15 @@ def _split(world: dict[str, torch.Tensor], layout: Layout, model: dict, where: s
     out = {}
     for kind in KINDS:
         flat = world.get(kind)
-        if not isinstance(flat, torch.Tensor) or flat.numel() != layout.numel:
-            size = "missing" if not isinstance(flat, torch.Tensor) else f"{flat.numel()} elements"
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != layout.numel:
+            size = ("missing" if not isinstance(flat, torch.Tensor) else f"{flat.numel()} elements" if flat.dim() == 1
+                    else f"shaped {list(flat.shape)}")
             raise CheckpointError(f"{where}: the distributed optimizer's {kind} is {size}, but Megatron Core's "
-                                  f"bucket layout of this rank's parameters (from the args) holds {layout.numel}; "
-                                  f"{NO_OPTIM}.")
-        out[kind] = {name: flat[at:at + numel].view(model[name].shape).float().clone()
-                     for name, (at, numel) in layout.slots.items()}
-    check_masters(out["param"], model, where)
+                                  f"bucket layout of this rank's parameters (from the args) holds {layout.numel} "
+                                  f"elements in one dimension; {NO_OPTIM}.")
+        out[kind] = {name: check_state(kind, name, flat[at:at + numel], where, DAMAGED).view(model[name].shape)
+                     .float().clone() for name, (at, numel) in layout.slots.items()}
+    check_masters(out["param"], model, where)  # after check_state: a NaN master would pass it
     return {MASTER if kind == "param" else kind: by_name for kind, by_name in out.items()}
 
 

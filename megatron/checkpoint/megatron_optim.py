@@ -20,7 +20,8 @@ are in ``distrib_optim.pt`` files, flattened by gradient bucket (``megatron_dist
 ``optimizer.state.common_step`` and the groups' settings in ``common.pt``.
 
 Reading checks the order against the saved groups (their sizes, every state's shape) and refuses in one line
-when it does not match rather than guess.
+when it does not match rather than guess; each state is checked as it is read (``foreign_numbers``: a
+floating-point tensor, finite, the second moment never negative).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import re
 
 import torch
 
+from megatron.checkpoint.foreign_numbers import check_state
 from megatron.checkpoint.format import CheckpointError
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")
@@ -36,6 +38,7 @@ MASTER = "fp32_param"  # Megatron's name for the fp32 master weight (torch_dist'
 _NOT_PARAMETERS = ("._extra_state", ".router.expert_bias", ".router.local_tokens_per_expert")
 NO_OPTIM = ("or convert the weights only with --no-optim (the run continues with a fresh AdamW, as Megatron's "
             "--no-load-optim)")
+DAMAGED = f"the optimizer states are damaged: convert an earlier checkpoint, {NO_OPTIM}"  # foreign_numbers' refusals
 
 
 class OptimizerStates(dict):
@@ -155,11 +158,11 @@ def read_rank(entry, model: dict, where: str) -> OptimizerStates | None:
                         raise CheckpointError(f"{where}: the optimizer's {kind} of parameter {i} has shape "
                                               f"{list(state[kind].shape)}, but Megatron Core's order puts {name} "
                                               f"{list(shapes[name])} there; {NO_OPTIM}.")
-                    out[kind][name] = state[kind].float()
+                    out[kind][name] = check_state(kind, name, state[kind], where, DAMAGED).float()
                 if "step" in state:
                     steps.add(float(state["step"]))
                 if masters is not None:
-                    master = masters[g][j]
+                    master = check_state(MASTER, name, masters[g][j], where, DAMAGED)
                     if tuple(master.shape) != shapes[name]:
                         raise CheckpointError(f"{where}: the fp32 master of parameter {i} has shape "
                                               f"{list(master.shape)}, not {name}'s {list(shapes[name])}; {NO_OPTIM}.")

@@ -5,6 +5,10 @@ The checkpoint format is layout-free, so a model saved under any (tp, pp, dp, sh
 any tensor-parallel size here: each rank reads its slice of each parameter (``CheckpointReader.
 local_range``: only the saved pieces it needs when the cut is the same, else the tensor is
 reassembled one at a time). Pipeline parallelism is not used for generation.
+
+A weight that is not finite (``foreign_numbers``: NaN or infinite in the checkpoint, or beyond fp16's range once
+cast) is refused in one line naming it, on every rank, before a token is generated or a request served: such a
+model would print one token forever.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.checkpoint.convert import open_checkpoint
+from megatron.checkpoint.foreign_numbers import check_weight, first_wrong
 from megatron.checkpoint.format import CheckpointError
 from megatron.checkpoint.run_dir import on_every_rank
 from megatron.checkpoint.save_load import check_compatible, slice_of
@@ -112,13 +117,27 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
                 where = slice_of(p, ps)
                 p.copy_(reader.local_range("param", name, where.global_shape, where.partition_dim, where.tp_rank,
                                            where.tp_size, 0, p.numel()).view(p.shape))
+                check_weight(name, p, reader.step_dir, "a model whose weights are not finite cannot generate (it "
+                             "would print one token forever): load an earlier checkpoint")
             _set_expert_biases(model, (common.get("train_state") or {}).get("moe_expert_bias") or {})
     finally:
         reader.close()
     model = model.to(device=device, dtype=dtype).eval()
+    if dtype != torch.float32:
+        _check_cast(model, dtype, reader.step_dir)
     if device.type == "cpu" and dtype == torch.float32:
         lay_out_for_decoding(model)
     return model, config
+
+
+def _check_cast(model: torch.nn.Module, dtype: torch.dtype, step_dir: str) -> None:
+    """CheckpointError when a weight, finite in the checkpoint, is not once cast to ``dtype`` (fp16 ends at 65504)."""
+    found = first_wrong(model.named_parameters())
+    if found is not None:
+        flag = next(flag for flag, d in DTYPES.items() if d == dtype)
+        others = " or ".join(f for f in DTYPES if f != flag)
+        raise CheckpointError(f"{step_dir}: the weight {found[0]} {found[1]} once cast to {flag} (it holds values "
+                              f"beyond {flag}'s largest, {torch.finfo(dtype).max:g}); load it with --dtype {others}.")
 
 
 def _set_expert_biases(model: torch.nn.Module, saved: dict) -> None:
