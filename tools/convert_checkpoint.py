@@ -32,6 +32,11 @@ saved: Adam's moments and step, the fp32 masters, the schedule's position; ``--n
 for tp x pp (x ep: ``--expert-model-parallel-size``; grouped-GEMM experts with ``--moe-grouped-gemm``) or torch_dist
 (docs/checkpoints.md, section 7). Exit status 2, with a one-line message, for a missing or
 damaged checkpoint or a model that cannot be converted.
+
+Each command holds ``OUT/run.lock`` while it runs (as a training run holds its ``--save`` folder's): a second
+writer of the same folder is refused in one line naming the first one's pid and command. A write that fails (a
+full disk) is one line, exit status 2, and leaves nothing: files are written at private temporary names and
+renamed when all are complete, and a folder the command created is removed again.
 """
 
 from __future__ import annotations
@@ -40,15 +45,25 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron.checkpoint import CheckpointError, hf_deepseek  # noqa: E402
+from megatron import file_lock  # noqa: E402
+from megatron.checkpoint import CheckpointError, foreign_numbers, hf_deepseek  # noqa: E402
 from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
-from megatron.checkpoint.convert import open_checkpoint, read_tensors, reshard, write_params  # noqa: E402
+from megatron.checkpoint.convert import (  # noqa: E402
+    open_checkpoint,
+    output_folder,
+    read_tensors,
+    reshard,
+    write_params,
+    writes_into,
+)
 from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config  # noqa: E402
 from megatron.checkpoint.format import file_inside  # noqa: E402
 from megatron.checkpoint.hf_common import (  # noqa: E402
@@ -66,23 +81,19 @@ PROG = "convert_checkpoint.py"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _write_atomic(path: str, write) -> None:
-    """``write(tmp)`` then rename ``tmp`` to ``path``, the file's mode that of any new file (0666 less the
-    umask): some writers create theirs 0600 (safetensors' ``save_file`` does)."""
-    tmp = path + ".tmp"
-    write(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    _write_atomic(path, write)
+def _write_staged(out_dir: str, files: dict[str, object]) -> None:
+    """Write ``files`` (name -> bytes, or a function writing the file at the path it is given) into ``out_dir``:
+    each at a private temporary name first, then all renamed (``file_lock.Staged``). A failed write is one line
+    (``writes_into``) and leaves none of them, the folder's earlier files unchanged."""
+    with file_lock.Staged() as staged:
+        with writes_into(out_dir):
+            for name, content in files.items():
+                path = os.path.join(out_dir, name)
+                if isinstance(content, bytes):
+                    staged.data(path, content)
+                else:
+                    staged.file(path, content)
+        staged.commit()
 
 
 def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = True,
@@ -109,18 +120,15 @@ def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tru
               f"do not use them).")
     state = {name: t if name.endswith(hf_deepseek.BIAS) else t.to(DTYPES[dtype])  # the expert bias stays fp32
              for name, t in hf.to_hf_state_dict(tensors, config.model, **extra).items()}
-    os.makedirs(out_dir, exist_ok=True)
-    _write_atomic(os.path.join(out_dir, "model.safetensors"),
-                  lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     hf_cfg = hf.hf_config(config.model, dtype)
     hf_cfg.update(export.token_ids if export is not None else {})
-    generation = generation_config(hf_cfg)
-    _write_bytes(os.path.join(out_dir, "generation_config.json"), _json_bytes(generation))
-    _write_bytes(os.path.join(out_dir, "config.json"), _json_bytes(hf_cfg))
-    written = ["config.json", "generation_config.json", "model.safetensors"]
-    for name, data in (export.files if export is not None else {}).items():
-        _write_bytes(os.path.join(out_dir, name), data)
-        written.append(name)
+    os.makedirs(out_dir, exist_ok=True)
+    # config.json last: a folder that has it has the rest
+    _write_staged(out_dir, {"model.safetensors": lambda tmp: save_file(state, tmp, metadata={"format": "pt"}),
+                            "generation_config.json": _json_bytes(generation_config(hf_cfg)),
+                            **(export.files if export is not None else {}), "config.json": _json_bytes(hf_cfg)})
+    written = ["config.json", "generation_config.json", "model.safetensors",
+               *(export.files if export is not None else {})]
     print(f"wrote {out_dir}: {', '.join(written)} ({hf_cfg['architectures'][0]}) from {reader.step_dir} "
           f"(step {common['step']}, {sum(t.numel() for t in state.values()):,} parameters, {dtype})")
     if export is None:
@@ -140,6 +148,7 @@ def _json_bytes(value: dict) -> bytes:
     return (json.dumps(value, indent=2) + "\n").encode()
 
 
+@foreign_numbers.checked_hf_weights  # each weight floating-point and finite, else one line naming it
 def read_hf_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
     """The weights of a Hugging Face model folder: model.safetensors, sharded safetensors, or pytorch_model.bin."""
     from safetensors.torch import load_file
@@ -211,18 +220,30 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     # A run loading the checkpoint takes its config.yaml as its base: only the model, which config.json
     # fixes, and its tokenizer; the schedule, batch sizes and data are that run's own (derived from its
     # flags, not pinned here).
-    step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
-                            force=force, resume_config=model_base(config), train_state=train_state)
-    if found is not None:
-        os.makedirs(tokenizer_dir, exist_ok=True)
-        for name, source in found[1].items():
-            with open(source, "rb") as f:
-                _write_bytes(os.path.join(tokenizer_dir, name), f.read())
+    with file_lock.Staged() as staged:  # the tokenizer's files written first, renamed after the checkpoint's
+        if found is not None:
+            with writes_into(out_dir):
+                _stage_tokenizer(staged, tokenizer_dir, found[1])
+        step_dir = write_params(out_dir, config, params, tp=config.distributed.mp_degree, converted_by="from-hf",
+                                force=force, resume_config=model_base(config), train_state=train_state)
+        staged.commit()
     print(f"wrote {step_dir} ({sum(t.numel() for t in params.values()):,} parameters, padded vocabulary "
           f"{config.padded_vocab_size}); continue pretraining with: pretrain_gpt.py ... --load {out_dir}")
     if found is not None:
         print(f"tokenizer: {found[0]['tokenizer_type']} from {hf_dir}, copied to {tokenizer_dir} and named in the "
               f"checkpoint's config (tools/generate.py --load {out_dir} needs no tokenizer flags)")
+
+
+def _stage_tokenizer(staged: file_lock.Staged, tokenizer_dir: str, files: dict[str, str]) -> None:
+    """Copies of the tokenizer ``files`` (name -> source path) staged for ``tokenizer_dir``: a new folder renamed
+    whole, or, where an earlier import made it, each file renamed over its own."""
+    if os.path.isdir(tokenizer_dir):
+        for name, source in files.items():
+            staged.file(os.path.join(tokenizer_dir, name), lambda tmp, source=source: shutil.copyfile(source, tmp))
+        return
+    folder = staged.folder(tokenizer_dir)
+    for name, source in files.items():
+        shutil.copyfile(source, os.path.join(folder, name))
 
 
 def _hf_tokenizer(hf_dir: str, hf_cfg: dict, flags: list[str]) -> tuple[dict, dict[str, str]] | None:
@@ -340,28 +361,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("from-hf", "from-megatron"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    out = args.out_dir if args.command in ("to-hf", "from-hf", "from-megatron") else args.out
     try:
-        if args.command == "to-hf":
-            to_hf(args.ckpt, args.out_dir, args.dtype, args.tokenizer,
-                  {name: getattr(args, name) for name in ("tokenizer_type", "vocab_file", "merge_file",
-                                                          "tokenizer_model")})
-        elif args.command == "from-hf":
-            from_hf(args.hf_dir, args.out_dir, rest, args.force)
-        elif args.command == "from-megatron":
-            from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune, args.optim)
-        elif args.command == "to-megatron":
-            to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp, args.optim, args.ep, args.grouped, args.impl,
-                        args.legacy_grouped, distrib.export_options(args))
-        else:
-            step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
-            print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")
+        # one writer of the output folder at a time, before anything is written there (a second one: one line)
+        with output_folder(out, shlex.join([PROG, *argv])) as warning:
+            if warning:
+                print(f"{PROG}: warning: {warning}", file=sys.stderr)
+            _run(args, rest)
     except (ToolError, CheckpointError, ConversionError, ConfigError, TokenizerError, OSError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _run(args: argparse.Namespace, rest: list[str]) -> None:
+    if args.command == "to-hf":
+        to_hf(args.ckpt, args.out_dir, args.dtype, args.tokenizer,
+              {name: getattr(args, name) for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")})
+    elif args.command == "from-hf":
+        from_hf(args.hf_dir, args.out_dir, rest, args.force)
+    elif args.command == "from-megatron":
+        from_megatron(args.megatron_dir, args.out_dir, rest, args.force, args.finetune, args.optim)
+    elif args.command == "to-megatron":
+        to_megatron(args.ckpt, args.out, args.fmt, args.tp, args.pp, args.optim, args.ep, args.grouped, args.impl,
+                    args.legacy_grouped, distrib.export_options(args))
+    else:
+        step_dir = reshard(args.ckpt, args.out, args.tp, args.force)
+        print(f"wrote {step_dir} with {args.tp} rank file(s), the vocabulary padded for --tp {args.tp}")
 
 
 if __name__ == "__main__":

@@ -12,18 +12,26 @@ loading under another layout).
 ``reshard`` rewrites a checkpoint for another tensor-parallel size, every kind (masters and AdamW
 states) included, one tensor at a time; the word embedding is re-padded to the new size's
 ``padded_vocab_size`` (a multiple of 128 x tp), the padding rows being zeros.
+
+The converters' output folders (``tools/convert_checkpoint.py``) have one writer at a time: ``output_folder``
+holds their ``run.lock``, the lock a training run holds on its ``--save`` folder, so a second converter, or a run,
+writing there is refused in one line naming the first one. What a converter writes goes through private
+temporary names (``megatron/file_lock.py``) renamed at the end; a write that fails (a full disk) is one line
+(``writes_into``) and leaves nothing: no temporary, no half-written output, ``latest`` as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import yaml
 
+from megatron import file_lock
 from megatron.checkpoint import small_files
 from megatron.checkpoint.format import (
     CRC_CHUNK_BYTES,
@@ -38,7 +46,7 @@ from megatron.checkpoint.format import (
     write_bytes,
     write_text,
 )
-from megatron.checkpoint.ownership import held_run
+from megatron.checkpoint.ownership import LOCK_FILE, held_run
 from megatron.checkpoint.tokenizer_files import find_tokenizer_files
 from megatron.config import Config, ConfigError, flatten_yaml, set_value, to_yaml
 from megatron.config.bounds import config_size_problem
@@ -46,6 +54,67 @@ from megatron.config.syntax import read_yaml
 from megatron.progress import Progress
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+# What a full disk (or another failed write) raises from the writers converters call: OSError from ours, a
+# RuntimeError from torch.save ("unexpected pos ..."), these by name (safetensors' and PyTorch DCP's).
+_WRITE_ERRORS = ("SafetensorError", "CheckpointException")
+
+
+@contextlib.contextmanager
+def output_folder(folder: str, command: str) -> Iterator[str | None]:
+    """Hold ``folder/run.lock`` while a converter writes into ``folder`` (created if needed; removed again, with the
+    parents it needed, when a failure leaves it empty); the context is a warning where the file system has no
+    locks, else None. CheckpointError, one line, when another process holds the lock (its pid and command named)
+    or the folder cannot be made. ``command``: what this process's holder line names."""
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise CheckpointError(f"the output folder {folder} is a file; give another folder, or move the file.")
+    lock = file_lock.OutputFolder(folder, LOCK_FILE, command)
+    try:
+        warning = lock.acquire()
+    except file_lock.Busy as busy:
+        raise CheckpointError(f"another process is writing to {folder} ({busy.holder}, holding {lock.path}): two "
+                              f"writers of one folder would mix their files; wait for it to end, or give another "
+                              f"output folder.") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot write to the output folder {folder} ({err.strerror or err}); fix it or give "
+                              f"another one.") from err
+    failed = True
+    try:
+        yield warning
+        failed = False
+    finally:
+        lock.release(failed)
+
+
+@contextlib.contextmanager
+def writes_into(folder: str) -> Iterator[None]:
+    """A write into ``folder`` that fails (a full disk, a quota, an I/O error), re-raised as one CheckpointError
+    line naming the folder, the reason and the space left there. Around writes whose outputs are staged
+    (``file_lock.Staged``): leaving the block by an error leaves nothing of them."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        if not isinstance(err, (OSError, RuntimeError)) and type(err).__name__ not in _WRITE_ERRORS:
+            raise  # never a KeyboardInterrupt
+        raise CheckpointError(write_failure(folder, err)) from err
+
+
+def write_failure(folder: str, err: BaseException) -> str:
+    """The one line of a failed write into ``folder``: its reason (the last line of a multi-line message, as
+    DCP's CheckpointException carries the failing rank's traceback) and the space left there."""
+    if isinstance(err, OSError) and err.strerror:
+        reason = err.strerror
+    else:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        reason = lines[-1] if len(lines) > 1 else f"{type(err).__name__}: {lines[0] if lines else ''}"
+    reason = reason if len(reason) <= 300 else reason[:297] + "..."
+    try:
+        space = f"; {shutil.disk_usage(folder).free / 2**30:.2f} GiB free there"
+    except OSError:
+        space = ""
+    return (f"cannot write to {folder} ({reason}{space}); nothing of this conversion is left there: free some "
+            f"space, or give another output folder.")
 
 
 def config_from_yaml(text: str) -> Config:
@@ -127,8 +196,9 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
                      adam_step: float = 0.0, grad_scaler: dict | None = None, train_state: dict | None = None,
                      converted_by: str = "checkpoint_io", force: bool = False, forbidden: str | None = None,
                      resume_config: str | None = None) -> str:
-    """Write ``run_dir/step_{step}`` (into ``step_{step}.tmp``, renamed when complete) and point
-    ``run_dir/latest`` at it; returns the step folder.
+    """Write ``run_dir/step_{step}`` (into a private ``step_{step}.tmp.HOST-PID.RANDOM``, renamed when complete) and
+    point ``run_dir/latest`` at it; returns the step folder. A failed write (``writes_into``: one line) leaves
+    neither, nor any temporary, and ``latest`` as it was.
 
     ``entries``: the (kind, global name) pairs to write, kind in ``KINDS``; ``load(kind, name)`` returns
     the full fp32 tensor (called once per tensor-parallel rank, so the writer holds one rank's file at
@@ -159,21 +229,22 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
     if held is not None and not force:  # a run's folder: its relaunch would resume this instead of its own steps
         raise CheckpointError(f"{run_dir} holds a run ({held.what}): writing a checkpoint there would repoint its "
                               f"'latest'; choose another output folder, or pass --force.")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        config_crc = write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None
-                                else resume_config)
-        _write_files(tmp, config, entries, load, layout, tp, step, adam_step, grad_scaler, train_state, converted_by,
-                     config_crc)
-        fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_text(os.path.join(run_dir, "latest"), os.path.basename(final))
+    with file_lock.Staged() as staged:  # a private step_N.tmp.HOST-PID.RANDOM and latest's text, renamed at the end
+        with writes_into(run_dir):
+            os.makedirs(run_dir, exist_ok=True)
+            tmp = staged.folder(final)
+            config_crc = write_text(os.path.join(tmp, "config.yaml"), to_yaml(config) if resume_config is None
+                                    else resume_config)
+            _write_files(tmp, config, entries, load, layout, tp, step, adam_step, grad_scaler, train_state,
+                         converted_by, config_crc)
+            fsync_dir(tmp)
+            staged.data(os.path.join(run_dir, "latest"), os.path.basename(final).encode())
+        if os.path.exists(final):
+            if not force:  # another writer's, meanwhile (a file system without locks)
+                raise CheckpointError(f"{final} appeared while this checkpoint was written; choose another output "
+                                      f"folder or pass --force.")
+            shutil.rmtree(final)
+        staged.commit()
     fsync_dir(run_dir)
     return final
 

@@ -1,13 +1,18 @@
 """``tools/convert_checkpoint.py``'s Megatron-LM commands: ``from_megatron`` (a Megatron-LM save folder into a run
 folder of ours: weights, optimizer states, schedule and progress) and ``to_megatron`` (a checkpoint of ours into the
 folder a Megatron-LM run loads). The tensors and layouts are ``megatron_convert``'s and the modules it uses; this is the
-command around them: the configuration, the printed lines."""
+command around them: the configuration, the printed lines, and where the export is written: into a private staging
+folder inside ``out`` whose ``iter_N`` and tracker are renamed into ``out`` when complete, so a failed write leaves
+nothing behind and two writers never share a temporary folder."""
 
 from __future__ import annotations
 
+import os
+
+from megatron import file_lock
 from megatron.checkpoint import megatron_distrib_optim as distrib
 from megatron.checkpoint import megatron_schedule as schedules
-from megatron.checkpoint.convert import open_checkpoint, read_tensors, write_checkpoint
+from megatron.checkpoint.convert import open_checkpoint, read_tensors, write_checkpoint, writes_into
 from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config
 from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags
 from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size
@@ -21,6 +26,7 @@ from megatron.checkpoint.megatron_convert import (
     write_export,
 )
 from megatron.checkpoint.megatron_experts import export_layout, megatron_flags
+from megatron.checkpoint.megatron_legacy import TRACKER
 
 
 def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False,
@@ -79,6 +85,9 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
     train_state = common.get("train_state") or {}
     consumed = int(train_state.get("consumed_samples", 0))
     step, adam_step = int(common["step"]), float(common.get("adam_step") or 0.0)
+    final = os.path.join(out, f"iter_{step:07d}")
+    if os.path.lexists(final):
+        raise ToolError(f"{final} already exists; choose another output folder.")
     params = read_params(reader)
     whole, args = export_state(params, config, tp, pp, step=step, consumed_samples=consumed,
                                expert_bias=train_state.get("moe_expert_bias"))
@@ -93,7 +102,8 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
         states = {kind: read_tensors(reader, kind) for kind in ("exp_avg", "exp_avg_sq")}
         optimizer = export_optimizer(states, params, config, tp)
         settings, scheduler = schedule_state(config, int(train_state.get("schedule_samples", consumed)))
-    folder = write_export(out, fmt, whole, args, step, optimizer, adam_step, settings, scheduler)
+    folder = _export_staged(out, final, lambda stage: write_export(stage, fmt, whole, args, step, optimizer, adam_step,
+                                                                settings, scheduler))
     carried = "the weights, iteration and consumed samples"
     layout = f"tensor-parallel {tp} x pipeline {pp}" + (f" x expert-parallel {ep}" if ep > 1 else "")
     if optimizer is not None:
@@ -107,3 +117,21 @@ def to_megatron(ckpt: str, out: str, fmt: str = "legacy", tp: int = 1, pp: int =
               f"{args.padded_vocab_size}) from {reader.step_dir}; load it in Megatron-LM with --load {out} "
               f"--use-mcore-models --no-load-optim --no-load-rng {megatron_flags(args)} ({carried}; no optimizer "
               f"states: {why})")
+
+
+def _export_staged(out: str, final: str, write) -> str:
+    """``write(stage)`` (it writes ``stage/iter_N`` and ``stage/TRACKER``) into a private folder inside ``out``, then
+    ``iter_N`` renamed to ``final`` and the tracker into ``out``; returns ``final``. A failed write is one line and
+    leaves nothing (``writes_into``)."""
+    os.makedirs(out, exist_ok=True)
+    stage = file_lock.private_folder(final)
+    try:
+        with writes_into(out):
+            written = write(stage)
+        if os.path.lexists(final):  # another writer's, meanwhile (a file system without locks)
+            raise ToolError(f"{final} appeared while this export was written; choose another output folder.")
+        os.replace(written, final)
+        os.replace(os.path.join(stage, TRACKER), os.path.join(out, TRACKER))
+    finally:
+        file_lock.remove_quietly(stage)
+    return final
