@@ -214,12 +214,7 @@ def write_checkpoint(run_dir: str, config: Config, entries: Iterable[tuple[str, 
         if kind not in KINDS:
             raise ValueError(f"unknown kind {kind!r} for {name!r}; expected one of {KINDS}")
     layout = tensor_layout(config)
-    unknown = sorted({name for _, name in entries} - set(layout))
-    if unknown:
-        raise CheckpointError(f"tensor {unknown[0]!r} is not a parameter of the configured model.")
-    missing = sorted(set(layout) - {name for kind, name in entries if kind == "param"})
-    if missing:
-        raise CheckpointError(f"no 'param' tensor for {missing[0]!r}, which the model has.")
+    check_names_fit(entries, layout)
     final = os.path.join(run_dir, f"step_{step}")
     if forbidden and os.path.realpath(final) == os.path.realpath(forbidden):
         raise CheckpointError(f"{final} is the checkpoint being read; write to another folder.")
@@ -281,9 +276,7 @@ def _write_rank(tmp: str, rank: int, entries: list, load: Callable, layout: dict
         if dim is None and rank > 0:
             continue
         full = load(kind, name).to(torch.float32)
-        if tuple(full.shape) != shape:
-            raise CheckpointError(f"{kind} {name!r} has shape {list(full.shape)}, but the configured model's is "
-                                  f"{list(shape)}.")
+        check_shape_fits(kind, name, full, layout)
         if dim is None:
             local, tp_rank, tp_size = full, 0, 1
         else:
@@ -296,6 +289,25 @@ def _write_rank(tmp: str, rank: int, entries: list, load: Callable, layout: dict
         del full
         progress.update(1)
     writer.close()
+
+
+def check_names_fit(entries: Iterable[tuple[str, str]], layout: dict) -> None:
+    """CheckpointError, in the writer's words, unless the (kind, name) ``entries`` are parameters of the model whose
+    ``tensor_layout`` is ``layout`` and hold a "param" of each: what a checkpoint of ours may hold."""
+    entries = list(entries)
+    unknown = sorted({name for _, name in entries} - set(layout))
+    if unknown:
+        raise CheckpointError(f"tensor {unknown[0]!r} is not a parameter of the configured model.")
+    missing = sorted(set(layout) - {name for kind, name in entries if kind == "param"})
+    if missing:
+        raise CheckpointError(f"no 'param' tensor for {missing[0]!r}, which the model has.")
+
+
+def check_shape_fits(kind: str, name: str, t: torch.Tensor, layout: dict) -> None:
+    """CheckpointError unless ``t`` (the ``kind`` of parameter ``name``) has its shape in ``layout``."""
+    if tuple(t.shape) != tuple(layout[name][0]):
+        raise CheckpointError(f"{kind} {name!r} has shape {list(t.shape)}, but the configured model's is "
+                              f"{list(layout[name][0])}.")
 
 
 def write_params(run_dir: str, config: Config, params: dict[str, torch.Tensor], **kwargs) -> str:

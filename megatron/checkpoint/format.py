@@ -188,10 +188,11 @@ def same_folder(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def file_inside(folder: str, relative: object, where: str) -> str:
-    """The real path of the file ``relative`` that an index in ``folder`` (named ``where`` in messages) names;
-    CheckpointError unless it is a regular file inside ``folder``: a relative path without ``..`` that resolves,
-    symlinks followed, under the folder. A checkpoint someone else wrote reads only its own files."""
+def file_inside(folder: str, relative: object, where: str, *, is_folder: bool = False) -> str:
+    """The real path of the file ``relative`` that an index in ``folder`` (named ``where`` in messages) names, or
+    that ``folder`` holds; CheckpointError unless it is a regular file inside ``folder`` (a folder, with
+    ``is_folder``): a relative path without ``..`` that resolves, symlinks followed, under the folder. A checkpoint
+    someone else wrote reads only its own files."""
     if not isinstance(relative, str) or not relative:
         raise CheckpointError(f"{where} names a data file by {relative!r}, not a file name: the index is damaged.")
     if os.path.isabs(relative) or ".." in relative.replace("\\", "/").split("/"):
@@ -201,7 +202,7 @@ def file_inside(folder: str, relative: object, where: str) -> str:
     if os.path.commonpath([root, real]) != root:
         raise CheckpointError(f"{where} names {relative!r}, a link to {real}, outside the checkpoint's folder; a "
                               f"checkpoint reads only its own files (refusing it).")
-    if not os.path.isfile(real):
+    if not (os.path.isdir(real) if is_folder else os.path.isfile(real)):
         raise CheckpointError(f"{where} names the data file {relative!r}, which is missing from {folder}: the "
                               f"checkpoint is incomplete.")
     return real

@@ -23,6 +23,12 @@ attention (``position_embedding_type`` yarn with ``rotary_scaling_factor``, ``ya
 ``yarn_beta_fast``, ``yarn_beta_slow``, ``yarn_correction_range_round_to_int``, ``mscale``, ``mscale_all_dim``, None
 read as Megatron-LM's defaults: ``_apply_yarn_config_from_args``); ``enable_gpt_oss`` (Megatron-LM's ModelOpt
 builder) sets gpt-oss's YaRN over them, as that builder does.
+
+``check_saved(head, where)``: the one check of what a Megatron-LM file says about itself, before anything
+proportional to it is built, by every reader (``from-megatron``'s and ``checkpoint_info.py``'s): ``args`` a
+Namespace, every size in it within ``megatron.config.bounds`` (``MAXIMA`` is keyed by our names, which are
+Megatron's; ``padded_vocab_size``, ``seq_length`` and YaRN's original length are bounded as ours), the parallel sizes
+whole numbers from 1, and the iteration (``saved_iteration``) a whole number from 0 to ``MAX_ITERATION``.
 """
 
 from __future__ import annotations
@@ -31,11 +37,20 @@ import argparse
 
 import torch
 
+from megatron.checkpoint.format import CheckpointError
 from megatron.checkpoint.hf_common import ConversionError
+from megatron.config.bounds import MAXIMA, check_sizes, size_problem
 from megatron.config.schema import ModelConfig, padded_vocab_size
 from megatron.config.validate_attention import parse_window
 from megatron.config.validate_moe import moe_layer_pattern, parse_layer_pattern
 
+# the largest iteration a checkpoint may claim: 2^40 steps, 35,000 years at a step a second (a step_N of ours)
+MAX_ITERATION = 2**40
+# Megatron's sizes that our fields name otherwise (bounds.MAXIMA is keyed by ours)
+_MEGATRON_SIZES = {"padded_vocab_size": "vocab_size", "seq_length": "max_seq_len",
+                   "yarn_original_max_position_embeddings": "original_max_position_embeddings"}
+_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                   "expert_tensor_parallel_size")
 # Megatron arg -> our ModelConfig field, the same value on both sides.
 _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
          "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved", "normalization", "swiglu",
@@ -76,6 +91,52 @@ _YARN = {"rotary_scaling_factor": ("--rotary-scaling-factor", 1.0),
 _GPT_OSS_YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 32.0,
                  "yarn_original_max_position_embeddings": 131072, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
                  "mscale": 1.0, "mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": False}
+
+
+def check_saved(head: dict, where: str) -> tuple[argparse.Namespace, int]:
+    """(the ``args``, the iteration) of a Megatron-LM checkpoint's saved dict ``head`` (a rank file's, or torch_dist's
+    ``common.pt``) read from ``where``; CheckpointError (one line) for args that are not a Namespace, a size beyond
+    its bound or not a whole number, a parallel size below 1, or an iteration ``saved_iteration`` refuses."""
+    args = head.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{where} has no 'args' (Megatron-LM saves its arguments there; they give the model's "
+                              f"shape).")
+    values = vars(args)
+
+    def fail(message: str):
+        raise CheckpointError(message)
+
+    check_sizes(values, f"{where}: its args", fail, names={**{n: n for n in MAXIMA}, **_MEGATRON_SIZES})
+    for name in _PARALLEL_SIZES:
+        value = values.get(name)
+        problem = size_problem(name, value) or (f"{name} is {value}, below 1" if value is not None and value < 1
+                                                else None)
+        if problem is not None:
+            fail(f"{where}: its args: {problem}; check the value.")
+    return args, saved_iteration(head, args, where)
+
+
+def iteration_problem(value) -> str | None:
+    """What is wrong with ``value`` as a Megatron-LM iteration (a whole number from 0 to ``MAX_ITERATION``), or
+    None."""
+    problem = size_problem("iteration", value)
+    if problem is None and value > MAX_ITERATION:
+        problem = f"iteration is {value:,}" if isinstance(value, int) else f"iteration is {value!r}"
+        problem += f", above {MAX_ITERATION:,} (2^40)"
+    return problem
+
+
+def saved_iteration(head: dict, args: argparse.Namespace, where: str) -> int:
+    """The iteration a checkpoint's saved dict ``head`` says (its ``iteration``, else its ``args.iteration``; 0 when
+    None), checked: the step of the converted checkpoint (``step_N``), which every loader of ours must accept."""
+    value = head.get("iteration", getattr(args, "iteration", 0))
+    if value is None:
+        return 0
+    problem = iteration_problem(value)
+    if problem is not None:
+        raise CheckpointError(f"{where}: its {problem}; a Megatron-LM iteration is a whole number from 0 to 2^40: "
+                              f"the checkpoint is damaged.")
+    return int(value)
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:

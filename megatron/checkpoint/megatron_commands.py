@@ -15,6 +15,7 @@ from megatron.checkpoint import megatron_schedule as schedules
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, write_checkpoint, writes_into
 from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config
 from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags
+from megatron.checkpoint.megatron_args import saved_iteration
 from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size
 from megatron.checkpoint.megatron_convert import (
     export_optimizer,
@@ -34,7 +35,7 @@ def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False
     """Write ``out_dir/step_N`` (N: the saved iteration; 0 with ``finetune``) of a Megatron-LM checkpoint, with its
     optimizer states when it has them (not with ``finetune`` or without ``optim``)."""
     args, head, params, states, expert_bias = import_state(path, optimizer=optim and not finetune)
-    iteration = 0 if finetune else int(head.get("iteration", getattr(args, "iteration", 0)) or 0)
+    iteration = 0 if finetune else saved_iteration(head, args, path)
     consumed, schedule, notes = (0, None, []) if finetune else schedules.megatron_schedule(args, head, iteration)
     config = shaped_config([*megatron_model_flags(args), *(schedule.flags if schedule else [])], flags,
                            "the checkpoint's args")

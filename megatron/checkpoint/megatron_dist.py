@@ -27,8 +27,11 @@ per expert, per module), and skipped on reading. The optimizer states are
 optimizer's bucket layout (dp_reshardable) is read by ``megatron_distrib_optim``.
 
 Reading never unpickles arbitrary objects nor opens a file outside the folder: ``.metadata`` and the data files
-through ``dcp_reader.SafeReader`` (an explicit allow-list of (module, name) pairs; every path and byte range the
-index names checked first), ``common.pt`` with ``megatron_legacy.safe_load``.
+through ``dcp_reader.SafeReader`` (an explicit allow-list of (module, name) pairs; every path, byte range, size and
+chunk the index names checked first, each chunk's data checked to be what the index says), ``common.pt`` with
+``megatron_legacy.safe_load`` (``dist_head``: inside the folder, its args' sizes and iteration checked by
+``megatron_args.check_saved``), ``metadata.json`` inside the folder; the stacked layers and experts must be as many
+as the args say before they are unstacked.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import warnings
 
 import torch
@@ -44,7 +48,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.checkpoint.dcp_reader import CheckpointException, SafeReader, load_error
-from megatron.checkpoint.format import CheckpointError, write_text
+from megatron.checkpoint.format import CheckpointError, file_inside, write_text
+from megatron.checkpoint.megatron_args import check_saved
 from megatron.checkpoint.megatron_legacy import CHECKPOINT_VERSION, TRACKER, safe_load
 from megatron.checkpoint.megatron_optim import NO_OPTIM
 
@@ -71,17 +76,31 @@ OPTIMIZER_STATE = "optimizer.state."
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
 # the master: fp32_param (fp32 optimizer; distributed, fully_sharded_model_space), param (fully_reshardable)
 _BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.(.+)$")
+_METADATA_JSON_BYTES = 1 << 20  # Megatron's metadata.json is a few names: more is not read
 
 
 def is_torch_dist(folder: str) -> bool:
+    """Whether ``folder`` is a torch_dist iteration folder: its ``metadata.json`` says ``"sharded_backend":
+    "torch_dist"``. A ``metadata.json`` linked from outside the folder is refused (``format.file_inside``)."""
     path = os.path.join(folder, "metadata.json")
+    if os.path.islink(path):
+        file_inside(folder, "metadata.json", folder)
     if not os.path.isfile(path):
         return False
     try:
-        with open(path) as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
+        with open(path, "rb") as f:
+            return json.loads(f.read(_METADATA_JSON_BYTES)).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
+
+
+def dist_head(folder: str) -> tuple[dict, object, int]:
+    """(``common.pt``'s dict, its checked ``args``, the iteration) of the torch_dist iteration folder ``folder``:
+    ``common.pt`` a file inside it (``format.file_inside``), read without code (``megatron_legacy.safe_load``), what it
+    says checked (``megatron_args.check_saved``) before anything proportional to it is built."""
+    common = safe_load(file_inside(folder, "common.pt", folder))
+    args, iteration = check_saved(common, os.path.join(folder, "common.pt"))
+    return common, args, iteration
 
 
 def _dist_name(rest: str, mla: bool = False) -> str:
@@ -169,6 +188,23 @@ def _unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return _unfold_experts(whole)
 
 
+def _check_stacks(state: dict[str, torch.Tensor], args, folder: str) -> None:
+    """Each stacked tensor's leading dim is what the args say (before ``_unstacked`` makes one entry per index): the
+    decoder's layers (``decoder.layers.X``: ``num_layers``), a layer's experts (``...mlp.experts.experts.X``:
+    ``num_experts``, after the layers' dim when both are stacked)."""
+    layers, experts = getattr(args, "num_layers", None), getattr(args, "num_experts", None)
+    for key, t in state.items():
+        name = _BY_NAME.match(key)[2] if _BY_NAME.match(key) else key
+        stacked = name.startswith(_STACKED) and not _LAYER.match(name)
+        want = [("num_layers", layers)] if stacked else []
+        want += [("num_experts", experts)] if _EXPERTS.match(name) else []
+        if t.dim() < len(want) or any(t.shape[i] != value for i, (_, value) in enumerate(want)):
+            said = " and ".join(f"{what} {value}" for what, value in want)
+            raise CheckpointError(f"{folder}/.metadata gives {key} the shape {list(t.shape)}, but the args say "
+                                  f"{said} (its leading dim{'s' if len(want) > 1 else ''}): the index does not "
+                                  f"match the checkpoint's args.")
+
+
 def _extra_states(state: dict[str, torch.Tensor], num_layers: int, per_layer: bool) -> dict[str, list]:
     """The linears' ``_extra_state`` entries Megatron Core's loader asks for (None in the local spec: written as
     DCP writes Megatron's sharded object, the list of its shards' data), one per layer / per expert."""
@@ -192,7 +228,8 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
     ``optimizer``: {kind: whole state dict} of the optimizer states (``optimizer.state.<kind>.<key>``);
     ``common``: more entries of ``common.pt`` (the optimizer's groups and step, the scheduler). A mixture of experts
     is written with per-layer keys (Megatron Core's non-homogeneous layers, as the export's ``moe_layer_freq``
-    list builds them)."""
+    list builds them). A failed write removes the ``.tmp`` folder; ``tools/convert_checkpoint.py to-megatron`` gives
+    ``out`` as a private staging folder (``megatron_commands``), so that no two writers share it."""
     final = os.path.join(out, f"iter_{iteration:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose another output folder.")
@@ -203,14 +240,18 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
         state.update(_stacked(states, num_layers, f"{OPTIMIZER_STATE}{kind}.", per_layer))
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: assuming ... a single process"
-        # flat keys, no flattening map in .metadata (Megatron Core's loader reads its BytesIO entries only then)
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(flatten_state_dict=False),
-                 no_dist=True)
-    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                "content_metadata": CONTENT_METADATA, **(common or {})}, os.path.join(tmp, "common.pt"))
-    write_text(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: assuming ... a single process"
+            # flat keys, no flattening map in .metadata (Megatron Core's loader reads its BytesIO entries only then)
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=DefaultSavePlanner(flatten_state_dict=False),
+                     no_dist=True)
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                    "content_metadata": CONTENT_METADATA, **(common or {})}, os.path.join(tmp, "common.pt"))
+        write_text(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, final)
     write_text(os.path.join(out, TRACKER), str(iteration))
     return final
@@ -219,8 +260,7 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
 def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, dict[str, torch.Tensor], dict]:
     """(args, common.pt's other entries, the whole Megatron Core state dict, {kind: the whole optimizer states}
     (empty when none are saved, or not ``optimizer``)) of ``folder``."""
-    common = safe_load(os.path.join(folder, "common.pt"))
-    args = common.get("args")
+    common, args, _ = dist_head(folder)
     reader = SafeReader(folder)
     metadata = reader.read_metadata()
     keys = metadata.state_dict_metadata
@@ -239,6 +279,7 @@ def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, 
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP wraps each rank's error (a BaseException)
         raise load_error(folder, err) from err
+    _check_stacks(state, args, folder)
     model = {k: t for k, t in state.items() if not _OPTIMIZER.match(k)}
     states: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():

@@ -37,6 +37,9 @@ Expert parallelism ``ep`` > 1: Megatron-LM's ``get_checkpoint_name`` adds the ex
 ``ep_rank * E / ep + local``. The experts are cut over the expert tensor-parallel size, which must be the
 tensor-parallel size here (Megatron-LM's default).
 
+Two expert-parallel rank files with the same experts and RNG state are a copy of one under another's name, refused
+(``check_copies``; ``megatron_legacy.rank_files`` refuses two names of one file).
+
 The optimizer states of such files are not converted (their parameter order is Transformer Engine's, or the
 chain of a dense and an expert optimizer): refused in one line, the weights converted with ``--no-optim``.
 """
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import re
 
+import numpy as np
 import torch
 
 from megatron.checkpoint.format import CheckpointError
@@ -183,10 +187,74 @@ def merge_ep(models: list[dict], local_experts: int, where: list[str]) -> dict:
                 whole[f"{found[1]}{r * local_experts + int(found[2])}{found[3]}"] = t
             elif r == 0:
                 whole[name] = t
-            elif not name.endswith(".local_tokens_per_expert") and not torch.equal(t, first[name]):
+            elif (not name.endswith(".local_tokens_per_expert") and isinstance(t, torch.Tensor)
+                  and not (isinstance(first[name], torch.Tensor) and torch.equal(t, first[name]))):
                 raise CheckpointError(f"{where[r]} and {where[0]} hold different {name}: not the expert-parallel ranks "
                                       f"of one checkpoint.")
     return whole
+
+
+def check_copies(models: list[dict], rngs: list, where: list[str]) -> None:
+    """CheckpointError when two expert-parallel rank files of one (tp, pp) rank (``models``: their state dicts under
+    local names, in expert-rank order; ``rngs``: their saved ``rng_state``; ``where``: their paths) hold the same
+    experts and the same RNG state (or none): one rank's file copied under another's name, whose experts would be
+    converted as other experts' (Megatron-LM initialises each expert-parallel rank's experts from its own RNG stream,
+    which each file saves). Each file's experts are fingerprinted by a sample of its first expert tensor; only files
+    whose samples agree are compared whole, so distinct ranks cost one sample each."""
+    by_sample: dict[tuple, list[int]] = {}
+    for r, model in enumerate(models):
+        experts = sorted(name for name, t in model.items() if _LOCAL_EXPERT.match(name) and isinstance(t, torch.Tensor))
+        if not experts:
+            continue
+        first = model[experts[0]]
+        flat = first.reshape(-1)
+        key = (experts[0], first.dtype, tuple(first.shape), _raw(flat[::max(1, flat.numel() // 256)][:256]))
+        for other in by_sample.get(key, []):
+            if _same_experts(models[other], model) and _same(rngs[other], rngs[r]):
+                raise CheckpointError(f"{where[r]} holds the same experts (and RNG state) as {where[other]}: a copy of "
+                                      f"one expert-parallel rank's file under another's name, whose experts would be "
+                                      f"converted as other experts' copies; the rank files are damaged (copy the "
+                                      f"checkpoint as Megatron-LM saved it).")
+        by_sample.setdefault(key, []).append(r)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes (NaN equals NaN here, as it does not in ``torch.equal``)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _same_experts(a: dict, b: dict) -> bool:
+    names = {n for n, t in a.items() if _LOCAL_EXPERT.match(n) and isinstance(t, torch.Tensor)}
+    if names != {n for n, t in b.items() if _LOCAL_EXPERT.match(n) and isinstance(t, torch.Tensor)}:
+        return False
+    return all(a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and _raw(a[n]) == _raw(b[n]) for n in names)
+
+
+def _same(a, b) -> bool:
+    """Whether two saved values (an RNG state: dicts, lists, tuples, tensors, numpy arrays, numbers) are equal, by
+    their bytes; iterative, so a deeply nested crafted value cannot overflow the stack."""
+    pending = [(a, b)]
+    while pending:
+        x, y = pending.pop()
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or _raw(x) != _raw(y):
+                return False
+        elif isinstance(x, np.ndarray):
+            if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+                return False
+        elif isinstance(x, dict):
+            if list(x) != list(y):
+                return False
+            pending.extend((x[k], y[k]) for k in x)
+        elif isinstance(x, (list, tuple)):
+            if len(x) != len(y):
+                return False
+            pending.extend(zip(x, y))
+        elif not (x is y or x == y):
+            return False
+    return True
 
 
 # ---- writing ----------------------------------------------------------------------------------------------------

@@ -4,14 +4,16 @@
 folders (legacy ``mp_rank_*`` folders, or torch_dist's ``metadata.json``). ``describe(path, convert)``: lines saying
 the format and iteration, the layout the rank files were saved under (tp x pp x ep from the files, dp from the args),
 the model's shape (from the args), the optimizer's states and their layout, the learning-rate scheduler's state, and
-whether ``from-megatron`` converts it, in the converter's own words when it does not: from the args and the files'
-structure (reading one rank file), or, with ``convert`` (``--verify``), by reading every tensor as the conversion
-would.
+whether ``from-megatron`` converts it, in the converter's own words when it does not. "Converts" is decided by the
+converter's own checks, called here (``_converts``): the folder's files and what they say of themselves
+(``megatron_legacy.first_file`` / ``rank_files``, ``megatron_dist.dist_head``), the schedule
+(``megatron_schedule``), the configuration the args give (``megatron_args.model_flags``,
+``converted_config.shaped_config``), reading one rank file; with ``convert`` (``--verify``), every tensor too, read
+as the conversion reads it.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 
@@ -139,51 +141,85 @@ def _scheduler(args, head: dict, iteration: int) -> str:
             f"{schedule.position:,} samples: the next step's learning rate {schedule.lr():.6g}")
 
 
-def _converts(path: str, args, convert: bool) -> str:
+def _converts(folder: str, read: tuple, convert: bool) -> str:
+    """Whether ``from-megatron`` converts the folder (``read``: the first rank file's real path, None for torch_dist,
+    the saved dict, its args and the iteration, as ``describe`` read them), by the checks the converter makes
+    itself, in its order, and in its words when it refuses: the rank files (legacy: ``megatron_legacy.rank_files``),
+    the schedule (``megatron_schedule``) and the configuration of the model and schedule the args give
+    (``megatron_args.model_flags``, then ``converted_config.shaped_config``, with no flags: ``from-megatron FOLDER
+    OUT``); with ``convert`` (``--verify``), every tensor read as the conversion reads it
+    (``megatron_convert.import_state``) and fitted to that configuration (``_check_fit``)."""
+    from megatron.checkpoint.converted_config import ToolError, shaped_config
     from megatron.checkpoint.megatron_args import model_flags
-    from megatron.config import ConfigError, parse_config
+    from megatron.checkpoint.megatron_dist import is_torch_dist
+    from megatron.checkpoint.megatron_legacy import rank_files
+    from megatron.checkpoint.megatron_schedule import megatron_schedule
+    from megatron.config import ConfigError
+    from megatron.tokenizer import TokenizerError
 
+    _, head, args, iteration = read
     try:
-        parse_config(model_flags(args))
-    except (ConversionError, ConfigError) as err:
+        if not is_torch_dist(folder):
+            rank_files(folder, read)
+        _, schedule, _ = megatron_schedule(args, head, iteration)
+        config = shaped_config([*model_flags(args), *(schedule.flags if schedule else [])], [],
+                               "the checkpoint's args")
+    except (CheckpointError, ConversionError, ConfigError, ToolError, TokenizerError) as err:
         return f"converts: no, from-megatron refuses it: {err}"
     if not convert:
-        return ("converts: the model, by its args (tools/checkpoint_info.py --verify reads every tensor as "
-                "from-megatron does, and says whether its optimizer states convert)")
+        return ("converts: the model, by its args and rank files (tools/checkpoint_info.py --verify reads every "
+                "tensor as from-megatron does, and says whether its optimizer states convert)")
     from megatron.checkpoint.megatron_convert import import_state
 
+    optimizer_err = None
     try:
-        imported = import_state(path, optimizer=True)
-    except CheckpointError as err:
+        imported = import_state(folder, optimizer=True)
+    except (CheckpointError, ConversionError) as err:
+        optimizer_err = err
         try:
-            import_state(path, optimizer=False)
-        except CheckpointError as weights_err:
-            return f"converts: no: {weights_err}"
-        return f"converts: the weights only (from-megatron --no-optim), not the optimizer states: {err}"
+            imported = import_state(folder, optimizer=False)
+        except (CheckpointError, ConversionError) as weights_err:
+            return f"converts: no, from-megatron refuses it: {weights_err}"
+    try:
+        _check_fit(imported.params, args, config)
+    except CheckpointError as err:
+        return f"converts: no, from-megatron refuses it: {err}"
+    if optimizer_err is not None:
+        return f"converts: the weights only (from-megatron --no-optim), not the optimizer states: {optimizer_err}"
     states = "" if imported.states is None else f", Adam's moments at step {imported.states.step:g}"
     return f"converts: yes (from-megatron): {len(imported.params)} tensors{states}"
 
 
+def _check_fit(params: dict, args, config) -> None:
+    """What ``from-megatron`` checks of the tensors read before it writes them: the vocabulary's rows
+    (``megatron_convert.fit_vocab``), then every parameter of the configured model there (``convert.tensor_layout``),
+    no other, each of its shape; CheckpointError in the writer's words otherwise."""
+    from megatron.checkpoint.convert import check_names_fit, check_shape_fits, tensor_layout
+    from megatron.checkpoint.megatron_args import vocab_size
+    from megatron.checkpoint.megatron_convert import fit_vocab
+
+    params = fit_vocab(params, vocab_size(args), config.padded_vocab_size)
+    layout = tensor_layout(config)
+    check_names_fit([("param", name) for name in params], layout)
+    for name, t in params.items():
+        check_shape_fits("param", name, t, layout)
+
+
 def describe(path: str, convert: bool = False) -> list[str]:
-    """The lines ``tools/checkpoint_info.py`` prints for the Megatron-LM folder ``path``."""
-    from megatron.checkpoint.megatron_dist import is_torch_dist
-    from megatron.checkpoint.megatron_legacy import FILE, iteration_folder, safe_load
+    """The lines ``tools/checkpoint_info.py`` prints for the Megatron-LM folder ``path``. What the folder says of
+    itself is read by the converter's own readers (``megatron_legacy.first_file``, ``megatron_dist.dist_head``: the
+    files inside the folder, the args' sizes bounded, the iteration checked), so a crafted folder is refused here as
+    there, in one line."""
+    from megatron.checkpoint.megatron_dist import dist_head, is_torch_dist
+    from megatron.checkpoint.megatron_legacy import first_file, iteration_folder
 
     folder = iteration_folder(path)
     if is_torch_dist(folder):
-        head = safe_load(os.path.join(folder, "common.pt"))
+        first, (head, args, iteration) = None, dist_head(folder)
         fmt = "torch_dist (--ckpt-format torch_dist: whole tensors by name, any layout loads it)"
     else:
-        first = next((n for n in sorted(os.listdir(folder)) if _RANK.match(n)), None)
-        if first is None or not os.path.isfile(os.path.join(folder, first, FILE)):
-            raise CheckpointError(f"{folder} has no mp_rank_*/{FILE}: not a complete Megatron-LM iteration folder.")
-        head = safe_load(os.path.join(folder, first, FILE))
+        first, head, args, iteration = first_file(folder)
         fmt = "legacy (--ckpt-format torch: one file per model-parallel rank)"
-    args = head.get("args")
-    if not isinstance(args, argparse.Namespace):
-        raise CheckpointError(f"{folder} holds no 'args' (Megatron-LM saves its arguments there; they give the "
-                              f"model's shape).")
-    iteration = int(head.get("iteration", _arg(args, "iteration", 0)) or 0)
     lines = [f"Megatron-LM checkpoint: {folder}", f"format: {fmt}, checkpoint_version {head.get('checkpoint_version')}",
              f"iteration: {iteration} (consumed samples {_arg(args, 'consumed_train_samples', '?')})"]
     if is_torch_dist(folder):
@@ -196,5 +232,5 @@ def describe(path: str, convert: bool = False) -> list[str]:
     lines.append(_model(args))
     lines.append(_dist_optimizer(folder, head) if is_torch_dist(folder) else _legacy_optimizer(folder, head))
     lines.append(_scheduler(args, head, iteration))
-    lines.append(_converts(path, args, convert))
+    lines.append(_converts(folder, (first, head, args, iteration), convert))
     return lines

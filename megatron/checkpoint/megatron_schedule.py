@@ -15,17 +15,38 @@ resuming it without schedule flags trains on Megatron's schedule from Megatron's
 learning rate Megatron's next step would use. Iteration-based runs keep their iterations (``--train-iters``,
 ``--lr-decay-iters``, ``--global-batch-size``: a resume may then give its own ``--max-steps``); sample-based ones
 their samples (``--train-samples``, ...).
+
+Every number read (the scheduler's state, the args' schedule, consumed samples and global batch) is checked first
+(``check_numbers``): a NaN, negative or non-numeric one is one line, not a traceback or a step_N of nonsense.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from typing import NamedTuple
 
-from megatron.optimizer.lr_schedule import DECAY_STYLES, OptimizerParamSchedule
+from megatron.checkpoint.format import CheckpointError
+from megatron.config.bounds import size_problem
+from megatron.optimizer.lr_schedule import DECAY_STYLES, WD_STYLES, WSD_STYLES, OptimizerParamSchedule
 
 STATE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
               "wd_incr_style", "wd_incr_steps")
+# What each number the schedule reads must be (``check_numbers``), the one place that says it: a finite number
+# (RATE), a finite number of samples from 0 (LENGTH; lr_decay_steps above 0, as Megatron asserts), a whole count
+# from 0 (COUNT), or text (TEXT); each may be None in the args, not in a saved scheduler.
+RATE, LENGTH, POSITIVE, COUNT, TEXT = "a finite number", "a number of samples from 0", "a number of samples above 0", \
+    "a whole number from 0", "a name"
+_SAVED = {"max_lr": RATE, "min_lr": RATE, "lr_warmup_steps": LENGTH, "lr_decay_steps": POSITIVE, "start_wd": RATE,
+          "end_wd": RATE, "wd_incr_steps": LENGTH, "num_steps": LENGTH, "lr_decay_style": TEXT, "wd_incr_style": TEXT}
+_ARGS = {**{n: RATE for n in ("lr", "min_lr", "lr_warmup_fraction", "lr_warmup_init", "weight_decay",
+                              "start_weight_decay", "end_weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                              "clip_grad")},
+         **{n: COUNT for n in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples", "lr_warmup_iters",
+                               "lr_warmup_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+                               "consumed_train_samples", "global_batch_size")},
+         **{n: TEXT for n in ("lr_decay_style", "lr_wsd_decay_style", "weight_decay_incr_style")}}
+_MOST_SAMPLES = 2**62  # a number of samples (or iterations) beyond any run; int64 holds it
 
 
 class Schedule(NamedTuple):
@@ -39,6 +60,25 @@ class Schedule(NamedTuple):
 
     def lr(self, n: float | None = None) -> float:
         return build(self.state).lr(self.position if n is None else n)
+
+
+def check_numbers(values: dict, rules: dict[str, str], source: str, optional: bool) -> None:
+    """CheckpointError (one line, naming ``source`` and the field) for the first of ``values``' fields that breaks its
+    rule in ``rules`` (``_SAVED``, ``_ARGS``); None passes when ``optional``."""
+    for name, rule in rules.items():
+        value = values.get(name)
+        if value is None and optional:
+            continue
+        if rule == TEXT:
+            ok = isinstance(value, str)
+        elif rule == COUNT:
+            ok = size_problem(name, value) is None and value <= _MOST_SAMPLES
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+                rule == RATE or (0 <= value <= _MOST_SAMPLES and (rule == LENGTH or value > 0)))
+        if not ok:
+            raise CheckpointError(f"the checkpoint's {source}: {name} is {value!r}, not {rule}; the checkpoint is "
+                                  f"damaged (--finetune converts its weights alone, as a new run).")
 
 
 def build(state: dict) -> OptimizerParamSchedule:
@@ -140,10 +180,13 @@ def megatron_schedule(args: argparse.Namespace, head: dict,
     ``consumed_train_samples`` in the args the samples are the iterations times the args' global batch, or the
     scheduler's position."""
     notes = []
+    check_numbers(vars(args), _ARGS, "args", optional=True)
     consumed = getattr(args, "consumed_train_samples", None)
     gbs = _batch(args, iteration, consumed)
     saved = head.get("opt_param_scheduler") or head.get("lr_scheduler")
     saved = saved if isinstance(saved, dict) and all(k in saved for k in (*STATE_KEYS, "num_steps")) else None
+    if saved is not None:
+        check_numbers(saved, _SAVED, "opt_param_scheduler", optional=False)
     if consumed is None and (gbs or saved):
         consumed = iteration * gbs if gbs else int(saved["num_steps"])
         how = f"iteration {iteration} x global batch {gbs}" if gbs else "the scheduler's position"
@@ -160,10 +203,14 @@ def megatron_schedule(args: argparse.Namespace, head: dict,
             return None if consumed is None else int(consumed), None, notes
     state["init_lr"] = float(getattr(args, "lr_warmup_init", 0.0) or 0.0)
     state["lr_wsd_decay_style"] = getattr(args, "lr_wsd_decay_style", None)
-    if state["lr_decay_style"] not in DECAY_STYLES:
-        notes.append(f"Megatron's learning-rate decay style {state['lr_decay_style']!r} is not one of {DECAY_STYLES}: "
-                     f"a run resuming the checkpoint takes the schedule of its own flags.")
-        return int(consumed), None, notes
+    styles = (("learning-rate decay style", state["lr_decay_style"], DECAY_STYLES),
+              ("WSD decay style", state["lr_wsd_decay_style"] or "exponential", WSD_STYLES),
+              ("weight-decay increment style", state["wd_incr_style"], WD_STYLES))
+    for what, style, known in styles:
+        if style not in known:
+            notes.append(f"Megatron's {what} {style!r} is not one of {known}: a run resuming the checkpoint takes the "
+                         f"schedule of its own flags.")
+            return int(consumed), None, notes
     schedule = Schedule(state, position, schedule_flags(state, args, gbs), source)
     if saved is None:
         notes.append(f"the checkpoint has no learning-rate scheduler state (opt_param_scheduler): Megatron's schedule "

@@ -75,9 +75,19 @@ def cut_tp(name: str, t: torch.Tensor, tp: int, gated: bool) -> list[torch.Tenso
 
 
 def merge_tp(name: str, slices: list[torch.Tensor], gated: bool) -> torch.Tensor:
-    """The whole tensor ``name`` of its tensor-parallel slices (rank order)."""
+    """The whole tensor ``name`` of its tensor-parallel slices (rank order); CheckpointError for slices that are not
+    cuts of one tensor (another shape off the cut dim, no such dim, a gated MLP's odd rows)."""
     dim = partition_dim(name)
-    if dim is None or len(slices) == 1:
+    if dim is None:
+        return slices[0]
+    rest = [tuple(s.shape[:dim]) + tuple(s.shape[dim + 1:]) for s in slices]
+    odd = _glu(name, gated) and any(s.dim() > dim and s.shape[dim] % 2 for s in slices)
+    if any(s.dim() <= dim for s in slices) or len(set(rest)) > 1 or odd:
+        shapes = ", ".join(str(list(s.shape)) for s in slices)
+        raise CheckpointError(f"{name} has tensor-parallel slices of shapes {shapes}, which are not cuts of one tensor "
+                              f"along dim {dim}{' into [gate; up] halves' if odd else ''}: the checkpoint's ranks do "
+                              f"not match.")
+    if len(slices) == 1:
         return slices[0]
     if _glu(name, gated):
         halves = [s.chunk(2) for s in slices]
