@@ -72,6 +72,7 @@ from megatron.checkpoint.hf_common import (  # noqa: E402
     find_hf_tokenizer,
     generation_config,
 )
+from megatron.checkpoint.hf_config_checks import read_hf_config  # noqa: E402
 from megatron.checkpoint.hf_models import converter_for_hf, converter_for_model  # noqa: E402
 from megatron.checkpoint.megatron_commands import from_megatron, to_megatron  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config  # noqa: E402
@@ -187,12 +188,8 @@ def hf_to_config(hf_cfg: dict, flags: list[str]) -> Config:
 
 
 def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) -> None:
-    path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(path) as f:
-            hf_cfg = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ToolError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
+    # bounded, typed and unambiguous, as transformers reads it, before anything is built from it
+    hf_cfg = read_hf_config(os.path.join(hf_dir, "config.json"))
     found = _hf_tokenizer(hf_dir, hf_cfg, flags)
     # validated with the tokenizer's files where they are; the checkpoint then names their copies
     config = hf_to_config(hf_cfg, [*flags, *_tokenizer_flags(found, hf_dir)])

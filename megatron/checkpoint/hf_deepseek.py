@@ -53,6 +53,7 @@ import torch
 
 from megatron.checkpoint import hf_llama, hf_qwen_moe
 from megatron.checkpoint.hf_common import ConversionError, to_flags
+from megatron.checkpoint.hf_config_checks import DEFAULTS
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.model.rotary import yarn_mscale
@@ -61,6 +62,7 @@ _ARCH = "Hugging Face DeepSeek-V3 (DeepseekV3ForCausalLM)"
 _HINT = "check num_hidden_layers, n_routed_experts, first_k_dense_replace, q_lora_rank and num_nextn_predict_layers"
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm
 BIAS = "mlp.gate.e_score_correction_bias"
+_DEFAULTS = DEFAULTS["deepseek_v3"]  # DeepseekV3Config's, for a key a config.json leaves out
 _ATTENTION = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "linear_q_up_proj": "q_b_proj",
               "linear_q_proj": "q_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm",
               "linear_kv_up_proj": "kv_b_proj", "dense": "o_proj"}
@@ -373,6 +375,9 @@ def _rope_values(config: dict) -> dict:
     if kind != "yarn":
         raise ConversionError(f"config.json sets rope type {kind!r}; this GPT's multi-latent attention takes the plain "
                               f"rotary embedding or YaRN, so the model cannot be imported.")
+    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:  # transformers' YaRN rotates that share only
+        raise ConversionError(f"config.json sets partial_rotary_factor {params['partial_rotary_factor']}; this GPT's "
+                              f"YaRN rotates every channel of qk_rope_head_dim, so the model cannot be imported.")
     unusual = {k: params[k] for k, v in (("beta_fast", 32), ("beta_slow", 1), ("truncate", True))
                if params.get(k) is not None and params[k] != v}
     if unusual:
@@ -413,18 +418,23 @@ def model_flags(config: dict) -> list[str]:
     values.pop("kv_channels", None)
     values.update(_rope_values(config))
     layers = values["num_layers"]
-    values.update({"multi_latent_attention": True, "qk_layernorm": True, "q_lora_rank": config.get("q_lora_rank"),
-                   "kv_lora_rank": config.get("kv_lora_rank", 512), "qk_head_dim": config.get("qk_nope_head_dim", 128),
-                   "qk_pos_emb_head_dim": config.get("qk_rope_head_dim", 64), "v_head_dim": config.get("v_head_dim",
-                                                                                                      128)})
+    latent = {ours: config.get(theirs, _DEFAULTS[theirs]) for ours, theirs in (
+        ("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
+        ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"))}
+    values.update({"multi_latent_attention": True, "qk_layernorm": True, **latent})
     mtp = int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)) or 0)
     if mtp:
         values["mtp_num_layers"] = mtp
     first_dense = min(int(config.get("first_k_dense_replace", 3) or 0), layers)
     if first_dense == layers:
         return to_flags(values)  # every layer dense
-    experts, k = int(config.get("n_routed_experts", 256)), int(config.get("num_experts_per_tok") or 8)
-    n_group, topk_group = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    router = {key: config.get(key, _DEFAULTS[key]) for key in ("n_routed_experts", "num_experts_per_tok", "n_group",
+                                                                "topk_group")}
+    unset = [key for key, value in router.items() if value is None]
+    if unset:  # DeepseekV3TopkRouter divides and chooses by each of them
+        raise ConversionError(f"config.json sets {unset[0]} to null, which DeepSeek-V3's router of its MoE layers "
+                              f"cannot run with; give it a number (n_group 1 and topk_group 1: no groups).")
+    experts, k, n_group, topk_group = (int(value) for value in router.values())
     if experts % n_group or experts // n_group < 2 or not 1 <= topk_group <= n_group:
         raise ConversionError(f"config.json's n_group {n_group} / topk_group {topk_group} do not split "
                               f"n_routed_experts {experts} into groups of at least 2 experts from which topk_group "
@@ -437,7 +447,8 @@ def model_flags(config: dict) -> list[str]:
     if bool(norm) != (k > 1):
         raise ConversionError(f"config.json sets norm_topk_prob {norm} with num_experts_per_tok {k}; this GPT's "
                               f"sigmoid router normalises the top k exactly when k > 1.")
-    unit, shared = int(config.get("moe_intermediate_size") or 0), int(config.get("n_shared_experts", 1) or 0)
+    unit = int(config.get("moe_intermediate_size", _DEFAULTS["moe_intermediate_size"]) or 0)
+    shared = int(config.get("n_shared_experts", 1) or 0)
     scale = float(config.get("routed_scaling_factor", 2.5))
     values.update({
         "num_experts": experts, "moe_router_topk": k, "moe_ffn_hidden_size": unit,

@@ -50,6 +50,7 @@ import torch
 
 from megatron.checkpoint import hf_llama
 from megatron.checkpoint.hf_common import ConversionError, check_names, to_flags
+from megatron.checkpoint.hf_config_checks import DEFAULTS
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_attention import parse_window, window_layers
 from megatron.config.validate_moe import moe_layer_pattern
@@ -63,13 +64,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 # our expert tensor (after "experts.{i}.") -> (Hugging Face's fused tensor after "mlp.experts.", transposed)
 _EXPERTS = {"dense_h_to_4h.weight": ("gate_up_proj", True), "dense_h_to_4h.bias": ("gate_up_proj_bias", False),
             "dense_4h_to_h.weight": ("down_proj", True), "dense_4h_to_h.bias": ("down_proj_bias", False)}
-# GptOssConfig's defaults for the keys a config.json may leave out
-_DEFAULTS = {"head_dim": 64, "num_key_value_heads": 8, "sliding_window": 128, "num_local_experts": 128,
-             "num_experts_per_tok": 4, "rms_norm_eps": 1e-5, "swiglu_alpha": ALPHA, "swiglu_limit": 7.0,
-             "router_aux_loss_coef": 0.001, "attention_bias": True, "tie_word_embeddings": False}
-_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096}
-_DEFAULT_THETA = 150000.0
+# GptOssConfig's defaults for the keys a config.json may leave out (hf_config_checks.DEFAULTS, where every family's are)
+_DEFAULTS = {k: v for k, v in DEFAULTS["gpt_oss"].items() if k not in ("rope_parameters", "default_theta")}
+_DEFAULT_ROPE, _DEFAULT_THETA = DEFAULTS["gpt_oss"]["rope_parameters"], DEFAULTS["gpt_oss"]["default_theta"]
 
 
 def is_gpt_oss_shaped(model_cfg: ModelConfig) -> bool:
@@ -268,9 +265,11 @@ def window_values(config: dict, layers: int) -> dict:
     """Our ``window_size`` and ``window_attn_skip_freq`` for a config.json's ``sliding_window`` and ``layer_types``
     (GptOssConfig's default: sliding, full, sliding, ...)."""
     types = config.get("layer_types") or [SLIDING if (n + 1) % 2 else FULL for n in range(layers)]
-    if len(types) != layers or set(types) - {SLIDING, FULL}:
-        raise ConversionError(f"config.json's layer_types must give num_hidden_layers ({layers}) entries, each "
-                              f"{SLIDING!r} or {FULL!r}; got {types}.")
+    others = sorted({str(t)[:40] for t in types} - {SLIDING, FULL})
+    if len(types) != layers or others:
+        raise ConversionError(f"config.json's layer_types must give num_hidden_layers ({layers:,}) entries, each "
+                              f"{SLIDING!r} or {FULL!r}; got {len(types):,}"
+                              f"{', among them ' + repr(others[0]) if others else ''}.")
     sliding = [t == SLIDING for t in types]
     if not any(sliding):
         return {}
@@ -280,8 +279,9 @@ def window_values(config: dict, layers: int) -> dict:
                               f"a number of positions (at least 1).")
     freq = None
     if not all(sliding):
-        freq = next((str(n) for n in range(2, layers + 1) if sliding == [(i + 1) % n != 0 for i in range(layers)]),
-                    str([int(s) for s in sliding]).replace(" ", ""))
+        n = sliding.index(False) + 1  # the only skip frequency that can fit: the first full layer's number
+        fits = n > 1 and sliding == [(i + 1) % n != 0 for i in range(layers)]
+        freq = str(n) if fits else str([int(s) for s in sliding]).replace(" ", "")
     return {"window_size": f"{width - 1},0", "window_attn_skip_freq": freq}
 
 

@@ -1,5 +1,6 @@
 """Which Hugging Face mapping (``hf_*``) converts a model: by our ``ModelConfig`` (export) or by a ``config.json``
-(import). The one place that decides it, for ``tools/convert_checkpoint.py``."""
+(import: by its family, ``hf_config_checks.model_type_of``). The one place that decides it, for
+``tools/convert_checkpoint.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from megatron.checkpoint import (
     hf_qwen3_moe,
     hf_qwen_moe,
 )
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf_config_checks import checked, model_type_of
 
 
 def converter_for_model(model_cfg):
@@ -39,27 +40,14 @@ def converter_for_model(model_cfg):
     return module
 
 
+# model_type (``hf_config_checks.model_type_of``) -> the mapping
+_MAPPINGS = {"llama": hf_llama, "mixtral": hf_mixtral, "qwen2_moe": hf_qwen_moe, "deepseek_v3": hf_deepseek,
+             "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe, "gpt_oss": hf_gpt_oss, "gpt2": hf_gpt2}
+
+
 def converter_for_hf(hf_cfg: dict):
-    """The mapping for a Hugging Face config.json, by its model_type and architectures."""
-    model_type, architectures = hf_cfg.get("model_type"), hf_cfg.get("architectures") or []
-    if model_type == "llama" or (model_type is None and "LlamaForCausalLM" in architectures):
-        return hf_llama
-    if model_type == "mixtral" or (model_type is None and "MixtralForCausalLM" in architectures):
-        return hf_mixtral
-    if model_type == "qwen2_moe" or (model_type is None and "Qwen2MoeForCausalLM" in architectures):
-        return hf_qwen_moe
-    if model_type == "deepseek_v3" or (model_type is None and "DeepseekV3ForCausalLM" in architectures):
-        return hf_deepseek
-    if model_type == "qwen3" or (model_type is None and hf_qwen3.ARCHITECTURE in architectures):
-        return hf_qwen3
-    if model_type == "qwen3_moe" or (model_type is None and hf_qwen3_moe.ARCHITECTURE in architectures):
-        return hf_qwen3_moe
-    if model_type == "gpt_oss" or (model_type is None and hf_gpt_oss.ARCHITECTURE in architectures):
-        return hf_gpt_oss
-    if model_type in (None, "gpt2"):
-        return hf_gpt2
-    named = ", ".join(architectures) or "no architectures"
-    raise ConversionError(f"config.json describes a {model_type!r} model ({named}); this tool converts gpt2 "
-                          f"(GPT2LMHeadModel), llama (LlamaForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe "
-                          f"(Qwen2MoeForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), "
-                          f"deepseek_v3 (DeepseekV3ForCausalLM) and gpt_oss (GptOssForCausalLM).")
+    """The mapping for a Hugging Face config.json, by its model_type and architectures, once the config has passed
+    ``hf_config_checks.checked`` (its sizes bounded, its types and its paired keys checked; ConversionError
+    otherwise): no mapping ever sees a config that would make it build without bound."""
+    checked(hf_cfg)
+    return _MAPPINGS[model_type_of(hf_cfg)]

@@ -72,10 +72,10 @@ def model_flags(config: dict) -> list[str]:
     """Our command-line flags for the model of a Hugging Face Qwen3 ``config.json``."""
     if config.get("model_type", "qwen3") != "qwen3":
         raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not qwen3.")
-    if config.get("use_sliding_window"):
-        raise ConversionError("config.json turns Qwen3's sliding-window layers on (use_sliding_window), whose mapping "
-                              "is not written here (gpt-oss's windows are); import a checkpoint that attends to every "
-                              "position.")
+    if config.get("use_sliding_window") or set(config.get("layer_types") or ()) - {"full_attention"}:
+        raise ConversionError("config.json turns Qwen3's sliding-window layers on (use_sliding_window) or names them "
+                              "(layer_types), whose mapping is not written here (gpt-oss's windows are); import a "
+                              "checkpoint that attends to every position.")
     if config.get("attention_bias"):
         raise ConversionError("config.json sets attention_bias, but Qwen3's MLP has no bias and this GPT has biases "
                               "on every linear layer or none; the model cannot be imported.")

@@ -182,9 +182,10 @@ def model_flags(config: dict) -> list[str]:
     if config.get("qkv_bias", True):
         raise ConversionError("config.json sets qkv_bias (biases on the query/key/value projections only); this GPT "
                               "has biases on every projection or on none, so the model cannot be imported.")
-    if config.get("use_sliding_window"):
-        raise ConversionError("config.json sets use_sliding_window; Qwen's sliding-window layers are not mapped here "
-                              "(gpt-oss's are), so the model cannot be imported.")
+    if config.get("use_sliding_window") or set(config.get("layer_types") or ()) - {"full_attention"}:
+        raise ConversionError("config.json sets use_sliding_window (or layer_types other than full_attention); Qwen's "
+                              "sliding-window layers are not mapped here (gpt-oss's are), so the model cannot be "
+                              "imported.")
     experts, topk = config.get("num_experts"), config.get("num_experts_per_tok")
     shared, width = config.get("shared_expert_intermediate_size"), config.get("moe_intermediate_size")
     if not experts or not topk or not shared or not width:

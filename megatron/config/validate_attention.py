@@ -29,6 +29,9 @@ def check_attention(config: Config, warnings: list[str] | None = None) -> None:
     for name in ("yarn_beta_fast", "yarn_beta_slow"):
         if not math.isfinite(getattr(m, name)) or getattr(m, name) <= 0:
             _fail(f"{name} must be a finite positive number, got {getattr(m, name)}.")
+    problem = yarn_problem(m.rotary_scaling_factor, m.yarn_beta_fast, m.yarn_beta_slow)
+    if problem is not None:
+        _fail(f"{problem}.")
     check_window(config)
     if not m.multi_latent_attention:
         yarn = m.position_embedding_type == "yarn"
@@ -56,6 +59,28 @@ def check_attention(config: Config, warnings: list[str] | None = None) -> None:
     if m.num_attention_heads % d.mp_degree:
         _fail(f"num_attention_heads ({m.num_attention_heads}) must be divisible by the tensor-parallel size "
               f"mp_degree ({d.mp_degree}): each rank holds whole heads.")
+
+
+def yarn_problem(factor: float, beta_fast: float, beta_slow: float,
+                 names: tuple[str, str, str] = ("rotary_scaling_factor", "yarn_beta_fast", "yarn_beta_slow")
+                 ) -> str | None:
+    """What is wrong with YaRN's factor and ramp (named ``names``: ours, or a config.json's), or None. Both are
+    refused where transformers only warns (``_validate_yarn_rope_parameters``: "must be ... >= 1", "must be greater
+    than beta_slow") and builds the model anyway: a factor below 1 shrinks the context YaRN is there to extend (its
+    frequencies interpolated upwards, its attention scale left at 1), and ``beta_fast`` below ``beta_slow`` reverses
+    the ramp, interpolating the fast channels YaRN keeps and keeping the slow ones it interpolates. No published
+    model has either, so refusing breaks none; a factor of 1 (no scaling) and equal betas (a step for a ramp) stay
+    allowed. The one rule for our flags (``check_attention``) and a config.json
+    (``megatron/checkpoint/hf_config_checks.py``)."""
+    factor_name, fast_name, slow_name = names
+    if factor < 1:
+        return (f"{factor_name} {factor} is below 1: YaRN extends the original context by this factor (1 leaves the "
+                f"rotary frequencies as they are), so it must be at least 1")
+    if beta_fast < beta_slow:
+        return (f"{fast_name} {beta_fast} is below {slow_name} {beta_slow}: YaRN keeps the channels turning at least "
+                f"{fast_name} times over the original context and interpolates those turning at most {slow_name} "
+                f"times, so {fast_name} must be at least {slow_name}")
+    return None
 
 
 def check_mtp(config: Config) -> None:
