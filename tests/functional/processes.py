@@ -95,11 +95,33 @@ def popen(command: list, *, env: dict | None = None, background: bool = False, a
     return process
 
 
-def run_in_bounded_memory(command: list, address_space: int = 3 << 30, timeout: float = 120,
-                          **kwargs) -> subprocess.CompletedProcess:
-    """``command`` run to its end (text output captured) with its virtual memory capped at ``address_space`` bytes
-    (default 3 GiB: torch and the tools need about 1.5): an input that makes it grow without bound fails there, fast,
-    rather than filling the machine."""
+# The interpreter of run_tools_in_bounded_memory: each call a tool's main(argv) in turn, what it printed and its
+# status (an exception that escapes it, a MemoryError say, is status 1 with its traceback), as JSON on stdout.
+_TOOLS_DRIVER = """
+import json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+from tests.functional.launch import run_tool_here
+results = []
+for path, *argv in json.loads(sys.argv[2]):
+    try:
+        done = run_tool_here(path, *argv)
+        results.append([done.returncode, done.stdout, done.stderr])
+    except SystemExit as stop:
+        results.append([stop.code, "", ""])
+    except BaseException:
+        results.append([1, "", traceback.format_exc()])
+print(json.dumps(results))
+"""
+
+
+def run_tools_in_bounded_memory(calls: list[list[str]], address_space: int = 3 << 30, timeout: float = 120,
+                                **kwargs) -> list[subprocess.CompletedProcess]:
+    """Each of ``calls`` (a script of the repository, ``tools/x.py`` or ``pretrain_gpt.py``, then its arguments) run
+    by its ``main(argv)``, one after the other, in one interpreter whose virtual memory is capped at
+    ``address_space`` bytes (default 3 GiB: torch and the tools need about 1.5): an input that makes a tool grow
+    without bound fails there, fast, rather than filling the machine; one interpreter for them all imports torch
+    once. What each printed and its exit status."""
+    command = [sys.executable, "-c", _TOOLS_DRIVER, str(ROOT), json.dumps([[str(a) for a in c] for c in calls])]
     process = popen(command, address_space=address_space, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     **kwargs)
     try:
@@ -107,7 +129,10 @@ def run_in_bounded_memory(command: list, address_space: int = 3 << 30, timeout: 
     except subprocess.TimeoutExpired:
         process.kill()
         out, err = process.communicate()
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+    if process.returncode != 0:
+        raise AssertionError(f"the bounded interpreter ended with status {process.returncode}: {err[-2000:]}")
+    return [subprocess.CompletedProcess(call, code, stdout, stderr)
+            for call, (code, stdout, stderr) in zip(calls, json.loads(out.splitlines()[-1]))]
 
 
 def _stat(pid: str) -> tuple[str, int] | None:

@@ -7,23 +7,20 @@ tests/unit/test_hf_config_checks.py)."""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 
 from megatron.config import ConfigError, parse_config, validate
 from megatron.config.bounds import MAXIMA, check_sizes, size_problem
-from tests.functional.processes import ROOT, run_in_bounded_memory
+from tests.functional.processes import ROOT, run_tools_in_bounded_memory
 from tests.unit.test_config import valid_config
 
 
 @pytest.mark.slow
 def test_a_layer_count_of_a_billion_is_one_line_in_bounded_memory():
     """gpt_oss_tiny_cpu builds a window pattern per layer: 5 GB before its MemoryError at 10^9 layers."""
-    done = run_in_bounded_memory([sys.executable, str(ROOT / "pretrain_gpt.py"), "-c",
-                                  str(ROOT / "examples" / "configs" / "gpt_oss_tiny_cpu.yaml"), "--num-layers",
-                                  "1000000000"],
-                                 cwd=ROOT)
+    config = ROOT / "examples" / "configs" / "gpt_oss_tiny_cpu.yaml"
+    [done] = run_tools_in_bounded_memory([["pretrain_gpt.py", "-c", config, "--num-layers", "1000000000"]], cwd=ROOT)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == ("pretrain_gpt.py: error: Model.num_layers is 1,000,000,000, above the largest this "
                                    "framework accepts (16,384, far beyond any published model); check the value.")
@@ -100,10 +97,11 @@ def test_a_checkpoint_whose_config_claims_a_billion_layers_is_one_line_in_bounde
     meta = json.loads((step / "metadata.json").read_text())
     meta["files"]["common.json"] = zlib.crc32((step / "common.json").read_bytes())
     (step / "metadata.json").write_text(json.dumps(meta))
-    run = str(tmp_path / "run")
-    for tool, *args in (["convert_checkpoint.py", "to-hf", run, "hf"],  # checkpoint_info.py and reshard: the same
-                        ["generate.py", "--load", run, "--prompt", "1", "--tokenizer-type", "NullTokenizer"]):
-        done = run_in_bounded_memory([sys.executable, str(ROOT / "tools" / tool), *args], cwd=tmp_path)
-        assert done.returncode == 2, (tool, done.stderr[-2000:])
+    run = tmp_path / "run"
+    for done in run_tools_in_bounded_memory([["tools/checkpoint_info.py", run],
+                                             ["tools/convert_checkpoint.py", "to-hf", run, tmp_path / "hf"],
+                                             ["tools/generate.py", "--load", run, "--prompt", "1", "--tokenizer-type",
+                                              "NullTokenizer"]], cwd=tmp_path):
+        assert done.returncode == 2, (done.args, done.stderr[-2000:])
         assert done.stderr.count("\n") == 1 and "Model.num_layers is 1,000,000,000, above the largest" in done.stderr
     assert not (tmp_path / "hf").exists()

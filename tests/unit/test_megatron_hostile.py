@@ -23,7 +23,6 @@ import math
 import os
 import pickle
 import shutil
-import sys
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from megatron import parallel_state
 from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
 from tests.functional.launch import program_module
-from tests.functional.processes import ROOT, run_in_bounded_memory
+from tests.functional.processes import run_tools_in_bounded_memory
 from tests.unit.test_foreign_checkpoints import refused
 from tests.unit.test_megatron_checkpoints import SHAPES, convert, our_checkpoint
 
@@ -111,22 +110,23 @@ def info_refuses(folder, capsys, verify: bool = False) -> str:
 def test_the_sizes_in_the_args_are_bounded_before_anything_is_built(meg, tmp_path):
     """In a process limited to 3 GiB of address space: one line, exit 2, from every reader (before: MemoryError).
     Each reader meets the same check (``megatron_args.check_saved``); the in-process tests below cover the rest."""
-    convert, info_verify = ["convert_checkpoint.py", "from-megatron", "{folder}", "{out}"], \
-        ["checkpoint_info.py", "{folder}", "--verify"]
     cases = (("ep2", "mp_rank_00_000", {"num_experts": 2 * 10**9}, "num_experts is 2,000,000,000, above the largest",
-              [convert]),
+              ["from-megatron"]),
              ("dist", "", {"num_layers": 10**9}, "num_layers is 1,000,000,000, above the largest",
-              [convert, info_verify]))
-    for kind, rank, values, message, commands in cases:
+              ["from-megatron", "info --verify"]))
+    calls, wanted = [], []
+    for kind, rank, values, message, readers in cases:
         folder = meg(kind)
         set_args(folder, **values)
         where = folder / ITER / (f"{rank}/{FILE}" if rank else "common.pt")
-        for tool, *template in commands:
-            args = [a.format(folder=folder, out=tmp_path / "ours") for a in template]
-            done = run_in_bounded_memory([sys.executable, str(ROOT / "tools" / tool), *map(str, args)], cwd=tmp_path)
-            assert done.returncode == 2, (tool, done.stderr[-2000:])
-            assert done.stderr.count("\n") == 1 and f"{where}: its args: {message}" in done.stderr, done.stderr
-        assert not (tmp_path / "ours").exists()
+        for reader in readers:
+            calls.append(["tools/convert_checkpoint.py", "from-megatron", folder, tmp_path / "ours"]
+                         if reader == "from-megatron" else ["tools/checkpoint_info.py", folder, "--verify"])
+            wanted.append(f"{where}: its args: {message}")
+    for done, line in zip(run_tools_in_bounded_memory(calls, cwd=tmp_path), wanted, strict=True):
+        assert done.returncode == 2, (done.args, done.stderr[-2000:])
+        assert done.stderr.count("\n") == 1 and line in done.stderr, done.stderr
+    assert not (tmp_path / "ours").exists()
 
 
 @pytest.mark.parametrize("kind, values, message", [
