@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import reprlib
 
 from megatron.checkpoint.hf_common import ConversionError
-from megatron.checkpoint.small_files import MAX_SMALL_FILE_BYTES
+from megatron.checkpoint.small_files import UnsafeCheckpoint, read_small
 from megatron.config.bounds import size_problem
 from megatron.config.validate_attention import yarn_problem
 
@@ -128,12 +127,9 @@ def read_hf_config(path: str) -> dict:
     """``checked``'s form of the config.json at ``path``; ConversionError, one line, for a file that cannot be read,
     is larger than 64 MiB, is not JSON (nesting too deep to parse included) or is refused by ``checked``."""
     try:
-        size = os.path.getsize(path)
-        if size > MAX_SMALL_FILE_BYTES:
-            raise ConversionError(f"{path} is {size:,} bytes, more than any model's config.json (at most "
-                                  f"{MAX_SMALL_FILE_BYTES:,}); check the file.")
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_small(path, "any model's config.json")
+    except UnsafeCheckpoint as err:
+        raise ConversionError(f"{path}: {err}; check the file.") from None
     except OSError as err:
         raise ConversionError(f"cannot read {path} ({type(err).__name__}: {err}).") from err
     try:

@@ -71,14 +71,19 @@ def to_json_bytes(value: dict) -> bytes:
 # Reading ----------------------------------------------------------------------------------------
 
 
-def read_json(path: str) -> object:
-    """A JSON file, bounded in size; UnsafeCheckpoint when it is not JSON."""
+def read_small(path: str, what: str = "any checkpoint's small file") -> bytes:
+    """The bytes of a file that is at most ``MAX_SMALL_FILE_BYTES`` long (``what``: the kind of file, for the
+    message); UnsafeCheckpoint when it is longer, before anything is read."""
     size = os.path.getsize(path)
     if size > MAX_SMALL_FILE_BYTES:
-        raise UnsafeCheckpoint(f"it is {size:,} bytes, more than any checkpoint's small file "
-                               f"({MAX_SMALL_FILE_BYTES:,})")
+        raise UnsafeCheckpoint(f"it is {size:,} bytes, more than {what} ({MAX_SMALL_FILE_BYTES:,})")
     with open(path, "rb") as f:
-        raw = f.read()
+        return f.read()
+
+
+def read_json(path: str) -> object:
+    """A JSON file, bounded in size; UnsafeCheckpoint when it is not JSON."""
+    raw = read_small(path)
     try:
         return json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as err:

@@ -193,6 +193,19 @@ def test_a_file_that_is_not_a_readable_object_is_one_line(tmp_path, capsys, raw,
     assert message in refused(tmp_path, capsys, raw=raw)
 
 
+def test_a_config_json_over_64_mib_is_one_line_before_it_is_read(tmp_path, capsys):
+    """A sparse file: its size is said, none of its bytes read."""
+    path = tmp_path / "hf" / "config.json"
+    path.parent.mkdir()
+    with open(path, "wb") as f:
+        f.truncate(64 * 2**20 + 1)
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"config.json: it is {64 * 2**20 + 1:,} bytes, more than any model's config.json "
+                        f"({64 * 2**20:,}); check the file."), err
+    assert "\n" not in err and not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- two keys, one setting
 
 
