@@ -23,6 +23,7 @@ failed.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 
@@ -80,6 +81,24 @@ def what_is_wrong(t, second_moment: bool = False) -> str | None:
     if second_moment and t.numel() and float(min(piece.min() for piece in _chunks(t))) < 0:
         negative = sum(int((piece < 0).sum()) for piece in _chunks(t))
         return f"holds {_count(negative, 'negative')} (Adam's second moment is a mean of squares, never negative)"
+    return None
+
+
+MAX_STEP = 2**40  # Adam's step, a count of updates: a whole number from 0 to this (as Megatron's iteration)
+
+
+def step_problem(value) -> str | None:
+    """What is wrong with ``value`` as Adam's step (one number, as a tensor of one element or a plain number; whole,
+    finite, from 0 to ``MAX_STEP``: a step of NaN makes every update NaN, a negative one a bias correction above 1),
+    None when nothing is."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return f"is a tensor of {value.numel()} values, not one number"
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is a {type(value).__name__}, not a number"
+    if not math.isfinite(value) or value != int(value) or not 0 <= value <= MAX_STEP:
+        return f"is {value!r}, not a whole number from 0 to 2^40"
     return None
 
 

@@ -241,6 +241,10 @@ def _numel(shape) -> int:
     return int(np.prod(shape)) if len(shape) else 1
 
 
+# metadata.json lists every piece (~250 bytes each): 1 GiB is 4 million pieces, far beyond any run's
+MAX_METADATA_BYTES = 1 << 30
+
+
 class CheckpointReader:
     """Global tensors, or any tensor-parallel slice of them, out of a saved step folder. Every read is
     checked against the checksums in ``metadata.json`` (format 3); ``checksummed`` is False for
@@ -248,10 +252,10 @@ class CheckpointReader:
 
     def __init__(self, step_dir: str):
         self.step_dir = step_dir
-        try:
-            with open(os.path.join(step_dir, "metadata.json")) as f:
-                self.metadata = json.load(f)
-        except (OSError, ValueError) as err:
+        try:  # bounded before it is read: a crafted size never reaches the parser
+            self.metadata = json.loads(small_files.read_small(os.path.join(step_dir, "metadata.json"),
+                                                              "any run's metadata.json", MAX_METADATA_BYTES))
+        except (OSError, ValueError, RecursionError) as err:
             raise CheckpointError(f"cannot read {step_dir}/metadata.json ({err}); "
                                   f"{earlier_checkpoint(step_dir)}.") from err
         version = self.metadata.get("format_version") if isinstance(self.metadata, dict) else None

@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from megatron.checkpoint.foreign_numbers import check_state
+from megatron.checkpoint.foreign_numbers import check_state, step_problem
 from megatron.checkpoint.format import CheckpointError
 
 ADAM_KINDS = ("exp_avg", "exp_avg_sq")
@@ -160,7 +160,7 @@ def read_rank(entry, model: dict, where: str) -> OptimizerStates | None:
                                               f"{list(shapes[name])} there; {NO_OPTIM}.")
                     out[kind][name] = check_state(kind, name, state[kind], where, DAMAGED).float()
                 if "step" in state:
-                    steps.add(float(state["step"]))
+                    steps.add(_adam_step(state["step"], where))
                 if masters is not None:
                     master = check_state(MASTER, name, masters[g][j], where, DAMAGED)
                     if tuple(master.shape) != shapes[name]:
@@ -169,10 +169,19 @@ def read_rank(entry, model: dict, where: str) -> OptimizerStates | None:
                     out[MASTER][name] = master.float()
         common = torch_sd["state"].get("common_step")
         if common is not None:
-            steps.add(float(common))
-        steps.update(float(g["step"]) for g in torch_sd["param_groups"] if g.get("params") and "step" in g)  # Apex/TE
+            steps.add(_adam_step(common, where))
+        steps.update(_adam_step(g["step"], where) for g in torch_sd["param_groups"]
+                     if g.get("params") and "step" in g)  # Apex/TE
     out.step = _one_step(steps, where)
     return out
+
+
+def _adam_step(value, where: str) -> float:
+    """A saved Adam step, checked (``foreign_numbers.step_problem``); CheckpointError in one line otherwise."""
+    problem = step_problem(value)
+    if problem is not None:
+        raise CheckpointError(f"{where}: the optimizer's Adam step {problem}; {DAMAGED}.")
+    return float(value)
 
 
 def _one_step(steps: set, where: str) -> float:
@@ -191,7 +200,7 @@ def common_step(optimizer_common, where: str) -> float:
         if isinstance(value, dict):
             for k, v in value.items():
                 if k in found and isinstance(v, (int, float, torch.Tensor)):
-                    found[k].add(float(v))
+                    found[k].add(_adam_step(v, where))
                 else:
                     visit(v)
         elif isinstance(value, (list, tuple)):

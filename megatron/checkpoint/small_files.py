@@ -71,12 +71,12 @@ def to_json_bytes(value: dict) -> bytes:
 # Reading ----------------------------------------------------------------------------------------
 
 
-def read_small(path: str, what: str = "any checkpoint's small file") -> bytes:
-    """The bytes of a file that is at most ``MAX_SMALL_FILE_BYTES`` long (``what``: the kind of file, for the
-    message); UnsafeCheckpoint when it is longer, before anything is read."""
+def read_small(path: str, what: str = "any checkpoint's small file", limit: int = MAX_SMALL_FILE_BYTES) -> bytes:
+    """The bytes of a file that is at most ``limit`` bytes long (``what``: the kind of file, for the message);
+    UnsafeCheckpoint when it is longer, before anything is read."""
     size = os.path.getsize(path)
-    if size > MAX_SMALL_FILE_BYTES:
-        raise UnsafeCheckpoint(f"it is {size:,} bytes, more than {what} ({MAX_SMALL_FILE_BYTES:,})")
+    if size > limit:
+        raise UnsafeCheckpoint(f"it is {size:,} bytes, more than {what} ({limit:,})")
     with open(path, "rb") as f:
         return f.read()
 

@@ -105,3 +105,20 @@ def test_a_checkpoint_whose_config_claims_a_billion_layers_is_one_line_in_bounde
         assert done.returncode == 2, (done.args, done.stderr[-2000:])
         assert done.stderr.count("\n") == 1 and "Model.num_layers is 1,000,000,000, above the largest" in done.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_metadata_json_beyond_any_runs_is_one_line_before_it_is_read(tmp_path, one_process, capsys):
+    """A sparse 1 GiB + 1 ``metadata.json``: its size is said, none of it parsed (before: read whole; 5 GB was a
+    MemoryError traceback from every tool under a 3 GiB limit, 2 GB took 4.5 GB and 13 s)."""
+    from megatron.checkpoint.format import MAX_METADATA_BYTES
+    from tests.functional.launch import program_module
+    from tests.unit.test_megatron_checkpoints import SHAPES, our_checkpoint
+
+    our_checkpoint(tmp_path / "run", SHAPES["gpt2"])
+    with open(tmp_path / "run" / "step_12" / "metadata.json", "r+b") as f:
+        f.truncate(MAX_METADATA_BYTES + 1)
+    capsys.readouterr()
+    assert program_module("tools/checkpoint_info.py").main([str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"metadata.json (it is {MAX_METADATA_BYTES + 1:,} bytes, more than any run's " \
+                                     f"metadata.json ({MAX_METADATA_BYTES:,}))" in err, err

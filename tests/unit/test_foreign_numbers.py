@@ -158,6 +158,28 @@ def test_adam_moments_that_are_not_finite_or_negative_are_one_line(tmp_path, one
     assert said.format(FC2) in err and "the optimizer states are damaged" in err and "--no-optim" in err, err
 
 
+@pytest.mark.parametrize("fmt, step, said", [
+    ("legacy", NAN, "is nan"), ("legacy", -3.0, "is -3.0"), ("legacy", 2.5, "is 2.5"), ("torch_dist", INF, "is inf"),
+    ("torch_dist", -7.0, "is -7.0"),
+])
+def test_an_adam_step_that_is_not_a_whole_number_from_0_is_one_line(tmp_path, one_process, capsys, fmt, step, said):
+    """Before: NaN was a JSON traceback at the write (legacy: a line listing every NaN as "not one common step"), a
+    negative or fractional step converted with exit 0 into a checkpoint that our own loaders refuse; checkpoint_info.py
+    --verify said "converts" for each."""
+    folder = to_megatron(tmp_path, fmt)
+    if fmt == "legacy":
+        rewrite_rank_file(folder, lambda saved: [state.update(step=torch.tensor(step)) for state in
+                                                 saved["optimizer"]["state"].values() if isinstance(state, dict)])
+    else:
+        common = torch.load(folder / "common.pt", weights_only=False)  # our own export
+        common["optimizer"]["state"]["common_step"] = torch.tensor(step)
+        torch.save(common, folder / "common.pt")
+    err = refused(["from-megatron", str(folder.parent), str(tmp_path / "ours")], tmp_path / "ours", capsys)
+    assert f"the optimizer's Adam step {said}, not a whole number from 0 to 2^40" in err and "--no-optim" in err, err
+    assert program_module("tools/checkpoint_info.py").main([str(folder.parent), "--verify"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("converts: the weights only (from-megatron --no-optim)")
+
+
 def test_a_distributed_optimizer_state_of_another_shape_is_one_line(tmp_path, one_process, capsys):
     """Megatron saves each state as one flat tensor of the buckets' size; the right size in two dimensions was a
     traceback (``shape '[16]' is invalid for input of size ...``)."""
