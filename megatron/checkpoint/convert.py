@@ -33,6 +33,7 @@ import yaml
 
 from megatron import file_lock
 from megatron.checkpoint import small_files
+from megatron.checkpoint.foreign_numbers import check_state
 from megatron.checkpoint.format import (
     CRC_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -173,14 +174,22 @@ def read_full(reader: CheckpointReader, kind: str, name: str) -> torch.Tensor:
 
 
 def read_tensors(reader: CheckpointReader, kind: str = "param") -> dict[str, torch.Tensor]:
-    """Every global tensor of ``kind`` (fp32). Progress (megatron/progress.py) once the reading takes a while."""
+    """Every global tensor of ``kind`` (fp32), each held to ``foreign_numbers``' rule as it is read (a weight or state
+    that is not finite, an ``exp_avg_sq`` below 0: one line, so no export carries it). Progress
+    (megatron/progress.py) once the reading takes a while."""
     names = [name for name in reader.names if reader.has(kind, name)]
     tensors = {}
     with Progress(f"reading {kind} tensors", total=len(names), unit="tensors", summary=False) as progress:
         for name in names:
-            tensors[name] = read_full(reader, kind, name)
+            tensors[name] = read_checked(reader, kind, name)
             progress.update(1)
     return tensors
+
+
+def read_checked(reader: CheckpointReader, kind: str, name: str) -> torch.Tensor:
+    """``read_full``, the tensor held to ``foreign_numbers``' rule (finite; ``exp_avg_sq`` not below 0)."""
+    return check_state(kind, name, read_full(reader, kind, name), reader.step_dir, "training never saves such "
+                       "numbers: the checkpoint is damaged; load an earlier one")
 
 
 def _repad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -334,7 +343,7 @@ def reshard(path: str, out_dir: str, tp: int, force: bool = False) -> str:
         raise CheckpointError(f"{WORD_EMBEDDING} has {saved_rows} rows, fewer than vocab_size {m.vocab_size}.")
 
     def load(kind: str, name: str) -> torch.Tensor:
-        t = read_full(reader, kind, name)
+        t = read_checked(reader, kind, name)
         return _repad(t, rows) if is_vocab_padded(name) else t
 
     entries = [(kind, name) for kind in KINDS for name in reader.names if reader.has(kind, name)]

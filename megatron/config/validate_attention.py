@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from megatron.config.bounds import MAXIMA
 from megatron.config.cli import fail as _fail
 from megatron.config.schema import Config
 
@@ -109,6 +110,9 @@ def parse_window(text: str | None) -> int | None:
         raise ValueError(f"window_size's RIGHT must be 0 (a causal model sees no later token), got '{text}'")
     if left < -1:
         raise ValueError(f"window_size's LEFT must be at least 0 (or -1: no limit), got '{text}'")
+    if left >= MAXIMA["max_position_embeddings"]:  # its export's sliding_window (LEFT + 1) is bounded as positions
+        raise ValueError(f"window_size's LEFT is {left:,}, not below the most positions this framework accepts "
+                         f"({MAXIMA['max_position_embeddings']:,}): for no limit give -1,0")
     return None if left == -1 else left
 
 

@@ -256,6 +256,17 @@ def test_generate_refuses_a_model_whose_weights_are_not_finite(tmp_path, capsys)
         "value; a model whose weights are not finite cannot generate" in err, err
 
 
+@pytest.mark.parametrize("command", [["to-hf"], ["to-megatron"], ["to-megatron", "--format", "torch_dist"],
+                                     ["reshard", "--tp", "2"]])
+def test_an_export_of_a_checkpoint_with_a_nan_weight_is_one_line(tmp_path, one_process, capsys, command):
+    """Training never saves a non-finite weight, so such a checkpoint is damaged (or crafted, its checksums redone):
+    before, to-hf and to-megatron exported it with exit 0 (and from-hf then refused the export)."""
+    run = nan_model(tmp_path)
+    err = refused([command[0], run, str(tmp_path / "out"), *command[1:]], tmp_path / "out", capsys)
+    assert "the fp32 master of layers.1.mlp.dense_4h_to_h.weight holds 1 NaN value; training never saves such " \
+        "numbers: the checkpoint is damaged" in err, err
+
+
 def test_generate_refuses_a_weight_beyond_fp16_in_fp16(tmp_path, capsys):
     run = nan_model(tmp_path, 1e5)
     generate = program_module("tools/generate.py")

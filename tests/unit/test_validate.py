@@ -194,6 +194,14 @@ def test_a_list_that_starts_with_a_negative_number_is_a_value(argv):
     assert parse_config(argv).model.window_size.replace(" ", "") == "-1,0"
 
 
+@pytest.mark.parametrize("window", ["134217728,0", "99999999999999999999999,0"])
+def test_a_window_beyond_any_position_count_is_one_line(window):
+    """It trained (no window at all), and its Hugging Face export held a sliding_window that from-hf refuses."""
+    with pytest.raises(ConfigError, match=r"^window_size's LEFT is [\d,]+, not below the most positions this "
+                                          r"framework accepts \(134,217,728\): for no limit give -1,0\.$"):
+        check(valid_config("--window-size", window))
+
+
 @pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,-1e-3,1", "-inf"])
 def test_a_split_of_non_finite_or_negative_numbers_refused(split):
     """'--split nan,1,1' was normalized to NaN fractions (and 'inf,1,1' to nan, 0, 0) without a word."""
