@@ -57,6 +57,7 @@ from megatron import file_lock  # noqa: E402
 from megatron.checkpoint import CheckpointError, foreign_numbers, hf_deepseek  # noqa: E402
 from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
 from megatron.checkpoint.convert import (  # noqa: E402
+    check_apart,
     open_checkpoint,
     output_folder,
     read_tensors,
@@ -363,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command not in ("from-hf", "from-megatron"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     out = args.out_dir if args.command in ("to-hf", "from-hf", "from-megatron") else args.out
+    source = {"from-hf": "hf_dir", "from-megatron": "megatron_dir"}.get(args.command, "ckpt")
     try:
+        check_apart(out, getattr(args, source))
         # one writer of the output folder at a time, before anything is written there (a second one: one line)
         with output_folder(out, shlex.join([PROG, *argv])) as warning:
             if warning:

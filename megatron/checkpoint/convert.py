@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 
@@ -58,6 +59,19 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 # What a full disk (or another failed write) raises from the writers converters call: OSError from ours, a
 # RuntimeError from torch.save ("unexpected pos ..."), these by name (safetensors' and PyTorch DCP's).
 _WRITE_ERRORS = ("SafetensorError", "CheckpointException")
+
+
+def check_apart(out: str, source: str) -> None:
+    """CheckpointError, one line, when the output folder ``out`` would mix the written files with those being read:
+    it is ``source``, lies inside one of ``source``'s step or iteration folders (``step_N``, ``iter_N``), or, where
+    ``source`` is such a folder, is the run or save folder holding it. A folder beside them (``run/hf``) is apart."""
+    out_path, source_path = os.path.realpath(out), os.path.realpath(source)
+    below = os.path.relpath(out_path, source_path).split(os.sep)
+    step = re.compile(r"(step|iter)_\d+")
+    if (out_path == source_path or (below[0] != ".." and step.fullmatch(below[0]))
+            or (step.fullmatch(os.path.basename(source_path)) and os.path.dirname(source_path) == out_path)):
+        raise CheckpointError(f"the output folder {out} is where {source} is read from: the written files would mix "
+                              f"with those being converted; give another output folder.")
 
 
 @contextlib.contextmanager

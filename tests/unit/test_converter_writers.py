@@ -53,8 +53,11 @@ def sources(tmp_path_factory):
     return folder
 
 
+SOURCE = {"to-hf": "run", "from-hf": "hf", "from-megatron": "meg", "to-megatron": "run", "reshard": "run"}
+
+
 def command(name: str, sources, out) -> list[str]:
-    source = {"to-hf": "run", "from-hf": "hf", "from-megatron": "meg", "to-megatron": "run", "reshard": "run"}[name]
+    source = SOURCE[name]
     extra = {"to-hf": ["--no-tokenizer"], "reshard": ["--tp", "2"]}.get(name, [])
     return [name, str(sources / source), str(out), *extra]
 
@@ -360,3 +363,24 @@ def assert_one_write_failure(capsys, out, reason: str) -> None:
     assert len(err) == 1 and re.fullmatch(
         rf"convert_checkpoint\.py: error: cannot write to {out} \({re.escape(reason)}; [0-9.]+ GiB free there\); "
         rf"nothing of this conversion is left there: free some space, or give another output folder\.", err[0]), err
+
+
+@pytest.mark.parametrize("name, out", [
+    ("to-hf", "{source}"), ("to-megatron", "{source}"), ("from-megatron", "{source}/iter_0000012"),
+    ("from-hf", "{source}"), ("reshard", "{source}"), ("to-hf", "{source}/step_12"), ("to-hf", "{source}/step_12/hf"),
+])
+def test_an_output_folder_where_the_source_is_read_is_one_line(sources, tmp_path, one_process, capsys, name, out):
+    """Before: to-hf put its files among a run folder's, to-megatron an iter_N into it, from-megatron a step_N and
+    latest into Megatron's iteration folder, all exit 0 (reshard alone refused, naming the step being read). The
+    source is untouched; a folder beside the steps (run/hf) stays allowed."""
+    copy = tmp_path / SOURCE[name]
+    shutil.copytree(sources / SOURCE[name], copy)
+    before = tree(copy)
+    argv = command(name, tmp_path, out.format(source=copy))
+    capsys.readouterr()
+    assert convert.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is where" in err and "give another output folder" in err, err
+    assert tree(copy) == before
+    if name == "to-hf" and out == "{source}":
+        assert convert.main([name, str(copy), str(copy / "hf"), "--no-tokenizer"]) == 0
