@@ -174,8 +174,28 @@ def available_bytes(device: str, local_rank: int = 0, local_ranks: int = 1) -> t
         return None, "RAM"
     held = process_rss_bytes()
     share = f" over {local_ranks} ranks on this machine" if local_ranks > 1 else ""
+    room = address_space_room()
+    if room is not None and room < host // local_ranks:  # ulimit -v: an allocation past it fails whatever the RAM
+        return room + held, (f"available (the address space left under this process's limit, ulimit -v, "
+                             f"{_gib(room)} GiB, + {_gib(held)} GiB held by this process)")
     return host // local_ranks + held, (f"available (RAM available {_gib(host)} GiB{share}, + {_gib(held)} GiB held "
                                         f"by this process)")
+
+
+def address_space_room(status: str = "/proc/self/status") -> int | None:
+    """The virtual memory this process may still map under its ``RLIMIT_AS`` (``ulimit -v``), None without a limit
+    or where the system does not say."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        with open(status) as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (ImportError, OSError, StopIteration, ValueError):
+        return None
+    return max(0, limit - size)
 
 
 # ---------------------------------------------------------------------------- the verdict
