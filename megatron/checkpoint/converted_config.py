@@ -7,7 +7,7 @@ from __future__ import annotations
 import yaml
 
 from megatron import device as dev
-from megatron.config import Config, parse_config, to_dict, validate
+from megatron.config import Config, ConfigError, parse_config, to_dict, validate
 from megatron.tokenizer import configured_tokenizer
 
 # Model shape and architecture: from config.json, never overridden by a flag (the weights fit these).
@@ -34,8 +34,11 @@ class ToolError(Exception):
 def shaped_config(derived: list[str], flags: list[str], source: str) -> Config:
     """Our resolved config of the model flags ``derived`` (read off ``source``) with ``flags`` on top: the shape
     fields must stay as ``derived`` says, vocab_size may only grow."""
+    try:
+        want = parse_config(derived).model
+    except ConfigError as err:  # what the source says, before any flag of the user's
+        raise ToolError(f"{source}: {err}") from None
     config = parse_config([*derived, *flags])
-    want = parse_config(derived).model
     for name in SHAPE_FIELDS:
         if getattr(config.model, name) != getattr(want, name):
             raise ToolError(f"{name} is {getattr(want, name)} in {source}; it cannot be changed "

@@ -170,6 +170,10 @@ def first_file(folder: str) -> tuple[str, dict, argparse.Namespace, int]:
             real = file_inside(folder, f"{name}/{FILE}", folder)
             head = safe_load(real)
             return (real, head, *check_saved(head, os.path.join(folder, name, FILE)))
+    if os.path.lexists(os.path.join(folder, ".metadata")):  # a torch_dist folder whose metadata.json did not say so
+        raise CheckpointError(f"{folder} holds a torch_dist index (.metadata), but its metadata.json is missing, "
+                              f"damaged or not Megatron's (it must say \"sharded_backend\": \"torch_dist\"); the "
+                              f"checkpoint is damaged: convert another one.")
     raise CheckpointError(f"{folder} has no mp_rank_00/{FILE}, mp_rank_00_000/{FILE} or mp_rank_00_000_000/{FILE}.")
 
 

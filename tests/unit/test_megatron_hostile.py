@@ -133,6 +133,7 @@ def test_the_sizes_in_the_args_are_bounded_before_anything_is_built(meg, tmp_pat
     ("legacy", {"hidden_size": "64"}, "hidden_size is '64', not a whole number"),
     ("legacy", {"tensor_model_parallel_size": 0}, "tensor_model_parallel_size is 0, below 1"),
     ("dist", {"num_attention_heads": 2.5}, "num_attention_heads is 2.5, not a whole number"),
+    ("legacy", {"num_layers": 4.0}, "the checkpoint's args: Model.num_layers must be an integer, got '4.0'"),
 ])
 def test_a_size_that_is_not_a_whole_number_in_range_is_one_line(meg, tmp_path, capsys, one_process, kind, values,
                                                                  message):
@@ -260,6 +261,20 @@ def test_a_crafted_torch_dist_index_or_data_is_one_line(meg, tmp_path, capsys, o
     err = converter_refuses(folder, tmp_path, capsys)
     assert message in err, err
     assert info_refuses(folder, capsys, verify=True) == err
+
+
+@pytest.mark.parametrize("content", [None, "{", "[]", '{"sharded_backend": "zarr"}'],
+                         ids=["missing", "not JSON", "a list", "another backend"])
+def test_a_torch_dist_folder_whose_metadata_json_is_damaged_says_so(meg, tmp_path, capsys, one_process, content):
+    """Before: the line spoke of legacy rank files (``has no mp_rank_00/model_optim_rng.pt, ...``)."""
+    folder = meg("dist")
+    path = folder / ITER / "metadata.json"
+    path.unlink()
+    if content is not None:
+        path.write_text(content)
+    err = converter_refuses(folder, tmp_path, capsys)
+    assert "holds a torch_dist index (.metadata), but its metadata.json is missing, damaged or not Megatron's" in err
+    assert info_refuses(folder, capsys) == err
 
 
 @pytest.mark.parametrize("rank, change, message", [
