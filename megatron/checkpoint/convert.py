@@ -90,6 +90,10 @@ def output_folder(folder: str, command: str) -> Iterator[str | None]:
                               f"writers of one folder would mix their files; wait for it to end, or give another "
                               f"output folder.") from None
     except OSError as err:
+        odd = ("a symbolic link" if os.path.islink(lock.path) else "a folder" if os.path.isdir(lock.path) else None)
+        if odd is not None:  # never followed nor written through
+            raise CheckpointError(f"{lock.path} is {odd}, not the lock file this tool keeps there; remove it, or give "
+                                  f"another output folder.") from err
         raise CheckpointError(f"cannot write to the output folder {folder} ({err.strerror or err}); fix it or give "
                               f"another one.") from err
     failed = True

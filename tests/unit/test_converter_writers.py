@@ -384,3 +384,20 @@ def test_an_output_folder_where_the_source_is_read_is_one_line(sources, tmp_path
     assert tree(copy) == before
     if name == "to-hf" and out == "{source}":
         assert convert.main([name, str(copy), str(copy / "hf"), "--no-tokenizer"]) == 0
+
+
+@pytest.mark.parametrize("odd", ["a symbolic link", "a folder"])
+def test_a_lock_path_that_is_not_a_file_is_one_line_naming_it(sources, tmp_path, one_process, capsys, odd):
+    """Before: 'cannot write to the output folder OUT (Too many levels of symbolic links)' / '(Is a directory)'. The
+    link's target is never created or written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if odd == "a symbolic link":
+        (out / "run.lock").symlink_to(tmp_path / "target")
+    else:
+        (out / "run.lock").mkdir()
+    capsys.readouterr()
+    assert convert.main(command("to-hf", sources, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out / 'run.lock'} is {odd}, not the lock file this tool keeps there" in err
+    assert sorted(os.listdir(out)) == ["run.lock"] and not (tmp_path / "target").exists()
