@@ -33,7 +33,14 @@ import torch
 
 from megatron import device as dev
 from megatron.checkpoint.run_dir import all_ranks_ok, one_line, ranks_with
-from megatron.checkpoint.save_load import Save, begin_save, rank_pieces, rng_state, write_rank_files
+from megatron.checkpoint.save_load import (
+    Save,
+    after_a_failed_save,
+    begin_save,
+    rank_pieces,
+    rng_state,
+    write_rank_files,
+)
 
 
 def _write_files(tmp: str, rank: int, pieces: list, rng: dict) -> tuple[list, dict]:
@@ -58,8 +65,7 @@ class PendingSave:
         try:
             self.written = _write_files(*args)
         except BaseException as err:  # noqa: BLE001 - reported on every rank at the next step boundary
-            self.error = one_line(err, f"cannot save {self.save.final}",
-                                  "the previous checkpoint and 'latest' are unchanged: fix this and resume from them")
+            self.error = one_line(err, f"cannot save {self.save.final}", after_a_failed_save(self.save.output_dir))
         finally:
             self.done.set()
 

@@ -172,6 +172,14 @@ def save_checkpoint(output_dir: str, step: int, model: nn.Module, optimizer, ps:
     return save.seal(mine, keep_last)
 
 
+
+def after_a_failed_save(output_dir: str) -> str:
+    """What a failed save's line tells the user to do: resume from the previous checkpoint, or, where the run has
+    none yet, start again."""
+    if os.path.lexists(os.path.join(output_dir, "latest")):
+        return "the previous checkpoint and 'latest' are unchanged: fix this and resume from them"
+    return f"no checkpoint was saved in {output_dir} before this one: fix this and start the run again"
+
 class Save:
     """One save under way, from ``step_N.tmp`` made empty to its seal. What rank 0 writes into ``common.json``
     (the step, AdamW's step count, the loss scaler, the train state) is captured when the save begins: an
@@ -188,8 +196,7 @@ class Save:
         rank 0 removes ``step_N.tmp``. Collective."""
         try:
             return on_every_rank(fn, device=self.device, what=f"cannot save {self.final}",
-                                 todo="the previous checkpoint and 'latest' are unchanged: fix this and resume from "
-                                      "them")
+                                 todo=after_a_failed_save(self.output_dir))
         except CheckpointError:
             self.abort()
             raise

@@ -249,6 +249,16 @@ def test_a_failed_save_is_one_line_and_prunes_nothing(run_dir, monkeypatch, obst
     assert info.main([str(run_dir / "step_2"), "--verify"]) == 0
 
 
+def test_a_failed_first_save_does_not_speak_of_a_previous_checkpoint(tmp_path, monkeypatch):
+    """Before: 'the previous checkpoint and 'latest' are unchanged' where the run had saved none."""
+    monkeypatch.setattr(RankFileWriter, "add", _no_space)
+    with pytest.raises(CheckpointError) as raised:
+        _save(tmp_path / "run", 1)
+    message = str(raised.value)
+    assert "No space left on device" in message and "previous checkpoint" not in message, message
+    assert f"no checkpoint was saved in {tmp_path / 'run'} before this one: fix this and start the run again" in message
+
+
 def test_pruning_keeps_the_newest_and_what_latest_names(tmp_path):
     out = tmp_path / "run"
     for step in (1, 2, 3):
