@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from megatron.checkpoint.format import CheckpointError
+from megatron.config.bounds import MAX_STEPS
 
 SECOND_MOMENT = "exp_avg_sq"
 # How each kind of optimizer state is named in a message (Megatron's names: fp32_param, or param in the distributed
@@ -84,12 +85,9 @@ def what_is_wrong(t, second_moment: bool = False) -> str | None:
     return None
 
 
-MAX_STEP = 2**40  # Adam's step, a count of updates: a whole number from 0 to this (as Megatron's iteration)
-
-
 def step_problem(value) -> str | None:
     """What is wrong with ``value`` as Adam's step (one number, as a tensor of one element or a plain number; whole,
-    finite, from 0 to ``MAX_STEP``: a step of NaN makes every update NaN, a negative one a bias correction above 1),
+    finite, from 0 to ``MAX_STEPS``: a step of NaN makes every update NaN, a negative one a bias correction above 1),
     None when nothing is."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -97,7 +95,7 @@ def step_problem(value) -> str | None:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"is a {type(value).__name__}, not a number"
-    if not math.isfinite(value) or value != int(value) or not 0 <= value <= MAX_STEP:
+    if not math.isfinite(value) or value != int(value) or not 0 <= value <= MAX_STEPS:
         return f"is {value!r}, not a whole number from 0 to 2^40"
     return None
 

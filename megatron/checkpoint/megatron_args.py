@@ -28,7 +28,7 @@ builder) sets gpt-oss's YaRN over them, as that builder does.
 proportional to it is built, by every reader (``from-megatron``'s and ``checkpoint_info.py``'s): ``args`` a
 Namespace, every size in it within ``megatron.config.bounds`` (``MAXIMA`` is keyed by our names, which are
 Megatron's; ``padded_vocab_size``, ``seq_length`` and YaRN's original length are bounded as ours), the parallel sizes
-whole numbers from 1, and the iteration (``saved_iteration``) a whole number from 0 to ``MAX_ITERATION``.
+whole numbers from 1, and the iteration (``saved_iteration``) a whole number from 0 to ``MAX_STEPS``.
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ import torch
 
 from megatron.checkpoint.format import CheckpointError
 from megatron.checkpoint.hf_common import ConversionError
-from megatron.config.bounds import MAXIMA, check_sizes, size_problem
+from megatron.config.bounds import MAX_STEPS, MAXIMA, check_sizes, size_problem
 from megatron.config.schema import ModelConfig, padded_vocab_size
 from megatron.config.validate_attention import parse_window
 from megatron.config.validate_moe import moe_layer_pattern, parse_layer_pattern
 
-# the largest iteration a checkpoint may claim: 2^40 steps, 35,000 years at a step a second (a step_N of ours)
-MAX_ITERATION = 2**40
 # Megatron's sizes that our fields name otherwise (bounds.MAXIMA is keyed by ours)
 _MEGATRON_SIZES = {"padded_vocab_size": "vocab_size", "seq_length": "max_seq_len",
                    "yarn_original_max_position_embeddings": "original_max_position_embeddings"}
@@ -117,12 +115,12 @@ def check_saved(head: dict, where: str) -> tuple[argparse.Namespace, int]:
 
 
 def iteration_problem(value) -> str | None:
-    """What is wrong with ``value`` as a Megatron-LM iteration (a whole number from 0 to ``MAX_ITERATION``), or
+    """What is wrong with ``value`` as a Megatron-LM iteration (a whole number from 0 to ``MAX_STEPS``), or
     None."""
     problem = size_problem("iteration", value)
-    if problem is None and value > MAX_ITERATION:
+    if problem is None and value > MAX_STEPS:
         problem = f"iteration is {value:,}" if isinstance(value, int) else f"iteration is {value!r}"
-        problem += f", above {MAX_ITERATION:,} (2^40)"
+        problem += f", above {MAX_STEPS:,} (2^40)"
     return problem
 
 

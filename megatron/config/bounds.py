@@ -37,6 +37,11 @@ MAXIMA = {
 }
 
 
+# the most steps a count of training steps may claim (a Megatron-LM iteration, Adam's step, a step_N of ours): 2^40,
+# 35,000 years at a step a second
+MAX_STEPS = 2**40
+
+
 def size_problem(name: str, value, bounded_as: str | None = None) -> str | None:
     """What is wrong with ``value`` as the size ``name`` (a whole number from 0 to the maximum of ``bounded_as``, our
     field of that meaning, default ``name``; None is no size), or None when it is fine. ``bool`` is not a size; a float
