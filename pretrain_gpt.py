@@ -29,8 +29,8 @@ from megatron.data.mock_dataset import build_mock_datasets
 from megatron.health import TrainingDiverged
 from megatron.initialize import launch_env, shutdown
 from megatron.memory.check import check_memory
-from megatron.model import build_model
 from megatron.model.mtp import MTPInputs
+from megatron.parallelize_gpt import build_model
 from megatron.pretrain import pretrain
 from megatron.tokenizer import Tokenizer, TokenizerError, configured_tokenizer
 

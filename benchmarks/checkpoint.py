@@ -131,17 +131,17 @@ def _config(args, world: int, tp: int, sharding: int, stage: int, ps, out: str):
 def _build(args, world: int, tp: int, sharding: int, stage: int, out: str):
     """(ps, config, model, buffer, optimizer) as pretrain_gpt.py builds them."""
     from megatron import parallel_state
-    from megatron.distributed.parallelize import parallelize, plan_sharding
-    from megatron.model import build_model
-    from megatron.optimizer import build_optimizer
+    from megatron.distributed.parallelize import plan_sharding
+    from megatron.parallelize_gpt import build_model, parallelize_gpt
     from megatron.tensor_parallel import tensor_parallel_seed
 
     ps = parallel_state.initialize(tp=tp, sharding=sharding)
     config = _config(args, world, tp, sharding, stage, ps, out)
     tensor_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
     plan = plan_sharding(config, ps)
-    model, buffer, _ = parallelize(build_model(config, meta_init=plan.meta_init), plan)
-    return ps, config, model, buffer, build_optimizer(buffer, plan, config)
+    run = parallelize_gpt(config, torch.device("cpu"), plan, build_model(config, meta_init=plan.meta_init))
+    model, buffer = run.model, run.buffer
+    return ps, config, model, buffer, run.optimizer
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ measured by turning it off.
     python benchmarks/context_parallel.py --write    # also update docs/benchmarks.md
 
 For each cp size one group of ``cp`` gloo ranks (``parallel_state.initialize(cp=cp)``) builds the model as
-training does (``parse_config`` / ``validate``, ``build_model``, ``parallel_model``: the gradients summed over
+training does (``parse_config`` / ``validate``, ``build_model``, ``parallelize_gpt``: the gradients summed over
 dp x cp) once per communication type, and trains it with ``train_step`` on one micro-batch of ``--seq``
 tokens from the mock data, cut by ``build_batch`` into the rank's two load-balanced chunks. Packed samples
 are the same mock tokens with end-of-document tokens placed so that documents are 300-1000 tokens long,
@@ -190,9 +190,8 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
 def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, queue) -> None:
     from megatron import parallel_state
     from megatron.memory.measure import measure_microbatch
-    from megatron.model import build_model
+    from megatron.parallelize_gpt import build_model, parallelize_gpt
     from megatron.training import train_step
-    from megatron.training.step import parallel_model
     from pretrain_gpt import forward_step
 
     torch.set_num_threads(args.threads)
@@ -210,7 +209,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
         for packed in (False, True):
             if (comm, packed, True) in variants:
                 result[("saved", comm, packed)] = measure_microbatch(model, forward_step, batches[packed])
-        models[comm] = parallel_model(config, model, torch.device("cpu"))
+        models[comm] = parallelize_gpt(config, torch.device("cpu"), None, model)
     times = {variant: [] for variant in variants}
     for step in range(args.warmup + args.steps):
         for variant in variants if step % 2 else variants[::-1]:  # no order bias

@@ -32,11 +32,11 @@ from benchmarks.report import write_section  # noqa: E402
 
 def _parallelized(model, plan, config) -> tuple:
     """(model to train, buffer, optimizer) as the Trainer builds them, under ``plan``."""
-    from megatron.distributed.parallelize import parallelize
-    from megatron.optimizer import build_optimizer
+    from megatron.parallelize_gpt import parallelize_gpt
 
-    model, buffer, _ = parallelize(model, plan)
-    return model, buffer, build_optimizer(buffer, plan, config)
+    run = parallelize_gpt(config, torch.device("cpu"), plan, model)
+    model, buffer = run.model, run.buffer
+    return model, buffer, run.optimizer
 
 
 def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, queue) -> None:
@@ -45,7 +45,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
     from megatron.distributed.parallelize import plan_sharding
-    from megatron.model import build_model
+    from megatron.parallelize_gpt import build_model
     from megatron.training import train_step
     from pretrain_gpt import forward_step
 

@@ -37,7 +37,7 @@ from megatron.evaluation.runner import Evaluator, batch_of, loss_step  # noqa: E
 from megatron.evaluation.tasks import perplexity_samples  # noqa: E402
 from megatron.model.gpt import GPTModel  # noqa: E402
 from megatron.model.init import init_parameters  # noqa: E402
-from megatron.training import parallel_model  # noqa: E402
+from megatron.parallelize_gpt import parallelize_gpt  # noqa: E402
 
 
 def _cpu_flags() -> str:
@@ -88,7 +88,7 @@ def main() -> None:
                                str(args.micro_batch_size), "--local-batch-size", str(args.micro_batch_size)])
         validate(config, training_data=False)
         device = torch.device("cpu")
-        run = parallel_model(config, GPTModel(config.model, config.padded_vocab_size), device)
+        run = parallelize_gpt(config, device)
         evaluator = Evaluator(config, run, device, progress=False)
     ids = torch.randint(0, args.vocab, (args.windows * args.seq + 1,), generator=torch.Generator().manual_seed(0))
     samples = perplexity_samples(ids.tolist(), args.seq)

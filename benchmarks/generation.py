@@ -250,7 +250,7 @@ def bench_gemv(args, model, hf) -> dict:
     copies is cycled through. Returns the rows and the per-step totals of each side's actual layouts."""
     import torch.nn.functional as F
 
-    from megatron.checkpoint.hf_gpt2 import name_map
+    from megatron.checkpoint.hf.gpt2 import name_map
 
     layers = len(model.layers)
     first = next(iter(model.layers.keys()))

@@ -13,7 +13,7 @@ go on. It prints one table and writes ``results.json`` to ``--out``. On a CUDA d
 - **peak**: a square matmul in bf16 (8192 on a GPU), the mean of ten after three warm-ups: MFU's denominator.
 - **models**: ``examples/configs/gpt_345m_single_card.yaml`` and ``gpt_1.3b_single_card.yaml`` (the seed's
   shapes: sequence 1024, micro-batch 8, dropout 0.1) built and stepped as ``pretrain_gpt.py`` does
-  (``parallel_model``, ``train_step``): tokens/s (median step), MFU (``model_flops_per_token`` over the
+  (``parallelize_gpt``, ``train_step``): tokens/s (median step), MFU (``model_flops_per_token`` over the
   measured peak), the device's peak allocated memory against ``megatron.memory.estimate`` and the last loss.
 - **peer**: Hugging Face's ``GPT2LMHeadModel`` of the same shape (SDPA attention, ``torch.compile``, bf16
   autocast over fp32 parameters, fused AdamW, clipping 1.0), stepped on the same batches.
@@ -48,8 +48,8 @@ from megatron.data.loader import build_batch  # noqa: E402
 from megatron.data.mock_dataset import MockGPTDataset  # noqa: E402
 from megatron.memory import estimate  # noqa: E402
 from megatron.metrics import model_flops_per_token  # noqa: E402
-from megatron.model import build_model  # noqa: E402
-from megatron.training.step import parallel_model, train_step  # noqa: E402
+from megatron.parallelize_gpt import build_model, parallelize_gpt  # noqa: E402
+from megatron.training.step import train_step  # noqa: E402
 
 SEED_V100_TOKENS_S = 16_500  # the seed's 345M on one 32 GB V100, fp16 (ips_total)
 TOY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
@@ -128,7 +128,7 @@ def train_case(bench: Bench, config) -> dict:
     """Build and step ``config``'s model as pretrain_gpt.py does; tokens/s of the median step and the rest."""
     bench.free()
     torch.manual_seed(config.seed)
-    run = parallel_model(config, build_model(config, bench.device), bench.device)
+    run = parallelize_gpt(config, bench.device, None, build_model(config, bench.device))
     data = [dict((k, v.to(bench.device)) for k, v in b.items()) for b in batches(config)]
     mbs, losses = config.batch_size.micro_batch_size, []
 

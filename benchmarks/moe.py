@@ -100,9 +100,8 @@ class CollectiveTimer:
 
 def _build(flags: list[str], world: int, ps):
     from megatron.config import parse_config, validate
-    from megatron.distributed.parallelize import parallelize, plan_sharding
-    from megatron.model import build_model
-    from megatron.optimizer import build_optimizer
+    from megatron.distributed.parallelize import plan_sharding
+    from megatron.parallelize_gpt import build_model, parallelize_gpt
     from megatron.tensor_parallel import tensor_parallel_seed
 
     config = parse_config(flags)
@@ -111,8 +110,9 @@ def _build(flags: list[str], world: int, ps):
     plan = plan_sharding(config, ps)
     model = build_model(config, meta_init=plan.meta_init)
     counts = active_parameters(model, config.model.moe_router_topk if config.model.num_experts else 0)
-    model, buffer, _ = parallelize(model, plan)
-    return config, model, buffer, build_optimizer(buffer, plan, config), counts
+    run = parallelize_gpt(config, torch.device("cpu"), plan, model)
+    model, buffer = run.model, run.buffer
+    return config, model, buffer, run.optimizer, counts
 
 
 def _steps(args, model, buffer, optimizer, batch, dp_group, timer=None) -> tuple[float, float]:

@@ -161,7 +161,7 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron.config import parse_config, validate
     from megatron.data.loader import build_batch, split_micro_batches
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.model import build_model
+    from megatron.parallelize_gpt import build_model
     from megatron.pipeline_parallel import p2p
     from megatron.pipeline_parallel.schedules import forward_backward_pipelining
     from pretrain_gpt import loss_fn

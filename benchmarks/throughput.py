@@ -36,10 +36,12 @@ from megatron.config import parse_config, validate  # noqa: E402
 from megatron.data.loader import build_batch  # noqa: E402
 from megatron.data.mock_dataset import MockGPTDataset  # noqa: E402
 from megatron.device import half_precision  # noqa: E402
-from megatron.distributed.parallelize import ShardingPlan, parallelize  # noqa: E402
+from megatron.distributed.parallelize import ShardingPlan  # noqa: E402
 from megatron.metrics import model_flops_per_token  # noqa: E402
-from megatron.model import build_model  # noqa: E402
-from megatron.optimizer import build_optimizer  # noqa: E402
+from megatron.parallelize_gpt import (
+    build_model,  # noqa: E402
+    parallelize_gpt,  # noqa: E402
+)
 from megatron.training import train_step  # noqa: E402
 
 
@@ -147,8 +149,8 @@ def bench_precision(args, precision: str) -> dict:
         config = project_config(args, precision, compiled=name.endswith("compiled"))
         if name.startswith("project"):
             plan = ShardingPlan()  # one process
-            model, buffer, _ = parallelize(build_model(config), plan)
-            opt = build_optimizer(buffer, plan, config)
+            run = parallelize_gpt(config, torch.device("cpu"), plan, build_model(config))
+            model, buffer, _, opt = run.model, run.buffer, run.fully_sharded, run.optimizer
             steps[name] = (lambda i, m=model, b=buffer, o=opt:
                            train_step(pretrain_gpt.forward_step, batches[i % 4], m, b, o, 1e-4, args.micro_batch))
         else:

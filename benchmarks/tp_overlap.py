@@ -124,9 +124,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron import parallel_state
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.distributed.parallelize import parallelize, plan_sharding
-    from megatron.model import build_model
-    from megatron.optimizer import build_optimizer
+    from megatron.distributed.parallelize import plan_sharding
+    from megatron.parallelize_gpt import build_model, parallelize_gpt
     from megatron.tensor_parallel import ColumnParallelLinear, set_async_communication
     from megatron.training import train_step
     from pretrain_gpt import forward_step
@@ -143,8 +142,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     for sp in (False, True):
         config = _config(args, sp, store_dir)
         plan = plan_sharding(config, ps)
-        model, buffer, _ = parallelize(build_model(config), plan)
-        optimizer = build_optimizer(buffer, plan, config)
+        run = parallelize_gpt(config, torch.device("cpu"), plan, build_model(config))
+        model, buffer, _, optimizer = run.model, run.buffer, run.fully_sharded, run.optimizer
         for overlap in (True, False):
             variants[(sp, overlap)] = (model, buffer, optimizer)
         result[("saved", sp, "shard")] = _saved_bytes(model, batch, args.micro_batch)

@@ -46,10 +46,10 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
     from megatron.config import parse_config, validate
     from megatron.data.loader import build_batch
     from megatron.data.mock_dataset import MockGPTDataset
-    from megatron.distributed.parallelize import parallelize, plan_sharding
+    from megatron.distributed.parallelize import plan_sharding
     from megatron.memory.measure import measured_model_state_bytes
-    from megatron.model import build_model, num_parameters
-    from megatron.optimizer import build_optimizer
+    from megatron.model import num_parameters
+    from megatron.parallelize_gpt import build_model, parallelize_gpt
     from megatron.tensor_parallel import tensor_parallel_seed
     from megatron.training import train_step
     from pretrain_gpt import forward_step
@@ -82,8 +82,8 @@ def _rank_main(rank: int, world: int, store_dir: str, args: argparse.Namespace, 
                 plan = plan_sharding(config, ps)
                 model = build_model(config, meta_init=plan.meta_init)
                 num_params = num_parameters(model)
-                model, buffer, fully_sharded = parallelize(model, plan)
-                optimizer = build_optimizer(buffer, plan, config)
+                run = parallelize_gpt(config, torch.device("cpu"), plan, model)
+                model, buffer, fully_sharded, optimizer = run.model, run.buffer, run.fully_sharded, run.optimizer
                 times = []
                 for step in range(args.warmup + args.steps):
                     dist.barrier()

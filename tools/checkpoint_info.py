@@ -11,7 +11,7 @@ checkpoint (a checksum mismatch included).
 CKPT may also be a Megatron-LM folder (its save folder with ``latest_checkpointed_iteration.txt``, or an ``iter_N``
 folder; legacy or torch_dist): the format, iteration, the layout of its rank files, the model (its args), the
 optimizer's states and their layout, the scheduler's state, and whether ``convert_checkpoint.py from-megatron``
-converts it (``--verify``: by reading every tensor as the conversion does; ``megatron/checkpoint/megatron_info.py``).
+converts it (``--verify``: by reading every tensor as the conversion does; ``megatron/checkpoint/megatron_lm/info.py``).
 It is read by the converter's own readers and judged by the converter's own checks: a folder the converter refuses
 is "converts: no" in its words, and a crafted one (a size or iteration out of range, a file linked from outside the
 folder, a damaged index) is the converter's one line, exit status 2.
@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.checkpoint.convert import open_checkpoint, tensor_layout  # noqa: E402
 from megatron.checkpoint.format import KINDS, CheckpointError, CheckpointReader, resolve_checkpoint  # noqa: E402
-from megatron.checkpoint.hf_common import ConversionError  # noqa: E402
-from megatron.checkpoint.megatron_info import describe as describe_megatron  # noqa: E402
-from megatron.checkpoint.megatron_info import is_megatron  # noqa: E402
+from megatron.checkpoint.hf.common import ConversionError  # noqa: E402
+from megatron.checkpoint.megatron_lm.info import describe as describe_megatron  # noqa: E402
+from megatron.checkpoint.megatron_lm.info import is_megatron  # noqa: E402
 
 PROG = "checkpoint_info.py"
 

@@ -16,7 +16,7 @@ and swiglu; ``Qwen3ForCausalLM`` with QK-norm), with ``MixtralForCausalLM.from_p
 Llama-shaped mixture of experts (``Qwen2MoeForCausalLM`` with a shared expert, ``Qwen3MoeForCausalLM`` with QK-norm;
 docs/moe.md says which), with ``DeepseekV3ForCausalLM`` when it has multi-latent attention (its multi-token
 prediction layers stored as DeepSeek's checkpoints store them), with ``GptOssForCausalLM`` when it has gpt-oss's
-sliding windows, sinks, quick GeGLU or YaRN (``megatron/checkpoint/hf_models.py`` decides), else with
+sliding windows, sinks, quick GeGLU or YaRN (``megatron/checkpoint/hf/models.py`` decides), else with
 ``GPT2LMHeadModel.from_pretrained(OUT_DIR)``, and the run's tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``), so that ``transformers.pipeline("text-generation",
 model=OUT_DIR)`` generates; the end-of-document id is the bos and eos id. ``from-hf`` reads ``config.json``
@@ -54,8 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron import file_lock  # noqa: E402
-from megatron.checkpoint import CheckpointError, foreign_numbers, hf_deepseek  # noqa: E402
-from megatron.checkpoint import megatron_distrib_optim as distrib  # noqa: E402
+from megatron.checkpoint import CheckpointError, foreign_numbers  # noqa: E402
 from megatron.checkpoint.convert import (  # noqa: E402
     check_apart,
     open_checkpoint,
@@ -67,15 +66,16 @@ from megatron.checkpoint.convert import (  # noqa: E402
 )
 from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config  # noqa: E402
 from megatron.checkpoint.format import file_inside  # noqa: E402
-from megatron.checkpoint.hf_common import (  # noqa: E402
+from megatron.checkpoint.hf.common import (  # noqa: E402
     ConversionError,
     export_tokenizer,
     find_hf_tokenizer,
     generation_config,
 )
-from megatron.checkpoint.hf_config_checks import read_hf_config  # noqa: E402
-from megatron.checkpoint.hf_models import converter_for_hf, converter_for_model  # noqa: E402
-from megatron.checkpoint.megatron_commands import from_megatron, to_megatron  # noqa: E402
+from megatron.checkpoint.hf.config_checks import read_hf_config  # noqa: E402
+from megatron.checkpoint.hf.models import converter_for_hf, converter_for_model  # noqa: E402
+from megatron.checkpoint.megatron_lm import distrib_optim as distrib  # noqa: E402
+from megatron.checkpoint.megatron_lm.commands import from_megatron, to_megatron  # noqa: E402
 from megatron.config import Config, ConfigError, parse_config  # noqa: E402
 from megatron.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer  # noqa: E402
 
@@ -113,15 +113,15 @@ def to_hf(ckpt: str, out_dir: str, dtype: str = "float32", tokenizer: bool = Tru
     # the tokenizer first: a file that cannot be found stops the tool before anything is written
     export = (export_tokenizer(section, config.model.vocab_size, reader.step_dir, config.model.max_position_embeddings)
               if tokenizer else None)
-    extra = {"train_state": common.get("train_state")} if hf is hf_deepseek else {}  # its expert biases
+    family = hf.FAMILY  # what the family's checkpoints hold, and how it is written
     tensors = read_tensors(reader)
-    if config.model.mtp_num_layers and hf is not hf_deepseek:  # only DeepSeek-V3's checkpoints hold MTP modules
+    if config.model.mtp_num_layers and not family.holds_mtp:  # only some families' checkpoints hold MTP modules
         tensors = {name: t for name, t in tensors.items() if not name.startswith("mtp.")}
         print(f"the {config.model.mtp_num_layers} multi-token prediction module(s) are not exported: "
               f"{hf.hf_config(config.model, dtype)['architectures'][0]} has no place for them (the model's logits "
               f"do not use them).")
-    state = {name: t if name.endswith(hf_deepseek.BIAS) else t.to(DTYPES[dtype])  # the expert bias stays fp32
-             for name, t in hf.to_hf_state_dict(tensors, config.model, **extra).items()}
+    state = {name: t if family.keeps_fp32 and name.endswith(family.keeps_fp32) else t.to(DTYPES[dtype])
+             for name, t in hf.to_hf_state_dict(tensors, config.model, common.get("train_state")).items()}
     hf_cfg = hf.hf_config(config.model, dtype)
     hf_cfg.update(export.token_ids if export is not None else {})
     os.makedirs(out_dir, exist_ok=True)
@@ -195,21 +195,17 @@ def from_hf(hf_dir: str, out_dir: str, flags: list[str], force: bool = False) ->
     # validated with the tokenizer's files where they are; the checkpoint then names their copies
     config = hf_to_config(hf_cfg, [*flags, *_tokenizer_flags(found, hf_dir)])
     state = read_hf_state_dict(hf_dir)
-    module, train_state = converter_for_hf(hf_cfg), None
-    if module is hf_deepseek and hf_deepseek.mtp_layers_in(state, hf_cfg) != (config.model.mtp_num_layers or 0):
+    family = converter_for_hf(hf_cfg).FAMILY
+    if family.mtp_layers_in and family.mtp_layers_in(state, hf_cfg) != (config.model.mtp_num_layers or 0):
         print(f"{hf_dir}: config.json names {config.model.mtp_num_layers} multi-token prediction layer(s) but the "
               f"weights hold none (model.layers.{hf_cfg['num_hidden_layers']}.*): the model is imported without them")
         hf_cfg = {**hf_cfg, "num_nextn_predict_layers": 0}
         config = hf_to_config(hf_cfg, [*flags, *_tokenizer_flags(found, hf_dir)])
     # A vocab_size above the model's (flag) adds rows that start at zero, like the padding rows.
     as_saved = dataclasses.replace(config.model, vocab_size=int(hf_cfg["vocab_size"]))
-    if module is hf_deepseek:  # its rotary layout, and the expert biases: a train state, not parameters
-        params = module.from_hf_state_dict(state, as_saved, config.padded_vocab_size,
-                                           rope_interleave=hf_cfg.get("rope_interleave", True) is not False)
-        biases = module.expert_biases(state, as_saved)
-        train_state = {"consumed_samples": 0, "skipped_steps": 0, **({"moe_expert_bias": biases} if biases else {})}
-    else:
-        params = module.from_hf_state_dict(state, as_saved, config.padded_vocab_size)
+    # the family's options (DeepSeek-V3's rotary layout) and train state (its expert biases: not parameters)
+    params = family.from_hf_state_dict(state, as_saved, config.padded_vocab_size, **family.options(hf_cfg))
+    train_state = family.train_state(state, as_saved)
     tokenizer_dir = os.path.abspath(os.path.join(out_dir, "tokenizer"))
     if found is not None:
         for name in ("vocab_file", "merge_file", "tokenizer_model"):

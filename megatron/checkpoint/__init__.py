@@ -1,8 +1,9 @@
 """Checkpoints: layout-independent save and load (``save_load``), the on-disk format (``format``),
 the output folder and agreement between ranks on a failure (``run_dir``), what a resumed run inherits
 (``resume``: the saved configuration as the base of the one given now), offline writing and resharding
-(``convert``) and the Hugging Face mappings (``hf_gpt2``, ``hf_llama``, ``hf_mixtral``, ``hf_qwen_moe``,
-``hf_deepseek``)."""
+(``convert``). Other frameworks' checkpoints live in subpackages: ``hf`` (Hugging Face: one module per family,
+each a table of names that the engine in ``hf.mapping`` reads both ways) and ``megatron_lm`` (NVIDIA Megatron-LM's
+legacy and torch_dist formats)."""
 
 from megatron.checkpoint.format import (
     KINDS,

@@ -151,13 +151,11 @@ def tensor_layout(config: Config, padded_vocab: int | None = None) -> dict[str, 
     """Every parameter's global name -> (global shape, partition_dim or None when replicated), read
     off the model itself (built on the meta device: no memory, no initialisation)."""
     from megatron import parallel_state
-    from megatron.model.gpt import GPTModel
+    from megatron.parallelize_gpt import model_to_load
 
     if parallel_state.get().tp_size != 1:
         raise RuntimeError("tensor_layout builds the unsharded model: call it outside a tensor-parallel run.")
-    padded = config.padded_vocab_size if padded_vocab is None else padded_vocab
-    with torch.device("meta"):
-        model = GPTModel(config.model, padded)
+    model = model_to_load(config, None, padded_vocab)
     return {name: (tuple(getattr(p, "full_shape", p.shape)),
                    p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
             for name, p in model.named_parameters()}

@@ -173,3 +173,14 @@ def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
     nq = cfg.num_attention_heads
     ng = cfg.num_query_groups if cfg.group_query_attention else nq
     return nq, ng, cfg.kv_channels or cfg.hidden_size // nq
+
+
+TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it
+
+
+def shared_embedding_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The parameters the first and last pipeline stages both hold, their gradients summed (``shared_embedding``):
+    the tied word embedding; the whole embedding with multi-token prediction (the last stage's modules embed)."""
+    if cfg.mtp_num_layers and cfg.position_embedding_type == "learned_absolute":
+        return TIED_EMBEDDING, "embedding.position_embeddings.weight"
+    return (TIED_EMBEDDING,)

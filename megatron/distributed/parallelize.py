@@ -32,13 +32,13 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config.schema import Config
+from megatron.config.schema_model import shared_embedding_names
 from megatron.distributed.bucket import BucketGroups
 from megatron.distributed.buffer_layout import lay_out, layer_buckets, split_into_buckets
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.fully_sharded import FullyShardedParameters
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.distributed.sharding_rule import sharding_stage, shards_grads, shards_params
-from megatron.model.gpt import shared_embedding_names
 from megatron.parallel_state import ParallelState
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements

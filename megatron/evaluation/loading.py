@@ -11,10 +11,9 @@ from megatron.config import ConfigError, validate
 from megatron.distributed.parallelize import plan_sharding
 from megatron.evaluation.runner import Evaluator
 from megatron.initialize import initialize_distributed, launch_env, local_ranks
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model, parallelize_gpt
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.tokenizer import configured_tokenizer
-from megatron.training import parallel_model
 
 
 def configure(rest: list[str]):
@@ -55,5 +54,5 @@ def load_evaluator(config, progress: bool = True) -> Evaluator:
         cpu_threads.apply(config.cpu_threads, local_ranks())
     tensor_parallel_seed(config.seed, ps.tp_rank, device)
     plan = plan_sharding(config, ps)
-    run = parallel_model(config, build_model(config, device, meta_init=plan.meta_init), device, plan)
+    run = parallelize_gpt(config, device, plan, build_model(config, device, meta_init=plan.meta_init))
     return Evaluator(config, run, device, progress)

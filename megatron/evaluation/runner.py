@@ -1,6 +1,6 @@
 """Scoring samples with the training forward, under any layout the training runs under.
 
-The model is built, parallelised and loaded exactly as a training run would (``parallel_model``,
+The model is built, parallelised and loaded exactly as a training run would (``parallelize_gpt``,
 ``load_checkpoint`` without optimizer state), so tp, pp (forward-only pipeline schedules), dp and
 the sharded optimizer's stages all evaluate, and a checkpoint of any layout evaluates under any
 other. Samples are padded to ``max_seq_len`` and dealt to the data-parallel ranks in global
@@ -26,8 +26,8 @@ from megatron.checkpoint import load_checkpoint
 from megatron.config import Config
 from megatron.data.loader import split_micro_batches
 from megatron.evaluation.tasks import Sample
+from megatron.parallelize_gpt import ParallelModel
 from megatron.progress import Progress
-from megatron.training import ParallelModel
 
 
 def batch_of(samples: list[Sample], seq_len: int, device: torch.device) -> dict:

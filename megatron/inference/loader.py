@@ -91,7 +91,8 @@ def load_model(path: str, dtype: str = "fp32", device: torch.device | str = "cpu
 
 
 def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
-    from megatron.model.gpt import GPTModel
+    from megatron.model.init import materialize
+    from megatron.parallelize_gpt import model_to_load
 
     reader, common, config = open_checkpoint(path)
     try:
@@ -103,12 +104,8 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
         d.mp_degree, d.pp_degree, d.dp_degree, d.sequence_parallel = ps.tp_size, 1, 1, False
         d.sharding.sharding_degree = 1
         config.use_recompute = False
-        with torch.device("meta"):  # no memory, no initialisation: every value comes from the checkpoint
-            model = GPTModel(m, config.padded_vocab_size)
-        attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}  # tensor-parallel slicing
-        model = model.to_empty(device=torch.device("cpu"))  # new Parameter objects, without those attributes
-        for name, p in model.named_parameters():
-            vars(p).update(attributes[name])
+        # on the meta device (no memory, no initialisation: every value comes from the checkpoint), then allocated
+        model = materialize(model_to_load(config, ps.group("tp") if ps.tp_size > 1 else None), "cpu")
         error = check_compatible(reader, model, ps, m.vocab_size, {n for n, _ in model.named_parameters()})
         if error is not None:
             raise CheckpointError(error)

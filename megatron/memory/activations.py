@@ -88,7 +88,7 @@ from megatron.memory.moe import MoEDims, dispatch_temporary_bytes, moe_dims, moe
 from megatron.memory.ops import norm_bytes, saves_input_itself
 from megatron.pipeline_parallel import schedule_tables as tables
 
-CE_CHUNK_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 25}  # tensor_parallel/cross_entropy.py's fp32 row chunk
+CE_CHUNK_ELEMENTS = {"cpu": 1 << 20, "gpu": 1 << 25}  # ops/cross_entropy.py's fp32 row chunk
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The GPT model."""
 
-from megatron.model.gpt import GPTModel, build_model, num_parameters
+from megatron.model.gpt import GPTModel, num_parameters
 
-__all__ = ["GPTModel", "build_model", "num_parameters"]
+__all__ = ["GPTModel", "num_parameters"]

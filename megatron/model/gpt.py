@@ -9,30 +9,20 @@ grouped-query attention, an untied output layer, no linear biases): see ``transf
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron import parallel_state
-from megatron import tensor_parallel as tp
-from megatron.config.cli import ConfigError
 from megatron.config.layer_split import recompute_plan
-from megatron.config.schema import Config, ModelConfig
-from megatron.config.schema_model import attention_shape
+from megatron.config.schema import ModelConfig
+from megatron.config.schema_model import TIED_EMBEDDING, attention_shape, shared_embedding_names  # noqa: F401
 from megatron.context_parallel.attention import AttentionPlan
-from megatron.model.init import defer_initialization, init_parameters
+from megatron.model.blocks import LOCAL, dropout, make_norm
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of
-from megatron.model.transformer import (
-    Rotary,
-    SelfAttention,
-    TransformerDecoderLayer,
-    attention_needs_plan,
-    make_norm,
-    parallel_dropout,
-)
+from megatron.model.transformer import Rotary, TransformerDecoderLayer, attention_needs_plan
 
 
 class GPTEmbedding(nn.Module):
@@ -40,14 +30,15 @@ class GPTEmbedding(nn.Module):
     only with ``position_embedding_type`` learned_absolute (rope rotates inside attention; none has no
     positions).
 
-    The word embedding is vocabulary-parallel (rows split over the tensor-parallel group, looked
-    up and summed across it); under sequence parallelism the output is this rank's ``s / tp``
-    positions."""
+    Under tensor parallelism the word embedding is vocabulary-parallel (rows split over the group, looked up and
+    summed across it); under sequence parallelism the output is this rank's ``s / tp`` positions
+    (``seams.scatter_sequence``)."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, sequence_parallel: bool = False):
+    seams = LOCAL
+
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
         super().__init__()
-        self.sequence_parallel = sequence_parallel
-        self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, cfg.hidden_size)
+        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         else:
@@ -68,9 +59,7 @@ class GPTEmbedding(nn.Module):
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids.t())
-        if self.sequence_parallel:
-            x = tp.scatter_to_sequence_region(x)
-        return parallel_dropout(x, self.dropout, self.training, self.sequence_parallel)
+        return dropout(self.seams.scatter_sequence(x), self.dropout, self.training, self.seams.sequence_rng)
 
 
 class GPTModel(nn.Module):
@@ -86,13 +75,14 @@ class GPTModel(nn.Module):
     ``recompute_plan``; a unit of several layers is checkpointed as one (``_checkpointed_unit``).
     """
 
+    seams = LOCAL
+
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
-                 no_recompute_layers: list[int] | None = None, sequence_parallel: bool = False,
-                 layers: range | None = None, pre_process: bool = True, post_process: bool = True,
-                 recompute_method: str | None = None, recompute_num_layers: int | None = None,
-                 cp_comm_type: str = "p2p"):
+                 no_recompute_layers: list[int] | None = None, layers: range | None = None,
+                 pre_process: bool = True, post_process: bool = True, recompute_method: str | None = None,
+                 recompute_num_layers: int | None = None, cp_comm_type: str = "p2p"):
         super().__init__()
-        self.cfg, self.sequence_parallel, self.cp_comm_type = cfg, sequence_parallel, cp_comm_type
+        self.cfg, self.cp_comm_type = cfg, cp_comm_type
         self.pre_process, self.post_process = pre_process, post_process
         self.untied = cfg.untie_embeddings_and_output_weights
         layers = range(cfg.num_layers) if layers is None else layers
@@ -112,27 +102,26 @@ class GPTModel(nn.Module):
             self.rotary = None
         mtp = post_process and bool(cfg.mtp_num_layers)  # multi-token prediction: on the last stage, embedding too
         if pre_process:
-            self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
+            self.embedding = GPTEmbedding(cfg, padded_vocab_size)
         elif mtp:  # a later stage holding the MTP modules: its own copy of the whole embedding
-            self.embedding = GPTEmbedding(cfg, padded_vocab_size, sequence_parallel)
+            self.embedding = GPTEmbedding(cfg, padded_vocab_size)
             for param in self.embedding.parameters():
                 param.tied_copy = True  # counted once (on the first stage) in the grad norm and checkpoints
         elif post_process and not self.untied:  # a later stage holding the tied head: its own copy of the weight
             self.embedding = TiedHeadWeight(padded_vocab_size, cfg.hidden_size)
         # Keyed by global layer index, so parameter names are those of the whole model on every stage.
-        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i, per_layer[i], sequence_parallel)
-                                     for i in layers})
+        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i, per_layer[i]) for i in layers})
         self.recompute_units = [[str(i) for i in unit] for unit in units]
         if post_process:
-            self.final_layernorm = make_norm(cfg, sequence_parallel)
+            self.final_layernorm = make_norm(cfg)
             if self.untied:  # only its weight is used, by parallel_logits: [V_padded / tp, h] on this rank
-                self.output_layer = tp.ColumnParallelLinear(cfg.hidden_size, padded_vocab_size, bias=False)
+                self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
         if (not self.untied or cfg.mtp_num_layers) and (pre_process or post_process):
             # the two copies (first and last pipeline stage) have their gradients summed: finalize_grads
             shared = self.embedding.parameters() if cfg.mtp_num_layers else [self.embedding.word_embeddings.weight]
             for param in shared:
                 param.shared_embedding = True
-        self.mtp = MultiTokenPrediction(cfg, recompute, sequence_parallel) if mtp else None
+        self.mtp = MultiTokenPrediction(cfg, recompute) if mtp else None
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
@@ -149,9 +138,9 @@ class GPTModel(nn.Module):
         x, rotary, plan = self._decode(tokens, position_ids, None, document_ids)
         if not self.post_process:
             return x  # [s, b, h] for the next stage
-        gathered = tp.gather_from_sequence_region(x) if self.sequence_parallel else x
+        gathered = self.seams.gather_sequence(x)
         if labels is None:
-            return tp.gather_from_tp_region(self.parallel_logits(gathered)).transpose(0, 1)
+            return self.seams.gather_heads(self.parallel_logits(gathered)).transpose(0, 1)
         losses = self.loss(gathered, labels)
         if self.mtp is not None and mtp is not None and self.training:
             losses = self.mtp(self, x, mtp, losses, rotary, plan)
@@ -160,7 +149,7 @@ class GPTModel(nn.Module):
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token losses [b, s] (fp32) of the final hidden states x [s, b, h] against labels [b, s]:
         the LM head on this rank's vocabulary shard, then the vocabulary-parallel cross entropy."""
-        return tp.vocab_parallel_cross_entropy(self.parallel_logits(x), labels.t(), self.cfg.vocab_size).t()
+        return self.seams.cross_entropy(self.parallel_logits(x), labels.t(), self.cfg.vocab_size).t()
 
     def hidden_states(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                       kv_cache=None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,9 +159,7 @@ class GPTModel(nn.Module):
         stage receives them). ``kv_cache`` (inference): see ``SelfAttention.forward``. Under context
         parallelism ``tokens`` and ``position_ids`` are this rank's chunks (``megatron.context_parallel``)."""
         x, _, _ = self._decode(tokens, position_ids, kv_cache, document_ids)
-        if self.post_process and self.sequence_parallel:
-            return tp.gather_from_sequence_region(x)
-        return x
+        return self.seams.gather_sequence(x) if self.post_process else x
 
     def _decode(self, tokens: torch.Tensor, position_ids: torch.Tensor | None, kv_cache,
                 document_ids: torch.Tensor | None) -> tuple[torch.Tensor, Rotary, AttentionPlan | None]:
@@ -185,7 +172,7 @@ class GPTModel(nn.Module):
         for unit in self.recompute_units:
             layers = [self.layers[key] for key in unit]
             if len(layers) > 1 and kv_cache is None and torch.is_grad_enabled():
-                x = tp.checkpoint(_checkpointed_unit(layers), x, rotary, plan)
+                x = self.seams.checkpoint(_checkpointed_unit(layers), x, rotary, plan)
                 continue
             for layer in layers:
                 x = layer(x, kv_cache, rotary, plan)
@@ -206,25 +193,12 @@ class GPTModel(nn.Module):
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
         vocabulary split over the tensor-parallel group; never gathered here)."""
-        if not self.sequence_parallel:
-            x = tp.copy_to_tp_region(x)
-        return F.linear(x, self.head_weight)
+        return F.linear(self.seams.head_input(x), self.head_weight)
 
     @property
     def head_weight(self) -> torch.Tensor:
         """[V_padded / tp, h]: the output layer's weight, or the (tied) word embedding's."""
         return self.output_layer.weight if self.untied else self.embedding.word_embeddings.weight
-
-
-TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it
-
-
-def shared_embedding_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The parameters the first and last pipeline stages both hold, their gradients summed (``shared_embedding``):
-    the tied word embedding; the whole embedding with multi-token prediction (the last stage's modules embed)."""
-    if cfg.mtp_num_layers and cfg.position_embedding_type == "learned_absolute":
-        return TIED_EMBEDDING, "embedding.position_embeddings.weight"
-    return (TIED_EMBEDDING,)
 
 
 class TiedHeadWeight(nn.Module):
@@ -234,7 +208,7 @@ class TiedHeadWeight(nn.Module):
 
     def __init__(self, padded_vocab_size: int, hidden_size: int):
         super().__init__()
-        self.word_embeddings = tp.VocabParallelEmbedding(padded_vocab_size, hidden_size)
+        self.word_embeddings = nn.Embedding(padded_vocab_size, hidden_size)
         self.word_embeddings.weight.tied_copy = True  # counted once (on the first stage) in the grad norm
 
 
@@ -266,196 +240,5 @@ def _checkpointed_unit(layers: list[nn.Module]) -> Callable:
     return run
 
 
-def build_model(config: Config, device: torch.device | str = "cpu", meta_init: bool = False) -> nn.Module:
-    """This rank's part of the GPT of ``config``, initialised layout-invariantly, in the training
-    dtype: the whole model, a pipeline stage, or (interleaved schedule) a ModuleList of chunks.
-
-    ``meta_init`` (ZeRO stage 3: ``ShardingPlan.meta_init``): built on the meta device, each parameter
-    initialised later by the buffer, bucket by bucket, straight into the shards."""
-    recompute = config.recompute_granularity if config.use_recompute else None
-    ps, d, m = parallel_state.get(), config.distributed, config.model
-    dtype = getattr(torch, config.params_dtype_name)
-    chunks = []
-    for layers, pre, post in _chunk_specs(config, ps):
-        with torch.device("meta") if meta_init else nullcontext():
-            chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, d.sequence_parallel,
-                             layers, pre, post, config.recompute_method if recompute else None,
-                             config.recompute_num_layers, d.cp_comm_type)
-        if meta_init:
-            defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
-            _materialize_expert_biases(chunk, device)
-            chunks.append(chunk)
-        else:
-            init_parameters(chunk, config.seed, m)
-            chunks.append(chunk.to(device=device, dtype=dtype))
-    if config.mix_precision.fp8_format is not None:
-        _enable_fp8(chunks, config, torch.device(device), ps)
-    if config.compile:
-        compile_model(chunks, torch.device(device).type,
-                      attention_eager=d.context_parallel_size > 1 or config.dataset.reset_attention_mask)
-    return chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-
-
-def _enable_fp8(chunks: list[nn.Module], config: Config, device: torch.device, ps) -> None:
-    """The tensor-parallel linear layers' matmuls in FP8 (``tensor_parallel.fp8``); refused, in one line on every
-    rank, on a device without FP8 tensor cores."""
-    from megatron import device as dev
-
-    problem = dev.fp8_problem(device)
-    if problem is not None:
-        raise ConfigError(f"--fp8-format: {problem}; drop --fp8-format (bf16 trains the same model).")
-    recipe = tp.FP8Recipe(config.mix_precision.fp8_format)
-    for chunk in chunks:
-        tp.enable_fp8(chunk, recipe, ps.group("cp") if ps.cp_size > 1 else None)
-
-
-def _materialize_expert_biases(chunk: nn.Module, device: torch.device | str) -> None:
-    """A model built on the meta device (ZeRO stage 3): its MoE routers' expert biases (buffers, not parameters:
-    no deferred initialisation) start at 0 on ``device``."""
-    for module in chunk.modules():
-        bias = getattr(module, "expert_bias", None)
-        if isinstance(bias, torch.Tensor) and bias.is_meta:
-            module.expert_bias = torch.zeros(bias.shape, dtype=torch.float32, device=device)
-
-
-def _chunk_specs(config: Config, ps) -> list[tuple[range, bool, bool]]:
-    """(global layer indices, pre_process, post_process) of each model chunk this rank holds."""
-    from megatron.config.layer_split import chunk_layers, segment, stage_layers
-
-    d, m = config.distributed, config.model
-    if ps.pp_size == 1:
-        return [(range(m.num_layers), True, True)]
-    if d.virtual_pp_degree == 1:
-        bounds = segment(m.num_layers, ps.pp_size, d.pipeline_partition)
-        return [(stage_layers(bounds, ps.pp_rank), ps.is_first_stage, ps.is_last_stage)]
-    vpp = d.virtual_pp_degree
-    return [(chunk_layers(m.num_layers, ps.pp_size, vpp, ps.pp_rank, c), ps.is_first_stage and c == 0,
-             ps.is_last_stage and c == vpp - 1) for c in range(vpp)]
-
-
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-# ----------------------------------------------------------------------------- --compile
-
-def compile_model(chunks: list[GPTModel], device_type: str = "cpu", attention_eager: bool = False) -> None:
-    """``--compile``: torch.compile, in place, what runs without collectives or checkpoints, as
-    torchtitan compiles each block: per decoder layer, the function ``tp.checkpoint`` recomputes.
-
-    - recompute none or ``full`` (any ``recompute_method``): the layer's ``_layer``;
-    - ``only_attn`` / ``full_attn``: ``_attention_block``, the second norm and the MLP;
-    - ``core_attn``: the two norms and the MLP;
-    - on one tensor-parallel rank, the LM head and the cross entropy (``GPTModel.loss``; with more,
-      their collectives stay eager).
-
-    A MoE layer (``megatron.moe``) always runs eager, its token counts being data-dependent: the compiled
-    code breaks its graph around it.
-
-    ``attention_eager`` (context parallelism, packed documents): attention runs eager whatever the
-    recompute (its exchanges and per-document calls), the two norms and the MLP compiled.
-
-    A compiled part never contains a checkpoint (dynamo cannot trace ``tp.checkpoint``, whose
-    ``context_fn`` replays the RNG tracker): it is what the checkpoint runs, so the recompute runs the
-    same compiled code (and draws the same dropout masks) as the forward.
-
-    With tensor parallelism, the column- and row-parallel layers run eager (``torch.compiler.disable``):
-    their collectives fall between compiled pieces. Layers share one compiled graph. KV-cache calls
-    (inference) run eager. Module hooks stay outside the compiled code, so ZeRO stage 3's gathers
-    run before it reads the weights. Where torch.compile does not work (``device.compile_problem``)
-    or fails at a first call, everything runs eager after one warning naming the reason."""
-    from megatron import device as dev
-    from megatron import parallel_state
-
-    problem = dev.compile_problem(device_type)
-    state = _CompileState()
-    if problem is not None:
-        state.fail(problem)
-        return
-    tp_size = parallel_state.get().tp_size
-    for chunk in chunks:
-        mtp_layers = [module.transformer_layer for module in chunk.mtp.layers] if chunk.mtp is not None else []
-        for layer in [*chunk.layers.values(), *mtp_layers]:
-            for module in layer.modules():
-                _keep_eager(module, tp_size)
-            for owner, name, kv in _compiled_parts(layer, attention_eager):
-                setattr(owner, name, _Compiled(getattr(type(owner), name), owner, state, kv))
-        if chunk.post_process and tp_size == 1:
-            chunk.loss = _Compiled(_head_and_loss, chunk, state)
-
-
-def _keep_eager(module: nn.Module, tp_size: int) -> None:
-    """Mark what must run eager inside a compiled part (``torch.compiler.disable`` on the instance, so that
-    importing the model does not import dynamo): tensor-parallel linears under tp (their collectives), a MoE
-    layer (data-dependent token counts), and the context-parallel / packed-document attention (its exchanges and
-    per-document calls)."""
-    from megatron.model.mla import MultiLatentAttention
-    from megatron.moe.layer import MoELayer
-
-    if tp_size > 1 and isinstance(module, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
-        module.forward = torch.compiler.disable(module.forward)
-    elif isinstance(module, MoELayer):
-        module.forward = torch.compiler.disable(module.forward)
-    elif isinstance(module, (SelfAttention, MultiLatentAttention)):
-        module.planned_attention = torch.compiler.disable(module.planned_attention)
-
-
-def _compiled_parts(layer: TransformerDecoderLayer, attention_eager: bool = False) -> list[tuple[nn.Module, str, bool]]:
-    """(owner, method name, whether its 2nd argument is the KV cache) of what ``compile_model`` compiles."""
-    if layer.recompute in (None, "full") and not attention_eager:
-        return [(layer, "_layer", True)]
-    mlp_half = [(layer.post_attention_layernorm, "forward", False), (layer.mlp, "forward", False)]
-    if layer.recompute in ("only_attn", "full_attn") and not attention_eager:
-        return [(layer, "_attention_block", True), *mlp_half]
-    return [(layer.input_layernorm, "forward", False), *mlp_half]
-
-
-def _head_and_loss(model: GPTModel, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``GPTModel.loss`` on one tensor-parallel rank in plain operations that torch.compile fuses
-    (the eager path's chunked cross entropy would be unrolled): ``logsumexp(z) - z_y`` over the real
-    vocabulary, in fp32. x [s, b, h], labels [b, s] -> [b, s]."""
-    logits = F.linear(x, model.head_weight)[..., :model.cfg.vocab_size].float()  # [s, b, V]
-    target = logits.gather(-1, labels.t().unsqueeze(-1)).squeeze(-1)
-    return (torch.logsumexp(logits, dim=-1) - target).t()
-
-
-def _compile_errors() -> tuple[type[Exception], ...]:
-    """Errors of torch.compile's tracing and code generation (not of the computation itself)."""
-    exc = torch._dynamo.exc
-    return exc.BackendCompilerFailed, exc.InternalTorchDynamoError, exc.Unsupported
-
-
-class _CompileState:
-    """Shared by a model's compiled parts: once one fails, all run eager (one warning)."""
-
-    def __init__(self):
-        self.problem: str | None = None
-
-    def fail(self, reason: str) -> None:
-        if self.problem is None:
-            self.problem = reason
-            from megatron.metrics import get_logger
-
-            get_logger().warning(f"--compile: torch.compile failed ({reason}); the model runs eager")
-
-
-class _Compiled:
-    """``fn(owner, ...)`` under torch.compile, in place of the method ``owner.fn``: compiled from the
-    function, so every layer shares its code (one graph). Eager for a KV-cache call (``kv``: the 2nd
-    argument is the cache) and once compiling failed; a compile error raised by a call is caught
-    and the call rerun eager. The error comes before the compiled code runs; at tp > 1 an eager piece
-    before it (a column-parallel layer and its collective) may have run, and runs again: on every
-    rank alike, as the same graphs fail alike."""
-
-    def __init__(self, fn: Callable, owner: nn.Module, state: _CompileState, kv: bool = False):
-        self.fn, self.compiled, self.owner, self.state, self.kv = fn, torch.compile(fn), owner, state, kv
-
-    def __call__(self, *args, **kwargs):
-        if self.state.problem is None and not (self.kv and len(args) > 1 and args[1] is not None):
-            try:
-                return self.compiled(self.owner, *args, **kwargs)
-            except _compile_errors() as err:
-                from megatron.device import first_line
-
-                self.state.fail(first_line(err))
-        return self.fn(self.owner, *args, **kwargs)

@@ -61,11 +61,18 @@ def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> tor
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig) -> None:
     """Give every parameter its layout-invariant value; a tensor-parallel shard (a parameter with
     ``full_shape``) gets its slice of the full tensor."""
-    from megatron.tensor_parallel import shard_full_tensor
-
     for name, param in model.named_parameters():
-        full = init_value(name, getattr(param, "full_shape", param.shape), seed, cfg)
-        param.copy_(shard_full_tensor(full, param) if getattr(param, "tensor_model_parallel", False) else full)
+        param.copy_(_this_slice(init_value(name, getattr(param, "full_shape", param.shape), seed, cfg), param))
+
+
+def _this_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` (a parameter's whole value) that ``param`` holds: all of it, or, for a tensor-parallel
+    shard, chunk ``partition_rank`` along ``partition_dim`` (the attributes the parallel layers set)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    size = param.shape[dim]
+    return full.narrow(dim, param.partition_rank * size, size)
 
 
 @dataclass
@@ -83,11 +90,8 @@ class DeferredInit:
 
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:
-        from megatron.tensor_parallel import shard_full_tensor
-
         p = self.param
-        full = init_value(self.name, getattr(p, "full_shape", p.shape), self.seed, self.cfg)
-        value = shard_full_tensor(full, p) if getattr(p, "tensor_model_parallel", False) else full
+        value = _this_slice(init_value(self.name, getattr(p, "full_shape", p.shape), self.seed, self.cfg), p)
         return value.to(device=self.device, dtype=self.dtype)
 
 
@@ -96,3 +100,14 @@ def defer_initialization(model: nn.Module, seed: int, cfg: ModelConfig, device: 
     """Attach a ``DeferredInit`` to every (meta) parameter of ``model``, named as ``init_parameters`` names them."""
     for name, param in model.named_parameters():
         param.deferred_init = DeferredInit(name, param, seed, cfg, torch.device(device), dtype)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A model built on the meta device with its storage on ``device`` (values unset: ``init_parameters`` or a
+    checkpoint gives them), each parameter keeping its attributes (tensor-parallel slicing, tied and shared marks),
+    which ``to_empty``'s new parameters would lose."""
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        vars(p).update(attributes[name])
+    return model

@@ -45,11 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
-from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.context_parallel.attention import AttentionPlan, attend
-from megatron.model.blocks import make_norm, maybe_checkpoint
+from megatron.model.blocks import LOCAL, make_norm, maybe_checkpoint
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
 
 
@@ -71,33 +69,29 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MultiLatentAttention(nn.Module):
-    """See the module docstring."""
+    """See the module docstring. Built whole; ``tensor_parallel.parallelize`` swaps the up-projections and ``dense``
+    for column- / row-parallel ones and sets ``num_heads`` to this rank's."""
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
-                 layer_number: int = 0):
+    seams = LOCAL
+
+    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, layer_number: int = 0):
         super().__init__()
         self.layer_number = layer_number
-        tp_size = parallel_state.get().tp_size
         heads = cfg.num_attention_heads
-        if heads % tp_size:
-            raise ValueError(f"num_attention_heads ({heads}) must be divisible by the tensor-parallel size "
-                             f"({tp_size})")
-        self.num_heads = heads // tp_size
+        self.num_heads = heads
         self.dn, self.dr, self.dv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
-        self.sequence_parallel = sequence_parallel and tp_size > 1
         q_dim = heads * (self.dn + self.dr)
         if cfg.q_lora_rank is None:
-            self.linear_q_proj = tp.ColumnParallelLinear(cfg.hidden_size, q_dim, bias=False)
+            self.linear_q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=False)
         else:
             self.linear_q_down_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_layernorm = make_norm(cfg, size=cfg.q_lora_rank) if cfg.qk_layernorm else None
-            self.linear_q_up_proj = tp.ColumnParallelLinear(cfg.q_lora_rank, q_dim, bias=False)
+            self.linear_q_up_proj = nn.Linear(cfg.q_lora_rank, q_dim, bias=False)
         self.linear_kv_down_proj = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.dr, bias=False)
         self.kv_layernorm = make_norm(cfg, size=cfg.kv_lora_rank) if cfg.qk_layernorm else None
-        self.linear_kv_up_proj = tp.ColumnParallelLinear(cfg.kv_lora_rank, heads * (self.dn + self.dv), bias=False)
-        self.dense = tp.RowParallelLinear(heads * self.dv, cfg.hidden_size, bias=not cfg.disable_bias_linear,
-                                          sequence_parallel=sequence_parallel)
+        self.linear_kv_up_proj = nn.Linear(cfg.kv_lora_rank, heads * (self.dn + self.dv), bias=False)
+        self.dense = nn.Linear(heads * self.dv, cfg.hidden_size, bias=not cfg.disable_bias_linear)
         self.scale = softmax_scale(cfg)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
@@ -115,8 +109,7 @@ class MultiLatentAttention(nn.Module):
     def _dropout(self) -> tuple[float, object]:
         """The attention dropout now, and the RNG stream it draws from (per tensor-parallel rank: its own heads)."""
         dropout = self.attn_dropout if self.training else 0.0
-        fork = dropout and parallel_state.get().tp_size > 1
-        return dropout, tp.get_rng_tracker().fork() if fork else nullcontext()
+        return dropout, self.seams.region_rng() if dropout else nullcontext()
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
@@ -143,16 +136,15 @@ class MultiLatentAttention(nn.Module):
             k, v = kv_cache.store(self.layer_number, k, v)
             ctx = self.core_attention(q, k, v, kv_cache.mask, kv_cache.causal)
         elif plan is not None:
-            ctx = maybe_checkpoint(self.recompute_core, self.planned_attention, q, k, v, plan)
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.planned_attention, q, k, v, plan)
         else:
-            ctx = maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v.contiguous())
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.core_attention, q, k, v.contiguous())
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.dv)
         return self.dense(ctx)
 
     def queries_keys_values(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k [b, a, s, dn + dr] (rotated), v [b, a, s, dv] of this rank's heads (see the module docstring)."""
-        if self.sequence_parallel:  # every rank computes the latents of the whole sequence; the gradient sliced
-            x = tp.gather_from_sequence_region(x, tensor_parallel_output_grad=False)
+        x = self.seams.gather_sequence_input(x)  # sequence parallelism: the latents of the whole sequence on every rank
         s, b, _ = x.shape
         if self.q_lora:
             q_latent = self.linear_q_down_proj(x)
@@ -163,7 +155,7 @@ class MultiLatentAttention(nn.Module):
         kv = self.linear_kv_up_proj(self.kv_layernorm(kv_latent) if self.kv_layernorm is not None else kv_latent)
         q = q.view(s, b, self.num_heads, self.dn + self.dr).permute(1, 2, 0, 3)  # [b, a, s, dn + dr]
         kv = kv.view(s, b, self.num_heads, self.dn + self.dv).permute(1, 2, 0, 3)
-        k_rot = tp.copy_to_tp_region(k_rot).permute(1, 0, 2).unsqueeze(1)  # [b, 1, s, dr]: the heads' gradients
+        k_rot = self.seams.copy_to_heads(k_rot).permute(1, 0, 2).unsqueeze(1)  # [b, 1, s, dr]: the heads' gradients
         q_nope, q_rot = q.split([self.dn, self.dr], dim=-1)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         if rotary is not None:

@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.data.future_tokens import MTP_KEYS
-from megatron.model.blocks import make_norm
+from megatron.model.blocks import LOCAL, make_norm
 
 
 @dataclass
@@ -72,35 +71,35 @@ class _AttachLoss(torch.autograd.Function):
 class MultiTokenPredictionLayer(nn.Module):
     """Module k (``depth`` = k - 1): see the module docstring."""
 
-    def __init__(self, cfg: ModelConfig, depth: int, recompute: str | None = None, sequence_parallel: bool = False):
+    seams = LOCAL
+
+    def __init__(self, cfg: ModelConfig, depth: int, recompute: str | None = None):
         super().__init__()
         from megatron.model.transformer import TransformerDecoderLayer
 
-        self.sequence_parallel = sequence_parallel
-        self.enorm = make_norm(cfg, sequence_parallel)
-        self.hnorm = make_norm(cfg, sequence_parallel)
-        self.eh_proj = tp.ColumnParallelLinear(2 * cfg.hidden_size, cfg.hidden_size, bias=False,
-                                               sequence_parallel=sequence_parallel)
-        self.transformer_layer = TransformerDecoderLayer(cfg, cfg.num_layers + depth, recompute, sequence_parallel)
-        self.final_layernorm = make_norm(cfg, sequence_parallel)
+        self.enorm = make_norm(cfg)
+        self.hnorm = make_norm(cfg)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.transformer_layer = TransformerDecoderLayer(cfg, cfg.num_layers + depth, recompute)
+        self.final_layernorm = make_norm(cfg)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None, plan=None) -> torch.Tensor:
         """hidden (the previous depth's output, normed), embedded (the tokens k on): [s, b, h] ([s/tp, b, h] under
         sequence parallelism) -> [s, b, h], after this module's final norm."""
         x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))  # [s, b, h/tp]
-        x = tp.gather_from_tp_region(x)
-        if self.sequence_parallel:
-            x = tp.scatter_to_sequence_region(x)
+        x = self.seams.scatter_sequence(self.seams.gather_heads(x))
         return self.final_layernorm(self.transformer_layer(x, None, rotary, plan))
 
 
 class MultiTokenPrediction(nn.Module):
     """The D modules (``layers``), their losses' gradient scales (``before_step``) and the step's records."""
 
-    def __init__(self, cfg: ModelConfig, recompute: str | None = None, sequence_parallel: bool = False):
+    seams = LOCAL
+
+    def __init__(self, cfg: ModelConfig, recompute: str | None = None):
         super().__init__()
         self.num_layers, self.factor = cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor
-        self.layers = nn.ModuleList(MultiTokenPredictionLayer(cfg, k, recompute, sequence_parallel)
+        self.layers = nn.ModuleList(MultiTokenPredictionLayer(cfg, k, recompute)
                                     for k in range(cfg.mtp_num_layers))
         self.scales: list[float] | None = None  # per depth; None: each micro-batch's own token mean
         self.reset_stats()
@@ -117,7 +116,7 @@ class MultiTokenPrediction(nn.Module):
         for k, layer in enumerate(self.layers):
             embedded = model.embedding(inputs.tokens[..., k], inputs.position_ids[..., k])
             hidden = layer(hidden, embedded, rotary, plan)
-            gathered = tp.gather_from_sequence_region(hidden) if layer.sequence_parallel else hidden
+            gathered = self.seams.gather_sequence(hidden)
             mask = inputs.loss_mask[..., k]
             loss = (model.loss(gathered, inputs.labels[..., k]) * mask).sum()
             record.append(torch.stack([loss.detach().double(), mask.sum().double()]))

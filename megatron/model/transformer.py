@@ -21,22 +21,21 @@ per-rank tensor-parallel stream; dropout on replicated activations from the shar
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
-from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
 from megatron.context_parallel.attention import AttentionPlan, attend, masked_attention
-from megatron.model.blocks import activate, make_norm, mlp_activation, parallel_dropout
-from megatron.model.blocks import maybe_checkpoint as _maybe_checkpoint
+from megatron.model.blocks import LOCAL, dropout, make_norm, maybe_checkpoint
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
-from megatron.tensor_parallel.layers import set_tensor_parallel_attributes
+from megatron.ops.activations import activate, mlp_activation
 
 RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
@@ -72,35 +71,35 @@ class SelfAttention(nn.Module):
     sinks (``softmax_type``): a logit per head joining every row's softmax as a key of zero value, learnable
     (``softmax_offset`` [nq], cut over tp with the heads) or 0 (off-by-one). Both go through
     ``context_parallel.attend`` (the model always passes a plan), which computes only the blocks the window reaches.
+
+    Built whole; ``tensor_parallel.parallelize`` swaps its projections for column- / row-parallel ones, cuts the
+    sink logits with the heads and sets ``num_heads`` / ``num_kv_heads`` to this rank's.
     """
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, sequence_parallel: bool = False,
-                 layer_number: int = 0):
+    seams = LOCAL
+
+    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, layer_number: int = 0):
         super().__init__()
         self.layer_number = layer_number  # the global layer index (the KV cache's key)
-        tp_size = parallel_state.get().tp_size
         nq, ng, hd = attention_shape(cfg)
-        if ng % tp_size or nq % ng:
-            raise ValueError(f"num_query_groups ({ng}) must divide num_attention_heads ({nq}) and be divisible by "
-                             f"the tensor-parallel size ({tp_size})")
-        self.num_heads, self.num_kv_heads, self.head_dim = nq // tp_size, ng // tp_size, hd  # on this rank
+        if nq % ng:
+            raise ValueError(f"num_query_groups ({ng}) must divide num_attention_heads ({nq})")
+        self.num_heads, self.num_kv_heads, self.head_dim = nq, ng, hd  # on this rank
         bias = not cfg.disable_bias_linear
-        self.query_key_value = tp.ColumnParallelLinear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias,
-                                                       sequence_parallel=sequence_parallel)
-        self.dense = tp.RowParallelLinear(nq * hd, cfg.hidden_size, bias=bias, sequence_parallel=sequence_parallel)
+        self.query_key_value = nn.Linear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias)
+        self.dense = nn.Linear(nq * hd, cfg.hidden_size, bias=bias)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.recompute_core = recompute_core
         self.rotary_interleaved = cfg.rotary_interleaved
         self.window = layer_window(cfg, layer_number)
         self.softmax_type = cfg.softmax_type
-        if cfg.softmax_type == "learnable":  # a sink logit per head: this rank's heads
-            self.softmax_offset = nn.Parameter(torch.empty(nq // tp_size))
-            set_tensor_parallel_attributes(self.softmax_offset, 0, (nq,), parallel_state.get().tp_rank, tp_size)
+        if cfg.softmax_type == "learnable":  # a sink logit per head
+            self.softmax_offset = nn.Parameter(torch.empty(nq))
         else:
             self.softmax_offset = None
-        if cfg.qk_layernorm:  # each rank feeds its own heads: the gradients are summed over tp
-            self.q_layernorm = make_norm(cfg, sequence_parallel=True, size=hd)
-            self.k_layernorm = make_norm(cfg, sequence_parallel=True, size=hd)
+        if cfg.qk_layernorm:  # under tp each rank feeds its own heads: the gradients are summed over tp
+            self.q_layernorm = make_norm(cfg, size=hd)
+            self.k_layernorm = make_norm(cfg, size=hd)
         else:
             self.q_layernorm = self.k_layernorm = None
 
@@ -136,10 +135,8 @@ class SelfAttention(nn.Module):
         causal = causal and mask is None
         # Grouped keys are read in place by the kernel (no copy of the keys and values per query head).
         extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        if dropout and parallel_state.get().tp_size > 1:
-            with tp.get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
-        return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
+        with self.seams.region_rng() if dropout else nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
 
     def planned_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           plan: AttentionPlan) -> torch.Tensor:
@@ -147,10 +144,8 @@ class SelfAttention(nn.Module):
         (``megatron.context_parallel``); eager under ``--compile`` (``gpt.compile_model``): its collectives and
         per-document calls stay outside compiled graphs."""
         dropout = self.attn_dropout if self.training else 0.0
-        if dropout and parallel_state.get().tp_size > 1:
-            with tp.get_rng_tracker().fork():
-                return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number)
-        return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number)
+        with self.seams.region_rng() if dropout else nullcontext():
+            return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                 plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -172,9 +167,9 @@ class SelfAttention(nn.Module):
         if kv_cache is None and plan is None and attention_needs_plan_of(self):
             plan = AttentionPlan()  # windows and sinks attend by the plan's blocks
         if kv_cache is None and plan is not None:
-            ctx = _maybe_checkpoint(self.recompute_core, self.planned_attention, q, k, v, plan)
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.planned_attention, q, k, v, plan)
         elif kv_cache is None:
-            ctx = _maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.core_attention, q, k, v)
         else:
             k, v = kv_cache.store(self.layer_number, k, v)
             mask = kv_cache.mask_for(self.layer_number, self.window, self.softmax_type != "vanilla")
@@ -183,13 +178,13 @@ class SelfAttention(nn.Module):
         return self.dense(ctx)
 
 
-def make_attention(cfg: ModelConfig, recompute_core: bool, sequence_parallel: bool, layer_number: int) -> nn.Module:
+def make_attention(cfg: ModelConfig, recompute_core: bool, layer_number: int) -> nn.Module:
     """The one place that chooses a layer's attention: multi-latent (``megatron.model.mla``) or ``SelfAttention``;
     both take ``(x, kv_cache, rotary, plan)``, attend through ``planned_attention`` under a plan (context
     parallelism, packed documents) and say what the KV cache holds (``cache_shape``)."""
     if cfg.multi_latent_attention:
-        return MultiLatentAttention(cfg, recompute_core, sequence_parallel, layer_number)
-    return SelfAttention(cfg, recompute_core, sequence_parallel, layer_number)
+        return MultiLatentAttention(cfg, recompute_core, layer_number)
+    return SelfAttention(cfg, recompute_core, layer_number)
 
 
 class MLP(nn.Module):
@@ -200,15 +195,13 @@ class MLP(nn.Module):
     A gated MLP's ``dense_h_to_4h`` has 2 x ffn output rows, interleaved: row 2j is gate_j, row 2j+1 is
     up_j, so a tensor-parallel rank's contiguous block of rows holds matching pairs."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.activation = mlp_activation(cfg)
         gated = self.activation[0] is not None
         bias, ffn = not cfg.disable_bias_linear, cfg.ffn_hidden_size
-        self.dense_h_to_4h = tp.ColumnParallelLinear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=bias,
-                                                     sequence_parallel=sequence_parallel)
-        self.dense_4h_to_h = tp.RowParallelLinear(ffn, cfg.hidden_size, bias=bias,
-                                                  sequence_parallel=sequence_parallel)
+        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=bias)
+        self.dense_4h_to_h = nn.Linear(ffn, cfg.hidden_size, bias=bias)
 
     def extra_repr(self) -> str:
         kind, gelu, offset, clamp = self.activation
@@ -226,23 +219,23 @@ class TransformerDecoderLayer(nn.Module):
     attention block) or ``core_attn`` (softmax(QK^T)V only).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: str | None = None,
-                 sequence_parallel: bool = False):
+    seams = LOCAL
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: str | None = None):
         super().__init__()
         if recompute is not None and recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"unknown recompute granularity {recompute!r}")
         self.layer_number = layer_number
         self.recompute = recompute
-        self.sequence_parallel = sequence_parallel
-        self.input_layernorm = make_norm(cfg, sequence_parallel)
-        self.self_attention = make_attention(cfg, recompute == "core_attn", sequence_parallel, layer_number)
-        self.post_attention_layernorm = make_norm(cfg, sequence_parallel)
+        self.input_layernorm = make_norm(cfg)
+        self.self_attention = make_attention(cfg, recompute == "core_attn", layer_number)
+        self.post_attention_layernorm = make_norm(cfg)
         if is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
             from megatron.moe.layer import MoELayer
 
-            self.mlp = MoELayer(cfg, MLP, layer_number, sequence_parallel)
+            self.mlp = MoELayer(cfg, MLP, layer_number)
         else:
-            self.mlp = MLP(cfg, sequence_parallel)
+            self.mlp = MLP(cfg)
         self.hidden_dropout = cfg.hidden_dropout_prob
         nq, ng, hd = attention_shape(cfg)
         self._desc = (f"d_model={cfg.hidden_size}, nhead={nq}, dim_feedforward={cfg.ffn_hidden_size}, "
@@ -261,17 +254,17 @@ class TransformerDecoderLayer(nn.Module):
     def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                          plan: AttentionPlan | None = None) -> torch.Tensor:
         out = self.self_attention(self.input_layernorm(x), kv_cache, rotary, plan)
-        return parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
+        return dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 
     def _layer(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                plan: AttentionPlan | None = None) -> torch.Tensor:
         if kv_cache is None:
-            x = x + _maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self._attention_block, x, None,
-                                      rotary, plan)
+            x = x + maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self.seams, self._attention_block,
+                                     x, None, rotary, plan)
         else:  # inference: no autograd, nothing to recompute
             x = x + self._attention_block(x, kv_cache, rotary)
         out = self.mlp(self.post_attention_layernorm(x))
-        return x + parallel_dropout(out, self.hidden_dropout, self.training, self.sequence_parallel)
+        return x + dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                 plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -280,4 +273,4 @@ class TransformerDecoderLayer(nn.Module):
         cache in inference only)."""
         if kv_cache is not None:
             return self._layer(x, kv_cache, rotary)
-        return _maybe_checkpoint(self.recompute == "full", self._layer, x, None, rotary, plan)
+        return maybe_checkpoint(self.recompute == "full", self.seams, self._layer, x, None, rotary, plan)

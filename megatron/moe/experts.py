@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron import device as dev
 from megatron.config.schema import ModelConfig
-from megatron.model.blocks import activate, mlp_activation
+from megatron.ops.activations import activate, mlp_activation
 from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
 
 

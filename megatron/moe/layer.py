@@ -51,11 +51,12 @@ class MoELayer(nn.Module):
     """``make_mlp(cfg)`` builds the model's MLP of ``cfg.ffn_hidden_size``: the shared expert, of
     ``moe_shared_expert_intermediate_size``. The routed experts are this rank's share (``Experts``)."""
 
-    def __init__(self, cfg: ModelConfig, make_mlp: Callable[..., nn.Module], layer_number: int = 0,
-                 sequence_parallel: bool = False):
+    sequence_parallel = False  # this rank's tokens are its sequence shard (set by ``tensor_parallel.parallelize``)
+
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[..., nn.Module], layer_number: int = 0):
         super().__init__()
         ps = parallel_state.get()
-        self.layer_number, self.sequence_parallel = layer_number, sequence_parallel
+        self.layer_number = layer_number
         self.tp_size, self.token_share = ps.tp_size, ps.tp_rank == 0 and ps.cp_rank == 0
         self.groups = Groups(*(ps.group(n) if size > 1 else None for n, size in
                                (("ep", ps.ep_size), ("etp", ps.etp_size), ("ep_etp", ps.ep_size * ps.etp_size))))
@@ -66,8 +67,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(cfg, ps.ep_rank, ps.ep_size, ps.etp_rank, ps.etp_size)
         self.dispatch = DISPATCHERS[cfg.moe_token_dispatcher_type]
         shared = cfg.moe_shared_expert_intermediate_size
-        self.shared_expert = (make_mlp(dataclasses.replace(cfg, ffn_hidden_size=shared), sequence_parallel)
-                              if shared else None)
+        self.shared_expert = make_mlp(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is not None
         self.reset_stats()
 

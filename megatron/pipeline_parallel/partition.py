@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torch import nn
+
 LOSS_NAME = "GPTPretrainingCriterionPipe"
 
 
@@ -55,3 +57,48 @@ def item_descriptions(cfg_model: Any, padded_vocab_size: int) -> list[str]:
     untied = getattr(cfg_model, "untie_embeddings_and_output_weights", False)
     head = "LMHeadPipe(output_layer)" if untied else "LMHeadPipe(tied to EmbeddingPipe.word_embeddings)"
     return [embedding] + [layer] * cfg_model.num_layers + [norm, head]
+
+
+def stage_chunks(config, pp_rank: int, pp_size: int) -> list[tuple[range, bool, bool]]:
+    """(global layer indices, holds the embedding, holds the head) of each model chunk pipeline rank ``pp_rank``
+    of ``pp_size`` holds: the whole model without pipelining; its stage (``pipeline_partition``); or, under the
+    interleaved schedule, its ``virtual_pp_degree`` chunks."""
+    from megatron.config.layer_split import chunk_layers, segment, stage_layers
+
+    d, m = config.distributed, config.model
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    if pp_size == 1:
+        return [(range(m.num_layers), True, True)]
+    if d.virtual_pp_degree == 1:
+        return [(stage_layers(segment(m.num_layers, pp_size, d.pipeline_partition), pp_rank), first, last)]
+    vpp = d.virtual_pp_degree
+    return [(chunk_layers(m.num_layers, pp_size, vpp, pp_rank, c), first and c == 0, last and c == vpp - 1)
+            for c in range(vpp)]
+
+
+def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """The recipe's pipeline step: the whole GPT (built on the meta device) cut, in place, to one model chunk:
+    the decoder layers ``layers`` (keyed by their global index, so names are the whole model's), the embedding
+    on the first stage, the final norm, head and multi-token prediction on the last. A later stage that holds
+    the head of a tied embedding keeps its own copy of the word embedding (named like the first stage's, so it
+    is initialised alike; ``tied_copy``: counted once in the gradient norm and checkpoints), one that holds
+    multi-token prediction the whole embedding; their gradients are summed with the first stage's
+    (``shared_embedding``, marked by the model). Returns ``model``."""
+    for key in [key for key in model.layers if int(key) not in layers]:
+        del model.layers[key]
+    model.pre_process, model.post_process = first, last
+    holds_mtp = last and getattr(model, "mtp", None) is not None
+    if not first and holds_mtp:
+        for param in model.embedding.parameters():
+            param.tied_copy = True
+    elif not first and last and not model.untied:
+        model.embedding.position_embeddings = None  # the head reads the word embedding only
+        model.embedding.word_embeddings.weight.tied_copy = True
+    elif not first:
+        del model.embedding
+    if not last:
+        for name in ("final_layernorm", "output_layer"):
+            if hasattr(model, name):
+                delattr(model, name)
+        model.mtp = None
+    return model

@@ -274,6 +274,19 @@ def enable_fp8(model: nn.Module, recipe: FP8Recipe, cp_group=None) -> int:
     return layers
 
 
+def apply_fp8(chunks: list[nn.Module], fp8_format: str, device: torch.device, cp_group=None) -> None:
+    """The recipe's FP8 step: every tensor-parallel linear layer of ``chunks`` in FP8 (``enable_fp8``); refused, in
+    one line on every rank, on a device without FP8 tensor cores."""
+    from megatron import device as dev
+    from megatron.config.cli import ConfigError
+
+    problem = dev.fp8_problem(device)
+    if problem is not None:
+        raise ConfigError(f"--fp8-format: {problem}; drop --fp8-format (bf16 trains the same model).")
+    for chunk in chunks:
+        enable_fp8(chunk, FP8Recipe(fp8_format), cp_group)
+
+
 class RowParallelLinear(nn.Module):
     """``Y = X A + b``, ``A`` split by input rows: weight ``[out, in/t]``, bias ``[out]`` replicated.
 

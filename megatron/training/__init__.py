@@ -4,15 +4,13 @@ collaborators, one job each. ``megatron/pretrain.py`` builds the run and hands i
 from megatron.training.step import (
     DatasetsProvider,
     ModelProvider,
-    ParallelModel,
     TrainState,
     data_loader,
     evaluate,
-    parallel_model,
     set_seed,
     train_step,
 )
 from megatron.training.trainer import Trainer
 
-__all__ = ["DatasetsProvider", "ModelProvider", "ParallelModel", "TrainState", "Trainer", "data_loader", "evaluate",
-           "parallel_model", "set_seed", "train_step"]
+__all__ = ["DatasetsProvider", "ModelProvider", "TrainState", "Trainer", "data_loader", "evaluate",
+           "set_seed", "train_step"]

@@ -27,7 +27,8 @@ from megatron.data import fingerprint
 from megatron.health import GoodCheckpoints
 from megatron.metrics import get_logger
 from megatron.parallel_state import ParallelState
-from megatron.training.step import ParallelModel, TrainState
+from megatron.parallelize_gpt import ParallelModel
+from megatron.training.step import TrainState
 from megatron.training.step_health import StepHealth
 
 

@@ -1,4 +1,5 @@
-"""One optimizer step and one evaluation pass, under any layout; the model made ready to run them.
+"""One optimizer step and one evaluation pass, under any layout (the model made ready to run them:
+``megatron.parallelize_gpt``).
 
 ``train_step`` and ``evaluate`` are what the Trainer repeats; benchmarks and tools call them directly.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -20,15 +20,10 @@ from megatron.data.loader import build_loader, split_micro_batches
 from megatron.data.token_check import check_batch
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
-from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.model import mtp
-from megatron.optimizer import MixedPrecisionOptimizer, StepResult, build_optimizer
-from megatron.pipeline_parallel.schedules import (
-    ForwardStep,
-    forward_backward_no_pipelining,
-    forward_backward_pipelining,
-)
+from megatron.optimizer import MixedPrecisionOptimizer, StepResult
+from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
 from megatron.training.stopping import SIGNALS
 
 ModelProvider = Callable[..., torch.nn.Module]  # (config, device, meta_init=...) -> this rank's model
@@ -125,38 +120,3 @@ def evaluate(forward_step: ForwardStep, loader, model: torch.nn.Module, micro_ba
     model.train()
     total, tokens = all_reduce_sum(sums, dp_group).tolist()
     return total / tokens if tokens else None
-
-
-@dataclass
-class ParallelModel:
-    """A model made ready to run under the launch's layout (training, or evaluation through the same
-    forward): its parameter buffer and hooks (``parallelize``), the optimizer whose masters a checkpoint
-    loads into, the groups its sums are reduced over, and the schedule that runs micro-batches through
-    it (pipelined when pp > 1)."""
-
-    model: torch.nn.Module
-    buffer: object
-    fully_sharded: bool
-    optimizer: object
-    plan: ShardingPlan
-    dp_group: object
-    pp_group: object
-    forward_backward: Callable
-
-
-def parallel_model(config: Config, model: torch.nn.Module, device: torch.device,
-                   plan: ShardingPlan | None = None) -> ParallelModel:
-    ps = parallel_state.get()
-    plan = plan or plan_sharding(config, ps)  # what is sharded, over which ranks: decided once
-    model, buffer, fully_sharded = parallelize(model, plan)
-    optimizer = build_optimizer(buffer, plan, config)
-    pp_group, forward_backward = None, forward_backward_no_pipelining
-    if ps.pp_size > 1:
-        d, b = config.distributed, config.batch_size
-        seq = config.dataset.max_seq_len // ps.cp_size // (ps.tp_size if d.sequence_parallel else 1)
-        pp_group = ps.group("pp")
-        forward_backward = partial(forward_backward_pipelining, ps=ps, schedule=d.pipeline_schedule,
-                                   shape=(seq, b.micro_batch_size, config.model.hidden_size),
-                                   dtype=getattr(torch, config.params_dtype_name), device=device)
-    return ParallelModel(model, buffer, fully_sharded, optimizer, plan, plan.data_parallel_group, pp_group,
-                         forward_backward)

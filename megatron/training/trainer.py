@@ -1,6 +1,6 @@
 """The Trainer: the run as a recipe, read top to bottom. Each part has one job and its own module:
 
-- ``step.py``          the model made ready for the layout (``parallel_model``), one optimizer step, one evaluation
+- ``step.py``          one optimizer step, one evaluation (the model made ready: ``megatron.parallelize_gpt``)
 - ``checkpointing.py`` what is loaded at start, when a checkpoint is written, which is known good
 - ``step_health.py``   a skipped step or a loss spike warned about; too many bad steps, or a run that ends
                        inside non-finite losses, stop it (exit 3)
@@ -21,11 +21,12 @@ from megatron.data.token_check import check_batch
 from megatron.distributed.parallelize import ShardingPlan
 from megatron.metrics import get_logger
 from megatron.optimizer import StepResult, build_param_schedule
+from megatron.parallelize_gpt import parallelize_gpt
 from megatron.pipeline_parallel.schedules import ForwardStep
 from megatron.training.checkpointing import CheckpointCadence
 from megatron.training.profiler import StepProfiler
 from megatron.training.run_length import steps_of_run
-from megatron.training.step import TrainState, data_loader, evaluate, parallel_model, to_device, train_step
+from megatron.training.step import TrainState, data_loader, evaluate, to_device, train_step
 from megatron.training.step_health import StepHealth
 from megatron.training.step_log import StepLog
 from megatron.training.stopping import StopRequests
@@ -39,7 +40,7 @@ class Trainer:
         self.config, self.forward_step, self.device = config, forward_step, device
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.ps = parallel_state.get()
-        self.parallel = parallel_model(config, model, device, plan)  # buffer, hooks, optimizer, schedule
+        self.parallel = parallelize_gpt(config, device, plan, model)  # buffer, hooks, optimizer, schedule
         self.optimizer = self.parallel.optimizer
         self.schedule = build_param_schedule(config)  # lr and weight decay by samples of applied steps
         self.batches = build_batch_schedule(config)  # the global batch by consumed samples

@@ -31,7 +31,7 @@ from megatron.data.loader import build_batch, split_micro_batches
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.memory.activations import activation_bytes_per_microbatch, activation_terms, peak_activation_bytes
 from megatron.memory.measure import SavedActivations, measure_microbatch
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.pipeline_parallel import schedule_tables as tables
 from megatron.pipeline_parallel.schedules import run_pipeline_table
 from megatron.tensor_parallel import tensor_parallel_seed

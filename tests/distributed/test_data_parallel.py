@@ -13,7 +13,7 @@ from megatron.data.loader import build_batch, split_micro_batches
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.pipeline_parallel.schedules import forward_backward_no_pipelining
 from pretrain_gpt import forward_step
 from tests.distributed.harness import run_distributed

@@ -34,7 +34,7 @@ def _data_parallel_model(ps) -> None:
     releases them)."""
     from megatron.config import parse_config, validate
     from megatron.distributed.parallelize import parallelize, plan_sharding
-    from megatron.model import build_model
+    from megatron.parallelize_gpt import build_model
 
     config = parse_config(["--mock-data", "--device", "cpu", "--num-layers", "1", "--hidden-size", "16",
                            "--num-attention-heads", "2", "--vocab-size", "32", "--max-seq-len", "8"])

@@ -9,7 +9,7 @@ from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch, split_micro_batches
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.parallelize import parallelize, plan_sharding
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.pipeline_parallel import schedule_tables as tables
 from megatron.pipeline_parallel.schedules import run_pipeline_table
 from pretrain_gpt import forward_step

@@ -19,7 +19,7 @@ from megatron.data.loader import build_batch, split_micro_batches
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.bucket import Bucket
 from megatron.distributed.parallelize import parallelize, plan_sharding
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.pipeline_parallel import schedule_tables as tables
 from megatron.pipeline_parallel import schedules
 from pretrain_gpt import forward_step

@@ -15,8 +15,9 @@ from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.memory.measure import measured_model_state_bytes
 from megatron.memory.model_states import model_state_bytes, parameters_per_rank
-from megatron.model import build_model, num_parameters
+from megatron.model import num_parameters
 from megatron.optimizer import build_optimizer
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
 from pretrain_gpt import forward_step

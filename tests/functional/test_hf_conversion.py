@@ -12,7 +12,7 @@ import torch
 from megatron import parallel_state
 from megatron.checkpoint import CheckpointReader, resolve_checkpoint
 from megatron.config import parse_config, validate
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from tests.functional.launch import TINY, losses, parity_layouts, run, run_here, run_tool_here
 

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron import moe, parallel_state
-from megatron.checkpoint import hf_deepseek
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, write_params
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf import deepseek_v3 as hf_deepseek
+from megatron.checkpoint.hf.common import ConversionError
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from tests.functional import test_deepseek_layouts  # noqa: F401  (registers the shared run deepseek-5)
 from tests.functional.launch import losses, program_module, run_tool_here

@@ -22,7 +22,7 @@ import torch
 
 from megatron import parallel_state
 from megatron.checkpoint.convert import write_params
-from megatron.checkpoint.hf_common import SAMPLE_TEXT, export_tokenizer
+from megatron.checkpoint.hf.common import SAMPLE_TEXT, export_tokenizer
 from megatron.config import parse_config
 from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model, tokenizer_for
 from megatron.model.gpt import GPTModel

@@ -1,4 +1,4 @@
-"""Hugging Face gpt-oss (``GptOssForCausalLM``) both ways (megatron/checkpoint/hf_gpt_oss.py): our gpt-oss-shaped
+"""Hugging Face gpt-oss (``GptOssForCausalLM``) both ways (megatron/checkpoint/hf/gpt_oss.py): our gpt-oss-shaped
 model (sliding windows narrower than the sequence in alternate layers, sinks, the clamped quick GeGLU, biases, 4
 experts top 2, unrounded YaRN) exports with our logits, a transformers-initialised one imports with transformers'
 logits and exports back bitwise, our engine generates transformers' greedy tokens past the window (its rolling KV
@@ -12,13 +12,13 @@ import json
 import pytest
 import torch
 
-from megatron.checkpoint import hf_gpt_oss
 from megatron.checkpoint.convert import open_checkpoint
-from megatron.checkpoint.hf_common import ConversionError
-from megatron.checkpoint.hf_models import converter_for_hf, converter_for_model
+from megatron.checkpoint.hf import gpt_oss as hf_gpt_oss
+from megatron.checkpoint.hf.common import ConversionError
+from megatron.checkpoint.hf.models import converter_for_hf, converter_for_model
 from megatron.config import parse_config
 from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from tests.functional.test_hf_llama import VOCAB, convert, make_config, one_line_error, our_logits, tokens
 from tests.unit.test_checkpoint_tools import write_params
 

@@ -13,11 +13,11 @@ import torch
 
 from megatron import parallel_state
 from megatron.checkpoint import CheckpointReader, resolve_checkpoint
-from megatron.checkpoint import hf_llama as L
 from megatron.checkpoint.convert import open_checkpoint, tensor_layout, write_params
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf import llama as L
+from megatron.checkpoint.hf.common import ConversionError
 from megatron.config import Config, parse_config, validate
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from tests.functional.launch import ROOT, TINY, run_here
 
@@ -202,7 +202,7 @@ def test_a_model_without_a_hugging_face_equivalent_is_refused_naming_the_setting
 
 def test_llama_mapping_refuses_a_gpt2_shaped_model():
     model_cfg = parse_config(["--vocab-size", str(VOCAB)]).model
-    assert convert.converter_for_model(model_cfg).__name__.endswith("hf_gpt2")
+    assert convert.converter_for_model(model_cfg).__name__.endswith("hf.gpt2")
     with pytest.raises(ConversionError, match="position_embedding_type learned_absolute has no Hugging Face Llama"):
         L.to_hf_state_dict({}, model_cfg)
     with pytest.raises(ConversionError, match="has no Hugging Face Llama"):

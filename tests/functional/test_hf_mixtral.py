@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.checkpoint import hf_mixtral as X
 from megatron.checkpoint.convert import open_checkpoint, tensor_layout, write_params
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf import mixtral as X
+from megatron.checkpoint.hf.common import ConversionError
 from megatron.config import parse_config, validate
 from megatron.data.loader import build_batch
 from tests.functional.launch import TINY, losses, parity_layouts, program_module, run_here, run_tool_here

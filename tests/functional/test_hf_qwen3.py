@@ -1,5 +1,5 @@
 """Hugging Face Qwen3 (``Qwen3ForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``) both ways
-(megatron/checkpoint/hf_qwen3.py, hf_qwen3_moe.py): a transformers-initialised model imports with transformers'
+(megatron/checkpoint/hf/qwen3.py, hf/qwen3_moe.py): a transformers-initialised model imports with transformers'
 logits, our model exports with ours, the files round-trip bitwise, and what our GPT cannot represent (sliding
 windows, an attention bias) is refused in one line. In process: tiny models, no runs."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from tests.functional.test_hf_llama import LLAMA, VOCAB, convert, make_config, one_line_error, our_logits, tokens
 from tests.unit.test_checkpoint_tools import write_params
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.checkpoint import CheckpointReader, hf_mixtral, hf_qwen_moe
+from megatron.checkpoint import CheckpointReader
 from megatron.checkpoint.convert import open_checkpoint, write_params
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf import mixtral as hf_mixtral
+from megatron.checkpoint.hf import qwen2_moe as hf_qwen_moe
+from megatron.checkpoint.hf.common import ConversionError
 from megatron.config import parse_config, validate
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from tests.functional.launch import program_module, run_tool_here
 

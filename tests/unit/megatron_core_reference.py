@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import megatron
 from megatron import moe, parallel_state
-from megatron.checkpoint.megatron_core_names import is_gated, to_megatron_core_state
+from megatron.checkpoint.megatron_lm.core_names import is_gated, to_megatron_core_state
 from megatron.config import parse_config, validate
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_moe import moe_layer_pattern
@@ -271,7 +271,7 @@ def save_as_megatron(theirs, args, root: Path, iteration: int, fmt: str) -> None
     """Megatron Core's ``theirs`` saved in ``root`` as Megatron-LM saves a one-rank run at ``iteration``: legacy (its
     state dict in ``iter_N/mp_rank_00``) or torch_dist (its own ``dist_checkpointing.save``; on the CPU its CUDA
     synchronisation and its writer's memory probe are no-ops), then the tracker file."""
-    from megatron.checkpoint.megatron_legacy import FILE, TRACKER
+    from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER
 
     folder = root / f"iter_{iteration:07d}"
     if fmt == "legacy":

@@ -36,7 +36,7 @@ from megatron.memory.activations import (
 )
 from megatron.memory.measure import SavedActivations, measure_microbatch
 from megatron.memory.model_states import model_state_bytes, parameters_per_rank
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.pipeline_parallel import schedule_tables as tables
 from pretrain_gpt import forward_step
 

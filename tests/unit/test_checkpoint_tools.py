@@ -24,12 +24,12 @@ from megatron.checkpoint import (
     save_checkpoint,
 )
 from megatron.checkpoint.convert import open_checkpoint, tensor_layout, write_params
-from megatron.checkpoint.hf_gpt2 import ConversionError, from_hf_state_dict, hf_config, name_map, to_hf_state_dict
+from megatron.checkpoint.hf.gpt2 import ConversionError, from_hf_state_dict, hf_config, name_map, to_hf_state_dict
 from megatron.config import Config, parse_config, validate
 from megatron.data.loader import build_batch
 from megatron.distributed.parallelize import parallelize, plan_sharding
-from megatron.model import build_model
 from megatron.optimizer import build_optimizer
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import tensor_parallel_seed
 from megatron.training import train_step
 from tests.functional.launch import run_tool_here

@@ -13,16 +13,16 @@ import torch
 
 import pretrain_gpt
 from megatron import device as dev
+from megatron.compile import _Compiled
 from megatron.config import Config, parse_config, validate
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.inference import InferenceEngine, Request, SamplingParams
 from megatron.metrics import get_logger
-from megatron.model import build_model
-from megatron.model.gpt import _Compiled
 from megatron.optimizer import build_optimizer
 from megatron.parallel_state import single_process_state
+from megatron.parallelize_gpt import build_model
 from megatron.training import train_step
 
 pytestmark = pytest.mark.slow  # compiles (seconds per graph)

@@ -13,7 +13,7 @@ from megatron.context_parallel.layout import chunk_ids, local_positions, merge_c
 from megatron.context_parallel.plan import plan_blocks
 from megatron.data.loader import build_batch
 from megatron.data.packing import document_ids, reset_positions
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 
 EOD = 9
 

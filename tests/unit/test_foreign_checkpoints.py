@@ -1,6 +1,6 @@
 """A Megatron-LM torch_dist checkpoint (PyTorch's distributed checkpoint: ``.metadata`` + ``*.distcp``) that someone
-else wrote is data, read only inside its folder (``megatron/checkpoint/dcp_reader.py``): a ``.metadata`` whose
-pickle reaches code through a dotted name after an allowed module, an index naming a data file outside the folder
+else wrote is data, read only inside its folder (``megatron/checkpoint/megatron_lm/dcp_reader.py``): a ``.metadata``
+whose pickle reaches code through a dotted name after an allowed module, an index naming a data file outside the folder
 (``..``, an absolute path, a symlink out), or a truncated, empty or garbage data file is one line and exit status 2
 from ``convert_checkpoint.py from-megatron``; the payload never runs and nothing is written. A Hugging Face
 folder's ``model.safetensors.index.json`` likewise names only the folder's own shards."""
@@ -15,7 +15,7 @@ import struct
 import pytest
 
 from megatron import parallel_state
-from megatron.checkpoint.dcp_reader import ALLOWED
+from megatron.checkpoint.megatron_lm.dcp_reader import ALLOWED
 from tests.unit.test_megatron_checkpoints import SHAPES, convert, our_checkpoint
 
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, write_params
-from megatron.checkpoint.megatron_dist import read_torch_dist, write_torch_dist
-from megatron.checkpoint.megatron_distrib_optim import rank_layout
-from megatron.checkpoint.megatron_legacy import FILE, safe_load
-from megatron.checkpoint.megatron_optim import core_order, decays, parameters
+from megatron.checkpoint.megatron_lm.dist import read_torch_dist, write_torch_dist
+from megatron.checkpoint.megatron_lm.distrib_optim import rank_layout
+from megatron.checkpoint.megatron_lm.legacy import FILE, safe_load
+from megatron.checkpoint.megatron_lm.optim import core_order, decays, parameters
 from tests.functional.launch import program_module
 from tests.unit.megatron_core_reference import CORE_WARNINGS
 from tests.unit.test_megatron_checkpoints import SHAPES, convert, our_checkpoint

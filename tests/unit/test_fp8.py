@@ -16,8 +16,8 @@ from megatron.config import ConfigError, parse_config, validate
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.distributed.parallelize import ShardingPlan, parallelize
-from megatron.model import build_model
 from megatron.optimizer import build_optimizer
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import FP8Recipe, enable_fp8
 from megatron.tensor_parallel.fp8 import amax, cast, fp8_linear, scale_for
 from megatron.training import train_step

@@ -1,5 +1,5 @@
 """A Hugging Face config.json read by ``convert_checkpoint.py from-hf`` is bounded, unambiguous and read as transformers
-5 reads it (megatron/checkpoint/hf_config_checks.py), before any mapping builds anything from it: every size of every
+5 reads it (megatron/checkpoint/hf/config_checks.py), before any mapping builds anything from it: every size of every
 family is bounded by our field's maximum and named as the file names it (10^9 layers grew the process to the
 machine's memory), a value of the wrong type, a non-finite number, nesting too deep for the parser or what
 transformers itself refuses is one line, exit 2, nothing written (they were tracebacks, or read silently otherwise);
@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 
-from megatron.checkpoint import hf_config_checks as checks
 from megatron.checkpoint.convert import open_checkpoint
+from megatron.checkpoint.hf import config_checks as checks
 from megatron.config import ConfigError, validate
 from megatron.config.bounds import MAXIMA
 from tests.functional.launch import ROOT, program_module
@@ -308,7 +308,7 @@ def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_builds_the_
 def test_our_defaults_are_transformers_own():
     """Every default of checks.DEFAULTS is its family's transformers class default (a field's, else the attribute a
     config built without it has), and its rope_theta the class's default_theta."""
-    from megatron.checkpoint.hf_config_checks import FAMILIES
+    from megatron.checkpoint.hf.config_checks import FAMILIES
 
     for family, defaults in checks.DEFAULTS.items():
         cls = getattr(transformers, TINY[family][0])

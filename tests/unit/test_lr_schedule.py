@@ -17,8 +17,8 @@ import torch
 import pretrain_gpt
 from megatron.config import ConfigError, parse_config, validate
 from megatron.metrics import get_logger
-from megatron.model import build_model
 from megatron.optimizer import build_param_schedule
+from megatron.parallelize_gpt import build_model
 from megatron.training import Trainer, set_seed
 
 BASE = ("--mock-data", "--device", "cpu", "--global-batch-size", "8", "--micro-batch-size", "8", "--lr", "1.0",

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_params
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER, safe_load
 from megatron.config import parse_config, validate
 from megatron.model.gpt import GPTModel
 from tests.functional.launch import program_module, run_here

@@ -1,5 +1,5 @@
 """NVIDIA's Megatron Core (``megatron-core``, the test extra's pinned version) as an independent reference: its
-``GPTModel`` given our weights (through ``megatron.checkpoint.megatron_core_names``) gives our logits, and after a
+``GPTModel`` given our weights (through ``megatron.checkpoint.megatron_lm.core_names``) gives our logits, and after a
 backward of the same objective every parameter's gradient, within 1e-5 of the largest magnitude of the tensor.
 
 - The Llama-shaped mixture of experts (rope, RMSNorm, SwiGLU, 2 key/value groups, no biases, untied head; layer 0
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from megatron import moe
-from megatron.checkpoint.megatron_core_names import from_megatron_core
+from megatron.checkpoint.megatron_lm.core_names import from_megatron_core
 from tests.unit.megatron_core_reference import (
     CORE_WARNINGS,
     LLAMA,

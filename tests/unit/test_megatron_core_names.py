@@ -1,4 +1,4 @@
-"""Our parameter names and layouts <-> Megatron Core's (``megatron.checkpoint.megatron_core_names``): the round trip
+"""Our parameter names and layouts <-> Megatron Core's (``megatron.checkpoint.megatron_lm.core_names``): the round trip
 is exact for every parameter of the GPT-2 and Llama shapes with MoE layers, the names are Megatron Core's (as its
 ``GPTModel`` names them: tests/unit/test_megatron_core_moe.py loads them into one), SwiGLU's rows are regrouped,
 and a name of neither is refused in one line. Megatron Core itself is not needed here."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.checkpoint.hf_common import ConversionError
-from megatron.checkpoint.megatron_core_names import (
+from megatron.checkpoint.hf.common import ConversionError
+from megatron.checkpoint.megatron_lm.core_names import (
     from_megatron_core,
     from_megatron_core_state,
     to_megatron_core,

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from megatron import moe
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
-from megatron.checkpoint.megatron_legacy import FILE, safe_load
-from megatron.checkpoint.megatron_optim import core_order
+from megatron.checkpoint.megatron_lm.legacy import FILE, safe_load
+from megatron.checkpoint.megatron_lm.optim import core_order
 from megatron.config import parse_config, validate
 from megatron.model.gpt import GPTModel
 from tests.unit.megatron_core_reference import (
@@ -113,7 +113,7 @@ def test_ours_to_megatron_and_back_is_bitwise(tmp_path, one_process, shape, fmt)
                  for t in range(2) for p in range(2)}
         check_legacy_layout(shape, ranks, tensors["param"], config)
     else:
-        from megatron.checkpoint.dcp_reader import SafeReader
+        from megatron.checkpoint.megatron_lm.dcp_reader import SafeReader
 
         check_torch_dist_keys(shape, SafeReader(str(folder)).read_metadata().state_dict_metadata.keys())
     assert convert.main(["from-megatron", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
@@ -167,7 +167,7 @@ def check_torch_dist_keys(shape: str, keys) -> None:
 def test_torch_dist_reads_transformer_engines_mla_names(tmp_path, one_process):
     """Transformer Engine's MLA spec fuses the latent norms into the up-projections (``layer_norm_weight``) and a
     dense layer's MLP norm into ``linear_fc1``: such a checkpoint reads as the local spec's."""
-    from megatron.checkpoint.megatron_dist import read_torch_dist, write_torch_dist
+    from megatron.checkpoint.megatron_lm.dist import read_torch_dist, write_torch_dist
 
     config, tensors = our_checkpoint(tmp_path / "run", SHAPES["q_lora"])
     assert convert.main(["to-megatron", str(tmp_path / "run"), str(tmp_path / "meg"), "--format", "torch_dist",
@@ -203,8 +203,8 @@ def test_megatron_lms_own_deepseek_args_give_the_model(tmp_path):
     query groups, which shape nothing; no ``original_max_position_embeddings``; the flex dispatcher, a runtime
     choice) give our model: MLA, YaRN, the router, the dense first layer and MTP as the run had them; what would
     change the network unseen (YaRN's ramp, a partial rotary, experts on a latent projection) is one line."""
-    from megatron.checkpoint.hf_common import ConversionError
-    from megatron.checkpoint.megatron_args import model_flags
+    from megatron.checkpoint.hf.common import ConversionError
+    from megatron.checkpoint.megatron_lm.args import model_flags
 
     args = argparse.Namespace(
         num_layers=2, hidden_size=16, ffn_hidden_size=24, num_attention_heads=4, kv_channels=8,
@@ -369,7 +369,7 @@ def test_megatron_cores_multi_token_prediction_equals_ours(tmp_path, mcore, shap
     ``MTPLossLoggingHelper`` record: the token mean) and, after a backward of the same objective (the mean LM loss,
     the depths' scaled means, the routers' sequence aux loss, each side's loss scale 1), every parameter's
     gradient."""
-    from megatron.checkpoint.megatron_core_names import from_megatron_core
+    from megatron.checkpoint.megatron_lm.core_names import from_megatron_core
 
     config, ours, theirs = exported_pair(mcore, tmp_path, shape, fmt)
     got, want, depths, core_depths = training_forward(mcore, config, ours, theirs)
@@ -393,7 +393,7 @@ def test_megatron_cores_own_checkpoint_gives_its_losses_here(tmp_path, mcore, fm
     ``dist_checkpointing.save``), converts with ``from-megatron`` and gives its losses here: the language model's
     per token (with MTP, Megatron Core's forward wants labels and returns no logits) and each depth's."""
 
-    from megatron.checkpoint.megatron_args import to_args
+    from megatron.checkpoint.megatron_lm.args import to_args
 
     config = parse_config([*TINY, *SHAPES["mtp"]])
     validate(config)
@@ -422,7 +422,7 @@ def test_core_order_is_megatron_cores_parameter_order(mcore):
     with multi-latent attention's projections and norms, the router, experts and shared expert."""
     config = parse_config([*TINY, *SHAPES["mtp"]])
     validate(config)
-    from megatron.checkpoint.megatron_args import to_args
+    from megatron.checkpoint.megatron_lm.args import to_args
 
     theirs = core_model(mcore, to_args(config.model, tp=1, pp=1, seq_length=8, iteration=0,
                                        consumed_train_samples=0))

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint
-from megatron.checkpoint.megatron_distrib_optim import buffer_layout
-from megatron.checkpoint.megatron_legacy import FILE, safe_load
-from megatron.checkpoint.megatron_schedule import from_args, megatron_schedule, schedule_flags
+from megatron.checkpoint.megatron_lm.distrib_optim import buffer_layout
+from megatron.checkpoint.megatron_lm.legacy import FILE, safe_load
+from megatron.checkpoint.megatron_lm.schedule import from_args, megatron_schedule, schedule_flags
 from megatron.config import parse_config, validate
 from megatron.optimizer.lr_schedule import build_param_schedule
 from tests.functional.launch import program_module, run_here

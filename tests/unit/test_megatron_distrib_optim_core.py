@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint
-from megatron.checkpoint.megatron_distrib_optim import KINDS
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.distrib_optim import KINDS
+from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER, safe_load
 from tests.functional.launch import run_here
 from tests.unit.megatron_core_reference import (
     CORE_WARNINGS,

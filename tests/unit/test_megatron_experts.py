@@ -1,5 +1,5 @@
 """Megatron-LM checkpoints as MoE runs write them: grouped-GEMM experts and expert parallelism > 1
-(``megatron/checkpoint/megatron_experts.py``; docs/checkpoints.md, section 7).
+(``megatron/checkpoint/megatron_lm/experts.py``; docs/checkpoints.md, section 7).
 
 - Megatron Core's legacy grouped GEMM (``GroupedMLP``: ``weight1`` / ``weight2``, the local spec with
   ``moe_grouped_gemm``) is built and run on the CPU here. Two things of the package it needs are not there and are
@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint, write_params
-from megatron.checkpoint.megatron_core_names import interleaved_to_halves
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.core_names import interleaved_to_halves
+from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER, safe_load
 from megatron.config import parse_config, validate
 from megatron.model.gpt import GPTModel
 from tests.unit.megatron_core_reference import (

@@ -35,9 +35,9 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
-from megatron.checkpoint.hf_common import ConversionError
-from megatron.checkpoint.megatron_args import model_flags, to_args
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.hf.common import ConversionError
+from megatron.checkpoint.megatron_lm.args import model_flags, to_args
+from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER, safe_load
 from megatron.config import parse_config, validate
 from megatron.model.gpt import GPTModel
 from tests.unit.megatron_core_reference import (
@@ -98,7 +98,7 @@ def test_ours_to_megatron_and_back_is_bitwise(tmp_path, one_process, fmt):
         ranks = {(t, p): safe_load(str(folder / f"mp_rank_{t:02d}_{p:03d}" / FILE)) for t in range(2) for p in range(2)}
         check_legacy_layout(ranks, tensors["param"])
     else:
-        from megatron.checkpoint.dcp_reader import SafeReader
+        from megatron.checkpoint.megatron_lm.dcp_reader import SafeReader
 
         keys = SafeReader(str(folder)).read_metadata().state_dict_metadata.keys()
         assert {f"decoder.layers.0.{SINKS}", f"decoder.layers.1.{SINKS}", "decoder.layers.0.mlp.router.bias",
@@ -331,7 +331,7 @@ def test_megatron_cores_own_checkpoint_gives_its_logits_here(tmp_path, mcore, fm
 def test_core_order_is_megatron_cores_parameter_order(mcore):
     """What to-megatron numbers the legacy optimizer's states by (``megatron_optim.core_order``): Megatron Core's
     ``named_parameters`` order, the sinks (its attention's core) before ``linear_proj``, the router's bias."""
-    from megatron.checkpoint.megatron_optim import core_order
+    from megatron.checkpoint.megatron_lm.optim import core_order
 
     config = parse_config([*TINY, *GPT_OSS])
     validate(config)

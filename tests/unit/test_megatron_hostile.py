@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from megatron import parallel_state
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER, safe_load
 from tests.functional.launch import program_module
 from tests.functional.processes import run_tools_in_bounded_memory
 from tests.unit.test_foreign_checkpoints import refused

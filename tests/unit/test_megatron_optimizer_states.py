@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, tensor_layout, write_checkpoint
-from megatron.checkpoint.megatron_core_names import from_megatron_core_state
-from megatron.checkpoint.megatron_legacy import FILE, TRACKER, safe_load
-from megatron.checkpoint.megatron_optim import core_order, parameters
+from megatron.checkpoint.megatron_lm.core_names import from_megatron_core_state
+from megatron.checkpoint.megatron_lm.legacy import FILE, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.optim import core_order, parameters
 from megatron.config import parse_config, validate
 from megatron.data.mock_dataset import MockGPTDataset
 from tests.functional.launch import run_here
@@ -318,7 +318,7 @@ def test_the_distributed_optimizers_bucket_layout_in_torch_dist_is_refused_in_on
 def test_torch_dists_stacked_layers_hold_the_experts_layer_then_expert():
     """Megatron Core's homogeneous layers (``moe_layer_freq`` 1) stack a MoE layer's experts as ``[layer, expert,
     ...]`` under ``decoder.layers.mlp.experts.experts.*``; reading unstacks both."""
-    from megatron.checkpoint.megatron_dist import _stacked, _unstacked
+    from megatron.checkpoint.megatron_lm.dist import _stacked, _unstacked
 
     g = torch.Generator().manual_seed(0)
     whole = {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight": torch.randn(6, 4, generator=g)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.checkpoint.megatron_core_names import from_megatron_core, to_megatron_core_state
+from megatron.checkpoint.megatron_lm.core_names import from_megatron_core, to_megatron_core_state
 from megatron.config import ConfigError, parse_config, validate
 from megatron.model.gpt import GPTModel
 from tests.unit.megatron_core_reference import (
@@ -151,7 +151,7 @@ def test_context_parallelism_and_packed_documents_validate_and_compile_keeps_the
     tests/distributed/test_context_parallel_attention.py); ``--compile`` leaves its ``planned_attention`` eager (its
     exchanges and per-document calls), as SelfAttention's."""
     from megatron import parallel_state
-    from megatron.model.gpt import _keep_eager
+    from megatron.compile import _keep_eager
     from megatron.model.mla import MultiLatentAttention
 
     flags = [*TINY, *MLA, "--context-parallel-size", "2", "--cp-comm-type", "a2a", "--reset-attention-mask"]

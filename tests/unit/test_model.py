@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import megatron.tensor_parallel.cross_entropy as ce
+import megatron.ops.cross_entropy as ce
 from megatron.config import Config, parse_config, validate
 from megatron.metrics import model_flops_per_token
-from megatron.model import build_model
 from megatron.model.init import init_value
+from megatron.parallelize_gpt import build_model
 from megatron.tensor_parallel import token_cross_entropy
 from tests.grads import assert_grads_close
 

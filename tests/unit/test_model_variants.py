@@ -18,10 +18,11 @@ from megatron.config.layer_split import recompute_plan, segment, stage_layers
 from megatron.inference import InferenceEngine, Request, SamplingParams
 from megatron.memory.model_states import parameters_per_rank
 from megatron.metrics import model_flops_per_token
-from megatron.model import build_model, num_parameters
+from megatron.model import num_parameters
 from megatron.model.gpt import GPTModel
 from megatron.model.rotary import RotaryEmbedding, apply_rotary
 from megatron.model.transformer import MLP, SelfAttention
+from megatron.parallelize_gpt import build_model
 from tests.distributed.harness import run_distributed
 from tests.grads import assert_grads_close
 

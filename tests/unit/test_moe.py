@@ -17,12 +17,12 @@ from megatron.config import ConfigError, parse_config, validate
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.inference import InferenceEngine, Request, SamplingParams
 from megatron.metrics import model_flops_per_token, scalars
-from megatron.model import build_model
 from megatron.model.gpt import GPTModel
 from megatron.model.init import init_parameters
 from megatron.model.transformer import MLP
 from megatron.moe.dispatch import kept_pairs
 from megatron.moe.router import get_capacity, scores_for_aux_loss
+from megatron.parallelize_gpt import build_model
 from tests.functional.launch import run_here
 
 H, E = 16, 4

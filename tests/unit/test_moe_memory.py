@@ -25,7 +25,7 @@ from megatron.memory.model_states import (
     step_transient_bytes,
 )
 from megatron.memory.moe import moe_dims
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.planner import Hardware, Layout, layout_time, plan_layouts
 from tests.unit.test_activation_memory import LLAMA, RECOMPUTE, make_config, measured_bytes
 

@@ -14,8 +14,9 @@ from torch import nn
 from megatron.config import Config, ConfigError, parse_config, validate
 from megatron.data.future_tokens import future_fields
 from megatron.data.loader import build_batch
-from megatron.model import build_model, mtp
+from megatron.model import mtp
 from megatron.model.mtp import MTPInputs
+from megatron.parallelize_gpt import build_model
 
 VOCAB, SEQ, EOD = 96, 12, 95
 SHAPE = ("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", str(VOCAB),

@@ -15,7 +15,7 @@ import torch
 import pretrain_gpt
 from megatron.config import ConfigError, parse_config, validate
 from megatron.metrics import get_logger
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.training import Trainer, set_seed
 from megatron.training.profiler import StepProfiler, trace_path
 

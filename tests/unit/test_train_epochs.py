@@ -16,7 +16,7 @@ from megatron.config import ConfigError, parse_config, validate
 from megatron.data.blended_dataset import build_datasets
 from megatron.data.indexed_dataset import DatasetError, IndexedDatasetWriter
 from megatron.metrics import get_logger
-from megatron.model import build_model
+from megatron.parallelize_gpt import build_model
 from megatron.tokenizer import configured_tokenizer
 from megatron.training import Trainer, set_seed
 

@@ -17,9 +17,9 @@ from megatron.data.loader import GlobalBatchSampler, build_batch, build_loader, 
 from megatron.data.mock_dataset import SUCCESSOR_PROBS, MockGPTDataset
 from megatron.distributed.parallelize import parallelize, plan_sharding
 from megatron.metrics import get_logger
-from megatron.model import build_model
 from megatron.optimizer import build_optimizer
 from megatron.parallel_state import single_process_state
+from megatron.parallelize_gpt import build_model
 from megatron.training import Trainer, set_seed, train_step
 from tests.grads import assert_grads_close
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 
 from megatron import file_lock
-from megatron.checkpoint import megatron_distrib_optim as distrib
-from megatron.checkpoint import megatron_schedule as schedules
 from megatron.checkpoint.convert import open_checkpoint, read_tensors, write_checkpoint, writes_into
 from megatron.checkpoint.converted_config import ToolError, model_base, shaped_config
-from megatron.checkpoint.megatron_args import model_flags as megatron_model_flags
-from megatron.checkpoint.megatron_args import saved_iteration
-from megatron.checkpoint.megatron_args import vocab_size as megatron_vocab_size
-from megatron.checkpoint.megatron_convert import (
+from megatron.checkpoint.megatron_lm import distrib_optim as distrib
+from megatron.checkpoint.megatron_lm import schedule as schedules
+from megatron.checkpoint.megatron_lm.args import model_flags as megatron_model_flags
+from megatron.checkpoint.megatron_lm.args import saved_iteration
+from megatron.checkpoint.megatron_lm.args import vocab_size as megatron_vocab_size
+from megatron.checkpoint.megatron_lm.convert import (
     export_optimizer,
     export_state,
     fit_vocab,
@@ -26,8 +26,8 @@ from megatron.checkpoint.megatron_convert import (
     schedule_state,
     write_export,
 )
-from megatron.checkpoint.megatron_experts import export_layout, megatron_flags
-from megatron.checkpoint.megatron_legacy import TRACKER
+from megatron.checkpoint.megatron_lm.experts import export_layout, megatron_flags
+from megatron.checkpoint.megatron_lm.legacy import TRACKER
 
 
 def from_megatron(path: str, out_dir: str, flags: list[str], force: bool = False, finetune: bool = False,

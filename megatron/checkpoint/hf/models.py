@@ -1,20 +1,18 @@
-"""Which Hugging Face mapping (``hf_*``) converts a model: by our ``ModelConfig`` (export) or by a ``config.json``
-(import: by its family, ``hf_config_checks.model_type_of``). The one place that decides it, for
-``tools/convert_checkpoint.py``."""
+"""Which Hugging Face family (a module of ``hf``, its ``FAMILY``) converts a model: by our ``ModelConfig`` (export)
+or by a ``config.json`` (import: by its family, ``config_checks.model_type_of``). The one place that decides it, for
+``tools/convert_checkpoint.py``: the registry of the families."""
 
 from __future__ import annotations
 
-from megatron.checkpoint import (
-    hf_deepseek,
-    hf_gpt2,
-    hf_gpt_oss,
-    hf_llama,
-    hf_mixtral,
-    hf_qwen3,
-    hf_qwen3_moe,
-    hf_qwen_moe,
-)
-from megatron.checkpoint.hf_config_checks import checked, model_type_of
+from megatron.checkpoint.hf import deepseek_v3 as hf_deepseek
+from megatron.checkpoint.hf import gpt2 as hf_gpt2
+from megatron.checkpoint.hf import gpt_oss as hf_gpt_oss
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf import mixtral as hf_mixtral
+from megatron.checkpoint.hf import qwen2_moe as hf_qwen_moe
+from megatron.checkpoint.hf import qwen3 as hf_qwen3
+from megatron.checkpoint.hf import qwen3_moe as hf_qwen3_moe
+from megatron.checkpoint.hf.config_checks import checked, model_type_of
 
 
 def converter_for_model(model_cfg):

@@ -37,7 +37,7 @@ import json
 import math
 import reprlib
 
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf.common import ConversionError
 from megatron.checkpoint.small_files import UnsafeCheckpoint, read_small
 from megatron.config.bounds import size_problem
 from megatron.config.validate_attention import yarn_problem

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 from megatron.checkpoint.format import CheckpointError, file_inside, write_text
-from megatron.checkpoint.megatron_args import check_saved, iteration_problem
-from megatron.checkpoint.megatron_core_names import is_legacy_model_state, legacy_to_core_state
-from megatron.checkpoint.megatron_experts import check_copies, expert_ranks, local_names, merge_ep
+from megatron.checkpoint.megatron_lm.args import check_saved, iteration_problem
+from megatron.checkpoint.megatron_lm.core_names import is_legacy_model_state, legacy_to_core_state
+from megatron.checkpoint.megatron_lm.experts import check_copies, expert_ranks, local_names, merge_ep
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"

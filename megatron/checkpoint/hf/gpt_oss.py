@@ -48,9 +48,11 @@ import math
 
 import torch
 
-from megatron.checkpoint import hf_llama
-from megatron.checkpoint.hf_common import ConversionError, check_names, to_flags
-from megatron.checkpoint.hf_config_checks import DEFAULTS
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
+from megatron.checkpoint.hf.config_checks import DEFAULTS
+from megatron.checkpoint.hf.mapping import BLOCK, Extra, Family, rule
+from megatron.checkpoint.hf.transforms import TRANSPOSED
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_attention import parse_window, window_layers
 from megatron.config.validate_moe import moe_layer_pattern
@@ -61,9 +63,6 @@ _ARCH = f"Hugging Face gpt-oss ({ARCHITECTURE})"
 _HINT = "check num_hidden_layers, num_local_experts and tie_word_embeddings"
 ALPHA = 1.702  # the quick GELU's sigmoid gain, ours and gpt-oss's
 SLIDING, FULL = "sliding_attention", "full_attention"
-# our expert tensor (after "experts.{i}.") -> (Hugging Face's fused tensor after "mlp.experts.", transposed)
-_EXPERTS = {"dense_h_to_4h.weight": ("gate_up_proj", True), "dense_h_to_4h.bias": ("gate_up_proj_bias", False),
-            "dense_4h_to_h.weight": ("down_proj", True), "dense_4h_to_h.bias": ("down_proj_bias", False)}
 # GptOssConfig's defaults for the keys a config.json may leave out (hf_config_checks.DEFAULTS, where every family's are)
 _DEFAULTS = {k: v for k, v in DEFAULTS["gpt_oss"].items() if k not in ("rope_parameters", "default_theta")}
 _DEFAULT_ROPE, _DEFAULT_THETA = DEFAULTS["gpt_oss"]["rope_parameters"], DEFAULTS["gpt_oss"]["default_theta"]
@@ -129,84 +128,45 @@ def check_model(model_cfg: ModelConfig) -> None:
     hf_llama.dims(m)
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global name -> the Hugging Face name(s) it holds, but for the experts (``expert_names``): ``hf_llama``'s
-    attention, norms, embedding and head, each layer's sinks and router."""
-    m = model_cfg
-    names = {ours: theirs for ours, theirs in hf_llama.name_map(m).items() if ".mlp." not in ours}
-    for n in range(m.num_layers):
-        ours, theirs = f"layers.{n}.", f"model.layers.{n}."
-        if m.softmax_type == "learnable":
-            names[ours + "self_attention.softmax_offset"] = [theirs + "self_attn.sinks"]
-        for suffix in ("weight", "bias"):
-            names[f"{ours}mlp.router.{suffix}"] = [f"{theirs}mlp.router.{suffix}"]
-    return names
+def _f(m: ModelConfig) -> int:
+    return m.moe_ffn_hidden_size or m.ffn_hidden_size
 
 
-def expert_names(model_cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
-    """Hugging Face's fused expert tensor of ``layer`` -> our per-expert names it holds, in expert order."""
-    return {f"model.layers.{layer}.mlp.experts.{theirs}": [f"layers.{layer}.mlp.experts.{i}.{ours}"
-                                                           for i in range(model_cfg.num_experts)]
-            for ours, (theirs, _) in _EXPERTS.items()}
+EXPERT, HF_EXPERTS = "layers.{}.mlp.experts.{}.", "model.layers.{}.mlp.experts."
+# Llama's attention, norms, embedding and head (``hf_llama``); each layer's sinks and router; then each layer's
+# experts, one Hugging Face tensor stacking every expert's (transposed against ours), its shape per expert
+RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.decoder(mlp_layers=False), *hf_llama.FINAL, BLOCK,
+         rule("layers.{}.self_attention.softmax_offset", "model.layers.{}.self_attn.sinks",
+              when=lambda m: m.softmax_type == "learnable"),
+         rule("layers.{}.mlp.router.weight", "model.layers.{}.mlp.router.weight"),
+         rule("layers.{}.mlp.router.bias", "model.layers.{}.mlp.router.bias"),
+         rule(EXPERT + "dense_h_to_4h.weight", HF_EXPERTS + "gate_up_proj", TRANSPOSED,
+              shape=lambda m: (m.hidden_size, 2 * _f(m))),
+         rule(EXPERT + "dense_h_to_4h.bias", HF_EXPERTS + "gate_up_proj_bias", shape=lambda m: (2 * _f(m),)),
+         rule(EXPERT + "dense_4h_to_h.weight", HF_EXPERTS + "down_proj", TRANSPOSED,
+              shape=lambda m: (_f(m), m.hidden_size)),
+         rule(EXPERT + "dense_4h_to_h.bias", HF_EXPERTS + "down_proj_bias", shape=lambda m: (m.hidden_size,)))
 
 
-def _transposed(name: str) -> bool:
-    return name.endswith(("gate_up_proj", "down_proj"))
+def _check_zero_sinks(sinks, ctx, hf: dict, name: str) -> None:
+    if sinks is not None and torch.count_nonzero(sinks):
+        raise ConversionError(f"{name} is not zero, which softmax_type off-by-one is; import it with "
+                              f"softmax_type learnable.")
 
 
-def _sinks(model_cfg: ModelConfig) -> list[str]:
-    return [f"model.layers.{n}.self_attn.sinks" for n in range(model_cfg.num_layers)]
+# off-by-one: a zero sink logit per head, which our model holds no tensor for
+EXTRAS = (Extra("model.layers.{}.self_attn.sinks", lambda ctx, out, name: torch.zeros(ctx.m.num_attention_heads),
+                _check_zero_sinks, when=lambda m: m.softmax_type == "off-by-one"),)
 
 
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our global tensors -> a ``GptOssForCausalLM`` state dict (``lm_head.weight`` only when untied), every tensor
-    contiguous and in its own storage; off-by-one sinks written as zeros."""
-    check_model(model_cfg)
-    m, names = model_cfg, name_map(model_cfg)
-    fused = [expert_names(m, n) for n in range(m.num_layers)]
-    ours_experts = {name for layer in fused for parts in layer.values() for name in parts}
-    check_names(set(tensors), set(names) | ours_experts, "the checkpoint's tensors", "check num_layers and num_experts")
-    out = hf_llama.map_to_hf({name: tensors[name] for name in names}, names, m)
-    for layer in fused:
-        for theirs, parts in layer.items():
-            out[theirs] = torch.stack([tensors[p].t() if _transposed(theirs) else tensors[p] for p in parts]) \
-                .contiguous().clone()
-    if m.softmax_type == "off-by-one":  # a zero logit per head
-        out.update({sinks: torch.zeros(m.num_attention_heads) for sinks in _sinks(m)})
-    return out
-
-
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                       padded_vocab: int) -> dict[str, torch.Tensor]:
-    """A ``GptOssForCausalLM`` (or ``GptOssModel``) state dict -> our global tensors (fp32, the word embedding and an
-    untied output layer zero-padded to ``padded_vocab`` rows)."""
-    check_model(model_cfg)
-    m = model_cfg
+def prepare(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf_llama.strip_hf_prefix``; MXFP4-quantized experts refused."""
     hf = hf_llama.strip_hf_prefix(hf)
     quantized = sorted(k for k in hf if k.endswith(("_blocks", "_scales")))
     if quantized:
         raise ConversionError(f"the state dict holds MXFP4-quantized experts ({quantized[0]}); dequantize them to "
                               f"bfloat16 or float32 first, then import them.")
-    if m.softmax_type == "off-by-one":
-        for name in _sinks(m):
-            if name in hf and torch.count_nonzero(hf.pop(name)):
-                raise ConversionError(f"{name} is not zero, which softmax_type off-by-one is; import it with "
-                                      f"softmax_type learnable.")
-    h, f, e = m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size, m.num_experts
-    shapes = {"gate_up_proj": (e, h, 2 * f), "gate_up_proj_bias": (e, 2 * f), "down_proj": (e, f, h),
-              "down_proj_bias": (e, h)}
-    out = {}
-    for n in range(m.num_layers):
-        for theirs, parts in expert_names(m, n).items():
-            if theirs not in hf:
-                raise ConversionError(f"the Hugging Face state dict lacks {theirs!r}; {_HINT}.")
-            t, want = hf.pop(theirs).to(torch.float32), shapes[theirs.rsplit(".", 1)[1]]
-            if tuple(t.shape) != want:
-                raise ConversionError(f"{theirs} has shape {list(t.shape)}, expected {list(want)} (num_local_experts, "
-                                      f"hidden_size, intermediate_size).")
-            out.update({p: (t[i].t() if _transposed(theirs) else t[i]).contiguous().clone()
-                        for i, p in enumerate(parts)})
-    return {**hf_llama.map_from_hf(hf, name_map(m), m, padded_vocab, _HINT), **out}
+    return hf
 
 
 def _rope_parameters(model_cfg: ModelConfig) -> dict:
@@ -264,7 +224,7 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
 def window_values(config: dict, layers: int) -> dict:
     """Our ``window_size`` and ``window_attn_skip_freq`` for a config.json's ``sliding_window`` and ``layer_types``
     (GptOssConfig's default: sliding, full, sliding, ...)."""
-    types = config.get("layer_types") or [SLIDING if (n + 1) % 2 else FULL for n in range(layers)]
+    types = config.get("layer_types") or layer_pattern(layers, lambda n: SLIDING if (n + 1) % 2 else FULL)
     others = sorted({str(t)[:40] for t in types} - {SLIDING, FULL})
     if len(types) != layers or others:
         raise ConversionError(f"config.json's layer_types must give num_hidden_layers ({layers:,}) entries, each "
@@ -280,7 +240,7 @@ def window_values(config: dict, layers: int) -> dict:
     freq = None
     if not all(sliding):
         n = sliding.index(False) + 1  # the only skip frequency that can fit: the first full layer's number
-        fits = n > 1 and sliding == [(i + 1) % n != 0 for i in range(layers)]
+        fits = n > 1 and sliding == layer_pattern(layers, lambda i: (i + 1) % n != 0)
         freq = str(n) if fits else str([int(s) for s in sliding]).replace(" ", "")
     return {"window_size": f"{width - 1},0", "window_attn_skip_freq": freq}
 
@@ -356,3 +316,9 @@ def model_flags(config: dict) -> list[str]:
     unrounded = values.pop("yarn_correction_range_round_to_int", True) is False
     return to_flags({k: v for k, v in values.items() if v is not None}) + (
         ["--no-yarn-correction-range-round-to-int"] if unrounded else [])
+
+
+FAMILY = Family("gpt_oss", RULES, (), check_model, prepare, hf_llama.HF_WTE, hf_llama.HF_HEAD, hf_llama.tied_head,
+                extras=EXTRAS, hint=_HINT, export_hint="check num_layers and num_experts",
+                stack_hint=" (num_local_experts, hidden_size, intermediate_size)")
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

@@ -31,32 +31,36 @@ ours (global name, ``[out, in]`` Linear)         Hugging Face                   
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from megatron.checkpoint.hf_common import (
-    ConversionError,
-    check_names,
-    check_vocab_shape,
-    pad_vocab,
-    to_flags,
-    unpad_vocab,
-)
+from megatron.checkpoint.hf.common import ConversionError, to_flags
+from megatron.checkpoint.hf.mapping import Family, chain, renames, rule
+from megatron.checkpoint.hf.transforms import CONV1D, QKV_HEADS, VOCAB
 from megatron.config.schema import ModelConfig
 from megatron.model.blocks import gelu_approximation
 
 __all__ = ["ConversionError", "check_model", "from_hf_state_dict", "hf_config", "model_flags", "name_map",
            "strip_hf_prefix", "to_hf_state_dict"]
 
-# our name (after "layers.{i}.") -> Hugging Face name (after "transformer.h.{i}.")
+LAYER, HF_LAYER = "layers.{}.", "transformer.h.{}."
+# our name (after "layers.{}.") -> Hugging Face name (after "transformer.h.{}."), the transform of its weight and bias
 _LAYER_NAMES = {
-    "input_layernorm": "ln_1",
-    "self_attention.query_key_value": "attn.c_attn",
-    "self_attention.dense": "attn.c_proj",
-    "post_attention_layernorm": "ln_2",
-    "mlp.dense_h_to_4h": "mlp.c_fc",
-    "mlp.dense_4h_to_h": "mlp.c_proj",
+    "input_layernorm": ("ln_1", None),
+    "self_attention.query_key_value": ("attn.c_attn", chain(QKV_HEADS, CONV1D)),
+    "self_attention.dense": ("attn.c_proj", CONV1D),
+    "post_attention_layernorm": ("ln_2", None),
+    "mlp.dense_h_to_4h": ("mlp.c_fc", CONV1D),
+    "mlp.dense_4h_to_h": ("mlp.c_proj", CONV1D),
 }
-_TRANSPOSED = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+RULES = (rule("embedding.word_embeddings.weight", "transformer.wte.weight", VOCAB),
+         rule("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+         *[r for ours, (theirs, transform) in _LAYER_NAMES.items()
+           for r in renames({f"{ours}.weight": f"{theirs}.weight", f"{ours}.bias": f"{theirs}.bias"},
+                            *([transform] if transform else []), ours=LAYER, theirs=HF_LAYER)],
+         *renames({"final_layernorm.weight": "transformer.ln_f.weight",
+                   "final_layernorm.bias": "transformer.ln_f.bias"}))
 # Our activation: F.gelu(approximate="tanh"), or exact with --no-bias-gelu-fusion (blocks.gelu_approximation).
 # Hugging Face's names for the same functions.
 ACTIVATION = "gelu_new"
@@ -68,26 +72,7 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 def name_map(num_layers: int) -> dict[str, str]:
     """Our global parameter name -> the Hugging Face name, for every parameter of the model."""
-    names = {"embedding.word_embeddings.weight": "transformer.wte.weight",
-             "embedding.position_embeddings.weight": "transformer.wpe.weight"}
-    for i in range(num_layers):
-        for ours, theirs in _LAYER_NAMES.items():
-            for suffix in ("weight", "bias"):
-                names[f"layers.{i}.{ours}.{suffix}"] = f"transformer.h.{i}.{theirs}.{suffix}"
-    names["final_layernorm.weight"] = "transformer.ln_f.weight"
-    names["final_layernorm.bias"] = "transformer.ln_f.bias"
-    return names
-
-
-def _qkv_to_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rows ``[head, (q, k, v), head_dim]`` -> ``[(q, k, v), head, head_dim]`` (any trailing dims)."""
-    rest = t.shape[1:]
-    return t.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
-
-
-def _qkv_from_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rest = t.shape[1:]
-    return t.reshape(3, num_heads, -1, *rest).transpose(0, 1).reshape(t.shape)
+    return {ours: theirs for ours, (theirs,) in FAMILY.name_map(SimpleNamespace(num_layers=num_layers)).items()}
 
 
 def check_model(model_cfg: ModelConfig) -> None:
@@ -111,28 +96,6 @@ def check_model(model_cfg: ModelConfig) -> None:
                                   f"RMSNorm and swiglu together.")
 
 
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """Our global tensors (``{name: full tensor}``, e.g. a checkpoint's masters) -> a ``GPT2LMHeadModel``
-    state dict (without the tied ``lm_head.weight``), every tensor contiguous and in its own storage.
-
-    ``model_cfg``: our ``ModelConfig`` (num_layers, num_attention_heads and vocab_size are read)."""
-    check_model(model_cfg)
-    names = name_map(model_cfg.num_layers)
-    check_names(set(tensors), set(names), "the checkpoint's tensors")
-    heads, vocab = model_cfg.num_attention_heads, model_cfg.vocab_size
-    out = {}
-    for ours, theirs in names.items():
-        t = tensors[ours]
-        if ours == "embedding.word_embeddings.weight":
-            t = unpad_vocab(t, vocab, ours)
-        elif ours.endswith("query_key_value.weight") or ours.endswith("query_key_value.bias"):
-            t = _qkv_to_hf(t, heads)
-        if t.dim() == 2 and ours.rsplit(".", 1)[0].endswith(_TRANSPOSED):
-            t = t.t()
-        out[theirs] = t.contiguous().clone()
-    return out
-
-
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Normalise a Hugging Face GPT-2 state dict: ``GPT2Model`` keys (``h.0...``, as in the original
     ``gpt2`` repository) get the ``transformer.`` prefix; the causal-mask buffers are dropped."""
@@ -146,31 +109,10 @@ def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg, padded_vocab: int) -> dict[str, torch.Tensor]:
-    """A ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict -> our global tensors (fp32, the word
-    embedding zero-padded to ``padded_vocab`` rows). An untied ``lm_head.weight`` is refused: our LM
-    head is the word embedding."""
-    hf = strip_hf_prefix(hf)
-    names = {theirs: ours for ours, theirs in name_map(model_cfg.num_layers).items()}
-    head = hf.pop("lm_head.weight", None)
-    check_names(set(hf), set(names), "the Hugging Face state dict")
-    heads, vocab, hidden = model_cfg.num_attention_heads, model_cfg.vocab_size, model_cfg.hidden_size
-    wte = hf["transformer.wte.weight"]
-    check_vocab_shape(wte, "transformer.wte.weight", vocab, hidden, padded_vocab)
-    if head is not None and not torch.equal(head, wte):
+def tied_head(head: torch.Tensor, hf: dict) -> None:
+    if not torch.equal(head, hf["transformer.wte.weight"]):
         raise ConversionError("lm_head.weight differs from transformer.wte.weight: the model does not tie its LM "
                               "head to the word embedding, which this GPT always does.")
-    out = {}
-    for theirs, ours in names.items():
-        t = hf[theirs].to(torch.float32)
-        if t.dim() == 2 and ours.rsplit(".", 1)[0].endswith(_TRANSPOSED):
-            t = t.t()
-        if ours.endswith("query_key_value.weight") or ours.endswith("query_key_value.bias"):
-            t = _qkv_from_hf(t, heads)
-        if ours == "embedding.word_embeddings.weight":
-            t = pad_vocab(t, padded_vocab)
-        out[ours] = t.contiguous().clone()
-    return out
 
 
 def hf_config(model_cfg, dtype: str = "float32") -> dict:
@@ -238,3 +180,7 @@ def model_flags(config: dict) -> list[str]:
         raise ConversionError(f"config.json lacks {', '.join(missing)} (n_embd, n_layer, n_head, vocab_size, "
                               f"n_positions).")
     return to_flags(values) + (["--no-bias-gelu-fusion"] if activation in _EXACT_ACTIVATIONS else [])
+
+
+FAMILY = Family("gpt2", RULES, (), check_model, strip_hf_prefix, "transformer.wte.weight", "lm_head.weight", tied_head)
+to_hf_state_dict, from_hf_state_dict = FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

@@ -64,7 +64,7 @@ import re
 
 import torch
 
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf.common import ConversionError
 
 _LAYER, _CORE_LAYER = "layers.{}.", "decoder.layers.{}."
 _MTP_LAYER = "mtp.layers.{}.transformer_layer."  # a multi-token prediction module's decoder layer, on both sides

@@ -32,6 +32,11 @@ def check_names(got: set[str], want: set[str], what: str, hint: str = "check num
         raise ConversionError(f"{what} does not match the model configuration: {', '.join(parts)}; {hint}.")
 
 
+def layer_pattern(layers: int, keep) -> list:
+    """``[keep(0), keep(1), ..., keep(layers - 1)]``: a per-layer pattern a config.json describes by a rule."""
+    return list(map(keep, range(layers)))
+
+
 def unpad_vocab(t: torch.Tensor, vocab: int, name: str) -> torch.Tensor:
     """The first ``vocab`` rows of a ``[padded_vocab, h]`` tensor (the padding rows are dropped)."""
     if t.shape[0] < vocab:

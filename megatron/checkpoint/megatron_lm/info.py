@@ -18,15 +18,15 @@ import os
 import re
 
 from megatron.checkpoint.format import CheckpointError
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf.common import ConversionError
 
 _RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _BY_NAME = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|fp32_param|param)\.")
 
 
 def is_megatron(path: str) -> bool:
-    from megatron.checkpoint.megatron_dist import is_torch_dist
-    from megatron.checkpoint.megatron_legacy import TRACKER
+    from megatron.checkpoint.megatron_lm.dist import is_torch_dist
+    from megatron.checkpoint.megatron_lm.legacy import TRACKER
 
     if not os.path.isdir(path):
         return False
@@ -78,7 +78,7 @@ def _ranks(folder: str, args) -> str:
 
 
 def _legacy_optimizer(folder: str, head: dict) -> str:
-    from megatron.checkpoint.megatron_distrib_optim import FILE as DISTRIBUTED_FILE
+    from megatron.checkpoint.megatron_lm.distrib_optim import FILE as DISTRIBUTED_FILE
 
     entry = head.get("optimizer")
     first = next((n for n in sorted(os.listdir(folder)) if _RANK.match(n)), "")
@@ -96,7 +96,7 @@ def _legacy_optimizer(folder: str, head: dict) -> str:
 
 
 def _step(entry) -> str:
-    from megatron.checkpoint.megatron_optim import common_step
+    from megatron.checkpoint.megatron_lm.optim import common_step
 
     try:
         return f"Adam's step {common_step(entry, ''):g}"
@@ -105,8 +105,8 @@ def _step(entry) -> str:
 
 
 def _dist_optimizer(folder: str, common: dict) -> str:
-    from megatron.checkpoint.dcp_reader import SafeReader
-    from megatron.checkpoint.megatron_distrib_optim import OBJECT_KEY, bucketed, read_object
+    from megatron.checkpoint.megatron_lm.dcp_reader import SafeReader
+    from megatron.checkpoint.megatron_lm.distrib_optim import OBJECT_KEY, bucketed, read_object
 
     metadata = SafeReader(folder).read_metadata()
     keys = metadata.state_dict_metadata
@@ -130,7 +130,7 @@ def _dist_optimizer(folder: str, common: dict) -> str:
 
 
 def _scheduler(args, head: dict, iteration: int) -> str:
-    from megatron.checkpoint.megatron_schedule import megatron_schedule
+    from megatron.checkpoint.megatron_lm.schedule import megatron_schedule
 
     _, schedule, notes = megatron_schedule(args, head, iteration)
     if schedule is None:
@@ -150,10 +150,10 @@ def _converts(folder: str, read: tuple, convert: bool) -> str:
     OUT``); with ``convert`` (``--verify``), every tensor read as the conversion reads it
     (``megatron_convert.import_state``) and fitted to that configuration (``_check_fit``)."""
     from megatron.checkpoint.converted_config import ToolError, shaped_config
-    from megatron.checkpoint.megatron_args import model_flags
-    from megatron.checkpoint.megatron_dist import is_torch_dist
-    from megatron.checkpoint.megatron_legacy import rank_files
-    from megatron.checkpoint.megatron_schedule import megatron_schedule
+    from megatron.checkpoint.megatron_lm.args import model_flags
+    from megatron.checkpoint.megatron_lm.dist import is_torch_dist
+    from megatron.checkpoint.megatron_lm.legacy import rank_files
+    from megatron.checkpoint.megatron_lm.schedule import megatron_schedule
     from megatron.config import ConfigError
     from megatron.tokenizer import TokenizerError
 
@@ -169,7 +169,7 @@ def _converts(folder: str, read: tuple, convert: bool) -> str:
     if not convert:
         return ("converts: the model, by its args and rank files (tools/checkpoint_info.py --verify reads every "
                 "tensor as from-megatron does, and says whether its optimizer states convert)")
-    from megatron.checkpoint.megatron_convert import import_state
+    from megatron.checkpoint.megatron_lm.convert import import_state
 
     optimizer_err = None
     try:
@@ -195,8 +195,8 @@ def _check_fit(params: dict, args, config) -> None:
     (``megatron_convert.fit_vocab``), then every parameter of the configured model there (``convert.tensor_layout``),
     no other, each of its shape; CheckpointError in the writer's words otherwise."""
     from megatron.checkpoint.convert import check_names_fit, check_shape_fits, tensor_layout
-    from megatron.checkpoint.megatron_args import vocab_size
-    from megatron.checkpoint.megatron_convert import fit_vocab
+    from megatron.checkpoint.megatron_lm.args import vocab_size
+    from megatron.checkpoint.megatron_lm.convert import fit_vocab
 
     params = fit_vocab(params, vocab_size(args), config.padded_vocab_size)
     layout = tensor_layout(config)
@@ -210,8 +210,8 @@ def describe(path: str, convert: bool = False) -> list[str]:
     itself is read by the converter's own readers (``megatron_legacy.first_file``, ``megatron_dist.dist_head``: the
     files inside the folder, the args' sizes bounded, the iteration checked), so a crafted folder is refused here as
     there, in one line."""
-    from megatron.checkpoint.megatron_dist import dist_head, is_torch_dist
-    from megatron.checkpoint.megatron_legacy import first_file, iteration_folder
+    from megatron.checkpoint.megatron_lm.dist import dist_head, is_torch_dist
+    from megatron.checkpoint.megatron_lm.legacy import first_file, iteration_folder
 
     folder = iteration_folder(path)
     if is_torch_dist(folder):

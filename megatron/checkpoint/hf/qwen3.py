@@ -19,10 +19,9 @@ have biases on all or none, and Qwen3's MLP has none.
 
 from __future__ import annotations
 
-import torch
-
-from megatron.checkpoint import hf_llama
-from megatron.checkpoint.hf_common import ConversionError, to_flags
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf.common import ConversionError, to_flags
+from megatron.checkpoint.hf.mapping import Family, renames
 from megatron.config.schema import ModelConfig
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -38,24 +37,10 @@ def check_model(model_cfg: ModelConfig) -> None:
                               f"({ARCHITECTURE} has none in its MLP), so this checkpoint cannot be exported.")
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global parameter name -> the Hugging Face name(s) it holds: Llama's, and the two QK norms per layer."""
-    names = hf_llama.name_map(model_cfg)
-    for i in range(model_cfg.num_layers):
-        for ours, theirs in _QK_NORMS.items():
-            names[f"layers.{i}.self_attention.{ours}.weight"] = [f"model.layers.{i}.self_attn.{theirs}.weight"]
-    return names
-
-
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    check_model(model_cfg)
-    return hf_llama.map_to_hf(tensors, name_map(model_cfg), model_cfg)
-
-
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                       padded_vocab: int) -> dict[str, torch.Tensor]:
-    check_model(model_cfg)
-    return hf_llama.map_from_hf(hf_llama.strip_hf_prefix(hf), name_map(model_cfg), model_cfg, padded_vocab, _HINT)
+# Llama's names, and the two QK norms per layer (after Llama's, as our checkpoints hold them)
+QK_NORMS = renames({f"self_attention.{ours}.weight": f"self_attn.{theirs}.weight"
+                    for ours, theirs in _QK_NORMS.items()}, ours=hf_llama.LAYER, theirs=hf_llama.HF_LAYER)
+RULES = (*hf_llama.RULES, *QK_NORMS)
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
@@ -80,3 +65,8 @@ def model_flags(config: dict) -> list[str]:
         raise ConversionError("config.json sets attention_bias, but Qwen3's MLP has no bias and this GPT has biases "
                               "on every linear layer or none; the model cannot be imported.")
     return to_flags({**hf_llama.model_values({**config, "mlp_bias": False}), "qk_layernorm": True})
+
+
+FAMILY = Family("qwen3", RULES, hf_llama.KEYS, check_model, hf_llama.strip_hf_prefix, hf_llama.HF_WTE,
+                hf_llama.HF_HEAD, hf_llama.tied_head, hint=_HINT)
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

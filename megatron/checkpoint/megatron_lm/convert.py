@@ -37,21 +37,21 @@ from typing import NamedTuple
 
 import torch
 
-from megatron.checkpoint import megatron_distrib_optim as distrib
 from megatron.checkpoint.foreign_numbers import check_states, check_weights
 from megatron.checkpoint.format import CheckpointError, CheckpointReader, is_vocab_padded
-from megatron.checkpoint.hf_common import pad_vocab
-from megatron.checkpoint.megatron_args import to_args
-from megatron.checkpoint.megatron_core_names import (
+from megatron.checkpoint.hf.common import pad_vocab
+from megatron.checkpoint.megatron_lm import distrib_optim as distrib
+from megatron.checkpoint.megatron_lm.args import to_args
+from megatron.checkpoint.megatron_lm.core_names import (
     expert_bias_state,
     expert_biases_from_core,
     from_megatron_core_state,
     is_gated,
     to_megatron_core_state,
 )
-from megatron.checkpoint.megatron_dist import is_torch_dist, read_torch_dist, write_torch_dist
-from megatron.checkpoint.megatron_experts import expert_shards, files_differ
-from megatron.checkpoint.megatron_legacy import (
+from megatron.checkpoint.megatron_lm.dist import is_torch_dist, read_torch_dist, write_torch_dist
+from megatron.checkpoint.megatron_lm.experts import expert_shards, files_differ
+from megatron.checkpoint.megatron_lm.legacy import (
     DISTRIBUTED,
     EXPERT_LAYOUT,
     EXPERT_LAYOUT_WHY,
@@ -62,7 +62,7 @@ from megatron.checkpoint.megatron_legacy import (
     read_shards,
     write_shards,
 )
-from megatron.checkpoint.megatron_optim import (
+from megatron.checkpoint.megatron_lm.optim import (
     ADAM_KINDS,
     DAMAGED,
     MASTER,
@@ -76,7 +76,7 @@ from megatron.checkpoint.megatron_optim import (
     read_rank,
     structure,
 )
-from megatron.checkpoint.megatron_shards import cut, merge
+from megatron.checkpoint.megatron_lm.shards import cut, merge
 from megatron.config import Config
 from megatron.config.schema import padded_vocab_size
 
@@ -317,7 +317,7 @@ def _distributed_legacy_states(folder: str, shards: dict, head: dict, args, tp: 
 
 
 def _by_bucket(folder: str) -> str | None:
-    from megatron.checkpoint.dcp_reader import SafeReader
+    from megatron.checkpoint.megatron_lm.dcp_reader import SafeReader
 
     return distrib.bucketed(SafeReader(folder).read_metadata())
 
@@ -325,7 +325,7 @@ def _by_bucket(folder: str) -> str | None:
 def _distributed_dist_states(folder: str, args, whole: dict) -> OptimizerStates:
     """The distributed optimizer's states of a torch_dist folder by bucket (``dp_reshardable``), merged: the whole
     model cut as the args' tp x pp saved it, each rank's buckets read in its layout."""
-    from megatron.checkpoint.dcp_reader import SafeReader
+    from megatron.checkpoint.megatron_lm.dcp_reader import SafeReader
 
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpoint import hf_llama
-from megatron.checkpoint.hf_common import ConversionError, to_flags
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf.common import ConversionError, to_flags
+from megatron.checkpoint.hf.mapping import Family, rule
+from megatron.checkpoint.hf.transforms import GATE_UP
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import moe_layer_pattern
 
@@ -82,26 +84,12 @@ def check_model(model_cfg: ModelConfig) -> None:
             raise _refusal(setting, why)
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global parameter name -> the Hugging Face name(s) it holds: ``hf_llama``'s for everything but the MLP,
-    the router and experts of every layer in its place."""
-    m = model_cfg
-    names = {ours: theirs for ours, theirs in hf_llama.name_map(m).items() if ".mlp." not in ours}
-    for n in range(m.num_layers):
-        ours, theirs = f"layers.{n}.mlp.", f"model.layers.{n}.{MOE}."
-        names[ours + "router.weight"] = [theirs + "gate.weight"]
-        for i in range(m.num_experts):
-            names[f"{ours}experts.{i}.dense_h_to_4h.weight"] = [f"{theirs}experts.{i}.w1.weight",
-                                                               f"{theirs}experts.{i}.w3.weight"]
-            names[f"{ours}experts.{i}.dense_4h_to_h.weight"] = [f"{theirs}experts.{i}.w2.weight"]
-    return names
-
-
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our global tensors -> a ``MixtralForCausalLM`` state dict in the Hub's form (``lm_head.weight`` only when
-    untied), every tensor contiguous and in its own storage."""
-    check_model(model_cfg)
-    return hf_llama.map_to_hf(tensors, name_map(model_cfg), model_cfg)
+EXPERT, HF_EXPERT = "layers.{}.mlp.experts.{}.", f"model.layers.{{}}.{MOE}.experts.{{}}."
+# Llama's names but the MLP's (``hf_llama``), then each layer's router and experts (Hugging Face's w1, w3, w2)
+RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.decoder(mlp_layers=False), *hf_llama.FINAL,
+         rule("layers.{}.mlp.router.weight", f"model.layers.{{}}.{MOE}.gate.weight"),
+         rule(EXPERT + "dense_h_to_4h.weight", (HF_EXPERT + "w1.weight", HF_EXPERT + "w3.weight"), GATE_UP),
+         rule(EXPERT + "dense_4h_to_h.weight", HF_EXPERT + "w2.weight"))
 
 
 def unfuse_experts(prefix: str, tail: str, value: torch.Tensor,
@@ -132,14 +120,6 @@ def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         experts = unfuse_experts(f"{head}.{MOE}.", tail, value, ("w1", "w3", "w2"))
         out.update(experts if experts is not None else {f"{head}.{MOE}.{tail}": value})
     return out
-
-
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                       padded_vocab: int) -> dict[str, torch.Tensor]:
-    """A ``MixtralForCausalLM`` (or ``MixtralModel``) state dict, either form -> our global tensors (fp32, the word
-    embedding and an untied output layer zero-padded to ``padded_vocab`` rows)."""
-    check_model(model_cfg)
-    return hf_llama.map_from_hf(strip_hf_prefix(hf), name_map(model_cfg), model_cfg, padded_vocab, _HINT)
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
@@ -184,3 +164,8 @@ def model_flags(config: dict) -> list[str]:
     values.update({"num_experts": int(experts), "moe_router_topk": int(topk),
                    "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0))})
     return to_flags(values)
+
+
+FAMILY = Family("mixtral", RULES, hf_llama.KEYS, check_model, strip_hf_prefix, hf_llama.HF_WTE, hf_llama.HF_HEAD,
+                hf_llama.tied_head, hint=_HINT)
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

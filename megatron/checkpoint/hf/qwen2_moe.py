@@ -31,11 +31,15 @@ ours (layer N, expert i)                                Hugging Face (``model.la
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from megatron.checkpoint import hf_llama
-from megatron.checkpoint.hf_common import ConversionError, to_flags
-from megatron.checkpoint.hf_mixtral import unfuse_experts
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
+from megatron.checkpoint.hf.mapping import Extra, Family, layers_where, rule
+from megatron.checkpoint.hf.mixtral import unfuse_experts
+from megatron.checkpoint.hf.transforms import scaled
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import moe_layer_pattern
 
@@ -83,38 +87,42 @@ def check_router(model_cfg: ModelConfig, arch: str, family: str) -> None:
                                   f"exported.")
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global parameter name -> the Hugging Face name(s) it holds: ``hf_llama``'s for everything but the MoE
-    layers' MLP (a dense layer's MLP keeps Llama's names), the router, experts and shared expert in its place."""
-    m = model_cfg
-    pattern = _pattern(m)
-    names = {ours: theirs for ours, theirs in hf_llama.name_map(m).items()
-             if ".mlp." not in ours or not pattern[int(ours.split(".")[1])]}
-    for n in (n for n, is_moe in enumerate(pattern) if is_moe):
-        ours, theirs = f"layers.{n}.mlp.", f"model.layers.{n}.mlp."
-        names[ours + "router.weight"] = [theirs + "gate.weight"]
-        for expert in [f"experts.{i}." for i in range(m.num_experts)] + ["shared_expert."]:
-            names[f"{ours}{expert}dense_h_to_4h.weight"] = [f"{theirs}{expert}gate_proj.weight",
-                                                            f"{theirs}{expert}up_proj.weight"]
-            names[f"{ours}{expert}dense_4h_to_h.weight"] = [f"{theirs}{expert}down_proj.weight"]
-    return names
+moe_layers = layers_where(lambda m: _pattern(m))
+dense_layers = layers_where(lambda m: [not is_moe for is_moe in _pattern(m)])
+EXPERT, HF_EXPERT = "layers.{}.mlp.experts.{}.", "model.layers.{}.mlp.experts.{}."
+SHARED, HF_SHARED = "layers.{}.mlp.shared_expert.", "model.layers.{}.mlp.shared_expert."
 
 
-def _gates(model_cfg: ModelConfig) -> list[str]:
-    """The Hugging Face names of the shared experts' gates, one per MoE layer."""
-    return [f"model.layers.{n}.{GATE}" for n, is_moe in enumerate(_pattern(model_cfg)) if is_moe]
+def moe_mlp(shared: tuple[str, str] | None = (SHARED, HF_SHARED), layers=moe_layers, shared_down=None) -> list:
+    """A MoE layer's router, experts and (``shared``: our and Hugging Face's prefixes) shared expert, each with
+    Hugging Face's gate, up and down projections; ``shared_down``: the transform of the shared down projection."""
+    down, gate_up = hf_llama.mlp("weight", layers, EXPERT, HF_EXPERT)
+    rules = [rule("layers.{}.mlp.router.weight", "model.layers.{}.mlp.gate.weight", layers=layers), *gate_up, *down]
+    if shared is not None:
+        down, gate_up = hf_llama.mlp("weight", layers, *shared)
+        if shared_down is not None:
+            down = [dataclasses.replace(down[0], transform=shared_down)]
+        rules += [*gate_up, *down]
+    return rules
 
 
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our global tensors -> a ``Qwen2MoeForCausalLM`` state dict in the Hub's form (``lm_head.weight`` only when
-    untied): each shared expert's gate zeros and its ``down_proj`` doubled (see the module's docstring)."""
-    check_model(model_cfg)
-    out = hf_llama.map_to_hf(tensors, name_map(model_cfg), model_cfg)
-    for gate in _gates(model_cfg):
-        down = gate.replace(GATE, SHARED_DOWN)
-        out[down] = out[down] * 2.0
-        out[gate] = out[down].new_zeros(1, model_cfg.hidden_size)
-    return out
+def _zero_gate(ctx, out: dict, name: str) -> torch.Tensor:
+    return out[name.replace(GATE, SHARED_DOWN)].new_zeros(1, ctx.m.hidden_size)
+
+
+def _check_gate(weight, ctx, hf: dict, name: str) -> None:
+    if weight is None:
+        raise ConversionError(f"the Hugging Face state dict lacks {name!r}; {_HINT}.")
+    if torch.count_nonzero(weight):
+        raise ConversionError(f"{name} is not zero: this GPT's shared expert has no gate (Megatron-LM's "
+                              f"--moe-shared-expert-gate is not built), so the model cannot be imported.")
+
+
+# Llama's names, a dense layer's MLP as Llama's; a MoE layer's router, experts and shared expert, whose down
+# projection is doubled and whose gate (no tensor of ours) is zeros: see the module's docstring
+RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.decoder(mlp_layers=dense_layers), *hf_llama.FINAL,
+         *moe_mlp(shared_down=scaled(2.0)))
+EXTRAS = (Extra("model.layers.{}." + GATE, _zero_gate, _check_gate, layers=moe_layers),)
 
 
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -126,26 +134,6 @@ def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         experts = unfuse_experts(f"{head}.mlp.", tail, value, ("gate_proj", "up_proj", "down_proj")) if dot else None
         out.update(experts if experts is not None else {key: value})
     return out
-
-
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                       padded_vocab: int) -> dict[str, torch.Tensor]:
-    """A ``Qwen2MoeForCausalLM`` (or ``Qwen2MoeModel``) state dict, either form -> our global tensors (fp32, the
-    word embedding and an untied output layer zero-padded to ``padded_vocab`` rows). Every shared expert's gate
-    must be zeros (``down_proj`` is halved); ConversionError otherwise."""
-    check_model(model_cfg)
-    hf = strip_hf_prefix(hf)
-    for gate in _gates(model_cfg):
-        weight = hf.pop(gate, None)
-        if weight is None:
-            raise ConversionError(f"the Hugging Face state dict lacks {gate!r}; {_HINT}.")
-        if torch.count_nonzero(weight):
-            raise ConversionError(f"{gate} is not zero: this GPT's shared expert has no gate (Megatron-LM's "
-                                  f"--moe-shared-expert-gate is not built), so the model cannot be imported.")
-        down = gate.replace(GATE, SHARED_DOWN)
-        if down in hf:
-            hf[down] = hf[down].to(torch.float32) * 0.5
-    return hf_llama.map_from_hf(hf, name_map(model_cfg), model_cfg, padded_vocab, _HINT)
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
@@ -196,10 +184,15 @@ def model_flags(config: dict) -> list[str]:
         raise ConversionError(f"num_experts_per_tok ({topk}) must be from 1 to num_experts ({experts}).")
     values = hf_llama.model_values({**config, "attention_bias": False, "mlp_bias": False})
     step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
-    pattern = [int(n not in dense and (n + 1) % step == 0) for n in range(values["num_layers"])]
+    pattern = layer_pattern(values["num_layers"], lambda n: int(n not in dense and (n + 1) % step == 0))
     values.update({"num_experts": int(experts), "moe_router_topk": int(topk), "moe_ffn_hidden_size": int(width),
                    "moe_shared_expert_intermediate_size": int(shared),
                    "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
                    "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
                    "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0))})
     return to_flags(values)
+
+
+FAMILY = Family("qwen2_moe", RULES, hf_llama.KEYS, check_model, strip_hf_prefix, hf_llama.HF_WTE, hf_llama.HF_HEAD,
+                hf_llama.tied_head, extras=EXTRAS, hint=_HINT)
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

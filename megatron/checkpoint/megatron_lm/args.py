@@ -38,7 +38,7 @@ import argparse
 import torch
 
 from megatron.checkpoint.format import CheckpointError
-from megatron.checkpoint.hf_common import ConversionError
+from megatron.checkpoint.hf.common import ConversionError
 from megatron.config.bounds import MAX_STEPS, MAXIMA, check_sizes, size_problem
 from megatron.config.schema import ModelConfig, padded_vocab_size
 from megatron.config.validate_attention import parse_window

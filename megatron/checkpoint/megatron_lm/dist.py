@@ -47,11 +47,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron.checkpoint.dcp_reader import CheckpointException, SafeReader, load_error
 from megatron.checkpoint.format import CheckpointError, file_inside, write_text
-from megatron.checkpoint.megatron_args import check_saved
-from megatron.checkpoint.megatron_legacy import CHECKPOINT_VERSION, TRACKER, safe_load
-from megatron.checkpoint.megatron_optim import NO_OPTIM
+from megatron.checkpoint.megatron_lm.args import check_saved
+from megatron.checkpoint.megatron_lm.dcp_reader import CheckpointException, SafeReader, load_error
+from megatron.checkpoint.megatron_lm.legacy import CHECKPOINT_VERSION, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.optim import NO_OPTIM
 
 # what Megatron-LM's save records of its sharded state dict's layout (get_sharded_sd_metadata, no distributed
 # optimizer), so that its load builds the same keys: the layers stacked (or per layer: non-homogeneous), no prefix

@@ -39,26 +39,71 @@ from __future__ import annotations
 
 import torch
 
-from megatron.checkpoint.hf_common import (
-    ConversionError,
-    check_names,
-    check_vocab_shape,
-    pad_vocab,
-    to_flags,
-    unpad_vocab,
-)
+from megatron.checkpoint.hf.common import ConversionError, to_flags
+from megatron.checkpoint.hf.mapping import Family, Key, config_in, config_out, renames, rule
+from megatron.checkpoint.hf.transforms import GATE_UP, QKV_GROUPS, VOCAB
 from megatron.config.schema import ModelConfig
 
 WTE, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
 HF_WTE, HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")  # the same name after "[model.]layers.{i}."
-# our linear (after "layers.{i}.") -> Hugging Face's (after "model.layers.{i}."), one to one
-_LINEARS = {"self_attention.dense": "self_attn.o_proj", "mlp.dense_4h_to_h": "mlp.down_proj"}
-_QKV, _H_TO_4H = "self_attention.query_key_value", "mlp.dense_h_to_4h"
 _HINT = "check num_hidden_layers, attention_bias / mlp_bias and tie_word_embeddings"
 # Buffers older Hugging Face Llama checkpoints carry, which are not weights.
 _BUFFERS = ("rotary_emb.inv_freq",)
 ACTIVATION = "silu"
+LAYER, HF_LAYER = "layers.{}.", "model.layers.{}."
+
+
+def untied(m: ModelConfig) -> bool:
+    return bool(m.untie_embeddings_and_output_weights)
+
+
+def biased(m: ModelConfig) -> bool:
+    return not m.disable_bias_linear
+
+
+WORD_EMBEDDING = rule(WTE, HF_WTE, VOCAB)
+# the final norm and an untied head, after the layers
+FINAL = [rule("final_layernorm.weight", "model.norm.weight"), rule(HEAD, HF_HEAD, VOCAB, when=untied)]
+NORMS = renames({norm: norm for norm in _NORMS}, ours=LAYER, theirs=HF_LAYER)
+
+
+def attention(suffix: str, when=None) -> tuple[list, list]:
+    """The attention's ``suffix`` (weight, bias) tensors: (the output, the fused query/key/value split by group)."""
+    return ([rule(f"{LAYER}self_attention.dense.{suffix}", f"{HF_LAYER}self_attn.o_proj.{suffix}", when=when)],
+            [rule(f"{LAYER}self_attention.query_key_value.{suffix}",
+                  tuple(f"{HF_LAYER}self_attn.{p}_proj.{suffix}" for p in "qkv"), QKV_GROUPS, when=when)])
+
+
+def mlp(suffix: str, layers=None, ours: str = LAYER + "mlp.", theirs: str = HF_LAYER + "mlp.",
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), when=None) -> tuple[list, list]:
+    """A SwiGLU MLP's ``suffix`` tensors (``ours`` / ``theirs``: its prefixes; ``names``: Hugging Face's gate, up and
+    down projections): (the down projection as it is, the interleaved gate/up rows split)."""
+    gate, up, down = names
+    kw = {"when": when, **({"layers": layers} if layers is not None else {})}
+    return ([rule(f"{ours}dense_4h_to_h.{suffix}", f"{theirs}{down}.{suffix}", **kw)],
+            [rule(f"{ours}dense_h_to_4h.{suffix}", (f"{theirs}{gate}.{suffix}", f"{theirs}{up}.{suffix}"), GATE_UP,
+                  **kw)])
+
+
+def decoder(mlp_layers=None, bias=biased) -> list:
+    """A layer's rules in our checkpoints' order: the norms, then per suffix the output projections, the fused
+    query/key/value and gate/up (``mlp_layers``: the layers with a dense MLP, default every one; False: none)."""
+    rules = list(NORMS)
+    for suffix, when in (("weight", None), ("bias", bias)):
+        (dense, qkv), (down, gate_up) = attention(suffix, when), mlp(suffix, mlp_layers, when=when)
+        rules += [*dense, *(down if mlp_layers is not False else []), *qkv,
+                  *(gate_up if mlp_layers is not False else [])]
+    return rules
+
+
+RULES = (WORD_EMBEDDING, *decoder(), *FINAL)
+
+
+def tied_head(head: torch.Tensor, hf: dict) -> None:
+    if not torch.equal(head, hf[HF_WTE]):
+        raise ConversionError("lm_head.weight differs from model.embed_tokens.weight although config.json ties them "
+                              "(tie_word_embeddings); set tie_word_embeddings false to import an untied head.")
 
 
 def is_llama_shaped(model_cfg: ModelConfig) -> bool:
@@ -100,74 +145,6 @@ def dims(model_cfg: ModelConfig) -> tuple[int, int, int]:
     return nq, ng, hd
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global parameter name -> the Hugging Face name(s) it holds, for every parameter of the model."""
-    m = model_cfg
-    suffixes = ("weight",) if m.disable_bias_linear else ("weight", "bias")
-    names = {WTE: [HF_WTE]}
-    for i in range(m.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for norm in _NORMS:
-            names[ours + norm] = [theirs + norm]
-        for suffix in suffixes:
-            for a, b in _LINEARS.items():
-                names[f"{ours}{a}.{suffix}"] = [f"{theirs}{b}.{suffix}"]
-            names[f"{ours}{_QKV}.{suffix}"] = [f"{theirs}self_attn.{p}_proj.{suffix}" for p in "qkv"]
-            names[f"{ours}{_H_TO_4H}.{suffix}"] = [f"{theirs}mlp.{p}_proj.{suffix}" for p in ("gate", "up")]
-    names["final_layernorm.weight"] = ["model.norm.weight"]
-    if m.untie_embeddings_and_output_weights:
-        names[HEAD] = [HF_HEAD]
-    return names
-
-
-def _qkv_to_hf(t: torch.Tensor, nq: int, ng: int) -> list[torch.Tensor]:
-    """Rows ``[ng, (r q, k, v), hd]`` -> q ``[nq * hd]``, k and v ``[ng * hd]`` rows (any trailing dims)."""
-    r, rest = nq // ng, t.shape[1:]
-    groups = t.reshape(ng, r + 2, -1, *rest)
-    return [groups[:, :r].reshape(-1, *rest), groups[:, r].reshape(-1, *rest), groups[:, r + 1].reshape(-1, *rest)]
-
-
-def _qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nq: int, ng: int) -> torch.Tensor:
-    r, rest = nq // ng, q.shape[1:]
-    parts = (q.reshape(ng, r, -1, *rest), k.reshape(ng, 1, -1, *rest), v.reshape(ng, 1, -1, *rest))
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our global tensors (``{name: full tensor}``, e.g. a checkpoint's masters) -> a ``LlamaForCausalLM``
-    state dict (``lm_head.weight`` only when untied), every tensor contiguous and in its own storage."""
-    check_model(model_cfg)
-    return map_to_hf(tensors, name_map(model_cfg), model_cfg)
-
-
-def _is_gate_up(ours: str) -> bool:
-    """Whether our parameter is an MLP's (or an expert's) ``dense_h_to_4h`` of interleaved gate/up rows."""
-    return ours.rsplit(".", 1)[0].endswith("dense_h_to_4h")
-
-
-def map_to_hf(tensors: dict[str, torch.Tensor], names: dict[str, list[str]],
-              model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """``to_hf_state_dict`` by the name map ``names`` (ours -> Hugging Face's, as ``name_map``; a mapping built on
-    this one, ``hf_mixtral``, adds its own names): the word embedding and head unpadded, the fused query/key/value
-    split by group, an interleaved ``dense_h_to_4h`` split into its gate and up rows, the rest as they are."""
-    check_names(set(tensors), set(names), "the checkpoint's tensors", "check num_layers")
-    nq, ng, _ = dims(model_cfg)
-    out = {}
-    for ours, theirs in names.items():
-        t = tensors[ours]
-        if ours in (WTE, HEAD):
-            parts = [unpad_vocab(t, model_cfg.vocab_size, ours)]
-        elif _QKV in ours:
-            parts = _qkv_to_hf(t, nq, ng)
-        elif _is_gate_up(ours):
-            pairs = t.reshape(-1, 2, *t.shape[1:])  # row 2j: gate_j, row 2j + 1: up_j
-            parts = [pairs[:, 0], pairs[:, 1]]
-        else:
-            parts = [t]
-        out.update({name: part.contiguous().clone() for name, part in zip(theirs, parts)})
-    return out
-
-
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Normalise a Hugging Face Llama state dict: ``LlamaModel`` keys (``layers.0...``) get the
     ``model.`` prefix; rotary ``inv_freq`` buffers are dropped."""
@@ -175,82 +152,44 @@ def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for key, value in hf.items() if not key.endswith(_BUFFERS)}
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                       padded_vocab: int) -> dict[str, torch.Tensor]:
-    """A ``LlamaForCausalLM`` (or ``LlamaModel``) state dict -> our global tensors (fp32, the word
-    embedding and an untied output layer zero-padded to ``padded_vocab`` rows). With a tied head
-    (``untie_embeddings_and_output_weights`` off), an ``lm_head.weight`` must equal the embedding."""
-    check_model(model_cfg)
-    return map_from_hf(strip_hf_prefix(hf), name_map(model_cfg), model_cfg, padded_vocab, _HINT)
-
-
-def map_from_hf(hf: dict[str, torch.Tensor], names: dict[str, list[str]], model_cfg: ModelConfig,
-                padded_vocab: int, hint: str) -> dict[str, torch.Tensor]:
-    """``from_hf_state_dict`` by the name map ``names`` (see ``map_to_hf``) of a state dict whose keys carry the
-    ``model.`` prefix; ``hint`` ends the message of a state dict that does not match the names."""
-    hf = dict(hf)
-    tied_head = None if model_cfg.untie_embeddings_and_output_weights else hf.pop(HF_HEAD, None)
-    check_names(set(hf), {name for theirs in names.values() for name in theirs}, "the Hugging Face state dict", hint)
-    vocab, hidden = model_cfg.vocab_size, model_cfg.hidden_size
-    check_vocab_shape(hf[HF_WTE], HF_WTE, vocab, hidden, padded_vocab)
-    if HF_HEAD in hf:
-        check_vocab_shape(hf[HF_HEAD], HF_HEAD, vocab, hidden, padded_vocab)
-    if tied_head is not None and not torch.equal(tied_head, hf[HF_WTE]):
-        raise ConversionError("lm_head.weight differs from model.embed_tokens.weight although config.json ties them "
-                              "(tie_word_embeddings); set tie_word_embeddings false to import an untied head.")
-    nq, ng, _ = dims(model_cfg)
-    out = {}
-    for ours, theirs in names.items():
-        parts = [hf[name].to(torch.float32) for name in theirs]
-        if ours in (WTE, HEAD):
-            t = pad_vocab(parts[0], padded_vocab)
-        elif _QKV in ours:
-            t = _qkv_from_hf(*parts, nq, ng)
-        elif _is_gate_up(ours):
-            t = torch.stack(parts, dim=1).reshape(-1, *parts[0].shape[1:])
-        else:
-            t = parts[0]
-        out[ours] = t.contiguous().clone()
-    return out
+# config.json <-> our ModelConfig, both ways (a key with ``export`` only is derived or constant, written only)
+KEYS = (
+    Key("architectures", export=lambda m: ["LlamaForCausalLM"]),
+    Key("model_type", export=lambda m: "llama"),
+    Key("vocab_size", "vocab_size"),
+    Key("hidden_size", "hidden_size"),
+    Key("intermediate_size", "ffn_hidden_size"),
+    Key("num_hidden_layers", "num_layers"),
+    Key("num_attention_heads", "num_attention_heads"),
+    Key("num_key_value_heads", export=lambda m: dims(m)[1]),
+    Key("head_dim", export=lambda m: dims(m)[2]),
+    Key("max_position_embeddings", "max_position_embeddings"),
+    Key("rms_norm_eps", "layernorm_epsilon", default=1e-6),
+    Key("rope_theta", export=lambda m: float(m.rotary_base)),  # read back by _rope (which refuses any scaling)
+    Key("rope_scaling", export=lambda m: None),
+    Key("hidden_act", export=lambda m: ACTIVATION),
+    Key("attention_bias", export=biased),
+    Key("mlp_bias", export=biased),
+    Key("attention_dropout", "attention_probs_dropout_prob", default=0.0),
+    Key("initializer_range", "initializer_range", default=0.02),
+    Key("tie_word_embeddings", "untie_embeddings_and_output_weights", to_hf=lambda v: not v,
+        from_hf=lambda v: not v, default=False),
+    Key("bos_token_id", export=lambda m: None),  # to-hf sets both to the end-of-document id of the run's tokenizer
+    Key("eos_token_id", export=lambda m: None),
+    Key("pretraining_tp", export=lambda m: 1),
+    Key("use_cache", export=lambda m: True),
+    Key("torch_dtype", export=lambda m: None),  # hf_config's dtype
+)
+_LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32", moe: bool = False, qk_norm: bool = False) -> dict:
     """``config.json`` of the equivalent ``LlamaForCausalLM``; ``moe``: without the keys only Llama has (the base
     of the Mixtral, Qwen-MoE and Qwen3 configs); ``qk_norm``: as ``check_model``'s."""
     check_model(model_cfg, qk_norm=qk_norm)
-    m = model_cfg
-    nq, ng, hd = dims(m)
-    bias = not m.disable_bias_linear
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": nq,
-        "num_key_value_heads": ng,
-        "head_dim": hd,
-        "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": m.layernorm_epsilon,
-        "rope_theta": float(m.rotary_base),
-        "rope_scaling": None,
-        "hidden_act": ACTIVATION,
-        "attention_bias": bias,
-        "mlp_bias": bias,
-        "attention_dropout": m.attention_probs_dropout_prob,
-        "initializer_range": m.initializer_range,
-        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
-        "bos_token_id": None,  # to-hf sets both to the end-of-document id of the run's tokenizer
-        "eos_token_id": None,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "torch_dtype": dtype,
-    }
-    if moe:
-        for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
-            del cfg[llama_only]
-    return cfg
+    dims(model_cfg)
+    cfg = {**config_out(KEYS, model_cfg), "torch_dtype": dtype}
+    return {k: v for k, v in cfg.items() if not (moe and k in _LLAMA_ONLY)}
 
 
 def _rope(config: dict) -> float:
@@ -286,17 +225,11 @@ def model_values(config: dict) -> dict:
     if attention_bias != mlp_bias:
         raise ConversionError(f"config.json sets attention_bias={attention_bias} but mlp_bias={mlp_bias}; this GPT "
                               f"has biases on both or on neither (disable_bias_linear).")
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    read = config_in(KEYS, config)
+    hidden, heads = read["hidden_size"], read["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
-    values = {
-        "hidden_size": hidden,
-        "num_layers": config.get("num_hidden_layers"),
-        "num_attention_heads": heads,
-        "vocab_size": config.get("vocab_size"),
-        "max_position_embeddings": config.get("max_position_embeddings"),
-        "ffn_hidden_size": config.get("intermediate_size"),
-    }
+    values = {k: read[k] for k in _REQUIRED}
     missing = [k for k, v in values.items() if v is None]
     if missing:
         raise ConversionError(f"config.json lacks {', '.join(missing)} (hidden_size, num_hidden_layers, "
@@ -308,14 +241,20 @@ def model_values(config: dict) -> dict:
         "normalization": "RMSNorm",
         "swiglu": True,
         "rotary_base": _rope(config),
-        "layernorm_epsilon": config.get("rms_norm_eps", 1e-6),
+        "layernorm_epsilon": read["layernorm_epsilon"],
         "group_query_attention": kv_heads != heads,
         "num_query_groups": kv_heads if kv_heads != heads else None,
         "kv_channels": head_dim if head_dim * heads != hidden else None,
-        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "untie_embeddings_and_output_weights": read["untie_embeddings_and_output_weights"],
         "disable_bias_linear": not attention_bias,
         "hidden_dropout_prob": 0.0,  # Llama has no residual dropout
-        "attention_probs_dropout_prob": config.get("attention_dropout", 0.0),
-        "initializer_range": config.get("initializer_range", 0.02),
+        "attention_probs_dropout_prob": read["attention_probs_dropout_prob"],
+        "initializer_range": read["initializer_range"],
     })
     return {k: v for k, v in values.items() if v is not None}
+
+
+_REQUIRED = ("hidden_size", "num_layers", "num_attention_heads", "vocab_size", "max_position_embeddings",
+             "ffn_hidden_size")
+FAMILY = Family("llama", RULES, KEYS, check_model, strip_hf_prefix, HF_WTE, HF_HEAD, tied_head, hint=_HINT)
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

@@ -13,10 +13,11 @@ windows and an attention bias on import.
 
 from __future__ import annotations
 
-import torch
-
-from megatron.checkpoint import hf_llama, hf_qwen3, hf_qwen_moe
-from megatron.checkpoint.hf_common import ConversionError, to_flags
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf import qwen2_moe as hf_qwen_moe
+from megatron.checkpoint.hf import qwen3 as hf_qwen3
+from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
+from megatron.checkpoint.hf.mapping import BLOCK, Family
 from megatron.config.schema import ModelConfig
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -34,31 +35,9 @@ def check_model(model_cfg: ModelConfig) -> None:
     hf_qwen_moe.check_router(m, _ARCH, "Qwen3-MoE")
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Qwen3's names (``hf_qwen3``) but the MoE layers' MLP, the router and experts in its place."""
-    m = model_cfg
-    pattern = hf_qwen_moe._pattern(m)
-    names = {ours: theirs for ours, theirs in hf_qwen3.name_map(m).items()
-             if ".mlp." not in ours or not pattern[int(ours.split(".")[1])]}
-    for n in (n for n, is_moe in enumerate(pattern) if is_moe):
-        ours, theirs = f"layers.{n}.mlp.", f"model.layers.{n}.mlp."
-        names[ours + "router.weight"] = [theirs + "gate.weight"]
-        for i in range(m.num_experts):
-            names[f"{ours}experts.{i}.dense_h_to_4h.weight"] = [f"{theirs}experts.{i}.gate_proj.weight",
-                                                                f"{theirs}experts.{i}.up_proj.weight"]
-            names[f"{ours}experts.{i}.dense_4h_to_h.weight"] = [f"{theirs}experts.{i}.down_proj.weight"]
-    return names
-
-
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    check_model(model_cfg)
-    return hf_llama.map_to_hf(tensors, name_map(model_cfg), model_cfg)
-
-
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                       padded_vocab: int) -> dict[str, torch.Tensor]:
-    check_model(model_cfg)
-    return hf_llama.map_from_hf(hf_qwen_moe.strip_hf_prefix(hf), name_map(model_cfg), model_cfg, padded_vocab, _HINT)
+# Qwen3's names (``hf_qwen3``), a dense layer's MLP as Llama's; a MoE layer's router and experts (no shared expert)
+RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.decoder(mlp_layers=hf_qwen_moe.dense_layers), *hf_llama.FINAL,
+         *hf_qwen3.QK_NORMS, BLOCK, *hf_qwen_moe.moe_mlp(shared=None))
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
@@ -93,9 +72,14 @@ def model_flags(config: dict) -> list[str]:
         raise ConversionError(f"num_experts_per_tok ({topk}) must be from 1 to num_experts ({experts}).")
     layers = int(config["num_hidden_layers"])
     step, only_dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
-    pattern = [int(n not in only_dense and (n + 1) % step == 0) for n in range(layers)]
+    pattern = layer_pattern(layers, lambda n: int(n not in only_dense and (n + 1) % step == 0))
     return dense + to_flags({"num_experts": int(experts), "moe_router_topk": int(topk),
                              "moe_ffn_hidden_size": int(width),
                              "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
                              "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
                              "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0))})
+
+
+FAMILY = Family("qwen3_moe", RULES, hf_llama.KEYS, check_model, hf_qwen_moe.strip_hf_prefix, hf_llama.HF_WTE,
+                hf_llama.HF_HEAD, hf_llama.tied_head, hint=_HINT)
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

@@ -51,9 +51,23 @@ import math
 
 import torch
 
-from megatron.checkpoint import hf_llama, hf_qwen_moe
-from megatron.checkpoint.hf_common import ConversionError, to_flags
-from megatron.checkpoint.hf_config_checks import DEFAULTS
+from megatron.checkpoint.hf import llama as hf_llama
+from megatron.checkpoint.hf import qwen2_moe as hf_qwen_moe
+from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
+from megatron.checkpoint.hf.config_checks import DEFAULTS
+from megatron.checkpoint.hf.mapping import (
+    BLOCK,
+    Extra,
+    Family,
+    chain,
+    every_layer,
+    layers_where,
+    mtp_layers,
+    per_part,
+    renames,
+    rule,
+)
+from megatron.checkpoint.hf.transforms import GATE_UP
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import moe_layer_pattern
 from megatron.model.rotary import yarn_mscale
@@ -63,14 +77,6 @@ _HINT = "check num_hidden_layers, n_routed_experts, first_k_dense_replace, q_lor
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm
 BIAS = "mlp.gate.e_score_correction_bias"
 _DEFAULTS = DEFAULTS["deepseek_v3"]  # DeepseekV3Config's, for a key a config.json leaves out
-_ATTENTION = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "linear_q_up_proj": "q_b_proj",
-              "linear_q_proj": "q_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm",
-              "linear_kv_up_proj": "kv_b_proj", "dense": "o_proj"}
-_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-            "final_layernorm.weight": "shared_head.norm.weight"}
-_MTP_COPIES = {"embed_tokens.weight": hf_llama.HF_WTE, "shared_head.head.weight": hf_llama.HF_HEAD}
-
-
 def _refuse(setting: str, why: str) -> ConversionError:
     return ConversionError(f"{setting} has no {_ARCH} equivalent ({why}), so this checkpoint cannot be exported.")
 
@@ -109,7 +115,7 @@ def check_model(model_cfg: ModelConfig) -> None:
         (kind == "rope" and yarn_mscale(f, m.mscale_all_dim) != 1.0,
          f"rope_type rope with rotary_scaling_factor {f} and mscale_all_dim {m.mscale_all_dim}",
          "it scales the softmax by mscale(factor, mscale_all_dim)^2 with YaRN only"),
-        (pattern != [i >= first_dense for i in range(m.num_layers)], f"moe_layer_freq {m.moe_layer_freq}",
+        (pattern != layer_pattern(m.num_layers, lambda i: i >= first_dense), f"moe_layer_freq {m.moe_layer_freq}",
          "its dense layers are the first first_k_dense_replace")]
     if m.num_experts:
         n_group, topk_group = _groups(m)
@@ -129,66 +135,21 @@ def check_model(model_cfg: ModelConfig) -> None:
             raise _refuse(setting, why)
 
 
-def _layer_names(m: ModelConfig, ours: str, theirs: str, moe: bool) -> dict[str, list[str]]:
-    """One decoder layer's names (our prefix ``ours`` -> Hugging Face's ``theirs``)."""
-    names = {ours + norm: [theirs + norm] for norm in hf_llama._NORMS}
-    kept = ("linear_q_proj",) if m.q_lora_rank is None else ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
-    for a in (*kept, "linear_kv_down_proj", "kv_layernorm", "linear_kv_up_proj", "dense"):
-        names[f"{ours}self_attention.{a}.weight"] = [f"{theirs}self_attn.{_ATTENTION[a]}.weight"]
-    mlps = {"": ""}
-    if moe:
-        names[ours + "mlp.router.weight"] = [theirs + "mlp.gate.weight"]
-        mlps = {f"experts.{i}.": f"experts.{i}." for i in range(m.num_experts)}
-        if m.moe_shared_expert_intermediate_size:
-            mlps["shared_expert."] = "shared_experts."
-    for a, b in mlps.items():
-        names[f"{ours}mlp.{a}dense_h_to_4h.weight"] = [f"{theirs}mlp.{b}gate_proj.weight",
-                                                       f"{theirs}mlp.{b}up_proj.weight"]
-        names[f"{ours}mlp.{a}dense_4h_to_h.weight"] = [f"{theirs}mlp.{b}down_proj.weight"]
-    return names
-
-
 def _mtp_moe(m: ModelConfig) -> bool:
     """Whether the multi-token prediction layers are MoE layers: as the decoder's last layer."""
     return _moe_pattern(m)[-1]
 
 
-def name_map(model_cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global parameter name -> the Hugging Face name(s) it holds (not the copies an MTP layer stores)."""
-    m = model_cfg
-    names = {k: v for k, v in hf_llama.name_map(m).items() if not k.startswith("layers.")}
-    for n, moe in enumerate(_moe_pattern(m)):
-        names.update(_layer_names(m, f"layers.{n}.", f"model.layers.{n}.", moe))
-    for k in range(m.mtp_num_layers or 0):
-        ours, theirs = f"mtp.layers.{k}.", f"model.layers.{m.num_layers + k}."
-        names.update({ours + a: [theirs + b] for a, b in _MTP_OWN.items()})
-        names.update(_layer_names(m, ours + "transformer_layer.", theirs, _mtp_moe(m)))
-    return names
-
-
 def moe_layers(model_cfg: ModelConfig) -> list[int]:
     """The global indices of the MoE layers, the MTP layers' (num_layers + k) included."""
     m = model_cfg
-    mtp = [m.num_layers + k for k in range(m.mtp_num_layers or 0)] if _mtp_moe(m) else []
+    mtp = [b for _, b in mtp_layers(m)] if _mtp_moe(m) else []
     return [n for n, moe in enumerate(_moe_pattern(m)) if moe] + mtp
 
 
 def _latent_scale(model_cfg: ModelConfig) -> float:
     """c with ``rms(c x, 1e-6) = rms(x, layernorm_epsilon)``: transformers' latent norms take epsilon 1e-6."""
     return math.sqrt(LATENT_EPS / model_cfg.layernorm_epsilon)
-
-
-def _scale_latents(hf: dict[str, torch.Tensor], model_cfg: ModelConfig, factor: float) -> None:
-    """Multiply, in place in ``hf``, the rows of every down-projection that feed a latent norm by ``factor``."""
-    if factor == 1.0:
-        return
-    kv = model_cfg.kv_lora_rank
-    for name in list(hf):
-        if name.endswith("self_attn.q_a_proj.weight"):
-            hf[name] = hf[name].to(torch.float32) * factor
-        elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-            t = hf[name].to(torch.float32)
-            hf[name] = torch.cat([t[:kv] * factor, t[kv:]])
 
 
 def _shared_width(model_cfg: ModelConfig) -> tuple[int, int]:
@@ -198,84 +159,147 @@ def _shared_width(model_cfg: ModelConfig) -> tuple[int, int]:
     return n, n * unit - shared
 
 
-def to_hf_state_dict(tensors: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                     train_state: dict | None = None) -> dict[str, torch.Tensor]:
-    """Our global tensors (and the expert biases of a checkpoint's ``train_state``) -> a ``DeepseekV3ForCausalLM``
-    state dict in the Hub's form, MTP layers included (see the module's docstring)."""
-    check_model(model_cfg)
-    m = model_cfg
-    out = hf_llama.map_to_hf(tensors, name_map(m), m)
-    _scale_latents(out, m, _latent_scale(m))
-    saved = (train_state or {}).get("moe_expert_bias") or {}
-    n_shared, pad = _shared_width(m)
-    for n in moe_layers(m):
-        theirs = f"model.layers.{n}."
-        bias = saved.get(str(n)) if m.moe_router_enable_expert_bias else None
-        out[theirs + BIAS] = (torch.tensor(bias, dtype=torch.float32) if bias is not None
-                              else torch.zeros(m.num_experts, dtype=torch.float32))
-        shared = theirs + "mlp.shared_experts."
-        if not n_shared:  # transformers builds a shared expert of width 0
-            for proj, shape in (("gate_proj", (0, m.hidden_size)), ("up_proj", (0, m.hidden_size)),
-                                ("down_proj", (m.hidden_size, 0))):
-                out[f"{shared}{proj}.weight"] = torch.zeros(shape)
-        elif pad:
-            for proj in ("gate_proj", "up_proj"):
-                t = out[f"{shared}{proj}.weight"]
-                out[f"{shared}{proj}.weight"] = torch.cat([t, t.new_zeros(pad, t.shape[1])])
-            t = out[shared + "down_proj.weight"]
-            out[shared + "down_proj.weight"] = torch.cat([t, t.new_zeros(t.shape[0], pad)], dim=1)
-    head = out.get(hf_llama.HF_HEAD, out[hf_llama.HF_WTE])
-    for k in range(m.mtp_num_layers or 0):
-        theirs = f"model.layers.{m.num_layers + k}."
-        out[theirs + "embed_tokens.weight"] = out[hf_llama.HF_WTE].clone()
-        out[theirs + "shared_head.head.weight"] = head.clone()
-    return out
+# the transforms: the latent rows scaled (export by c, import by 1 / c), the rotary rows of a
+# ``rope_interleave: false`` folder interleaved (import), the shared expert padded to whole units (export)
+def _scale(t: torch.Tensor, m: ModelConfig, factor: float, rows: int | None = None) -> torch.Tensor:
+    """``t`` (fp32) with its first ``rows`` rows (all: None) times ``factor``; unchanged for a factor of 1."""
+    if factor == 1.0:
+        return t
+    t = t.to(torch.float32)
+    return t * factor if rows is None else torch.cat([t[:rows] * factor, t[rows:]])
 
 
-def _interleave_rope(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
-    """``rope_interleave: false`` weights (rotate-half pairs ``(j, j + dr/2)``) -> ours (pairs ``(2j, 2j + 1)``):
-    the rotary rows of every query projection (each head's last dr) and of ``kv_a_proj_with_mqa`` (its last dr)."""
-    m = model_cfg
-    dn, dr = m.qk_head_dim, m.qk_pos_emb_head_dim
-    order = torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], dim=1).flatten()
-    for name in list(hf):
-        t = hf[name]
-        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            heads = t.reshape(m.num_attention_heads, dn + dr, -1)
-            hf[name] = torch.cat([heads[:, :dn], heads[:, dn:][:, order]], dim=1).reshape(t.shape)
-        elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-            hf[name] = torch.cat([t[:-dr], t[-dr:][order]])
+def _rope_order(m: ModelConfig) -> torch.Tensor:
+    dr = m.qk_pos_emb_head_dim
+    return torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], dim=1).flatten()
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], model_cfg: ModelConfig, padded_vocab: int,
-                       rope_interleave: bool = True) -> dict[str, torch.Tensor]:
-    """A ``DeepseekV3ForCausalLM`` (or ``DeepseekV3Model``) state dict, either form of the experts -> our global
-    tensors (fp32, the word embedding and an untied head zero-padded to ``padded_vocab`` rows). The expert biases
-    are not parameters: ``expert_biases``."""
-    check_model(model_cfg)
-    m = model_cfg
-    hf = hf_qwen_moe.strip_hf_prefix(hf)  # the model. prefix, the experts in the Hub's form
-    for n in moe_layers(m):
-        hf.pop(f"model.layers.{n}.{BIAS}", None)  # checked by expert_biases
-        if not m.moe_shared_expert_intermediate_size:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                weight = hf.pop(f"model.layers.{n}.mlp.shared_experts.{proj}.weight", None)
-                if weight is not None and weight.numel():
-                    raise ConversionError(f"model.layers.{n}.mlp.shared_experts.{proj}.weight is not empty although "
-                                          f"config.json sets n_shared_experts 0; {_HINT}.")
-    for k in range(m.mtp_num_layers or 0):
-        for copy, main in _MTP_COPIES.items():
-            name = f"model.layers.{m.num_layers + k}.{copy}"
-            weight = hf.pop(name, None)
-            reference = hf.get(main, hf.get(hf_llama.HF_WTE))
-            if weight is not None and reference is not None and not torch.equal(weight, reference):
-                raise ConversionError(f"{name} differs from {main if main in hf else hf_llama.HF_WTE}: this GPT's "
-                                      f"multi-token prediction shares the model's embedding and head, so the model "
-                                      f"cannot be imported.")
-    if not rope_interleave:
-        _interleave_rope(hf, m)
-    _scale_latents(hf, m, 1.0 / _latent_scale(m))
-    return hf_llama.map_from_hf(hf, name_map(m), m, padded_vocab, _HINT)
+def _interleaved(ctx) -> bool:
+    return ctx.options.get("rope_interleave", True) is False
+
+
+def _query_rope(t: torch.Tensor, ctx) -> torch.Tensor:
+    """Rotate-half pairs ``(j, j + dr/2)`` -> ours ``(2j, 2j + 1)``: the last dr rows of each query head."""
+    if not _interleaved(ctx):
+        return t
+    m, dn = ctx.m, ctx.m.qk_head_dim
+    heads = t.reshape(m.num_attention_heads, dn + m.qk_pos_emb_head_dim, -1)
+    return torch.cat([heads[:, :dn], heads[:, dn:][:, _rope_order(m)]], dim=1).reshape(t.shape)
+
+
+def _kv_down_from_hf(t: torch.Tensor, ctx) -> torch.Tensor:
+    m, dr = ctx.m, ctx.m.qk_pos_emb_head_dim
+    if _interleaved(ctx):
+        t = torch.cat([t[:-dr], t[-dr:][_rope_order(m)]])
+    return _scale(t, m, 1.0 / _latent_scale(m), m.kv_lora_rank)
+
+
+Q_DOWN = per_part("latent scale", lambda t, ctx: _scale(t, ctx.m, _latent_scale(ctx.m)),
+                  lambda t, ctx: _scale(t, ctx.m, 1.0 / _latent_scale(ctx.m)))
+KV_DOWN = per_part("latent scale, rotary order", lambda t, ctx: _scale(t, ctx.m, _latent_scale(ctx.m),
+                                                                       ctx.m.kv_lora_rank), _kv_down_from_hf)
+Q_ROPE = per_part("rotary order", lambda t, ctx: t, _query_rope)
+
+
+def _pad(t: torch.Tensor, ctx, dim: int) -> torch.Tensor:
+    pad = _shared_width(ctx.m)[1]
+    if not pad or not _shared_width(ctx.m)[0]:
+        return t
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])] if dim == 0 else [t, t.new_zeros(t.shape[0], pad)], dim=dim)
+
+
+SHARED_UP = chain(GATE_UP, per_part("units padded", lambda t, ctx: _pad(t, ctx, 0), lambda t, ctx: t))
+SHARED_DOWN = per_part("units padded", lambda t, ctx: _pad(t, ctx, 1), lambda t, ctx: t)
+
+# (every, dense, MoE) layers of the decoder and of the MTP layers
+DECODER = (every_layer, layers_where(lambda m: [not x for x in _moe_pattern(m)]),
+           layers_where(_moe_pattern))
+MTP = (mtp_layers, lambda m: [] if _mtp_moe(m) else mtp_layers(m), lambda m: mtp_layers(m) if _mtp_moe(m) else [])
+
+
+def _swiglu(ours: str, theirs: str, layers) -> list:
+    down, gate_up = hf_llama.mlp("weight", layers, ours, theirs)
+    return [*gate_up, *down]
+
+
+def layer_rules(ours: str, theirs: str, layers: tuple) -> list:
+    """One decoder layer's rules (our prefix ``ours`` -> Hugging Face's ``theirs``; ``layers``: (every, dense, MoE)
+    layers they apply to), in our checkpoints' order."""
+    every, dense, moe = layers
+    q_lora, no_q_lora = (lambda m: m.q_lora_rank is not None), (lambda m: m.q_lora_rank is None)
+    o, h = ours + "self_attention.", theirs + "self_attn."
+    return [
+        *renames({norm: norm for norm in hf_llama._NORMS}, layers=every, ours=ours, theirs=theirs),
+        rule(o + "linear_q_proj.weight", h + "q_proj.weight", Q_ROPE, every, no_q_lora),
+        rule(o + "linear_q_down_proj.weight", h + "q_a_proj.weight", Q_DOWN, every, q_lora),
+        rule(o + "q_layernorm.weight", h + "q_a_layernorm.weight", layers=every, when=q_lora),
+        rule(o + "linear_q_up_proj.weight", h + "q_b_proj.weight", Q_ROPE, every, q_lora),
+        rule(o + "linear_kv_down_proj.weight", h + "kv_a_proj_with_mqa.weight", KV_DOWN, every),
+        *renames({"kv_layernorm.weight": "kv_a_layernorm.weight", "linear_kv_up_proj.weight": "kv_b_proj.weight",
+                  "dense.weight": "o_proj.weight"}, layers=every, ours=o, theirs=h),
+        *_swiglu(ours + "mlp.", theirs + "mlp.", dense),
+        rule(ours + "mlp.router.weight", theirs + "mlp.gate.weight", layers=moe),
+        *_swiglu(ours + "mlp.experts.{}.", theirs + "mlp.experts.{}.", moe),
+        rule(ours + "mlp.shared_expert.dense_h_to_4h.weight", (theirs + "mlp.shared_experts.gate_proj.weight",
+             theirs + "mlp.shared_experts.up_proj.weight"), SHARED_UP, moe, lambda m: bool(_shared_width(m)[0])),
+        rule(ours + "mlp.shared_expert.dense_4h_to_h.weight", theirs + "mlp.shared_experts.down_proj.weight",
+             SHARED_DOWN, moe, lambda m: bool(_shared_width(m)[0]))]
+
+
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "final_layernorm.weight": "shared_head.norm.weight"}
+# the embedding, the final norm and the head; every decoder layer; every MTP layer (DeepSeek's extra layers)
+RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.FINAL, *layer_rules("layers.{}.", "model.layers.{}.", DECODER), BLOCK,
+         *renames(_MTP_OWN, layers=mtp_layers, ours="mtp.layers.{}.", theirs="model.layers.{}."),
+         *layer_rules("mtp.layers.{}.transformer_layer.", "model.layers.{}.", MTP))
+
+# the Hugging Face tensors that hold none of our parameters
+def _moe_layers(m: ModelConfig) -> list[tuple[int, int]]:
+    return [(n, n) for n in moe_layers(m)]
+
+
+def _no_shared(m: ModelConfig) -> bool:
+    return not m.moe_shared_expert_intermediate_size
+
+
+def _bias(ctx, out: dict, name: str) -> torch.Tensor:
+    """The expert bias of the checkpoint's train state (zeros without our expert bias), fp32."""
+    m, saved = ctx.m, (ctx.train_state or {}).get("moe_expert_bias") or {}
+    bias = saved.get(name.split(".")[2]) if m.moe_router_enable_expert_bias else None
+    return torch.tensor(bias, dtype=torch.float32) if bias is not None else torch.zeros(m.num_experts,
+                                                                                         dtype=torch.float32)
+
+
+def _empty_shared(ctx, out: dict, name: str) -> torch.Tensor:
+    """transformers builds a shared expert of width 0 where there is none."""
+    h = ctx.m.hidden_size
+    return torch.zeros((h, 0) if name.endswith("down_proj.weight") else (0, h))
+
+
+def _check_empty(weight, ctx, hf: dict, name: str) -> None:
+    if weight is not None and weight.numel():
+        raise ConversionError(f"{name} is not empty although config.json sets n_shared_experts 0; {_HINT}.")
+
+
+def _copy_of(main: str) -> tuple:
+    """An MTP layer's copy of the embedding or the head: made from ``main``, and on import equal to it."""
+    def make(ctx, out: dict, name: str) -> torch.Tensor:
+        return out.get(main, out[hf_llama.HF_WTE]).clone()
+
+    def check(weight, ctx, hf: dict, name: str) -> None:
+        reference = hf.get(main, hf.get(hf_llama.HF_WTE))
+        if weight is not None and reference is not None and not torch.equal(weight, reference):
+            raise ConversionError(f"{name} differs from {main if main in hf else hf_llama.HF_WTE}: this GPT's "
+                                  f"multi-token prediction shares the model's embedding and head, so the model "
+                                  f"cannot be imported.")
+    return make, check
+
+
+EXTRAS = (Extra("model.layers.{}." + BIAS, _bias, lambda *args: None, _moe_layers),
+          *(Extra(f"model.layers.{{}}.mlp.shared_experts.{proj}.weight", _empty_shared, _check_empty, _moe_layers,
+                  _no_shared) for proj in ("gate_proj", "up_proj", "down_proj")),
+          Extra("model.layers.{}.embed_tokens.weight", *_copy_of(hf_llama.HF_WTE), mtp_layers),
+          Extra("model.layers.{}.shared_head.head.weight", *_copy_of(hf_llama.HF_HEAD), mtp_layers))
 
 
 def expert_biases(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict[str, list[float]]:
@@ -459,3 +483,16 @@ def model_flags(config: dict) -> list[str]:
         "moe_router_group_topk": topk_group if topk_group < n_group else None,
         "moe_router_topk_scaling_factor": scale if scale != 1.0 else None})
     return to_flags({name: v for name, v in values.items() if v is not None})
+
+
+def _train_state(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict:
+    """An import's train state: the expert biases (``expert_biases``), not parameters."""
+    biases = expert_biases(hf, model_cfg)
+    return {"consumed_samples": 0, "skipped_steps": 0, **({"moe_expert_bias": biases} if biases else {})}
+
+
+FAMILY = Family("deepseek_v3", RULES, (), check_model, hf_qwen_moe.strip_hf_prefix, hf_llama.HF_WTE,
+                hf_llama.HF_HEAD, hf_llama.tied_head, extras=EXTRAS, hint=_HINT, keeps_fp32=(BIAS,), holds_mtp=True,
+                mtp_layers_in=mtp_layers_in, train_state=_train_state,
+                options=lambda config: {"rope_interleave": config.get("rope_interleave", True) is not False})
+name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

@@ -54,7 +54,7 @@ import torch
 
 from megatron.checkpoint.foreign_numbers import check_state
 from megatron.checkpoint.format import CheckpointError, file_inside
-from megatron.checkpoint.megatron_optim import (
+from megatron.checkpoint.megatron_lm.optim import (
     ADAM_KINDS,
     DAMAGED,
     MASTER,
@@ -256,7 +256,7 @@ def _no_experts(args, where: str) -> None:
 
 
 def _step(entry, where: str) -> float:
-    from megatron.checkpoint.megatron_optim import common_step
+    from megatron.checkpoint.megatron_lm.optim import common_step
 
     return common_step(entry, f"{where} (the distributed optimizer's groups)")
 
@@ -294,7 +294,7 @@ def dist_states(folder: str, reader, metadata, args, shards: dict) -> tuple[dict
     states by bucket; ``shards``: the saving layout's ranks' state dicts (the whole model cut by the args)."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron.checkpoint.dcp_reader import CheckpointException, load_error
+    from megatron.checkpoint.megatron_lm.dcp_reader import CheckpointException, load_error
 
     _no_experts(args, folder)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
@@ -395,7 +395,7 @@ def fully_reshardable_common(present: list[bool], settings: dict, step: float) -
     """``common.pt``'s entries of a torch_dist export in the ``fully_reshardable`` layout (its states are
     ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``): the groups with the step, the sharding type, and the
     content metadata Megatron-LM's load builds its request from."""
-    from megatron.checkpoint.megatron_dist import CONTENT_METADATA
+    from megatron.checkpoint.megatron_lm.dist import CONTENT_METADATA
 
     entry = groups_entry(present, settings, step)
     entry["param_state_sharding_type"] = "fully_reshardable"
@@ -410,10 +410,10 @@ def write_legacy(out: str, step: int, shards: dict, args, extra: dict, optimizer
     groups as its ``optimizer`` entry and ``distrib_optim.pt`` beside it; ``optimizer``: {kind: the whole Megatron
     Core state dict} (the masters as ``fp32_param``). The iteration folder appears whole (``write_shards`` renames
     its ``.tmp`` folder, where the optimizer files are written first)."""
-    from megatron.checkpoint.megatron_core_names import is_gated
-    from megatron.checkpoint.megatron_legacy import rank_folder, write_shards
-    from megatron.checkpoint.megatron_optim import structure
-    from megatron.checkpoint.megatron_shards import cut
+    from megatron.checkpoint.megatron_lm.core_names import is_gated
+    from megatron.checkpoint.megatron_lm.legacy import rank_folder, write_shards
+    from megatron.checkpoint.megatron_lm.optim import structure
+    from megatron.checkpoint.megatron_lm.shards import cut
 
     pp, tied = args.pipeline_model_parallel_size, not args.untie_embeddings_and_output_weights
     final = os.path.join(out, f"iter_{step:07d}")

@@ -1,0 +1,38 @@
+"""Activation recompute applied to a built GPT, the recipe's step (torchtitan's ``apply_ac``): which decoder layers
+recompute what in the backward instead of keeping their activations (``recompute_granularity``, Megatron-LM's
+``recompute_method`` / ``recompute_num_layers`` and ``no_recompute_layers``: ``config.layer_split.recompute_plan``).
+
+Per layer (``TransformerDecoderLayer.recompute``): ``full`` (the whole layer), ``only_attn`` / ``full_attn`` (norm
+and attention block) or ``core_attn`` (softmax(QK^T)V only: the attention's ``recompute_core``); units of several
+layers (``uniform``) are checkpointed as one by the model (``GPTModel.recompute_units``). Multi-token prediction's
+layers recompute at the granularity itself. The recompute function is the model's ``Seams.checkpoint`` (the
+tracker's streams replayed: ``tensor_parallel.random.checkpoint``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megatron.config.layer_split import recompute_plan
+
+GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
+
+
+def apply_recompute(model: nn.Module, granularity: str | None, skip: list[int] | None = None,
+                    method: str | None = None, num_layers: int | None = None) -> nn.Module:
+    """Set what each decoder layer of ``model`` (a GPT or one pipeline chunk of it) recomputes; returns it."""
+    if granularity is not None and granularity not in GRANULARITIES:
+        raise ValueError(f"unknown recompute granularity {granularity!r}")
+    indices = [int(key) for key in model.layers]
+    per_layer, units = recompute_plan(indices, granularity, skip, method if granularity else None, num_layers)
+    for key, layer in model.layers.items():
+        _set(layer, per_layer[int(key)])
+    model.recompute_units = [[str(i) for i in unit] for unit in units]
+    for module in model.mtp.layers if getattr(model, "mtp", None) is not None else []:
+        _set(module.transformer_layer, granularity)
+    return model
+
+
+def _set(layer: nn.Module, granularity: str | None) -> None:
+    layer.recompute = granularity
+    layer.self_attention.recompute_core = granularity == "core_attn"

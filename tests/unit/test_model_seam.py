@@ -1,0 +1,95 @@
+"""The seam between the model and its parallel layouts (docs/architecture.md, "The plain GPT and its recipe"),
+checked on the source: the model is single-device code built from its configuration, the parallel axes are
+applied to it by one recipe (``megatron/parallelize_gpt.py``), and the packages below the model import nothing
+of it."""
+
+from __future__ import annotations
+
+import ast
+
+from tests.unit.test_structure import MODULES, ROOT, imports_of
+
+MODEL = sorted(m for m in MODULES if m == "megatron.model" or m.startswith("megatron.model."))
+# what the model may never import: the parallel packages' layers and collectives, the training loop, the CLI
+FORBIDDEN = ("megatron.tensor_parallel", "megatron.distributed", "megatron.pipeline_parallel", "megatron.training",
+             "megatron.config.cli", "megatron.parallelize_gpt", "megatron.checkpoint")
+# still imported, each to leave the model in a later step of the same change (issue 52): the context-parallel
+# split read from the rank grid (attention_plan), the attention kernels' plan, the recompute plan, the batch keys of
+# multi-token prediction. The list only shrinks.
+STILL_TO_MOVE = {
+    "megatron.model.gpt": {"megatron.parallel_state", "megatron.context_parallel.attention",
+                           "megatron.config.layer_split"},
+    "megatron.model.mla": {"megatron.context_parallel.attention"},
+    "megatron.model.transformer": {"megatron.context_parallel.attention"},
+    "megatron.model.mtp": {"megatron.data.future_tokens"},
+}
+
+
+ALLOWED = ("megatron.config.schema", "megatron.config.schema_model", "megatron.config.validate_attention",
+           "megatron.config.validate_moe")  # the configuration, and the rules that read it (which layers, ...)
+
+
+def _outside(module: str) -> set[str]:
+    return {m for m in imports_of(module)
+            if not m.startswith(("megatron.model", "megatron.ops", "megatron.moe")) and m not in ALLOWED}
+
+
+def test_the_model_imports_no_parallel_layer_training_or_cli():
+    for module in MODEL:
+        bad = sorted(m for m in imports_of(module) if m.startswith(FORBIDDEN))
+        assert not bad, f"{module} imports {bad}: the model is single-device code (parallelize_gpt applies layouts)"
+
+
+def test_what_the_model_still_imports_of_the_layouts_only_shrinks():
+    found = {module: _outside(module) for module in MODEL if _outside(module)}
+    assert found == STILL_TO_MOVE
+
+
+def test_moe_distributed_and_the_parallel_packages_import_nothing_of_the_model():
+    for package in ("megatron.moe", "megatron.distributed", "megatron.context_parallel", "megatron.ops",
+                    "megatron.tensor_parallel", "megatron.pipeline_parallel"):
+        for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
+            model = sorted(m for m in imports_of(module) if m.startswith("megatron.model"))
+            assert not model, f"{module} imports {model}"
+
+
+def _calls_of(name: str) -> list[str]:
+    """The files (repository-relative) that call ``name`` (a function, by its last dotted part)."""
+    files = [*ROOT.glob("megatron/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py"),
+             ROOT / "pretrain_gpt.py"]
+    callers = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if called == name:
+                    callers.append(str(path.relative_to(ROOT)))
+                    break
+    return sorted(callers)
+
+
+def test_one_recipe_applies_the_parallel_layouts():
+    assert _calls_of("apply_tensor_parallel") == ["megatron/parallelize_gpt.py"]
+    assert _calls_of("parallelize") == ["megatron/parallelize_gpt.py"]  # data parallelism / ZeRO's buffer and hooks
+    assert _calls_of("compile_model") == ["megatron/parallelize_gpt.py"]
+    assert _calls_of("apply_fp8") == ["megatron/parallelize_gpt.py"]
+
+
+def test_the_recipe_reads_in_short_functions():
+    tree = ast.parse((ROOT / "megatron" / "parallelize_gpt.py").read_text())
+    long = [(f.name, f.end_lineno - f.lineno + 1) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+            if f.end_lineno - f.lineno + 1 > 60]
+    assert not long, long
+
+
+def test_the_gpt_is_built_from_its_configuration_and_vocabulary():
+    from megatron.config import parse_config, validate
+    from megatron.model import GPTModel
+
+    config = parse_config(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--vocab-size", "100"])
+    validate(config, training_data=False)
+    model = GPTModel(config.model, config.padded_vocab_size)  # single-device: no rank grid needed
+    assert type(model.layers["0"].self_attention.query_key_value).__name__ == "Linear"
+    assert model(__import__("torch").zeros(1, 4, dtype=__import__("torch").long)).shape == (1, 4, 128)
