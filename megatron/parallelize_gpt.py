@@ -8,7 +8,9 @@ needs (``parallel_state`` is read here, once):
    (``pipeline_parallel.partition.stage_chunks``);
 2. each chunk built plain on the meta device (``model.gpt.GPTModel``), then split over the tensor-parallel group
    (``tensor_parallel.parallelize.apply_tensor_parallel``: the parallel layers from one table, the seams'
-   collectives), then materialised and initialised layout-invariantly (by parameter name: ``model.init``), or, under
+   collectives), its MoE layers cut to this rank's experts (``moe.parallelize.apply_expert_parallel``), its attention
+   given the context-parallel split (``context_parallel.parallelize``), its recompute set (``megatron.recompute``),
+   then materialised and initialised layout-invariantly (by parameter name: ``model.init``), or, under
    ZeRO stage 3, its initialisation deferred to the buffer's shards;
 3. FP8 matmuls in the tensor-parallel linear layers (``tensor_parallel.layers.apply_fp8``);
 4. ``--compile`` (``megatron.compile``).
@@ -31,12 +33,15 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config.schema import Config
+from megatron.context_parallel.parallelize import apply_context_parallel
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.model.gpt import GPTModel
 from megatron.model.init import defer_initialization, init_parameters, materialize
+from megatron.moe.parallelize import ExpertLayout, apply_expert_parallel
 from megatron.optimizer import build_optimizer
-from megatron.pipeline_parallel.partition import stage_chunks
+from megatron.pipeline_parallel.partition import cut_stage, stage_chunks
 from megatron.pipeline_parallel.schedules import forward_backward_no_pipelining, forward_backward_pipelining
+from megatron.recompute import apply_recompute
 from megatron.tensor_parallel.layers import apply_fp8
 from megatron.tensor_parallel.parallelize import apply_tensor_parallel
 
@@ -69,10 +74,12 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
     chunks = []
     for layers, first, last in stage_chunks(config, ps.pp_rank, ps.pp_size):
         with torch.device("meta"):
-            chunk = GPTModel(m, config.padded_vocab_size, recompute, config.no_recompute_layers, layers, first, last,
-                             config.recompute_method if recompute else None, config.recompute_num_layers,
-                             d.cp_comm_type)
+            chunk = cut_stage(GPTModel(m, config.padded_vocab_size), layers, first, last)
         apply_tensor_parallel(chunk, ps.group("tp") if ps.tp_size > 1 else None, d.sequence_parallel)
+        apply_expert_parallel(chunk, ExpertLayout.of(ps))
+        apply_context_parallel(chunk, ps.cp_size, ps.cp_rank, ps.group("cp"), d.cp_comm_type)
+        apply_recompute(chunk, recompute, config.no_recompute_layers, config.recompute_method,
+                        config.recompute_num_layers)
         if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
         else:
@@ -114,13 +121,16 @@ def parallelize_gpt(config: Config, device: torch.device, plan: ShardingPlan | N
                          forward_backward)
 
 
-def model_to_load(config: Config, tp_group=None, padded_vocab: int | None = None) -> nn.Module:
-    """The GPT of ``config`` on the meta device split over ``tp_group`` (None: whole), its values to come from a
-    checkpoint: what generation and the converters load into (each parameter's tensor-parallel attributes say
-    which slice it takes). ``padded_vocab``: the vocabulary rows (default: the configuration's)."""
+def model_to_load(config: Config, padded_vocab: int | None = None) -> nn.Module:
+    """The GPT of ``config`` on the meta device, split over the launch's tensor-parallel group (without sequence
+    parallelism) and its expert layout, its values to come from a checkpoint: what generation and the converters
+    load into (each parameter's tensor-parallel attributes say which slice it takes). ``padded_vocab``: the
+    vocabulary rows (default: the configuration's)."""
+    ps = parallel_state.get()
     with torch.device("meta"):
         model = GPTModel(config.model, config.padded_vocab_size if padded_vocab is None else padded_vocab)
-    return apply_tensor_parallel(model, tp_group, False)
+    apply_tensor_parallel(model, ps.group("tp") if ps.tp_size > 1 else None, False)
+    return apply_expert_parallel(model, ExpertLayout.of(ps))
 
 
 def _zero_expert_biases(chunk: nn.Module, device: torch.device | str) -> None:

@@ -155,7 +155,7 @@ def tensor_layout(config: Config, padded_vocab: int | None = None) -> dict[str, 
 
     if parallel_state.get().tp_size != 1:
         raise RuntimeError("tensor_layout builds the unsharded model: call it outside a tensor-parallel run.")
-    model = model_to_load(config, None, padded_vocab)
+    model = model_to_load(config, padded_vocab)
     return {name: (tuple(getattr(p, "full_shape", p.shape)),
                    p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
             for name, p in model.named_parameters()}

@@ -105,7 +105,7 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
         d.sharding.sharding_degree = 1
         config.use_recompute = False
         # on the meta device (no memory, no initialisation: every value comes from the checkpoint), then allocated
-        model = materialize(model_to_load(config, ps.group("tp") if ps.tp_size > 1 else None), "cpu")
+        model = materialize(model_to_load(config), "cpu")
         error = check_compatible(reader, model, ps, m.vocab_size, {n for n, _ in model.named_parameters()})
         if error is not None:
             raise CheckpointError(error)

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
-from megatron.config.layer_split import recompute_plan
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import TIED_EMBEDDING, attention_shape, shared_embedding_names  # noqa: F401
 from megatron.context_parallel.attention import AttentionPlan
@@ -71,23 +69,21 @@ class GPTModel(nn.Module):
     embedding, or of ``output_layer.weight`` [V_padded, h] when ``untie_embeddings_and_output_weights``;
     the loss is the vocabulary-parallel cross entropy (full logits never exist on one rank).
 
-    Recompute (``recompute`` granularity, Megatron-LM's ``recompute_method`` with ``full``): see
-    ``recompute_plan``; a unit of several layers is checkpointed as one (``_checkpointed_unit``).
+    Built whole, from its configuration alone; ``megatron.parallelize_gpt`` cuts it to a pipeline stage
+    (``pre_process``: it holds the embedding, ``post_process``: the head), splits it over the tensor-parallel ranks
+    (``seams``), sets the context-parallel split of its attention (``cp_size``, ``cp_rank``, ``cp_group``,
+    ``cp_comm_type``) and what recomputes (``recompute_units``: layers checkpointed together,
+    ``_checkpointed_unit``; ``megatron.recompute``).
     """
 
     seams = LOCAL
+    cp_size, cp_rank, cp_group, cp_comm_type = 1, 0, None, "p2p"  # context_parallel.apply_context_parallel
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, recompute: str | None = None,
-                 no_recompute_layers: list[int] | None = None, layers: range | None = None,
-                 pre_process: bool = True, post_process: bool = True, recompute_method: str | None = None,
-                 recompute_num_layers: int | None = None, cp_comm_type: str = "p2p"):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
         super().__init__()
-        self.cfg, self.cp_comm_type = cfg, cp_comm_type
-        self.pre_process, self.post_process = pre_process, post_process
+        self.cfg = cfg
+        self.pre_process = self.post_process = True  # the whole model (pipeline_parallel.partition.cut_stage)
         self.untied = cfg.untie_embeddings_and_output_weights
-        layers = range(cfg.num_layers) if layers is None else layers
-        per_layer, units = recompute_plan(layers, recompute, no_recompute_layers, recompute_method,
-                                          recompute_num_layers)
         if cfg.multi_latent_attention:  # the rotary channels of its queries and shared key (megatron.model.mla)
             from megatron.model.mla import yarn_settings
 
@@ -100,28 +96,20 @@ class GPTModel(nn.Module):
                                           yarn_of(cfg) if cfg.position_embedding_type == "yarn" else None)
         else:
             self.rotary = None
-        mtp = post_process and bool(cfg.mtp_num_layers)  # multi-token prediction: on the last stage, embedding too
-        if pre_process:
-            self.embedding = GPTEmbedding(cfg, padded_vocab_size)
-        elif mtp:  # a later stage holding the MTP modules: its own copy of the whole embedding
-            self.embedding = GPTEmbedding(cfg, padded_vocab_size)
-            for param in self.embedding.parameters():
-                param.tied_copy = True  # counted once (on the first stage) in the grad norm and checkpoints
-        elif post_process and not self.untied:  # a later stage holding the tied head: its own copy of the weight
-            self.embedding = TiedHeadWeight(padded_vocab_size, cfg.hidden_size)
+        self.embedding = GPTEmbedding(cfg, padded_vocab_size)
         # Keyed by global layer index, so parameter names are those of the whole model on every stage.
-        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i, per_layer[i]) for i in layers})
-        self.recompute_units = [[str(i) for i in unit] for unit in units]
-        if post_process:
-            self.final_layernorm = make_norm(cfg)
-            if self.untied:  # only its weight is used, by parallel_logits: [V_padded / tp, h] on this rank
-                self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
-        if (not self.untied or cfg.mtp_num_layers) and (pre_process or post_process):
-            # the two copies (first and last pipeline stage) have their gradients summed: finalize_grads
+        self.layers = nn.ModuleDict({str(i): TransformerDecoderLayer(cfg, i) for i in range(cfg.num_layers)})
+        self.recompute_units: list[list[str]] | None = None  # None: each layer its own unit
+        self.final_layernorm = make_norm(cfg)
+        if self.untied:  # only its weight is used, by parallel_logits: [V_padded / tp, h] on this rank
+            self.output_layer = nn.Linear(cfg.hidden_size, padded_vocab_size, bias=False)
+        if not self.untied or cfg.mtp_num_layers:
+            # under pipelining, the copies of the first and last stages have their gradients summed: finalize_grads
             shared = self.embedding.parameters() if cfg.mtp_num_layers else [self.embedding.word_embeddings.weight]
             for param in shared:
                 param.shared_embedding = True
-        self.mtp = MultiTokenPrediction(cfg, recompute) if mtp else None
+        # multi-token prediction (on the last stage: the embedding too)
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_num_layers else None
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
@@ -169,7 +157,7 @@ class GPTModel(nn.Module):
         x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         rotary = self.rotary(position_ids, x.dtype) if self.rotary is not None else None
         plan = self.attention_plan(document_ids) if kv_cache is None else None
-        for unit in self.recompute_units:
+        for unit in self.recompute_units or [[key] for key in self.layers]:
             layers = [self.layers[key] for key in unit]
             if len(layers) > 1 and kv_cache is None and torch.is_grad_enabled():
                 x = self.seams.checkpoint(_checkpointed_unit(layers), x, rotary, plan)
@@ -184,11 +172,10 @@ class GPTModel(nn.Module):
         """What this micro-batch's attention respects beyond causality (one plan for every layer): the
         context-parallel split of the launch and the packed documents; None for neither, unless layers have sliding
         windows or sinks (their blocks are planned whatever the layout)."""
-        ps = parallel_state.get()
         positional = self.cfg.attention_dropout_masks == "positional" and self.cfg.attention_probs_dropout_prob > 0
-        if ps.cp_size == 1 and document_ids is None and not attention_needs_plan(self.cfg) and not positional:
+        if self.cp_size == 1 and document_ids is None and not attention_needs_plan(self.cfg) and not positional:
             return None
-        return AttentionPlan(ps.cp_size, ps.cp_rank, ps.group("cp"), self.cp_comm_type, document_ids, positional)
+        return AttentionPlan(self.cp_size, self.cp_rank, self.cp_group, self.cp_comm_type, document_ids, positional)
 
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
@@ -199,17 +186,6 @@ class GPTModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """[V_padded / tp, h]: the output layer's weight, or the (tied) word embedding's."""
         return self.output_layer.weight if self.untied else self.embedding.word_embeddings.weight
-
-
-class TiedHeadWeight(nn.Module):
-    """The last pipeline stage's copy of the word embedding, named like the first stage's
-    (``embedding.word_embeddings.weight``) so it is initialised identically; the two copies'
-    gradients are summed over the embedding group before every optimizer step."""
-
-    def __init__(self, padded_vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(padded_vocab_size, hidden_size)
-        self.word_embeddings.weight.tied_copy = True  # counted once (on the first stage) in the grad norm
 
 
 def _checkpointed_unit(layers: list[nn.Module]) -> Callable:

@@ -73,8 +73,9 @@ class MultiLatentAttention(nn.Module):
     for column- / row-parallel ones and sets ``num_heads`` to this rank's."""
 
     seams = LOCAL
+    recompute_core = False  # megatron.recompute (core_attn)
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, layer_number: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_number: int = 0):
         super().__init__()
         self.layer_number = layer_number
         heads = cfg.num_attention_heads
@@ -94,7 +95,6 @@ class MultiLatentAttention(nn.Module):
         self.dense = nn.Linear(heads * self.dv, cfg.hidden_size, bias=not cfg.disable_bias_linear)
         self.scale = softmax_scale(cfg)
         self.attn_dropout = cfg.attention_probs_dropout_prob
-        self.recompute_core = recompute_core
         self.q_lora = cfg.q_lora_rank is not None
 
     def extra_repr(self) -> str:

@@ -73,14 +73,14 @@ class MultiTokenPredictionLayer(nn.Module):
 
     seams = LOCAL
 
-    def __init__(self, cfg: ModelConfig, depth: int, recompute: str | None = None):
+    def __init__(self, cfg: ModelConfig, depth: int):
         super().__init__()
         from megatron.model.transformer import TransformerDecoderLayer
 
         self.enorm = make_norm(cfg)
         self.hnorm = make_norm(cfg)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.transformer_layer = TransformerDecoderLayer(cfg, cfg.num_layers + depth, recompute)
+        self.transformer_layer = TransformerDecoderLayer(cfg, cfg.num_layers + depth)
         self.final_layernorm = make_norm(cfg)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None, plan=None) -> torch.Tensor:
@@ -96,10 +96,10 @@ class MultiTokenPrediction(nn.Module):
 
     seams = LOCAL
 
-    def __init__(self, cfg: ModelConfig, recompute: str | None = None):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_layers, self.factor = cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor
-        self.layers = nn.ModuleList(MultiTokenPredictionLayer(cfg, k, recompute)
+        self.layers = nn.ModuleList(MultiTokenPredictionLayer(cfg, k)
                                     for k in range(cfg.mtp_num_layers))
         self.scales: list[float] | None = None  # per depth; None: each micro-batch's own token mean
         self.reset_stats()

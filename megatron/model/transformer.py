@@ -37,7 +37,6 @@ from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
 from megatron.ops.activations import activate, mlp_activation
 
-RECOMPUTE_GRANULARITIES = ("full", "only_attn", "full_attn", "core_attn")
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
 
 
@@ -77,8 +76,9 @@ class SelfAttention(nn.Module):
     """
 
     seams = LOCAL
+    recompute_core = False  # recompute softmax(QK^T)V in the backward (megatron.recompute: core_attn)
 
-    def __init__(self, cfg: ModelConfig, recompute_core: bool = False, layer_number: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_number: int = 0):
         super().__init__()
         self.layer_number = layer_number  # the global layer index (the KV cache's key)
         nq, ng, hd = attention_shape(cfg)
@@ -89,7 +89,6 @@ class SelfAttention(nn.Module):
         self.query_key_value = nn.Linear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias)
         self.dense = nn.Linear(nq * hd, cfg.hidden_size, bias=bias)
         self.attn_dropout = cfg.attention_probs_dropout_prob
-        self.recompute_core = recompute_core
         self.rotary_interleaved = cfg.rotary_interleaved
         self.window = layer_window(cfg, layer_number)
         self.softmax_type = cfg.softmax_type
@@ -178,13 +177,13 @@ class SelfAttention(nn.Module):
         return self.dense(ctx)
 
 
-def make_attention(cfg: ModelConfig, recompute_core: bool, layer_number: int) -> nn.Module:
+def make_attention(cfg: ModelConfig, layer_number: int) -> nn.Module:
     """The one place that chooses a layer's attention: multi-latent (``megatron.model.mla``) or ``SelfAttention``;
     both take ``(x, kv_cache, rotary, plan)``, attend through ``planned_attention`` under a plan (context
     parallelism, packed documents) and say what the KV cache holds (``cache_shape``)."""
     if cfg.multi_latent_attention:
-        return MultiLatentAttention(cfg, recompute_core, layer_number)
-    return SelfAttention(cfg, recompute_core, layer_number)
+        return MultiLatentAttention(cfg, layer_number)
+    return SelfAttention(cfg, layer_number)
 
 
 class MLP(nn.Module):
@@ -220,15 +219,13 @@ class TransformerDecoderLayer(nn.Module):
     """
 
     seams = LOCAL
+    recompute: str | None = None  # megatron.recompute.apply_recompute
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, recompute: str | None = None):
+    def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
-        if recompute is not None and recompute not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"unknown recompute granularity {recompute!r}")
         self.layer_number = layer_number
-        self.recompute = recompute
         self.input_layernorm = make_norm(cfg)
-        self.self_attention = make_attention(cfg, recompute == "core_attn", layer_number)
+        self.self_attention = make_attention(cfg, layer_number)
         self.post_attention_layernorm = make_norm(cfg)
         if is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
             from megatron.moe.layer import MoELayer

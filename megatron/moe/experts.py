@@ -100,6 +100,7 @@ class Experts(nn.ModuleDict):
             raise ValueError(f"num_experts ({cfg.num_experts}) is not divisible by the expert-parallel size "
                              f"({ep_size})")
         per_rank = cfg.num_experts // ep_size
+        self.cfg = cfg
         self.local_range = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         super().__init__({str(i): ExpertMLP(cfg, etp_rank, etp_size) for i in self.local_range})
         self.grouped = cfg.moe_grouped_gemm  # None: where torch._grouped_mm is fast (``_grouped_mm_available``)

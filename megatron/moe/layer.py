@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
 from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.moe.dispatch import DISPATCHERS, Groups
@@ -52,19 +51,15 @@ class MoELayer(nn.Module):
     ``moe_shared_expert_intermediate_size``. The routed experts are this rank's share (``Experts``)."""
 
     sequence_parallel = False  # this rank's tokens are its sequence shard (set by ``tensor_parallel.parallelize``)
+    # one rank's layout; ``moe.parallelize.apply_expert_parallel`` sets this rank's (``ExpertLayout``)
+    tp_size, tp_group, token_group, token_share, batch_ranks = 1, None, None, True, 1
 
     def __init__(self, cfg: ModelConfig, make_mlp: Callable[..., nn.Module], layer_number: int = 0):
         super().__init__()
-        ps = parallel_state.get()
         self.layer_number = layer_number
-        self.tp_size, self.token_share = ps.tp_size, ps.tp_rank == 0 and ps.cp_rank == 0
-        self.groups = Groups(*(ps.group(n) if size > 1 else None for n, size in
-                               (("ep", ps.ep_size), ("etp", ps.etp_size), ("ep_etp", ps.ep_size * ps.etp_size))))
-        self.token_group = ps.group("tp_cp") if ps.tp_size * ps.cp_size > 1 else None
+        self.groups = Groups()
         self.router = TopKRouter(cfg)
-        if ps.tp_size > 1:  # each tensor-parallel rank routes its own share of the tokens
-            tp.mark_sequence_parallel(self.router)
-        self.experts = Experts(cfg, ps.ep_rank, ps.ep_size, ps.etp_rank, ps.etp_size)
+        self.experts = Experts(cfg)  # all of them, until the layout keeps this rank's
         self.dispatch = DISPATCHERS[cfg.moe_token_dispatcher_type]
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_expert = make_mlp(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None
@@ -94,10 +89,10 @@ class MoELayer(nn.Module):
         split = self.tp_size > 1 and not self.sequence_parallel
         if split:  # this rank's share of the sequence (padded to a multiple of tp: generation's short steps)
             pad = -x.shape[0] % self.tp_size
-            out = tp.scatter_to_sequence_region(F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x)
+            out = tp.scatter_to_sequence_region(F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x, self.tp_group)
         out = self._routed(out)
         if split:
-            out = tp.gather_from_sequence_region(out, tensor_parallel_output_grad=False)[: x.shape[0]]
+            out = tp.gather_from_sequence_region(out, self.tp_group, tensor_parallel_output_grad=False)[: x.shape[0]]
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.moe.layer import MoELayer
 from megatron.moe.router import set_aux_loss_scale
 
@@ -51,7 +50,7 @@ def before_step(model: nn.Module, micro_batches: int, dp_group, loss_scale: floa
     for layer in layers:
         layer.reset_stats()
     if layers:
-        set_aux_loss_scale(loss_scale / (micro_batches * parallel_state.get().data_parallel_size))
+        set_aux_loss_scale(loss_scale / (micro_batches * layers[0].batch_ranks))
 
 
 def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) -> dict | None:
@@ -69,7 +68,7 @@ def after_step(model: nn.Module, applied: bool, dp_group=None, pp_group=None) ->
             records[layer.layer_number, :-2] = layer.tokens_per_expert
             records[layer.layer_number, -2] = layer.balance_sum
         records[layer.layer_number, -1] = layer.micro_batches
-    tp_group = parallel_state.get().group("tp") if parallel_state.get().tp_size > 1 else None
+    tp_group = layers[0].tp_group if layers else None  # (a stage without MoE layers: its tp ranks have none either)
     for group in (dp_group, pp_group, tp_group):  # each rank routed its own tokens
         if group is not None:
             dist.all_reduce(records, group=group)

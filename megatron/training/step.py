@@ -14,14 +14,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import moe, parallel_state, watchdog
+from megatron import parallel_state, watchdog
 from megatron.config import Config
 from megatron.data.loader import build_loader, split_micro_batches
 from megatron.data.token_check import check_batch
 from megatron.distributed.data_parallel import DataParallel
 from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
-from megatron.model import mtp
+from megatron.model import step_hooks
 from megatron.optimizer import MixedPrecisionOptimizer, StepResult
 from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
 from megatron.training.stopping import SIGNALS
@@ -85,16 +85,14 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     optimizer.zero_grad()
     model.train()
     micro_batches = split_micro_batches(batch, micro_batch_size)
-    moe.before_step(model, len(micro_batches), dp_group, optimizer.loss_scale)  # MoE: the aux losses' gradient
-    mtp.before_step(model, batch, dp_group, optimizer.loss_scale)  # multi-token prediction: its losses' gradient
+    step_hooks.before_step(model, batch, len(micro_batches), dp_group, optimizer.loss_scale)  # MoE, MTP: their losses
     loss_sum = forward_backward(forward_step, micro_batches, model, num_tokens, optimizer.loss_scale)
     loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
     finalize_model_grads(model, parallel_state.get(), buffer)
     result = optimizer.step(lr, weight_decay)
-    result.moe = moe.after_step(model, result.applied, dp_group, pp_group)  # the log's MoE values, expert bias
-    result.mtp = mtp.after_step(model, dp_group, pp_group)  # the log's multi-token prediction losses
+    result.moe, result.mtp = step_hooks.after_step(model, result.applied, dp_group, pp_group)  # their log values
     return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
 

@@ -23,6 +23,7 @@ from megatron.model.gpt import GPTModel
 from megatron.model.rotary import RotaryEmbedding, apply_rotary
 from megatron.model.transformer import MLP, SelfAttention
 from megatron.parallelize_gpt import build_model
+from megatron.pipeline_parallel.partition import cut_stage
 from tests.distributed.harness import run_distributed
 from tests.grads import assert_grads_close
 
@@ -430,5 +431,5 @@ def test_parameters_per_rank_counts_the_built_stages(case):
     assert parameters_per_rank(config) == num_parameters(GPTModel(m, vp))
     bounds = segment(3, 2, config.distributed.pipeline_partition)
     for stage in range(2):
-        chunk = GPTModel(m, vp, layers=stage_layers(bounds, stage), pre_process=stage == 0, post_process=stage == 1)
+        chunk = cut_stage(GPTModel(m, vp), stage_layers(bounds, stage), stage == 0, stage == 1)
         assert parameters_per_rank(config, pp=2, pp_rank=stage) == num_parameters(chunk), stage

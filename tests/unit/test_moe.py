@@ -23,6 +23,7 @@ from megatron.model.transformer import MLP
 from megatron.moe.dispatch import kept_pairs
 from megatron.moe.router import get_capacity, scores_for_aux_loss
 from megatron.parallelize_gpt import build_model
+from megatron.recompute import apply_recompute
 from tests.functional.launch import run_here
 
 H, E = 16, 4
@@ -285,7 +286,9 @@ def _model(*flags):
     config = moe_config("--num-layers", "3", "--moe-layer-freq", "[1,0,1]", "--hidden-dropout-prob", "0",
                         "--attention-probs-dropout-prob", "0", "--moe-aux-loss-coeff", "0.1", *flags)
     parallel_state.initialize()
-    model = GPTModel(config.model, config.padded_vocab_size, *(("full",) if "--use-recompute" in flags else ()))
+    model = GPTModel(config.model, config.padded_vocab_size)
+    if "--use-recompute" in flags:
+        apply_recompute(model, "full")
     init_parameters(model, 7, config.model)
     return config, model
 
