@@ -72,7 +72,7 @@ def yarn_problem(factor: float, beta_fast: float, beta_slow: float,
     the ramp, interpolating the fast channels YaRN keeps and keeping the slow ones it interpolates. No published
     model has either, so refusing breaks none; a factor of 1 (no scaling) and equal betas (a step for a ramp) stay
     allowed. The one rule for our flags (``check_attention``) and a config.json
-    (``megatron/checkpoint/hf_config_checks.py``)."""
+    (``megatron/checkpoint/hf/config_checks.py``)."""
     factor_name, fast_name, slow_name = names
     if factor < 1:
         return (f"{factor_name} {factor} is below 1: YaRN extends the original context by this factor (1 leaves the "

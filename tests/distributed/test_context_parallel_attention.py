@@ -224,9 +224,12 @@ def _mla_layer(tp, cp, comm, docs, full, x, out_full, weight, rope, positions) -
     tensor's largest magnitude (fp32 sums in another order: the weights' gradients reach ~40)."""
     from megatron.model.mla import MultiLatentAttention
     from megatron.tensor_parallel import shard_full_tensor
+    from megatron.tensor_parallel.parallelize import apply_tensor_parallel
 
     ps = parallel_state.get()
-    layer = MultiLatentAttention(_mla_config(), sequence_parallel=tp > 1).train()
+    layer = MultiLatentAttention(_mla_config()).train()
+    # split over the tp ranks as in the model (PLAN's names are the decoder layer's: self_attention.*)
+    apply_tensor_parallel(torch.nn.ModuleDict({"self_attention": layer}), ps.group("tp") if tp > 1 else None, tp > 1)
     reference = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in layer.named_parameters():

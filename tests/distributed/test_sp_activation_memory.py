@@ -21,6 +21,7 @@ from megatron import parallel_state
 from megatron.config import parse_config, validate
 from megatron.model.transformer import TransformerDecoderLayer
 from megatron.tensor_parallel import ColumnParallelLinear, gather_from_sequence_region
+from megatron.tensor_parallel.parallelize import apply_tensor_parallel
 from tests.distributed.harness import run_distributed
 from tests.distributed.saved_bytes import SavedBytes
 
@@ -41,7 +42,8 @@ def _layer(sequence_parallel: bool, gather_saved: bool = False) -> TransformerDe
                            "--attention-probs-dropout-prob", "0", "--tp", "2"])
     validate(config, world_size=2)  # derives ffn_hidden_size
     torch.manual_seed(3)  # the same (layout-invariant) weights in every version
-    layer = TransformerDecoderLayer(config.model, 0, None, sequence_parallel)
+    layer = TransformerDecoderLayer(config.model, 0)
+    apply_tensor_parallel(layer, parallel_state.get().group("tp"), sequence_parallel)
     if gather_saved:
         for module in layer.modules():
             if isinstance(module, ColumnParallelLinear):
