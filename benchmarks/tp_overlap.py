@@ -104,9 +104,11 @@ def _time_collectives(args: argparse.Namespace, group, sp: bool) -> float:
 def _time_layer(args: argparse.Namespace, sp: bool) -> dict[bool, list[float]]:
     """Seconds of one ColumnParallelLinear(h, 4h) forward + backward on [s, b, h], async on and off,
     interleaved (the layer alone: no other compute to compete with its collectives but its own)."""
+    from megatron import parallel_state
     from megatron.tensor_parallel import ColumnParallelLinear
 
-    layer = ColumnParallelLinear(args.hidden, 4 * args.hidden, sequence_parallel=sp)
+    layer = ColumnParallelLinear(args.hidden, 4 * args.hidden, sequence_parallel=sp,
+                                 group=parallel_state.get().group("tp"))
     x = torch.randn(args.seq // 2 if sp else args.seq, args.micro_batch, args.hidden, requires_grad=True)
     dy = torch.randn(args.seq, args.micro_batch, layer.output_size_per_partition)
     times = {True: [], False: []}

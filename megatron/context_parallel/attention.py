@@ -51,17 +51,16 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float = 0.0,
            scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-           layer: int = 0) -> torch.Tensor:
+           layer: int = 0, head_offset: int = 0) -> torch.Tensor:
     """q [b, nq, L, dk], k [b, ng, L, dk], v [b, ng, L, dv] (this rank's heads and local tokens) -> [b, nq, L, dv];
     ``softmax(q k^T x scale)``, ``scale`` None: ``1 / sqrt(dk)``; ``window``: the keys before each query it sees;
-    ``sinks`` [nq]: each head's sink logit; ``layer``: the layer's global number (its dropout masks' own)."""
+    ``sinks`` [nq]: each head's sink logit; ``layer``: the layer's global number and ``head_offset`` the global
+    index of this rank's first head (tensor parallelism): what its dropout masks are drawn by."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     blockwise = plan.cp_size > 1 and plan.comm_type != "a2a"
     drop = None
     if dropout_p and (blockwise or plan.positional_dropout):  # masks by global position (``dropout.py``)
-        from megatron import parallel_state
-
-        drop = plan.dropout(dropout_p, layer, q.shape[1], parallel_state.get().tp_rank * q.shape[1])
+        drop = plan.dropout(dropout_p, layer, q.shape[1], head_offset)
     if plan.cp_size == 1:
         if drop is None:
             return _whole_sequences(q, k, v, plan, dropout_p, scale, window, sinks)

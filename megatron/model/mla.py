@@ -74,6 +74,7 @@ class MultiLatentAttention(nn.Module):
 
     seams = LOCAL
     recompute_core = False  # megatron.recompute (core_attn)
+    first_head = 0  # the global index of this rank's first head (tensor parallelism)
 
     def __init__(self, cfg: ModelConfig, layer_number: int = 0):
         super().__init__()
@@ -126,7 +127,7 @@ class MultiLatentAttention(nn.Module):
         (``megatron.context_parallel``, with this layer's softmax scale); eager under ``--compile``."""
         dropout, rng = self._dropout()
         with rng:
-            return attend(q, k, v, plan, dropout, self.scale, layer=self.layer_number)
+            return attend(q, k, v, plan, dropout, self.scale, layer=self.layer_number, head_offset=self.first_head)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan: AttentionPlan | None = None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]; ``kv_cache``, ``rotary`` and ``plan`` as ``SelfAttention.forward``'s."""

@@ -22,14 +22,13 @@ head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.data.future_tokens import MTP_KEYS
 from megatron.model.blocks import LOCAL, make_norm
 
 
@@ -45,10 +44,17 @@ class MTPInputs:
     position_ids: torch.Tensor
 
     @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The batch's fields that hold them, ``mtp_`` and the field's name (what ``megatron.data.future_tokens``
+        writes)."""
+        return tuple(f"mtp_{f.name}" for f in fields(cls))
+
+    @classmethod
     def from_batch(cls, batch: dict) -> MTPInputs | None:
-        if MTP_KEYS[0] not in batch:
+        keys = cls.keys()
+        if keys[0] not in batch:
             return None
-        return cls(*(batch[k] for k in MTP_KEYS))
+        return cls(*(batch[k] for k in keys))
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -77,6 +77,7 @@ class SelfAttention(nn.Module):
 
     seams = LOCAL
     recompute_core = False  # recompute softmax(QK^T)V in the backward (megatron.recompute: core_attn)
+    first_head = 0  # the global index of this rank's first head (tensor parallelism)
 
     def __init__(self, cfg: ModelConfig, layer_number: int = 0):
         super().__init__()
@@ -144,7 +145,8 @@ class SelfAttention(nn.Module):
         per-document calls stay outside compiled graphs."""
         dropout = self.attn_dropout if self.training else 0.0
         with self.seams.region_rng() if dropout else nullcontext():
-            return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number)
+            return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number,
+                          head_offset=self.first_head)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                 plan: AttentionPlan | None = None) -> torch.Tensor:

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
 from megatron.tensor_parallel.fp8 import (
     AmaxGroups,
     FP8Recipe,
@@ -95,8 +94,7 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, rank: int | None 
     if full.shape[dim] % size or full.dim() != param.dim():
         raise ValueError(f"cannot shard {tuple(full.shape)} into {tuple(param.shape)} along dim {dim}")
     if rank is None:
-        rank = getattr(param, "partition_rank", None)
-        rank = parallel_state.get().tp_rank if rank is None else rank
+        rank = param.partition_rank
     return full.narrow(dim, rank * size, size)
 
 

@@ -1,7 +1,7 @@
 """Communication between the tensor-parallel ranks, as autograd functions.
 
 Each mapping is a pair of collectives, one in the forward and its adjoint in the backward,
-over a process group of size ``t`` (default: this rank's tensor-parallel group). Activations
+over a process group of size ``t``, handed in by the caller (None: one rank). Activations
 are laid out ``[s, b, h]``: tensor parallelism splits the hidden (last) dimension, sequence
 parallelism the sequence (first) dimension. ``split`` keeps this rank's contiguous chunk.
 
@@ -38,8 +38,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
-
 # torch >= 2.13 renamed the flat-tensor collectives; older versions only have the *_tensor names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -47,9 +45,7 @@ _NATIVE_REDUCE_SCATTER: dict[str, bool] = {}  # backend -> whether its reduce_sc
 
 
 def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """``group`` (default: the tensor-parallel group), or None when there is nothing to communicate."""
-    if group is None:
-        group = parallel_state.get().group("tp")
+    """``group``, or None when there is nothing to communicate (no group: one rank; a group of one)."""
     if group is None or dist.get_world_size(group) == 1:
         return None
     return group

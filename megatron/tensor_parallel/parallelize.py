@@ -135,7 +135,7 @@ def _cut_heads(module: nn.Module, size: int, rank: int) -> None:
     if heads % size or groups % size:
         raise ValueError(f"the attention's {groups} key/value groups and {heads} heads must be divisible by the "
                          f"tensor-parallel size ({size})")
-    module.num_heads = heads // size
+    module.num_heads, module.first_head = heads // size, rank * (heads // size)
     if not hasattr(module, "num_kv_heads"):
         return  # multi-latent attention
     module.num_kv_heads = groups // size

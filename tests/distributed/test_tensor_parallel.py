@@ -42,6 +42,11 @@ RTOL, ATOL = 1e-5, 1e-6  # fp32 round-off (see the module docstring)
 S, B, H = 8, 2, 8  # sequence (divisible by tp for sequence parallelism), batch, hidden
 
 
+def _tp():
+    """The tensor-parallel group, handed to each layer and collective (None: one rank)."""
+    return parallel_state.get().group("tp")
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
@@ -67,7 +72,7 @@ def _check_linear_layers(tp: int, rank: int) -> None:
 
     for gather_output in (False, True):
         ref = nn.Linear(H, 4 * H)
-        layer = ColumnParallelLinear(H, 4 * H, gather_output=gather_output)
+        layer = ColumnParallelLinear(H, 4 * H, gather_output=gather_output, group=_tp())
         _load_shards(layer, ref)
         x, dy = torch.randn(S, B, H), torch.randn(S, B, 4 * H)
         y_ref, dx_ref = _forward_backward(ref, x, dy)
@@ -81,7 +86,7 @@ def _check_linear_layers(tp: int, rank: int) -> None:
 
     for input_is_parallel in (True, False):
         ref = nn.Linear(4 * H, H)
-        layer = RowParallelLinear(4 * H, H, input_is_parallel=input_is_parallel)
+        layer = RowParallelLinear(4 * H, H, input_is_parallel=input_is_parallel, group=_tp())
         _load_shards(layer, ref)
         x, dy = torch.randn(S, B, 4 * H), torch.randn(S, B, H)
         y_ref, dx_ref = _forward_backward(ref, x, dy)
@@ -93,7 +98,7 @@ def _check_linear_layers(tp: int, rank: int) -> None:
         _close(layer.bias.grad, ref.bias.grad, f"{what} bias grad")
 
     ref = nn.Embedding(16 * tp, H)
-    layer = VocabParallelEmbedding(16 * tp, H)
+    layer = VocabParallelEmbedding(16 * tp, H, group=_tp())
     _load_shards(layer, ref)
     ids, dy = torch.randint(0, 16 * tp, (S, B)), torch.randn(S, B, H)
     y_ref, _ = _forward_backward(ref, ids, dy)
@@ -121,7 +126,7 @@ def _check_fp8_layers(tp: int, rank: int, group) -> None:
         return t.chunk(tp, dim)[rank]
 
     for sp in (False, True):
-        ref, layer = nn.Linear(H, 4 * H), ColumnParallelLinear(H, 4 * H, sequence_parallel=sp)
+        ref, layer = nn.Linear(H, 4 * H), ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, group=_tp())
         _load_shards(layer, ref)
         assert enable_fp8(layer, recipe) == 1
         x, dy = 3 * torch.randn(S, B, H), torch.randn(S, B, 4 * H)
@@ -134,7 +139,7 @@ def _check_fp8_layers(tp: int, rank: int, group) -> None:
         _close(layer.weight.grad, chunk(ref.weight.grad, 0), f"{what} weight grad")
         _close(layer.bias.grad, chunk(ref.bias.grad, 0), f"{what} bias grad")
 
-        ref, layer = nn.Linear(4 * H, H), RowParallelLinear(4 * H, H, sequence_parallel=sp)
+        ref, layer = nn.Linear(4 * H, H), RowParallelLinear(4 * H, H, sequence_parallel=sp, group=_tp())
         _load_shards(layer, ref)
         enable_fp8(layer, recipe)
         x, dy = torch.randn(S, B, 4 * H), torch.randn(S, B, H)
@@ -171,8 +176,8 @@ def _check_sequence_parallel(tp: int, rank: int) -> None:
     def block(sp: bool):
         torch.manual_seed(1)  # same values for both blocks
         ln = nn.LayerNorm(H)
-        col = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp)
-        row = RowParallelLinear(4 * H, H, sequence_parallel=sp)
+        col = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, group=_tp())
+        row = RowParallelLinear(4 * H, H, sequence_parallel=sp, group=_tp())
         if sp:
             mark_sequence_parallel(ln)
         return nn.Sequential(ln, col, nn.GELU(), row)
@@ -182,7 +187,7 @@ def _check_sequence_parallel(tp: int, rank: int) -> None:
     y_ref, dx_ref = _forward_backward(ref, x, dy)
     sp = block(True)
     x_shard = x.chunk(tp, 0)[rank].clone().requires_grad_()
-    y = gather_from_sequence_region(sp(x_shard), tensor_parallel_output_grad=False)
+    y = gather_from_sequence_region(sp(x_shard), _tp(), tensor_parallel_output_grad=False)
     y.backward(dy)
     flagged = [name for name, p in sp.named_parameters() if getattr(p, "sequence_parallel", False)]
     assert flagged == ["0.weight", "0.bias", "3.bias"], flagged
@@ -203,7 +208,8 @@ def _check_column_parallel_communication(tp: int, rank: int) -> None:
     for sp in (False, True):
         runs = []
         for async_communication in (True, False):
-            layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, async_communication=async_communication)
+            layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, async_communication=async_communication,
+                                         group=_tp())
             _load_shards(layer, ref)
             y, dx = _forward_backward(layer, x.chunk(tp, 0)[rank] if sp else x, dy.chunk(tp, -1)[rank])
             what = f"column(sequence_parallel={sp}, async={async_communication})"
@@ -222,7 +228,7 @@ def _check_column_parallel_main_grads(tp: int, rank: int) -> None:
     from megatron.distributed.parallelize import ShardingPlan, build_buffer
 
     ref = nn.Linear(H, 4 * H)
-    layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=True)
+    layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=True, group=_tp())
     _load_shards(layer, ref)
     layer.to(torch.bfloat16)
     buffer = build_buffer(layer, ShardingPlan())
@@ -251,13 +257,13 @@ def _check_cross_entropy(tp: int, rank: int) -> None:
         losses_ref = F.cross_entropy(ref, labels, reduction="none")
         losses_ref.backward(g)
         shard = logits.chunk(tp, -1)[rank].clone().requires_grad_()
-        losses = vocab_parallel_cross_entropy(shard, labels, vocab_size)
+        losses = vocab_parallel_cross_entropy(shard, labels, vocab_size, _tp())
         losses.backward(g)
         grad_ref = F.pad(ref.grad, (0, padded - vocab_size))  # padded columns get no gradient
         _close(losses, losses_ref, f"cross entropy (vocab {vocab_size}/{padded})")
         _close(shard.grad, grad_ref.chunk(tp, -1)[rank], f"cross entropy grad (vocab {vocab_size}/{padded})")
     shard = logits.chunk(tp, -1)[rank].to(torch.bfloat16).requires_grad_()
-    vocab_parallel_cross_entropy(shard, labels, vocab_size).sum().backward()
+    vocab_parallel_cross_entropy(shard, labels, vocab_size, _tp()).sum().backward()
     assert shard.grad.dtype == torch.bfloat16
 
 
@@ -280,7 +286,7 @@ def _check_rng(group) -> None:
 def _check_checkpoint() -> None:
     """Dropout inside and outside fork in a recomputed TP region: gradients equal no recompute."""
     torch.manual_seed(2)
-    col, row = ColumnParallelLinear(H, 4 * H), RowParallelLinear(4 * H, H)
+    col, row = ColumnParallelLinear(H, 4 * H, group=_tp()), RowParallelLinear(4 * H, H, group=_tp())
     params = [*col.parameters(), *row.parameters()]
     x = torch.randn(S, B, H)
 

@@ -52,7 +52,8 @@ def _check(rank: int, world: int) -> None:
         for sp in (False, True):
             runs = []
             for async_communication in (True, False):
-                layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, async_communication=async_communication)
+                layer = ColumnParallelLinear(H, 4 * H, sequence_parallel=sp, async_communication=async_communication,
+                                              group=ps.group("tp"))
                 with torch.no_grad():
                     for name, p in layer.named_parameters():
                         p.copy_(shard_full_tensor(getattr(ref, name).cpu(), p))

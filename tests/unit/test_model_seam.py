@@ -13,14 +13,12 @@ MODEL = sorted(m for m in MODULES if m == "megatron.model" or m.startswith("mega
 # what the model may never import: the parallel packages' layers and collectives, the training loop, the CLI
 FORBIDDEN = ("megatron.tensor_parallel", "megatron.distributed", "megatron.pipeline_parallel", "megatron.training",
              "megatron.config.cli", "megatron.parallelize_gpt", "megatron.checkpoint")
-# still imported, each to leave the model in a later step of the same change (issue 52): the attention kernels and
-# their plan (context_parallel/: to move beside the model, the exchanges staying there), the batch keys of
-# multi-token prediction. The list only shrinks.
+# still imported, to leave the model in a later step of the same change (issue 52): the attention kernels and
+# their plan (context_parallel/: to move beside the model, the exchanges staying there). The list only shrinks.
 STILL_TO_MOVE = {
     "megatron.model.gpt": {"megatron.context_parallel.attention"},
     "megatron.model.mla": {"megatron.context_parallel.attention"},
     "megatron.model.transformer": {"megatron.context_parallel.attention"},
-    "megatron.model.mtp": {"megatron.data.future_tokens"},
 }
 
 
@@ -92,3 +90,36 @@ def test_the_gpt_is_built_from_its_configuration_and_vocabulary():
     model = GPTModel(config.model, config.padded_vocab_size)  # single-device: no rank grid needed
     assert type(model.layers["0"].self_attention.query_key_value).__name__ == "Linear"
     assert model(__import__("torch").zeros(1, 4, dtype=__import__("torch").long)).shape == (1, 4, 128)
+
+
+def test_multi_token_prediction_reads_the_fields_the_data_writes():
+    from megatron.data.future_tokens import MTP_KEYS
+    from megatron.model.mtp import MTPInputs
+
+    assert MTPInputs.keys() == MTP_KEYS
+
+
+def test_the_model_and_the_parallel_packages_read_no_global_rank_grid():
+    for package in ("megatron.model", "megatron.moe", "megatron.tensor_parallel", "megatron.context_parallel"):
+        for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
+            assert "megatron.parallel_state" not in imports_of(module), f"{module}: groups are handed in"
+
+
+LAYOUT_WORDS = ("sequence_parallel", "recompute", "cp_", "pre_process", "post_process", "layers", "tp", "ep_",
+                "pipeline", "context")
+
+
+def test_model_constructors_take_no_layout_or_recompute_flag():
+    import inspect
+
+    import torch.nn as nn
+
+    from megatron.model.gpt import GPTModel
+
+    assert list(inspect.signature(GPTModel.__init__).parameters) == ["self", "cfg", "padded_vocab_size"]
+    for module in MODEL:
+        namespace = __import__(module, fromlist=["_"])
+        for cls in vars(namespace).values():
+            if inspect.isclass(cls) and issubclass(cls, nn.Module) and cls.__module__ == module:
+                flags = [p for p in inspect.signature(cls.__init__).parameters if p.startswith(LAYOUT_WORDS)]
+                assert not flags, f"{cls.__name__}({', '.join(flags)}): layouts are applied by parallelize_gpt"
