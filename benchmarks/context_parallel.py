@@ -150,7 +150,7 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
     """Seconds of ``attend`` forward + backward alone, per (communication type, overlap), interleaved; and of
     the ring's transfers alone (those of one forward + backward, one after the other)."""
     from megatron.context_parallel import attention
-    from megatron.context_parallel.attention import AttentionPlan, attend
+    from megatron.context_parallel.attention import AttentionPlan, attend, exchange
 
     length, hd = args.seq // ps.cp_size, args.hidden // args.heads
     gen = torch.Generator().manual_seed(ps.cp_rank)
@@ -162,7 +162,7 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
     for rep in range(args.attention_warmup + args.attention_reps):
         for comm, overlap in cases if rep % 2 else cases[::-1]:
             _set_overlap(overlap)
-            plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, comm, None)
+            plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, comm, None, exchange=exchange)
             dist.barrier()
             clock = _Clock()
             q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # views, as the model gives them
@@ -173,7 +173,7 @@ def _attention_times(args: argparse.Namespace, ps, comm_types) -> dict:
     _set_overlap(True)
     result = {("attention",) + case: values for case, values in times.items()}
     if ps.cp_size > 1:
-        plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, "p2p", None)
+        plan = AttentionPlan(ps.cp_size, ps.cp_rank, group, "p2p", None, exchange=exchange)
         kv = qkv.detach()[:, :, :, 1:].permute(3, 1, 2, 0, 4).contiguous()  # [2, b, heads, s / cp, hd], as sent
         transfers = []
         for rep in range(args.attention_warmup + args.attention_reps):

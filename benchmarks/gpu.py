@@ -21,7 +21,7 @@ go on. It prints one table and writes ``results.json`` to ``--out``. On a CUDA d
   parameters), grouped GEMM where the device has it.
 - **fp8**: the 1.3B model with ``--fp8-format hybrid`` against bf16, or the one line that refuses it.
 - **cp_kernel**: one causal block of a long sequence (32K on a GPU) forward and backward through
-  ``context_parallel.blocks`` as dispatched, against the plain fp32 kernel.
+  ``attention.blocks`` as dispatched, against the plain fp32 kernel.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def fp8(bench: Bench) -> dict:
 
 def cp_kernel(bench: Bench) -> dict:
     """One causal block (the diagonal block of a cp rank) forward and backward: as dispatched, and plain."""
-    from megatron.context_parallel import blocks
+    from megatron.attention import blocks
 
     length, heads, width = (32768, 16, 128) if bench.cuda else (256, 4, 32)
     dtype = torch.bfloat16 if bench.cuda else torch.float32

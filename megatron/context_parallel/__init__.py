@@ -1,7 +1,6 @@
-"""Context parallelism: a sequence split over ranks (``layout``), the blocks attention computes (``plan``:
-context-parallel chunks, packed documents, sliding windows), attention across the split, over packed documents,
-in windows and with sinks (``attention``, on the block kernels of ``blocks``, tiled by ``tiling``).
+"""Context parallelism: a sequence split over ranks (``layout``: each rank's two chunks), how the ranks' keys and
+values meet for attention (``attention``: ring, all-gather, all-to-all), and the recipe's step (``parallelize``).
+The attention itself, on blocks, is ``megatron.attention``'s.
 
-Import from the modules (``megatron.context_parallel.attention`` for ``AttentionPlan`` and ``attend``): this
-package imports nothing, so the memory estimate and the layout planner read ``tiling`` without torch.
+Import from the modules: this package imports nothing.
 """

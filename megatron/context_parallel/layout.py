@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron.attention.plan import chunk_ids  # noqa: F401 (the split's rule, beside the blocks it plans)
+
 WHOLE_KEYS = ("document_ids",)  # [b, s] fields every rank keeps whole; the others ([b, s, ...]) are cut with the tokens
-
-
-def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """The two chunks (of 2 x cp) a context-parallel rank holds, in its local order."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 def local_positions(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -53,7 +53,7 @@ The core (``core_terms``; ``dk``, ``dv`` the query/key and value widths, ``hd`` 
   grouping: the QKV output; multi-latent attention: v as given), else an fp32 copy ``4 n a dv``;
 - context parallelism, p2p and all_gather (``RingAttention``, ``GatheredAttention``: custom autograd functions
   whatever the kernel): ``given``, their output (in q's layout, as the flash kernel's) and the fp32 log-sum-exp,
-  with attention dropout too (its masks are drawn again in the backward, ``context_parallel.dropout``);
+  with attention dropout too (its masks are drawn again in the backward, ``attention.dropout``);
 - a2a: whole sequences of ``a / c`` heads; q, k and v the all-to-all's own ``n (a dk + g (dk + dv)) d``, then
   the kernel's saves on them (the probabilities ``b (a / c) s^2``), the output its own;
 - ``core_attn`` recompute: ``given`` only (the checkpoint's inputs).
@@ -72,8 +72,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.attention.tiling import tile_rows
 from megatron.config.schema import Config
-from megatron.context_parallel.tiling import tile_rows
 from megatron.memory.ops import norm_bytes, saves_input_itself
 
 
@@ -222,13 +222,13 @@ def context_parallel_terms(D) -> dict[str, int]:
     - a2a: the all-to-all's send (stacked) and receive buffers of the queries and of the output
       (2 n a max(dk, dv) d), forward and backward alike;
     - on GPUs, p2p and all_gather compute each block in plain fp32 operations, a tile of query rows at a
-      time (``context_parallel.blocks``; the CPU's fused kernel keeps none of this): the backward of the
+      time (``attention.blocks``; the CPU's fused kernel keeps none of this): the backward of the
       diagonal block holds its keys and values expanded to ``a`` heads in fp32 with their gradients
       (``2 x 4 n a (dk + dv)``), its fp32 dQ (``4 n a dk``) and, per tile, the probabilities, their gradient, a
       difference and the score gradient (``4`` fp32 ``[b, a, rows, L]``, each at most ``MATH_TILE_BYTES``);
       its forward holds fewer;
     - with attention dropout the blocks run that plain kernel on the CPU too, and each tile draws its mask
-      (``context_parallel.dropout``; nothing of it is saved): its int64 hash words while they are mixed, the fp32
+      (``attention.dropout``; nothing of it is saved): its int64 hash words while they are mixed, the fp32
       scale ``keep / (1 - p)`` and the dropped probabilities, counted as 10 more fp32 tiles.
 
     Not counted: the kernel's own per-block outputs and gradients (at most one block's ``q, k, v``), and on the

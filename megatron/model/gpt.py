@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.attention.plan import AttentionPlan
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import TIED_EMBEDDING, attention_shape, shared_embedding_names  # noqa: F401
-from megatron.context_parallel.attention import AttentionPlan
 from megatron.model.blocks import LOCAL, dropout, make_norm
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of
@@ -77,7 +77,8 @@ class GPTModel(nn.Module):
     """
 
     seams = LOCAL
-    cp_size, cp_rank, cp_group, cp_comm_type = 1, 0, None, "p2p"  # context_parallel.apply_context_parallel
+    # the context-parallel split and how its ranks meet (context_parallel.parallelize.apply_context_parallel)
+    cp_size, cp_rank, cp_group, cp_comm_type, cp_exchange = 1, 0, None, "p2p", None
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int):
         super().__init__()
@@ -175,7 +176,8 @@ class GPTModel(nn.Module):
         positional = self.cfg.attention_dropout_masks == "positional" and self.cfg.attention_probs_dropout_prob > 0
         if self.cp_size == 1 and document_ids is None and not attention_needs_plan(self.cfg) and not positional:
             return None
-        return AttentionPlan(self.cp_size, self.cp_rank, self.cp_group, self.cp_comm_type, document_ids, positional)
+        return AttentionPlan(self.cp_size, self.cp_rank, self.cp_group, self.cp_comm_type, document_ids, positional,
+                             exchange=self.cp_exchange)
 
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded

@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.attention.local import AttentionPlan, attend
 from megatron.config.schema import ModelConfig
-from megatron.context_parallel.attention import AttentionPlan, attend
 from megatron.model.blocks import LOCAL, make_norm, maybe_checkpoint
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
 

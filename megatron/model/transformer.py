@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.attention.local import AttentionPlan, attend, masked_attention
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
-from megatron.context_parallel.attention import AttentionPlan, attend, masked_attention
 from megatron.model.blocks import LOCAL, dropout, make_norm, maybe_checkpoint
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary

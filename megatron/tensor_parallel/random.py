@@ -33,7 +33,7 @@ from megatron import device as dev
 TENSOR_PARALLEL_RNG = "model-parallel"
 TENSOR_PARALLEL_SEED_OFFSET = 2718
 CONTEXT_PARALLEL_SEED_OFFSET = 100_003  # x cp_rank: beyond every tensor-parallel stream's seed + 2718 + tp_rank
-# The seeds of positional attention dropout (megatron.context_parallel.dropout): one draw per micro-batch, alike on
+# The seeds of positional attention dropout (megatron.attention.dropout): one draw per micro-batch, alike on
 # every rank (seed + 2717: no tp or cp offset, below every tensor-parallel stream's seed).
 ATTENTION_DROPOUT_RNG = "positional-dropout"  # after "model-parallel" in sorted order (checkpoints list them so)
 ATTENTION_DROPOUT_SEED_OFFSET = 2717
@@ -99,7 +99,7 @@ def tensor_parallel_seed(seed: int, tp_rank: int, device: torch.device | str | N
     Context-parallel ranks hold different tokens (and, with a2a attention, different heads): both
     streams move by ``CONTEXT_PARALLEL_SEED_OFFSET x cp_rank``, so no two chunks of a sample draw the
     same dropout mask. The ``ATTENTION_DROPOUT_RNG`` stream (seed + 2717) is alike on every rank: positional
-    attention dropout draws its masks from global positions (``megatron.context_parallel.dropout``)."""
+    attention dropout draws its masks from global positions (``megatron.attention.dropout``)."""
     device = torch.get_default_device() if device is None else torch.device(device)
     device = dev.with_index(device)
     _TRACKER.reset(device)

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from megatron import parallel_state
-from megatron.context_parallel import blocks as blocks_module
-from megatron.context_parallel.attention import AttentionPlan, attend
+from megatron.attention import blocks as blocks_module
+from megatron.attention.tiling import MATH_TILE_BYTES
+from megatron.context_parallel.attention import AttentionPlan, attend, exchange
 from megatron.context_parallel.layout import local_positions
-from megatron.context_parallel.tiling import MATH_TILE_BYTES
 from tests.distributed.harness import run_distributed
 
 B, NQ, NG, S, HD = 2, 4, 2, 48, 8
@@ -80,7 +80,8 @@ def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False, dr
     q, k, v = torch.randn(B, NQ, S, dk), torch.randn(B, groups, S, dk), torch.randn(B, groups, S, dv)
     weight = torch.randn(B, NQ, S, dv)
     sinks = torch.randn(NQ) if with_sinks else None
-    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs, positional_dropout=True, seed=2024)
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs, positional_dropout=True, seed=2024,
+                         exchange=exchange)
     drop = plan.dropout(dropout, 7, NQ, 0) if dropout else None
     want = reference(q, k, v, docs, weight, scale, window, sinks, drop)
     mine = local_positions(S, ps.cp_rank, cp)
@@ -121,7 +122,7 @@ def _ring_without_overlap(rank, cp, docs) -> list[str]:
     torch.manual_seed(1)
     mine = local_positions(S, ps.cp_rank, cp)
     q, k, v = (torch.randn(B, n, S, HD)[:, :, mine] for n in (NQ, NG, NG))
-    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), "p2p", docs, seed=99)
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), "p2p", docs, seed=99, exchange=exchange)
     runs = []
     for overlap in (True, False):
         RING_OVERLAP["enabled"] = overlap
@@ -237,7 +238,7 @@ def _mla_layer(tp, cp, comm, docs, full, x, out_full, weight, rope, positions) -
     mine = local_positions(S, ps.cp_rank, cp)
     rows = mine.chunk(tp)[ps.tp_rank] if tp > 1 else mine  # sequence parallel: this tp rank's share of the chunks
     x_local = x.detach()[rows].clone().requires_grad_()
-    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs)
+    plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs, exchange=exchange)
     out = layer(x_local, None, rope(positions[:, mine], x.dtype), plan)
     (out * weight[rows]).sum().backward()
     got, want = {"out": out.detach(), "dx": x_local.grad}, {"out": out_full[rows], "dx": x.grad[rows]}
@@ -253,7 +254,7 @@ def test_positional_masks_keep_one_minus_p_and_differ_by_every_field():
     """The hash's masks (no launch): the kept fraction is 1 - p within a few standard deviations over 2^22 entries,
     a block's mask is the matching part of the whole sequence's, and another seed, layer, head or sample draws
     another mask (about p (1 - p) x 2 of the entries differ)."""
-    from megatron.context_parallel.dropout import BlockDropout
+    from megatron.attention.dropout import BlockDropout
 
     drop, positions = BlockDropout(0.1, 1234, 3), torch.arange(1024)
     whole = drop.keep(range(4), 1, positions, positions)  # [4, 1, 1024, 1024]

@@ -50,7 +50,7 @@ def _overlapping_nccl(prof) -> bool:
 
 def _check(rank: int, world: int) -> None:
     from megatron import parallel_state
-    from megatron.context_parallel.attention import RING_OVERLAP, AttentionPlan
+    from megatron.context_parallel.attention import RING_OVERLAP, AttentionPlan, exchange
     from megatron.context_parallel.layout import local_positions
 
     device = dev.get_device("gpu", rank)
@@ -64,7 +64,7 @@ def _check(rank: int, world: int) -> None:
     (out * weight).sum().backward()
     mine = local_positions(S, ps.cp_rank, world, device)
     want = [out.detach()[:, :, mine], *(t.grad[:, :, mine] for t in ref)]
-    plan = AttentionPlan(world, ps.cp_rank, ps.group("cp"), "p2p")
+    plan = AttentionPlan(world, ps.cp_rank, ps.group("cp"), "p2p", exchange=exchange)
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
         runs = []
         for overlap in (True, False):

@@ -16,8 +16,8 @@ import itertools
 import pytest
 import torch
 
+from megatron.attention.tiling import MATH_TILE_BYTES
 from megatron.config import Config, parse_config, validate
-from megatron.context_parallel.tiling import MATH_TILE_BYTES
 from megatron.data.loader import build_batch
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.memory import estimate

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron import device as dev
-from megatron.context_parallel import blocks
+from megatron.attention import blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not dev.cuda_available(), reason="needs a CUDA device")]
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.attention.plan import plan_blocks
 from megatron.config import ConfigError, parse_config, validate
 from megatron.context_parallel.attention import AttentionPlan, attend
 from megatron.context_parallel.layout import chunk_ids, local_positions, merge_chunks, scatter_chunks, split_batch
-from megatron.context_parallel.plan import plan_blocks
 from megatron.data.loader import build_batch
 from megatron.data.packing import document_ids, reset_positions
 from megatron.parallelize_gpt import build_model
@@ -110,7 +110,7 @@ def test_planned_blocks_skip_pairs_without_a_shared_document_or_outside_the_wind
                                                    (slice(4, 8), slice(4, 8), "causal")]
     # a window of 1 key over 8 tokens in tiles of 2 query rows (TILE's minimum is the window + 1): each tile against
     # the keys it can reach, itself and the one key before it (the first tile: itself, the lower triangle)
-    from megatron.context_parallel import plan
+    from megatron.attention import plan
 
     rows, plan.TILE["rows"] = plan.TILE["rows"], 2
     try:

@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import ast
 
-from tests.unit.test_structure import MODULES, ROOT, imports_of
+from tests.unit.test_structure import MODULES, ROOT, import_circles, imports_of
 
 MODEL = sorted(m for m in MODULES if m == "megatron.model" or m.startswith("megatron.model."))
 # what the model may never import: the parallel packages' layers and collectives, the training loop, the CLI
 FORBIDDEN = ("megatron.tensor_parallel", "megatron.distributed", "megatron.pipeline_parallel", "megatron.training",
-             "megatron.config.cli", "megatron.parallelize_gpt", "megatron.checkpoint")
-# still imported, to leave the model in a later step of the same change (issue 52): the attention kernels and
-# their plan (context_parallel/: to move beside the model, the exchanges staying there). The list only shrinks.
-STILL_TO_MOVE = {
-    "megatron.model.gpt": {"megatron.context_parallel.attention"},
-    "megatron.model.mla": {"megatron.context_parallel.attention"},
-    "megatron.model.transformer": {"megatron.context_parallel.attention"},
-}
+             "megatron.context_parallel", "megatron.parallel_state", "megatron.data", "megatron.config.cli",
+             "megatron.config.layer_split", "megatron.parallelize_gpt", "megatron.checkpoint")
+# what else the model may import: its attention engine (blocks, plans, the paths on this rank's tokens)
 
 
 ALLOWED = ("megatron.config.schema", "megatron.config.schema_model", "megatron.config.validate_attention",
@@ -28,7 +23,8 @@ ALLOWED = ("megatron.config.schema", "megatron.config.schema_model", "megatron.c
 
 def _outside(module: str) -> set[str]:
     return {m for m in imports_of(module)
-            if not m.startswith(("megatron.model", "megatron.ops", "megatron.moe")) and m not in ALLOWED}
+            if not m.startswith(("megatron.model", "megatron.ops", "megatron.moe", "megatron.attention"))
+            and m not in ALLOWED}
 
 
 def test_the_model_imports_no_parallel_layer_training_or_cli():
@@ -37,14 +33,14 @@ def test_the_model_imports_no_parallel_layer_training_or_cli():
         assert not bad, f"{module} imports {bad}: the model is single-device code (parallelize_gpt applies layouts)"
 
 
-def test_what_the_model_still_imports_of_the_layouts_only_shrinks():
+def test_the_model_imports_only_its_configuration_ops_attention_and_moe():
     found = {module: _outside(module) for module in MODEL if _outside(module)}
-    assert found == STILL_TO_MOVE
+    assert found == {}
 
 
 def test_moe_distributed_and_the_parallel_packages_import_nothing_of_the_model():
     for package in ("megatron.moe", "megatron.distributed", "megatron.context_parallel", "megatron.ops",
-                    "megatron.tensor_parallel", "megatron.pipeline_parallel"):
+                    "megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.attention"):
         for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
             model = sorted(m for m in imports_of(module) if m.startswith("megatron.model"))
             assert not model, f"{module} imports {model}"
@@ -100,7 +96,8 @@ def test_multi_token_prediction_reads_the_fields_the_data_writes():
 
 
 def test_the_model_and_the_parallel_packages_read_no_global_rank_grid():
-    for package in ("megatron.model", "megatron.moe", "megatron.tensor_parallel", "megatron.context_parallel"):
+    for package in ("megatron.model", "megatron.moe", "megatron.tensor_parallel", "megatron.context_parallel",
+                    "megatron.attention"):
         for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
             assert "megatron.parallel_state" not in imports_of(module), f"{module}: groups are handed in"
 
@@ -123,3 +120,14 @@ def test_model_constructors_take_no_layout_or_recompute_flag():
             if inspect.isclass(cls) and issubclass(cls, nn.Module) and cls.__module__ == module:
                 flags = [p for p in inspect.signature(cls.__init__).parameters if p.startswith(LAYOUT_WORDS)]
                 assert not flags, f"{cls.__name__}({', '.join(flags)}): layouts are applied by parallelize_gpt"
+
+
+def test_no_package_imports_another_that_imports_it_back():
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        graph.setdefault(package(module), set()).update(package(m) for m in imports_of(module)
+                                                         if package(m) != package(module))
+    assert import_circles(graph) == []

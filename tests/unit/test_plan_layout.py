@@ -179,7 +179,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_the_planner_runs_without_importing_torch():
     """torch's import is ~2 s of the planner's start-up, and forking the search's workers with it loaded costs
     more: the planner, the memory estimate and the rules they read (``sharding_rule``, ``layer_split``,
-    ``context_parallel.tiling``, ``hardware``) are standard library only."""
+    ``attention.tiling``, ``hardware``) are standard library only."""
     argv = SMALL + ["--devices", "4", "--device-memory-gb", "16", "--top", "2", "--no-progress"]
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, str(ROOT / "tools/plan_layout.py"), *argv],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

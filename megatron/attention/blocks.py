@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron.context_parallel.dropout import BlockDropout
-from megatron.context_parallel.tiling import tile_rows
+from megatron.attention.dropout import BlockDropout
+from megatron.attention.tiling import tile_rows
 from megatron.device import first_line
 
 FUSED_ON_CPU = {"enabled": True}

@@ -20,16 +20,22 @@ keys (cached per micro-batch):
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatron.context_parallel.blocks import Block
-from megatron.context_parallel.dropout import BlockDropout
-from megatron.context_parallel.layout import chunk_ids
+from megatron.attention.blocks import Block
+from megatron.attention.dropout import BlockDropout
 
 TILE = {"rows": 256}  # query rows of one windowed block (at least the window + 1)
+
+
+def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks (of 2 x cp) a context-parallel rank holds, in its local order (the load-balanced split:
+    ``context_parallel/layout.py``)."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 @dataclass
@@ -43,6 +49,8 @@ class AttentionPlan:
     document_ids: torch.Tensor | None = None  # [b, s] over the whole sequence, or None: one document per sample
     positional_dropout: bool = False  # cp 1 and a2a too draw attention dropout by position (``dropout.py``)
     seed: int | None = None  # the attention dropout's seed of this micro-batch (None: drawn at first use)
+    # cp > 1: how the ranks' keys and values meet (``context_parallel.attention.exchange``, by ``comm_type``)
+    exchange: Callable | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def dropout(self, p: float, layer: int, heads: int, first_head: int) -> BlockDropout:
