@@ -6,7 +6,8 @@ needs (``parallel_state`` is read here, once):
 
 1. the pipeline: which layers (and embedding, head) each of this rank's model chunks holds
    (``pipeline_parallel.partition.stage_chunks``);
-2. each chunk built plain on the meta device (``model.gpt.GPTModel``), then split over the tensor-parallel group
+2. each chunk: the whole plain GPT built on the meta device (``model.gpt.GPTModel``: no memory) and cut to the
+   chunk (``pipeline_parallel.partition.cut_stage``), then split over the tensor-parallel group
    (``tensor_parallel.parallelize.apply_tensor_parallel``: the parallel layers from one table, the seams'
    collectives), its MoE layers cut to this rank's experts (``moe.parallelize.apply_expert_parallel``), its attention
    given the context-parallel split (``context_parallel.parallelize``), its recompute set (``megatron.recompute``),

@@ -1,6 +1,5 @@
-"""The pieces every decoder layer's modules use (``transformer``, ``mla``): the seams where a parallel layout
-changes what the model does, recompute of a sub-block, dropout on the right RNG stream, and the model's
-normalization."""
+"""The pieces every decoder layer's modules use (``transformer``, ``mla``): recompute of a sub-block (through the
+model's ``Seams``: ``megatron.ops.seams``), dropout on the stream a seam selects, and the model's normalization."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.ops.activations import activate, gelu_approximation, mlp_activation  # noqa: F401 (their old home)
-from megatron.ops.seams import LOCAL, Seams  # noqa: F401 (every module's default seams)
+from megatron.ops.seams import Seams
 
 
 def maybe_checkpoint(enabled: bool, seams: Seams, fn: Callable, *args: Any) -> torch.Tensor:

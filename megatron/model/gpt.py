@@ -17,10 +17,11 @@ from torch import nn
 from megatron.attention.plan import AttentionPlan
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import TIED_EMBEDDING, attention_shape, shared_embedding_names  # noqa: F401
-from megatron.model.blocks import LOCAL, dropout, make_norm
+from megatron.model.blocks import dropout, make_norm
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of
 from megatron.model.transformer import Rotary, TransformerDecoderLayer, attention_needs_plan
+from megatron.ops.seams import LOCAL
 
 
 class GPTEmbedding(nn.Module):

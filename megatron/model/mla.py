@@ -47,8 +47,9 @@ from torch import nn
 
 from megatron.attention.local import AttentionPlan, attend
 from megatron.config.schema import ModelConfig
-from megatron.model.blocks import LOCAL, make_norm, maybe_checkpoint
+from megatron.model.blocks import make_norm, maybe_checkpoint
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
+from megatron.ops.seams import LOCAL
 
 
 def yarn_settings(cfg: ModelConfig) -> Yarn | None:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.config.schema import ModelConfig
-from megatron.model.blocks import LOCAL, make_norm
+from megatron.model.blocks import make_norm
+from megatron.ops.seams import LOCAL
 
 
 @dataclass

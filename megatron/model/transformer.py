@@ -32,10 +32,11 @@ from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
-from megatron.model.blocks import LOCAL, dropout, make_norm, maybe_checkpoint
+from megatron.model.blocks import dropout, make_norm, maybe_checkpoint
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
 from megatron.ops.activations import activate, mlp_activation
+from megatron.ops.seams import LOCAL
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
 

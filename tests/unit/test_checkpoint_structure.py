@@ -41,6 +41,22 @@ def test_every_family_has_its_file_and_its_value():
         assert isinstance(module.FAMILY, Family) and module.FAMILY.name == name
 
 
+def test_every_family_maps_config_json_by_a_key_table():
+    """Each family's config.json both ways is its ``Key`` table (``mapping.config_out`` / ``config_in``): every key
+    written under one name, each of our fields read by one key, every key written or read."""
+    import importlib
+
+    from megatron.checkpoint.hf.mapping import Key
+
+    for name in FAMILIES:
+        keys = importlib.import_module(f"megatron.checkpoint.hf.{name}").FAMILY.keys
+        assert keys and all(isinstance(k, Key) for k in keys), name
+        theirs, ours = [k.theirs for k in keys], [k.ours for k in keys if k.ours is not None]
+        assert len(set(theirs)) == len(theirs) and len(set(ours)) == len(ours), name
+        assert all(k.ours is not None or k.export is not None for k in keys), name
+        assert {"architectures", "model_type", "vocab_size"} <= set(theirs), name
+
+
 def test_the_check_sees_a_loop_over_range():
     assert _loops_over_range(ast.parse("for i in range(3):\n    pass\nx = [i for i in range(2)]\n")) == [1, 3]
     assert _loops_over_range(ast.parse("for a, b in pairs(m):\n    pass\n")) == []

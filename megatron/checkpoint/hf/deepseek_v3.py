@@ -55,11 +55,15 @@ from megatron.checkpoint.hf import llama as hf_llama
 from megatron.checkpoint.hf import qwen2_moe as hf_qwen_moe
 from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
 from megatron.checkpoint.hf.config_checks import DEFAULTS
+from megatron.checkpoint.hf.deepseek_rope import rope_values as _rope_values
 from megatron.checkpoint.hf.mapping import (
     BLOCK,
     Extra,
     Family,
+    Key,
     chain,
+    config_in,
+    config_out,
     every_layer,
     layers_where,
     mtp_layers,
@@ -323,105 +327,83 @@ def mtp_layers_in(hf_keys, config: dict) -> int:
     default 1), or 0 when the weights have no ``model.layers.{num_hidden_layers}.`` (a re-saved folder drops
     them)."""
     n = int(config.get("num_hidden_layers") or 0)
-    want = int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)) or 0)
+    want = KEY["num_nextn_predict_layers"].value_in(config)
     prefixes = (f"model.layers.{n}.", f"layers.{n}.")
     return want if want and any(key.startswith(prefixes) for key in hf_keys) else 0
+
+
+# the named transforms of the keys that are more than a line (import: of the whole config.json)
+def _layer_freq_in(config: dict) -> str | None:
+    """Our ``moe_layer_freq`` for the first ``first_k_dense_replace`` layers dense (None: every layer dense)."""
+    layers = hf_llama.KEY["num_hidden_layers"].value_in(config)
+    first_dense = min(int(config.get("first_k_dense_replace", 3) or 0), layers)
+    if first_dense == layers:
+        return None
+    return "1" if first_dense == 0 else f"([0]*{first_dense}+[1]*{layers - first_dense})"
+
+
+def _yarn(m: ModelConfig) -> dict | None:
+    """``rope_scaling`` (read back by ``_rope_values``): YaRN's, or None for plain rope."""
+    if (m.rope_type or "yarn") != "yarn":
+        return None
+    f = m.rotary_scaling_factor
+    return {"type": "yarn", "rope_type": "yarn", "factor": f,
+            "original_max_position_embeddings": m.original_max_position_embeddings, "mscale": m.mscale,
+            "mscale_all_dim": m.mscale_all_dim, "beta_fast": 32, "beta_slow": 1,
+            "attention_factor": yarn_mscale(f, m.mscale) / yarn_mscale(f, m.mscale_all_dim)}
+
+
+L = hf_llama.KEY  # Llama's keys, where DeepSeek-V3's are the same
+# config.json <-> our ModelConfig, both ways (a key with ``export`` only is constant or derived, written only; the
+# rope keys are read back by ``_rope_values``, Llama's by ``hf_llama.model_values``, the router's as they are, then
+# checked, by ``_moe_values``)
+KEYS = (
+    Key("architectures", export=lambda m: ["DeepseekV3ForCausalLM"]),
+    Key("model_type", export=lambda m: "deepseek_v3"),
+    L["vocab_size"], L["hidden_size"], L["intermediate_size"],
+    Key("moe_intermediate_size", "moe_ffn_hidden_size", export=lambda m: m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        from_hf=lambda v: int(v or 0), default=_DEFAULTS["moe_intermediate_size"]),
+    L["num_hidden_layers"], L["num_attention_heads"],
+    Key("num_key_value_heads", export=lambda m: m.num_attention_heads),
+    Key("n_shared_experts", "moe_shared_expert_intermediate_size",  # units of moe_intermediate_size
+        export=lambda m: _shared_width(m)[0] if m.num_experts else 0,
+        read=lambda c: KEY["moe_intermediate_size"].value_in(c) * int(c.get("n_shared_experts", 1) or 0) or None),
+    Key("n_routed_experts", "num_experts", export=lambda m: m.num_experts or 1,
+        default=_DEFAULTS["n_routed_experts"]),
+    Key("routed_scaling_factor", "moe_router_topk_scaling_factor",
+        export=lambda m: m.moe_router_topk_scaling_factor or 1.0,
+        from_hf=lambda v: float(v) if float(v) != 1.0 else None, default=2.5),
+    *(Key(theirs, ours, default=_DEFAULTS[theirs]) for theirs, ours in (
+        ("kv_lora_rank", "kv_lora_rank"), ("q_lora_rank", "q_lora_rank"), ("qk_rope_head_dim", "qk_pos_emb_head_dim"),
+        ("v_head_dim", "v_head_dim"), ("qk_nope_head_dim", "qk_head_dim"))),
+    Key("n_group", "moe_router_num_groups", export=lambda m: _groups(m)[0] if m.num_experts else 1,
+        default=_DEFAULTS["n_group"]),
+    Key("topk_group", "moe_router_group_topk", export=lambda m: _groups(m)[1] if m.num_experts else 1,
+        default=_DEFAULTS["topk_group"]),
+    Key("num_experts_per_tok", "moe_router_topk", export=lambda m: m.moe_router_topk if m.num_experts else 1,
+        default=_DEFAULTS["num_experts_per_tok"]),
+    Key("first_k_dense_replace", "moe_layer_freq", read=_layer_freq_in,
+        export=lambda m: _moe_pattern(m).index(True) if any(_moe_pattern(m)) else m.num_layers),
+    Key("norm_topk_prob", export=lambda m: bool(m.num_experts) and m.moe_router_topk > 1),  # checked on import
+    Key("num_nextn_predict_layers", "mtp_num_layers", to_hf=lambda v: v or 0, from_hf=lambda v: int(v or 0),
+        default=1, aliases=("num_mtp_layers",)),
+    L["hidden_act"], L["max_position_embeddings"], L["rms_norm_eps"], L["rope_theta"],
+    Key("rope_scaling", export=_yarn),
+    Key("rope_interleave", export=lambda m: True),  # read back by ``FAMILY.options``
+    L["attention_bias"], L["attention_dropout"], L["initializer_range"], L["tie_word_embeddings"],
+    L["bos_token_id"], L["eos_token_id"], L["pretraining_tp"],
+    Key("output_router_logits", export=lambda m: False),
+    L["use_cache"], L["torch_dtype"],
+)
+KEY = {k.theirs: k for k in KEYS}
+_ROUTER = tuple(KEY[name] for name in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
+_LATENT = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
     """``config.json`` of the equivalent ``DeepseekV3ForCausalLM``."""
     check_model(model_cfg)
-    m = model_cfg
-    pattern = _moe_pattern(m)
-    n_group, topk_group = _groups(m) if m.num_experts else (1, 1)
-    if (m.rope_type or "yarn") == "yarn":
-        f = m.rotary_scaling_factor
-        scaling = {"type": "yarn", "rope_type": "yarn", "factor": f,
-                   "original_max_position_embeddings": m.original_max_position_embeddings, "mscale": m.mscale,
-                   "mscale_all_dim": m.mscale_all_dim, "beta_fast": 32, "beta_slow": 1,
-                   "attention_factor": yarn_mscale(f, m.mscale) / yarn_mscale(f, m.mscale_all_dim)}
-    else:
-        scaling = None
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
-        "moe_intermediate_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_attention_heads,
-        "n_shared_experts": _shared_width(m)[0] if m.num_experts else 0,
-        "n_routed_experts": m.num_experts or 1,
-        "routed_scaling_factor": m.moe_router_topk_scaling_factor or 1.0,
-        "kv_lora_rank": m.kv_lora_rank,
-        "q_lora_rank": m.q_lora_rank,
-        "qk_rope_head_dim": m.qk_pos_emb_head_dim,
-        "v_head_dim": m.v_head_dim,
-        "qk_nope_head_dim": m.qk_head_dim,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "num_experts_per_tok": m.moe_router_topk if m.num_experts else 1,
-        "first_k_dense_replace": pattern.index(True) if any(pattern) else m.num_layers,
-        "norm_topk_prob": bool(m.num_experts) and m.moe_router_topk > 1,
-        "num_nextn_predict_layers": m.mtp_num_layers or 0,
-        "hidden_act": hf_llama.ACTIVATION,
-        "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": m.layernorm_epsilon,
-        "rope_theta": float(m.rotary_base),
-        "rope_scaling": scaling,
-        "rope_interleave": True,
-        "attention_bias": False,
-        "attention_dropout": m.attention_probs_dropout_prob,
-        "initializer_range": m.initializer_range,
-        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
-        "bos_token_id": None,  # to-hf sets both to the end-of-document id of the run's tokenizer
-        "eos_token_id": None,
-        "pretraining_tp": 1,
-        "output_router_logits": False,
-        "use_cache": True,
-        "torch_dtype": dtype,
-    }
-
-
-def _rope_values(config: dict) -> dict:
-    """Our rotary settings of a config.json's ``rope_parameters`` (transformers 5) or ``rope_theta`` and
-    ``rope_scaling`` (DeepSeek's, transformers 4): plain rope, or YaRN with transformers' effective concentration
-    (``attention_factor``, else mscale / mscale_all_dim when both are set, else mscale(factor)) as ours."""
-    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    kind = params.get("rope_type") or params.get("type") or "default"
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    if float(theta) != int(theta):
-        raise ConversionError(f"rope_theta {theta} is not an integer, which rotary_base must be.")
-    if kind == "default":
-        return {"rotary_base": int(theta), "rope_type": "rope"}
-    if kind != "yarn":
-        raise ConversionError(f"config.json sets rope type {kind!r}; this GPT's multi-latent attention takes the plain "
-                              f"rotary embedding or YaRN, so the model cannot be imported.")
-    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:  # transformers' YaRN rotates that share only
-        raise ConversionError(f"config.json sets partial_rotary_factor {params['partial_rotary_factor']}; this GPT's "
-                              f"YaRN rotates every channel of qk_rope_head_dim, so the model cannot be imported.")
-    unusual = {k: params[k] for k, v in (("beta_fast", 32), ("beta_slow", 1), ("truncate", True))
-               if params.get(k) is not None and params[k] != v}
-    if unusual:
-        raise ConversionError(f"config.json sets YaRN's {unusual}; this GPT's YaRN has beta_fast 32, beta_slow 1 and "
-                              f"truncate true, so the model cannot be imported.")
-    original = int(params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
-                   or config["max_position_embeddings"])
-    f = float(params.get("factor") or config["max_position_embeddings"] / original)
-    all_dim, mscale = float(params.get("mscale_all_dim") or 0.0), params.get("mscale")
-    target = params.get("attention_factor")
-    if target is None:
-        target = yarn_mscale(f, mscale) / yarn_mscale(f, all_dim) if mscale and all_dim else yarn_mscale(f)
-    ours = float(mscale) if mscale and all_dim else 1.0
-    if abs(yarn_mscale(f, ours) / yarn_mscale(f, all_dim) - target) > 1e-9 * target and f > 1:
-        ours = (target * yarn_mscale(f, all_dim) - 1.0) / (0.1 * math.log(f))  # the concentration solved for mscale
-    if ours < 0 or abs(yarn_mscale(f, ours) / yarn_mscale(f, all_dim) - target) > 1e-9 * target:
-        raise ConversionError(f"config.json's YaRN attention factor {target} is not mscale(f, m) / mscale(f, "
-                              f"mscale_all_dim) for any mscale m >= 0, as this GPT's YaRN scales cos and sin.")
-    return {"rotary_base": int(theta), "rope_type": "yarn", "rotary_scaling_factor": f,
-            "original_max_position_embeddings": original, "mscale": ours, "mscale_all_dim": all_dim}
+    return {**config_out(KEYS, model_cfg), "torch_dtype": dtype}
 
 
 def model_flags(config: dict) -> list[str]:
@@ -441,19 +423,20 @@ def model_flags(config: dict) -> list[str]:
                                     "mlp_bias": False, "rms_norm_eps": eps})
     values.pop("kv_channels", None)
     values.update(_rope_values(config))
-    layers = values["num_layers"]
-    latent = {ours: config.get(theirs, _DEFAULTS[theirs]) for ours, theirs in (
-        ("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"), ("qk_head_dim", "qk_nope_head_dim"),
-        ("qk_pos_emb_head_dim", "qk_rope_head_dim"), ("v_head_dim", "v_head_dim"))}
-    values.update({"multi_latent_attention": True, "qk_layernorm": True, **latent})
-    mtp = int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 1)) or 0)
+    values.update({"multi_latent_attention": True, "qk_layernorm": True, **config_in(KEYS, config, _LATENT)})
+    mtp = KEY["num_nextn_predict_layers"].value_in(config)
     if mtp:
         values["mtp_num_layers"] = mtp
-    first_dense = min(int(config.get("first_k_dense_replace", 3) or 0), layers)
-    if first_dense == layers:
+    freq = config_in(KEYS, config, ("moe_layer_freq",))["moe_layer_freq"]
+    if freq is None:
         return to_flags(values)  # every layer dense
-    router = {key: config.get(key, _DEFAULTS[key]) for key in ("n_routed_experts", "num_experts_per_tok", "n_group",
-                                                                "topk_group")}
+    values.update(_moe_values(config, freq))
+    return to_flags({name: v for name, v in values.items() if v is not None})
+
+
+def _moe_values(config: dict, freq: str) -> dict:
+    """Our MoE settings (the router's checked) of a config.json with MoE layers (``moe_layer_freq`` ``freq``)."""
+    router = {key.theirs: key.value_in(config) for key in _ROUTER}
     unset = [key for key, value in router.items() if value is None]
     if unset:  # DeepseekV3TopkRouter divides and chooses by each of them
         raise ConversionError(f"config.json sets {unset[0]} to null, which DeepSeek-V3's router of its MoE layers "
@@ -471,18 +454,14 @@ def model_flags(config: dict) -> list[str]:
     if bool(norm) != (k > 1):
         raise ConversionError(f"config.json sets norm_topk_prob {norm} with num_experts_per_tok {k}; this GPT's "
                               f"sigmoid router normalises the top k exactly when k > 1.")
-    unit = int(config.get("moe_intermediate_size", _DEFAULTS["moe_intermediate_size"]) or 0)
-    shared = int(config.get("n_shared_experts", 1) or 0)
-    scale = float(config.get("routed_scaling_factor", 2.5))
-    values.update({
-        "num_experts": experts, "moe_router_topk": k, "moe_ffn_hidden_size": unit,
-        "moe_shared_expert_intermediate_size": shared * unit or None,
-        "moe_layer_freq": "1" if first_dense == 0 else f"([0]*{first_dense}+[1]*{layers - first_dense})",
-        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-        "moe_router_num_groups": n_group if topk_group < n_group else None,
-        "moe_router_group_topk": topk_group if topk_group < n_group else None,
-        "moe_router_topk_scaling_factor": scale if scale != 1.0 else None})
-    return to_flags({name: v for name, v in values.items() if v is not None})
+    read = config_in(KEYS, config, ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                                    "moe_router_topk_scaling_factor"))
+    return {"num_experts": experts, "moe_router_topk": k, "moe_ffn_hidden_size": read["moe_ffn_hidden_size"],
+            "moe_shared_expert_intermediate_size": read["moe_shared_expert_intermediate_size"],
+            "moe_layer_freq": freq, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": n_group if topk_group < n_group else None,
+            "moe_router_group_topk": topk_group if topk_group < n_group else None,
+            "moe_router_topk_scaling_factor": read["moe_router_topk_scaling_factor"]}
 
 
 def _train_state(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict:
@@ -491,7 +470,7 @@ def _train_state(hf: dict[str, torch.Tensor], model_cfg: ModelConfig) -> dict:
     return {"consumed_samples": 0, "skipped_steps": 0, **({"moe_expert_bias": biases} if biases else {})}
 
 
-FAMILY = Family("deepseek_v3", RULES, (), check_model, hf_qwen_moe.strip_hf_prefix, hf_llama.HF_WTE,
+FAMILY = Family("deepseek_v3", RULES, KEYS, check_model, hf_qwen_moe.strip_hf_prefix, hf_llama.HF_WTE,
                 hf_llama.HF_HEAD, hf_llama.tied_head, extras=EXTRAS, hint=_HINT, keeps_fp32=(BIAS,), holds_mtp=True,
                 mtp_layers_in=mtp_layers_in, train_state=_train_state,
                 options=lambda config: {"rope_interleave": config.get("rope_interleave", True) is not False})

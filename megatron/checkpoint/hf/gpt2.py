@@ -35,11 +35,12 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron.checkpoint.hf import llama as hf_llama
 from megatron.checkpoint.hf.common import ConversionError, to_flags
-from megatron.checkpoint.hf.mapping import Family, chain, renames, rule
+from megatron.checkpoint.hf.mapping import Family, Key, chain, config_in, config_out, renames, rule
 from megatron.checkpoint.hf.transforms import CONV1D, QKV_HEADS, VOCAB
 from megatron.config.schema import ModelConfig
-from megatron.model.blocks import gelu_approximation
+from megatron.ops.activations import gelu_approximation
 
 __all__ = ["ConversionError", "check_model", "from_hf_state_dict", "hf_config", "model_flags", "name_map",
            "strip_hf_prefix", "to_hf_state_dict"]
@@ -115,37 +116,74 @@ def tied_head(head: torch.Tensor, hf: dict) -> None:
                               "head to the word embedding, which this GPT always does.")
 
 
+# the named transforms of the keys that are not a plain copy of one field
+def _eod(m: ModelConfig) -> int | None:
+    """GPT-2's <|endoftext|>, when the vocabulary has it; to-hf replaces it with the end-of-document id of the run's
+    tokenizer."""
+    return 50256 if m.vocab_size > 50256 else None
+
+
+def _inner(m: ModelConfig) -> int:
+    return m.ffn_hidden_size or 4 * m.hidden_size
+
+
+def _inner_in(config: dict) -> int | None:
+    """``n_inner``, or (null or absent) GPT-2's default of 4 x ``n_embd``."""
+    hidden = HIDDEN.value_in(config)
+    return config.get("n_inner") or (4 * hidden if hidden else None)
+
+
+def _activation(m: ModelConfig) -> str:
+    return ACTIVATION if gelu_approximation(m) == "tanh" else _EXACT_ACTIVATIONS[0]
+
+
+def _activation_in(activation: str) -> bool:
+    """Our ``bias_gelu_fusion`` (the tanh approximation) for ``activation_function``; ConversionError for another
+    function than GELU."""
+    if activation not in _SAME_ACTIVATIONS + _EXACT_ACTIVATIONS:
+        raise ConversionError(f"activation_function {activation!r} is neither the tanh-approximated GELU "
+                              f"({' or '.join(_SAME_ACTIVATIONS)}) nor the exact one "
+                              f"({' or '.join(_EXACT_ACTIVATIONS)}) this GPT computes.")
+    return activation in _SAME_ACTIVATIONS
+
+
+HIDDEN = Key("n_embd", "hidden_size", aliases=("hidden_size",))
+# config.json <-> our ModelConfig, both ways (a key with ``export`` only is constant or derived, written only; the
+# import also reads each key under the name transformers gives it: ``hidden_size`` for ``n_embd``, ...)
+KEYS = (
+    Key("architectures", export=lambda m: ["GPT2LMHeadModel"]),
+    Key("model_type", export=lambda m: "gpt2"),
+    hf_llama.KEY["vocab_size"],
+    Key("n_positions", "max_position_embeddings", aliases=("max_position_embeddings",)),
+    HIDDEN,
+    Key("n_layer", "num_layers", aliases=("num_hidden_layers",)),
+    Key("n_head", "num_attention_heads", aliases=("num_attention_heads",)),
+    Key("n_inner", "ffn_hidden_size", export=_inner, read=_inner_in),
+    Key("activation_function", "bias_gelu_fusion", export=_activation, from_hf=_activation_in, default=ACTIVATION),
+    Key("resid_pdrop", "hidden_dropout_prob", default=0.1),
+    Key("embd_pdrop", export=lambda m: m.hidden_dropout_prob),
+    Key("attn_pdrop", "attention_probs_dropout_prob", default=0.1),
+    Key("layer_norm_epsilon", "layernorm_epsilon", default=1e-5),
+    hf_llama.KEY["initializer_range"],
+    Key("scale_attn_weights", export=lambda m: True),
+    Key("scale_attn_by_inverse_layer_idx", export=lambda m: False),
+    Key("reorder_and_upcast_attn", export=lambda m: False),
+    Key("tie_word_embeddings", export=lambda m: True),
+    Key("bos_token_id", export=_eod),
+    Key("eos_token_id", export=_eod),
+    hf_llama.KEY["use_cache"],
+    hf_llama.KEY["torch_dtype"],
+)
+# what the import reads, in the order of its flags
+_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "vocab_size", "max_position_embeddings",
+           "ffn_hidden_size", "layernorm_epsilon", "hidden_dropout_prob", "attention_probs_dropout_prob",
+           "initializer_range")
+
+
 def hf_config(model_cfg, dtype: str = "float32") -> dict:
     """``config.json`` of the equivalent ``GPT2LMHeadModel``."""
     check_model(model_cfg)
-    m = model_cfg
-    # GPT-2's <|endoftext|>, when the vocabulary has it; to-hf replaces both with the end-of-document id of
-    # the run's tokenizer
-    eod = 50256 if m.vocab_size > 50256 else None
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": m.vocab_size,
-        "n_positions": m.max_position_embeddings,
-        "n_embd": m.hidden_size,
-        "n_layer": m.num_layers,
-        "n_head": m.num_attention_heads,
-        "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
-        "activation_function": ACTIVATION if gelu_approximation(m) == "tanh" else _EXACT_ACTIVATIONS[0],
-        "resid_pdrop": m.hidden_dropout_prob,
-        "embd_pdrop": m.hidden_dropout_prob,
-        "attn_pdrop": m.attention_probs_dropout_prob,
-        "layer_norm_epsilon": m.layernorm_epsilon,
-        "initializer_range": m.initializer_range,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "bos_token_id": eod,
-        "eos_token_id": eod,
-        "use_cache": True,
-        "torch_dtype": dtype,
-    }
+    return {**config_out(KEYS, model_cfg), "torch_dtype": dtype}
 
 
 def model_flags(config: dict) -> list[str]:
@@ -153,34 +191,19 @@ def model_flags(config: dict) -> list[str]:
     GPT cannot represent)."""
     if config.get("model_type", "gpt2") != "gpt2":
         raise ConversionError(f"config.json describes a {config.get('model_type')!r} model, not gpt2.")
-    activation = config.get("activation_function", "gelu_new")
-    if activation not in _SAME_ACTIVATIONS + _EXACT_ACTIVATIONS:
-        raise ConversionError(f"activation_function {activation!r} is neither the tanh-approximated GELU "
-                              f"({' or '.join(_SAME_ACTIVATIONS)}) nor the exact one "
-                              f"({' or '.join(_EXACT_ACTIVATIONS)}) this GPT computes.")
+    fused = config_in(KEYS, config, ("bias_gelu_fusion",))["bias_gelu_fusion"]
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False), ("tie_word_embeddings", True)):
         if config.get(key, want) != want:
             raise ConversionError(f"config.json sets {key}={config[key]}; this GPT supports only {want}.")
-    hidden = config.get("n_embd", config.get("hidden_size"))
-    values = {
-        "hidden_size": hidden,
-        "num_layers": config.get("n_layer", config.get("num_hidden_layers")),
-        "num_attention_heads": config.get("n_head", config.get("num_attention_heads")),
-        "vocab_size": config.get("vocab_size"),
-        "max_position_embeddings": config.get("n_positions", config.get("max_position_embeddings")),
-        "ffn_hidden_size": config.get("n_inner") or (4 * hidden if hidden else None),
-        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
-        "hidden_dropout_prob": config.get("resid_pdrop", 0.1),
-        "attention_probs_dropout_prob": config.get("attn_pdrop", 0.1),
-        "initializer_range": config.get("initializer_range", 0.02),
-    }
+    values = config_in(KEYS, config, _FIELDS)
     missing = [k for k, v in values.items() if v is None]
     if missing:
         raise ConversionError(f"config.json lacks {', '.join(missing)} (n_embd, n_layer, n_head, vocab_size, "
                               f"n_positions).")
-    return to_flags(values) + (["--no-bias-gelu-fusion"] if activation in _EXACT_ACTIVATIONS else [])
+    return to_flags(values) + ([] if fused else ["--no-bias-gelu-fusion"])
 
 
-FAMILY = Family("gpt2", RULES, (), check_model, strip_hf_prefix, "transformer.wte.weight", "lm_head.weight", tied_head)
+FAMILY = Family("gpt2", RULES, KEYS, check_model, strip_hf_prefix, "transformer.wte.weight", "lm_head.weight",
+                tied_head)
 to_hf_state_dict, from_hf_state_dict = FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

@@ -51,7 +51,7 @@ import torch
 from megatron.checkpoint.hf import llama as hf_llama
 from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
 from megatron.checkpoint.hf.config_checks import DEFAULTS
-from megatron.checkpoint.hf.mapping import BLOCK, Extra, Family, rule
+from megatron.checkpoint.hf.mapping import BLOCK, Extra, Family, Key, config_in, config_out, rule
 from megatron.checkpoint.hf.transforms import TRANSPOSED
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_attention import parse_window, window_layers
@@ -179,46 +179,53 @@ def _rope_parameters(model_cfg: ModelConfig) -> dict:
             "original_max_position_embeddings": m.original_max_position_embeddings}
 
 
+def _rope_scaling(model_cfg: ModelConfig) -> dict | None:
+    """``rope_scaling``, which transformers before 5 reads: YaRN's ``rope_parameters`` but the theta (None: rope)."""
+    rope = _rope_parameters(model_cfg)
+    return {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] == "yarn" else None
+
+
+def _sliding_window(model_cfg: ModelConfig) -> int:
+    """The window's positions (the query and those before it): the positions when the model has no window."""
+    left = parse_window(model_cfg.window_size)
+    return model_cfg.max_position_embeddings if left is None else left + 1
+
+
+L = hf_llama.KEY  # Llama's keys, where gpt-oss's are the same
+# config.json <-> our ModelConfig, both ways (a key with ``export`` only is constant or derived, written only: the
+# rope keys are read back by ``rope_values``, the window's by ``window_values``, Llama's by ``hf_llama.model_values``;
+# the import reads the keys on GptOssConfig's defaults, ``_DEFAULTS``)
+KEYS = (
+    Key("architectures", export=lambda m: [ARCHITECTURE]),
+    Key("model_type", export=lambda m: "gpt_oss"),
+    L["vocab_size"], L["hidden_size"],
+    Key("intermediate_size", "moe_ffn_hidden_size", export=_f, from_hf=int),  # the experts' width
+    L["num_hidden_layers"], L["num_attention_heads"], L["num_key_value_heads"], L["head_dim"],
+    L["max_position_embeddings"], L["rms_norm_eps"],
+    Key("rope_parameters", export=_rope_parameters),
+    L["rope_theta"],  # the two keys transformers before 5 reads
+    Key("rope_scaling", export=_rope_scaling),
+    Key("sliding_window", export=_sliding_window),
+    Key("layer_types", export=lambda m: [SLIDING if s else FULL for s in window_layers(m)]),
+    L["hidden_act"],
+    Key("swiglu_alpha", export=lambda m: ALPHA),  # checked on import
+    Key("swiglu_limit", "activation_func_clamp_value", from_hf=float),
+    L["attention_bias"], L["attention_dropout"],
+    Key("num_local_experts", "num_experts", read=lambda c: int(c.get("num_local_experts") or c.get("num_experts"))),
+    Key("num_experts_per_tok", "moe_router_topk", from_hf=int),
+    Key("router_aux_loss_coef", "moe_aux_loss_coeff", from_hf=lambda v: float(v or 0.0)),
+    Key("output_router_logits", export=lambda m: False),
+    L["initializer_range"], L["tie_word_embeddings"], L["bos_token_id"], L["eos_token_id"], L["use_cache"],
+    L["torch_dtype"],
+)
+_FIELDS = ("activation_func_clamp_value", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+           "moe_aux_loss_coeff")  # what the import reads off the table (with Llama's), in the order of its flags
+
+
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
     """``config.json`` of the equivalent ``GptOssForCausalLM``."""
     check_model(model_cfg)
-    m = model_cfg
-    nq, ng, hd = hf_llama.dims(m)
-    left, sliding = parse_window(m.window_size), window_layers(m)
-    rope = _rope_parameters(m)
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "gpt_oss",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": nq,
-        "num_key_value_heads": ng,
-        "head_dim": hd,
-        "max_position_embeddings": m.max_position_embeddings,
-        "rms_norm_eps": m.layernorm_epsilon,
-        "rope_parameters": rope,
-        "rope_theta": rope["rope_theta"],  # the two keys transformers before 5 reads
-        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] == "yarn" else None,
-        "sliding_window": m.max_position_embeddings if left is None else left + 1,
-        "layer_types": [SLIDING if s else FULL for s in sliding],
-        "hidden_act": hf_llama.ACTIVATION,
-        "swiglu_alpha": ALPHA,
-        "swiglu_limit": m.activation_func_clamp_value,
-        "attention_bias": True,
-        "attention_dropout": m.attention_probs_dropout_prob,
-        "num_local_experts": m.num_experts,
-        "num_experts_per_tok": m.moe_router_topk,
-        "router_aux_loss_coef": m.moe_aux_loss_coeff,
-        "output_router_logits": False,
-        "initializer_range": m.initializer_range,
-        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
-        "bos_token_id": None,  # to-hf sets both to the end-of-document id of the run's tokenizer
-        "eos_token_id": None,
-        "use_cache": True,
-        "torch_dtype": dtype,
-    }
+    return {**config_out(KEYS, model_cfg), "torch_dtype": dtype}
 
 
 def window_values(config: dict, layers: int) -> dict:
@@ -309,16 +316,17 @@ def model_flags(config: dict) -> list[str]:
     del values["swiglu"]
     values.update(rope_values(config))
     values.update(window_values(config, int(values["num_layers"])))
-    values.update({"quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": float(limit),
-                   "softmax_type": "learnable", "num_experts": int(experts), "moe_router_topk": int(topk),
-                   "moe_ffn_hidden_size": int(values["ffn_hidden_size"]), "moe_layer_freq": "1",
-                   "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef") or 0.0)})
+    read = config_in(KEYS, config, _FIELDS)
+    values.update({"quick_geglu": True, "glu_linear_offset": 1.0,
+                   "activation_func_clamp_value": read["activation_func_clamp_value"], "softmax_type": "learnable",
+                   **{k: read[k] for k in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
+                   "moe_layer_freq": "1", "moe_aux_loss_coeff": read["moe_aux_loss_coeff"]})
     unrounded = values.pop("yarn_correction_range_round_to_int", True) is False
     return to_flags({k: v for k, v in values.items() if v is not None}) + (
         ["--no-yarn-correction-range-round-to-int"] if unrounded else [])
 
 
-FAMILY = Family("gpt_oss", RULES, (), check_model, prepare, hf_llama.HF_WTE, hf_llama.HF_HEAD, hf_llama.tied_head,
+FAMILY = Family("gpt_oss", RULES, KEYS, check_model, prepare, hf_llama.HF_WTE, hf_llama.HF_HEAD, hf_llama.tied_head,
                 extras=EXTRAS, hint=_HINT, export_hint="check num_layers and num_experts",
                 stack_hint=" (num_local_experts, hidden_size, intermediate_size)")
 name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict

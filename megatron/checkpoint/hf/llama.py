@@ -181,6 +181,7 @@ KEYS = (
     Key("torch_dtype", export=lambda m: None),  # hf_config's dtype
 )
 _LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")
+KEY = {k.theirs: k for k in KEYS}  # Llama's keys by name, for the families that share some (gpt2, deepseek_v3, ...)
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32", moe: bool = False, qk_norm: bool = False) -> dict:

@@ -187,13 +187,25 @@ def expand_extras(extras: Iterable[Extra], m) -> list[tuple[str, Extra]]:
 class Key:
     """One ``config.json`` key: ``theirs`` <- our field ``ours`` (``to_hf`` of its value) on export, -> ``ours``
     (``from_hf`` of the key's value, ``default`` when absent) on import. ``export(m)`` instead: a key derived from
-    the whole config (or a constant), written only; ``ours`` None: not read back by the table."""
+    the whole config (or a constant), written; ``read(config)`` instead: our field derived from the whole config.json
+    (several keys, or a default that depends on another), read; ``aliases``: other names of the key, read in turn
+    when ``theirs`` is absent; ``ours`` None: not read back by the table."""
     theirs: str
     ours: str | None = None
     to_hf: Callable = lambda v: v
     from_hf: Callable = lambda v: v
     default: object = None
     export: Callable | None = None
+    read: Callable | None = None
+    aliases: tuple[str, ...] = ()
+
+    def value_in(self, config: dict):
+        """Our field's value read off ``config`` (``read``, or ``from_hf`` of the first of the key and its aliases
+        that ``config`` has, else of ``default``)."""
+        if self.read is not None:
+            return self.read(config)
+        name = next((n for n in (self.theirs, *self.aliases) if n in config), None)
+        return self.from_hf(config[name] if name is not None else self.default)
 
 
 def config_out(keys: Iterable[Key], m) -> dict:
@@ -201,9 +213,11 @@ def config_out(keys: Iterable[Key], m) -> dict:
     return {k.theirs: k.export(m) if k.export is not None else k.to_hf(getattr(m, k.ours)) for k in keys}
 
 
-def config_in(keys: Iterable[Key], config: dict) -> dict:
-    """Our fields (name -> value) read off ``config`` by the keys that name one, in the table's order."""
-    return {k.ours: k.from_hf(config.get(k.theirs, k.default)) for k in keys if k.ours is not None}
+def config_in(keys: Iterable[Key], config: dict, fields: Iterable[str] | None = None) -> dict:
+    """Our fields (name -> value) read off ``config`` by the keys that name one (only ``fields``, in that order, when
+    given; else every one, in the table's order)."""
+    by_field = {k.ours: k for k in keys if k.ours is not None}
+    return {name: by_field[name].value_in(config) for name in (by_field if fields is None else fields)}
 
 
 # ----------------------------------------------------------------------------------------------------- a family
