@@ -62,7 +62,7 @@ RULES = (rule("embedding.word_embeddings.weight", "transformer.wte.weight", VOCA
                             *([transform] if transform else []), ours=LAYER, theirs=HF_LAYER)],
          *renames({"final_layernorm.weight": "transformer.ln_f.weight",
                    "final_layernorm.bias": "transformer.ln_f.bias"}))
-# Our activation: F.gelu(approximate="tanh"), or exact with --no-bias-gelu-fusion (blocks.gelu_approximation).
+# Our activation: F.gelu(approximate="tanh"), or exact with --no-bias-gelu-fusion (ops.activations.gelu_approximation).
 # Hugging Face's names for the same functions.
 ACTIVATION = "gelu_new"
 _SAME_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")

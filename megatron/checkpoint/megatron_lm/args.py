@@ -180,7 +180,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     if not a.get("add_bias_linear", True):
         flags.append("--disable-bias-linear")
     if not a.get("bias_gelu_fusion", True) and not a.get("quick_geglu"):  # Megatron Core's exact GELU
-        flags.append("--no-bias-gelu-fusion")  # (blocks.gelu_approximation; quick GeGLU's MLP has no GELU)
+        flags.append("--no-bias-gelu-fusion")  # (ops.activations.gelu_approximation; quick GeGLU's MLP has no GELU)
     flags += _gpt_oss_flags(a, mla)
     flags += ["--vocab-size", str(vocab_size(args))]
     if a.get("seq_length"):
