@@ -190,9 +190,9 @@ def make_attention(cfg: ModelConfig, layer_number: int) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """GELU: ``fc2(gelu(fc1 x))`` (the tanh approximation or exact: ``ops.activations.gelu_approximation``); gated (SwiGLU,
-    ``fc2(silu(x W_gate) * (x W_up))``, or gpt-oss's quick GeGLU with its offset and clamp: ``ops.activations.activate``);
-    h -> ffn -> h.
+    """GELU: ``fc2(gelu(fc1 x))`` (the tanh approximation or exact: ``ops.activations.gelu_approximation``);
+    gated (SwiGLU, ``fc2(silu(x W_gate) * (x W_up))``, or gpt-oss's quick GeGLU with its offset and clamp:
+    ``ops.activations.activate``); h -> ffn -> h.
 
     A gated MLP's ``dense_h_to_4h`` has 2 x ffn output rows, interleaved: row 2j is gate_j, row 2j+1 is
     up_j, so a tensor-parallel rank's contiguous block of rows holds matching pairs."""
