@@ -9,7 +9,8 @@ A Megatron-LM user's ``pretrain_gpt.py`` script runs unchanged. Each Megatron fl
 - **absent** (``ABSENT``): a feature this framework lacks; refused by name, except with the value
   that makes it a no-op (``--num-distributed-optimizer-instances 1``).
 
-``cli.parse_config`` consults this module: plain data and the rewrite rule, importing nothing of ours.
+``cli.parse_config`` consults this module: plain data and the rewrite rule, importing nothing of ours but its two
+tables (``megatron_no_effect.py``, ``megatron_absent.py``).
 ``python -m megatron.config.docs --megatron`` renders docs/megatron.md from the same tables, so the two
 cannot drift (a test compares them).
 
@@ -21,7 +22,9 @@ or a flag still sets any of them. Without those flags the defaults are FleetX's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+# the tables of accepted-without-effect (megatron_no_effect.py) and absent (megatron_absent.py) flags
+from megatron.config.megatron_absent import _ABSENT_PREFIXES, ABSENT, Absent  # noqa: F401
+from megatron.config.megatron_no_effect import NO_EFFECT  # noqa: F401
 
 
 # --- accepted, with a line of its own at start: what to do instead --------------------------------------
@@ -37,203 +40,6 @@ def said_instead(flag: str, values: list[str]) -> str | None:
     return None
 
 
-# --- accepted, no effect here -----------------------------------------------------------------------------
-_IMPL = "Megatron's implementation detail (kernels, fusions, Transformer Engine); nothing to choose here"
-_CKPT = "Megatron's checkpoint machinery; checkpoints here are always written atomically and checksummed"
-_LOG = "logging: the log line and metrics.jsonl always carry what exists here (loss, ppl, memory, throughput)"
-_PERF = "a performance option of Megatron's; losses are the same without it"
-
-NO_EFFECT: dict[str, str] = {
-    "--use-mcore-models": _IMPL,
-    "--use-legacy-models": _IMPL,
-    "--transformer-impl": _IMPL,
-    "--attention-backend": _IMPL,
-    "--distributed-backend": "the backend is NCCL on GPUs and gloo on the CPU, chosen by the device",
-    "--no-gradient-accumulation-fusion": _IMPL,
-    "--gradient-accumulation-fusion": _IMPL,
-    "--attention-softmax-in-fp32": _IMPL,
-    "--no-masked-softmax-fusion": _IMPL,
-    "--no-bias-swiglu-fusion": _IMPL,
-    "--no-bias-dropout-fusion": _IMPL,
-    "--no-rope-fusion": _IMPL,
-    "--no-persist-layer-norm": _IMPL,
-    "--use-flashinfer-fused-rope": _IMPL,
-    "--cross-entropy-loss-fusion": _IMPL,
-    "--cross-entropy-fusion-impl": _IMPL,
-    "--no-create-attention-mask-in-dataloader": _IMPL,
-    "--apply-query-key-layer-scaling": "an fp16 overflow guard that leaves the attention mathematically unchanged",
-    "--te-rng-tracker": _IMPL,
-    "--inference-rng-tracker": _IMPL,
-    "--use-cpu-initialization": "initialisation here is layout-invariant and the same on every device",
-    "--ckpt-format": ("checkpoints here are written in this project's format (atomic, checksummed); "
-                      "tools/convert_checkpoint.py to-megatron writes Megatron-LM's (legacy or torch_dist), "
-                      "from-megatron reads them"),
-    "--auto-detect-ckpt-format": _CKPT,
-    "--dist-ckpt-strictness": _CKPT,
-    "--dist-ckpt-optim-fully-reshardable": "checkpoints here always load into any layout",
-    "--ckpt-fully-parallel-save": _CKPT,
-    "--no-ckpt-fully-parallel-save": _CKPT,
-    "--ckpt-fully-parallel-load": _CKPT,
-    "--ckpt-assume-constant-structure": _CKPT,
-    "--async-strategy": _CKPT,
-    "--async-mode": _CKPT,
-    "--async-ckpt-use-cpu-shm": _CKPT,
-    "--use-persistent-ckpt-worker": _CKPT,
-    "--verify-integrity": "checkpoints are always verified against their checksums on load",
-    "--save-retain-interval": "use --keep-last-checkpoints to prune old checkpoints here",
-    "--use-checkpoint-opt_param-scheduler": "a resumed run always continues the saved run's schedule unless a flag "
-                                            "given now changes it",
-    "--override-opt_param-scheduler": "flags given to a resumed run always override the saved schedule",
-    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the command line's, or the saved run's when "
-                                                     "resuming",
-    "--deterministic-mode": "runs here are deterministic on the CPU; on GPUs cuDNN's choice is PyTorch's default",
-    "--timing-log-level": _LOG,
-    "--timing-log-option": _LOG,
-    "--log-timers-to-tensorboard": _LOG,
-    "--log-memory-to-tensorboard": _LOG,
-    "--log-num-zeros-in-grad": _LOG,
-    "--log-params-norm": _LOG,
-    "--log-validation-ppl-to-tensorboard": _LOG,
-    "--log-throughput": _LOG,
-    "--log-progress": _LOG,
-    "--log-loss-scale-to-tensorboard": _LOG,
-    "--log-world-size-to-tensorboard": _LOG,
-    "--tensorboard-log-interval": _LOG,
-    "--tensorboard-queue-size": _LOG,
-    "--wandb-entity": "W&B logs to the default entity of the logged-in account",
-    "--manual-gc": "Python's garbage collector runs as usual",
-    "--manual-gc-interval": "Python's garbage collector runs as usual",
-    "--empty-unused-memory-level": _PERF,
-    "--no-mmap-bin-files": "the .bin files are always memory-mapped",
-    "--tp-comm-overlap": _PERF,
-    "--tp-comm-overlap-cfg": _PERF,
-    "--overlap-p2p-communication": _PERF,
-    "--overlap-p2p-communication-warmup-flush": _PERF,
-    "--overlap-param-gather-with-optimizer-step": _PERF,
-    "--defer-embedding-wgrad-compute": _PERF,
-    "--wgrad-deferral-limit": _PERF,
-    "--ddp-average-in-collective": "gradients are averaged over the data-parallel group either way",
-    "--disable-gloo-process-groups": _IMPL,
-    "--use-tp-pp-dp-mapping": "the rank order does not change the losses here",
-    "--microbatch-group-size-per-virtual-pipeline-stage": _PERF,
-    "--enable-cuda-graph": _PERF,
-    "--cuda-graph-impl": _PERF,
-    "--check-weight-hash-across-dp-replicas-interval": "replicas are compared by the run-health checks instead",
-    "--straggler-minmax-count": _LOG,
-    "--rerun-mode": "a non-finite loss stops the run here (exit 3) without saving",
-    "--calculate-per-token-loss": "always the case here: the loss is the global batch's token mean",
-    "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
-    "--no-position-embedding": "positions are chosen by --position-embedding-type alone, as Megatron Core's GPTModel "
-                               "reads them (rope and none add no position embedding)",
-    "--moe-permute-fusion": _IMPL,
-    "--use-flash-attn": "attention runs in PyTorch's scaled_dot_product_attention, which takes FlashAttention on "
-                        "GPUs wherever it applies",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 here (main_grad)",
-    "--export-force-local-attention": "a ModelOpt export setting; tools/convert_checkpoint.py writes Megatron-LM's "
-                                      "local-spec names",
-    "--moe-per-layer-logging": "the log line carries the mean over MoE layers; metrics.jsonl, TensorBoard and W&B "
-                               "carry each MoE layer's tokens per expert",
-    "--moe-router-fusion": _IMPL,
-    "--no-check-for-nan-in-loss-and-grad": (
-        "a step with non-finite gradients is skipped here, --max-consecutive-skipped-steps bad steps in a row "
-        "(non-finite losses or gradients; 0: never) stop the run (exit 3), and a non-finite state is never saved; "
-        "the check costs nothing, the loss and gradient norm being reduced every step anyway"),
-    "--use-pytorch-profiler": ("--profile always runs PyTorch's profiler here (Megatron-LM's default without this "
-                               "flag marks the steps for an outside nsys capture instead)"),
-    "--logging-level": ("the level of Megatron-LM's Python loggers; the log here (the step lines, warnings and "
-                        "errors) always prints"),
-}
-
-# --- absent: a feature this framework lacks ---------------------------------------------------------------
-_UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
-           "interleaving)")
-_INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
-_MOE_DISPATCH = "Megatron's DeepEP token dispatch"
-_FP8 = "an FP8 option not built here (docs/fp8.md lists those built)"
-
-
-@dataclass(frozen=True)
-class Absent:
-    feature: str
-    noop: tuple[str, ...] = ()  # values with which the flag changes nothing (accepted)
-
-
-ABSENT: dict[str, Absent] = {
-    "--hierarchical-context-parallel-sizes": Absent(
-        "hierarchical context parallelism (--cp-comm-type a2a+p2p: all-to-all within a node, a ring across nodes); "
-        "choose one of p2p, all_gather or a2a over the whole context-parallel group"),
-    "--num-distributed-optimizer-instances": Absent("several distributed-optimizer instances", ("1",)),
-    "--optimizer": Absent("optimizers other than AdamW", ("adam",)),
-    "--decoupled-lr": Absent("a separate learning rate for the embedding and output layer"),
-    "--decoupled-min-lr": Absent("a separate learning rate for the embedding and output layer"),
-    "--apply-layernorm-1p": Absent("zero-centred LayerNorm weights (layernorm-1p)"),
-    "--squared-relu": Absent("the squared-ReLU MLP"),
-    "--apply-wd-to-qk-layernorm": Absent("weight decay on the QK norms (norms never decay here)"),
-    "--attention-output-gate": Absent("gated attention output"),
-    "--experimental-attention-variant": Absent("experimental attention variants"),
-    "--first-last-layers-bf16": Absent("the first and last transformer layers kept in bf16 under FP8 (every "
-                                       "layer's linear layers run in FP8 here; docs/fp8.md)"),
-    "--outer-dp-sharding-strategy": Absent(
-        "hybrid-sharded data parallelism (Megatron FSDP's outer data-parallel group); --use-megatron-fsdp shards "
-        "over the whole data-parallel group here", ("no_shard",)),
-    "--use-mup": Absent("muP parametrisation"),
-    "--fim-data": Absent("fill-in-the-middle datasets"),
-    "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
-    "--error-injection-type": Absent("Megatron's fault injection for its rerun machinery"),
-    "--account-for-embedding-in-pipeline-split": Absent(_UNEVEN),
-    "--account-for-loss-in-pipeline-split": Absent(_UNEVEN),
-    "--decoder-first-pipeline-num-layers": Absent(_UNEVEN),
-    "--decoder-last-pipeline-num-layers": Absent(_UNEVEN),
-    "--eval-global-batch-size": Absent("a separate evaluation batch size; evaluation uses the global batch size"),
-    "--prompts": Absent(_INFERENCE),
-    "--prompt-file": Absent(_INFERENCE),
-    "--num-tokens-to-generate": Absent(_INFERENCE),
-    "--temperature": Absent(_INFERENCE),
-    "--top_k": Absent(_INFERENCE),
-    "--top_p": Absent(_INFERENCE),
-    "--return-log-probs": Absent(_INFERENCE),
-    "--perform-rl-step": Absent(_INFERENCE),
-    "--prompt-file-num-truncate": Absent(_INFERENCE),
-    "--output-path": Absent(_INFERENCE),
-    "--output-every-n-results": Absent(_INFERENCE),
-    "--stop-words": Absent(_INFERENCE),
-    "--termination-id": Absent(_INFERENCE),
-    "--top-n-logprobs": Absent(_INFERENCE),
-    "--incoming-requests-per-sec": Absent(_INFERENCE),
-    "--incoming-requests-per-step": Absent(_INFERENCE),
-    "--max-tokens-to-oom": Absent(_INFERENCE),
-    "--enable-chunked-prefill": Absent(_INFERENCE),
-    "--flash-decode": Absent(_INFERENCE),
-    "--decode-only-cuda-graphs": Absent(_INFERENCE),
-    "--use-coordinator": Absent(_INFERENCE),
-    "--use-legacy-static-engine": Absent(_INFERENCE),
-    "--test-mode": Absent(_INFERENCE),
-    "--refit-method": Absent(_INFERENCE),
-    "--langrl-env-config": Absent(_INFERENCE),
-    "--fim-rate": Absent("fill-in-the-middle datasets"),
-    "--fim-spm-rate": Absent("fill-in-the-middle datasets"),
-    "--export-kd-cfg": Absent("Megatron's ModelOpt export and distillation"),
-    "--export-kd-teacher-load": Absent("Megatron's ModelOpt export and distillation"),
-    "--export-te-mcore-model": Absent("Megatron's ModelOpt export and distillation"),
-    "--moe-shared-expert-gate": Absent("a gate on the shared expert's output (Qwen2-MoE's)"),
-    "--moe-router-force-load-balancing": Absent("forced (benchmarking) load balancing of the router"),
-    "--moe-input-jitter-eps": Absent("jitter on the router's input"),
-    "--moe-layer-recompute": Absent("recomputing the MoE layer alone; --recompute-granularity full recomputes "
-                                    "whole layers, MoE ones included"),
-    "--moe-use-upcycling": Absent("upcycling a dense checkpoint into experts"),
-    "--moe-extended-tp": Absent("extended tensor parallelism of the experts"),
-    "--moe-enable-deepep": Absent(_MOE_DISPATCH),
-    "--moe-flex-dispatcher-backend": Absent(_MOE_DISPATCH),
-    "--moe-apply-probs-on-input": Absent("routing probabilities applied to the experts' input"),
-}
-_ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
-                    "--dsa-": "experimental attention variants",
-                    "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
-                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation",
-                    "--fp8-": _FP8,
-                    "--fp4-": "FP4 training",
-                    "--megatron-fsdp-": "Megatron FSDP's own buffers and dtypes; --use-megatron-fsdp is ZeRO here "
-                                        "(docs/megatron.md)"}
 
 # --- rewritten into our flags -----------------------------------------------------------------------------
 # Megatron flag -> (our flags it stands for; "{}" is the flag's value, None when it takes none), meaning.

@@ -57,8 +57,13 @@ def read_yaml(stream: str | IO) -> Any:
 def parse_split(split: str) -> list[float]:
     """'949,50,1' (or '949/50/1') -> three fractions summing to 1 (normalized in float64, as Megatron Core).
 
-    Up to three finite non-negative numbers with a positive sum; missing ones are 0. Raises ValueError."""
-    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    Up to three finite non-negative numbers with a positive sum; missing ones are 0. The value may carry its shell
+    quotes literally (``--split '99,1,0'`` in a script that quotes twice, as Megatron-LM's Llama 3 and gpt-oss
+    scripts do; Megatron reads the numbers out of it). Raises ValueError."""
+    text = split.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    parts = [p for p in text.replace("/", ",").split(",") if p.strip()]
     try:
         weights = [float(p) for p in parts]
     except ValueError:

@@ -202,6 +202,17 @@ def test_a_window_beyond_any_position_count_is_one_line(window):
         check(valid_config("--window-size", window))
 
 
+@pytest.mark.parametrize("quoted", ["'99,1,0'", '"99,1,0"'])
+def test_a_split_with_its_shell_quotes_reads_as_megatron_reads_it(quoted):
+    """Megatron-LM's Llama 3 and gpt-oss scripts pass --split "'99,1,0'" (quotes and all); Megatron accepts it."""
+    from megatron.config.syntax import parse_split
+
+    assert parse_split(quoted) == parse_split("99,1,0") == [0.99, 0.01, 0.0]
+    check(valid_config("--split", quoted))
+    with pytest.raises(ConfigError, match="must be up to three numbers"):  # quotes that do not pair are refused
+        check(valid_config("--split", quoted[:-1]))
+
+
 @pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,-1e-3,1", "-inf"])
 def test_a_split_of_non_finite_or_negative_numbers_refused(split):
     """'--split nan,1,1' was normalized to NaN fractions (and 'inf,1,1' to nan, 0, 0) without a word."""

@@ -1,0 +1,98 @@
+"""Megatron-LM's flags of features not built here (``ABSENT``: flag -> the feature, and the values with which the
+flag changes nothing), refused by name at start-up with what to do instead. Plain data: ``megatron_flags`` is the
+one table that reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- absent: a feature this framework lacks ---------------------------------------------------------------
+_UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
+           "interleaving)")
+_INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
+_MOE_DISPATCH = "Megatron's DeepEP token dispatch"
+_FP8 = "an FP8 option not built here (docs/fp8.md lists those built)"
+
+
+@dataclass(frozen=True)
+class Absent:
+    feature: str
+    noop: tuple[str, ...] = ()  # values with which the flag changes nothing (accepted)
+
+
+ABSENT: dict[str, Absent] = {
+    "--hierarchical-context-parallel-sizes": Absent(
+        "hierarchical context parallelism (--cp-comm-type a2a+p2p: all-to-all within a node, a ring across nodes); "
+        "choose one of p2p, all_gather or a2a over the whole context-parallel group"),
+    "--num-distributed-optimizer-instances": Absent("several distributed-optimizer instances", ("1",)),
+    "--optimizer": Absent("optimizers other than AdamW", ("adam",)),
+    "--decoupled-lr": Absent("a separate learning rate for the embedding and output layer"),
+    "--decoupled-min-lr": Absent("a separate learning rate for the embedding and output layer"),
+    "--apply-layernorm-1p": Absent("zero-centred LayerNorm weights (layernorm-1p)"),
+    "--squared-relu": Absent("the squared-ReLU MLP"),
+    "--apply-wd-to-qk-layernorm": Absent("weight decay on the QK norms (norms never decay here)"),
+    "--attention-output-gate": Absent("gated attention output"),
+    "--experimental-attention-variant": Absent("experimental attention variants"),
+    "--first-last-layers-bf16": Absent("the first and last transformer layers kept in bf16 under FP8 (every "
+                                       "layer's linear layers run in FP8 here; docs/fp8.md)"),
+    "--outer-dp-sharding-strategy": Absent(
+        "hybrid-sharded data parallelism (Megatron FSDP's outer data-parallel group); --use-megatron-fsdp shards "
+        "over the whole data-parallel group here", ("no_shard",)),
+    "--use-mup": Absent("muP parametrisation"),
+    "--fim-data": Absent("fill-in-the-middle datasets"),
+    "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
+    "--error-injection-type": Absent("Megatron's fault injection for its rerun machinery"),
+    "--account-for-embedding-in-pipeline-split": Absent(_UNEVEN),
+    "--account-for-loss-in-pipeline-split": Absent(_UNEVEN),
+    "--decoder-first-pipeline-num-layers": Absent(_UNEVEN),
+    "--decoder-last-pipeline-num-layers": Absent(_UNEVEN),
+    "--eval-global-batch-size": Absent("a separate evaluation batch size; evaluation uses the global batch size"),
+    "--prompts": Absent(_INFERENCE),
+    "--prompt-file": Absent(_INFERENCE),
+    "--num-tokens-to-generate": Absent(_INFERENCE),
+    "--temperature": Absent(_INFERENCE),
+    "--top_k": Absent(_INFERENCE),
+    "--top_p": Absent(_INFERENCE),
+    "--return-log-probs": Absent(_INFERENCE),
+    "--perform-rl-step": Absent(_INFERENCE),
+    "--prompt-file-num-truncate": Absent(_INFERENCE),
+    "--output-path": Absent(_INFERENCE),
+    "--output-every-n-results": Absent(_INFERENCE),
+    "--stop-words": Absent(_INFERENCE),
+    "--termination-id": Absent(_INFERENCE),
+    "--top-n-logprobs": Absent(_INFERENCE),
+    "--incoming-requests-per-sec": Absent(_INFERENCE),
+    "--incoming-requests-per-step": Absent(_INFERENCE),
+    "--max-tokens-to-oom": Absent(_INFERENCE),
+    "--enable-chunked-prefill": Absent(_INFERENCE),
+    "--flash-decode": Absent(_INFERENCE),
+    "--decode-only-cuda-graphs": Absent(_INFERENCE),
+    "--use-coordinator": Absent(_INFERENCE),
+    "--use-legacy-static-engine": Absent(_INFERENCE),
+    "--test-mode": Absent(_INFERENCE),
+    "--refit-method": Absent(_INFERENCE),
+    "--langrl-env-config": Absent(_INFERENCE),
+    "--fim-rate": Absent("fill-in-the-middle datasets"),
+    "--fim-spm-rate": Absent("fill-in-the-middle datasets"),
+    "--export-kd-cfg": Absent("Megatron's ModelOpt export and distillation"),
+    "--export-kd-teacher-load": Absent("Megatron's ModelOpt export and distillation"),
+    "--export-te-mcore-model": Absent("Megatron's ModelOpt export and distillation"),
+    "--moe-shared-expert-gate": Absent("a gate on the shared expert's output (Qwen2-MoE's)"),
+    "--moe-router-force-load-balancing": Absent("forced (benchmarking) load balancing of the router"),
+    "--moe-input-jitter-eps": Absent("jitter on the router's input"),
+    "--moe-layer-recompute": Absent("recomputing the MoE layer alone; --recompute-granularity full recomputes "
+                                    "whole layers, MoE ones included"),
+    "--moe-use-upcycling": Absent("upcycling a dense checkpoint into experts"),
+    "--moe-extended-tp": Absent("extended tensor parallelism of the experts"),
+    "--moe-enable-deepep": Absent(_MOE_DISPATCH),
+    "--moe-flex-dispatcher-backend": Absent(_MOE_DISPATCH),
+    "--moe-apply-probs-on-input": Absent("routing probabilities applied to the experts' input"),
+}
+_ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
+                    "--dsa-": "experimental attention variants",
+                    "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
+                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation",
+                    "--fp8-": _FP8,
+                    "--fp4-": "FP4 training",
+                    "--megatron-fsdp-": "Megatron FSDP's own buffers and dtypes; --use-megatron-fsdp is ZeRO here "
+                                        "(docs/megatron.md)"}
