@@ -96,3 +96,35 @@ _ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/
                     "--fp4-": "FP4 training",
                     "--megatron-fsdp-": "Megatron FSDP's own buffers and dtypes; --use-megatron-fsdp is ZeRO here "
                                         "(docs/megatron.md)"}
+
+
+# The flags of core_v0.16.1 whose feature is one of the prefixes' above, by name: flag -> that feature.
+_BY_FEATURE: dict[str, tuple[str, ...]] = {
+    "experimental attention variants (DeepSeek sparse attention's indexer)": (
+        "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-loss-coeff",
+        "--dsa-indexer-use-sparse-loss",),
+    "linear attention layers (gated DeltaNet) in a hybrid model": (
+        "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads",
+        "--linear-num-value-heads", "--linear-attention-freq",),
+    _FP8: (
+        "--fp8-quantizer-factory", "--fp8-margin", "--fp8-interval",),
+    "FP4 training": (
+        "--fp4-format", "--fp4-recipe", "--fp4-param-gather", "--fp4-quantizer-factory",),
+    "Megatron's reinforcement-learning training (GRPO); here a run pretrains or fine-tunes on a corpus": (
+        "--rl-prompts-per-eval", "--rl-default-temperature", "--rl-default-top-p", "--rl-default-top-k",
+        "--rl-offload-optimizer-during-inference", "--rl-offload-kv-cache-during-training",
+        "--rl-remove-kv-cache-during-training", "--rl-reset-cuda-graphs", "--rl-partial-rollouts",
+        "--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef",
+        "--rl-use-sequence-packing", "--rl-sequence-packing-max-sequences-per-bin", "--rl-sequence-packing-algo",
+        "--rl-training-cuda-graphs", "--rl-inference-tensor-model-parallel-size",
+        "--rl-inference-pipeline-model-parallel-size", "--rl-inference-expert-model-parallel-size",
+        "--rl-inference-expert-tensor-model-parallel-size", "--rl-inference-model-unified-memory-level",
+        "--rl-offload-inference-model-weights-when-idle", "--rl-verify-model-weights-swap",
+        "--rl-parallel-generation-tasks", "--rl-skip-bos-token", "--grpo-prompts-per-step", "--grpo-group-size",
+        "--grpo-iterations", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper", "--grpo-kl-beta",
+        "--grpo-entropy-term-weight", "--grpo-filter-groups-with-same-reward",),
+    "a mixture-of-experts option not built here (docs/moe.md lists those built)": (
+        "--moe-enable-routing-replay", "--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8",
+        "--moe-use-legacy-grouped-gemm", "--moe-latent-size", "--moe-upcycling-granularity",),
+}
+ABSENT.update({flag: Absent(feature) for feature, flags in _BY_FEATURE.items() for flag in flags})

@@ -111,3 +111,19 @@ NO_EFFECT: dict[str, str] = {
     "--logging-level": ("the level of Megatron-LM's Python loggers; the log here (the step lines, warnings and "
                         "errors) always prints"),
 }
+
+_SERVING = ("Megatron's inference server and its batching; generation here is tools/generate.py and tools/serve.py, "
+            "which a training run does not start")
+NO_EFFECT.update({flag: _SERVING for flag in (
+    "--inference-fuse-tp-communication", "--inference-batch-times-seqlen-threshold", "--inference-max-requests",
+    "--inference-max-seq-length", "--inference-max-batch-size", "--inference-dynamic-batching",
+    "--inference-dynamic-batching-buffer-size-gb", "--inference-dynamic-batching-paused-buffer-size-gb",
+    "--inference-dynamic-batching-block-size", "--inference-dynamic-batching-max-requests",
+    "--inference-dynamic-batching-max-tokens", "--inference-dynamic-batching-num-cuda-graphs",
+    "--inference-dynamic-batching-track-paused-request-events", "--inference-dynamic-batching-unified-memory-level",
+    "--inference-dynamic-batching-cuda-graph-max-tokens",
+    "--inference-dynamic-batching-cuda-graph-mixed-prefill-count", "--inference-logging-step-interval",
+    "--inference-wandb-logging", "--inference-coordinator-port",)})
+NO_EFFECT.update({flag: "a performance option of Megatron's (SMs of its DeepEP / HybridEP dispatch, CUDA graphs in "
+                        "inference); losses are the same without it" for flag in (
+    "--moe-deepep-num-sms", "--moe-hybridep-num-sms", "--moe-pad-experts-for-cuda-graph-inference",)})

@@ -324,8 +324,8 @@ def test_fp8_flags_are_ours_and_refused_on_a_cpu_in_one_line_naming_the_gpu_they
         "Blackwell); on the CPU")
     with pytest.raises(ConfigError) as err:  # what is still not built is refused at parsing, in the same line
         parse_config(["--mock-data", *fp8, "--fp8-margin", "0", "--use-mup"])
-    assert str(err.value).startswith("not available here: --use-mup (muP parametrisation), --fp8-margin (an FP8 "
-                                     "option not built here (docs/fp8.md lists those built)); remove them")
+    assert str(err.value).startswith("not available here: --fp8-margin 0 (an FP8 option not built here (docs/fp8.md "
+                                     "lists those built)), --use-mup (muP parametrisation); remove them")
 
 
 def test_kv_channels_is_accepted_and_unused_under_multi_latent_attention():
