@@ -362,7 +362,7 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
     args, unknown = parser.parse_known_args(argv)
     given = vars(args)
     megatron_given = {k[len(MEGATRON_DEST):]: given.pop(k) for k in list(given) if k.startswith(MEGATRON_DEST)}
-    notices, refused = _megatron_flags(megatron_given, unknown)
+    notices, refused = _megatron_flags(megatron_given, unknown, megatron_flags.accepted_leaves(given))
     if unknown and not any(u.startswith("-") for u in unknown):
         raise ConfigError(_stray_words(argv, unknown))
     if unknown or refused:
@@ -417,13 +417,13 @@ def megatron_defaults() -> Config:
     return config
 
 
-def _megatron_flags(given: dict[str, list[str]], unknown: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+def _megatron_flags(given: dict[str, list[str]], unknown: list[str],
+                    accepted: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(notices, refused) for the Megatron flags of ``megatron_flags``' tables on the command line: the
     accepted-without-effect ones listed in one notice, the absent ones (unless at their no-op value) refused
     by name, those of one feature together. Unknown flags that name an absent Megatron feature (``--moe-*``) are
-    moved from ``unknown``."""
-    accepted, said = [], []
-    refused: dict[str, list[str]] = {}  # why -> the flags (with their values) refused for it
+    moved from ``unknown``. ``accepted``: our own flags given that do nothing here (listed first)."""
+    said, refused = [], {}  # refused: why -> the flags (with their values) refused for it
     for flag, values in given.items():
         shown = " ".join([flag, *values])
         instead = megatron_flags.said_instead(flag, values)

@@ -22,9 +22,25 @@ or a flag still sets any of them. Without those flags the defaults are FleetX's.
 
 from __future__ import annotations
 
-# the tables of accepted-without-effect (megatron_no_effect.py) and absent (megatron_absent.py) flags
-from megatron.config.megatron_absent import _ABSENT_PREFIXES, ABSENT, Absent  # noqa: F401
-from megatron.config.megatron_no_effect import NO_EFFECT  # noqa: F401
+from megatron.config import megatron_absent, megatron_more_data, megatron_more_training, megatron_no_effect
+from megatron.config.megatron_absent import _ABSENT_PREFIXES, Absent  # noqa: F401
+
+# --- accepted, no effect here; absent: refused by name (their modules: the curated tables, then the rest of
+# core_v0.16.1's parser by group) ----------------------------------------------------------------------------
+NO_EFFECT: dict[str, str] = {**megatron_no_effect.NO_EFFECT, **megatron_more_training.NO_EFFECT,
+                             **megatron_more_data.NO_EFFECT}
+ABSENT: dict[str, Absent] = {**megatron_absent.ABSENT, **{
+    flag: Absent(feature, noop) for more in (megatron_more_training, megatron_more_data)
+    for flag, (feature, noop) in more.ABSENT.items()}}
+
+# Our flags kept for Megatron-LM's command lines that do nothing here: named with the flags accepted without effect.
+ACCEPTED_LEAVES = {"overlap_param_gather": "--overlap-param-gather",
+                   "moe_shared_expert_overlap": "--moe-shared-expert-overlap"}
+
+
+def accepted_leaves(given: dict) -> list[str]:
+    """Those of ``ACCEPTED_LEAVES`` set (true) on a command line, as flags."""
+    return [flag for leaf, flag in ACCEPTED_LEAVES.items() if given.get(leaf)]
 
 
 # --- accepted, with a line of its own at start: what to do instead --------------------------------------
@@ -56,6 +72,13 @@ REWRITES: dict[str, tuple[tuple[str, ...], str]] = {
                          "gpt-oss's YaRN rotary embeddings, as Megatron-LM sets them (factor 32 over 131072 original "
                          "positions, betas 32 and 1, mscale 1 and 0, the ramp unrounded); they override the same "
                          "flags given anywhere on the line"),
+    "--encoder-num-layers": (("--num-layers", "{}"), "the number of layers (Megatron-LM reads it as --num-layers for "
+                                                     "a GPT)"),
+    "--encoder-seq-length": (("--seq-length", "{}"), "the sequence length (Megatron-LM reads it as --seq-length for a "
+                                                     "GPT)"),
+    "--persistent-save-interval": (("--save-interval", "{}"), "another name of --save-interval"),
+    "--optimizer-cpu-offload": (("--sharding-offload",), "the optimizer states (fp32 masters, AdamW moments) and their "
+                                                         "step on the CPU, at any sharding"),
     "--use-torch-fsdp2": (("--use-distributed-optimizer", "--sharding-stage", "3"),
                           "PyTorch FSDP2 (fully_shard): parameters, gradients and optimizer states sharded over the "
                           "data-parallel group, which is ZeRO stage 3 here"),

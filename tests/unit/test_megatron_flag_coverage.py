@@ -58,3 +58,11 @@ ABSENT = sorted(flag for flag in FLAGS if flag in megatron_flags.ABSENT and not 
 def test_an_absent_feature_s_flag_is_refused_by_its_name(flag):
     said = _said(["--train-iters", "10", *_with_value(flag, FLAGS[flag])])
     assert flag in said and "unknown argument" not in said, said
+
+
+def test_our_flags_kept_for_megatron_that_do_nothing_are_named_with_the_accepted_ones():
+    warnings: list[str] = []
+    parse_config(["--train-iters", "10", "--overlap-param-gather", "--moe-shared-expert-overlap", "--use-flash-attn"],
+                 warnings=warnings)
+    assert ("accepted, no effect here: --overlap-param-gather, --moe-shared-expert-overlap, --use-flash-attn "
+            "(docs/megatron.md says why).") in warnings
