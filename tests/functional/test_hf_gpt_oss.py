@@ -140,8 +140,9 @@ def _our_model(tmp_path, *flags: str):
     return config
 
 
-def test_an_export_of_our_model_gives_transformers_our_logits(tmp_path):
-    config = _our_model(tmp_path)
+@pytest.mark.parametrize("flags", [(), ("--disable-bias-linear",)], ids=["biases", "megatron-recipe-no-biases"])
+def test_an_export_of_our_model_gives_transformers_our_logits(tmp_path, flags):
+    config = _our_model(tmp_path, *flags)
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["sliding_window"] == WINDOW
@@ -169,12 +170,11 @@ def test_our_config_round_trips_through_gpt_oss_config(flags):
 
 @pytest.mark.parametrize("change, message", [
     ({"swiglu_alpha": 1.5}, "config.json sets swiglu_alpha 1.5; this GPT's quick GeGLU has the sigmoid gain 1.702"),
-    ({"attention_bias": False}, "config.json sets attention_bias false"),
     ({"quantization_config": {"quant_method": "mxfp4"}}, "gpt-oss's MXFP4 experts"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "attention_factor": 2.0,
                           "original_max_position_embeddings": 32}}, "YaRN scales cos and sin by 2.0"),
     ({"layer_types": ["sliding_attention"] * 3, "sliding_window": None}, "its sliding_window is None"),
-], ids=["alpha", "no-attention-bias", "mxfp4", "attention-factor", "no-window-width"])
+], ids=["alpha", "mxfp4", "attention-factor", "no-window-width"])
 def test_what_this_gpt_cannot_represent_is_refused_in_one_line(tmp_path, capsys, change, message):
     src = tmp_path / "hf_in"
     src.mkdir()  # the config is read first: no weights needed
@@ -193,7 +193,6 @@ def test_a_window_or_sinks_never_export_to_an_architecture_that_drops_them(tmp_p
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
     assert "a dense model (num_experts unset) has no Hugging Face gpt-oss" in one_line_error(capsys)
     for flags, message in (((*OURS, "--softmax-type", "vanilla"), "softmax_type vanilla has no"),
-                           ((*OURS, "--disable-bias-linear"), "disable_bias_linear has no"),
                            ((*OURS, "--mscale-all-dim", "1"), "YaRN's mscale 1.0 / mscale_all_dim 1.0 has no")):
         with pytest.raises(ConversionError, match="cannot be exported") as err:
             converter_for_model(make_config(*flags).model)
@@ -207,3 +206,21 @@ def test_off_by_one_sinks_export_as_zero_sinks_and_come_back():
     assert torch.equal(hf["model.layers.1.self_attn.sinks"], torch.zeros(4))
     back = hf_gpt_oss.from_hf_state_dict(hf, config.model, config.padded_vocab_size)
     assert back.keys() == params.keys() and all(torch.equal(back[k][:VOCAB], params[k][:VOCAB]) for k in params)
+
+
+def test_without_biases_the_router_and_experts_export_zero_biases_and_come_back():
+    """Megatron-LM's gpt-oss recipe (--disable-bias-linear): gpt-oss always has router and expert biases, written as
+    zeros (attention_bias false drops the attention's); imported back, the same parameters; a nonzero one refused."""
+    config = make_config(*OURS, "--disable-bias-linear")
+    params = {name: p.detach() + 0.1 for name, p in build_model(config).named_parameters()}
+    assert not any(name.endswith(".bias") for name in params)
+    hf = converter_for_model(config.model).to_hf_state_dict(params, config.model)
+    assert torch.equal(hf["model.layers.1.mlp.router.bias"], torch.zeros(4))
+    assert torch.equal(hf["model.layers.0.mlp.experts.down_proj_bias"], torch.zeros(4, 64))
+    assert not any("self_attn" in name and name.endswith("_bias") for name in hf)
+    assert hf_gpt_oss.hf_config(config.model)["attention_bias"] is False
+    back = hf_gpt_oss.from_hf_state_dict(hf, config.model, config.padded_vocab_size)
+    assert back.keys() == params.keys() and all(torch.equal(back[k][:VOCAB], params[k][:VOCAB]) for k in params)
+    hf["model.layers.0.mlp.experts.gate_up_proj_bias"][1, 3] = 0.5
+    with pytest.raises(ConversionError, match="gate_up_proj_bias is not zero, but config.json sets attention_bias"):
+        hf_gpt_oss.from_hf_state_dict(hf, config.model, config.padded_vocab_size)

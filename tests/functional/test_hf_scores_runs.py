@@ -1,8 +1,9 @@
-"""Trained Qwen3, Qwen3-MoE and gpt-oss runs, exported to Hugging Face (``tools/convert_checkpoint.py to-hf``), are
-scored by transformers on the run's own validation tokens at the run's validation loss (within 1e-5): the export
-is the model that trained, not only one with the same logits at initialisation. The MoE runs train under 2 ranks
-(Qwen3-MoE with its experts over ep 2, gpt-oss under cp 2 with ring attention across its window), joining the shared
-launch; the dense Qwen3 trains in one process. Each: TINY's data, 3 steps, one evaluation at the end."""
+"""Trained Qwen3, Qwen3-MoE and gpt-oss runs (gpt-oss with and without linear biases), exported to Hugging Face
+(``tools/convert_checkpoint.py to-hf``), are scored by transformers on the run's own validation tokens at the run's
+validation loss (within 1e-5): the export is the model that trained, not only one with the same logits at
+initialisation. The MoE runs train under 2 ranks (Qwen3-MoE with its experts over ep 2, gpt-oss under cp 2 with ring
+attention across its window), joining the shared launch; the dense Qwen3 and the bias-free gpt-oss (Megatron-LM's
+own recipe) train in one process. Each: TINY's data, 3 steps, one evaluation at the end."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ GPT_OSS = [*RUN, "--position-embedding-type", "yarn", "--rotary-base", "150000",
 # name -> (processes, flags, the architecture the export names)
 RUNS = {"qwen3": (1, QWEN3, "Qwen3ForCausalLM"),
         "qwen3-moe-ep2": (2, [*QWEN3_MOE, "--expert-model-parallel-size", "2"], "Qwen3MoeForCausalLM"),
-        "gpt-oss-cp2": (2, [*GPT_OSS, "--cp", "2", "--cp-comm-type", "p2p"], "GptOssForCausalLM")}
+        "gpt-oss-cp2": (2, [*GPT_OSS, "--cp", "2", "--cp-comm-type", "p2p"], "GptOssForCausalLM"),
+        # Megatron-LM's own gpt-oss recipe trains without linear biases
+        "gpt-oss-no-bias": (1, [*GPT_OSS, "--disable-bias-linear"], "GptOssForCausalLM")}
 SHARED = parity_layouts({f"hf-scores-{name}": (n, flags) for name, (n, flags, _) in RUNS.items() if n > 1})
 
 

@@ -9,8 +9,10 @@ any head width, tied or untied head) with every layer a mixture of experts and t
   divide, e.g. 2: gpt-oss's alternation starting with a sliding layer; else a 0/1 pattern);
 - attention sinks (``self_attn.sinks`` [nq]): ``softmax_type learnable``, ``self_attention.softmax_offset``
   (``off-by-one`` exports as zero sinks, and imports back as learnable);
-- biases on the query/key/value/output projections, the router and the experts: ``disable_bias_linear`` off
-  (``attention_bias`` false, which leaves the experts' and the router's, is refused);
+- biases on the query/key/value/output projections, the router and the experts: ``disable_bias_linear`` off; with it
+  on (Megatron-LM's own gpt-oss recipe trains without linear biases) the export sets ``attention_bias`` false and
+  writes the router's and the experts' biases, which gpt-oss always has, as zeros, the same model; an import with
+  ``attention_bias`` false is such a model, its router's and experts' biases checked zero;
 - the experts' clamped quick GeGLU ``(clamp(up, -c, c) + 1) * g sigmoid(1.702 g)``, ``g = clamp(gate, max=c)``:
   ``quick_geglu``, ``glu_linear_offset 1``, ``activation_func_clamp_value`` c = ``swiglu_limit`` (a
   ``swiglu_alpha`` other than 1.702 is refused);
@@ -106,7 +108,6 @@ def check_model(model_cfg: ModelConfig) -> None:
              "gpt-oss always clamps the gate and up halves, by swiglu_limit"),
             (m.softmax_type == "vanilla", "softmax_type vanilla", "gpt-oss's attention has a sink logit per head: "
              "softmax_type learnable"),
-            (m.disable_bias_linear, "disable_bias_linear", "gpt-oss's experts and router always have biases"),
             (bool(dense), f"moe_layer_freq {m.moe_layer_freq} (dense layers {dense})",
              "every gpt-oss layer is a mixture of experts"),
             (bool(m.moe_shared_expert_intermediate_size), "a shared expert", "gpt-oss has none"),
@@ -139,13 +140,15 @@ RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.decoder(mlp_layers=False), *hf_llama
          rule("layers.{}.self_attention.softmax_offset", "model.layers.{}.self_attn.sinks",
               when=lambda m: m.softmax_type == "learnable"),
          rule("layers.{}.mlp.router.weight", "model.layers.{}.mlp.router.weight"),
-         rule("layers.{}.mlp.router.bias", "model.layers.{}.mlp.router.bias"),
+         rule("layers.{}.mlp.router.bias", "model.layers.{}.mlp.router.bias", when=hf_llama.biased),
          rule(EXPERT + "dense_h_to_4h.weight", HF_EXPERTS + "gate_up_proj", TRANSPOSED,
               shape=lambda m: (m.hidden_size, 2 * _f(m))),
-         rule(EXPERT + "dense_h_to_4h.bias", HF_EXPERTS + "gate_up_proj_bias", shape=lambda m: (2 * _f(m),)),
+         rule(EXPERT + "dense_h_to_4h.bias", HF_EXPERTS + "gate_up_proj_bias", shape=lambda m: (2 * _f(m),),
+              when=hf_llama.biased),
          rule(EXPERT + "dense_4h_to_h.weight", HF_EXPERTS + "down_proj", TRANSPOSED,
               shape=lambda m: (_f(m), m.hidden_size)),
-         rule(EXPERT + "dense_4h_to_h.bias", HF_EXPERTS + "down_proj_bias", shape=lambda m: (m.hidden_size,)))
+         rule(EXPERT + "dense_4h_to_h.bias", HF_EXPERTS + "down_proj_bias", shape=lambda m: (m.hidden_size,),
+              when=hf_llama.biased))
 
 
 def _check_zero_sinks(sinks, ctx, hf: dict, name: str) -> None:
@@ -154,9 +157,31 @@ def _check_zero_sinks(sinks, ctx, hf: dict, name: str) -> None:
                               f"softmax_type learnable.")
 
 
-# off-by-one: a zero sink logit per head, which our model holds no tensor for
+def _check_zero_bias(bias, ctx, hf: dict, name: str) -> None:
+    if bias is not None and torch.count_nonzero(bias):
+        raise ConversionError(f"{name} is not zero, but config.json sets attention_bias false, which this GPT imports "
+                              f"as a model without any linear bias (disable_bias_linear); the model cannot be "
+                              f"imported.")
+
+
+def _zeros(shape):
+    return lambda ctx, out, name: torch.zeros(shape(ctx.m))
+
+
+def _unbiased(m: ModelConfig) -> bool:
+    return not hf_llama.biased(m)
+
+
+# off-by-one: a zero sink logit per head, which our model holds no tensor for; without linear biases
+# (disable_bias_linear: Megatron-LM's gpt-oss recipe), the router's and the experts' biases gpt-oss always has, zero
 EXTRAS = (Extra("model.layers.{}.self_attn.sinks", lambda ctx, out, name: torch.zeros(ctx.m.num_attention_heads),
-                _check_zero_sinks, when=lambda m: m.softmax_type == "off-by-one"),)
+                _check_zero_sinks, when=lambda m: m.softmax_type == "off-by-one"),
+          Extra("model.layers.{}.mlp.router.bias", _zeros(lambda m: (m.num_experts,)), _check_zero_bias,
+                when=_unbiased),
+          Extra(HF_EXPERTS + "gate_up_proj_bias", _zeros(lambda m: (m.num_experts, 2 * _f(m))), _check_zero_bias,
+                when=_unbiased),
+          Extra(HF_EXPERTS + "down_proj_bias", _zeros(lambda m: (m.num_experts, m.hidden_size)), _check_zero_bias,
+                when=_unbiased))
 
 
 def prepare(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -303,15 +328,12 @@ def model_flags(config: dict) -> list[str]:
     if not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
         raise ConversionError(f"config.json's swiglu_limit {limit!r} is not a positive number, which this GPT's "
                               f"activation_func_clamp_value must be.")
-    if not config["attention_bias"]:
-        raise ConversionError("config.json sets attention_bias false, but gpt-oss's experts and router keep their "
-                              "biases and this GPT has biases on every linear layer or none; the model cannot be "
-                              "imported.")
     experts, topk = config.get("num_local_experts") or config.get("num_experts"), config["num_experts_per_tok"]
     if not experts or not topk or not 1 <= int(topk) <= int(experts):
         raise ConversionError(f"num_experts_per_tok ({topk}) must be from 1 to num_local_experts ({experts}).")
-    values = hf_llama.model_values({**config, "hidden_act": hf_llama.ACTIVATION, "attention_bias": True,
-                                    "mlp_bias": True, "rope_parameters": None, "rope_scaling": None,
+    biased = bool(config["attention_bias"])  # false: no linear bias (the router's and experts' then checked zero)
+    values = hf_llama.model_values({**config, "hidden_act": hf_llama.ACTIVATION, "attention_bias": biased,
+                                    "mlp_bias": biased, "rope_parameters": None, "rope_scaling": None,
                                     "rope_theta": 10000})
     del values["swiglu"]
     values.update(rope_values(config))
