@@ -23,8 +23,7 @@ from megatron.config.schema import ModelConfig, SaveLoadConfig
 from megatron.config.syntax import input_dir_words
 
 __all__ = ["MODEL_MAY_CHANGE", "MODEL_NOT_CHANGED", "NOT_INHERITED", "check_resume_settings", "resume_base",
-           "resumed_config", "saved_config_path",
-           "schedule_kept_warning"]
+           "resumed_config", "saved_config_path", "schedule_kept_warning", "scheduler_on_resume"]
 
 NOT_INHERITED = ("ckpt_dir", "local_batch_size", "finetune", "load_optim", "load_rng", "exit_duration_in_mins",
                  "exit_interval", "use_checkpoint_args", "override_data_order", "override_model_settings",
@@ -198,10 +197,43 @@ def resumed_config(argv: Sequence[str] | None = None, warnings: list[str] | None
     if base is not None and not first.save_load.finetune:
         saved_step = _saved_step(first.save_load.ckpt_dir) if training else 0  # 0: no data order to keep
         check_resume_settings(base, config, first.save_load.ckpt_dir, saved_step)
+    if base is not None and not first.save_load.finetune and training:
+        scheduler_on_resume(base, config, _argv(argv), first.save_load.ckpt_dir)
     kept = None if base is None else schedule_kept_warning(base, config)
     if kept is not None and warnings is not None:
         warnings.append(kept)
     return config
+
+
+# Megatron-LM's OptimizerParamScheduler.load_state_dict: the schedule's values a resume compares with the saved
+# run's, and the flags that say which win when they differ (a Megatron-LM command line stops otherwise).
+SCHEDULE = (("optimizer", "lr", "max_lr"), ("optimizer", "lr", "min_lr"), ("optimizer", "lr", "warmup_steps"),
+            ("optimizer", "lr", "warmup_rate"), ("optimizer", "lr", "decay_steps"), ("optimizer", "lr", "decay_style"),
+            ("optimizer", "start_weight_decay"), ("optimizer", "end_weight_decay"),
+            ("optimizer", "weight_decay_incr_style"))
+OVERRIDE_SCHEDULE = ("--override-opt_param-scheduler", "--override-opt-param-scheduler")
+KEEP_SCHEDULE = ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
+
+
+def scheduler_on_resume(base: Config, config: Config, argv: list[str], ckpt_dir: str) -> None:
+    """Megatron-LM's rule for a resumed Megatron-LM command line (``--train-iters`` / ``--train-samples``) that
+    gives a schedule value other than the saved run's (``SCHEDULE``): ``--override-opt_param-scheduler``, the values
+    given now; ``--use-checkpoint-opt_param-scheduler``, the saved ones (set in ``config``); neither, a ConfigError
+    naming both values and the two flags, as Megatron-LM stops. Another command line's flags always win (a resume
+    continues the saved schedule unless a flag given now changes it)."""
+    if not megatron_flags.is_megatron_command_line(argv) or any(flag in argv for flag in OVERRIDE_SCHEDULE):
+        return
+    keep = any(flag in argv for flag in KEEP_SCHEDULE)
+    for path in SCHEDULE:
+        now, saved = _get(config, path), _get(base, path)
+        if now == saved or saved is None:
+            continue
+        if keep:
+            setattr(_get(config, path[:-1]), path[-1], saved)
+            continue
+        raise ConfigError(f"resuming {ckpt_dir} with {path[-1]} {now!r}, but the saved run's schedule has {saved!r} "
+                          f"(Megatron-LM stops here too); pass --override-opt_param-scheduler to use the values given "
+                          f"now, or --use-checkpoint-opt_param-scheduler to keep the saved ones.")
 
 
 FOREIGN_DATA_ORDER = ("from-megatron",)  # converted_by of checkpoints whose data position is another framework's

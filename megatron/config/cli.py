@@ -418,12 +418,12 @@ def megatron_defaults() -> Config:
 
 
 def _megatron_flags(given: dict[str, list[str]], unknown: list[str],
-                    accepted: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+                    leaves: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(notices, refused) for the Megatron flags of ``megatron_flags``' tables on the command line: the
     accepted-without-effect ones listed in one notice, the absent ones (unless at their no-op value) refused
     by name, those of one feature together. Unknown flags that name an absent Megatron feature (``--moe-*``) are
-    moved from ``unknown``. ``accepted``: our own flags given that do nothing here (listed first)."""
-    said, refused = [], {}  # refused: why -> the flags (with their values) refused for it
+    moved from ``unknown``. ``leaves``: our own flags given that do nothing here (listed last)."""
+    accepted, said, refused = [], [], {}  # refused: why -> the flags (with their values) refused for it
     for flag, values in given.items():
         shown = " ".join([flag, *values])
         instead = megatron_flags.said_instead(flag, values)
@@ -438,7 +438,7 @@ def _megatron_flags(given: dict[str, list[str]], unknown: list[str],
             else:
                 noop = f"; accepted only as {flag} {' or '.join(entry.noop)}" if entry.noop else ""
                 refused.setdefault(entry.feature + noop, []).append(shown)
-    kept, after_refused = [], False
+    kept, after_refused, accepted = [], False, accepted + leaves
     for arg in unknown:
         feature = megatron_flags.absent_feature(arg.split("=")[0]) if arg.startswith("--") else None
         if feature:

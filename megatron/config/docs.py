@@ -89,7 +89,9 @@ in step with the tables the command line uses. A Megatron-LM `pretrain_gpt.py` s
 - **absent** flags name a feature this framework lacks; the run is refused with one line naming each (those
   of one feature together), except with the value that changes nothing (shown).
 
-Every unknown flag of a command line is reported in one message, each with its closest flag.
+Every option of Megatron-LM core_v0.16.1's `pretrain_gpt.py` parser (680, read from the parser itself: a test
+builds a command line of all of them and finds none unknown) is one of these, by name: {counts}. Every unknown
+flag of a command line (a later Megatron-LM's, a typo) is reported in one message, each with its closest flag.
 
 The `MODEL_ARGS` of a set of Megatron-LM's functional tests (`tests/unit/megatron_flag_sets.py`) parse and
 validate here, or are refused by the absent flags alone; `tests/functional/test_megatron_script.py` trains three
@@ -112,12 +114,19 @@ def _fleetx_default(name: str) -> object:
     return get(Config(), name)
 
 
+def _counts() -> str:
+    """How many Megatron-LM flags each table holds, for the page's header."""
+    implemented = len({*flags.IMPLEMENTED, *flags.REWRITES, *flags.DERIVED})
+    return (f"{implemented} implemented, {len(flags.NO_EFFECT)} accepted without effect and {len(flags.ABSENT)} "
+            f"absent (with the aliases of each)")
+
+
 def render_megatron_markdown() -> str:
     """docs/megatron.md from the tables of ``megatron_flags``."""
     by_flag = {leaf.flag: leaf for leaf in LEAVES.values()}
     by_flag.update({"--no-" + leaf.flag[2:]: leaf for leaf in LEAVES.values()})
     by_flag.update({alias: LEAVES[name] for alias, name in ALIASES.items()})
-    lines = [MEGATRON_HEADER.rstrip("\n")]
+    lines = [MEGATRON_HEADER.rstrip("\n").replace("{counts}", _counts())]
     for name, value in flags.MEGATRON_DEFAULTS.items():
         lines.append(f"| `{LEAVES[name].dotted}` | `{_fleetx_default(name)}` | `{value}` |")
     lines += ["", "## Implemented", "", "| Megatron-LM flag | here | meaning |", "| --- | --- | --- |"]

@@ -126,7 +126,8 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--override-opt_param-scheduler",
+    "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
     "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
     "--window-size", "--window-attn-skip-freq", "--softmax-type", "--quick-geglu", "--glu-linear-offset",
     "--activation-func-clamp-value", "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
@@ -142,6 +143,15 @@ DERIVED = {
                                           "optim_grads_params 3 (no_shard: none); without it no effect, as in "
                                           "Megatron-LM"),
 }
+_SCHEDULE_WINS = ("a resumed Megatron-LM command line whose schedule (lr, min_lr, warmup, decay, weight-decay ramp) "
+                  "differs from the saved run's: {} (checkpoint/resume.scheduler_on_resume); neither stops the run, as "
+                  "in Megatron-LM")
+DERIVED.update({
+    "--override-opt_param-scheduler": _SCHEDULE_WINS.format("the values given now win"),
+    "--override-opt-param-scheduler": _SCHEDULE_WINS.format("the values given now win"),
+    "--use-checkpoint-opt_param-scheduler": _SCHEDULE_WINS.format("the saved values win"),
+    "--use-checkpoint-opt-param-scheduler": _SCHEDULE_WINS.format("the saved values win"),
+})
 # Megatron FSDP's --data-parallel-sharding-strategy -> our ZeRO stage (0: no sharding, plain data parallelism)
 FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
 

@@ -75,10 +75,6 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
         "--no-rl-inference-logprobs-is-correction", "--no-rl-use-sequence-packing", "--no-rl-training-cuda-graphs",
         "--no-rl-offload-inference-model-weights-when-idle", "--no-rl-verify-model-weights-swap",
         "--no-rl-skip-bos-token",),
-    "flags given to a resumed run always override the saved schedule": (
-        "--override-opt-param-scheduler",),
-    "a resumed run always continues the saved run's schedule unless a flag given now changes it": (
-        "--use-checkpoint-opt-param-scheduler",),
     ("always the case here: the fp32 master weights are read from the checkpoint, with or without the optimizer "
      "states"): (
         "--load-main-params-from-ckpt",),

@@ -49,9 +49,6 @@ NO_EFFECT: dict[str, str] = {
     "--use-persistent-ckpt-worker": _CKPT,
     "--verify-integrity": "checkpoints are always verified against their checksums on load",
     "--save-retain-interval": "use --keep-last-checkpoints to prune old checkpoints here",
-    "--use-checkpoint-opt_param-scheduler": "a resumed run always continues the saved run's schedule unless a flag "
-                                            "given now changes it",
-    "--override-opt_param-scheduler": "flags given to a resumed run always override the saved schedule",
     "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the command line's, or the saved run's when "
                                                      "resuming",
     "--deterministic-mode": "runs here are deterministic on the CPU; on GPUs cuDNN's choice is PyTorch's default",

@@ -434,6 +434,25 @@ def test_a_resumed_run_is_told_when_it_keeps_the_saved_schedule(tmp_path):
     assert warnings == []  # the schedule was changed too
 
 
+def test_a_resumed_megatron_command_line_with_another_schedule_stops_unless_told_which_wins(tmp_path):
+    """Megatron-LM's OptimizerParamScheduler: a schedule value given now that differs from the checkpoint's stops the
+    run, unless --override-opt_param-scheduler (the values given now) or --use-checkpoint-opt_param-scheduler (the
+    saved ones) says which wins; another command line's flags win, as ever."""
+    run = _saved_run(tmp_path, "--train-iters", "10", "--lr", "3e-3", "--min-lr", "1e-5")
+    load = ["--load", str(run), "--train-iters", "10"]
+    with pytest.raises(ConfigError, match=r"resuming .* with max_lr 0.001, but the saved run's schedule has 0.003 "
+                                          r"\(Megatron-LM stops here too\); pass --override-opt_param-scheduler"):
+        resumed_config([*load, "--lr", "1e-3", "--min-lr", "1e-5"])
+    assert resumed_config([*load, "--lr", "3e-3", "--min-lr", "1e-5"]).optimizer.lr.max_lr == 3e-3  # the same: runs
+    for override in ("--override-opt_param-scheduler", "--override-opt-param-scheduler"):
+        assert resumed_config([*load, "--lr", "1e-3", override]).optimizer.lr.max_lr == 1e-3
+    for keep in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"):
+        kept = resumed_config([*load, "--lr", "1e-3", "--min-lr", "0", keep]).optimizer.lr
+        assert (kept.max_lr, kept.min_lr) == (3e-3, 1e-5)
+    fleetx = _saved_run(tmp_path / "fleetx", "--max-steps", "10", "--lr", "3e-3")
+    assert resumed_config(["--load", str(fleetx), "--lr", "1e-3"]).optimizer.lr.max_lr == 1e-3
+
+
 def test_how_to_load_is_not_inherited_and_finetune_takes_no_base(tmp_path):
     step = _saved_run(tmp_path, "--hidden-size", "96", "--num-attention-heads", "4", "--finetune",
                       "--no-load-optim") / "step_5"

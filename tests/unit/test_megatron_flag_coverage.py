@@ -64,5 +64,5 @@ def test_our_flags_kept_for_megatron_that_do_nothing_are_named_with_the_accepted
     warnings: list[str] = []
     parse_config(["--train-iters", "10", "--overlap-param-gather", "--moe-shared-expert-overlap", "--use-flash-attn"],
                  warnings=warnings)
-    assert ("accepted, no effect here: --overlap-param-gather, --moe-shared-expert-overlap, --use-flash-attn "
+    assert ("accepted, no effect here: --use-flash-attn, --overlap-param-gather, --moe-shared-expert-overlap "
             "(docs/megatron.md says why).") in warnings
