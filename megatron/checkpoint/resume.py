@@ -88,7 +88,8 @@ def schedule_kept_warning(base: Config, config: Config) -> str | None:
 # new model setting is held by default (listing it here is a decision). MODEL_MAY_CHANGE: what the training
 # objective, the precision or the speed use, not the function the weights compute. Those that decide which sample
 # comes next (once the saved run has consumed any): the data would be another order from here on.
-MODEL_MAY_CHANGE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "moe_router_dtype",
+MODEL_MAY_CHANGE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
+                    "embedding_init_method_std", "moe_router_dtype",
                     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                     "moe_router_bias_update_rate", "moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap",
                     "moe_grouped_gemm", "moe_token_dispatcher_type", "mtp_loss_scaling_factor")

@@ -126,6 +126,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--embedding-init-method-std",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--override-opt_param-scheduler",
     "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
     "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",

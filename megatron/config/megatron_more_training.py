@@ -109,9 +109,6 @@ _ABSENT: dict[str, tuple] = {
         "--qk-l2-norm",),
     "QK-clip (MuonClip: the query and key weights scaled down when an attention logit passes a threshold)": (
         "--qk-clip", ("--qk-clip-alpha", ("0.5",)), ("--qk-clip-threshold", ("100", "100.0")),),
-    ("a separate init std for the embedding (which then skips weight decay); here the embedding uses "
-     "--init-method-std"): (
-        "--embedding-init-method-std",),
     _FP8: (
         "--no-fp8-wgrad", "--disable-fp8-wgrad",),
     ("the first and last transformer layers kept in bf16 under FP8 (every layer's linear layers run in FP8 here; "

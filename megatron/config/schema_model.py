@@ -30,6 +30,9 @@ class ModelConfig:
     max_position_embeddings: int = opt(1024, "Rows of the learned position embedding.")
     type_vocab_size: int = opt(16, "Accepted for FleetX compatibility; GPT does not use it.")
     initializer_range: float = opt(0.02, "Std of the normal init; output projections get std / sqrt(2 x num_layers).")
+    embedding_init_method_std: float | None = opt(
+        None, "Std of the normal init of the word and position embeddings (Megatron-LM's --embedding-init-method-std); "
+              "None: initializer_range.")
     layernorm_epsilon: float = opt(1e-5, "Epsilon of every normalization layer (LayerNorm or RMSNorm).")
     position_embedding_type: str = opt(
         "learned_absolute", "Positions: a learned embedding added to the input (GPT-2), rotary embeddings on the "

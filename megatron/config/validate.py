@@ -157,6 +157,9 @@ def _check_model(config: Config) -> None:
         _fail(f"Model.type_vocab_size must be >= 0 (GPT does not use it), got {m.type_vocab_size}.")
     if m.initializer_range <= 0:
         _fail(f"Model.initializer_range (the init std) must be positive, got {m.initializer_range}.")
+    if m.embedding_init_method_std is not None and not 0 < m.embedding_init_method_std < float("inf"):
+        _fail(f"Model.embedding_init_method_std (the embeddings' init std) must be a positive number, got "
+              f"{m.embedding_init_method_std}; leave it unset for initializer_range.")
     if m.layernorm_epsilon <= 0:
         _fail(f"Model.layernorm_epsilon must be positive, got {m.layernorm_epsilon}.")
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):

@@ -7,7 +7,8 @@ the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatr
 - Norms (LayerNorm, RMSNorm; every name ends in ``layernorm.weight``/``.bias``, or is multi-token prediction's
   ``enorm`` / ``hnorm``): weight 1, bias 0;
   every other bias 0.
-- Embeddings and linear weights (the untied ``output_layer`` included): N(0, initializer_range).
+- Embeddings and linear weights (the untied ``output_layer`` included): N(0, initializer_range); the word and
+  position embeddings N(0, embedding_init_method_std) when it is set (Megatron-LM's ``--embedding-init-method-std``).
 - Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``, each expert's and the
   shared expert's ``dense_4h_to_h``): N(0, initializer_range / sqrt(2 x num_layers)).
 - A MoE router's weight ``mlp.router.weight`` [E, h]: N(0, initializer_range), like any linear weight.
@@ -32,6 +33,7 @@ from megatron.config.schema import ModelConfig
 _NORMS = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")  # multi-token prediction's norms: enorm, hnorm
 _SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight")  # the MLP, experts, shared expert
 _VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
+_EMBEDDINGS = ("word_embeddings.weight", "position_embeddings.weight")
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -47,6 +49,8 @@ def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> tor
     if name.endswith(".bias"):
         return torch.zeros(shape)
     std = cfg.initializer_range
+    if name.endswith(_EMBEDDINGS) and cfg.embedding_init_method_std is not None:
+        std = cfg.embedding_init_method_std
     if name.endswith(_SCALED_OUTPUTS):
         std /= math.sqrt(2.0 * cfg.num_layers)
     generator = torch.Generator().manual_seed(name_seed(seed, name))

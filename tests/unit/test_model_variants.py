@@ -433,3 +433,22 @@ def test_parameters_per_rank_counts_the_built_stages(case):
     for stage in range(2):
         chunk = cut_stage(GPTModel(m, vp), stage_layers(bounds, stage), stage == 0, stage == 1)
         assert parameters_per_rank(config, pp=2, pp_rank=stage) == num_parameters(chunk), stage
+
+
+def test_the_embeddings_take_their_own_init_std_as_megatron_s_flag_gives_it():
+    """--embedding-init-method-std (Megatron-LM's): the word and position embeddings drawn N(0, that std) from their
+    names' seeds; every other weight as without it; refused unless a positive number."""
+    from megatron.model.init import init_value
+
+    plain = dict(build_model(make_config(*TINY)).named_parameters())
+    config = make_config(*TINY, "--embedding-init-method-std", "0.5")
+    wide = dict(build_model(config).named_parameters())
+    for name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight"):
+        want = init_value(name, wide[name].shape, config.seed, config.model)
+        assert torch.equal(wide[name], want) and not torch.equal(wide[name], plain[name])
+        assert 0.45 < float(wide[name][: config.model.vocab_size].std()) < 0.55
+    assert all(torch.equal(wide[n], p) for n, p in plain.items() if "embeddings" not in n)
+    for bad, message in (("0", "must be a positive number"), ("-1", "must be a positive number"),
+                         ("nan", "must be a finite number"), ("inf", "must be a finite number")):
+        with pytest.raises(ConfigError, match=f"embedding_init_method_std.* {message}"):
+            make_config(*TINY, "--embedding-init-method-std", bad)
