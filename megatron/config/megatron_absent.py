@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # --- absent: a feature this framework lacks ---------------------------------------------------------------
-_UNEVEN = ("Megatron's uneven pipeline splits; here --pipeline-partition gives layer counts per stage (without "
-           "interleaving)")
+_UNEVEN = ("Megatron's pipeline layout strings (--pipeline-model-parallel-layout); here --pipeline-partition gives "
+           "layer counts per stage, or --decoder-first/last-pipeline-num-layers (without interleaving)")
 _INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
 _MOE_DISPATCH = "Megatron's DeepEP token dispatch"
 _FP8 = "an FP8 option not built here (docs/fp8.md lists those built)"
@@ -42,10 +42,6 @@ ABSENT: dict[str, Absent] = {
     "--fim-data": Absent("fill-in-the-middle datasets"),
     "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
     "--error-injection-type": Absent("Megatron's fault injection for its rerun machinery"),
-    "--account-for-embedding-in-pipeline-split": Absent(_UNEVEN),
-    "--account-for-loss-in-pipeline-split": Absent(_UNEVEN),
-    "--decoder-first-pipeline-num-layers": Absent(_UNEVEN),
-    "--decoder-last-pipeline-num-layers": Absent(_UNEVEN),
     "--eval-global-batch-size": Absent("a separate evaluation batch size; evaluation uses the global batch size"),
     "--prompts": Absent(_INFERENCE),
     "--prompt-file": Absent(_INFERENCE),

@@ -126,7 +126,8 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--embedding-init-method-std",
+    "--embedding-init-method-std", "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+    "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--override-opt_param-scheduler",
     "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
     "--profile", "--profile-step-start", "--profile-step-end", "--profile-ranks",
@@ -144,6 +145,15 @@ DERIVED = {
                                           "optim_grads_params 3 (no_shard: none); without it no effect, as in "
                                           "Megatron-LM"),
 }
+_UNEVEN_STAGES = ("Megatron-LM's uneven pipeline stages, as pipeline_partition's per-stage layer counts (without the "
+                  "interleaved schedule; megatron_flags.uneven_stages): ")
+DERIVED.update({
+    "--decoder-first-pipeline-num-layers": _UNEVEN_STAGES + "the first stage holds this many layers, the middle ones "
+                                                            "share the rest evenly",
+    "--decoder-last-pipeline-num-layers": _UNEVEN_STAGES + "the last stage holds this many layers",
+    "--account-for-embedding-in-pipeline-split": _UNEVEN_STAGES + "the embedding counts as a layer of the first stage",
+    "--account-for-loss-in-pipeline-split": _UNEVEN_STAGES + "the loss counts as a layer of the last stage",
+})
 _SCHEDULE_WINS = ("a resumed Megatron-LM command line whose schedule (lr, min_lr, warmup, decay, weight-decay ramp) "
                   "differs from the saved run's: {} (checkpoint/resume.scheduler_on_resume); neither stops the run, as "
                   "in Megatron-LM")
@@ -225,7 +235,54 @@ def derived(given: dict[str, list[str]], num_layers: int, pp: int) -> tuple[dict
         notices.append(f"{fsdp} --data-parallel-sharding-strategy {strategy}: {zero} here (docs/megatron.md).")
     elif strategy_flag in given:
         notices.append(f"{strategy_flag} {strategy}: no effect without {fsdp}, as in Megatron-LM.")
+    counts = uneven_stages(given, num_layers, pp)
+    if counts is not None:
+        values["pipeline_partition"] = ",".join(map(str, counts))
     return values, notices
+
+
+def _count(given: dict[str, list[str]], flag: str) -> int | None:
+    if flag not in given:
+        return None
+    text = " ".join(given[flag])
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{flag} must be a positive number of layers, got {text or 'no value'}.")
+    return int(text)
+
+
+def uneven_stages(given: dict[str, list[str]], num_layers: int, pp: int) -> list[int] | None:
+    """Each pipeline stage's decoder layers under Megatron-LM's uneven-stage flags (None: none given), by its rules
+    (TransformerConfig): ``--decoder-first/last-pipeline-num-layers`` give the first / last stage's, the middle
+    stages share the rest evenly (there must be as many middle layers as stages, and they must divide); with
+    ``--account-for-embedding/loss-in-pipeline-split`` the embedding and the loss count as a layer of the first and
+    last stage, all layers then divided evenly. ValueError, Megatron's refusals in one sentence."""
+    first = _count(given, "--decoder-first-pipeline-num-layers")
+    last = _count(given, "--decoder-last-pipeline-num-layers")
+    embedding = "--account-for-embedding-in-pipeline-split" in given
+    loss = "--account-for-loss-in-pipeline-split" in given
+    if first is None and last is None and not (embedding or loss):
+        return None
+    if (first is not None or last is not None) and (embedding or loss):
+        raise ValueError("--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split cannot be "
+                         "given together (as in Megatron-LM).")
+    if embedding or loss:
+        total = num_layers + embedding + loss
+        if total % pp:
+            raise ValueError(f"num_layers ({num_layers}) plus the embedding and loss counted as layers ({total}) must "
+                             f"be divisible by the pipeline size ({pp}).")
+        counts = [total // pp] * pp
+        counts[0] -= embedding
+        counts[-1] -= loss
+        return counts
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle = num_layers - (first or 0) - (last or 0)
+    if middle_stages < 0 or bool(middle) != bool(middle_stages) or middle < 0:
+        raise ValueError(f"{middle} layers remain for the {max(middle_stages, 0)} middle pipeline stages of {pp} "
+                         f"(num_layers {num_layers}, first {first}, last {last}): Megatron-LM refuses the mismatch.")
+    if middle_stages and middle % middle_stages:
+        raise ValueError(f"the {middle} middle layers must be divisible by the {middle_stages} middle pipeline stages.")
+    return [*([first] if first is not None else []), *([middle // middle_stages] * middle_stages if middle_stages
+                                                        else []), *([last] if last is not None else [])]
 
 
 def is_megatron_command_line(argv: list[str]) -> bool:

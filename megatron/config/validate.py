@@ -15,7 +15,7 @@ from collections.abc import Callable
 from megatron.config.batch_schedule import train_steps
 from megatron.config.bounds import config_size_problem
 from megatron.config.cli import fail as _fail
-from megatron.config.layer_split import chunk_layers, segment
+from megatron.config.layer_split import DEFAULT_METHOD, chunk_layers, segment
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
 from megatron.config.validate_attention import check_attention, check_mtp
@@ -275,6 +275,10 @@ def _check_pipeline(config: Config) -> None:
         _fail("virtual_pp_degree > 1 interleaves model chunks over pipeline stages: it needs pp_degree > 1.")
     if d.pp_degree == 1:
         return
+    if d.virtual_pp_degree > 1 and d.pipeline_partition != DEFAULT_METHOD:
+        _fail(f"pipeline_partition {d.pipeline_partition!r} (uneven stages: Megatron-LM's --decoder-first/last-"
+              f"pipeline-num-layers, --account-for-*-in-pipeline-split) is not built with the interleaved schedule "
+              f"(virtual_pp_degree {d.virtual_pp_degree}), whose chunks hold equal layers; drop one of them.")
     try:
         if d.virtual_pp_degree > 1:
             chunk_layers(layers, d.pp_degree, d.virtual_pp_degree, 0, 0)

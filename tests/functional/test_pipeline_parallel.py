@@ -17,6 +17,8 @@ LAYOUTS = parity_layouts({
     "pp2-gpipe": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-schedule", "gpipe"]),
     "pp2-vpp2": (2, [*FOUR_LAYERS, "--pp", "2", "--vpp", "2"]),
     "pp2-recompute": (2, [*FOUR_LAYERS, "--pp", "2", "--use-recompute"]),
+    # Megatron-LM's uneven stages: 1 layer on the first stage, 3 on the last (pipeline_partition 1,3)
+    "pp2-uneven": (2, [*FOUR_LAYERS, "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),
     "tp2-pp2-sp": (4, [*FOUR_LAYERS, "--pp", "2", "--tp", "2", "--sequence-parallel"]),
     "dp2-pp2": (4, [*FOUR_LAYERS, "--pp", "2", "--dp", "2"]),
     "dp2-tp2-pp2": (8, [*FOUR_LAYERS, "--pp", "2", "--dp", "2", "--tp", "2"]),

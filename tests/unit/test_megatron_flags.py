@@ -25,9 +25,10 @@ REFUSED = {
     "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
     "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
     "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances": {"--num-distributed-optimizer-instances"},
-    "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": {
-        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"},
 }
+# Command lines whose flags are all taken, refused by validation in one line: what they combine is not built.
+NOT_BUILT = {"gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split":
+             "uneven stages.* is not built with the interleaved schedule"}
 COMMAND_LINES = {"examples/gpt3/train_gpt3_175b_distributed.sh": EXAMPLE_175B, **FUNCTIONAL,
                  "examples/rl/model_configs/qwen3_30b_a3b_moe.sh": EXAMPLE_QWEN3_30B_A3B,
                  "examples/gptoss/02_train.sh": EXAMPLE_GPT_OSS}
@@ -86,6 +87,10 @@ def test_megatron_command_lines_parse_and_validate(name, tmp_path):
         refused = {flag for flag in argv if flag.startswith("--") and flag in str(err.value)}
         assert refused == REFUSED[name], str(err.value)
         assert "unknown argument" not in str(err.value)
+        return
+    if name in NOT_BUILT:
+        with pytest.raises(ConfigError, match=NOT_BUILT[name]):
+            _validated(argv)
         return
     fp8 = {flag for flag in argv if flag.startswith("--fp8-")}
     if fp8:  # taken, and refused by validation on a CPU in one line (tests/functional/test_megatron_script.py)
@@ -338,3 +343,40 @@ def test_kv_channels_is_accepted_and_unused_under_multi_latent_attention():
     assert any(w.startswith("kv_channels (128) shapes nothing under multi-latent attention") for w in warnings)
     with pytest.raises(ConfigError, match="group_query_attention shapes SelfAttention's heads"):
         validate(parse_config([*mla, "--group-query-attention", "--num-query-groups", "2"]))
+
+
+@pytest.mark.parametrize("flags, partition", [
+    (["--pp", "4", "--num-layers", "10", "--decoder-first-pipeline-num-layers", "1",
+      "--decoder-last-pipeline-num-layers", "3"], "1,3,3,3"),
+    (["--pp", "2", "--num-layers", "5", "--decoder-first-pipeline-num-layers", "2"], "2,3"),
+    (["--pp", "3", "--num-layers", "7", "--decoder-last-pipeline-num-layers", "1"], "3,3,1"),
+    (["--pp", "4", "--num-layers", "6", "--account-for-embedding-in-pipeline-split",
+      "--account-for-loss-in-pipeline-split"], "1,2,2,1"),
+    (["--pp", "2", "--num-layers", "5", "--account-for-loss-in-pipeline-split"], "3,2"),
+])
+def test_megatron_s_uneven_pipeline_stages_are_per_stage_layer_counts(flags, partition):
+    config = parse_config(["--train-iters", "10", *flags])
+    assert config.distributed.pipeline_partition == partition
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "4", "--num-layers", "10", "--decoder-first-pipeline-num-layers", "2"], "the 8 middle layers must be "
+     "divisible by the 3 middle pipeline stages"),
+    (["--pp", "2", "--num-layers", "4", "--decoder-first-pipeline-num-layers", "1",
+      "--decoder-last-pipeline-num-layers", "1"], "2 layers remain for the 0 middle pipeline stages of 2"),
+    (["--pp", "2", "--num-layers", "4", "--decoder-first-pipeline-num-layers", "0"], "must be a positive number"),
+    (["--pp", "2", "--num-layers", "4", "--decoder-first-pipeline-num-layers", "1",
+      "--account-for-loss-in-pipeline-split"], "cannot be given together"),
+    (["--pp", "4", "--num-layers", "5", "--account-for-loss-in-pipeline-split"], "must be divisible by the pipeline"),
+])
+def test_megatron_s_uneven_stage_refusals(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--train-iters", "10", *flags])
+
+
+def test_uneven_stages_are_refused_with_the_interleaved_schedule():
+    config = parse_config(["--train-iters", "10", "--pp", "2", "--vpp", "2", "--num-layers", "8",
+                           "--decoder-first-pipeline-num-layers", "2", "--global-batch-size", "8",
+                           "--micro-batch-size", "1"])
+    with pytest.raises(ConfigError, match="is not built with the interleaved schedule"):
+        validate(config, world_size=2, training_data=False)
