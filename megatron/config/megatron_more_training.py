@@ -102,9 +102,6 @@ _ABSENT: dict[str, tuple] = {
         "--fp32-residual-connection",),
     "BERT's residual ordering (the residual taken after the layer norm); here layers are pre-norm": (
         "--apply-residual-connection-post-layernorm",),
-    ("a bias on the QKV projection alone (Qwen2); here biases are on every linear layer or none "
-     "(--disable-bias-linear)"): (
-        "--add-qkv-bias",),
     "Llama 4's L2 normalisation of the queries and keys; here --qk-layernorm normalises them": (
         "--qk-l2-norm",),
     "QK-clip (MuonClip: the query and key weights scaled down when an attention logit passes a threshold)": (

@@ -64,6 +64,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the word embedding's.")
     disable_bias_linear: bool = opt(False, "No biases in the attention and MLP linear layers (Llama).")
+    add_qkv_bias: bool = opt(False, "A bias on the fused query/key/value projection even without linear biases "
+                                    "(disable_bias_linear): Qwen2 / Qwen2.5's attention; Megatron-LM's --add-qkv-bias.")
     qk_layernorm: bool = opt(
         False, "Normalise each attention head's queries and keys (the model's normalization over the head width) "
                "before rotary embeddings (Qwen3; Megatron-LM's --qk-layernorm). With multi_latent_attention: the "

@@ -34,6 +34,9 @@ def check_attention(config: Config, warnings: list[str] | None = None) -> None:
     if problem is not None:
         _fail(f"{problem}.")
     check_window(config)
+    if m.multi_latent_attention and m.add_qkv_bias:
+        _fail("add_qkv_bias puts a bias on the fused query/key/value projection, which multi-latent attention does not "
+              "have (its projections have no bias); drop one of them.")
     if not m.multi_latent_attention:
         yarn = m.position_embedding_type == "yarn"
         if m.rope_type not in (None, "rope"):

@@ -230,7 +230,8 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
 
     qkv = (nq + 2 * ng) * hd
     per_norm = 2 if m.normalization == "LayerNorm" else 1  # weight (and bias) per channel
-    attention = (qkv * h + bias * qkv + nq * hd * h) // tp + bias * h + (2 * per_norm * hd if m.qk_layernorm else 0)
+    qkv_bias = 1 if bias or m.add_qkv_bias else 0
+    attention = (qkv * h + qkv_bias * qkv + nq * hd * h) // tp + bias * h + (2 * per_norm * hd if m.qk_layernorm else 0)
     attention += nq // tp if m.softmax_type == "learnable" else 0  # the sinks of this rank's heads
     if m.multi_latent_attention:
         attention = _mla_parameters(m, tp, per_norm)

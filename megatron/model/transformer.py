@@ -88,7 +88,7 @@ class SelfAttention(nn.Module):
             raise ValueError(f"num_query_groups ({ng}) must divide num_attention_heads ({nq})")
         self.num_heads, self.num_kv_heads, self.head_dim = nq, ng, hd  # on this rank
         bias = not cfg.disable_bias_linear
-        self.query_key_value = nn.Linear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias)
+        self.query_key_value = nn.Linear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias or cfg.add_qkv_bias)
         self.dense = nn.Linear(nq * hd, cfg.hidden_size, bias=bias)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.rotary_interleaved = cfg.rotary_interleaved

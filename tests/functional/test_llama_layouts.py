@@ -20,7 +20,9 @@ BLOCK1 = ["--use-recompute", "--recompute-granularity", "full", "--recompute-met
           "--recompute-num-layers", "1"]
 
 
-reference_runs({"llama": LLAMA})
+# Qwen2's attention (Megatron-LM's --add-qkv-bias): a bias on the fused query/key/value projection alone
+QWEN2 = [*LLAMA[:-1], "--add-qkv-bias"]
+reference_runs({"llama": LLAMA, "qwen2": QWEN2})
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,16 @@ LAYOUTS = parity_layouts({
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_llama_shaped_losses_equal_single_process(parity, llama_reference, layout):
     parity.assert_matches(layout, llama_reference)
+
+
+QWEN2_LAYOUTS = parity_layouts({"qwen2-tp2-sp": (2, [*QWEN2, *whole_share(), "--tp", "2", "--sequence-parallel"])})
+
+
+@pytest.mark.parametrize("layout", QWEN2_LAYOUTS)
+def test_a_bias_on_the_qkv_projection_alone_splits_with_its_heads(parity, references, layout):
+    """The QKV bias is column-parallel with its rows (each rank its key/value groups' entries): tp 2 with sequence
+    parallelism equals one process."""
+    parity.assert_matches(layout, references["qwen2"])
 
 
 @pytest.mark.parametrize("layout", parity_layouts({"bad-llama-query-groups-tp2": (

@@ -419,7 +419,7 @@ def test_flops_formula_matches_flop_counter_with_multi_latent_attention_and_mtp(
 
 
 PARAMETER_CASES = {"gpt2": (), "llama": LLAMA, "tied-pp": ("--swiglu",), "qk-norm": (*LLAMA, "--qk-layernorm"),
-                   "gpt2-mtp": ("--mtp-num-layers", "2"), **MLA_CASES}
+                   "gpt2-mtp": ("--mtp-num-layers", "2"), "qkv-bias": (*LLAMA, "--add-qkv-bias"), **MLA_CASES}
 
 
 @pytest.mark.parametrize("case", list(PARAMETER_CASES))
@@ -452,3 +452,20 @@ def test_the_embeddings_take_their_own_init_std_as_megatron_s_flag_gives_it():
                          ("nan", "must be a finite number"), ("inf", "must be a finite number")):
         with pytest.raises(ConfigError, match=f"embedding_init_method_std.* {message}"):
             make_config(*TINY, "--embedding-init-method-std", bad)
+
+
+def test_a_bias_on_the_qkv_projection_alone_is_qwen2_s_and_refused_where_it_cannot_go():
+    """--add-qkv-bias (Megatron-LM's) with --disable-bias-linear: the fused QKV projection alone has a bias; no
+    Hugging Face family here has that attention (Llama's and gpt-oss's bias every projection or none), nor has
+    multi-latent attention a QKV projection."""
+    from megatron.checkpoint.hf.common import ConversionError
+    from megatron.checkpoint.hf.models import converter_for_model
+
+    config = make_config(*TINY, *LLAMA, "--add-qkv-bias")
+    assert config.model.disable_bias_linear
+    biases = [n for n, _ in build_model(config).named_parameters() if n.endswith(".bias")]
+    assert biases == ["layers.0.self_attention.query_key_value.bias", "layers.1.self_attention.query_key_value.bias"]
+    with pytest.raises(ConversionError, match="add_qkv_bias .* cannot be exported"):
+        converter_for_model(config.model)
+    with pytest.raises(ConfigError, match="multi-latent attention does not have"):
+        make_config(*TINY, "--multi-latent-attention", "--add-qkv-bias", "--disable-bias-linear")

@@ -101,6 +101,8 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.rotary_percent != 1.0, f"rotary_percent {m.rotary_percent}", "gpt-oss rotates every channel"),
             (m.rotary_interleaved, "rotary_interleaved", "gpt-oss rotates the halves of each head"),
             (m.qk_layernorm, "qk_layernorm", "gpt-oss does not normalise queries and keys"),
+            (m.disable_bias_linear and m.add_qkv_bias, "add_qkv_bias (a bias on the query/key/value projection "
+             "alone)", "gpt-oss's attention has biases on every projection or on none"),
             (not m.quick_geglu, "an MLP other than the quick GeGLU (quick_geglu off)",
              "gpt-oss's experts are quick GeGLUs"),
             (m.glu_linear_offset != 1.0, f"glu_linear_offset {m.glu_linear_offset}", "gpt-oss adds 1 to the up half"),

@@ -128,7 +128,9 @@ def check_model(model_cfg: ModelConfig, family: str = "Llama", architecture: str
             (m.rotary_interleaved, "rotary_interleaved", "rotary embeddings on the halves of each head"),
             (m.qk_layernorm != qk_norm, f"qk_layernorm {'on' if m.qk_layernorm else 'off'} (a norm on each head's "
              f"queries and keys)", "it" if qk_norm else "none"),
-            (m.multi_latent_attention, "multi-latent attention", "query/key/value projections per head")):
+            (m.multi_latent_attention, "multi-latent attention", "query/key/value projections per head"),
+            (m.disable_bias_linear and m.add_qkv_bias, "add_qkv_bias (a bias on the query/key/value projection alone, "
+             "Qwen2's)", "biases on every projection or on none")):
         if differs:
             raise ConversionError(f"{setting} has no Hugging Face {family} equivalent ({architecture} uses {llama}), "
                                   f"so this checkpoint cannot be exported.")

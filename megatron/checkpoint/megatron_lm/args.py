@@ -75,7 +75,8 @@ _REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
             "moe_shared_expert_glu_interleave_size": "interleaved gated shared-expert rows "
                                                      "(--moe-shared-expert-glu-interleave-size)",
             "moe_latent_size": "experts on a latent projection (--moe-latent-size)",
-            "add_qkv_bias_only": "a bias on the QKV projection only (--add-qkv-bias without linear biases)",
+            "add_qkv_bias_only": ("a bias on the QKV projection only (--add-qkv-bias without linear biases; built here, "
+                                  "its conversion from Megatron-LM not written)"),
             "use_rope_scaling": "Llama 3's rope scaling (--use-rope-scaling)",
             "no_rope_freq": "layers without rotary embeddings (--no-rope-freq)",
             "rotary_seq_len_interpolation_factor": "interpolated rotary positions "
@@ -256,6 +257,10 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
     """The ``args`` of a legacy export of ``model`` cut for ``tp`` x ``pp`` (Megatron Core model, ``torch``
     format, expert parallelism 1, no grouped GEMM)."""
     values = {name: getattr(model, name) for name in (*_SAME, *_MLA, *_MTP)}
+    if model.add_qkv_bias and model.disable_bias_linear:
+        raise ConversionError("the model has a bias on its query/key/value projection alone (add_qkv_bias), whose "
+                              "conversion to Megatron-LM is not written here; it trains and loads under any layout "
+                              "here.")
     if model.multi_latent_attention:
         from megatron.model.mla import mla_rope_type
 
