@@ -75,8 +75,8 @@ _REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
             "moe_shared_expert_glu_interleave_size": "interleaved gated shared-expert rows "
                                                      "(--moe-shared-expert-glu-interleave-size)",
             "moe_latent_size": "experts on a latent projection (--moe-latent-size)",
-            "add_qkv_bias_only": ("a bias on the QKV projection only (--add-qkv-bias without linear biases; built here, "
-                                  "its conversion from Megatron-LM not written)"),
+            "add_qkv_bias_only": ("a bias on the QKV projection only (--add-qkv-bias without linear biases; built "
+                                  "here, its conversion from Megatron-LM not written)"),
             "use_rope_scaling": "Llama 3's rope scaling (--use-rope-scaling)",
             "no_rope_freq": "layers without rotary embeddings (--no-rope-freq)",
             "rotary_seq_len_interpolation_factor": "interpolated rotary positions "
