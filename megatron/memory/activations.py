@@ -226,7 +226,7 @@ def layer_bytes(D: Dims, recompute: str | None = None, moe: bool = False) -> int
 
 def chunk_specs(config: Config, stage: int) -> list[tuple[range, bool, bool]]:
     """(global layers, pre_process, post_process) of each model chunk of pipeline ``stage``, as
-    ``megatron.model.gpt.build_model`` builds them."""
+    ``megatron.parallelize_gpt.build_model`` builds them."""
     d, layers, pp = config.distributed, config.model.num_layers, config.distributed.pp_degree
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is out of range for pp_degree {pp}")

@@ -141,9 +141,9 @@ class SelfAttention(nn.Module):
 
     def planned_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           plan: AttentionPlan) -> torch.Tensor:
-        """``core_attention`` across a context-parallel split and/or within packed documents
-        (``megatron.context_parallel``); eager under ``--compile`` (``gpt.compile_model``): its collectives and
-        per-document calls stay outside compiled graphs."""
+        """``core_attention`` across a context-parallel split and/or within packed documents (``megatron.attention``,
+        the exchanges ``megatron.context_parallel``'s); eager under ``--compile`` (``megatron.compile.compile_model``):
+        its collectives and per-document calls stay outside compiled graphs."""
         dropout = self.attn_dropout if self.training else 0.0
         with self.seams.region_rng() if dropout else nullcontext():
             return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number,

@@ -65,7 +65,7 @@ _ARCH = f"Hugging Face gpt-oss ({ARCHITECTURE})"
 _HINT = "check num_hidden_layers, num_local_experts and tie_word_embeddings"
 ALPHA = 1.702  # the quick GELU's sigmoid gain, ours and gpt-oss's
 SLIDING, FULL = "sliding_attention", "full_attention"
-# GptOssConfig's defaults for the keys a config.json may leave out (hf_config_checks.DEFAULTS, where every family's are)
+# GptOssConfig's defaults for the keys a config.json may leave out (config_checks.DEFAULTS, where every family's are)
 _DEFAULTS = {k: v for k, v in DEFAULTS["gpt_oss"].items() if k not in ("rope_parameters", "default_theta")}
 _DEFAULT_ROPE, _DEFAULT_THETA = DEFAULTS["gpt_oss"]["rope_parameters"], DEFAULTS["gpt_oss"]["default_theta"]
 

@@ -38,14 +38,14 @@ def converter_for_model(model_cfg):
     return module
 
 
-# model_type (``hf_config_checks.model_type_of``) -> the mapping
+# model_type (``config_checks.model_type_of``) -> the mapping
 _MAPPINGS = {"llama": hf_llama, "mixtral": hf_mixtral, "qwen2_moe": hf_qwen_moe, "deepseek_v3": hf_deepseek,
              "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe, "gpt_oss": hf_gpt_oss, "gpt2": hf_gpt2}
 
 
 def converter_for_hf(hf_cfg: dict):
     """The mapping for a Hugging Face config.json, by its model_type and architectures, once the config has passed
-    ``hf_config_checks.checked`` (its sizes bounded, its types and its paired keys checked; ConversionError
+    ``config_checks.checked`` (its sizes bounded, its types and its paired keys checked; ConversionError
     otherwise): no mapping ever sees a config that would make it build without bound."""
     checked(hf_cfg)
     return _MAPPINGS[model_type_of(hf_cfg)]

@@ -11,7 +11,7 @@
 - The MoE routers' expert bias (aux-loss-free balancing): Megatron Core's buffer ``...mlp.router.expert_bias`` in
   its state dict, ours the train state's ``moe_expert_bias`` ({global layer: values}); ``export_state`` writes
   the buffers from it (zeros where it has none: Megatron's strict load wants them), ``import_state`` returns them
-  in that form (``megatron_core_names.expert_bias_names``).
+  in that form (``core_names.expert_bias_names``).
 
 - ``export_optimizer`` / ``write_export(..., optimizer=...)``: our AdamW states (and masters) written as Megatron
   Core's fp32 optimizer saves them (``megatron_optim``); ``schedule_state``: its groups' settings and
@@ -25,7 +25,7 @@
   Adam's second moment never negative) before anything uses it: a NaN master would pass the masters' comparison
   with the weights, and a model with a NaN weight converts to one that generates token 0 forever.
 
-Names and the gated MLPs' layout come from ``megatron_core_names``; the optimizers' parameter order from
+Names and the gated MLPs' layout come from ``core_names``; the optimizers' parameter order from
 ``megatron_optim``.
 """
 

@@ -1,6 +1,6 @@
 """Megatron-LM's legacy rank files as MoE runs write them: grouped-GEMM experts, Transformer Engine's names, expert
 parallelism. Read into (and written from) Megatron Core's local-spec names with SequentialMLP experts, the names
-``megatron_core_names`` maps.
+``core_names`` maps.
 
 One rank's experts (``E`` local experts; after a layer's prefix ``decoder.layers.{i}.`` or
 ``mtp.layers.{k}.transformer_layer.``; ``h`` the hidden size, ``F`` the rank's rows of an expert's ``linear_fc1``:

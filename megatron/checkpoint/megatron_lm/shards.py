@@ -1,6 +1,6 @@
 """Megatron Core ``GPTModel`` state dicts: one per (tensor-parallel rank, pipeline stage) <-> one whole state dict.
 
-How Megatron Core cuts its parameters over ``tp`` ranks (names after ``megatron_core_names``):
+How Megatron Core cuts its parameters over ``tp`` ranks (names after ``core_names``):
 
 - column-parallel, rows cut (dim 0): ``embedding.word_embeddings.weight`` (``VocabParallelEmbedding``),
   ``output_layer.weight``, every ``linear_qkv`` and ``linear_fc1`` (weight and bias). A ``linear_qkv``'s rows are
