@@ -48,7 +48,8 @@ def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tup
     (unpadded) vocabulary first: an id out of range stops every rank. Real data needs the run's ``tokenizer``
     (built once, by ``resolve``; ``main`` binds it), for its end-of-document id."""
     gbs, seq, d = config.batch_size.global_batch_size, config.dataset.max_seq_len, config.dataset
-    num_samples = (total_train_samples(config), config.eval_iters * gbs, config.eval_iters * gbs)
+    eval_samples = config.eval_iters * (config.eval_global_batch_size or config.batch_size.global_batch_size)
+    num_samples = (total_train_samples(config), eval_samples, eval_samples)
     if d.mock_data:
         return build_mock_datasets(num_samples, seq, config.model.vocab_size, config.seed, report=True,
                                    document_length=d.mock_document_length)

@@ -42,7 +42,6 @@ ABSENT: dict[str, Absent] = {
     "--fim-data": Absent("fill-in-the-middle datasets"),
     "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
     "--error-injection-type": Absent("Megatron's fault injection for its rerun machinery"),
-    "--eval-global-batch-size": Absent("a separate evaluation batch size; evaluation uses the global batch size"),
     "--prompts": Absent(_INFERENCE),
     "--prompt-file": Absent(_INFERENCE),
     "--num-tokens-to-generate": Absent(_INFERENCE),

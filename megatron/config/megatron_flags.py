@@ -126,7 +126,7 @@ IMPLEMENTED: tuple[str, ...] = (
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
     "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--embedding-init-method-std", "--add-qkv-bias", "--decoder-first-pipeline-num-layers",
+    "--embedding-init-method-std", "--add-qkv-bias", "--eval-global-batch-size", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--override-opt_param-scheduler",

@@ -264,6 +264,9 @@ class Config:
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")
     eval_iters: int = opt(10, "Batches per evaluation (and for the final test pass).")
+    eval_global_batch_size: int | None = opt(
+        None, "The global batch of an evaluation (validation and test; Megatron-LM's --eval-global-batch-size): "
+              "eval_iters batches of this many samples; None: global_batch_size.")
     compile: bool = opt(
         False, "torch.compile each decoder layer and the loss (falls back to eager, with a warning, where the "
                "backend is unavailable).")

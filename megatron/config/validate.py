@@ -320,6 +320,21 @@ def _check_batch(config: Config) -> None:
               f"({b.micro_batch_size}).")
 
 
+def _check_eval_batch(config: Config) -> None:
+    """An evaluation's own global batch: whole micro-batches on every data-parallel rank (and, under the interleaved
+    schedule, a multiple of pp_degree of them, as a training step's)."""
+    e, b, d = config.eval_global_batch_size, config.batch_size, config.distributed
+    if e is None:
+        return
+    share = config.data_parallel_size * b.micro_batch_size
+    if e < 1 or e % share:
+        _fail(f"eval_global_batch_size ({e}) must be a positive multiple of micro_batch_size x data-parallel size "
+              f"({b.micro_batch_size} x {config.data_parallel_size} = {share}).")
+    if d.virtual_pp_degree > 1 and (e // share) % d.pp_degree:
+        _fail(f"the interleaved schedule needs an evaluation's micro-batches per rank (eval_global_batch_size / "
+              f"{share} = {e // share}) to be a multiple of pp_degree ({d.pp_degree}).")
+
+
 def _check_counts(config: Config) -> None:
     """Step counts, before anything is derived from them (decay_steps defaults to max_steps)."""
     for name in ("max_steps", "logging_freq", "eval_freq", "num_train_epochs"):
@@ -455,6 +470,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     check_training_length(config)
     resolve_batch_schedule(config)
     _check_batch(config)
+    _check_eval_batch(config)
     _check_micro_batches(config)
     check_batch_schedule(config, warnings)
     check_optimizer(config, warnings)

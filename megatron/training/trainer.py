@@ -132,10 +132,13 @@ class Trainer:
         return loss, result
 
     def evaluate(self, split: str, dataset) -> None:
-        """``eval_iters`` global batches of ``dataset`` (none when it holds fewer than one)."""
+        """``eval_iters`` global batches of ``dataset`` (``eval_global_batch_size`` samples each; none when it holds
+        fewer than one)."""
         c, p = self.config, self.parallel
-        if dataset is None or len(dataset) < c.batch_size.global_batch_size or c.eval_iters == 0:
+        batch = c.eval_global_batch_size or c.batch_size.global_batch_size
+        if dataset is None or len(dataset) < batch or c.eval_iters == 0:
             return
-        loss = evaluate(self.forward_step, data_loader(c, self.ps, dataset), p.model, c.batch_size.micro_batch_size,
+        loss = evaluate(self.forward_step, data_loader(c, self.ps, dataset, batches=batch), p.model,
+                        c.batch_size.micro_batch_size,
                         c.eval_iters, self.device, p.dp_group, p.forward_backward, p.pp_group, c.model.vocab_size)
         self.step_log.evaluation(split, loss)

@@ -154,3 +154,20 @@ def test_a_configuration_error_under_torchrun_prints_one_line(tmp_path):
     assert output.count("pretrain_gpt.py: error: --context-parallel-size 2 cuts each sample into 4 chunks") == 1
     assert len(re.findall(r"exitcode\s*: 2 ", output)) == 2, output  # both ranks, status 2 (none killed)
     assert "pretrain_gpt.py\", line" not in output  # no traceback through the script
+
+
+def test_an_evaluation_global_batch_reads_the_same_samples_in_its_own_batches(tmp_path):
+    """--eval-global-batch-size (Megatron-LM's): each evaluation reads eval_iters batches of that many samples; 4 of 8
+    read the 32 validation samples that 2 of 16 read, so the validation loss is theirs (the sums' order aside)."""
+    from tests.functional.launch import losses, run_here
+
+    flags = [*TINY, "--max-steps", "2", "--eval-freq", "1000", "--global-batch-size", "16", "--micro-batch-size", "4"]
+    whole = run_here(*flags, "--eval-iters", "2", "--save", str(tmp_path / "a"))
+    halves = run_here(*flags, "--eval-iters", "4", "--eval-global-batch-size", "8", "--save", str(tmp_path / "b"))
+    assert whole.returncode == 0 and halves.returncode == 0, halves.stderr[-2000:]
+    (want,), (got,) = losses(tmp_path / "a", "valid"), losses(tmp_path / "b", "valid")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")  # training is untouched
+    assert got == pytest.approx(want, rel=1e-6) and got != losses(tmp_path / "a")[-1]
+    refused = run_here(*flags, "--eval-global-batch-size", "6", "--save", str(tmp_path / "c"))
+    assert refused.returncode != 0 and "eval_global_batch_size (6) must be a positive multiple of micro_batch_size" \
+        in refused.stderr
