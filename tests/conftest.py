@@ -9,8 +9,10 @@ test started through ``tests/functional/processes.py`` is killed when the sessio
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -105,9 +107,20 @@ def pytest_runtestloop(session):
             item.module.start_early(Path(tempfile.mkdtemp(prefix=f"{item.module.__name__.split('.')[-1]}-")))
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # pytest then ends its session as on a Ctrl-C: pytest_unconfigure kills the leftovers
+
+
+def pytest_configure(config):
+    """A SIGTERM (a CI timeout, ``kill``) ends the session as a Ctrl-C does, so that what the tests started is killed
+    with it rather than left running (the default action ends the interpreter without its cleanup)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
 def pytest_unconfigure(config):
     """Every process the tests started (``tests/functional/processes.py``'s ``popen``), and its descendants,
-    killed if still running: after --collect-only, a normal end, or a Ctrl-C."""
+    killed if still running: after --collect-only, a normal end, a Ctrl-C or a SIGTERM."""
     killed = processes.kill_leftovers()
     if killed:
         print(f"tests/conftest.py: killed {len(killed)} processes the tests left running: {killed}", file=sys.stderr)

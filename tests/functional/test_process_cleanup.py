@@ -22,12 +22,12 @@ pytestmark = [pytest.mark.slow,  # runs pytest in a subprocess
 PROBE = "PROCESS_CLEANUP_PROBE"
 
 
-def _pytest(args: list[str], tmp_path) -> tuple[subprocess.CompletedProcess, list[int]]:
+def _pytest(args: list[str], tmp_path, **env: str) -> tuple[subprocess.CompletedProcess, list[int]]:
     """``python -m pytest args`` (its temporary folders in tmp_path/tmp) to its end; (its outcome, the pids of
     every process it started that is still alive), the latter then killed."""
     (tmp_path / "tmp").mkdir()
     probe = uuid.uuid4().hex
-    env = {**os.environ, PROBE: probe, "TMPDIR": str(tmp_path / "tmp")}
+    env = {**os.environ, PROBE: probe, "TMPDIR": str(tmp_path / "tmp"), **env}
     process = popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -55,7 +55,7 @@ def test_collect_only_starts_no_job_and_leaves_no_process(tmp_path):
 _CHILD = ("import subprocess, sys, time; grandchild = subprocess.Popen([sys.executable, '-c', 'import time; "
           "time.sleep(600)'], start_new_session=True); print(grandchild.pid, flush=True); time.sleep(600)")
 _TESTS = f'''
-import os, sys
+import os, signal, sys, time
 from tests.functional.processes import popen
 
 def _leave_running(name):
@@ -69,15 +69,19 @@ def test_leaves_a_process_running():
 
 def test_is_interrupted():
     _leave_running("interrupted")
+    if os.environ["STOP"] == "sigterm":  # as a CI timeout or a kill: pytest is told to stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
     raise KeyboardInterrupt  # as a Ctrl-C at the terminal: pytest stops here and ends the session
 '''
 
 
-def test_processes_left_running_die_with_the_session_also_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_processes_left_running_die_with_the_session_also_on_ctrl_c_or_sigterm(tmp_path, stop):
     tests = tmp_path / "test_leftovers.py"
     tests.write_text(_TESTS)
     # tests/conftest.py as a plugin: the module lies outside tests/, whose conftest would not apply
-    result, left = _pytest([str(tests), "-p", "tests.conftest", "--rootdir", str(tmp_path)], tmp_path)
+    result, left = _pytest([str(tests), "-p", "tests.conftest", "--rootdir", str(tmp_path)], tmp_path, STOP=stop)
     assert result.returncode == pytest.ExitCode.INTERRUPTED, result.stdout[-3000:]
     started = [int(pid) for name in ("left", "interrupted") for pid in (tmp_path / "tmp" / name).read_text().split()]
     assert len(started) == 4, started
