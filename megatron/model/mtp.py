@@ -22,10 +22,10 @@ head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron.config.schema import ModelConfig
@@ -142,25 +142,29 @@ def _depth(model: nn.Module) -> int:
     return (cfg.mtp_num_layers or 0) if cfg is not None else 0
 
 
-def before_step(model: nn.Module, batch: dict, dp_group, loss_scale: float) -> None:
+def _one_rank(value: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        raise ValueError("a sum over a process group needs the caller's collective (sum_over)")
+    return value
+
+
+def before_step(model: nn.Module, batch: dict, dp_group, loss_scale: float, sum_over: Callable = _one_rank) -> None:
     """Before a training step over this rank's ``batch``: each depth's gradient scale, ``loss_scale x factor / (D x
-    the global batch's loss tokens at that depth)`` (a collective over ``dp_group``, which holds every rank of the
-    batch: call it on every rank), and the records reset."""
+    the global batch's loss tokens at that depth)`` (``sum_over(tensor, dp_group)``, the caller's all-reduce, sums
+    the counts over every rank of the batch: call it on every rank), and the records reset."""
     depth = _depth(model)
     if not depth or "mtp_loss_mask" not in batch:
         return
-    counts = batch["mtp_loss_mask"].sum(dim=(0, 1)).double()
-    if dp_group is not None:
-        dist.all_reduce(counts, group=dp_group)
-    counts = counts.clamp(min=1.0).tolist()
+    counts = sum_over(batch["mtp_loss_mask"].sum(dim=(0, 1)).double(), dp_group).clamp(min=1.0).tolist()
     for block in mtp_blocks(model):
         block.reset_stats()
         block.scales = [loss_scale * block.factor / (depth * n) for n in counts]
 
 
-def after_step(model: nn.Module, dp_group=None, pp_group=None) -> dict | None:
+def after_step(model: nn.Module, dp_group=None, pp_group=None, sum_over: Callable = _one_rank) -> dict | None:
     """The step's ``mtp_loss`` (one token mean per depth over the global batch, equal on every rank); None without
-    multi-token prediction. A collective over the data-parallel and pipeline groups: call it on every rank."""
+    multi-token prediction. ``sum_over`` sums the records over the data-parallel and pipeline groups (a
+    collective: call it on every rank)."""
     depth = _depth(model)
     if not depth:
         return None
@@ -170,8 +174,7 @@ def after_step(model: nn.Module, dp_group=None, pp_group=None) -> dict | None:
         for record in block.records:
             records += record
     for group in (dp_group, pp_group):
-        if group is not None:
-            dist.all_reduce(records, group=group)
+        records = sum_over(records, group)
     records = records.cpu()
     if not bool((records[1] > 0).all()):
         return None

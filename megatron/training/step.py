@@ -85,14 +85,14 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     optimizer.zero_grad()
     model.train()
     micro_batches = split_micro_batches(batch, micro_batch_size)
-    step_hooks.before_step(model, batch, len(micro_batches), dp_group, optimizer.loss_scale)  # MoE, MTP: their losses
+    step_hooks.before_step(model, batch, len(micro_batches), dp_group, optimizer.loss_scale, all_reduce_sum)
     loss_sum = forward_backward(forward_step, micro_batches, model, num_tokens, optimizer.loss_scale)
     loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
     if isinstance(model, DataParallel):
         model.finish_grad_sync()
     finalize_model_grads(model, parallel_state.get(), buffer)
     result = optimizer.step(lr, weight_decay)
-    result.moe, result.mtp = step_hooks.after_step(model, result.applied, dp_group, pp_group)  # their log values
+    result.moe, result.mtp = step_hooks.after_step(model, result.applied, dp_group, pp_group, all_reduce_sum)
     return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 
 

@@ -131,3 +131,12 @@ def test_no_package_imports_another_that_imports_it_back():
         graph.setdefault(package(module), set()).update(package(m) for m in imports_of(module)
                                                          if package(m) != package(module))
     assert import_circles(graph) == []
+
+
+def test_no_model_file_calls_a_collective():
+    """The model's step hooks sum over ranks with the collective the training step hands them (``sum_over``)."""
+    for module in MODEL:
+        tree = ast.parse(MODULES[module].read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(name.startswith("torch.distributed") for name in names), module
