@@ -5,8 +5,8 @@ feature; a flag with the values that make it a no-op, accepted)."""
 
 from __future__ import annotations
 
-from megatron.config.megatron_absent import _FP8, _INFERENCE, _MOE_DISPATCH, _UNEVEN  # noqa: F401
-from megatron.config.megatron_no_effect import _CKPT, _IMPL, _LOG, _PERF  # noqa: F401
+from megatron.config.megatron_absent import _INFERENCE
+from megatron.config.megatron_no_effect import _IMPL, _LOG, _PERF
 
 _NO_EFFECT: dict[str, tuple[str, ...]] = {
     _PERF: (

@@ -4,8 +4,8 @@ those of features not built here (grouped by feature; a flag with the values tha
 
 from __future__ import annotations
 
-from megatron.config.megatron_absent import _FP8, _INFERENCE, _MOE_DISPATCH, _UNEVEN  # noqa: F401
-from megatron.config.megatron_no_effect import _CKPT, _IMPL, _LOG, _PERF  # noqa: F401
+from megatron.config.megatron_absent import _FP8, _INFERENCE, _UNEVEN
+from megatron.config.megatron_no_effect import _CKPT, _IMPL, _LOG, _PERF
 
 _NO_EFFECT: dict[str, tuple[str, ...]] = {
     "the backend is NCCL on GPUs and gloo on the CPU, chosen by the device": (

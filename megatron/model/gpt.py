@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron.attention.plan import AttentionPlan
 from megatron.config.schema import ModelConfig
-from megatron.config.schema_model import TIED_EMBEDDING, attention_shape, shared_embedding_names  # noqa: F401
+from megatron.config.schema_model import attention_shape
 from megatron.model.blocks import dropout, make_norm
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from megatron.config import parse_config
+from megatron.config.schema_model import TIED_EMBEDDING
 from megatron.distributed.buffer_layout import is_decay, lay_out, layer_buckets, split_into_buckets
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.distributed.sharding_rule import sharding_stage
-from megatron.model.gpt import TIED_EMBEDDING
 from megatron.parallel_state import GROUP_NAMES, ParallelState
 
 # ---------------------------------------------------------------- layout
