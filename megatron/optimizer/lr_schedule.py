@@ -25,6 +25,7 @@ Weight decay over the training length ``t`` samples (``max_steps x global_batch_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -118,3 +119,13 @@ def build_param_schedule(config: Config) -> OptimizerParamSchedule:
         start_wd=o.weight_decay if constant_wd else o.start_weight_decay,
         end_wd=o.weight_decay if constant_wd else o.end_weight_decay,
         wd_length=length, wd_style=o.weight_decay_incr_style)
+
+
+def decoupled_schedule(config: Config, schedule: OptimizerParamSchedule) -> OptimizerParamSchedule | None:
+    """The word embedding's and output layer's schedule under Megatron-LM's --decoupled-lr: ``schedule`` with
+    decoupled_lr as its peak and decoupled_min_lr (default min_lr) as its floor; None without decoupled_lr."""
+    lr = config.optimizer.lr
+    if lr.decoupled_lr is None:
+        return None
+    floor = lr.min_lr if lr.decoupled_min_lr is None else lr.decoupled_min_lr
+    return dataclasses.replace(schedule, max_lr=lr.decoupled_lr, min_lr=floor)

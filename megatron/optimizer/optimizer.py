@@ -36,6 +36,8 @@ from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.optimizer.adamw import AdamW, has_fused_kernel
 from megatron.optimizer.clip_grads import clip_grads, global_grad_norm, model_parallel_grad_norm
 from megatron.optimizer.grad_scaler import ConstantGradScaler
+from megatron.optimizer.muon import ChainedInner, Muon, MuonMatrix, MuonSettings, cut_pieces
+from megatron.optimizer.param_groups import regroup
 
 
 @dataclass
@@ -51,27 +53,43 @@ class MixedPrecisionOptimizer:
     ``plan`` says (see the module doc)."""
 
     def __init__(self, buffer: ParamAndGradBuffer, plan: ShardingPlan, cfg: OptimizerConfig,
-                 grad_scaler: ConstantGradScaler | None = None):
+                 grad_scaler: ConstantGradScaler | None = None,
+                 muon: tuple[MuonSettings, list[MuonMatrix]] | None = None):
+        """``muon``: Muon's settings and matrices (``muon.muon_matrices``), which it steps instead of AdamW."""
         self.buffer, self.plan, self.offload = buffer, plan, plan.offload
         self.sharding_group, self.model_parallel_group = plan.sharding_group, plan.model_parallel_group
         self.grad_scaler, self.max_norm = grad_scaler, cfg.grad_clip
         self._low_precision = buffer.dtype != torch.float32
-        pieces = buffer.pieces()
-        self._params = [buffer.shard_param(b, lo, hi) for b, lo, hi, _ in pieces]  # what this rank updates
-        self._grads = [buffer.shard_grad(b, lo, hi) for b, lo, hi, _ in pieces]  # and its reduced gradients
-        master_views, step_grads = self._make_masters([hi - lo for _, lo, hi, _ in pieces])
+        pieces = cut_pieces(buffer.pieces(), muon[1]) if muon else [(*p, False) for p in buffer.pieces()]
+        pieces = regroup(pieces, buffer, cfg)  # (bucket, lo, hi, decay, muon, decoupled): param_groups.py
+        self._pieces = [piece[:4] for piece in pieces]
+        self._params = [buffer.shard_param(b, lo, hi) for b, lo, hi, _ in self._pieces]  # what this rank updates
+        self._grads = [buffer.shard_grad(b, lo, hi) for b, lo, hi, _ in self._pieces]  # and its reduced gradients
+        master_views, step_grads = self._make_masters([piece[2] - piece[1] for piece in pieces])
         self.masters: list[nn.Parameter] = []
-        groups: dict[bool, list] = {True: [], False: []}
-        for view, grad, (_, _, _, decay) in zip(master_views, step_grads, pieces):
+        # (decays, decoupled lr) -> masters; the plain groups first, as before decoupled_lr existed
+        groups: dict[tuple[bool, bool], list] = {(True, False): [], (False, False): [], (True, True): [],
+                                                 (False, True): []}
+        muon_pieces: list[tuple] = []  # (master, bucket, lo, hi, decay) of the pieces Muon steps
+        for view, grad, (bucket, lo, hi, decay, by_muon, decoupled) in zip(master_views, step_grads, pieces):
             master = nn.Parameter(view, requires_grad=False)
             master.grad = grad
             self.masters.append(master)
-            groups[decay].append(master)
-        # "decays": the group whose weight decay the schedule sets each step (biases and norms never decay)
-        param_groups = [{"params": ps, "weight_decay": rate, "decays": decays} for ps, rate, decays in
-                        ((groups[True], cfg.weight_decay, True), (groups[False], 0.0, False)) if ps]
+            if by_muon:
+                muon_pieces.append((master, bucket, lo, hi, decay))
+            else:
+                groups[decay, decoupled].append(master)
+        # "decays": the group whose weight decay the schedule sets each step (biases and norms never decay);
+        # "decoupled": the word embedding and output layer, at decoupled_lr's schedule (``decoupled_lr``)
+        param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decays else 0.0, "decays": decays,
+                         "decoupled": decoupled} for (decays, decoupled), ps in groups.items() if ps]
+        self.decoupled_lr: float | None = None  # this step's, set by the trainer (lr_schedule.decoupled_schedule)
         self.inner = AdamW(param_groups, lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                            fused=has_fused_kernel(self._master_device()))
+        if muon:
+            self.inner = ChainedInner(self.inner, Muon(
+                [p[:4] for p in muon_pieces], [p[4] for p in muon_pieces], muon[1], buffer.buckets, muon[0],
+                cfg.weight_decay, buffer.device))
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._counted = self._counted_grads()
 
@@ -125,8 +143,9 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float, weight_decay: float | None = None) -> StepResult:
-        """One AdamW step at ``lr`` with decoupled ``weight_decay`` (None: OptimizerConfig.weight_decay) on the
-        decaying parameters, unless the gradients are not finite (then skipped: StepResult.applied False)."""
+        """One AdamW step at ``lr`` (the word embedding and output layer at ``self.decoupled_lr`` when set) with
+        decoupled ``weight_decay`` (None: OptimizerConfig.weight_decay) on the decaying parameters, unless the
+        gradients are not finite (then skipped: StepResult.applied False)."""
         grads = self.main_grads()
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
@@ -143,7 +162,7 @@ class MixedPrecisionOptimizer:
                 cpu.copy_(grad, non_blocking=True)
             dev.wait_for_copies(self.buffer.device)
         for group in self.inner.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.decoupled_lr if group.get("decoupled") and self.decoupled_lr is not None else lr
             if group["decays"] and weight_decay is not None:
                 group["weight_decay"] = weight_decay
         self.inner.step()
@@ -166,4 +185,4 @@ class MixedPrecisionOptimizer:
 
     def pieces(self) -> list[tuple]:
         """(bucket, start, end, master) for every slice this rank steps."""
-        return [(b, lo, hi, m) for (b, lo, hi, _), m in zip(self.buffer.pieces(), self.masters)]
+        return [(b, lo, hi, m) for (b, lo, hi, _), m in zip(self._pieces, self.masters)]

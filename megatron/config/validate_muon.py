@@ -1,0 +1,28 @@
+"""The Muon optimizer's settings (``Optimizer.optimizer`` muon or dist_muon, ``Optimizer.muon``), checked before any
+process group exists; ``dist_muon`` resolved into Megatron-LM's distributed optimizer (the states sharded over the
+data-parallel group), which ``validate._resolve_distributed_optimizer`` then lays out."""
+
+from __future__ import annotations
+
+import math
+
+from megatron.config.cli import fail as _fail
+from megatron.config.schema import Config
+
+NS_COEFFICIENT_CYCLE = 5  # the quintic coefficient sets (megatron.optimizer.muon.QUINTIC)
+
+
+def check_muon(config: Config) -> None:
+    """Muon's momentum, iteration count and scale in range (whichever optimizer: a value is wrong or not);
+    ``dist_muon`` turns use_distributed_optimizer on."""
+    o, m = config.optimizer, config.optimizer.muon
+    if not 0 <= m.muon_momentum < 1:
+        _fail(f"muon_momentum must be in [0, 1), got {m.muon_momentum}.")
+    if m.muon_num_ns_steps < 1 or m.muon_num_ns_steps % NS_COEFFICIENT_CYCLE:
+        _fail(f"muon_num_ns_steps must be a positive multiple of {NS_COEFFICIENT_CYCLE} (the quintic Newton-Schulz "
+              f"coefficients come in a cycle of {NS_COEFFICIENT_CYCLE}, as Megatron-LM's emerging_optimizers "
+              f"requires), got {m.muon_num_ns_steps}; use 5 or 10.")
+    if not (math.isfinite(m.muon_extra_scale_factor) and m.muon_extra_scale_factor > 0):
+        _fail(f"muon_extra_scale_factor must be a positive number, got {m.muon_extra_scale_factor}.")
+    if o.optimizer == "dist_muon":
+        config.distributed.use_distributed_optimizer = True

@@ -1,0 +1,68 @@
+"""Muon (--optimizer muon / dist_muon) under tensor parallelism and the sharded optimizer, against one process, and
+its momentum through a checkpoint (docs/muon.md). The Newton-Schulz iterations run in fp32 here (--muon-fp32-matmul-prec
+high: fp32 on the CPU), so a layout that orthogonalises the same whole matrices matches one process as AdamW's do."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import FIVE, TINY, losses, parity_layouts, reference_runs, whole_share
+
+pytestmark = pytest.mark.slow
+
+MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-use-nesterov"]
+reference_runs({"muon-5": [*FIVE, *MUON], "muon-10": [*TINY, *MUON]})
+
+# Whole matrices orthogonalised: the one-process update (distributed: its Gram matrices summed over the ranks, fp32
+# round-off); the sharded optimizer gathers each bucket's update before orthogonalising it.
+EQUAL = parity_layouts({
+    "muon-tp2-duplicated": (2, [*FIVE, *MUON, *whole_share(), "--tp", "2", "--muon-tp-mode", "duplicated"]),
+    "muon-tp2-distributed": (2, [*FIVE, *MUON, *whole_share(), "--tp", "2", "--muon-tp-mode", "distributed"]),
+    "dist-muon-dp2": (2, [*FIVE, *MUON, "--optimizer", "dist_muon"]),
+    "muon-sharding2-stage3": (2, [*FIVE, *MUON, "--sharding", "2", "--sharding-stage", "3"]),
+})
+
+
+@pytest.mark.parametrize("layout", EQUAL)
+def test_muon_layouts_equal_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["muon-5"])
+
+
+@pytest.mark.parametrize("layout", parity_layouts({"muon-tp2-blockwise": (
+    2, [*FIVE, *MUON, *whole_share(), "--tp", "2", "--muon-tp-mode", "blockwise"])}))
+def test_blockwise_is_not_the_one_process_update(parity, references, layout):
+    """Blockwise (Megatron's default) orthogonalises each rank's block: by definition not one process's update of
+    the whole matrix (tests/unit/test_muon.py checks it against a one-process emulation of the blocks). The first
+    two steps' losses, before any update (the first step's learning rate is the warm-up's 0), are the same; the
+    next ones are not."""
+    got, want = parity.curves(layout)[0], references["muon-5"][0]
+    assert got[:2] == pytest.approx(want[:2], rel=1e-5)
+    assert all(abs(g - w) > 1e-5 * abs(w) for g, w in zip(got[2:], want[2:]))
+    assert got[-1] < got[0]
+
+
+def _save_then_resume(name: str, saved: tuple[int, list[str]], resumed: tuple[int, list[str]]) -> str:
+    (nproc_saved, saved_args), (nproc_resumed, resumed_args) = saved, resumed
+    parity_layouts({f"{name}-saved": (nproc_saved, [*saved_args, "--save-interval", "5"]),
+                    name: (nproc_resumed, [*resumed_args, "--load", f"{{runs}}/{name}-saved/step_5"],
+                           (f"{name}-saved",))})
+    return name
+
+
+# the default precision (bf16 iterations) and no Nesterov: resumed in the same layout, bitwise
+SAME = _save_then_resume("resume-muon", (1, [*TINY, "--optimizer", "muon"]), (1, [*TINY, "--optimizer", "muon"]))
+OTHER = _save_then_resume("resume-dist-muon-dp2-to-single", (2, [*TINY, *MUON, "--optimizer", "dist_muon"]),
+                          (1, [*TINY, *MUON]))
+
+
+@pytest.mark.parametrize("layout", [SAME])
+def test_muon_resumes_bitwise(parity, layout):
+    saved = parity.outcome(f"{layout}-saved").check()
+    assert losses(parity.outcome(layout).check()) == losses(saved)[5:]
+
+
+@pytest.mark.parametrize("layout", [OTHER])
+def test_sharded_muon_momentum_resumes_in_one_process(parity, references, layout):
+    """dist_muon's momentum pieces (cut over two ranks) read back whole by one process: the uninterrupted run's
+    steps 6-10."""
+    assert losses(parity.outcome(layout).check()) == pytest.approx(references["muon-10"][0][5:], rel=1e-5)
