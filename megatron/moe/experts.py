@@ -26,7 +26,8 @@ from torch import nn
 
 from megatron import device as dev
 from megatron.config.schema import ModelConfig
-from megatron.ops.activations import activate, mlp_activation
+from megatron.ops.activations import activate, is_gated, mlp_activation
+from megatron.ops.seams import LOCAL, maybe_checkpoint
 from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
 
 
@@ -60,10 +61,12 @@ class ExpertMLP(nn.Module):
     """One expert: ``fc2(act(fc1 x))`` on this etp rank's share of the hidden units; the output is this rank's
     partial sum (the bias of ``fc2`` added on etp rank 0 only)."""
 
+    recompute_activation = False  # megatron.recompute (recompute_modules moe_act)
+
     def __init__(self, cfg: ModelConfig, etp_rank: int = 0, etp_size: int = 1):
         super().__init__()
         self.activation, self.add_bias = mlp_activation(cfg), etp_rank == 0
-        gated = self.activation[0] is not None
+        gated = is_gated(self.activation)
         ffn, h, bias = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size, not cfg.disable_bias_linear
         if ffn % etp_size:
             raise ValueError(f"moe_ffn_hidden_size ({ffn}) is not divisible by the expert tensor-parallel size "
@@ -74,7 +77,8 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
-        y = activate(F.linear(x, fc1.weight, fc1.bias), self.activation)
+        y = maybe_checkpoint(self.recompute_activation, LOCAL, activate, F.linear(x, fc1.weight, fc1.bias),
+                             self.activation)
         return F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
 
 
@@ -132,7 +136,7 @@ def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: tor
     if first.dense_h_to_4h.bias is not None:
         y = y + torch.repeat_interleave(torch.stack([e.dense_h_to_4h.bias for e in experts]),
                                         counts, dim=0, output_size=tokens.shape[0])
-    y = activate(y, first.activation)
+    y = maybe_checkpoint(first.recompute_activation, LOCAL, activate, y, first.activation)
     w2 = torch.stack([e.dense_4h_to_h.weight for e in experts]).transpose(1, 2)  # [E, ffn, h]
     out = torch._grouped_mm(y.contiguous(), w2, offs=offsets)
     if first.dense_4h_to_h.bias is not None and first.add_bias:

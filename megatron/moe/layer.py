@@ -17,7 +17,8 @@ the tensor-parallel size does not divide (generation's short steps; training che
 tokens for the split, their outputs dropped.
 
 The shared expert is the model's MLP (tensor-parallel, sequence-parallel as the dense layers) on the layer's
-input. The layer runs eager under ``--compile`` (its token counts are data-dependent): the compiled decoder layer
+input, its output scaled by ``sigmoid(x g^T)`` with ``moe_shared_expert_gate`` (Qwen2-MoE's gate, ``g`` [1, h]).
+The layer runs eager under ``--compile`` (its token counts are data-dependent): the compiled decoder layer
 breaks its graph around it.
 
 Per step, a training layer records the tokens the router chose per expert and its balancing loss (before the
@@ -39,6 +40,7 @@ from megatron.config.schema import ModelConfig
 from megatron.moe.dispatch import DISPATCHERS, Groups
 from megatron.moe.experts import Experts
 from megatron.moe.router import AuxLossScaler, TopKRouter, get_capacity
+from megatron.ops.seams import LOCAL, maybe_checkpoint
 
 
 def _in_backward() -> bool:
@@ -53,6 +55,7 @@ class MoELayer(nn.Module):
     sequence_parallel = False  # this rank's tokens are its sequence shard (set by ``tensor_parallel.parallelize``)
     # one rank's layout; ``moe.parallelize.apply_expert_parallel`` sets this rank's (``ExpertLayout``)
     tp_size, tp_group, token_group, token_share, batch_ranks = 1, None, None, True, 1
+    recompute_shared = False  # megatron.recompute (recompute_modules shared_experts)
 
     def __init__(self, cfg: ModelConfig, make_mlp: Callable[..., nn.Module], layer_number: int = 0):
         super().__init__()
@@ -63,6 +66,9 @@ class MoELayer(nn.Module):
         self.dispatch = DISPATCHERS[cfg.moe_token_dispatcher_type]
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_expert = make_mlp(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None
+        # its gate (Qwen2-MoE's; Megatron Core's shared_experts.gate_weight): [1, h], replicated over tp
+        gated = shared and cfg.moe_shared_expert_gate
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is not None
         self.reset_stats()
 
@@ -71,6 +77,7 @@ class MoELayer(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None  # float64 [E] on the model's device
         self.balance_sum: torch.Tensor | None = None  # float64, 0-dim
         self.micro_batches = 0
+        self.router.reset_global()
 
     def _record(self, chosen: torch.Tensor, balance: torch.Tensor) -> None:
         """This rank's tokens' choices and its part of the micro-batch's balancing loss (summed over the ranks
@@ -93,9 +100,15 @@ class MoELayer(nn.Module):
         out = self._routed(out)
         if split:
             out = tp.gather_from_sequence_region(out, self.tp_group, tensor_parallel_output_grad=False)[: x.shape[0]]
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+        if self.shared_expert is not None:  # recomputed in the backward under recompute_modules shared_experts
+            out = out + maybe_checkpoint(self.recompute_shared, LOCAL, self._shared, x)
         return out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output on ``x`` (this rank's rows of it under sequence parallelism), times
+        ``sigmoid(x g^T)`` [s, b, 1] with the gate."""
+        y = self.shared_expert(x)
+        return y if self.shared_expert_gate is None else y * torch.sigmoid(self.shared_expert_gate(x))
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape

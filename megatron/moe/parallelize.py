@@ -23,7 +23,8 @@ class ExpertLayout:
     (None for one rank); the tensor-parallel group whose ranks split a layer's tokens (``tp_group``, ``tp_size``);
     ``token_group``: the ranks holding parts of the same samples (tp x cp: the balancing losses' counts);
     ``token_share``: whether this rank counts each micro-batch (the first of them); ``batch_ranks``: the ranks the
-    global batch is cut over (dp x sharding: the auxiliary losses' gradient scale)."""
+    global batch is cut over (dp x sharding: the auxiliary losses' gradient scale); ``batch_group``: the
+    ``data_parallel`` group (dp x sharding x cp), over which with ``tp_group`` ``global_aux_loss`` sums its counts."""
 
     ep_rank: int = 0
     ep_size: int = 1
@@ -35,6 +36,7 @@ class ExpertLayout:
     token_group: object = None
     token_share: bool = True
     batch_ranks: int = 1
+    batch_group: object = None
 
     @classmethod
     def of(cls, ps) -> ExpertLayout:
@@ -44,7 +46,8 @@ class ExpertLayout:
         return cls(ps.ep_rank, ps.ep_size, ps.etp_rank, ps.etp_size, groups, ps.tp_size,
                    ps.group("tp") if ps.tp_size > 1 else None,
                    ps.group("tp_cp") if ps.tp_size * ps.cp_size > 1 else None,
-                   ps.tp_rank == 0 and ps.cp_rank == 0, ps.data_parallel_size)
+                   ps.tp_rank == 0 and ps.cp_rank == 0, ps.data_parallel_size,
+                   ps.group("data_parallel") if ps.gradient_sum_size > 1 else None)
 
 
 def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> nn.Module:
@@ -53,6 +56,8 @@ def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> nn.Module:
         layer.tp_size, layer.tp_group, layer.token_group = layout.tp_size, layout.tp_group, layout.token_group
         layer.token_share, layer.batch_ranks = layout.token_share, layout.batch_ranks
         layer.groups = layout.groups or Groups()
+        layer.router.batch_ranks = layout.batch_ranks
+        layer.router.global_groups = tuple(g for g in (layout.tp_group, layout.batch_group) if g is not None)
         if layout.tp_size > 1:  # each tensor-parallel rank routes its own share of the tokens
             mark_sequence_parallel(layer.router)
         if (layout.ep_size, layout.etp_size) != (1, 1):

@@ -29,7 +29,24 @@ Balancing losses, their values before the coefficient (the coefficient multiplie
   ``compute_routing_scores_for_aux_loss``; the logged Switch loss of ``none`` counts the bias's choice);
 - ``seq_aux_loss`` (DeepSeek-V2): the same per sequence, ``sum_e (N_e E / (k S)) mean_s(p_e)``, averaged over
   the micro-batch's sequences;
+- ``global_aux_loss`` (global-batch balancing, arXiv 2501.11873): the Switch loss of the micro-batches of every
+  data-parallel rank together (their T tokens), N_e those ranks' counts averaged over the step's micro-batches so
+  far (Megatron Core's ``global_tokens_per_expert / ga_steps``); each rank's term is its tokens' share, the terms
+  summing over the pipeline stage's ranks to the loss (its gradient is not divided by the data-parallel size:
+  ``TopKRouter.global_term``);
+- several of the three at once (Megatron Core's lists), each with its own coefficient;
 - z-loss (ST-MoE): ``mean(logsumexp(logits)^2)``.
+
+Sinkhorn routing (``sinkhorn``, S-BASE; no loss): in training each token's top k of Sinkhorn's balanced
+assignment of the logits (``sinkhorn``: rows and columns of ``exp(logits)`` scaled until every expert's column
+holds 1/E; over the micro-batch's tokens on every layout: the column sums are summed over ``token_group``); in
+evaluation the top k of the scores; the probabilities the scores of the chosen experts, the softmax over all E (for
+k = 1 the sigmoid), unrenormalised.
+
+``moe_input_jitter_eps`` multiplies the router's input (in training) by noise uniform in ``[1 - eps, 1 + eps]``;
+``moe_router_force_load_balancing`` replaces the logits by N(0, 1) draws whose gradient goes to the logits unchanged
+(Megatron Core's ``RandomSTE``, for benchmarks). Both draw from the default generator, or from the tensor-parallel
+stream where the router sees a share of the micro-batch's tokens (each share its own noise).
 
 Capacity (``moe_expert_capacity_factor`` f): each expert takes at most ``ceil(T k / E x f)`` tokens of the
 micro-batch (Megatron-LM's ``get_capacity``); ``probs`` keeps those with the highest probabilities, ``position``
@@ -39,6 +56,7 @@ the first in the micro-batch's order. A dropped (token, expert) pair contributes
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -47,6 +65,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.config.validate_moe import balancing_coefficients
+from megatron.tensor_parallel.random import get_rng_tracker
 
 ROUTER_DTYPES = {None: torch.float32, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -187,6 +207,74 @@ def z_loss(logits: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
     return torch.square(torch.logsumexp(logits, dim=-1)).sum() / num_tokens
 
 
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4, group=None) -> torch.Tensor:
+    """Sinkhorn's balanced assignment of ``cost`` [T, E] (Megatron-LM's ``sinkhorn``): ``K = exp(cost)`` scaled by
+    rows ``d0`` [T] and columns ``d1`` [E], ``d0 = 1 / (T (K d1))``, ``d1 = 1 / (E (K^T d0))``, repeated until
+    ``d1`` moves by less than ``tol`` (mean absolute change); returns ``d1 K d0``. ``group``: the ranks holding the
+    rest of the micro-batch's tokens: ``K^T d0`` is summed over them and T counts them all, so each rank returns
+    its rows of the one-process result (every rank runs the same number of rounds: ``d1`` is the same on all)."""
+    cost = torch.exp(cost)
+    num_tokens = cost.shape[0] * _group_size(group)
+    d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / num_tokens) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.shape[0]) * 1 / (_sum_over(torch.sum(d0.unsqueeze(1) * cost, 0), group) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int, training: bool,
+                     group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [T, E], 0 off the chosen experts; routing map [T, E]) of Sinkhorn routing (Megatron Core's
+    ``sinkhorn_load_balancing``): the choice the top k of ``sinkhorn(logits)`` in training (no gradient), of the
+    scores in evaluation; the probabilities the scores, ``softmax(logits)`` over all E (``sigmoid(logits)`` for
+    k = 1), at the chosen experts."""
+    scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    if training:
+        with torch.no_grad():
+            top = torch.topk(sinkhorn(logits.float(), group=group), topk, dim=1).indices
+    else:
+        top = torch.topk(scores, topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    return scores * routing_map, routing_map
+
+
+class RandomLogits(torch.autograd.Function):
+    """Megatron Core's ``RandomSTE`` (``moe_router_force_load_balancing``): N(0, 1) values in place of the logits;
+    their gradient is the logits' (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return logits.detach().clone().normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+class ScoresTimes(torch.autograd.Function):
+    """``sum_{t,e} scores[t, e] weights[e]``, the weights kept on the node itself, not saved: a checkpointed
+    layer's recompute runs the forward again (``weights`` then a running mean that moved on) and its backward reads
+    the weights of the forward that built the node (the global aux loss's counts: ``TopKRouter.global_term``)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx.weights, ctx.shape = weights, scores.shape
+        return (scores.sum(dim=0) * weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return (grad_output * ctx.weights).expand(ctx.shape), None
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside a backward pass (a checkpointed layer's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
                    policy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs, routing map) with each expert's tokens beyond ``capacity`` dropped: those of the lowest
@@ -210,7 +298,14 @@ class TopKRouter(nn.Module):
     ``forward(x [T, h], batch_size)`` returns (probs [T, E] in the router dtype, routing map [T, E] of the kept
     (token, expert) pairs, chosen [T, E]: the router's choice before the capacity, the auxiliary loss to add to the
     objective (coefficients applied; None when there is none), the balancing loss's value before its
-    coefficient (the Switch loss for ``none`` and the expert bias, for the log))."""
+    coefficient (several: their sum; the Switch loss of the choice when none joins the objective, for the log)).
+
+    ``global_groups`` (the tensor-parallel group whose ranks split the tokens, and the data-parallel one: together
+    the pipeline stage's ranks) and ``batch_ranks`` (dp x sharding): where ``global_aux_loss`` sums its counts, set
+    by ``moe.parallelize``; ``global_counts`` / ``global_steps``: the counts so far this step (``reset_global``)."""
+
+    global_groups: tuple = ()
+    batch_ranks = 1
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -219,8 +314,10 @@ class TopKRouter(nn.Module):
         self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
-        self.balancing, self.aux_coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
+        self.balancing, self.coefficients = cfg.moe_router_load_balancing_type, balancing_coefficients(cfg)
         self.z_coeff = cfg.moe_z_loss_coeff
+        self.jitter_eps, self.force_balance = cfg.moe_input_jitter_eps, cfg.moe_router_force_load_balancing
+        self.reset_global()
         self.capacity_factor, self.drop_policy = cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         # a bias on the logits with the model's linear biases (Megatron Core's rule; gpt-oss's router has one)
@@ -243,14 +340,40 @@ class TopKRouter(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
+    def reset_global(self) -> None:
+        """Forget the step's counts of ``global_aux_loss`` (before each step, as Megatron Core's
+        ``reset_global_aux_loss_tracker`` in ``finalize_model_grads``)."""
+        self.global_counts: torch.Tensor | None = None
+        self.global_steps = 0
+
+    def _draws(self, token_group):
+        """Where the jitter and random logits draw: the tensor-parallel stream when this rank routes a share of the
+        micro-batch's tokens (each share its own draws), the default generator otherwise."""
+        return get_rng_tracker().fork() if token_group is not None else contextlib.nullcontext()
+
+    def logits(self, x: torch.Tensor, token_group=None) -> torch.Tensor:
+        """[T, E] in the router dtype: ``x W^T + b`` of the (jittered) input, or random ones (forced balancing)."""
+        if self.jitter_eps is not None and self.training:  # Megatron Core's Uniform(1 - eps, 1 + eps).rsample
+            low, high = (torch.tensor(1.0 + s * self.jitter_eps, dtype=x.dtype, device=x.device) for s in (-1, 1))
+            with self._draws(token_group):
+                x = x * (low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low))
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)
+        if self.force_balance:
+            with self._draws(token_group):
+                logits = RandomLogits.apply(logits)
+        return logits
+
     def forward(self, x: torch.Tensor, batch_size: int, token_group=None, with_losses: bool = True):
         """``token_group``: the ranks holding the rest of this micro-batch's tokens (their counts are summed
         for the balancing losses, each rank returning its term); ``with_losses`` False (evaluation): no
         auxiliary loss, the balancing value 0."""
-        bias = None if self.bias is None else self.bias.to(self.dtype)
-        logits = F.linear(x.to(self.dtype), self.weight.to(self.dtype), bias)  # [T, E]
-        probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
-                                     self.num_groups, self.group_topk, self.scaling_factor)
+        logits = self.logits(x, token_group)  # [T, E]
+        if self.balancing == "sinkhorn":
+            probs, chosen = sinkhorn_routing(logits, self.topk, self.training, token_group)
+        else:
+            probs, chosen = topk_routing(logits, self.topk, self.score_function, self.pre_softmax, self.expert_bias,
+                                         self.num_groups, self.group_topk, self.scaling_factor)
         kept = chosen
         if self.capacity_factor is not None:
             capacity = get_capacity(logits.shape[0] * self.topk, self.num_experts, self.capacity_factor)
@@ -258,20 +381,48 @@ class TopKRouter(nn.Module):
         if not with_losses:
             return probs, kept, chosen, None, torch.zeros(())
         num_tokens = logits.shape[0] * _group_size(token_group)
-        in_objective = self.balancing != "none" and self.aux_coeff > 0
+        in_objective = bool(self.coefficients)
         with torch.set_grad_enabled(torch.is_grad_enabled() and in_objective):
             scores = scores_for_aux_loss(logits, self.topk, self.score_function)
             # what the loss counts: the choice without the expert bias, as Megatron Core (only logged: the choice)
             counted = routing_map_for_aux_loss(scores, self.topk) if in_objective else chosen
-            if self.balancing == "seq_aux_loss":
-                balance = sequence_load_balancing_loss(scores, counted, batch_size, self.topk, token_group)
-            else:
-                counts = _sum_over(counted.sum(dim=0, dtype=scores.dtype), token_group)
-                balance = switch_load_balancing_loss(scores, counts, self.topk, num_tokens)
-        aux = None
-        if in_objective:
-            aux = self.aux_coeff * balance
+            losses = {kind: self.balancing_loss(kind, scores, counted, batch_size, token_group, num_tokens)
+                      for kind in self.coefficients or ("aux_loss",)}
+        balance = sum(losses.values())
+        aux = sum(self.coefficients[kind] * loss for kind, loss in losses.items()) if in_objective else None
         if self.z_coeff:
             z = self.z_coeff * z_loss(logits, num_tokens)
             aux = z if aux is None else aux + z
         return probs, kept, chosen, aux, balance.detach()
+
+    def balancing_loss(self, kind: str, scores: torch.Tensor, counted: torch.Tensor, batch_size: int, token_group,
+                       num_tokens: int) -> torch.Tensor:
+        """This rank's term of the balancing loss ``kind`` (before its coefficient) of the micro-batch's
+        ``num_tokens`` tokens, of which it holds ``scores`` / ``counted`` [T, E]."""
+        if kind == "seq_aux_loss":
+            return sequence_load_balancing_loss(scores, counted, batch_size, self.topk, token_group)
+        if kind == "global_aux_loss":
+            return self.global_term(scores, counted.sum(dim=0, dtype=scores.dtype), num_tokens)
+        counts = _sum_over(counted.sum(dim=0, dtype=scores.dtype), token_group)
+        return switch_load_balancing_loss(scores, counts, self.topk, num_tokens)
+
+    def global_term(self, scores: torch.Tensor, counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """This rank's term of ``global_aux_loss``: ``batch_ranks x E / (k T^2) sum_e P_e N_e``, P_e its tokens'
+        scores summed, N_e its ``counts`` summed over the stage's ranks (``global_groups``) and averaged with the
+        step's earlier micro-batches' (kept when the gradient is on: a forward, not a recompute, not an evaluation),
+        T = ``num_tokens`` x ``batch_ranks``. The terms of a micro-batch's ranks over the stage sum to ``batch_ranks``
+        times the loss, and the auxiliary gradient's scale divides by ``batch_ranks``: the objective holds the
+        loss itself, as a run in one process over the same micro-batches (Megatron Core 0.16.1 divides its gradient
+        by the data-parallel size; its issue 3672)."""
+        if _in_backward():  # a recompute: its value is not read (ScoresTimes keeps the forward's weights)
+            total, steps = (counts if self.global_counts is None else self.global_counts), max(self.global_steps, 1)
+        else:
+            for group in self.global_groups:  # tp (the token split), then dp x sharding x cp: the stage's ranks
+                counts = _sum_over(counts, group)
+            total = counts if self.global_counts is None else self.global_counts + counts
+            steps = self.global_steps + 1
+            if torch.is_grad_enabled():
+                self.global_counts, self.global_steps = total, steps
+        tokens = num_tokens * self.batch_ranks
+        return ScoresTimes.apply(scores, total / steps) * (self.batch_ranks * self.num_experts /
+                                                            (self.topk * tokens * tokens))

@@ -1,7 +1,9 @@
 """Hugging Face Qwen-MoE (``Qwen2MoeForCausalLM``) export and import of our mixture of experts with a shared expert:
 transformers computes the export's logits as our model does (both softmax routers, dense layers among the MoE
-ones), HF -> ours -> HF is bitwise (either form of the experts), and what Qwen-MoE or our GPT has not (a trained
-shared-expert gate, query/key/value-only biases, a sliding window, the sigmoid router) is refused in one line."""
+ones; the shared expert's gate trained, or absent: written as zeros with the down projection doubled), HF -> ours
+-> HF is bitwise with trained gates (either form of the experts), and what Qwen-MoE or our GPT has not (a trained
+gate into a model without one, query/key/value-only biases, a sliding window, the sigmoid router) is refused in one
+line."""
 
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def make_config(*flags: str):
 @pytest.mark.parametrize("flags, dense, normalised", [
     ([], [], True),
     (["--moe-router-pre-softmax", "--moe-layer-freq", "[1,0,1]", "--untie-embeddings-and-output-weights"], [1], False),
-], ids=["all-moe-tied", "pre-softmax-dense-layer-untied"])
+    (["--moe-shared-expert-gate", "--moe-layer-freq", "[1,0,1]"], [1], True),  # its gates perturbed as every weight
+], ids=["all-moe-tied", "pre-softmax-dense-layer-untied", "shared-expert-gate"])
 def test_export_of_our_model_gives_transformers_the_same_logits(tmp_path, flags, dense, normalised):
     config = make_config(*flags)
     parallel_state.initialize()
@@ -81,9 +84,9 @@ def test_export_of_our_model_gives_transformers_the_same_logits(tmp_path, flags,
     torch.testing.assert_close(ours[..., :VOCAB], theirs, rtol=0, atol=1e-4)
 
 
-def hf_model(gate_zero: bool = True, seed: int = 0):
+def hf_model(gate_zero: bool = False, seed: int = 0):
     """A tiny random ``Qwen2MoeForCausalLM``: layer 1 dense, the experts' top k renormalised; its shared experts'
-    gates zero (the form this GPT represents) unless ``gate_zero`` is off."""
+    gates random, or zero with ``gate_zero`` (what a model of ours without the gate exports)."""
     torch.manual_seed(seed)
     cfg = transformers.Qwen2MoeConfig(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=40,
@@ -109,9 +112,13 @@ def test_hf_to_our_checkpoint_to_hf_is_bitwise(tmp_path):
     m = config.model
     assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size, m.ffn_hidden_size,
             m.moe_layer_freq, m.moe_router_pre_softmax) == (E, 48, 40, 96, "[1,0,1]", False)
-    # our shared expert is Qwen's at its gate of 1/2: its down projection halved
-    shared = CheckpointReader(reader.step_dir).full("param", "layers.2.mlp.shared_expert.dense_4h_to_h.weight")
-    assert torch.equal(shared * 2, model.model.layers[2].mlp.shared_expert.down_proj.weight)
+    assert m.moe_shared_expert_gate  # Qwen's shared expert and its gate, as they are
+    saved = CheckpointReader(reader.step_dir)
+    hf_mlp = model.model.layers[2].mlp
+    assert torch.equal(saved.full("param", "layers.2.mlp.shared_expert.dense_4h_to_h.weight"),
+                       hf_mlp.shared_expert.down_proj.weight)
+    gate = saved.full("param", "layers.2.mlp.shared_expert_gate.weight")
+    assert torch.equal(gate, hf_mlp.shared_expert_gate.weight) and gate.abs().min() > 0
     # the in-memory (fused) form of transformers 5 reads as the saved one
     model_cfg = parse_config(hf_qwen_moe.model_flags(model.config.to_dict())).model
     fused = hf_qwen_moe.from_hf_state_dict(model.state_dict(), model_cfg, 256)
@@ -142,17 +149,28 @@ def test_to_hf_chooses_qwen_moe_for_a_shared_expert_and_refuses_what_it_has_not(
                               "equivalent (Qwen-MoE's router is a softmax), so this checkpoint cannot be exported.")
 
 
+def test_a_trained_gate_is_refused_by_a_model_without_one_and_zeros_are_taken_halving_down_proj():
+    hf = hf_model()
+    flags = hf_qwen_moe.model_flags(hf.config.to_dict())
+    ungated = parse_config([f for f in flags if f != "--moe-shared-expert-gate"]).model
+    with pytest.raises(ConversionError, match="shared_expert_gate.weight is not zero: the model's shared expert has"):
+        hf_qwen_moe.from_hf_state_dict(hf.state_dict(), ungated, 256)
+    zero = hf_model(gate_zero=True)
+    ours = hf_qwen_moe.from_hf_state_dict(zero.state_dict(), ungated, 256)
+    assert "layers.0.mlp.shared_expert_gate.weight" not in ours
+    assert torch.equal(ours["layers.0.mlp.shared_expert.dense_4h_to_h.weight"] * 2,
+                       zero.model.layers[0].mlp.shared_expert.down_proj.weight)
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """Two saved Qwen2-MoE folders: gates zero ("zero") and trained ("gated")."""
+    """A saved Qwen2-MoE folder ("zero": its gates zero)."""
     root = tmp_path_factory.mktemp("qwen-in")
-    for name, zero in (("zero", True), ("gated", False)):
-        hf_model(gate_zero=zero).save_pretrained(str(root / name))
+    hf_model(gate_zero=True).save_pretrained(str(root / "zero"))
     return root
 
 
 @pytest.mark.parametrize("folder, change, message", [
-    ("gated", {}, "model.layers.0.mlp.shared_expert_gate.weight is not zero: this GPT's shared expert has no gate"),
     ("zero", {"qkv_bias": True}, "config.json sets qkv_bias (biases on the query/key/value projections only)"),
     ("zero", {"use_sliding_window": True}, "config.json sets use_sliding_window"),
     ("zero", {"shared_expert_intermediate_size": 0}, "config.json lacks num_experts, num_experts_per_tok"),

@@ -4,6 +4,8 @@ parallelism (ep 2 x tp 2, with and without sequence parallelism; the experts' ow
 tp 2), pipelining, context parallelism, the distributed optimizer and ZeRO stages 2 and 3 (the experts sharded over
 their own ranks), both dispatchers, a shared expert, the balancing losses (aux, sequence aux, z) and the expert bias.
 A checkpoint saved at ep 2 x tp 2 resumes at ep 4 and in one process as the uninterrupted run goes on.
+The global-batch aux loss at ep 2 x dp 2 and tp 2, Sinkhorn routing at tp 2 (sequence parallel) x ep 2, both with
+the shared expert's gate, equal their one-process runs over the same global batch.
 
 The layouts train 5 steps against 5-step references (the resumed ones steps 6-10 of a 10-step reference); each
 world size is one shared launch."""
@@ -45,6 +47,26 @@ LAYOUTS = parity_layouts({f"moe-{name}": (n, [*MOE, *(whole_share() if name in W
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_moe_losses_equal_single_process(parity, references, layout):
     parity.assert_matches(layout, references["moe-5-whole" if layout.removeprefix("moe-") in WHOLE else "moe-5"])
+
+
+# the global-batch aux loss (its counts summed over the data-parallel ranks) with Qwen2-MoE's gated shared expert,
+# and Sinkhorn routing (its balanced assignment over the micro-batch's tokens, split over tp 2 under sequence
+# parallelism) with the gate: each layout takes the global batch in one micro-batch a step, and so does its reference
+GATED = [*MOE, "--moe-shared-expert-gate"]
+GLOBAL = [*GATED, "--moe-router-load-balancing-type", "global_aux_loss"]
+SINKHORN = [*GATED, "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+reference_runs({"moe-global-5-whole": [*GLOBAL, *whole_share()], "moe-sinkhorn-5-whole": [*SINKHORN, *whole_share()]})
+BALANCING = parity_layouts({
+    "moe-global-ep2-dp2": (2, [*GLOBAL, "--dp", "2", *EP2, *whole_share(2)]),
+    "moe-global-tp2": (2, [*GLOBAL, "--tp", "2", *whole_share()]),  # the gate on the whole sequence, replicated
+    "moe-sinkhorn-tp2-sp-etp1-ep2": (2, [*SINKHORN, "--tp", "2", "--sequence-parallel",
+                                         "--expert-tensor-parallel-size", "1", *EP2, *whole_share()]),
+})
+
+
+@pytest.mark.parametrize("layout", BALANCING)
+def test_global_aux_loss_sinkhorn_and_the_shared_expert_gate_equal_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["moe-sinkhorn-5-whole" if "sinkhorn" in layout else "moe-global-5-whole"])
 
 
 SAVED = "moe-bias-ep2-tp2-saved"

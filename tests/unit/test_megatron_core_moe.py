@@ -110,8 +110,16 @@ ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]  # ours through the other
     [*ALLTOALL, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor",
      "1.5"],
     ["--qk-layernorm"],  # Qwen3-MoE's attention: RMSNorm on each head's queries and keys
+    # Qwen2-MoE's gated shared expert; two losses at once, the global one's counts over the batch
+    [*ALLTOALL, "--moe-shared-expert-intermediate-size", "12", "--moe-shared-expert-gate",
+     "--moe-router-load-balancing-type", "aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "0.1", "0.05"],
+    # Sinkhorn routing (training: the balanced choice), top-1 (sigmoid probabilities) and top-2 with a z-loss
+    ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0", "--moe-router-topk", "1"],
+    [*ALLTOALL, "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0", "--moe-z-loss-coeff",
+     "0.01"],
 ], ids=["alltoall_shared_expert_z_loss_seq_aux_loss", "alltoall_pre_softmax_top1_capacity",
-        "sigmoid_expert_bias_aux_loss", "deepseek_v3_router", "softmax_group_limited_scaled", "qk_layernorm"])
+        "sigmoid_expert_bias_aux_loss", "deepseek_v3_router", "softmax_group_limited_scaled", "qk_layernorm",
+        "alltoall_gated_shared_expert_aux_and_global_aux", "sinkhorn_top1", "alltoall_sinkhorn_top2_z_loss"])
 def test_llama_moe_variants_equal_megatron_cores(mcore, flags):
     compare(mcore, *LLAMA, *MOE, *flags)
 

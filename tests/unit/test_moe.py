@@ -364,6 +364,20 @@ def test_flags_are_megatrons():
     (["--moe-router-topk", "3", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
      "moe_router_topk (3) exceeds the experts of the 1 chosen groups (1 x 2)"),
     (["--moe-router-topk-scaling-factor", "0"], "moe_router_topk_scaling_factor must be positive"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.1"],
+     "sinkhorn load balancing has no auxiliary loss: set --moe-aux-loss-coeff 0"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-expert-capacity-factor", "1"],
+     "sinkhorn routing does not take a capacity"),
+    (["--moe-router-load-balancing-type", "aux_loss", "sinkhorn", "--moe-aux-loss-coeff", "0.1", "0"],
+     "a list combines losses only (aux_loss, seq_aux_loss, global_aux_loss): give sinkhorn or none alone"),
+    (["--moe-router-load-balancing-type", "aux_loss,global_aux_loss", "--moe-aux-loss-coeff", "0.1"],
+     "moe_aux_loss_coeff gives 1 coefficient(s) for the 2 load-balancing types aux_loss, global_aux_loss"),
+    (["--moe-aux-loss-coeff", "0.1", "0.2"], "moe_aux_loss_coeff gives 2 coefficients for the one load-balancing"),
+    (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff", "0.1", "0.2"],
+     "lists a type twice"),
+    (["--moe-input-jitter-eps", "0"], "moe_input_jitter_eps must be positive"),
+    (["--moe-shared-expert-gate"], "moe_shared_expert_gate gates the shared expert: give "
+                                   "--moe-shared-expert-intermediate-size too"),
 ])
 def test_refusals_are_one_line(flags, message):
     with pytest.raises(ConfigError) as err:
@@ -382,7 +396,7 @@ def test_refusals_through_pretrain_gpt():
     with pytest.raises(ConfigError, match="give --num-experts too"):
         validate(dense, world_size=2)
     proc = run_here("--mock-data", "--num-experts", "4", "--moe-shared-expert-gate")
-    assert proc.returncode == 2 and "--moe-shared-expert-gate (a gate on the shared expert" in proc.stderr
+    assert proc.returncode == 2 and "moe_shared_expert_gate gates the shared expert" in proc.stderr
 
 
 # --------------------------------------------------------------------------- training

@@ -86,6 +86,7 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.position_embedding_type != "learned_absolute", f"position_embedding_type {m.position_embedding_type}"),
             (m.normalization != "LayerNorm", f"normalization {m.normalization}"),
             (m.swiglu, "swiglu"),
+            (m.squared_relu, "squared_relu"),
             (groups != heads, f"num_query_groups {groups} (grouped-query attention)"),
             (m.kv_channels not in (None, m.hidden_size // heads), f"kv_channels {m.kv_channels}"),
             (m.untie_embeddings_and_output_weights, "untie_embeddings_and_output_weights"),

@@ -57,7 +57,7 @@ from megatron.checkpoint.hf.mapping import BLOCK, Extra, Family, Key, config_in,
 from megatron.checkpoint.hf.transforms import TRANSPOSED
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_attention import parse_window, window_layers
-from megatron.config.validate_moe import moe_layer_pattern
+from megatron.config.validate_moe import first_coefficient, moe_layer_pattern
 from megatron.model.rotary import yarn_mscale
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -240,7 +240,7 @@ KEYS = (
     L["attention_bias"], L["attention_dropout"],
     Key("num_local_experts", "num_experts", read=lambda c: int(c.get("num_local_experts") or c.get("num_experts"))),
     Key("num_experts_per_tok", "moe_router_topk", from_hf=int),
-    Key("router_aux_loss_coef", "moe_aux_loss_coeff", from_hf=lambda v: float(v or 0.0)),
+    Key("router_aux_loss_coef", "moe_aux_loss_coeff", to_hf=first_coefficient, from_hf=lambda v: float(v or 0.0)),
     Key("output_router_logits", export=lambda m: False),
     L["initializer_range"], L["tie_word_embeddings"], L["bos_token_id"], L["eos_token_id"], L["use_cache"],
     L["torch_dtype"],

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.checkpoint.hf.common import ConversionError, check_names, check_vocab_shape
+from megatron.config.schema_model import is_norm_weight
 
 # ---------------------------------------------------------------------------------------------------- transforms
 
@@ -270,8 +271,16 @@ class Family:
         return from_hf(self, self.prepare(hf), Ctx(m, padded_vocab, options))
 
 
+def _one_plus(tensors: dict[str, torch.Tensor], m, sign: int) -> dict[str, torch.Tensor]:
+    """Zero-centred norm weights (``apply_layernorm_1p``: the norm scales by 1 + w) as Hugging Face's scales
+    (``sign`` 1) or back (-1); the tensors as they are otherwise."""
+    if not getattr(m, "apply_layernorm_1p", False):
+        return tensors
+    return {name: t + sign if is_norm_weight(name) else t for name, t in tensors.items()}
+
+
 def to_hf(family: Family, tensors: dict[str, torch.Tensor], ctx: Ctx) -> dict[str, torch.Tensor]:
-    m = ctx.m
+    m, tensors = ctx.m, _one_plus(tensors, ctx.m, 1)
     plan, stacks = expand(family.rules, m), expand_stacked(family.rules, m)
     want = set(plan) | {name for ours, _ in stacks.values() for name in ours}
     check_names(set(tensors), want, "the checkpoint's tensors", family.export_hint)
@@ -315,4 +324,4 @@ def from_hf(family: Family, hf: dict[str, torch.Tensor], ctx: Ctx) -> dict[str, 
     out = {}
     for ours, (theirs, transform) in plan.items():
         out[ours] = transform.from_hf([hf[name].to(torch.float32) for name in theirs], ctx).contiguous().clone()
-    return {**out, **stacked}
+    return _one_plus({**out, **stacked}, m, -1)

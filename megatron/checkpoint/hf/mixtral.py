@@ -39,7 +39,7 @@ from megatron.checkpoint.hf.common import ConversionError, to_flags
 from megatron.checkpoint.hf.mapping import Family, rule
 from megatron.checkpoint.hf.transforms import GATE_UP
 from megatron.config.schema import ModelConfig
-from megatron.config.validate_moe import moe_layer_pattern
+from megatron.config.validate_moe import first_coefficient, moe_layer_pattern
 
 MOE = "block_sparse_moe"
 _HINT = "check num_hidden_layers, num_local_experts and tie_word_embeddings"
@@ -133,7 +133,7 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
         "intermediate_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
         "num_local_experts": m.num_experts,
         "num_experts_per_tok": m.moe_router_topk,
-        "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        "router_aux_loss_coef": first_coefficient(m.moe_aux_loss_coeff),
         "output_router_logits": False,
         "router_jitter_noise": 0.0,
         "sliding_window": None,

@@ -11,10 +11,11 @@ setting Qwen2-MoE lacks: the sigmoid router, the expert bias, a capacity, linear
 has no counterpart here, its other projections have none). Anything else is refused in one line.
 
 The shared expert's gate: Qwen2-MoE multiplies the shared expert's output by ``sigmoid(shared_expert_gate(x))``, a
-``[1, h]`` weight we have not (Megatron-LM's ``--moe-shared-expert-gate`` is not built). The export writes that
-weight as zeros (a gate of exactly 1/2) and the shared expert's ``down_proj`` as twice our ``dense_4h_to_h`` (a
-power of two: exact), so transformers computes our layer; the import takes a gate that is all zeros and halves
-``down_proj`` back, and refuses any other gate (a trained one is a function we cannot represent).
+``[1, h]`` weight: ours with ``moe_shared_expert_gate`` (Megatron-LM's ``--moe-shared-expert-gate``), ``layers.N.mlp.
+shared_expert_gate.weight``, mapped as it is both ways. The import always builds it (every Qwen2-MoE has one). A
+model of ours without it exports the gate as zeros (a gate of exactly 1/2) and the shared expert's ``down_proj`` as
+twice our ``dense_4h_to_h`` (a power of two: exact), so transformers computes our layer; imported into such a model
+(a configuration without the gate), a gate of zeros gives ``down_proj`` halved back, any other gate is refused.
 
 ======================================================  =======================================================
 ours (layer N, expert i)                                Hugging Face (``model.layers.N.mlp.``...)
@@ -24,8 +25,8 @@ ours (layer N, expert i)                                Hugging Face (``model.la
                                                         ``experts.i.up_proj.weight`` (rows 2j + 1)
 ``layers.N.mlp.experts.i.dense_4h_to_h.weight``         ``experts.i.down_proj.weight``
 ``layers.N.mlp.shared_expert.dense_h_to_4h.weight``     ``shared_expert.{gate,up}_proj.weight`` (interleaved)
-``layers.N.mlp.shared_expert.dense_4h_to_h.weight``     ``shared_expert.down_proj.weight`` (times 2)
-(none)                                                  ``shared_expert_gate.weight [1, h]`` (zeros)
+``layers.N.mlp.shared_expert.dense_4h_to_h.weight``     ``shared_expert.down_proj.weight`` (without the gate: x 2)
+``layers.N.mlp.shared_expert_gate.weight [1, h]``       ``shared_expert_gate.weight`` (without the gate: zeros)
 ======================================================  =======================================================
 """
 
@@ -41,7 +42,7 @@ from megatron.checkpoint.hf.mapping import Extra, Family, layers_where, rule
 from megatron.checkpoint.hf.mixtral import unfuse_experts
 from megatron.checkpoint.hf.transforms import scaled
 from megatron.config.schema import ModelConfig
-from megatron.config.validate_moe import moe_layer_pattern
+from megatron.config.validate_moe import first_coefficient, moe_layer_pattern
 
 _HINT = "check num_hidden_layers, num_experts, mlp_only_layers and tie_word_embeddings"
 _ARCH = "Hugging Face Qwen-MoE (Qwen2MoeForCausalLM)"
@@ -95,15 +96,27 @@ SHARED, HF_SHARED = "layers.{}.mlp.shared_expert.", "model.layers.{}.mlp.shared_
 
 def moe_mlp(shared: tuple[str, str] | None = (SHARED, HF_SHARED), layers=moe_layers, shared_down=None) -> list:
     """A MoE layer's router, experts and (``shared``: our and Hugging Face's prefixes) shared expert, each with
-    Hugging Face's gate, up and down projections; ``shared_down``: the transform of the shared down projection."""
+    Hugging Face's gate, up and down projections; ``shared_down``: the transform of the shared down projection
+    of a model without the shared expert's gate (with it: as it is), the gate's rule after it."""
     down, gate_up = hf_llama.mlp("weight", layers, EXPERT, HF_EXPERT)
     rules = [rule("layers.{}.mlp.router.weight", "model.layers.{}.mlp.gate.weight", layers=layers), *gate_up, *down]
     if shared is not None:
         down, gate_up = hf_llama.mlp("weight", layers, *shared)
         if shared_down is not None:
-            down = [dataclasses.replace(down[0], transform=shared_down)]
+            down = [dataclasses.replace(down[0], transform=shared_down, when=_ungated),
+                    dataclasses.replace(down[0], when=_gated),
+                    rule("layers.{}.mlp.shared_expert_gate.weight", "model.layers.{}." + GATE, layers=layers,
+                         when=_gated)]
         rules += [*gate_up, *down]
     return rules
+
+
+def _gated(m) -> bool:
+    return bool(getattr(m, "moe_shared_expert_gate", False))
+
+
+def _ungated(m) -> bool:
+    return not _gated(m)
 
 
 def _zero_gate(ctx, out: dict, name: str) -> torch.Tensor:
@@ -114,15 +127,15 @@ def _check_gate(weight, ctx, hf: dict, name: str) -> None:
     if weight is None:
         raise ConversionError(f"the Hugging Face state dict lacks {name!r}; {_HINT}.")
     if torch.count_nonzero(weight):
-        raise ConversionError(f"{name} is not zero: this GPT's shared expert has no gate (Megatron-LM's "
-                              f"--moe-shared-expert-gate is not built), so the model cannot be imported.")
+        raise ConversionError(f"{name} is not zero: the model's shared expert has no gate here (its configuration "
+                              f"lacks --moe-shared-expert-gate), so the weights cannot be imported into it.")
 
 
-# Llama's names, a dense layer's MLP as Llama's; a MoE layer's router, experts and shared expert, whose down
-# projection is doubled and whose gate (no tensor of ours) is zeros: see the module's docstring
+# Llama's names, a dense layer's MLP as Llama's; a MoE layer's router, experts and shared expert with its gate; a
+# model without the gate: the down projection doubled and the gate (no tensor of ours) zeros (the module's docstring)
 RULES = (hf_llama.WORD_EMBEDDING, *hf_llama.decoder(mlp_layers=dense_layers), *hf_llama.FINAL,
          *moe_mlp(shared_down=scaled(2.0)))
-EXTRAS = (Extra("model.layers.{}." + GATE, _zero_gate, _check_gate, layers=moe_layers),)
+EXTRAS = (Extra("model.layers.{}." + GATE, _zero_gate, _check_gate, layers=moe_layers, when=_ungated),)
 
 
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,7 +169,7 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": m.num_layers,
-        "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        "router_aux_loss_coef": first_coefficient(m.moe_aux_loss_coeff),
         "output_router_logits": False,
     })
     return cfg
@@ -186,7 +199,7 @@ def model_flags(config: dict) -> list[str]:
     step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
     pattern = layer_pattern(values["num_layers"], lambda n: int(n not in dense and (n + 1) % step == 0))
     values.update({"num_experts": int(experts), "moe_router_topk": int(topk), "moe_ffn_hidden_size": int(width),
-                   "moe_shared_expert_intermediate_size": int(shared),
+                   "moe_shared_expert_intermediate_size": int(shared), "moe_shared_expert_gate": True,
                    "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
                    "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
                    "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0))})

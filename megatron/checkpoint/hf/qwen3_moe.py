@@ -19,6 +19,7 @@ from megatron.checkpoint.hf import qwen3 as hf_qwen3
 from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
 from megatron.checkpoint.hf.mapping import BLOCK, Family
 from megatron.config.schema import ModelConfig
+from megatron.config.validate_moe import first_coefficient
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 _ARCH = f"Hugging Face Qwen3-MoE ({ARCHITECTURE})"
@@ -53,7 +54,7 @@ def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:
         "norm_topk_prob": not m.moe_router_pre_softmax, "decoder_sparse_step": 1,
         "mlp_only_layers": [n for n, is_moe in enumerate(hf_qwen_moe._pattern(m)) if not is_moe],
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.num_layers,
-        "router_aux_loss_coef": m.moe_aux_loss_coeff, "output_router_logits": False,
+        "router_aux_loss_coef": first_coefficient(m.moe_aux_loss_coeff), "output_router_logits": False,
     })
     return cfg
 
