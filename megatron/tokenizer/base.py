@@ -48,6 +48,12 @@ class Tokenizer(ABC):
         never adds it."""
         return None
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry spelled ``token`` as the tokenizer's files spell it (a special token
+        such as ``<fim_prefix>`` or ``</s>``), or None when the vocabulary has no such single entry; ``token`` is
+        looked up, not encoded. None here: a tokenizer without token spellings (NullTokenizer)."""
+        return None
+
     def spelling(self, token_id: int) -> str:
         """How the tokenizer's files spell ``token_id`` (a special token's name, such as ``<|endoftext|>`` or
         ``</s>``, where ``detokenize`` may give nothing); the id's text by default."""

@@ -44,6 +44,9 @@ class _LibraryTokenizer(Tokenizer):
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode(as_id_list(ids), skip_special_tokens=False)
 
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def spelling(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or self.detokenize([token_id])
 

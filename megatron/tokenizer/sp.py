@@ -47,6 +47,10 @@ class SentencePieceTokenizer(Tokenizer):
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode(as_id_list(ids))
 
+    def token_id(self, token: str) -> int | None:
+        token_id = self._sp.piece_to_id(token)  # an unknown piece gives the <unk> id
+        return token_id if self._sp.id_to_piece(token_id) == token else None
+
     def spelling(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
 

@@ -71,6 +71,12 @@ class TikTokenizer(Tokenizer):
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._encoding.decode(as_id_list(ids))
 
+    def token_id(self, token: str) -> int | None:
+        try:  # a special token's name, or the UTF-8 bytes of one BPE rank
+            return self._encoding.encode_single_token(token)
+        except KeyError:
+            return None
+
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
