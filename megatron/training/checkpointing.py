@@ -45,6 +45,8 @@ class CheckpointCadence:
         self.saver = AsyncSaver(device) if sl.async_save else None
         self.since_save: list[tuple[float, bool]] = []  # the steps after a pending save: they confirm it once sealed
         self.report: Callable[[int, float, float], None] | None = None  # (save step, blocked s, total s): StepLog's
+        self.rerun_state: list | None = None  # the loaded checkpoint's rerun marker (every rank's), if any
+        self.rerun_same_layout = True  # whether that checkpoint was saved under this run's layout
         saves = bool(sl.save_at_end or sl.save_steps or sl.exit_interval or sl.exit_duration_in_mins)
         check_output_dir(sl.output_dir, ps.rank, device, saves)  # a bad --save stops every rank now, in one line
 
@@ -83,6 +85,7 @@ class CheckpointCadence:
             s.schedule_samples = loaded.get("schedule_samples", (s.step - s.skipped_steps) * gbs)  # applied steps
             self.saved_at = s.step
         self.good.loaded(loaded["step"], loaded["path"])
+        self.rerun_state, self.rerun_same_layout = loaded.get("rerun_state"), loaded["same_layout"]
         if self.ps.rank == 0:
             how = "weights only (finetune)" if sl.finetune else f"resuming at step {s.step}"
             layout = "" if loaded["same_layout"] else ", resharded from another parallel layout"
@@ -100,9 +103,10 @@ class CheckpointCadence:
             raise CheckpointError(f"cannot resume {loaded['path']}: {differs}; or pass --override-data-order to "
                                   f"train on this data from step {loaded['step']} on.")
 
-    def save(self) -> None:
+    def save(self, rerun_state: list | None = None) -> None:
         """Checkpoint the current state, unless the run's health forbids it (a non-finite loss, or skips
-        pending): a diverged state must never replace, or through pruning delete, a good checkpoint."""
+        pending): a diverged state must never replace, or through pruning delete, a good checkpoint.
+        ``rerun_state``: every rank's rerun state machine, the marker of a step to re-run from this checkpoint."""
         s = self.state
         self.saved_at = s.step  # attempted: a refused save is not tried again at this step
         refused = self.health.why_not_save()
@@ -115,6 +119,8 @@ class CheckpointCadence:
         train_state = {"consumed_samples": s.consumed_samples, "skipped_steps": s.skipped_steps,
                        "schedule_samples": s.schedule_samples, "run_id": self.run_id,
                        "data_fingerprint": fingerprint.of_datasets(self.datasets)}
+        if rerun_state is not None:
+            train_state["rerun_state"] = rerun_state
         biases = moe.expert_biases(self.run.model, self.run.pp_group)  # collective over the pipeline stages
         if biases is not None:
             train_state["moe_expert_bias"] = biases
@@ -173,6 +179,14 @@ class CheckpointCadence:
         """Training is over: keep the trained model (Megatron-LM's --save), unless this step was just saved."""
         if self.config.save_load.save_at_end and self.saved_at != self.state.step:
             self.save()
+        self.finish_pending()
+
+    def before_rerun_exit(self, rerun_state: list | None) -> None:
+        """The rerun state machine stops the run before a step's update: save the state before that step (with the
+        machine's marker when the step is to be re-run from it), sealed before the exit."""
+        if self.ps.rank == 0:
+            self.log.warning(f"saving the checkpoint of step {self.state.step} for the rerun state machine")
+        self.save(rerun_state)
         self.finish_pending()
 
     def after_divergence(self) -> str:

@@ -24,6 +24,7 @@ from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.model import step_hooks
 from megatron.optimizer import MixedPrecisionOptimizer, StepResult
 from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
+from megatron.training.rerun import RerunExit, RerunMachine, checked_grads, checked_loss, rerun_exit_message
 from megatron.training.stopping import SIGNALS
 
 ModelProvider = Callable[..., torch.nn.Module]  # (config, device, meta_init=...) -> this rank's model
@@ -72,25 +73,40 @@ def data_loader(config: Config, ps: parallel_state.ParallelState, dataset, consu
 def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, buffer: ParamAndGradBuffer,
                optimizer: MixedPrecisionOptimizer, lr: float, micro_batch_size: int, dp_group=None,
                forward_backward: Callable = None, pp_group=None,
-               weight_decay: float | None = None) -> tuple[float, StepResult]:
+               weight_decay: float | None = None, rerun: RerunMachine | None = None,
+               step: int = 0) -> tuple[float, StepResult]:
     """One optimizer step over this rank's share of the global batch (any size: it is cut into as many
     micro-batches as it holds); returns (token-mean loss of the global batch, step result). The loss is the
     language model's; a MoE model's auxiliary losses and multi-token prediction's losses join only the gradient
     (``megatron.moe``, ``megatron.model.mtp``), and the result carries their log values. ``model``,
     ``buffer``: as ``parallelize`` returns them; ``dp_group``: the data-parallel group (None: one replica);
     ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group, over
-    which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one)."""
+    which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one); ``rerun``: the
+    rerun state machine (``megatron.training.rerun``), which may run the forward and backward again on the same batch
+    and raise RerunExit before the update; ``step``: this step's number, for its log lines."""
     forward_backward = forward_backward or forward_backward_no_pipelining
     num_tokens = float(all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
-    optimizer.zero_grad()
-    model.train()
-    micro_batches = split_micro_batches(batch, micro_batch_size)
-    step_hooks.before_step(model, batch, len(micro_batches), dp_group, optimizer.loss_scale, all_reduce_sum)
-    loss_sum = forward_backward(forward_step, micro_batches, model, num_tokens, optimizer.loss_scale)
-    loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
-    if isinstance(model, DataParallel):
-        model.finish_grad_sync()
-    finalize_model_grads(model, parallel_state.get(), buffer)
+    rerun = rerun or RerunMachine()  # disabled: the loop runs once
+    checks = rerun.mode != "disabled"
+    ps = parallel_state.get()
+    last_stage = ps.pp_rank == ps.pp_size - 1
+    while rerun.should_run_forward_backward(step):
+        optimizer.zero_grad()
+        model.train()
+        micro_batches = split_micro_batches(batch, micro_batch_size)
+        step_hooks.before_step(model, batch, len(micro_batches), dp_group, optimizer.loss_scale, all_reduce_sum)
+        loss_sum = forward_backward(forward_step, micro_batches, model, num_tokens, optimizer.loss_scale)
+        if checks and last_stage:
+            checked_loss(rerun, float(loss_sum))  # this rank's, before any reduction (pretrain_gpt.py's loss_func)
+        loss_sum = all_reduce_sum(loss_sum, pp_group)  # only the last stage holds it
+        if isinstance(model, DataParallel):
+            model.finish_grad_sync()
+        finalize_model_grads(model, ps, buffer)
+        if checks:
+            checked_grads(rerun, optimizer.main_grads())
+    checkpoint, leave, code = rerun.should_checkpoint_and_exit()
+    if leave:
+        raise RerunExit(code, checkpoint, rerun_exit_message(step, code))
     result = optimizer.step(lr, weight_decay)
     result.moe, result.mtp = step_hooks.after_step(model, result.applied, dp_group, pp_group, all_reduce_sum)
     return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result

@@ -8,6 +8,7 @@
 - ``step_log.py``      the log line, metrics.jsonl / TensorBoard / W&B, evaluation results, elapsed and ETA
 - ``run_length.py``    how many steps the run takes (and why fewer than asked)
 - ``profiler.py``      ``--profile``: PyTorch's profiler over a window of steps, its trace beside the run
+- ``rerun.py``         ``--rerun-mode``: a step whose result fails a check re-run to diagnose it (exit 16 / 17)
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from megatron.config.batch_schedule import build_batch_schedule
 from megatron.data.token_check import check_batch
 from megatron.distributed.parallelize import ShardingPlan
 from megatron.metrics import get_logger
-from megatron.optimizer import StepResult, build_param_schedule
+from megatron.optimizer import StepResult, build_param_schedule, decoupled_schedule
 from megatron.parallelize_gpt import parallelize_gpt
 from megatron.pipeline_parallel.schedules import ForwardStep
 from megatron.training.checkpointing import CheckpointCadence
 from megatron.training.profiler import StepProfiler
+from megatron.training.rerun import RerunExit, State, build_rerun_machine, gather_json
 from megatron.training.run_length import steps_of_run
 from megatron.training.step import TrainState, data_loader, evaluate, to_device, train_step
 from megatron.training.step_health import StepHealth
@@ -43,11 +45,14 @@ class Trainer:
         self.parallel = parallelize_gpt(config, device, plan, model)  # buffer, hooks, optimizer, schedule
         self.optimizer = self.parallel.optimizer
         self.schedule = build_param_schedule(config)  # lr and weight decay by samples of applied steps
+        self.decoupled = decoupled_schedule(config, self.schedule)  # the embedding's and head's (--decoupled-lr)
         self.batches = build_batch_schedule(config)  # the global batch by consumed samples
         self.state = TrainState()
         self.health = StepHealth(config, self.optimizer, logs=self.ps.rank == self.ps.world_size - 1)
         self.checkpoints = CheckpointCadence(config, self.parallel, self.ps, device, self.state, self.health, datasets)
+        self.rerun = build_rerun_machine(config.rerun, self.ps.rank, device)
         resume_step = self.checkpoints.load()
+        self._resume_rerun()
         self.step_log = StepLog(config, self.ps, device, self.optimizer, self.batches, self.train_ds, self.state,
                                 resume_step)
         self.checkpoints.report = self.step_log.save_done  # each save's cost: metrics.jsonl, TensorBoard, W&B
@@ -120,16 +125,40 @@ class Trainer:
         global_batch = self.batches(s.consumed_samples)  # the loader's size for this step
         s.step += 1
         lr, wd = self.schedule.lr(s.schedule_samples), self.schedule.weight_decay(s.schedule_samples)
+        if self.decoupled is not None:
+            self.optimizer.decoupled_lr = self.decoupled.lr(s.schedule_samples)
         self.health.before_step()
-        loss, result = train_step(self.forward_step, batch, p.model, p.buffer, self.optimizer, lr,
-                                  c.batch_size.micro_batch_size, p.dp_group, p.forward_backward, p.pp_group,
-                                  weight_decay=wd)
+        try:
+            loss, result = train_step(self.forward_step, batch, p.model, p.buffer, self.optimizer, lr,
+                                      c.batch_size.micro_batch_size, p.dp_group, p.forward_backward, p.pp_group,
+                                      weight_decay=wd, rerun=self.rerun, step=s.step)
+        except RerunExit as leave:
+            s.step -= 1  # not applied: the state is the one before this step
+            if leave.checkpoint:  # the marker when the step is to be re-run from it (every rank's state)
+                marked = self.rerun.state == State.WILL_RERUN_FROM_CHECKPOINT
+                self.checkpoints.before_rerun_exit(gather_json(self.rerun.state_dict()) if marked else None)
+            raise
         s.consumed_samples += global_batch
         s.schedule_samples += global_batch if result.applied else 0  # Megatron: only a successful update
         s.skipped_steps += 0 if result.applied else 1
         s.losses.append(loss)
         self.step_log.step_done(loss, lr, result, global_batch)
         return loss, result
+
+    def _resume_rerun(self) -> None:
+        """A checkpoint saved for a re-run (exit 16): the first step re-runs the one it was saved before, under the
+        same layout only (the state is each rank's)."""
+        saved = self.checkpoints.rerun_state
+        if saved is None:
+            return
+        if not self.checkpoints.rerun_same_layout or len(saved) != self.ps.world_size:
+            if self.ps.rank == 0:
+                self.log.warning("Job sharding has changed: Rerun state will be ignored")
+            return
+        try:
+            self.rerun.load_state_dict(saved[self.ps.rank])
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            self.log.warning(f"Unable to restore RerunMachine from checkpoint: {err!r}. Skipping.")
 
     def evaluate(self, split: str, dataset) -> None:
         """``eval_iters`` global batches of ``dataset`` (``eval_global_batch_size`` samples each; none when it holds
