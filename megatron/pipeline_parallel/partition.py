@@ -62,18 +62,12 @@ def item_descriptions(cfg_model: Any, padded_vocab_size: int) -> list[str]:
 def stage_chunks(config, pp_rank: int, pp_size: int) -> list[tuple[range, bool, bool]]:
     """(global layer indices, holds the embedding, holds the head) of each model chunk pipeline rank ``pp_rank``
     of ``pp_size`` holds: the whole model without pipelining; its stage (``pipeline_partition``); or, under the
-    interleaved schedule, its ``virtual_pp_degree`` chunks."""
-    from megatron.config.layer_split import chunk_layers, segment, stage_layers
+    interleaved schedule, its ``virtual_pp_degree`` chunks (``layer_split.rank_chunks``; a layout string's
+    chunks may differ in size and hold no decoder layer)."""
+    from megatron.config.layer_split import rank_chunks
 
-    d, m = config.distributed, config.model
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    if pp_size == 1:
-        return [(range(m.num_layers), True, True)]
-    if d.virtual_pp_degree == 1:
-        return [(stage_layers(segment(m.num_layers, pp_size, d.pipeline_partition), pp_rank), first, last)]
-    vpp = d.virtual_pp_degree
-    return [(chunk_layers(m.num_layers, pp_size, vpp, pp_rank, c), first and c == 0, last and c == vpp - 1)
-            for c in range(vpp)]
+    d = config.distributed
+    return rank_chunks(config.model.num_layers, pp_size, d.virtual_pp_degree, d.pipeline_partition, pp_rank)
 
 
 def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:

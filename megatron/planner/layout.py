@@ -120,7 +120,7 @@ def copy_config(config):
         setattr(new, name, copy_config(getattr(config, name)))
     for name in lists:
         value = getattr(config, name)
-        if value is not None:
+        if isinstance(value, list):  # (a field of one value or a list: moe_aux_loss_coeff)
             setattr(new, name, list(value))
     return new
 

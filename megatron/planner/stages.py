@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from megatron.config import Config
-from megatron.config.layer_split import chunk_layers, segment, stage_layers
+from megatron.config.layer_split import rank_chunks
 
 
 def stage_chunks(config: Config, stage: int) -> tuple[int, ...]:
@@ -16,11 +16,7 @@ def stage_chunks(config: Config, stage: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _chunks(layers: int, pp: int, vpp: int, partition: str, stage: int) -> tuple[int, ...]:
-    if pp == 1:
-        return (layers,)
-    if vpp > 1:
-        return tuple(len(chunk_layers(layers, pp, vpp, stage, c)) for c in range(vpp))
-    return (len(stage_layers(segment(layers, pp, partition), stage)),)
+    return tuple(len(chunk) for chunk, _, _ in rank_chunks(layers, pp, vpp, partition, stage))
 
 
 def representative_stages(config: Config) -> list[int]:

@@ -43,6 +43,8 @@ LAYOUTS = parity_layouts({f"deepseek-{name}": (n, [*DEEPSEEK, *whole_share(), *f
     "cp2-p2p": (2, ["--cp", "2", "--cp-comm-type", "p2p"]),
     "cp2-all_gather": (2, ["--cp", "2", "--cp-comm-type", "all_gather"]),
     "cp2-a2a-ep2": (2, ["--cp", "2", "--cp-comm-type", "a2a", "--expert-model-parallel-size", "2"]),
+    # Megatron-LM's layout string: the multi-token prediction layer with the head on a stage without decoder layers
+    "pp2-layout-mtp": (2, ["--pp", "2", "--pipeline-model-parallel-layout", "Etttt|mL"]),
 }.items()})
 
 SAVED = "deepseek-pp2-saved"  # steps 1-5 of the 10-step schedule under pipelining, the MTP module on the last stage

@@ -19,6 +19,10 @@ LAYOUTS = parity_layouts({
     "pp2-recompute": (2, [*FOUR_LAYERS, "--pp", "2", "--use-recompute"]),
     # Megatron-LM's uneven stages: 1 layer on the first stage, 3 on the last (pipeline_partition 1,3)
     "pp2-uneven": (2, [*FOUR_LAYERS, "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),
+    # Megatron-LM's layout strings: the embedding alone on the first stage; pp 2 x vpp 2 with chunks of 1, 1, 2
+    # and 0 layers (the norm and head alone on the last)
+    "pp2-layout-E": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-model-parallel-layout", "E|ttttL"]),
+    "pp2-vpp2-layout": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-model-parallel-layout", "Et|t|tt|L"]),
     "tp2-pp2-sp": (4, [*FOUR_LAYERS, "--pp", "2", "--tp", "2", "--sequence-parallel"]),
     "dp2-pp2": (4, [*FOUR_LAYERS, "--pp", "2", "--dp", "2"]),
     "dp2-tp2-pp2": (8, [*FOUR_LAYERS, "--pp", "2", "--dp", "2", "--tp", "2"]),
@@ -40,6 +44,16 @@ def test_segmentation_log_is_the_seeds(parity):
     assert lines[start + 3].startswith("0: EmbeddingPipe(vocab_size=256, hidden_size=64")
     assert "stage=1, global_rank=1 ,layer_number=4" in lines
     assert "loss: GPTPretrainingCriterionPipe" in lines
+
+
+def test_segmentation_log_of_a_layout_string(parity):
+    result = parity.outcome("pp2-layout-E")  # 'E|ttttL': the embedding alone on stage 0
+    result.check()
+    rank0 = result.log.split("--- rank 1")[0]
+    lines = [line.split(" - ", 1)[1] for line in rank0.splitlines() if " - " in line]
+    start = lines.index("start segment network..")
+    assert lines[start + 1: start + 3] == ["segment result:0, 1, 7", "stage=0, global_rank=0 ,layer_number=1"]
+    assert lines[start + 3].startswith("0: EmbeddingPipe(") and lines[start + 4].startswith("stage=1")
 
 
 BAD = {  # name: (processes, flags, the message every rank prints)
