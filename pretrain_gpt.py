@@ -24,6 +24,7 @@ from megatron.checkpoint import CheckpointError, resumed_config
 from megatron.config import Config, ConfigError, validate
 from megatron.config.batch_schedule import total_train_samples
 from megatron.data.blended_dataset import build_datasets, build_per_split_datasets, parse_input_dir
+from megatron.data.fim import fim_tokens, with_fim
 from megatron.data.indexed_dataset import DatasetError
 from megatron.data.mock_dataset import build_mock_datasets
 from megatron.health import TrainingDiverged
@@ -33,6 +34,7 @@ from megatron.model.mtp import MTPInputs
 from megatron.parallelize_gpt import build_model
 from megatron.pretrain import pretrain
 from megatron.tokenizer import Tokenizer, TokenizerError, configured_tokenizer
+from megatron.training.rerun import RerunExit
 
 
 def model_provider(config: Config, device: torch.device, meta_init: bool = False) -> torch.nn.Module:
@@ -59,8 +61,10 @@ def datasets_provider(config: Config, tokenizer: Tokenizer | None = None) -> tup
         build = partial(build_per_split_datasets, (d.train_data_path, d.valid_data_path, d.test_data_path))
     else:
         build = partial(build_datasets, d.input_dir, d.split)
-    return build(num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path, vocab_size=config.model.vocab_size,
-                 train_epochs=config.num_train_epochs, global_batch_size=gbs, report=True)
+    datasets = build(num_samples, seq, config.seed, tokenizer.eod, d.data_cache_path,
+                     vocab_size=config.model.vocab_size, train_epochs=config.num_train_epochs, global_batch_size=gbs,
+                     report=True)
+    return with_fim(datasets, config, tokenizer) if d.fim_data else datasets  # --fim-data: megatron/data/fim.py
 
 
 def loss_fn(loss_mask: torch.Tensor, token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,9 +81,10 @@ def forward_step(batch: dict, model: torch.nn.Module) -> tuple[torch.Tensor, Cal
 def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokenizer | None]:
     """The validated configuration and the run's tokenizer, before any process group exists: the command line
     over the resumed run's saved configuration, if any (``resumed_config``); the tokenizer built once, from
-    that configuration, its vocabulary size given to validation; the data prefixes must exist; the predicted
-    peak memory must fit (``megatron.memory.check``). Each failure is a one-line error (ConfigError,
-    CheckpointError, TokenizerError)."""
+    that configuration, its vocabulary size given to validation; the data prefixes must exist; with --fim-data
+    the tokenizer must hold the FIM tokens (``megatron.data.fim.fim_tokens``); the predicted peak memory must
+    fit (``megatron.memory.check``). Each failure is a one-line error (ConfigError, CheckpointError,
+    TokenizerError)."""
     world_size, _, _ = launch_env()  # torchrun's variables, checked before anything else
     config = resumed_config(argv, warnings)
     tokenizer = configured_tokenizer(config.tokenizer, config.model.vocab_size)  # NullTokenizer's --vocab-size
@@ -91,6 +96,8 @@ def resolve(argv: list[str] | None, warnings: list[str]) -> tuple[Config, Tokeni
                 parse_input_dir(getattr(config.dataset, name), name)  # the prefixes exist (validation reads no files)
             except DatasetError as err:
                 raise ConfigError(f"{err}.") from None
+    if config.dataset.fim_data:
+        fim_tokens(config.dataset, tokenizer)  # the tokenizer holds the FIM tokens: else a ConfigError
     check_memory(config)  # each rank alone: a predicted peak above its device's memory is a ConfigError
     return config, tokenizer
 
@@ -140,6 +147,8 @@ def main(argv: list[str] | None = None, once_per_job: bool = False) -> int:
         return 130
     except TrainingDiverged as err:  # the same decision on every rank: the loss and the skips are global
         return _error(err, 3, once_per_job)
+    except RerunExit as err:  # the rerun state machine's decision, reduced over every rank: 16 or 17, as Megatron-LM
+        return _error(err, err.exit_code, once_per_job)
     finally:
         shutdown()  # tear the process groups down before exit (gloo's threads must not outlive them)
     return 0

@@ -80,7 +80,7 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
         apply_expert_parallel(chunk, ExpertLayout.of(ps))
         apply_context_parallel(chunk, ps.cp_size, ps.cp_rank, ps.group("cp"), d.cp_comm_type)
         apply_recompute(chunk, recompute, config.no_recompute_layers, config.recompute_method,
-                        config.recompute_num_layers)
+                        config.recompute_num_layers, config.recompute_modules)
         if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
         else:

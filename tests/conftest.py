@@ -111,11 +111,23 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt  # pytest then ends its session as on a Ctrl-C: pytest_unconfigure kills the leftovers
 
 
+def _default_sigterm_in_child() -> None:
+    """A process forked from the session (a multiprocessing pool's worker: tools/preprocess_data.py's) dies of a
+    SIGTERM as by default: ``Pool.terminate`` relies on it, and with the session's handler a worker caught waiting
+    for its next task was left running and the pool's join hung the suite."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # forked from another thread than the main one: it never had the session's handler run
+        pass
+
+
 def pytest_configure(config):
     """A SIGTERM (a CI timeout, ``kill``) ends the session as a Ctrl-C does, so that what the tests started is killed
-    with it rather than left running (the default action ends the interpreter without its cleanup)."""
+    with it rather than left running (the default action ends the interpreter without its cleanup). Processes forked
+    from the session get the default action back."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
+        os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 
 def pytest_unconfigure(config):

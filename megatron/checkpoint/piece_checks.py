@@ -3,7 +3,7 @@ folder, allocate without bound, or leave part of a tensor unread while its eleme
 
 from __future__ import annotations
 
-KINDS = ("param", "exp_avg", "exp_avg_sq")  # param: the fp32 master weight
+KINDS = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # param: the fp32 master weight; Muon's momentum
 MAX_TP = 1 << 16
 
 

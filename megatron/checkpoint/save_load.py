@@ -458,9 +458,11 @@ def _fill(reader: CheckpointReader, model: nn.Module, optimizer, ps: ParallelSta
             reader.local_range("param", name, shape, dim, where.tp_rank, where.tp_size, lo, hi))
         if not with_states:
             continue
-        if not all(reader.has(kind, name) for kind in KINDS[1:]):
-            raise CheckpointError(f"the checkpoint lacks the AdamW states of {name!r}; load it with --no-load-optim.")
         state = optimizer.adam_state(master, int(adam_step))
-        for kind in KINDS[1:]:
+        kinds = [kind for kind in KINDS[1:] if kind in state]  # AdamW's moments, or Muon's momentum
+        if not all(reader.has(kind, name) for kind in kinds):
+            raise CheckpointError(f"the checkpoint lacks the optimizer states ({', '.join(kinds)}) of {name!r} (saved "
+                                  f"by another optimizer?); load it with --no-load-optim.")
+        for kind in kinds:
             state[kind][offset:offset + hi - lo].copy_(
                 reader.local_range(kind, name, shape, dim, where.tp_rank, where.tp_size, lo, hi))

@@ -24,7 +24,7 @@ import yaml
 from megatron.config import help as config_help
 from megatron.config import megatron_flags
 from megatron.config.schema import Config
-from megatron.config.syntax import RepeatedKey, read_yaml
+from megatron.config.syntax import RepeatedKey, read_yaml, string_list
 
 
 class ConfigError(ValueError):
@@ -120,32 +120,6 @@ LEAVES: dict[str, Leaf] = {leaf.name: leaf for leaf in iter_leaves()}
 SECTIONS: set[str] = {key for leaf in LEAVES.values() for key in leaf.path[:-1]}
 
 
-def _closest(word: str, candidates: Sequence[str]) -> str:
-    """'; did you mean ...' for an unknown YAML key: a close key, else another framework's name for one of ours."""
-    found = config_help.hint(word, candidates, table=False)
-    if not found and config_help.common_name(word):
-        found = f"did you mean {config_help.common_name(word)}?"
-    return f"; {found}" if found else ""
-
-
-def _unknown_message(unknown: list[str], flags: Sequence[str] | dict[str, str]) -> str:
-    """Every unknown flag of the command line in one sentence, each with a hint when a known flag is really
-    close or when it is another framework's name for one of ours (``help.hint``; a wrong hint is worse than
-    none), so a script is fixed in one pass (the values that followed an unknown flag are not named again).
-    ``flags``: the known flags, or each mapped to its dest (an alias and its flag are then suggested once)."""
-    names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
-    names = list(dict.fromkeys(names))
-    if not names:
-        return ""
-    meaning = flags if isinstance(flags, dict) else {f: f for f in flags}
-    meaning = {f: d for f, d in meaning.items() if f.startswith("--")}  # a long flag is never meant as a one-letter one
-    hints = {name: config_help.hint(name, meaning) if name.startswith("--") else "" for name in names}
-    if len(names) == 1:
-        return f"unknown argument '{names[0]}'; {hints[names[0]] or 'see --help for the flags.'}"
-    described = [f"'{name}'" + (f" ({hints[name]})" if hints[name] else "") for name in names]
-    return f"{len(names)} unknown arguments: {', '.join(described)}; see --help for the flags."
-
-
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -201,11 +175,13 @@ def coerce(leaf: Leaf, value: Any) -> Any:
             raise ConfigError(f"{where} must be one of {', '.join(leaf.choices)}, got {text!r}.")
         return text
     if typing.get_origin(tp) is list:
-        items = value if isinstance(value, list) else [v for v in str(value).replace(",", " ").split()]
+        items = [w for v in (value if isinstance(value, list) else [value]) for w in re.split(r"[\s,]+", str(v)) if w]
+        names = typing.get_args(tp) == (str,)
         try:
-            return [int(v) for v in items]
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where} must be a list of integers, got {value!r}.") from None
+            return string_list(items, leaf.choices) if names else [typing.get_args(tp)[0](v) for v in items]
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{where}: {error}" if names else f"{where} must be a list of numbers, got {value!r}.") \
+                from None
     raise TypeError(f"unsupported config type {tp} for {where}")
 
 
@@ -249,7 +225,8 @@ def _flatten(tree: dict, path: tuple[str, ...], source: str) -> Iterator[tuple[L
                 raise ConfigError(f"{source}: '{key}' is a section and needs nested keys, got {value!r}.")
             yield from _flatten(value, path + (key,), source)
         else:
-            raise ConfigError(f"{source}: unknown key '{key}'{_closest(key, list(LEAVES) + list(SECTIONS))}")
+            hint = config_help.closest_key(key, list(LEAVES) + list(SECTIONS))
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
 
 
 def load_yaml(path: str) -> list[tuple[Leaf, Any]]:
@@ -280,7 +257,7 @@ def parse_override(text: str) -> tuple[Leaf, Any]:
         keys = keys[1:]
     name = keys[-1] if keys else ""
     if name not in LEAVES:
-        raise ConfigError(f"override '{text}': unknown key '{name}'{_closest(name, list(LEAVES))}")
+        raise ConfigError(f"override '{text}': unknown key '{name}'{config_help.closest_key(name, list(LEAVES))}")
     leaf = LEAVES[name]
     if len(keys) > 1 and tuple(keys) != leaf.path:
         raise ConfigError(f"override '{text}': the key is {leaf.dotted}.")
@@ -371,7 +348,7 @@ def parse_config(argv: Sequence[str] | None = None, base: Config | None = None, 
         absent = (f"{'Not' if unknown else 'not'} available here: {named}; remove {them} "
                   f"(docs/megatron.md lists Megatron-LM's flags)." if refused else "")
         ours = {s: a.dest for a in parser._actions for s in a.option_strings if not a.dest.startswith(MEGATRON_DEST)}
-        unknown_text = _unknown_message(unknown, ours)  # hidden Megatron-LM flags are never suggested
+        unknown_text = config_help.unknown_message(unknown, ours)  # hidden Megatron-LM flags are never suggested
         raise ConfigError(" ".join(part for part in (unknown_text, absent) if part))
     if megatron_flags.fp8_recipe_refusal(given.get("fp8_recipe")):  # given here: refused with FP8 off too
         raise ConfigError(megatron_flags.fp8_recipe_refusal(given["fp8_recipe"]))

@@ -17,7 +17,7 @@ import difflib
 import re
 import textwrap
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from megatron.config.schema import Config
@@ -287,3 +287,29 @@ def hint(name: str, candidates: Iterable[str] | Mapping[str, Any], table: bool =
     names = close_names(name, candidates)
     quoted = " or ".join(f"'{n}'" for n in names)
     return f"did you mean {quoted}?" if names else ""
+
+
+def closest_key(word: str, candidates: Sequence[str]) -> str:
+    """'; did you mean ...' for an unknown YAML key: a close key, else another framework's name for one of ours."""
+    found = hint(word, candidates, table=False)
+    if not found and common_name(word):
+        found = f"did you mean {common_name(word)}?"
+    return f"; {found}" if found else ""
+
+
+def unknown_message(unknown: list[str], flags: Sequence[str] | dict[str, str]) -> str:
+    """Every unknown flag of the command line in one sentence, each with a hint when a known flag is really
+    close or when it is another framework's name for one of ours (``help.hint``; a wrong hint is worse than
+    none), so a script is fixed in one pass (the values that followed an unknown flag are not named again).
+    ``flags``: the known flags, or each mapped to its dest (an alias and its flag are then suggested once)."""
+    names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
+    names = list(dict.fromkeys(names))
+    if not names:
+        return ""
+    meaning = flags if isinstance(flags, dict) else {f: f for f in flags}
+    meaning = {f: d for f, d in meaning.items() if f.startswith("--")}  # a long flag is never meant as a one-letter one
+    hints = {name: hint(name, meaning) if name.startswith("--") else "" for name in names}
+    if len(names) == 1:
+        return f"unknown argument '{names[0]}'; {hints[names[0]] or 'see --help for the flags.'}"
+    described = [f"'{name}'" + (f" ({hints[name]})" if hints[name] else "") for name in names]
+    return f"{len(names)} unknown arguments: {', '.join(described)}; see --help for the flags."

@@ -13,11 +13,18 @@ Whatever the method there can be no more stages than decoder layers, every stage
 the embedding is on the first stage and the head on the last. With the default and the explicit methods every
 stage also holds at least one decoder layer and the final norm is on the last stage, with the head; "uniform"
 may leave the last stage(s) without a decoder layer and put the norm on the stage before the head's.
+
+A Megatron-LM layout string (``pipeline_layout``: ``E|tt|ttL``) names each (virtual) stage's layers itself: a
+stage may then hold the embedding alone or the norm and head alone, and under the interleaved schedule the
+chunks may differ in size. ``rank_chunks`` is the one rule every reader (the model builder, the memory
+estimate, the planner) cuts a rank's chunks by.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from megatron.config import pipeline_layout
 
 DEFAULT_METHOD = "layer:TransformerDecoderLayer"
 
@@ -53,9 +60,14 @@ def segment(num_layers: int, num_stages: int, method: str | Sequence[int] = DEFA
     * explicit per-stage decoder-layer counts, ``"2,3,3"`` or ``[2, 3, 3]``: one count per stage, each
       at least 1, summing to ``num_layers``; the embedding goes to the first stage, norm and head to the last.
 
+    * a layout string, ``"E|tttt|L"`` (``pipeline_layout``; one chunk per stage here): each stage's decoder
+      layers as it counts them, none allowed; the embedding first, norm and head last (``[0, 1, 5, 7]``).
+
     Raises ValueError for fewer than one stage or layer, more stages than decoder layers, wrong counts,
     or an unknown method.
     """
+    if isinstance(method, str) and pipeline_layout.looks_like_layout(method):
+        return _boundaries(_layout_counts(num_layers, num_stages, method))
     if num_layers < 1 or num_stages < 1:
         raise ValueError(f"num_layers ({num_layers}) and the number of pipeline stages ({num_stages}) must be "
                          f">= 1.")
@@ -72,7 +84,8 @@ def segment(num_layers: int, num_stages: int, method: str | Sequence[int] = DEFA
             counts = _parse_counts(method)
             if counts is None:
                 raise ValueError(f"Unknown pipeline segmentation method {method!r}: use '{DEFAULT_METHOD}', "
-                                 f"'uniform', or per-stage decoder-layer counts such as '2,3,3'.")
+                                 f"'uniform', per-stage decoder-layer counts such as '2,3,3', or a layout "
+                                 f"string such as 'Et|ttL'.")
             if len(counts) != num_stages:
                 raise ValueError(f"Got {len(counts)} per-stage layer counts {counts} for {num_stages} pipeline "
                                  f"stages: give exactly one count per stage.")
@@ -82,13 +95,56 @@ def segment(num_layers: int, num_stages: int, method: str | Sequence[int] = DEFA
             if sum(counts) != num_layers:
                 raise ValueError(f"Per-stage layer counts {counts} sum to {sum(counts)}, not to num_layers "
                                  f"({num_layers}): make them add up to the number of decoder layers.")
-        sizes = list(counts)
-        sizes[0] += 1  # the embedding
-        sizes[-1] += 2  # the final norm and the head
+        return _boundaries(counts)
     boundaries = [0]
     for size in sizes:
         boundaries.append(boundaries[-1] + size)
     return boundaries
+
+
+def _boundaries(counts: Sequence[int]) -> list[int]:
+    """The item boundaries of per-stage decoder-layer counts: the embedding first, the norm and the head last."""
+    sizes = list(counts)
+    sizes[0] += 1  # the embedding
+    sizes[-1] += 2  # the final norm and the head
+    boundaries = [0]
+    for size in sizes:
+        boundaries.append(boundaries[-1] + size)
+    return boundaries
+
+
+def _layout_counts(num_layers: int, pp: int, text: str) -> list[int]:
+    """Each stage's decoder layers under a layout of one chunk per stage (ValueError where it is not one)."""
+    layout = pipeline_layout.parse(text, pp)
+    if layout.vpp != 1:
+        raise ValueError(f"pipeline layout {text!r} has {len(layout.stages)} stages, {layout.vpp} model chunks "
+                         f"per pipeline rank: that is the interleaved schedule's (virtual_pp_degree {layout.vpp}).")
+    if sum(layout.counts()) != num_layers:
+        raise ValueError(f"pipeline layout {text!r} holds {sum(layout.counts())} transformer layers 't' but "
+                         f"num_layers is {num_layers}: make them equal.")
+    return layout.counts()
+
+
+def rank_chunks(num_layers: int, pp: int, vpp: int, method: str, pp_rank: int) -> list[tuple[range, bool, bool]]:
+    """(global decoder layers, holds the embedding, holds the head) of each model chunk of pipeline rank
+    ``pp_rank`` of ``pp``: the whole model without pipelining; its stage (``segment`` by ``method``); its ``vpp``
+    chunks under the interleaved schedule, cut by ``chunk_layers`` or by a layout string's stages. The one rule
+    the model builder, the memory estimate and the planner read."""
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank {pp_rank} is out of range for pp={pp}.")
+    if pp == 1:
+        return [(range(num_layers), True, True)]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if pipeline_layout.looks_like_layout(method):
+        layout = pipeline_layout.parse(method, pp)
+        if layout.vpp != vpp or sum(layout.counts()) != num_layers:
+            raise ValueError(f"pipeline layout {method!r} over {pp} ranks gives {layout.vpp} chunks per rank and "
+                             f"{sum(layout.counts())} transformer layers, not {vpp} and {num_layers}.")
+        return [(layout.decoder_layers(pp_rank, c), first and c == 0, last and c == vpp - 1) for c in range(vpp)]
+    if vpp == 1:
+        return [(stage_layers(segment(num_layers, pp, method), pp_rank), first, last)]
+    return [(chunk_layers(num_layers, pp, vpp, pp_rank, c), first and c == 0, last and c == vpp - 1)
+            for c in range(vpp)]
 
 
 def _check_stage(boundaries: Sequence[int], stage: int) -> None:

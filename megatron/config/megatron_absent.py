@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # --- absent: a feature this framework lacks ---------------------------------------------------------------
-_UNEVEN = ("Megatron's pipeline layout strings (--pipeline-model-parallel-layout); here --pipeline-partition gives "
-           "layer counts per stage, or --decoder-first/last-pipeline-num-layers (without interleaving)")
 _INFERENCE = "Megatron's inference and RL scripts; here text generation is tools/generate.py and tools/serve.py"
 _MOE_DISPATCH = "Megatron's DeepEP token dispatch"
 _FP8 = "an FP8 option not built here (docs/fp8.md lists those built)"
@@ -25,12 +23,6 @@ ABSENT: dict[str, Absent] = {
         "hierarchical context parallelism (--cp-comm-type a2a+p2p: all-to-all within a node, a ring across nodes); "
         "choose one of p2p, all_gather or a2a over the whole context-parallel group"),
     "--num-distributed-optimizer-instances": Absent("several distributed-optimizer instances", ("1",)),
-    "--optimizer": Absent("optimizers other than AdamW", ("adam",)),
-    "--decoupled-lr": Absent("a separate learning rate for the embedding and output layer"),
-    "--decoupled-min-lr": Absent("a separate learning rate for the embedding and output layer"),
-    "--apply-layernorm-1p": Absent("zero-centred LayerNorm weights (layernorm-1p)"),
-    "--squared-relu": Absent("the squared-ReLU MLP"),
-    "--apply-wd-to-qk-layernorm": Absent("weight decay on the QK norms (norms never decay here)"),
     "--attention-output-gate": Absent("gated attention output"),
     "--experimental-attention-variant": Absent("experimental attention variants"),
     "--first-last-layers-bf16": Absent("the first and last transformer layers kept in bf16 under FP8 (every "
@@ -39,9 +31,6 @@ ABSENT: dict[str, Absent] = {
         "hybrid-sharded data parallelism (Megatron FSDP's outer data-parallel group); --use-megatron-fsdp shards "
         "over the whole data-parallel group here", ("no_shard",)),
     "--use-mup": Absent("muP parametrisation"),
-    "--fim-data": Absent("fill-in-the-middle datasets"),
-    "--error-injection-rate": Absent("Megatron's fault injection for its rerun machinery"),
-    "--error-injection-type": Absent("Megatron's fault injection for its rerun machinery"),
     "--prompts": Absent(_INFERENCE),
     "--prompt-file": Absent(_INFERENCE),
     "--num-tokens-to-generate": Absent(_INFERENCE),
@@ -67,16 +56,9 @@ ABSENT: dict[str, Absent] = {
     "--test-mode": Absent(_INFERENCE),
     "--refit-method": Absent(_INFERENCE),
     "--langrl-env-config": Absent(_INFERENCE),
-    "--fim-rate": Absent("fill-in-the-middle datasets"),
-    "--fim-spm-rate": Absent("fill-in-the-middle datasets"),
     "--export-kd-cfg": Absent("Megatron's ModelOpt export and distillation"),
     "--export-kd-teacher-load": Absent("Megatron's ModelOpt export and distillation"),
     "--export-te-mcore-model": Absent("Megatron's ModelOpt export and distillation"),
-    "--moe-shared-expert-gate": Absent("a gate on the shared expert's output (Qwen2-MoE's)"),
-    "--moe-router-force-load-balancing": Absent("forced (benchmarking) load balancing of the router"),
-    "--moe-input-jitter-eps": Absent("jitter on the router's input"),
-    "--moe-layer-recompute": Absent("recomputing the MoE layer alone; --recompute-granularity full recomputes "
-                                    "whole layers, MoE ones included"),
     "--moe-use-upcycling": Absent("upcycling a dense checkpoint into experts"),
     "--moe-extended-tp": Absent("extended tensor parallelism of the experts"),
     "--moe-enable-deepep": Absent(_MOE_DISPATCH),

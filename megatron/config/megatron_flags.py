@@ -10,7 +10,7 @@ A Megatron-LM user's ``pretrain_gpt.py`` script runs unchanged. Each Megatron fl
   that makes it a no-op (``--num-distributed-optimizer-instances 1``).
 
 ``cli.parse_config`` consults this module: plain data and the rewrite rule, importing nothing of ours but its two
-tables (``megatron_no_effect.py``, ``megatron_absent.py``).
+tables (``megatron_no_effect.py``, ``megatron_absent.py``) and the layout-string parser (``pipeline_layout.py``, pure).
 ``python -m megatron.config.docs --megatron`` renders docs/megatron.md from the same tables, so the two
 cannot drift (a test compares them).
 
@@ -22,7 +22,13 @@ or a flag still sets any of them. Without those flags the defaults are FleetX's.
 
 from __future__ import annotations
 
-from megatron.config import megatron_absent, megatron_more_data, megatron_more_training, megatron_no_effect
+from megatron.config import (
+    megatron_absent,
+    megatron_more_data,
+    megatron_more_training,
+    megatron_no_effect,
+    pipeline_layout,
+)
 from megatron.config.megatron_absent import _ABSENT_PREFIXES, Absent  # noqa: F401
 
 # --- accepted, no effect here; absent: refused by name (their modules: the curated tables, then the rest of
@@ -77,6 +83,7 @@ REWRITES: dict[str, tuple[tuple[str, ...], str]] = {
     "--encoder-seq-length": (("--seq-length", "{}"), "the sequence length (Megatron-LM reads it as --seq-length for a "
                                                      "GPT)"),
     "--persistent-save-interval": (("--save-interval", "{}"), "another name of --save-interval"),
+    "--muon-no-split-qkv": (("--no-muon-split-qkv",), "Muon orthogonalises the fused QKV weight whole"),
     "--optimizer-cpu-offload": (("--sharding-offload",), "the optimizer states (fp32 masters, AdamW moments) and their "
                                                          "step on the CPU, at any sharding"),
     "--use-torch-fsdp2": (("--use-distributed-optimizer", "--sharding-stage", "3"),
@@ -91,24 +98,29 @@ IMPLEMENTED: tuple[str, ...] = (
     "--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--kv-channels",
     "--seq-length", "--max-position-embeddings", "--make-vocab-size-divisible-by", "--vocab-size",
     "--position-embedding-type", "--rotary-base", "--rotary-percent", "--rotary-interleaved", "--normalization",
-    "--norm-epsilon",
+    "--norm-epsilon", "--apply-layernorm-1p", "--squared-relu",
     "--swiglu", "--group-query-attention", "--num-query-groups", "--untie-embeddings-and-output-weights",
     "--disable-bias-linear", "--hidden-dropout", "--attention-dropout", "--init-method-std",
     "--micro-batch-size", "--global-batch-size", "--rampup-batch-size", "--step-batch-size-schedule",
     "--train-iters", "--train-samples", "--exit-interval", "--exit-duration-in-mins",
     "--lr", "--min-lr", "--lr-decay-style", "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-fraction",
     "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-init", "--lr-wsd-decay-iters",
-    "--lr-wsd-decay-samples", "--lr-wsd-decay-style", "--weight-decay", "--start-weight-decay",
+    "--lr-wsd-decay-samples", "--lr-wsd-decay-style", "--decoupled-lr", "--decoupled-min-lr",
+    "--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type", "--weight-decay", "--start-weight-decay",
     "--end-weight-decay", "--weight-decay-incr-style", "--adam-beta1", "--adam-beta2", "--adam-eps", "--clip-grad",
     "--fp16", "--bf16", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
-    "--recompute-method", "--recompute-num-layers", "--seed",
+    "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--moe-layer-recompute", "--seed",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--virtual-pipeline-model-parallel-size",
     "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank", "--sequence-parallel",
     "--context-parallel-size", "--cp-comm-type",
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--optimizer", "--muon-momentum", "--muon-use-nesterov", "--muon-scale-mode", "--muon-fp32-matmul-prec",
+    "--muon-num-ns-steps", "--muon-tp-mode", "--muon-extra-scale-factor",
     "--distributed-timeout-minutes",
     "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--split", "--data-cache-path",
     "--mock-data", "--num-workers", "--eod-mask-loss", "--reset-attention-mask", "--reset-position-ids",
+    "--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample", "--fim-fragment-rate", "--fim-no-prefix",
+    "--fim-prefix-token", "--fim-middle-token", "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token",
     "--tokenizer-type", "--tokenizer-model", "--vocab-file",
     "--merge-file", "--tiktoken-pattern", "--tiktoken-num-special-tokens",
     "--save", "--load", "--save-interval", "--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args",
@@ -124,10 +136,11 @@ IMPLEMENTED: tuple[str, ...] = (
     "--mtp-num-layers", "--mtp-loss-scaling-factor", "--no-bias-gelu-fusion", "--disable-bf16-reduced-precision-matmul",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
     "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
+    "--moe-shared-expert-gate", "--moe-router-force-load-balancing", "--moe-input-jitter-eps",
     "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--embedding-init-method-std", "--add-qkv-bias", "--eval-global-batch-size", "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--pipeline-model-parallel-layout",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--override-opt_param-scheduler",
     "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
@@ -135,6 +148,8 @@ IMPLEMENTED: tuple[str, ...] = (
     "--window-size", "--window-attn-skip-freq", "--softmax-type", "--quick-geglu", "--glu-linear-offset",
     "--activation-func-clamp-value", "--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
     "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int",
+    "--rerun-mode", "--error-injection-rate", "--error-injection-type", "--no-check-for-nan-in-loss-and-grad",
+    "--check-for-spiky-loss", "--check-for-large-grads", "--result-rejected-tracker-filename",
 )
 # Megatron flags handled after parsing, from other values (cli.parse_config): flag -> meaning.
 DERIVED = {
@@ -154,6 +169,9 @@ DERIVED.update({
     "--decoder-last-pipeline-num-layers": _UNEVEN_STAGES + "the last stage holds this many layers",
     "--account-for-embedding-in-pipeline-split": _UNEVEN_STAGES + "the embedding counts as a layer of the first stage",
     "--account-for-loss-in-pipeline-split": _UNEVEN_STAGES + "the loss counts as a layer of the last stage",
+    "--pipeline-model-parallel-layout": ("Megatron-LM's layout string (each stage's layers written out: "
+                                         "megatron.config.pipeline_layout), as pipeline_partition; its stages over "
+                                         "the pipeline size give virtual_pp_degree (docs/pipeline_layout.md)"),
 })
 _SCHEDULE_WINS = ("a resumed Megatron-LM command line whose schedule (lr, min_lr, warmup, decay, weight-decay ramp) "
                   "differs from the saved run's: {} (checkpoint/resume.scheduler_on_resume); neither stops the run, as "
@@ -213,6 +231,9 @@ def derived(given: dict[str, list[str]], num_layers: int, pp: int) -> tuple[dict
     Megatron-LM would refuse."""
     values: dict[str, object] = {}
     notices: list[str] = []
+    layout = layout_flag(given, pp)  # first: refused with the flags below that also cut the layers
+    if layout is not None:
+        values["pipeline_partition"] = layout  # validate checks it against the model, sets virtual_pp_degree
     flag = "--num-layers-per-virtual-pipeline-stage"
     if flag in given:
         text = " ".join(given[flag])
@@ -240,6 +261,30 @@ def derived(given: dict[str, list[str]], num_layers: int, pp: int) -> tuple[dict
     if counts is not None:
         values["pipeline_partition"] = ",".join(map(str, counts))
     return values, notices
+
+
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+_NOT_WITH_LAYOUT = ("--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
+                    "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
+                    "--account-for-loss-in-pipeline-split")
+
+
+def layout_flag(given: dict[str, list[str]], pp: int) -> str | None:
+    """The layout string of ``--pipeline-model-parallel-layout`` (None: not given), parsed over ``pp`` ranks as
+    Megatron-LM parses it. ValueError, one sentence, for Megatron's refusals: a character that is no layer, a
+    number of stages not a multiple of ``pp``, the other ways of cutting the layers given with it."""
+    if LAYOUT_FLAG not in given:
+        return None
+    values = given[LAYOUT_FLAG]
+    if len(values) != 1:
+        raise ValueError(f"{LAYOUT_FLAG} takes one string, such as 'E|(tt|)*2,tL' (quoted for the shell); got "
+                         f"{' '.join(values) or 'no value'}.")
+    others = [flag for flag in _NOT_WITH_LAYOUT if flag in given]
+    if others:
+        raise ValueError(f"{LAYOUT_FLAG} cannot be given with {', '.join(others)} (as in Megatron-LM): the layout "
+                         f"names every stage's layers itself; drop one of them.")
+    pipeline_layout.parse(values[0], pp)
+    return values[0]
 
 
 def _count(given: dict[str, list[str]], flag: str) -> int | None:

@@ -111,9 +111,6 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
     ("NVIDIA's fault-tolerance package (heartbeat timeouts, NVIDIA-internal); here a hung rank is stopped by the "
      "watchdog (--watchdog-timeout-minutes)"): (
         "--enable-ft-package", "--calc-ft-timeouts", "--ft-num-warmup-iters",),
-    ("the rerun machinery's spiky-loss check (a loss 10x the largest seen is re-run to tell a fault from a real "
-     "spike; the losses are unchanged); here --loss-spike-factor warns of a loss spike"): (
-        "--check-for-spiky-loss",),
     "Megatron's Multi-Storage Client (object storage); files here are read from local paths": (
         "--disable-msc",),
 }
@@ -140,10 +137,6 @@ _ABSENT: dict[str, tuple] = {
     ("masking out of the loss the tokens whose id is a pad id shared with another special token (end of document, "
      "say); here no token is masked as padding (--eod-mask-loss masks end-of-document tokens)"): (
         "--allow-ambiguous-pad-tokens",),
-    "fill-in-the-middle datasets": (
-        "--fim-split-sample", "--fim-fragment-rate", "--fim-no-prefix", ("--fim-prefix-token", ("<fim_prefix>",)),
-        ("--fim-middle-token", ("<fim_middle>",)), ("--fim-suffix-token", ("<fim_suffix>",)),
-        ("--fim-pad-token", ("<fim_pad>",)), ("--fim-eod-token", ("<|endoftext|>",)),),
     ("an embedding of exactly this many rows (Megatron's --padded-vocab-size); here the rows are --vocab-size "
      "rounded up to a multiple of --make-vocab-size-divisible-by x tp"): (
         "--padded-vocab-size",),

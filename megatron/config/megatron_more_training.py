@@ -4,7 +4,7 @@ those of features not built here (grouped by feature; a flag with the values tha
 
 from __future__ import annotations
 
-from megatron.config.megatron_absent import _FP8, _INFERENCE, _UNEVEN
+from megatron.config.megatron_absent import _FP8, _INFERENCE
 from megatron.config.megatron_no_effect import _CKPT, _IMPL, _LOG, _PERF
 
 _NO_EFFECT: dict[str, tuple[str, ...]] = {
@@ -34,9 +34,6 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
         "--mtp-standalone",),
     "a start-up memory option of Megatron FSDP's; initialisation here is layout-invariant": (
         "--init-model-with-meta-device",),
-    ("which submodules Megatron's recompute covers: memory only (recompute leaves the losses unchanged); here "
-     "--recompute-granularity chooses (selective: the core attention)"): (
-        "--recompute-modules",),
     _LOG: (
         "--config-logger-dir",),
     "Megatron's batch-invariant kernels (bitwise-equal results across batch sizes); nothing to choose here": (
@@ -56,12 +53,6 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
         "--exit-signal-handler-for-dataloader",),
     "Python's garbage collector runs as usual": (
         "--no-manual-gc-eval", "--disable-manual-gc-eval",),
-    ("part of Megatron's rerun machinery (a step whose gradients look unexpectedly large is rerun to tell a hardware"
-     " fault from a real spike, then training goes on); here loss spikes are warned of (--loss-spike-factor) and the"
-     " gradient norm is logged every step"): (
-        "--check-for-large-grads",),
-    "the log file of Megatron's rerun machinery; a non-finite loss stops the run here (exit 3)": (
-        "--result-rejected-tracker-filename",),
     "where optimizer states live, not their values; here --sharding-offload keeps all of them on the CPU": (
         "--optimizer-offload-fraction",),
     "the CPU optimizer implementation of Megatron's offload; nothing to choose here": (
@@ -131,15 +122,8 @@ _ABSENT: dict[str, tuple] = {
         "--use-rope-scaling", ("--rope-scaling-factor", ("8", "8.0")),),
     "layers without rotary embeddings (NoPE layers, Llama 4)": (
         "--no-rope-freq",),
-    "Megatron's SGD optimizer; here the optimizer is AdamW (--optimizer adam)": (
+    "Megatron's SGD optimizer; here the optimizer is AdamW or Muon (--optimizer adam, muon or dist_muon)": (
         ("--sgd-momentum", ("0.9",)),),
-    "Megatron's Muon optimizer; here the optimizer is AdamW (--optimizer adam)": (
-        ("--muon-momentum", ("0.9",)), "--muon-no-split-qkv", "--muon-use-nesterov",
-        ("--muon-scale-mode", ("spectral",)), ("--muon-fp32-matmul-prec", ("medium",)),
-        ("--muon-num-ns-steps", ("5",)), ("--muon-tp-mode", ("blockwise",)),
-        ("--muon-extra-scale-factor", ("1", "1.0")),),
-    "weight decay on the QK norms (norms never decay here)": (
-        "--no-weight-decay-cond-type",),
     ("shrinking the global batch to a multiple of micro batch x data-parallel size; here --global-batch-size must be"
      " one"): (
         "--decrease-batch-size-if-needed",),
@@ -185,8 +169,6 @@ _ABSENT: dict[str, tuple] = {
         "--grad-reduce-in-bf16",),
     "the output layer's cross entropy in fp16; here the loss is always computed in fp32": (
         "--fp16-lm-cross-entropy",),
-    _UNEVEN: (
-        "--pipeline-model-parallel-layout",),
     "Megatron-LM's removed --model-parallel-size (Megatron-LM refuses it too); use --tensor-model-parallel-size": (
         "--model-parallel-size",),
 }

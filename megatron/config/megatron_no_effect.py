@@ -85,7 +85,6 @@ NO_EFFECT: dict[str, str] = {
     "--cuda-graph-impl": _PERF,
     "--check-weight-hash-across-dp-replicas-interval": "replicas are compared by the run-health checks instead",
     "--straggler-minmax-count": _LOG,
-    "--rerun-mode": "a non-finite loss stops the run here (exit 3) without saving",
     "--calculate-per-token-loss": "always the case here: the loss is the global batch's token mean",
     "--exit-signal-handler": "SIGTERM and SIGUSR1 always save and exit here",
     "--no-position-embedding": "positions are chosen by --position-embedding-type alone, as Megatron Core's GPTModel "
@@ -99,10 +98,6 @@ NO_EFFECT: dict[str, str] = {
     "--moe-per-layer-logging": "the log line carries the mean over MoE layers; metrics.jsonl, TensorBoard and W&B "
                                "carry each MoE layer's tokens per expert",
     "--moe-router-fusion": _IMPL,
-    "--no-check-for-nan-in-loss-and-grad": (
-        "a step with non-finite gradients is skipped here, --max-consecutive-skipped-steps bad steps in a row "
-        "(non-finite losses or gradients; 0: never) stop the run (exit 3), and a non-finite state is never saved; "
-        "the check costs nothing, the loss and gradient norm being reduced every step anyway"),
     "--use-pytorch-profiler": ("--profile always runs PyTorch's profiler here (Megatron-LM's default without this "
                                "flag marks the steps for an outside nsys capture instead)"),
     "--logging-level": ("the level of Megatron-LM's Python loggers; the log here (the step lines, warnings and "

@@ -28,6 +28,10 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+# The parts of a decoder layer a selective recompute may cover (Megatron-LM's --recompute-modules choices).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
+
+
 @dataclass
 class LRConfig:
     decay_steps: int | None = opt(None, "Step at which cosine decay reaches min_lr; default max_steps.")
@@ -46,11 +50,49 @@ class LRConfig:
     wsd_decay_samples: int | None = opt(None, "WSD, sample-based: samples of the final decay (--lr-wsd-decay-samples).")
     wsd_decay_style: str = opt("exponential", "WSD: shape of the final decay.",
                                ("exponential", "linear", "cosine", "minus_sqrt"))
+    decoupled_lr: float | None = opt(
+        None, "A peak learning rate of its own for the word embedding and the output layer (Megatron-LM's "
+              "--decoupled-lr): their schedule is the others' with this in place of max_lr; None: max_lr.")
+    decoupled_min_lr: float | None = opt(
+        None, "With decoupled_lr: the embedding's and output layer's min_lr (Megatron-LM's --decoupled-min-lr); "
+              "None: min_lr.")
+
+
+@dataclass
+class MuonConfig:
+    """Megatron-LM's Muon (``--optimizer muon`` / ``dist_muon``): the transformer layers' matrices stepped by their
+    orthogonalised momentum (docs/muon.md); every other parameter by AdamW."""
+
+    muon_momentum: float = opt(0.9, "Muon's momentum (the EMA coefficient of its gradient average).")
+    muon_split_qkv: bool = opt(True, "Orthogonalise the fused QKV weight's query, key and value blocks (each over "
+                                     "every group) separately (Megatron-LM's --muon-no-split-qkv turns it off).")
+    muon_use_nesterov: bool = opt(False, "Nesterov momentum: orthogonalise the gradient moved towards the momentum.")
+    muon_scale_mode: str = opt("spectral", "The update's scale of an out x in matrix: spectral sqrt(max(out, in)), "
+                                           "unit_rms_norm sqrt(out / in), shape_scaling sqrt(max(1, out / in)).",
+                               ("spectral", "unit_rms_norm", "shape_scaling"))
+    muon_fp32_matmul_prec: str = opt("medium", "Newton-Schulz matmuls: medium in bf16, high in fp32 (TF32 on "
+                                               "GPUs), low at torch's current setting (fp32 unless changed).",
+                                     ("low", "medium", "high"))
+    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations: a multiple of 5 (the quintic coefficients' cycle).")
+    muon_tp_mode: str = opt("blockwise", "A tensor-parallel matrix: blockwise orthogonalises each rank's block, "
+                                         "duplicated the gathered whole, distributed the whole with the Gram "
+                                         "matrices all-reduced.", ("blockwise", "duplicated", "distributed"))
+    muon_extra_scale_factor: float = opt(1.0, "A further factor on every Muon update.")
 
 
 @dataclass
 class OptimizerConfig:
-    weight_decay: float = opt(0.01, "AdamW decoupled weight decay; never applied to biases and norms.")
+    optimizer: str = opt("adam", "adam: AdamW for every parameter; muon: Muon for the transformer layers' matrices, "
+                                 "AdamW for the rest; dist_muon: muon with the optimizer states sharded over the "
+                                 "data-parallel group (use_distributed_optimizer).", ("adam", "muon", "dist_muon"))
+    weight_decay: float = opt(0.01, "AdamW decoupled weight decay; never applied to biases and norms (but see "
+                                    "apply_wd_to_qk_layernorm).")
+    apply_wd_to_qk_layernorm: bool = opt(
+        False, "Weight decay on the query and key norms' weights and biases too (Megatron-LM's "
+               "--apply-wd-to-qk-layernorm, Qwen3-Next's rule); the other norms and biases still get none.")
+    no_weight_decay_cond_type: str | None = opt(
+        None, "Megatron-LM's deprecated spelling of apply_wd_to_qk_layernorm (--no-weight-decay-cond-type "
+              "apply_wd_to_qk_layernorm).", ("apply_wd_to_qk_layernorm",))
     start_weight_decay: float | None = opt(
         None, "Weight decay at the start of a weight-decay schedule; default weight_decay.")
     end_weight_decay: float | None = opt(None, "Weight decay at the end of training; default weight_decay.")
@@ -62,6 +104,7 @@ class OptimizerConfig:
     adam_epsilon: float = opt(1.0e-8, "AdamW epsilon.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     lr: LRConfig = section(LRConfig, "lr", "Learning-rate schedule: linear warm-up, then cosine decay.")
+    muon: MuonConfig = section(MuonConfig, "muon", "Muon (optimizer muon or dist_muon).")
 
 
 @dataclass
@@ -80,7 +123,11 @@ class DistributedConfig:
     pipeline_schedule: str = opt("1f1b", "Pipeline schedule with pp_degree > 1 (interleaved 1F1B when "
                                  "virtual_pp_degree > 1).", ("1f1b", "gpipe"))
     pipeline_partition: str = opt("layer:TransformerDecoderLayer", "How layers are cut into stages: "
-                                  "'layer:TransformerDecoderLayer' (even), 'uniform', or counts per stage '4,6,6'.")
+                                  "'layer:TransformerDecoderLayer' (even), 'uniform', counts per stage '4,6,6', or a "
+                                  "Megatron-LM layout string naming each (virtual) stage's layers: E embedding, t "
+                                  "transformer layer, m multi-token prediction, L loss, a vertical bar between stages, "
+                                  "'t*4' or '(tt,t)*2' repeats; its stages / pp_degree set virtual_pp_degree "
+                                  "(docs/pipeline_layout.md; Megatron-LM's --pipeline-model-parallel-layout).")
     sequence_parallel: bool = opt(False, "Split LayerNorm/dropout regions along the sequence across TP ranks.")
     context_parallel_size: int = opt(
         1, "Context parallelism: each sample's sequence cut into 2 x this many chunks, rank r of the group keeping "
@@ -175,6 +222,21 @@ class DatasetConfig:
                "sequence mask.")
     reset_position_ids: bool = opt(
         False, "Packed documents: positions restart at 0 after each end-of-document token (Megatron-LM's flag).")
+    # fill-in-the-middle (Megatron-LM's --fim-* flags, its defaults; megatron/data/fim.py, docs/data.md)
+    fim_data: bool = opt(False, "Fill-in-the-middle: rearrange documents of the samples as prefix/suffix/middle "
+                                "(megatron/data/fim.py); needs real data and a tokenizer holding the FIM tokens.")
+    fim_rate: float = opt(0.5, "FIM: probability that a document of a sample is rearranged.")
+    fim_spm_rate: float = opt(0.5, "FIM: probability that a rearranged document is SPM (else PSM).")
+    fim_split_sample: str | None = opt(
+        None, "FIM: a token that cuts documents into fragments (files of a repository), each rearranged on its own "
+              "with probability fim_fragment_rate.")
+    fim_fragment_rate: float | None = opt(None, "FIM: probability per fragment (with fim_split_sample).")
+    fim_no_prefix: str | None = opt(None, "FIM: leave a document (fragment) whose text starts with this as it is.")
+    fim_prefix_token: str = opt("<fim_prefix>", "FIM: the prefix sentinel, as the tokenizer spells it.")
+    fim_middle_token: str = opt("<fim_middle>", "FIM: the middle sentinel.")
+    fim_suffix_token: str = opt("<fim_suffix>", "FIM: the suffix sentinel.")
+    fim_pad_token: str = opt("<fim_pad>", "FIM: the token that pads a sample the rearrangement shortened.")
+    fim_eod_token: str = opt("<|endoftext|>", "FIM: the end-of-document token that cuts a sample into documents.")
 
 
 @dataclass
@@ -237,6 +299,35 @@ class SaveLoadConfig:
 
 
 @dataclass
+class RerunConfig:
+    """Megatron's rerun state machine (megatron/training/rerun.py, docs/reliability.md)."""
+
+    rerun_mode: str = opt(
+        "disabled", "Megatron-LM's --rerun-mode: validate_results re-runs a step whose result fails a check (the "
+                    "checks below) to tell a transient fault (exit 17) from a reproducible one (a checkpoint, then "
+                    "exit 16: resume to re-run the step elsewhere); report_stats re-runs every step and logs how far "
+                    "the results moved. disabled (default here; Megatron-LM's is validate_results): the run's health "
+                    "checks alone (a non-finite loss stops the run, exit 3).", ("disabled", "validate_results",
+                                                                                "report_stats"))
+    error_injection_rate: int = opt(
+        0, "Inject a rejected result at about one check in this many (0: never), to exercise the re-runs.")
+    error_injection_type: str = opt(
+        "transient_error", "The diagnosis an injected rejection leads the re-runs to.",
+        ("correct_result", "transient_error", "persistent_error"))
+    check_for_nan_in_loss_and_grad: bool = opt(
+        True, "With rerun_mode validate_results: a NaN or Inf in this rank's loss or gradient norm is re-run "
+              "(fatal); --no-check-for-nan-in-loss-and-grad turns it off. Off by itself under fp16's dynamic loss "
+              "scale (overflows are expected), as in Megatron-LM.")
+    check_for_spiky_loss: bool = opt(
+        False, "With rerun_mode validate_results: a loss 10x the largest of the first 100 is re-run (not fatal).")
+    check_for_large_grads: bool = opt(
+        False, "With rerun_mode validate_results: a gradient norm 10x the largest of the first 100 is re-run (not "
+               "fatal).")
+    result_rejected_tracker_filename: str | None = opt(
+        None, "Append a line per rejected result and per diagnosis to this file (Megatron-LM's format).")
+
+
+@dataclass
 class Config:
     """The whole run. Unsectioned YAML keys (device, max_steps, ...) live here."""
 
@@ -260,6 +351,15 @@ class Config:
               "(recompute only the first recompute_num_layers layers of each pipeline stage).", ("uniform", "block"))
     recompute_num_layers: int | None = opt(
         None, "Layers per recomputed unit (uniform) or per stage (block); default 1.")
+    recompute_modules: list[str] | None = opt(
+        None, "With granularity selective (core_attn): the parts of each layer recomputed (Megatron-LM's "
+              "--recompute-modules): core_attn (softmax(QK^T)V), mlp (a dense layer's MLP), moe (a MoE layer's whole "
+              "mixture), moe_act (the experts' activation), shared_experts (a MoE layer's shared expert), layernorm "
+              "(the two norms of each layer), mla_up_proj (multi-latent attention's up projections, norms and "
+              "rotary). Default [core_attn].", RECOMPUTE_MODULES)
+    moe_layer_recompute: bool = opt(
+        False, "Recompute each MoE layer's mixture (Megatron-LM's deprecated --moe-layer-recompute: selective "
+               "granularity with moe added to recompute_modules).")
     no_recompute_layers: list[int] | None = opt(None, "Layer indices excluded from recompute.")
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")
@@ -306,6 +406,7 @@ class Config:
     model: ModelConfig = section(ModelConfig, "Model", "Model shape.")
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer", "AdamW and its schedule.")
     distributed: DistributedConfig = section(DistributedConfig, "Distributed", "Parallel layout.")
+    rerun: RerunConfig = section(RerunConfig, "rerun", "Megatron's rerun state machine (result validation).")
 
     # Derived values: valid after validate(); never read from YAML.
     @property

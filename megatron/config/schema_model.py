@@ -43,6 +43,10 @@ class ModelConfig:
     rotary_interleaved: bool = opt(
         False, "Rotate adjacent channel pairs (2j, 2j + 1) instead of the two halves of the rotated channels (rope).")
     normalization: str = opt("LayerNorm", "Normalization of every layer and of the output.", ("LayerNorm", "RMSNorm"))
+    apply_layernorm_1p: bool = opt(
+        False, "Zero-centred norm weights (Megatron-LM's --apply-layernorm-1p): every LayerNorm or RMSNorm scales by "
+               "1 + w, w initialised to 0 (so weight decay pulls the scale towards 1, not 0); an export to Hugging "
+               "Face writes 1 + w.")
     swiglu: bool = opt(False, "SwiGLU MLP (silu(x W_gate) * x W_up) instead of GELU; ffn_hidden_size then defaults "
                               "to int(8 x hidden_size / 3 / 64) x 64, as Megatron-LM.")
     bias_gelu_fusion: bool = opt(
@@ -52,6 +56,9 @@ class ModelConfig:
     quick_geglu: bool = opt(
         False, "Gated MLP with quick GELU (x sigmoid(1.702 x)) on the gate (gpt-oss; Megatron-LM's --quick-geglu): "
                "fc2(quick_gelu(x W_gate) * (x W_up + glu_linear_offset)).")
+    squared_relu: bool = opt(
+        False, "Squared-ReLU MLP, fc2(relu(x W_1)^2) (Megatron-LM's --squared-relu, Nemotron's), instead of GELU; "
+               "in the experts too.")
     glu_linear_offset: float = opt(0.0, "Gated MLPs: added to the linear (up) half before the product (gpt-oss: 1).")
     activation_func_clamp_value: float | None = opt(
         None, "Gated MLPs: clamp the gate half to at most this and the linear half to [-this, this] before the "
@@ -138,16 +145,29 @@ class ModelConfig:
               "None: 1.")
     moe_router_dtype: str | None = opt(
         None, "Precision of the router's logits and scores (default fp32).", ("fp32", "fp64"))
-    moe_router_load_balancing_type: str = opt(
+    moe_router_load_balancing_type: list[str] | str = opt(
         "aux_loss", "Load balancing: aux_loss (the Switch Transformer's loss over the micro-batch), seq_aux_loss "
-                    "(the same per sequence, DeepSeek-V2) or none.", ("aux_loss", "seq_aux_loss", "none"))
-    moe_aux_loss_coeff: float = opt(0.0, "Coefficient of the load-balancing loss in the objective.")
+                    "(the same per sequence, DeepSeek-V2), global_aux_loss (the same over the micro-batches of every "
+                    "data-parallel rank, its counts averaged over the step's micro-batches so far), sinkhorn (the "
+                    "choice balanced by Sinkhorn's algorithm in training, S-BASE; no loss) or none. Several losses "
+                    "together as a list ('aux_loss,global_aux_loss', Megatron-LM's 'aux_loss global_aux_loss'), "
+                    "with one moe_aux_loss_coeff each.",
+        ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
+    moe_aux_loss_coeff: list[float] | float = opt(
+        0.0, "Coefficient of the load-balancing loss in the objective; a list, one per type, when "
+             "moe_router_load_balancing_type lists several.")
     moe_z_loss_coeff: float | None = opt(
         None, "Coefficient of the router z-loss, mean(logsumexp(logits)^2) (ST-MoE); None: no z-loss.")
     moe_router_enable_expert_bias: bool = opt(
         False, "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing the "
                "experts only, moved after every step by moe_router_bias_update_rate x sign(mean load - load).")
     moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert bias's update.")
+    moe_router_force_load_balancing: bool = opt(
+        False, "Benchmarking only: the router's logits replaced by random N(0, 1) values (their gradient passed "
+               "to the real logits unchanged), so the experts get balanced loads whatever the weights.")
+    moe_input_jitter_eps: float | None = opt(
+        None, "Training: multiply the router's input by noise uniform in [1 - eps, 1 + eps] (the Switch "
+              "Transformer's jitter; the experts see the input unchanged); None: off.")
     moe_expert_capacity_factor: float | None = opt(
         None, "Each expert takes at most ceil(tokens x topk / experts x this) tokens of a micro-batch, the rest "
               "dropped (their share of the expert's output is 0); None: dropless.")
@@ -159,6 +179,9 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = opt(
         None, "Width of a shared expert (an MLP every token goes through, added to the routed experts' output); "
               "None: no shared expert.")
+    moe_shared_expert_gate: bool = opt(
+        False, "Scale the shared expert's output by sigmoid(x g), g a trained [1, h] weight of each MoE layer "
+               "(Qwen2-MoE's shared_expert_gate).")
     moe_shared_expert_overlap: bool = opt(
         False, "Accepted for Megatron-LM compatibility: overlapping the shared expert with the token exchange.")
     moe_grouped_gemm: bool | None = opt(
@@ -172,12 +195,31 @@ class ModelConfig:
                     "the expert) or allgather (every token to every rank of the ep x etp group); the same result.",
         ("alltoall", "allgather"))
 
+    def __setattr__(self, name: str, value) -> None:
+        """A one-entry list of a field that takes one value or a list is its entry (as Megatron-LM's arguments.py
+        reads --moe-router-load-balancing-type aux_loss): the single form is the one every reader sees."""
+        if name in ONE_OR_MANY and isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        super().__setattr__(name, value)
+
+
+ONE_OR_MANY = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")
+
 
 def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
     """(query heads nq, key/value groups ng, head width hd) of the whole model."""
     nq = cfg.num_attention_heads
     ng = cfg.num_query_groups if cfg.group_query_attention else nq
     return nq, ng, cfg.kv_channels or cfg.hidden_size // nq
+
+
+# The normalization weights, by the end of their names (every layer's and the final ``...layernorm.weight``, the
+# query/key norms', multi-token prediction's ``enorm`` and ``hnorm``): initialised to 1 (0 with apply_layernorm_1p).
+NORM_WEIGHTS = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")
+
+
+def is_norm_weight(name: str) -> bool:
+    return name.endswith(NORM_WEIGHTS)
 
 
 TIED_EMBEDDING = "embedding.word_embeddings.weight"  # the tied word embedding's name, on every stage holding it

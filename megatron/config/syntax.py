@@ -134,3 +134,14 @@ def input_dir_words(input_dir: str, name: str = "input_dir") -> tuple[list[str],
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"{name} '{input_dir}': weights must be non-negative with a positive sum")
     return prefixes, weights
+
+
+def string_list(items: list, choices: tuple | None) -> list[str]:
+    """A list-of-names leaf's value: each item a name, one of ``choices`` when the leaf has them. Raises ValueError."""
+    if any(isinstance(item, (dict, list)) for item in items):
+        raise ValueError(f"must be a list of names, got {items!r}")
+    words = [str(item) for item in items]
+    bad = [w for w in words if choices and w not in choices]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} not among {', '.join(choices)}")
+    return words

@@ -16,12 +16,17 @@ from megatron.config.batch_schedule import train_steps
 from megatron.config.bounds import config_size_problem
 from megatron.config.cli import fail as _fail
 from megatron.config.layer_split import DEFAULT_METHOD, chunk_layers, segment
+from megatron.config.pipeline_layout import layout_chunks, looks_like_layout
 from megatron.config.schema import Config, TokenizerConfig
 from megatron.config.syntax import input_dir_words, parse_split
 from megatron.config.validate_attention import check_attention, check_mtp
 from megatron.config.validate_context import check_context_parallel
+from megatron.config.validate_fim import check_fim
 from megatron.config.validate_fp8 import check_fp8_settings, check_fp8_sizes
 from megatron.config.validate_moe import check_moe
+from megatron.config.validate_muon import check_muon
+from megatron.config.validate_recompute import check_recompute
+from megatron.config.validate_rerun import check_rerun
 from megatron.config.validate_schedule import (
     check_batch_schedule,
     check_optimizer,
@@ -204,31 +209,6 @@ def _check_model_variants(config: Config) -> None:
             _fail(f"rotary_base must be positive, got {m.rotary_base}.")
 
 
-def _check_recompute(config: Config) -> None:
-    """The granularity (default full; Megatron-LM's selective is core_attn), and Megatron-LM's
-    recompute_method / recompute_num_layers, which choose the layers of a full recompute."""
-    if config.recompute_granularity == "selective":
-        config.recompute_granularity = "core_attn"
-    if config.use_recompute and config.recompute_granularity is None:
-        config.recompute_granularity = "full"
-    method, count = config.recompute_method, config.recompute_num_layers
-    if method is None:
-        if count is not None:
-            _fail(f"recompute_num_layers ({count}) is set without recompute_method: give --recompute-method "
-                  f"uniform or block, or drop --recompute-num-layers.")
-        return
-    if not config.use_recompute or config.recompute_granularity != "full":
-        granularity = config.recompute_granularity if config.use_recompute else "off"
-        _fail(f"recompute_method ({method}) chooses the layers of a full recompute, but recompute is {granularity}: "
-              f"give --use-recompute --recompute-granularity full, or drop --recompute-method.")
-    if config.no_recompute_layers:
-        _fail("no_recompute_layers and recompute_method both choose the layers to recompute: give one of them.")
-    if count is None:
-        config.recompute_num_layers = 1
-    elif count < 1:
-        _fail(f"recompute_num_layers must be at least 1, got {count}.")
-
-
 def _check_distributed(config: Config, world_size: int) -> None:
     d = config.distributed
     for name in ("mp_degree", "pp_degree", "virtual_pp_degree", "context_parallel_size"):
@@ -271,14 +251,21 @@ def _check_distributed(config: Config, world_size: int) -> None:
 def _check_pipeline(config: Config) -> None:
     """The layers cut into stages (and chunks) by the rule the model is built with (``layer_split``)."""
     d, layers = config.distributed, config.model.num_layers
+    if looks_like_layout(d.pipeline_partition):  # Megatron-LM's layout: its stages give virtual_pp_degree
+        try:
+            d.virtual_pp_degree = layout_chunks(d.pipeline_partition, d.pp_degree, d.virtual_pp_degree, layers,
+                                                config.model.mtp_num_layers)
+        except ValueError as err:
+            _fail(str(err))
     if d.virtual_pp_degree > 1 and d.pp_degree == 1:
         _fail("virtual_pp_degree > 1 interleaves model chunks over pipeline stages: it needs pp_degree > 1.")
-    if d.pp_degree == 1:
+    if d.pp_degree == 1 or looks_like_layout(d.pipeline_partition):
         return
     if d.virtual_pp_degree > 1 and d.pipeline_partition != DEFAULT_METHOD:
         _fail(f"pipeline_partition {d.pipeline_partition!r} (uneven stages: Megatron-LM's --decoder-first/last-"
               f"pipeline-num-layers, --account-for-*-in-pipeline-split) is not built with the interleaved schedule "
-              f"(virtual_pp_degree {d.virtual_pp_degree}), whose chunks hold equal layers; drop one of them.")
+              f"(virtual_pp_degree {d.virtual_pp_degree}), whose chunks hold equal layers; drop one of them, or "
+              f"write each chunk's layers as a layout string (--pipeline-model-parallel-layout 'Et|t|tt|L').")
     try:
         if d.virtual_pp_degree > 1:
             chunk_layers(layers, d.pp_degree, d.virtual_pp_degree, 0, 0)
@@ -361,7 +348,7 @@ def _check_training(config: Config, cuda_available: bool) -> None:
     if mp.min_loss_scale <= 0 or mp.loss_scale_window < 1 or mp.hysteresis < 1:
         _fail(f"min_loss_scale must be positive and loss_scale_window and hysteresis at least 1, got "
               f"{mp.min_loss_scale:g}, {mp.loss_scale_window} and {mp.hysteresis}.")
-    _check_recompute(config)
+    check_recompute(config)
     for layer in config.no_recompute_layers or []:
         if not 0 <= layer < config.model.num_layers:
             _fail(f"no_recompute_layers holds {layer}, but layers are numbered 0..{config.model.num_layers - 1}.")
@@ -461,7 +448,9 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     check_fp8_settings(config, cuda_available, warnings)
     _check_counts(config)
     _check_data(config, tokenizer_vocab_size, training_data)
+    check_fim(config)
     _check_model(config)
+    check_muon(config)  # before the layout: dist_muon is the distributed optimizer
     _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
     check_moe(config)
@@ -477,4 +466,5 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     _check_training(config, cuda_available)
     check_fp8_sizes(config)
     _check_profile(config, world_size, warnings)
+    check_rerun(config, warnings)
     return warnings

@@ -164,5 +164,6 @@ def check_window(config: Config) -> None:
     if not gated and (m.glu_linear_offset != 0.0 or m.activation_func_clamp_value is not None):
         _fail("glu_linear_offset and activation_func_clamp_value shape gated MLPs: add --quick-geglu or --swiglu, or "
               "drop them.")
-    if m.swiglu and m.quick_geglu:
-        _fail("swiglu and quick_geglu are two MLP activations: choose one.")
+    chosen = [name for name in ("swiglu", "quick_geglu", "squared_relu") if getattr(m, name)]
+    if len(chosen) > 1:
+        _fail(f"{' and '.join(chosen)} are different MLP activations: choose one.")

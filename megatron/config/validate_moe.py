@@ -84,6 +84,7 @@ def check_moe(config: Config) -> None:
     """The MoE settings (after the layout is known): the experts' layout (ep x etp over the ranks of a pipeline
     stage, ``megatron.parallel_state``) and the router's settings."""
     m, d = config.model, config.distributed
+    _check_balancing(m)
     if d.expert_model_parallel_size < 1:
         _fail(f"expert_model_parallel_size must be at least 1, got {d.expert_model_parallel_size}.")
     if d.expert_tensor_parallel_size is not None and d.expert_tensor_parallel_size < 1:
@@ -92,7 +93,7 @@ def check_moe(config: Config) -> None:
                  "moe_router_num_groups", "moe_router_group_topk"):
         if getattr(m, name) is not None and getattr(m, name) < 1:  # checked for a dense model too: a typo
             _fail(f"{name} must be at least 1, got {getattr(m, name)}.")
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+    for name in ("moe_z_loss_coeff", "moe_router_bias_update_rate"):
         if (getattr(m, name) or 0.0) < 0:
             _fail(f"{name} must be >= 0, got {getattr(m, name)}.")
     if m.moe_router_topk_scaling_factor is not None and not m.moe_router_topk_scaling_factor > 0:
@@ -121,6 +122,7 @@ def check_moe(config: Config) -> None:
         _fail("moe_router_enable_expert_bias (aux-loss-free balancing) needs --moe-router-score-function sigmoid, "
               "as in Megatron-LM.")
     _check_group_limited_routing(m)
+    _check_router_extras(m)
     ep, etp, tp = d.expert_model_parallel_size, d.expert_tensor_parallel_size or d.mp_degree, d.mp_degree
     stage = tp * d.context_parallel_size * d.dp_degree * d.sharding.sharding_degree
     if m.num_experts % ep:
@@ -159,3 +161,71 @@ def _check_group_limited_routing(m) -> None:
     if k > chosen * (m.num_experts // groups):
         _fail(f"moe_router_topk ({k}) exceeds the experts of the {chosen} chosen groups ({chosen} x "
               f"{m.num_experts // groups}); raise --moe-router-group-topk or lower the top-k.")
+
+
+BALANCING_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")  # the types that are losses (one coefficient each)
+
+
+def balancing_coefficients(m) -> dict[str, float]:
+    """{loss type: coefficient} of the balancing losses of a validated ``ModelConfig`` that join the objective (a
+    positive coefficient): none for ``none`` and ``sinkhorn``; one entry per listed type (Megatron Core's
+    ``get_aux_loss_coeff``)."""
+    types, coeffs = m.moe_router_load_balancing_type or "none", m.moe_aux_loss_coeff
+    types, coeffs = [types] if isinstance(types, str) else types, coeffs if isinstance(coeffs, list) else [coeffs]
+    return {t: float(c) for t, c in zip(types, coeffs) if t in BALANCING_LOSSES and c and c > 0}
+
+
+def first_coefficient(coeff) -> float:
+    """A one-value form of ``moe_aux_loss_coeff`` (Hugging Face's ``router_aux_loss_coef``): the coefficient, or of
+    a list the first type's."""
+    return float(coeff[0] if isinstance(coeff, list) else coeff or 0.0)
+
+
+def _check_balancing(m) -> None:
+    """moe_router_load_balancing_type and moe_aux_loss_coeff: one type with one coefficient, or (Megatron Core's
+    lists) several loss types with one coefficient each; a one-entry list is its entry (as Megatron-LM reads it).
+    And the router input's jitter."""
+    types = "none" if m.moe_router_load_balancing_type is None else m.moe_router_load_balancing_type
+    coeffs = 0.0 if m.moe_aux_loss_coeff is None else m.moe_aux_loss_coeff
+    types = types[0] if isinstance(types, list) and len(types) == 1 else types
+    coeffs = coeffs[0] if isinstance(coeffs, list) and len(coeffs) == 1 else coeffs
+    m.moe_router_load_balancing_type, m.moe_aux_loss_coeff = types, coeffs
+    if m.moe_input_jitter_eps is not None and not 0 < m.moe_input_jitter_eps < float("inf"):
+        _fail(f"moe_input_jitter_eps must be positive (the noise is uniform in [1 - eps, 1 + eps]), or unset, got "
+              f"{m.moe_input_jitter_eps}.")
+    for c in coeffs if isinstance(coeffs, list) else [coeffs]:
+        if not 0 <= c < float("inf"):
+            _fail(f"moe_aux_loss_coeff must be >= 0, got {c}.")
+    if isinstance(types, str):
+        if isinstance(coeffs, list):
+            _fail(f"moe_aux_loss_coeff gives {len(coeffs)} coefficients for the one load-balancing type {types}; "
+                  f"give one, or list as many types in --moe-router-load-balancing-type.")
+        if types == "sinkhorn" and coeffs > 0:
+            _fail("sinkhorn load balancing has no auxiliary loss: set --moe-aux-loss-coeff 0 (as Megatron-LM "
+                  "requires), or choose a loss type.")
+        return
+    extra = [t for t in types if t not in BALANCING_LOSSES]
+    if extra:
+        _fail(f"moe_router_load_balancing_type lists {', '.join(extra)}; a list combines losses only ("
+              f"{', '.join(BALANCING_LOSSES)}): give sinkhorn or none alone.")
+    if len(set(types)) < len(types):
+        _fail(f"moe_router_load_balancing_type lists a type twice ({', '.join(types)}); give each once.")
+    if not isinstance(coeffs, list) or len(coeffs) != len(types):
+        given = len(coeffs) if isinstance(coeffs, list) else 1
+        _fail(f"moe_aux_loss_coeff gives {given} coefficient(s) for the {len(types)} load-balancing types "
+              f"{', '.join(types)}; give one per type, in the same order.")
+
+
+def _check_router_extras(m) -> None:
+    """Sinkhorn routing's limits (Megatron Core's, and the settings it ignores), the shared expert's gate."""
+    if m.moe_router_load_balancing_type == "sinkhorn":
+        for on, setting in ((m.moe_expert_capacity_factor is not None, "a capacity (moe_expert_capacity_factor)"),
+                            (m.moe_router_score_function != "softmax", "moe_router_score_function sigmoid"),
+                            (m.moe_router_enable_expert_bias, "the expert bias"),
+                            (bool(m.moe_router_group_topk), "group-limited routing"),
+                            (m.moe_router_topk_scaling_factor not in (None, 1.0), "moe_router_topk_scaling_factor")):
+            if on:
+                _fail(f"sinkhorn routing does not take {setting} (its probabilities are the softmax, or for top-1 "
+                      f"the sigmoid, of the logits, dropless); remove it or choose another load-balancing type.")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        _fail("moe_shared_expert_gate gates the shared expert: give --moe-shared-expert-intermediate-size too.")

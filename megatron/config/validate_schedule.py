@@ -23,12 +23,31 @@ def check_optimizer(config: Config, warnings: list[str]) -> None:
                         f"learning rate. The FleetX example had this bug; swap them unless you mean it.")
     if not 0 <= lr.warmup_init <= lr.max_lr:
         _fail(f"warmup_init ({lr.warmup_init:g}) must be in [0, max_lr ({lr.max_lr:g})]: warm-up rises from it.")
+    _check_decoupled_lr(lr)
+    if o.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":  # Megatron-LM's deprecated spelling
+        o.apply_wd_to_qk_layernorm = True
     _check_lr_lengths(config)
     _check_weight_decay(config)
     if o.grad_clip < 0:
         _fail(f"grad_clip must be >= 0 (0 disables clipping), got {o.grad_clip}.")
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
         _fail(f"adam_beta1 and adam_beta2 must be in [0, 1), got {o.adam_beta1} and {o.adam_beta2}.")
+
+
+def _check_decoupled_lr(lr) -> None:
+    """Megatron-LM's --decoupled-lr / --decoupled-min-lr: the word embedding's and output layer's own peak and
+    floor, non-negative; the floor only with the peak, and the warm-up's start below it."""
+    if lr.decoupled_min_lr is not None and lr.decoupled_lr is None:
+        _fail(f"decoupled_min_lr ({lr.decoupled_min_lr:g}) is the floor of decoupled_lr's schedule, which is unset: "
+              f"give --decoupled-lr too, or drop --decoupled-min-lr.")
+    if lr.decoupled_lr is None:
+        return
+    floor = lr.min_lr if lr.decoupled_min_lr is None else lr.decoupled_min_lr
+    if lr.decoupled_lr < 0 or floor < 0:
+        _fail(f"decoupled_lr and decoupled_min_lr must be >= 0, got {lr.decoupled_lr:g} and {floor:g}.")
+    if lr.warmup_init > lr.decoupled_lr:
+        _fail(f"warmup_init ({lr.warmup_init:g}) must be at most decoupled_lr ({lr.decoupled_lr:g}): the embedding's "
+              f"and output layer's warm-up rises from it too.")
 
 
 def _check_lr_lengths(config: Config) -> None:

@@ -73,7 +73,7 @@ import functools
 from collections import Counter
 from dataclasses import dataclass
 
-from megatron.config.layer_split import chunk_layers, recompute_plan, segment, stage_layers
+from megatron.config.layer_split import rank_chunks, recompute_plan
 from megatron.config.schema import Config
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_moe import moe_layer_flags
@@ -230,13 +230,7 @@ def chunk_specs(config: Config, stage: int) -> list[tuple[range, bool, bool]]:
     d, layers, pp = config.distributed, config.model.num_layers, config.distributed.pp_degree
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is out of range for pp_degree {pp}")
-    if pp == 1:
-        return [(range(layers), True, True)]
-    if d.virtual_pp_degree == 1:
-        return [(stage_layers(segment(layers, pp, d.pipeline_partition), stage), stage == 0, stage == pp - 1)]
-    vpp = d.virtual_pp_degree
-    return [(chunk_layers(layers, pp, vpp, stage, c), stage == 0 and c == 0, stage == pp - 1 and c == vpp - 1)
-            for c in range(vpp)]
+    return rank_chunks(layers, pp, d.virtual_pp_degree, d.pipeline_partition, stage)
 
 
 def _granularity(config: Config) -> str | None:

@@ -157,16 +157,11 @@ def parameter_split(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
     stage, the final norm and the LM head on the last: the untied output layer (split over tp), or
     under pipelining the tied embedding's copy. The experts of its MoE layers are this rank's E / ep, each
     split over etp (``layer_split``; ep and etp the configuration's unless given: 1 and 1 count them all)."""
-    from megatron.config.layer_split import chunk_layers, segment, stage_layers
+    from megatron.config.layer_split import rank_chunks
 
     m, d = config.model, config.distributed
-    if pp == 1:
-        layers = list(range(m.num_layers))
-    elif d.virtual_pp_degree > 1:  # interleaved: this rank's chunks
-        layers = [i for c in range(d.virtual_pp_degree) for i in chunk_layers(m.num_layers, pp, d.virtual_pp_degree,
-                                                                              pp_rank, c)]
-    else:
-        layers = list(stage_layers(segment(m.num_layers, pp, d.pipeline_partition), pp_rank))
+    vpp = d.virtual_pp_degree if pp > 1 else 1  # interleaved: this rank's chunks
+    layers = [i for chunk, _, _ in rank_chunks(m.num_layers, pp, vpp, d.pipeline_partition, pp_rank) for i in chunk]
     h = m.hidden_size
     vocab = padded_vocab_size(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     norm = 2 * h if m.normalization == "LayerNorm" else h
@@ -242,6 +237,7 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     ep, etp = ep or grid[0], etp or grid[1]
     shared = m.moe_shared_expert_intermediate_size
     dense = attention + m.num_experts * (h + bias) + (mlp(shared, tp) if shared else 0) + norms  # router (+ bias)
+    dense += h if shared and m.moe_shared_expert_gate else 0  # the shared expert's gate [1, h], replicated
     return dense, m.num_experts // ep * mlp(m.moe_ffn_hidden_size or f, etp)
 
 

@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.config.schema import Config
+from megatron.config.validate_moe import balancing_coefficients
 from megatron.memory.model_states import expert_grid
 
 ROUTER_BYTES = {None: 4, "fp32": 4, "fp64": 8}
@@ -76,6 +77,7 @@ class MoEDims:
     dispatcher: str
     groups: int | None = None  # group-limited routing: the expert groups
     group_topk: int | None = None  # and the groups each token picks
+    gate: bool = False  # the shared expert's output scaled by its sigmoid gate
 
 
 def moe_dims(config: Config) -> MoEDims | None:
@@ -89,8 +91,8 @@ def moe_dims(config: Config) -> MoEDims | None:
                    f_e=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp,
                    f_s=(m.moe_shared_expert_intermediate_size or 0) // tp, r=ROUTER_BYTES[m.moe_router_dtype],
                    ep=ep, etp=etp, tp=tp, score=m.moe_router_score_function, pre_softmax=m.moe_router_pre_softmax,
-                   balancing=m.moe_router_load_balancing_type != "none" and (m.moe_aux_loss_coeff or 0) > 0,
-                   seq_aux=m.moe_router_load_balancing_type == "seq_aux_loss", pad=m.moe_pad_expert_input_to_capacity,
+                   balancing=bool(balancing_coefficients(m)), seq_aux="seq_aux_loss" in balancing_coefficients(m),
+                   pad=m.moe_pad_expert_input_to_capacity, gate=m.moe_shared_expert_gate,
                    z_loss=bool(m.moe_z_loss_coeff), capacity=m.moe_expert_capacity_factor,
                    dispatcher=m.moe_token_dispatcher_type, groups=m.moe_router_num_groups,
                    group_topk=m.moe_router_group_topk)
@@ -152,6 +154,8 @@ def moe_terms(M: MoEDims, D) -> dict[str, int]:
     if M.f_s:  # its input is the norm's output: the router's already when in the router dtype
         shared_input = 0 if d == r else D.n_sp * h * d
         terms["shared expert"] = shared_input + D.mlp_saves * D.n * M.f_s * d
+        if M.gate:  # its output and the gate's sigmoid, which scales it
+            terms["shared expert"] += D.n_sp * h * d + D.n_sp * d
     return {key: value for key, value in terms.items() if value}
 
 

@@ -5,7 +5,7 @@ Every parameter is drawn at its full (global) shape from a generator seeded by
 the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatron-LM):
 
 - Norms (LayerNorm, RMSNorm; every name ends in ``layernorm.weight``/``.bias``, or is multi-token prediction's
-  ``enorm`` / ``hnorm``): weight 1, bias 0;
+  ``enorm`` / ``hnorm``): weight 1 (0 with ``apply_layernorm_1p``: the norm scales by 1 + w), bias 0;
   every other bias 0.
 - Embeddings and linear weights (the untied ``output_layer`` included): N(0, initializer_range); the word and
   position embeddings N(0, embedding_init_method_std) when it is set (Megatron-LM's ``--embedding-init-method-std``).
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from megatron.config.schema import ModelConfig
+from megatron.config.schema_model import is_norm_weight
 
-_NORMS = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")  # multi-token prediction's norms: enorm, hnorm
 _SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight")  # the MLP, experts, shared expert
 _VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
 _EMBEDDINGS = ("word_embeddings.weight", "position_embeddings.weight")
@@ -44,8 +44,8 @@ def name_seed(seed: int, name: str) -> int:
 
 def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The fp32 initial value of the parameter called ``name`` at its full ``shape``."""
-    if name.endswith(_NORMS):
-        return torch.ones(shape)
+    if is_norm_weight(name):
+        return torch.zeros(shape) if cfg.apply_layernorm_1p else torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
     std = cfg.initializer_range

@@ -47,9 +47,9 @@ from torch import nn
 
 from megatron.attention.local import AttentionPlan, attend
 from megatron.config.schema import ModelConfig
-from megatron.model.blocks import make_norm, maybe_checkpoint
+from megatron.model.blocks import make_norm
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
-from megatron.ops.seams import LOCAL
+from megatron.ops.seams import LOCAL, maybe_checkpoint
 
 
 def yarn_settings(cfg: ModelConfig) -> Yarn | None:
@@ -75,6 +75,7 @@ class MultiLatentAttention(nn.Module):
 
     seams = LOCAL
     recompute_core = False  # megatron.recompute (core_attn)
+    recompute_up_proj = False  # megatron.recompute (mla_up_proj)
     first_head = 0  # the global index of this rank's first head (tensor parallelism)
 
     def __init__(self, cfg: ModelConfig, layer_number: int = 0):
@@ -147,13 +148,16 @@ class MultiLatentAttention(nn.Module):
     def queries_keys_values(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k [b, a, s, dn + dr] (rotated), v [b, a, s, dv] of this rank's heads (see the module docstring)."""
         x = self.seams.gather_sequence_input(x)  # sequence parallelism: the latents of the whole sequence on every rank
-        s, b, _ = x.shape
-        if self.q_lora:
-            q_latent = self.linear_q_down_proj(x)
-            q = self.linear_q_up_proj(self.q_layernorm(q_latent) if self.q_layernorm is not None else q_latent)
-        else:
-            q = self.linear_q_proj(x)
+        q = self.linear_q_down_proj(x) if self.q_lora else self.linear_q_proj(x)
         kv_latent, k_rot = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.dr], dim=-1)
+        return maybe_checkpoint(self.recompute_up_proj, self.seams, self._up_projections, q, kv_latent, k_rot, rotary)
+
+    def _up_projections(self, q: torch.Tensor, kv_latent: torch.Tensor, k_rot: torch.Tensor, rotary):
+        """From the down projections (the query's latent, or its whole projection without q_lora) to q, k, v: the
+        latents' norms, the up projections and the rotary channels (Megatron-LM's mla_up_proj recompute)."""
+        s, b, _ = kv_latent.shape
+        if self.q_lora:
+            q = self.linear_q_up_proj(self.q_layernorm(q) if self.q_layernorm is not None else q)
         kv = self.linear_kv_up_proj(self.kv_layernorm(kv_latent) if self.kv_layernorm is not None else kv_latent)
         q = q.view(s, b, self.num_heads, self.dn + self.dr).permute(1, 2, 0, 3)  # [b, a, s, dn + dr]
         kv = kv.view(s, b, self.num_heads, self.dn + self.dv).permute(1, 2, 0, 3)

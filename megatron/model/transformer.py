@@ -32,11 +32,11 @@ from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
 from megatron.config.validate_moe import is_moe_layer
-from megatron.model.blocks import dropout, make_norm, maybe_checkpoint
+from megatron.model.blocks import dropout, make_norm
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
-from megatron.ops.activations import activate, mlp_activation
-from megatron.ops.seams import LOCAL
+from megatron.ops.activations import activate, is_gated, mlp_activation
+from megatron.ops.seams import LOCAL, maybe_checkpoint
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
 
@@ -200,7 +200,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.activation = mlp_activation(cfg)
-        gated = self.activation[0] is not None
+        gated = is_gated(self.activation)
         bias, ffn = not cfg.disable_bias_linear, cfg.ffn_hidden_size
         self.dense_h_to_4h = nn.Linear(cfg.hidden_size, 2 * ffn if gated else ffn, bias=bias)
         self.dense_4h_to_h = nn.Linear(ffn, cfg.hidden_size, bias=bias)
@@ -218,11 +218,12 @@ class TransformerDecoderLayer(nn.Module):
     """``x + drop(attn(norm1(x)))``, then ``+ drop(mlp(norm2(.)))``.
 
     ``recompute``: None, ``full`` (the whole layer), ``only_attn``/``full_attn`` (norm +
-    attention block) or ``core_attn`` (softmax(QK^T)V only).
+    attention block) or ``core_attn`` (selective: the parts ``recompute_parts`` names, ``megatron.recompute``).
     """
 
     seams = LOCAL
     recompute: str | None = None  # megatron.recompute.apply_recompute
+    recompute_parts: frozenset[str] = frozenset()  # under core_attn (selective): what it covers
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -253,8 +254,16 @@ class TransformerDecoderLayer(nn.Module):
 
     def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                          plan: AttentionPlan | None = None) -> torch.Tensor:
-        out = self.self_attention(self.input_layernorm(x), kv_cache, rotary, plan)
+        out = self.self_attention(self._norm(self.input_layernorm, x), kv_cache, rotary, plan)
         return dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return maybe_checkpoint("layernorm" in self.recompute_parts, self.seams, norm, x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP, or the mixture of a MoE layer (recomputed when its part, mlp or moe, is named)."""
+        part = "moe" if hasattr(self.mlp, "router") else "mlp"
+        return maybe_checkpoint(part in self.recompute_parts, self.seams, self.mlp, x)
 
     def _layer(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -263,7 +272,7 @@ class TransformerDecoderLayer(nn.Module):
                                      x, None, rotary, plan)
         else:  # inference: no autograd, nothing to recompute
             x = x + self._attention_block(x, kv_cache, rotary)
-        out = self.mlp(self.post_attention_layernorm(x))
+        out = self._mlp(self._norm(self.post_attention_layernorm, x))
         return x + dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,

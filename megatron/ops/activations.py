@@ -1,5 +1,6 @@
 """The MLP's activations, shared by the dense MLP (``megatron.model``) and the experts (``megatron.moe``): GELU
-(Megatron-LM's choice of its tanh approximation), SwiGLU and gpt-oss's quick GeGLU over interleaved rows."""
+(Megatron-LM's choice of its tanh approximation), squared ReLU, SwiGLU and gpt-oss's quick GeGLU over interleaved
+rows."""
 
 from __future__ import annotations
 
@@ -16,10 +17,17 @@ def gelu_approximation(cfg: ModelConfig) -> str:
 
 
 def mlp_activation(cfg: ModelConfig) -> tuple:
-    """The MLP's (and experts') activation settings, for ``activate``: (gated kind or None, GELU approximation,
+    """The MLP's (and experts') activation settings, for ``activate``: (kind: a gated kind, squared_relu, or None for
+    GELU; the GELU approximation,
     glu_linear_offset, activation_func_clamp_value)."""
-    kind = "swiglu" if cfg.swiglu else "quick_geglu" if cfg.quick_geglu else None
+    kind = "swiglu" if cfg.swiglu else "quick_geglu" if cfg.quick_geglu else "squared_relu" if cfg.squared_relu \
+        else None
     return kind, gelu_approximation(cfg), cfg.glu_linear_offset, cfg.activation_func_clamp_value
+
+
+def is_gated(settings: tuple) -> bool:
+    """Whether ``fc1`` gives two interleaved halves (gate, linear): 2 x ffn rows."""
+    return settings[0] in ("swiglu", "quick_geglu")
 
 
 def activate(y: torch.Tensor, settings: tuple) -> torch.Tensor:
@@ -29,6 +37,8 @@ def activate(y: torch.Tensor, settings: tuple) -> torch.Tensor:
     kind, gelu, offset, clamp = settings
     if kind is None:
         return F.gelu(y, approximate=gelu)
+    if kind == "squared_relu":  # not gated
+        return F.relu(y).square()
     gate, linear = y.unflatten(-1, (-1, 2)).unbind(-1)
     if clamp is not None:
         gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)

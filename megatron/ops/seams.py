@@ -53,3 +53,11 @@ class Seams:
 
 
 LOCAL = Seams()
+
+
+def maybe_checkpoint(enabled: bool, seams: Seams, fn: Callable, *args: Any) -> torch.Tensor:
+    """Run ``fn`` and, when enabled, recompute it in the backward instead of storing its activations
+    (``seams.checkpoint``: the RNG streams are saved and restored, so dropout masks are identical)."""
+    if enabled and torch.is_grad_enabled():
+        return seams.checkpoint(fn, *args)
+    return fn(*args)

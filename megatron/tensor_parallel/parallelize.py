@@ -59,7 +59,8 @@ PLAN: dict[str, str] = {
     "output_layer": COLUMN_WHOLE_INPUT,  # only its weight is read (GPTModel.parallel_logits)
 }
 # the replicated norms that see a sequence shard under sequence parallelism: gradients summed over the group
-SEQUENCE_SHARDED = ("*input_layernorm", "*post_attention_layernorm", "*final_layernorm", "*enorm", "*hnorm")
+SEQUENCE_SHARDED = ("*input_layernorm", "*post_attention_layernorm", "*final_layernorm", "*enorm", "*hnorm",
+                    "*shared_expert_gate")  # (and a MoE layer's shared-expert gate, which reads the shard)
 
 
 def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None, sequence_parallel: bool) -> nn.Module:

@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,12 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _STARTED: list[subprocess.Popen] = []
 _LOCK = threading.Lock()  # popen and kill_leftovers: no process started while the leftovers are killed
 _CLOSED = False
+
+
+def error_lines(text: str) -> list[str]:
+    """The lines of a run's output that say "error" as a word (any case): the start-up config dump's
+    ``error_injection_rate`` / ``transient_error`` keys are not errors."""
+    return [line for line in text.splitlines() if re.search(r"\berror\b", line, re.IGNORECASE)]
 
 
 def _libc():

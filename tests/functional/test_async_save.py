@@ -16,6 +16,7 @@ import pytest
 from megatron.checkpoint import CheckpointReader, async_save
 from megatron.training.step_log import StepLog
 from tests.functional.launch import ROOT, TINY, losses, parity_layouts, run_here
+from tests.functional.processes import error_lines
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +133,7 @@ def test_a_writer_failure_stops_the_run_in_one_line(tmp_path, monkeypatch):
     out = tmp_path / "run"
     failed = run_here(*ASYNC, "--save", str(out))
     assert failed.returncode == 2
-    errors = [line for line in failed.stderr.splitlines() if "error" in line.lower()]
+    errors = error_lines(failed.stderr)
     assert len(errors) == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert f"cannot save {out / 'step_4'} (IsADirectoryError" in errors[0]
     assert "the previous checkpoint and 'latest' are unchanged" in errors[0]

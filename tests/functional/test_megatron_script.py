@@ -174,7 +174,7 @@ def test_megatron_deepseek_command_line_trains(runs, name):
     first.check()
     log = first.log + first.stdout
     assert "accepted, no effect here: --attention-backend unfused," in log
-    assert "--no-check-for-nan-in-loss-and-grad" in log and "--moe-permute-fusion" in log and "--logging-level" in log
+    assert "--moe-permute-fusion" in log and "--logging-level" in log  # --no-check-for-nan-...: the rerun machine's
     records = _records(root / f"{name}-ckpt")
     if name == PROXY:
         assert ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params: ZeRO stage 3 over the "

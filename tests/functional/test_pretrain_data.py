@@ -17,6 +17,7 @@ import pytest
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from tests.functional.corpus import sentences
 from tests.functional.launch import run_here, run_tool_here
+from tests.functional.processes import error_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -94,7 +95,7 @@ def _one_error_line(run: subprocess.CompletedProcess) -> str:
     assert run.returncode == 2, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
     lines = run.stderr.strip().splitlines()
-    assert [line for line in lines if "error" in line.lower()] == [lines[-1]]
+    assert error_lines(run.stderr) == [lines[-1]]
     assert lines[-1].startswith("pretrain_gpt.py: error: ")
     return lines[-1][len("pretrain_gpt.py: error: "):]
 

@@ -120,12 +120,13 @@ def build_pair(mcore, *flags: str):
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
             moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
             moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
-            moe_token_dispatcher_type="allgather", moe_router_dtype="fp32")
+            moe_shared_expert_gate=m.moe_shared_expert_gate, moe_token_dispatcher_type="allgather",
+            moe_router_dtype="fp32")
     core_config = mcore["config"](
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=nq, num_query_groups=ng,
         kv_channels=hd, ffn_hidden_size=m.ffn_hidden_size, normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon, gated_linear_unit=bool(m.swiglu),
-        activation_func=F.silu if m.swiglu else _megatron_gelu(m),
+        activation_func=F.silu if m.swiglu else _squared_relu() if m.squared_relu else _megatron_gelu(m),
         add_bias_linear=not m.disable_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -163,6 +164,8 @@ def core_model_from_args(mcore, args):
     kwargs = {name: value for name, value in vars(args).items() if name in fields}
     if args.swiglu:
         activation = F.silu
+    elif getattr(args, "squared_relu", False):
+        activation = _squared_relu()
     elif getattr(args, "quick_geglu", False):
         activation = getattr(quick_gelu, "_torchdynamo_orig_callable", quick_gelu)
     else:
@@ -190,6 +193,13 @@ def core_model_from_args(mcore, args):
                              position_embedding_type=args.position_embedding_type,
                              share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                              rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+
+
+def _squared_relu():
+    """Megatron Core's own ``squared_relu`` (``megatron.core.activations``), what its --squared-relu runs."""
+    from megatron.core.activations import squared_relu
+
+    return squared_relu
 
 
 def _megatron_gelu(m):

@@ -309,6 +309,9 @@ def test_a_converter_never_writes_into_a_runs_folder(tmp_path, hf_dir, capsys):
     assert not (run / "step_0").exists()  # reshard writes through the same write_checkpoint
 
 
+ADAMW_KINDS = KINDS[:3]  # the fp32 master and AdamW's moments (KINDS' last, momentum_buffer, is Muon's)
+
+
 # ---------------------------------------------------------------- reshard
 
 
@@ -320,7 +323,7 @@ def test_reshard_to_tp2_keeps_every_tensor_and_kind(tmp_path):
     source, target = CheckpointReader(resolve_checkpoint(str(tmp_path / "run"))), CheckpointReader(
         resolve_checkpoint(str(tmp_path / "tp2")))
     assert source.names == target.names
-    for kind in KINDS:
+    for kind in ADAMW_KINDS:
         for name in source.names:
             assert torch.equal(source.full(kind, name), target.full(kind, name)), (kind, name)
     layout = tensor_layout(config)
@@ -348,14 +351,14 @@ def test_reshard_repads_the_vocabulary_for_the_new_tp(tmp_path):
     source = CheckpointReader(resolve_checkpoint(str(tmp_path / "run")))
     target = CheckpointReader(resolve_checkpoint(str(tmp_path / "tp2")))
     assert source.global_shape(WTE) == (384, 64) and target.global_shape(WTE) == (512, 64)
-    for kind in KINDS:
+    for kind in ADAMW_KINDS:
         assert torch.equal(target.full(kind, WTE)[:384], source.full(kind, WTE))
         assert torch.count_nonzero(target.full(kind, WTE)[384:]) == 0
     assert open_checkpoint(str(tmp_path / "tp2"))[2].padded_vocab_size == 512
     # and back to tp 1: the original shape and values
     assert convert.main(["reshard", str(tmp_path / "tp2"), str(tmp_path / "tp1"), "--tp", "1"]) == 0
     back = CheckpointReader(resolve_checkpoint(str(tmp_path / "tp1")))
-    for kind in KINDS:
+    for kind in ADAMW_KINDS:
         for name in source.names:
             assert torch.equal(back.full(kind, name), source.full(kind, name))
 
@@ -411,8 +414,9 @@ def test_checkpoint_info_prints_the_step_sizes_and_shapes(tmp_path, capsys):
     assert "2 layers, hidden 64, 4 heads" in out and "precision fp32" in out
     n = sum(int(np.prod(shape)) for shape, _ in tensor_layout(config).values())
     assert f"tensors: 28, parameters: {n:,}" in out
-    for kind in KINDS:
+    for kind in ADAMW_KINDS:
         assert f"  {kind}: {n:,} elements, " in out
+    assert "momentum_buffer" not in out  # Muon's, not AdamW's
     assert "embedding.word_embeddings.weight: [256, 64] split along dim 0" in out
     assert "layers.1.mlp.dense_4h_to_h.weight: [64, 256] split along dim 1" in out
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron.config import ConfigError, megatron_flags, parse_config
-from megatron.config.cli import LEAVES, MEGATRON_DEST, SECTIONS, _closest, build_parser, get
-from megatron.config.help import COMMON_NAMES, NONE_DEFAULTS, section_helps
+from megatron.config.cli import LEAVES, MEGATRON_DEST, SECTIONS, build_parser, get
+from megatron.config.help import COMMON_NAMES, NONE_DEFAULTS, closest_key, section_helps
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in [*(ROOT / "tools").glob("*.py"),
@@ -160,9 +160,9 @@ def test_no_far_fetched_hint(name):
 
 def test_yaml_keys_get_word_hints_too():
     keys = list(LEAVES) + list(SECTIONS)
-    assert _closest("hiden_size", keys) == "; did you mean 'hidden_size'?"
-    assert _closest("precision", keys) in ("", "; did you mean 'mix_precision'?")
-    assert "epsilon" not in _closest("precision", keys)
+    assert closest_key("hiden_size", keys) == "; did you mean 'hidden_size'?"
+    assert closest_key("precision", keys) in ("", "; did you mean 'mix_precision'?")
+    assert "epsilon" not in closest_key("precision", keys)
 
 
 def test_the_common_names_table_names_real_flags_only():

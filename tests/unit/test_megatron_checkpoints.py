@@ -157,10 +157,12 @@ def test_a_legacy_gpt_model_checkpoint_tp2_pp2_converts_bitwise(tmp_path, one_pr
 
 def test_megatron_core_loads_the_export_with_our_logits(tmp_path):
     """GPT-2 (the tanh GELU), its exact GELU (--no-bias-gelu-fusion, and without linear biases, as Megatron-LM runs
-    them), Llama and Qwen3: Megatron Core loads the legacy export and gives our logits."""
+    them), Llama, Qwen3 and a squared-ReLU MLP (Nemotron's): Megatron Core loads the legacy export and gives our
+    logits."""
     for shape, flags in (("gpt2", []), ("gpt2-exact-gelu", ["--no-bias-gelu-fusion"]),
                          ("gpt2-no-bias", ["--disable-bias-linear"]), ("llama", LLAMA),
-                         ("qwen3", [*LLAMA, "--qk-layernorm"])):
+                         ("qwen3", [*LLAMA, "--qk-layernorm"]),
+                         ("squared-relu", [*LLAMA, "--no-swiglu", "--squared-relu"])):
         with megatron_core() as mcore:
             config, ours, theirs = build_pair(mcore, *flags)
             run, meg = tmp_path / shape / "run", tmp_path / shape / "meg"
@@ -366,7 +368,7 @@ def test_an_export_megatron_cannot_hold_is_one_line(tmp_path, one_process, capsy
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"squared_relu": True}, "the squared-ReLU MLP"),
+    ({"use_rope_scaling": True}, "Llama 3's rope scaling"),
     ({"moe_single_grouped_weight": True, "num_experts": 4}, "one weight for all of a layer's experts"),
     ({"pipeline_model_parallel_size": 2}, "mp_rank_00_000"),
 ])

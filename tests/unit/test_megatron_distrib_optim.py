@@ -261,14 +261,14 @@ def test_a_bucket_layout_that_is_not_the_args_is_refused_in_one_line(exports, ca
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("converts: the weights only (from-megatron --no-optim)") and "bucket layout" in last
     assert convert.main(["from-megatron", str(folder), str(exports / "ours"), "--no-optim"]) == 0
-    saved["args"].squared_relu = True
+    saved["args"].moe_latent_size = 4
     torch.save(saved, folder / "iter_0000012" / "mp_rank_01" / FILE)
     torch.save(saved, folder / "iter_0000012" / "mp_rank_00" / FILE)
     capsys.readouterr()
     assert info.main([str(folder)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "converts: no, from-megatron refuses it: the checkpoint's model uses the squared-ReLU MLP (--squared-relu), "
-        "which this GPT does not build.")
+        "converts: no, from-megatron refuses it: the checkpoint's model uses experts on a latent projection "
+        "(--moe-latent-size), which this GPT does not build.")
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])

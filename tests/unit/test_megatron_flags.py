@@ -21,8 +21,6 @@ GPT2_VOCAB = 50257  # the vocabulary of Megatron-LM's GPT-2 vocab.json / merges.
 
 # The flags of each refused command line that name a feature absent here; every other flag must pass.
 REFUSED = {
-    "gpt3_15b_8t_release": {"--apply-layernorm-1p", "--squared-relu", "--decoupled-lr", "--decoupled-min-lr"},
-    "gpt3_mcore_te_tp1_pp4_vp1_decoupled_lr": {"--decoupled-lr"},
     "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
     "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances": {"--num-distributed-optimizer-instances"},
 }
@@ -134,12 +132,12 @@ def test_a_megatron_checkpoint_format_says_how_to_get_one(fmt, says):
 
 def test_unknown_and_absent_flags_are_reported_together():
     with pytest.raises(ConfigError) as err:
-        parse_config(["--num-layer", "2", "--fim-rate", "0.5", "--moe-router-bias-kind", "2", "--hiden-size",
-                      "8"])
+        parse_config(["--num-layer", "2", "--hierarchical-context-parallel-sizes", "2", "2",
+                      "--moe-router-bias-kind", "2", "--hiden-size", "8"])
     text = str(err.value)
     assert "2 unknown arguments: '--num-layer' (did you mean '--num-layers'?), '--hiden-size' (did you mean " \
            "'--hidden-size'?)" in text
-    assert "--fim-rate 0.5 (fill-in-the-middle datasets" in text
+    assert "--hierarchical-context-parallel-sizes 2 2 (hierarchical context parallelism" in text
     assert "--moe-router-bias-kind (a mixture-of-experts option not built here" in text
 
 
@@ -310,10 +308,11 @@ def test_hybrid_fsdp_is_refused_unless_off():
 
 def test_what_megatron_only_checks_or_fuses_is_accepted():
     notices: list[str] = []
-    parse_config(["--mock-data", "--moe-permute-fusion", "--moe-router-fusion", "--no-check-for-nan-in-loss-and-grad",
-                  "--logging-level", "40"], warnings=notices)
-    assert notices == ["accepted, no effect here: --moe-permute-fusion, --moe-router-fusion, "
-                       "--no-check-for-nan-in-loss-and-grad, --logging-level 40 (docs/megatron.md says why)."]
+    config = parse_config(["--mock-data", "--moe-permute-fusion", "--moe-router-fusion",
+                           "--no-check-for-nan-in-loss-and-grad", "--logging-level", "40"], warnings=notices)
+    assert notices == ["accepted, no effect here: --moe-permute-fusion, --moe-router-fusion, --logging-level 40 "
+                       "(docs/megatron.md says why)."]
+    assert config.rerun.check_for_nan_in_loss_and_grad is False  # the rerun machine's check (rerun.py)
 
 
 def test_fp8_flags_are_ours_and_refused_on_a_cpu_in_one_line_naming_the_gpu_they_need():

@@ -266,6 +266,17 @@ def test_every_type_is_built_by_name(sp_model: Path, tik_vocab: Path) -> None:
     assert all(tok.name == kind for kind, tok in built.items())
 
 
+def test_token_id_looks_a_spelling_up_in_the_vocabulary(sp_model: Path, tik_vocab: Path) -> None:
+    """What --fim-data's tokens are resolved with: a vocabulary entry by its spelling, None when there is none."""
+    sp = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    assert (sp.token_id("</s>"), sp.token_id("<unk>"), sp.token_id("<fim_prefix>")) == (sp.eod, 0, None)
+    assert sp.token_id(sp.spelling(300)) == 300
+    tik = _tik(tik_vocab)
+    assert (tik.token_id("</s>"), tik.token_id("<SPECIAL_9>"), tik.token_id("the")) == (2, 9, tik.tokenize("the")[0])
+    assert tik.token_id("the cat") is None and tik.token_id("<fim_prefix>") is None
+    assert NullTokenizer(100).token_id("5") is None  # no spellings: ids written as numbers
+
+
 # ------------------------------------------------------------------------------------------ preprocessing
 def _preprocess(*argv: str) -> int:
     spec = importlib.util.spec_from_file_location("preprocess_data", ROOT / "tools" / "preprocess_data.py")

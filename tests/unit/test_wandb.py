@@ -19,6 +19,7 @@ import pretrain_gpt
 from megatron.config import ConfigError, parse_config, validate
 from megatron.metrics import WANDB_RUN_ID_FILE, MetricsWriter, get_logger, scalars
 from tests.functional.launch import TINY, run
+from tests.functional.processes import error_lines
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def test_missing_wandb_stops_the_run_before_training_with_one_line(tmp_path, mon
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError, as when not installed
     out = tmp_path / "out"
     assert pretrain_gpt.main([*TINY, "--save", str(out), "--wandb-project", "p"]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    errors = error_lines(capsys.readouterr().err)
     assert len(errors) == 1
     assert errors[0].startswith("pretrain_gpt.py: error: --wandb-project is set but wandb cannot be imported (")
     assert errors[0].endswith("); pip install wandb, or drop --wandb-project.")

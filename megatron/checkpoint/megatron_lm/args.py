@@ -58,7 +58,8 @@ _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", 
          "moe_router_enable_expert_bias", "moe_expert_capacity_factor", "moe_token_drop_policy",
          "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_token_dispatcher_type",
          "moe_router_bias_update_rate", "moe_router_dtype", "moe_router_num_groups", "moe_router_group_topk",
-         "moe_router_topk_scaling_factor", "qk_layernorm", "multi_latent_attention", "moe_grouped_gemm")
+         "moe_router_topk_scaling_factor", "qk_layernorm", "multi_latent_attention", "moe_grouped_gemm",
+         "apply_layernorm_1p", "squared_relu", "moe_shared_expert_gate")
 # multi-latent attention's own (with multi_latent_attention only), and multi-token prediction's
 _MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
         "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings")
@@ -67,9 +68,7 @@ _MTP = ("mtp_num_layers", "mtp_loss_scaling_factor")
 # a runtime choice, not the network's: carried only when ours has it (Megatron's flex dispatcher has no weights)
 _DISPATCHERS = ("alltoall", "allgather")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
-_REFUSED = {"squared_relu": "the squared-ReLU MLP (--squared-relu)",
-            "apply_layernorm_1p": "zero-centred LayerNorm (--apply-layernorm-1p)",
-            "moe_single_grouped_weight": "one weight for all of a layer's experts (--moe-single-grouped-weight)",
+_REFUSED = {"moe_single_grouped_weight": "one weight for all of a layer's experts (--moe-single-grouped-weight)",
             "moe_single_grouped_bias": "one bias for all of a layer's experts (--moe-single-grouped-bias)",
             "moe_mlp_glu_interleave_size": "interleaved gated expert rows (--moe-mlp-glu-interleave-size)",
             "moe_shared_expert_glu_interleave_size": "interleaved gated shared-expert rows "
@@ -168,7 +167,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             raise ConversionError(f"position_embedding_type {value!r} is not converted (learned_absolute, rope, "
                                   f"yarn).")
         flag = "--" + name.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
+        flags += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
     layer_freq = a.get("moe_layer_freq")
     if a.get("num_experts") and layer_freq is not None:
         flags += ["--moe-layer-freq", str(layer_freq).replace(" ", "")]
@@ -286,7 +285,7 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
         attention_dropout=model.attention_probs_dropout_prob, init_method_std=model.initializer_range,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None, use_mcore_models=True, transformer_impl="local",
-        ckpt_format="torch", moe_grouped_gemm=False, squared_relu=False,
+        ckpt_format="torch", moe_grouped_gemm=False,
         bias_gelu_fusion=model.bias_gelu_fusion and not model.quick_geglu, openai_gelu=False,
         params_dtype=torch.float32,
         iteration=iteration, consumed_train_samples=consumed_train_samples, consumed_valid_samples=0)

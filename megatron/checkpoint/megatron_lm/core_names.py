@@ -25,6 +25,7 @@ ours                                                 Megatron Core
 ``layers.{i}.mlp.experts.{e}.dense_4h_to_h.*``       ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.*``
 ``layers.{i}.mlp.shared_expert.dense_h_to_4h.*``     ``decoder.layers.{i}.mlp.shared_experts.linear_fc1.*``
 ``layers.{i}.mlp.shared_expert.dense_4h_to_h.*``     ``decoder.layers.{i}.mlp.shared_experts.linear_fc2.*``
+``layers.{i}.mlp.shared_expert_gate.weight`` [1, h]  ``decoder.layers.{i}.mlp.shared_experts.gate_weight``
 ``final_layernorm.*``                                ``decoder.final_layernorm.*``
 ``output_layer.weight`` (untied only)                ``output_layer.weight``
 ``mtp.layers.{k}.enorm.*``, ``hnorm.*``              ``mtp.layers.{k}.enorm.*``, ``hnorm.*``
@@ -118,7 +119,29 @@ def _rules(inside: dict[str, str], reverse: bool) -> list[tuple[re.Pattern, str,
 _TO_CORE, _FROM_CORE = _rules(_IN_LAYER, reverse=False), _rules(_IN_LAYER, reverse=True)
 
 
+# the shared expert's gate (--moe-shared-expert-gate): a parameter of Megatron Core's SharedExpertMLP itself
+_GATE, _CORE_GATE = "mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight"
+_GATE_NAME = re.compile(r"^(?P<layer>(?:decoder\.)?layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)"
+                        r"(?P<param>mlp\.shared_expert_gate\.weight|mlp\.shared_experts\.gate_weight)$")
+
+
+def _rename_gate(name: str, rules) -> str | None:
+    """The other side's name of a shared-expert gate ``name`` (either side's), or None for another parameter."""
+    found, to_core = _GATE_NAME.match(name), rules is _TO_CORE
+    if found is None or (found["param"] == _GATE) != to_core:
+        return None
+    layer, ours_side = found["layer"], not found["layer"].startswith("decoder.")
+    if layer.startswith("mtp."):  # a multi-token prediction module's layer: named alike on both sides
+        return layer + (_CORE_GATE if to_core else _GATE)
+    if ours_side != to_core:
+        return None
+    return ("decoder." + layer + _CORE_GATE) if to_core else layer.removeprefix("decoder.") + _GATE
+
+
 def _rename(name: str, rules, what: str) -> tuple[str, bool]:
+    gate = _rename_gate(name, rules)
+    if gate is not None:
+        return gate, False
     match = _SUFFIX.match(name)
     for pattern, template, fc1, sinks in rules if match else ():
         found = pattern.match(match["module"])
