@@ -196,10 +196,11 @@ def core_model_from_args(mcore, args):
 
 
 def _squared_relu():
-    """Megatron Core's own ``squared_relu`` (``megatron.core.activations``), what its --squared-relu runs."""
+    """Megatron Core's own ``squared_relu`` (``megatron.core.activations``), what its --squared-relu runs, eagerly
+    (its ``jit_fuser`` would torch.compile it on first use, as ``quick_gelu`` below: the same arithmetic)."""
     from megatron.core.activations import squared_relu
 
-    return squared_relu
+    return getattr(squared_relu, "_torchdynamo_orig_callable", squared_relu)
 
 
 def _megatron_gelu(m):
