@@ -57,6 +57,21 @@ class State(IntEnum):
     RERUNNING_AGAIN_FROM_CHECKPOINT = 5
 
 
+# the state after a step's forward-backward -> (save the checkpoint before the step, exit status, Megatron's line)
+_EXITS = {
+    State.RERUNNING_IN_PLACE: (True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, "Exiting now. A checkpoint at the last "
+                               "iteration is being saved if further examination is needed"),
+    State.WILL_RERUN_FROM_CHECKPOINT: (True, EXIT_CODE_RESUME_TO_DISAMBIGUATE, "Saving a checkpoint and exiting now. "
+                                       "Please resume the job from the checkpoint to rerun the last iteration and "
+                                       "establish a diagnostic"),
+    State.RERUNNING_FROM_CHECKPOINT: (False, EXIT_CODE_FAILED_ON_RESULT_VALIDATION, "Exiting now. A checkpoint at the "
+                                      "last iteration already exists if further examination is needed"),
+    State.RERUNNING_AGAIN_FROM_CHECKPOINT: (False, EXIT_CODE_RESUME_TO_DISAMBIGUATE, "Exiting now. Please resume the "
+                                            "job from the same checkpoint to rerun the last iteration and establish "
+                                            "a diagnostic"),
+}
+
+
 class RerunExit(Exception):
     """The step may not be applied: exit with ``exit_code`` (16 or 17), after saving the checkpoint before the step
     when ``checkpoint``. Raised on every rank alike (the decision is reduced over all of them)."""
@@ -266,23 +281,11 @@ class RerunMachine:
         self.first_step_complete = True
         if self.mode != "validate_results":
             return False, False, 0
-        if self.state == State.RERUNNING_IN_PLACE:
-            self._warn("Exiting now. A checkpoint at the last iteration is being saved if further examination is "
-                       "needed")
-            return True, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-        if self.state == State.WILL_RERUN_FROM_CHECKPOINT:
-            self._warn("Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the "
-                       "last iteration and establish a diagnostic")
-            return True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
-        if self.state == State.RERUNNING_FROM_CHECKPOINT:
-            self._warn("Exiting now. A checkpoint at the last iteration already exists if further examination is "
-                       "needed")
-            return False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-        if self.state == State.RERUNNING_AGAIN_FROM_CHECKPOINT:
-            self._warn("Exiting now. Please resume the job from the same checkpoint to rerun the last iteration and "
-                       "establish a diagnostic")
-            return False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
-        return False, False, 0
+        if self.state not in _EXITS:
+            return False, False, 0
+        checkpoint, code, message = _EXITS[self.state]
+        self._warn(message)
+        return checkpoint, True, code
 
     def _warn(self, message: str) -> None:
         if self.rank == 0:

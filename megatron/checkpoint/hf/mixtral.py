@@ -111,14 +111,17 @@ def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Mixtral state dict in the Hub's form with the ``model.`` prefix: ``hf_llama.strip_hf_prefix``, and
     transformers 5's in-memory form (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``) split back into
     ``block_sparse_moe.gate`` and each expert's ``w1``, ``w3`` and ``w2``."""
+    return unfused_state(hf, MOE, ("w1", "w3", "w2"))
+
+
+def unfused_state(hf: dict[str, torch.Tensor], moe: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """``hf_llama.strip_hf_prefix(hf)`` with every layer's ``mlp.`` tensors under ``moe.`` and transformers 5's fused
+    experts split into each expert's ``names`` (gate, up, down): ``unfuse_experts``."""
     out = {}
     for key, value in hf_llama.strip_hf_prefix(hf).items():
         head, dot, tail = key.partition(".mlp.")
-        if not dot:
-            out[key] = value
-            continue
-        experts = unfuse_experts(f"{head}.{MOE}.", tail, value, ("w1", "w3", "w2"))
-        out.update(experts if experts is not None else {f"{head}.{MOE}.{tail}": value})
+        experts = unfuse_experts(f"{head}.{moe}.", tail, value, names) if dot else None
+        out.update(experts if experts is not None else {f"{head}.{moe}.{tail}" if dot else key: value})
     return out
 
 

@@ -39,7 +39,7 @@ import torch
 from megatron.checkpoint.hf import llama as hf_llama
 from megatron.checkpoint.hf.common import ConversionError, layer_pattern, to_flags
 from megatron.checkpoint.hf.mapping import Extra, Family, layers_where, rule
-from megatron.checkpoint.hf.mixtral import unfuse_experts
+from megatron.checkpoint.hf.mixtral import unfused_state
 from megatron.checkpoint.hf.transforms import scaled
 from megatron.config.schema import ModelConfig
 from megatron.config.validate_moe import first_coefficient, moe_layer_pattern
@@ -141,12 +141,7 @@ EXTRAS = (Extra("model.layers.{}." + GATE, _zero_gate, _check_gate, layers=moe_l
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Qwen2-MoE state dict in the Hub's form with the ``model.`` prefix: ``hf_llama.strip_hf_prefix``, and
     transformers 5's fused experts split back into each expert's ``gate_proj``, ``up_proj`` and ``down_proj``."""
-    out = {}
-    for key, value in hf_llama.strip_hf_prefix(hf).items():
-        head, dot, tail = key.partition(".mlp.")
-        experts = unfuse_experts(f"{head}.mlp.", tail, value, ("gate_proj", "up_proj", "down_proj")) if dot else None
-        out.update(experts if experts is not None else {key: value})
-    return out
+    return unfused_state(hf, "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 def hf_config(model_cfg: ModelConfig, dtype: str = "float32") -> dict:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import warnings
 
 import torch
@@ -50,7 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron.checkpoint.format import CheckpointError, file_inside, write_text
 from megatron.checkpoint.megatron_lm.args import check_saved
 from megatron.checkpoint.megatron_lm.dcp_reader import CheckpointException, SafeReader, load_error
-from megatron.checkpoint.megatron_lm.legacy import CHECKPOINT_VERSION, TRACKER, safe_load
+from megatron.checkpoint.megatron_lm.legacy import CHECKPOINT_VERSION, publish_iteration, safe_load
 from megatron.checkpoint.megatron_lm.optim import NO_OPTIM
 
 # what Megatron-LM's save records of its sharded state dict's layout (get_sharded_sd_metadata, no distributed
@@ -230,17 +229,12 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
     is written with per-layer keys (Megatron Core's non-homogeneous layers, as the export's ``moe_layer_freq``
     list builds them). A failed write removes the ``.tmp`` folder; ``tools/convert_checkpoint.py to-megatron`` gives
     ``out`` as a private staging folder (``megatron_commands``), so that no two writers share it."""
-    final = os.path.join(out, f"iter_{iteration:07d}")
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists; choose another output folder.")
-    per_layer = any(_LOCAL_EXPERT.match(name) for name in whole)
-    model = _stacked(whole, num_layers, per_layer=per_layer)
-    state: dict[str, object] = {**model, **_extra_states(model, num_layers, per_layer)}
-    for kind, states in (optimizer or {}).items():
-        state.update(_stacked(states, num_layers, f"{OPTIMIZER_STATE}{kind}.", per_layer))
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    try:
+    def write(tmp: str) -> None:
+        per_layer = any(_LOCAL_EXPERT.match(name) for name in whole)
+        model = _stacked(whole, num_layers, per_layer=per_layer)
+        state: dict[str, object] = {**model, **_extra_states(model, num_layers, per_layer)}
+        for kind, states in (optimizer or {}).items():
+            state.update(_stacked(states, num_layers, f"{OPTIMIZER_STATE}{kind}.", per_layer))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: assuming ... a single process"
             # flat keys, no flattening map in .metadata (Megatron Core's loader reads its BytesIO entries only then)
@@ -249,12 +243,8 @@ def write_torch_dist(out: str, iteration: int, whole: dict[str, torch.Tensor], a
         torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                     "content_metadata": CONTENT_METADATA, **(common or {})}, os.path.join(tmp, "common.pt"))
         write_text(os.path.join(tmp, "metadata.json"), json.dumps(METADATA_JSON))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.replace(tmp, final)
-    write_text(os.path.join(out, TRACKER), str(iteration))
-    return final
+
+    return publish_iteration(out, iteration, write)
 
 
 def read_torch_dist(folder: str, optimizer: bool = True) -> tuple[object, dict, dict[str, torch.Tensor], dict]:

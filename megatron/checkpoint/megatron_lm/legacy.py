@@ -37,6 +37,7 @@ import pickle
 import shutil
 import signal
 import types
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -268,19 +269,30 @@ def write_shards(out: str, iteration: int, shards: dict[tuple, dict], args: argp
     of every file; ``optimizers``: each rank's ``optimizer`` entry. A failed write removes the ``.tmp`` folder;
     ``tools/convert_checkpoint.py to-megatron`` gives ``out`` as a private staging folder (``megatron_commands``), so
     that no two writers share it."""
-    final = os.path.join(out, f"iter_{iteration:07d}")
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} already exists; choose another output folder.")
-    tmp = final + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
-    try:
+
+    def write(tmp: str) -> None:
         for key, model in shards.items():
             folder = os.path.join(tmp, rank_folder(key[0], key[1], pp, key[2] if len(key) > 2 else 0, ep))
             os.makedirs(folder, exist_ok=True)
             optimizer = {"optimizer": optimizers[key]} if optimizers else {}
             torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                         "model": model, **(extra or {}), **optimizer}, os.path.join(folder, FILE))
+
+    return publish_iteration(out, iteration, write)
+
+
+def publish_iteration(out: str, iteration: int, write: Callable[[str], None]) -> str:
+    """``out/iter_{iteration:07d}`` written by ``write(tmp)`` into a ``.tmp`` folder renamed when complete, then the
+    tracker; returns the folder. A failed write removes the ``.tmp`` folder; an existing iteration folder is a
+    CheckpointError before anything is written."""
+    final = os.path.join(out, f"iter_{iteration:07d}")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose another output folder.")
+    tmp = final + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
