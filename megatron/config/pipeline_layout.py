@@ -138,10 +138,12 @@ def check(layout: PipelineLayout, num_layers: int, mtp_num_layers: int | None) -
         raise ValueError(f"pipeline layout {name!r} places a transformer layer 't' after a multi-token prediction "
                          f"layer 'm': the 'm' layers come after every 't'.")
     _check_mtp_placement(layout, name, mtp)
-    empty = [v for v, stage in enumerate(layout.stages) if not stage]
-    if empty:
-        raise ValueError(f"pipeline layout {name!r} leaves virtual stage {empty[0]} empty: a stage here holds at "
-                         f"least one of E, t, m, L; move a layer into it or use fewer stages.")
+    if "E" not in layout.stages[0]:
+        raise ValueError(f"pipeline layout {name!r} leaves the first stage without the embedding 'E': the embedding "
+                         f"is built on the first stage here; write the layout with 'E' in it.")
+    if "L" not in layout.stages[-1]:
+        raise ValueError(f"pipeline layout {name!r} leaves the last stage without the loss 'L': the head is built on "
+                         f"the last stage here; write the layout with 'L' in it.")
 
 
 def _check_mtp_placement(layout: PipelineLayout, name: str, mtp: int) -> None:

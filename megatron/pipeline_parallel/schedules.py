@@ -140,6 +140,8 @@ class _TableRun:
             return
         chunk.set_input_tensor(self.inputs.get(key))
         output, loss_fn = self.forward_step(self.micro_batches[a.micro_batch], chunk)
+        if output is self.inputs.get(key):  # a chunk without layers (a layout's empty stage) passes its input on:
+            output = output.clone()  # sending frees the output's storage, and the input's must outlive it
         if last:
             loss_sum, _ = loss_fn(output)
             self.total = self.total + loss_sum.detach().float()

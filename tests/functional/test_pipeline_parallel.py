@@ -19,10 +19,10 @@ LAYOUTS = parity_layouts({
     "pp2-recompute": (2, [*FOUR_LAYERS, "--pp", "2", "--use-recompute"]),
     # Megatron-LM's uneven stages: 1 layer on the first stage, 3 on the last (pipeline_partition 1,3)
     "pp2-uneven": (2, [*FOUR_LAYERS, "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),
-    # Megatron-LM's layout strings: the embedding alone on the first stage; pp 2 x vpp 2 with chunks of 1, 1, 2
-    # and 0 layers (the norm and head alone on the last)
+    # Megatron-LM's layout strings: the embedding alone on the first stage
     "pp2-layout-E": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-model-parallel-layout", "E|ttttL"]),
-    "pp2-vpp2-layout": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-model-parallel-layout", "Et|t|tt|L"]),
+    # pp 2 x vpp 2 with chunks of 1 and 3 layers, and of none: rank 1's first chunk is empty, its second the head
+    "pp2-vpp2-layout": (2, [*FOUR_LAYERS, "--pp", "2", "--pipeline-model-parallel-layout", "Et||ttt|L"]),
     "tp2-pp2-sp": (4, [*FOUR_LAYERS, "--pp", "2", "--tp", "2", "--sequence-parallel"]),
     "dp2-pp2": (4, [*FOUR_LAYERS, "--pp", "2", "--dp", "2"]),
     "dp2-tp2-pp2": (8, [*FOUR_LAYERS, "--pp", "2", "--dp", "2", "--tp", "2"]),

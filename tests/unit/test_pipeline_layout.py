@@ -50,6 +50,11 @@ VALID = [
     ("Et|(tt|)*6mL", 2, 13, 1),
     ("Et*3|(tt|)*6tmL", 2, 16, 1),
     ("Et*2|(tt|)*5t|tmL", 4, 14, 1),
+    # empty stages: a chunk without any layer passes its input on
+    ("Et||ttL", 3, 3, None),
+    ("Et*10|t*0|t*2|L", 2, 12, None),  # t*0 alone
+    ("Et|t||tL", 2, 3, None),
+    ("Et||ttt|L", 2, 4, None),
 ]
 # refused by both (Megatron asserts, raises)
 REFUSED = [
@@ -81,10 +86,8 @@ OURS_REFUSED = [
     ("Etttt|m|L", 3, 4, 1),  # Megatron's standalone multi-token prediction, on rank 1 of 3
     ("Ett|tt|m|L", 2, 4, 1),  # ... on rank 0's last chunk
     ("Et*3|(tt|)*29,m|L", 16, 61, 1),  # Megatron's help's example
-    ("Et||ttL", 3, 3, None),  # an empty stage
-    ("Et*10|t*0|t*2|L", 2, 12, None),  # t*0 alone
     ("|EttttL", 2, 4, None),  # an empty first stage (Megatron builds the embedding there)
-    ("Et|t||tL", 2, 3, None),
+    ("EttttL|", 2, 4, None),  # an empty last stage (Megatron builds the head there)
 ]
 
 
@@ -146,7 +149,7 @@ def test_refused_as_megatron_core_refuses(core, monkeypatch, text, pp, num_layer
 @pytest.mark.parametrize("text,pp,num_layers,mtp", OURS_REFUSED)
 def test_what_this_project_cannot_place_is_refused(core, monkeypatch, text, pp, num_layers, mtp):
     _megatron(core, text, pp, num_layers, mtp, monkeypatch)  # Megatron builds it
-    with pytest.raises(ValueError, match="standalone MTP|empty"):
+    with pytest.raises(ValueError, match="standalone MTP|the first stage without|the last stage without"):
         _ours(text, pp, num_layers, mtp)
 
 
@@ -198,7 +201,7 @@ def test_megatron_flag_sets_the_partition_and_the_virtual_stages():
 
 
 
-@pytest.mark.parametrize("layout", ["E|ttttL", "Etttt|L", "Et|t|tt|L", "E|tt|t|tL"])
+@pytest.mark.parametrize("layout", ["E|ttttL", "Etttt|L", "Et|t|tt|L", "E|tt|t|tL", "Et||ttt|L"])
 def test_the_cut_model_holds_what_the_estimate_counts(layout):
     """Each rank's chunks as the model builder cuts them: the embedding alone, the head alone; the memory
     estimate's parameter count of the rank equals the cut model's."""
