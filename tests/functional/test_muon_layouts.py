@@ -1,17 +1,21 @@
-"""Muon (--optimizer muon / dist_muon) under tensor parallelism and the sharded optimizer, against one process, and
-its momentum through a checkpoint (docs/muon.md). The Newton-Schulz iterations run in fp32 here (--muon-fp32-matmul-prec
-high: fp32 on the CPU), so a layout that orthogonalises the same whole matrices matches one process as AdamW's do."""
+"""Muon (--optimizer muon / dist_muon) under tensor parallelism, the sharded optimizer, pipelining and expert
+parallelism (a DeepSeek-V3-shaped model: MLA, MoE, MTP), against one process, and its momentum through a checkpoint
+(docs/muon.md). The Newton-Schulz iterations run in fp32 here (--muon-fp32-matmul-prec high: fp32 on the CPU), so a
+layout that orthogonalises the same whole matrices matches one process as AdamW's do."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.functional.launch import FIVE, TINY, losses, parity_layouts, reference_runs, whole_share
+from tests.functional.test_deepseek_layouts import DEEPSEEK
 
 pytestmark = pytest.mark.slow
 
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-use-nesterov"]
-reference_runs({"muon-5": [*FIVE, *MUON], "muon-10": [*TINY, *MUON]})
+# DeepSeek-V3's shape: multi-latent attention's down and up projections, the experts' and the router's matrices,
+# the multi-token prediction module's, all stepped by Muon
+reference_runs({"muon-5": [*FIVE, *MUON], "muon-10": [*TINY, *MUON], "muon-deepseek-5": [*DEEPSEEK, *MUON]})
 
 # Whole matrices orthogonalised: the one-process update (distributed: its Gram matrices summed over the ranks, fp32
 # round-off); the sharded optimizer gathers each bucket's update before orthogonalising it.
@@ -23,9 +27,20 @@ EQUAL = parity_layouts({
 })
 
 
+DEEPSEEK_LAYOUTS = parity_layouts({
+    "muon-deepseek-pp2": (2, [*DEEPSEEK, *MUON, "--pp", "2"]),  # MTP and the head on the last stage
+    "dist-muon-deepseek-ep2": (2, [*DEEPSEEK, *MUON, "--optimizer", "dist_muon", "--expert-model-parallel-size", "2"]),
+})
+
+
 @pytest.mark.parametrize("layout", EQUAL)
 def test_muon_layouts_equal_single_process(parity, references, layout):
     parity.assert_matches(layout, references["muon-5"])
+
+
+@pytest.mark.parametrize("layout", DEEPSEEK_LAYOUTS)
+def test_muon_with_mla_moe_and_mtp_under_pipelining_and_expert_parallelism(parity, references, layout):
+    parity.assert_matches(layout, references["muon-deepseek-5"])
 
 
 @pytest.mark.parametrize("layout", parity_layouts({"muon-tp2-blockwise": (
