@@ -18,9 +18,11 @@ pytestmark = pytest.mark.slow
 _RUN = [*TINY, "--max-steps", "3", "--eval-iters", "0", "--hidden-dropout-prob", "0.1", "--rerun-mode",
         "validate_results", "--error-injection-rate", "1"]
 _CKPT = ["--save", "{runs}/rerun-ckpt", "--load", "{runs}/rerun-ckpt"]
+_TRANSIENT = [*_RUN, "--error-injection-type", "transient_error", "--no-check-for-nan-in-loss-and-grad",
+              "--check-for-spiky-loss"]
 parity_layouts({
-    "rerun-transient": (1, [*_RUN, "--error-injection-type", "transient_error", "--no-check-for-nan-in-loss-and-grad",
-                            "--check-for-spiky-loss"]),
+    "rerun-transient": (1, _TRANSIENT),
+    "rerun-transient-dp2": (2, [*_TRANSIENT, "--dp", "2"]),  # every rank injects (rate 1) and re-runs the step
     "rerun-persistent": (1, [*_RUN, "--error-injection-type", "persistent_error", *_CKPT]),
     "rerun-persistent-same-node": (1, [*_RUN, *_CKPT], ("rerun-persistent",))})
 
@@ -30,13 +32,17 @@ def _values(log: str, pattern: str) -> tuple[float, float]:
     return float(a), float(b)
 
 
-@pytest.mark.parametrize("layout", ["rerun-transient"])
-def test_a_transient_fault_on_a_non_fatal_check_is_logged_and_training_goes_on(parity, layout):
+@pytest.mark.parametrize("layout,ranks", [("rerun-transient", 1), ("rerun-transient-dp2", 2)])
+def test_a_transient_fault_on_a_non_fatal_check_is_logged_and_training_goes_on(parity, layout, ranks):
+    """On every data-parallel rank; the ranks agree to re-run each step together and to go on."""
     result = parity.outcome(layout)
     log = result.log
     assert result.returncode == 0, log[-3000:]
-    assert log.count("Injecting error type Transient error") == 2  # every step after the first (rate 1)
-    assert re.search(r"Rank 0, node \S+, device cpu, iteration #2: Possible transient error!!", log)
+    assert log.count("Injecting error type Transient error") == 2 * ranks  # every step after the first (rate 1)
+    for rank in range(ranks):
+        for step in (2, 3):
+            assert re.search(rf"Rank {rank}, node \S+, device cpu, iteration #{step}: Possible transient error!!", log)
+    assert log.count("Need to rerun step to check reproducibility of initial result") == 2  # once a step (rank 0)
     assert log.count("Continuing normal execution because failed validation was not fatal") == 2
     assert re.findall(r" - global step (\d+),", log) == ["1", "2", "3"]
     rows = [json.loads(line) for line in (result.out / "metrics.jsonl").read_text().splitlines()]
