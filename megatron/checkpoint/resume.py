@@ -92,6 +92,7 @@ MODEL_MAY_CHANGE = ("hidden_dropout_prob", "attention_probs_dropout_prob", "init
                     "embedding_init_method_std", "moe_router_dtype",
                     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                     "moe_router_bias_update_rate", "moe_pad_expert_input_to_capacity", "moe_shared_expert_overlap",
+                    "delay_wgrad_compute",
                     "moe_grouped_gemm", "moe_token_dispatcher_type", "mtp_loss_scaling_factor")
 MODEL_NOT_CHANGED = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in MODEL_MAY_CHANGE)
 DATA_ORDER_NOT_CHANGED = (("seed",), ("dataset", "input_dir"), ("dataset", "train_data_path"), ("dataset", "split"),

@@ -40,8 +40,7 @@ ABSENT: dict[str, Absent] = {**megatron_absent.ABSENT, **{
     for flag, (feature, noop) in more.ABSENT.items()}}
 
 # Our flags kept for Megatron-LM's command lines that do nothing here: named with the flags accepted without effect.
-ACCEPTED_LEAVES = {"overlap_param_gather": "--overlap-param-gather",
-                   "moe_shared_expert_overlap": "--moe-shared-expert-overlap"}
+ACCEPTED_LEAVES = {"overlap_param_gather": "--overlap-param-gather"}
 
 
 def accepted_leaves(given: dict) -> list[str]:
@@ -135,7 +134,8 @@ IMPLEMENTED: tuple[str, ...] = (
     "--v-head-dim", "--rope-type", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim",
     "--mtp-num-layers", "--mtp-loss-scaling-factor", "--no-bias-gelu-fusion", "--disable-bf16-reduced-precision-matmul",
     "--moe-expert-capacity-factor", "--moe-token-drop-policy", "--moe-pad-expert-input-to-capacity",
-    "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--moe-grouped-gemm",
+    "--moe-shared-expert-intermediate-size", "--moe-shared-expert-overlap", "--delay-wgrad-compute",
+    "--moe-grouped-gemm",
     "--moe-shared-expert-gate", "--moe-router-force-load-balancing", "--moe-input-jitter-eps",
     "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
     "--moe-token-dispatcher-type", "--expert-model-parallel-size", "--expert-tensor-parallel-size",

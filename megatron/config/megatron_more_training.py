@@ -20,7 +20,7 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
         "--disable-tp-comm-bulk-dgrad", "--no-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag",
         "--no-tp-comm-overlap-rs", "--disable-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad",
         "--no-tp-comm-split-ag", "--disable-tp-comm-split-ag", "--no-tp-comm-split-rs", "--disable-tp-comm-split-rs",
-        "--tp-comm-bootstrap-backend", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+        "--tp-comm-bootstrap-backend",
         "--ep-overlap-early-attn-memory-release", "--cpu-offloading-num-layers", "--distribute-saved-activations",
         "--cuda-graph-warmup-steps", "--external-cuda-graph", "--no-clone-scatter-output-in-embedding",
         "--disable-clone-scatter-output-in-embedding", "--symmetric-ar-type", "--fine-grained-activation-offloading",
@@ -30,6 +30,10 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
     _IMPL: (
         "--use-ring-exchange-p2p", "--use-fused-weighted-squared-relu", "--use-te-activation-func",
         "--disable-jit-fuser",),
+    ("Megatron's combined 1F1B schedule (one micro-batch's token exchanges hidden behind another's attention, on "
+     "CUDA streams); here --moe-shared-expert-overlap and --delay-wgrad-compute overlap a micro-batch's exchanges "
+     "with its own shared expert and weight gradients"): (
+        "--overlap-moe-expert-parallel-comm",),
     "set by Megatron-LM from its pipeline layout; it changes only how its pipeline stages exchange tensor shapes": (
         "--mtp-standalone",),
     "a start-up memory option of Megatron FSDP's; initialisation here is layout-invariant": (

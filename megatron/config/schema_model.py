@@ -183,7 +183,12 @@ class ModelConfig:
         False, "Scale the shared expert's output by sigmoid(x g), g a trained [1, h] weight of each MoE layer "
                "(Qwen2-MoE's shared_expert_gate).")
     moe_shared_expert_overlap: bool = opt(
-        False, "Accepted for Megatron-LM compatibility: overlapping the shared expert with the token exchange.")
+        False, "Run the shared expert's forward while the token exchange to the experts is in flight (the alltoall "
+               "dispatcher at expert-parallel size > 1; the same values).")
+    delay_wgrad_compute: bool = opt(
+        False, "Compute the routed experts' weight gradients while the exchange of their input gradients is in "
+               "flight, after the activation gradients (the alltoall dispatcher at expert-parallel size > 1; the "
+               "same values).")
     moe_grouped_gemm: bool | None = opt(
         None, "Run the experts as one grouped matmul (torch._grouped_mm, CUDA in bf16); elsewhere (the CPU) they run "
               "one after another on their tokens. Default: grouped on Hopper and Blackwell GPUs, where torch has its "

@@ -229,3 +229,7 @@ def _check_router_extras(m) -> None:
                       f"the sigmoid, of the logits, dropless); remove it or choose another load-balancing type.")
     if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
         _fail("moe_shared_expert_gate gates the shared expert: give --moe-shared-expert-intermediate-size too.")
+    if (m.moe_shared_expert_overlap and m.moe_shared_expert_intermediate_size
+            and m.moe_token_dispatcher_type != "alltoall"):
+        _fail("moe_shared_expert_overlap runs the shared expert during the alltoall dispatcher's token exchange (as "
+              "in Megatron-LM): use --moe-token-dispatcher-type alltoall or drop --moe-shared-expert-overlap.")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.moe.overlap import ExpertExchange, Overlap, expert_parameters
 from megatron.tensor_parallel.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
 
 
@@ -146,10 +147,13 @@ def kept_pairs(kept: torch.Tensor, pairs: int | None = None) -> tuple[torch.Tens
 
 
 def alltoall(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, experts, groups: Groups,
-             acc_dtype: torch.dtype, pad_to: int | None = None, pairs: int | None = None) -> torch.Tensor:
+             acc_dtype: torch.dtype, pad_to: int | None = None, pairs: int | None = None,
+             overlap: Overlap | None = None) -> torch.Tensor:
     """The alltoall dispatcher (see the module doc); ``experts``: this rank's ``Experts``; ``pairs``: see
     ``kept_pairs``. With one expert-parallel and one expert-tensor-parallel rank nothing waits for the device:
-    the experts take their row counts as a tensor (a grouped matmul reads them there)."""
+    the experts take their row counts as a tensor (a grouped matmul reads them there). ``overlap``
+    (``megatron.moe.overlap``): the exchanges overlapped with the shared expert and the weight gradients, at ep > 1
+    while training."""
     num_tokens, num_experts = kept.shape
     ep, etp = groups.ep_size, groups.etp_size
     local = num_experts // ep
@@ -159,32 +163,38 @@ def alltoall(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, expe
     if ep > 1:
         received = _all_to_all_counts(counts.view(ep, local), groups.ep)  # [ep source, local expert]
         send, recv = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
-        rows = _AllToAll.apply(rows, send, recv, groups.ep)
     else:
         received = counts.view(1, local)
-    if etp > 1:
-        gathered = _all_gather_counts(received, groups.etp)  # [etp source, ep source, local expert]
-        sizes = gathered.sum(dim=(1, 2)).tolist()
-        rows = _AllGatherV.apply(rows, sizes, groups.etp_rank, groups.etp)
+    gathered = _all_gather_counts(received, groups.etp) if etp > 1 else received.unsqueeze(0)
+
+    def between(rows: torch.Tensor, record: list | None = None) -> torch.Tensor:
+        """The rank's part between the exchanges: etp gather, expert-major order, the experts, and back."""
+        sizes = gathered.sum(dim=(1, 2)).tolist() if etp > 1 else None
+        if etp > 1:  # gathered: [etp source, ep source, local expert]
+            rows = _AllGatherV.apply(rows, sizes, groups.etp_rank, groups.etp)
+        order = None
+        if gathered.shape[0] * gathered.shape[1] > 1 and local > 1:  # chunks (source, expert) -> expert-major
+            order = _expert_major(gathered.reshape(-1, local)).to(rows.device)
+            rows = rows[order]
+        out = experts(rows, gathered.sum(dim=(0, 1)), pad_to, record)
+        if order is not None:
+            out = torch.empty_like(out).index_copy(0, order, out)
+        return _ReduceScatterV.apply(out, sizes, groups.etp_rank, groups.etp) if etp > 1 else out
+
+    if ep > 1 and overlap is not None and torch.is_grad_enabled():
+        out = ExpertExchange.apply(rows, send, recv, groups.ep, between, overlap, *expert_parameters(experts))
+    elif ep > 1:
+        out = _AllToAll.apply(between(_AllToAll.apply(rows, send, recv, groups.ep)), recv, send, groups.ep)
     else:
-        gathered = received.unsqueeze(0)
-    order = None
-    if gathered.shape[0] * gathered.shape[1] > 1 and local > 1:  # chunks (source, expert) -> expert-major
-        order = _expert_major(gathered.reshape(-1, local)).to(rows.device)
-        rows = rows[order]
-    out = experts(rows, gathered.sum(dim=(0, 1)), pad_to)
-    if order is not None:
-        out = torch.empty_like(out).index_copy(0, order, out)
-    if etp > 1:
-        out = _ReduceScatterV.apply(out, sizes, groups.etp_rank, groups.etp)
-    if ep > 1:
-        out = _AllToAll.apply(out, recv, send, groups.ep)
+        out = between(rows)
     return _weighted_sum(out, probs[token_index, expert_index], token_index, num_tokens, acc_dtype)
 
 
 def allgather(tokens: torch.Tensor, probs: torch.Tensor, kept: torch.Tensor, experts, groups: Groups,
-              acc_dtype: torch.dtype, pad_to: int | None = None, pairs: int | None = None) -> torch.Tensor:
-    """The allgather dispatcher (see the module doc)."""
+              acc_dtype: torch.dtype, pad_to: int | None = None, pairs: int | None = None,
+              overlap: Overlap | None = None) -> torch.Tensor:
+    """The allgather dispatcher (see the module doc); ``overlap`` is the alltoall dispatcher's (validation refuses
+    it here: ``moe_shared_expert_overlap`` needs alltoall, as in Megatron-LM)."""
     group = groups.ep_etp
     if _size(group) > 1:
         tokens = gather_from_sequence_region(tokens, group)

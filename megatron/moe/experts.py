@@ -20,6 +20,8 @@ CPU) a loop.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,7 @@ from torch import nn
 from megatron import device as dev
 from megatron.config.schema import ModelConfig
 from megatron.ops.activations import activate, is_gated, mlp_activation
+from megatron.ops.offload import NO_OFFLOAD
 from megatron.ops.seams import LOCAL, maybe_checkpoint
 from megatron.tensor_parallel.layers import set_replicated_attributes, set_tensor_parallel_attributes
 
@@ -62,6 +65,7 @@ class ExpertMLP(nn.Module):
     partial sum (the bias of ``fc2`` added on etp rank 0 only)."""
 
     recompute_activation = False  # megatron.recompute (recompute_modules moe_act)
+    offload = NO_OFFLOAD  # expert_fc1 (its input), moe_act (the activation's saves): to host (megatron.offload)
 
     def __init__(self, cfg: ModelConfig, etp_rank: int = 0, etp_size: int = 1):
         super().__init__()
@@ -75,11 +79,17 @@ class ExpertMLP(nn.Module):
         self.dense_h_to_4h = _ShardedLinear(2 * ffn if gated else ffn, h, bias, sharded, etp_rank, etp_size)
         self.dense_4h_to_h = _ShardedLinear(h, ffn, bias, 1 if etp_size > 1 else None, etp_rank, etp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, record: list | None = None) -> torch.Tensor:
+        """``record`` (``megatron.moe.overlap``): appended ``([self], None, x, h1, y, o)``, the matmuls' inputs and
+        outputs (``y`` None when the activation is recomputed), for weight gradients computed later."""
         fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
-        y = maybe_checkpoint(self.recompute_activation, LOCAL, activate, F.linear(x, fc1.weight, fc1.bias),
-                             self.activation)
-        return F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
+        h1 = maybe_checkpoint(False, LOCAL, F.linear, x, fc1.weight, fc1.bias, offload=self.offload.get("expert_fc1"))
+        y = maybe_checkpoint(self.recompute_activation, LOCAL, activate, h1, self.activation,
+                             offload=self.offload.get("moe_act"))
+        o = F.linear(y, fc2.weight, fc2.bias if self.add_bias else None)
+        if record is not None:
+            record.append(([self], None, x, h1, None if self.recompute_activation else y, o))
+        return o
 
 
 def _grouped_mm_available(x: torch.Tensor, grouped: bool | None, widths: tuple[int, ...]) -> bool:
@@ -110,36 +120,42 @@ class Experts(nn.ModuleDict):
         self.grouped = cfg.moe_grouped_gemm  # None: where torch._grouped_mm is fast (``_grouped_mm_available``)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor | list[int],
-                pad_to: int | None = None) -> torch.Tensor:
+                pad_to: int | None = None, record: list | None = None) -> torch.Tensor:
         experts = list(self.values())
         widths = (tokens.shape[-1], experts[0].dense_h_to_4h.weight.shape[0], experts[0].dense_4h_to_h.weight.shape[1])
         if pad_to is None and _grouped_mm_available(tokens, self.grouped, widths):
-            return _grouped_forward(experts, tokens, torch.as_tensor(counts, device=tokens.device))
+            return _grouped_forward(experts, tokens, torch.as_tensor(counts, device=tokens.device), record)
         counts = counts.tolist() if torch.is_tensor(counts) else counts
         outputs = []
         for expert, rows in zip(experts, tokens.split(counts)):
             if pad_to is not None and rows.shape[0] < pad_to:
                 padded = torch.cat([rows, rows.new_zeros(pad_to - rows.shape[0], rows.shape[1])])
-                outputs.append(expert(padded)[: rows.shape[0]])
+                outputs.append(expert(padded, record)[: rows.shape[0]])
             else:
-                outputs.append(expert(rows))
+                outputs.append(expert(rows, record))
         return torch.cat(outputs)
 
 
-def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor, counts: torch.Tensor,
+                     record: list | None = None) -> torch.Tensor:
     """The loop of ``Experts.forward`` as two grouped matmuls over the experts' stacked weights (``counts`` on the
-    device)."""
+    device); ``record`` as ``ExpertMLP.forward``'s, one entry for all the experts (cut by ``counts``)."""
     offsets = counts.cumsum(0).to(torch.int32)
     w1 = torch.stack([e.dense_h_to_4h.weight for e in experts]).transpose(1, 2)  # [E, h, rows]
-    y = torch._grouped_mm(tokens, w1, offs=offsets)
     first = experts[0]
+    y = maybe_checkpoint(False, LOCAL, partial(torch._grouped_mm, offs=offsets), tokens, w1,
+                         offload=first.offload.get("expert_fc1"))
     if first.dense_h_to_4h.bias is not None:
         y = y + torch.repeat_interleave(torch.stack([e.dense_h_to_4h.bias for e in experts]),
                                         counts, dim=0, output_size=tokens.shape[0])
-    y = maybe_checkpoint(first.recompute_activation, LOCAL, activate, y, first.activation)
+    h1 = y
+    y = maybe_checkpoint(first.recompute_activation, LOCAL, activate, h1, first.activation,
+                         offload=first.offload.get("moe_act"))
     w2 = torch.stack([e.dense_4h_to_h.weight for e in experts]).transpose(1, 2)  # [E, ffn, h]
     out = torch._grouped_mm(y.contiguous(), w2, offs=offsets)
     if first.dense_4h_to_h.bias is not None and first.add_bias:
         out = out + torch.repeat_interleave(torch.stack([e.dense_4h_to_h.bias for e in experts]), counts, dim=0,
                                             output_size=tokens.shape[0])
+    if record is not None:
+        record.append((experts, counts.tolist(), tokens, h1, None if first.recompute_activation else y, out))
     return out

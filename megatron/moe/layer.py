@@ -39,6 +39,7 @@ from megatron import tensor_parallel as tp
 from megatron.config.schema import ModelConfig
 from megatron.moe.dispatch import DISPATCHERS, Groups
 from megatron.moe.experts import Experts
+from megatron.moe.overlap import Overlap
 from megatron.moe.router import AuxLossScaler, TopKRouter, get_capacity
 from megatron.ops.seams import LOCAL, maybe_checkpoint
 
@@ -70,6 +71,9 @@ class MoELayer(nn.Module):
         gated = shared and cfg.moe_shared_expert_gate
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is not None
+        # the token exchange overlapped (megatron.moe.overlap): with the shared expert's forward, the weight gradients
+        self.shared_overlap = bool(shared) and cfg.moe_shared_expert_overlap
+        self.delay_wgrad = cfg.delay_wgrad_compute
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -97,11 +101,21 @@ class MoELayer(nn.Module):
         if split:  # this rank's share of the sequence (padded to a multiple of tp: generation's short steps)
             pad = -x.shape[0] % self.tp_size
             out = tp.scatter_to_sequence_region(F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x, self.tp_group)
-        out = self._routed(out)
+        shared: dict[str, torch.Tensor] = {}
+
+        def shared_expert() -> None:  # recomputed in the backward under recompute_modules shared_experts
+            shared["out"] = maybe_checkpoint(self.recompute_shared, LOCAL, self._shared, x)
+
+        overlap = None
+        if self.shared_overlap or self.delay_wgrad:  # used by the alltoall dispatcher at ep > 1 while training
+            overlap = Overlap(self.delay_wgrad, shared_expert if self.shared_overlap else None)
+        out = self._routed(out, overlap)
         if split:
             out = tp.gather_from_sequence_region(out, self.tp_group, tensor_parallel_output_grad=False)[: x.shape[0]]
-        if self.shared_expert is not None:  # recomputed in the backward under recompute_modules shared_experts
-            out = out + maybe_checkpoint(self.recompute_shared, LOCAL, self._shared, x)
+        if self.shared_expert is not None:
+            if "out" not in shared:  # not run during the token exchange
+                shared_expert()
+            out = out + shared["out"]
         return out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +124,7 @@ class MoELayer(nn.Module):
         y = self.shared_expert(x)
         return y if self.shared_expert_gate is None else y * torch.sigmoid(self.shared_expert_gate(x))
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, overlap: Overlap | None = None) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         probs, kept, chosen, aux, balance = self.router(tokens, b, self.token_group, with_losses=self.training)
@@ -122,7 +136,7 @@ class MoELayer(nn.Module):
                                             self.router.capacity_factor)
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
         pairs = s * b * self.router.topk if self.router.capacity_factor is None else None  # dropless: each token's k
-        out = self.dispatch(tokens, probs, kept, self.experts, self.groups, acc, pad_to, pairs).to(x.dtype)
+        out = self.dispatch(tokens, probs, kept, self.experts, self.groups, acc, pad_to, pairs, overlap).to(x.dtype)
         if aux is not None and torch.is_grad_enabled():
             out = AuxLossScaler.apply(out, aux)
         return out.view(s, b, h)

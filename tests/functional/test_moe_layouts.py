@@ -36,7 +36,9 @@ LAYOUTS = parity_layouts({f"moe-{name}": (n, [*MOE, *(whole_share() if name in W
     "tp2": (2, ["--tp", "2"]),  # the experts cut over tp (etp = tp), the sequence split over tp for the router
     "tp2-sp-etp1-ep2": (2, ["--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", *EP2]),
     "cp2-ep2": (2, ["--cp", "2", *EP2]),
-    "ep2-zero2": (2, ["--sharding", "2", "--sharding-stage", "2", *EP2]),
+    # the token exchange overlapped with the shared expert and the experts' weight gradients (megatron/moe/overlap.py)
+    "ep2-zero2-overlap": (2, ["--sharding", "2", "--sharding-stage", "2", *EP2, "--moe-shared-expert-overlap",
+                              "--delay-wgrad-compute"]),
     "ep2-tp2-sp-allgather": (4, ["--tp", "2", "--sequence-parallel", "--dp", "2", *EP2, *ALLGATHER]),
     "ep2-pp2": (4, ["--pp", "2", "--dp", "2", *EP2]),
     # the expert states sharded over their 2 expert-data-parallel ranks, parameters gathered layer by layer

@@ -63,6 +63,6 @@ def test_an_absent_feature_s_flag_is_refused_by_its_name(flag):
 def test_our_flags_kept_for_megatron_that_do_nothing_are_named_with_the_accepted_ones():
     warnings: list[str] = []
     parse_config(["--train-iters", "10", "--overlap-param-gather", "--moe-shared-expert-overlap", "--use-flash-attn"],
-                 warnings=warnings)
-    assert ("accepted, no effect here: --use-flash-attn, --overlap-param-gather, --moe-shared-expert-overlap "
+                 warnings=warnings)  # --moe-shared-expert-overlap does something (megatron/moe/overlap.py)
+    assert ("accepted, no effect here: --use-flash-attn, --overlap-param-gather "
             "(docs/megatron.md says why).") in warnings
