@@ -20,6 +20,9 @@ go on. It prints one table and writes ``results.json`` to ``--out``. On a CUDA d
 - **moe**: a 4-layer Llama shape, dense (ffn 5632) against 8 experts of 2816, top-2 (the same active
   parameters), grouped GEMM where the device has it.
 - **fp8**: the 1.3B model with ``--fp8-format hybrid`` against bf16, or the one line that refuses it.
+- **activation_offload**: the 1.3B model in bf16 without recompute, with its first 12 layers' activations in host
+  memory and with every layer's attention core and projection there (``megatron.offload``): tokens/s and the
+  peak memory against the estimate (which subtracts what goes to host).
 - **cp_kernel**: one causal block of a long sequence (32K on a GPU) forward and backward through
   ``attention.blocks`` as dispatched, against the plain fp32 kernel.
 """
@@ -282,8 +285,21 @@ def guarded(piece) -> dict:
         return {"error": dev.first_line(err)}
 
 
+def activation_offload(bench: Bench) -> dict:
+    """The 1.3B model in bf16 without recompute: as is, its first half of layers offloaded whole, and the attention
+    core and projection of every layer offloaded (``megatron.offload``); peak memory against the estimate, which
+    subtracts what goes to host."""
+    base = ["--bf16", "--no-use-pure-fp16", "--no-use-recompute", "--min-offloaded-tensor-size", "1024"]
+    half = "12" if bench.cuda else "1"
+    cases = {"none": [], f"first {half} layers": ["--cpu-offloading-num-layers", half],
+             "core_attn + attn_proj": ["--fine-grained-activation-offloading", "--offload-modules", "core_attn",
+                                       "attn_proj"]}
+    return {name: guarded(lambda a=argv: train_case(bench, bench.config(base + a, "gpt_1.3b_single_card.yaml")))
+            for name, argv in cases.items()}
+
+
 PIECES = {"peak": measure_peak, "gpu_tests": gpu_tests, "models": seed_models, "peer": peer, "moe": moe, "fp8": fp8,
-          "cp_kernel": cp_kernel}
+          "cp_kernel": cp_kernel, "activation_offload": activation_offload}
 
 
 # ----------------------------------------------------------------------------- report
@@ -329,6 +345,9 @@ def render(results: dict, environment: dict) -> str:
     for name in ("dense", "moe"):
         if name in moe_result:
             lines.append(_row(f"llama-4l {name}", moe_result[name]))
+    for name, r in results.get("activation_offload", {}).items():
+        if isinstance(r, dict):
+            lines.append(_row(f"1.3b bf16 offload {name}", r))
     fp8_result = results.get("fp8", {})
     for name in ("bf16", "fp8"):
         if name in fp8_result:

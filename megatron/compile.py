@@ -86,7 +86,10 @@ def _head_and_loss(model: GPTModel, x: torch.Tensor, labels: torch.Tensor) -> to
     """``GPTModel.loss`` on one tensor-parallel rank in plain operations that torch.compile fuses
     (the eager path's chunked cross entropy would be unrolled): ``logsumexp(z) - z_y`` over the real
     vocabulary, in fp32. x [s, b, h], labels [b, s] -> [b, s]."""
-    logits = F.linear(x, model.head_weight)[..., :model.cfg.vocab_size].float()  # [s, b, V]
+    logits = F.linear(x, model.head_weight)[..., :model.cfg.vocab_size]
+    if model.logit_multiplier != 1.0:  # muP's output multiplier (GPTModel.parallel_logits)
+        logits = logits * model.logit_multiplier
+    logits = logits.float()  # [s, b, V]
     target = logits.gather(-1, labels.t().unsqueeze(-1)).squeeze(-1)
     return (torch.logsumexp(logits, dim=-1) - target).t()
 

@@ -64,6 +64,54 @@ def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
 
 
+class CopyStream:
+    """A side stream for copies between the device and host memory beside the compute (activation offload,
+    ``megatron.ops.offload``). On the CPU there is no stream: the copies run in order and every method but
+    ``host_bytes`` does nothing."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @staticmethod
+    def host_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+        """A host buffer of ``nbytes`` bytes, page-locked when ``device`` is a GPU (asynchronous copies)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def __enter__(self) -> CopyStream:
+        """Work queued inside runs on the side stream, after what the compute stream has queued so far."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._context = torch.cuda.stream(self.stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stream is not None:
+            self._context.__exit__(*exc)
+
+    def done(self, *tensors: torch.Tensor):
+        """An event marking the copies queued so far; ``tensors`` (the copies' sources, allocated on the compute
+        stream) are not reused by the allocator before then."""
+        if self.stream is None:
+            return None
+        for t in tensors:
+            t.record_stream(self.stream)
+        return self.stream.record_event()
+
+    def after(self, event) -> None:
+        """The side stream waits for ``event`` (another stream's copies) before what is queued on it next."""
+        if event is not None:
+            self.stream.wait_event(event)
+
+    @staticmethod
+    def wait(event, tensor: torch.Tensor) -> None:
+        """The compute stream waits for ``event`` before using ``tensor`` (made on the side stream)."""
+        if event is not None:
+            current = torch.cuda.current_stream(tensor.device)
+            current.wait_event(event)
+            tensor.record_stream(current)
+
+
 def with_index(device: torch.device) -> torch.device:
     """``device`` with its index: a bare ``cuda`` becomes this process's current GPU."""
     if device.type == "cuda" and device.index is None:

@@ -147,10 +147,12 @@ def initialize_distributed(config: Config, timeout_minutes: float | None = None)
                               f"(torchrun --nproc-per-node N, on each node), or unset WORLD_SIZE for a one-process run."
                               ) from None
     d = config.distributed
+    cp_inner = d.hierarchical_context_parallel_sizes[0] if d.cp_comm_type == "a2a+p2p" else None  # its groups only
     return parallel_state.initialize(tp=d.mp_degree, pp=d.pp_degree, dp=d.dp_degree,
                                      sharding=d.sharding.sharding_degree, timeout_minutes=timeout_minutes,
                                      cp=d.context_parallel_size, shard_over_cp=config.shards_over_context_parallel,
-                                     ep=d.expert_model_parallel_size, etp=d.expert_tensor_parallel_size)
+                                     ep=d.expert_model_parallel_size, etp=d.expert_tensor_parallel_size,
+                                     cp_inner=cp_inner)
 
 
 def shutdown() -> None:

@@ -30,7 +30,12 @@ them). Calling ``initialize()`` again destroys the previous groups first. Groups
 - model_parallel: same (dp, sharding, cp): tp x pp, the ranks that together hold one model;
 - embedding: the first and last pipeline stage of each pipeline (tied word embeddings);
 - tp_cp: same (pp, dp, sharding): the ranks that hold parts of the same samples (a MoE router's balancing losses
-  count their tokens together).
+  count their tokens together);
+- cp_inner, cp_outer (hierarchical context parallelism, ``cp_inner`` = I given: ``--cp-comm-type a2a+p2p``): the cp
+  group's two levels (Megatron-LM's ``create_hierarchical_groups``), by cp_inner_rank = cp_rank % I and
+  cp_outer_rank = cp_rank // I: cp_inner: same (pp, dp, sharding, tp, cp_outer_rank), I neighbouring cp ranks (the
+  all-to-all's); cp_outer: same (pp, dp, sharding, tp, cp_inner_rank), cp / I ranks I apart (the ring's). cp 4, I 2:
+  cp ranks {0, 1} {2, 3} inner, {0, 2} {1, 3} outer.
 
 **Experts** (mixture of experts, ``megatron.moe``) re-cut the same ranks: within a pipeline stage the
 S = tp x cp x sharding x dp ranks, numbered L = r mod S, are etp x ep x edp, etp fastest (Megatron-LM's
@@ -52,7 +57,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 GROUP_NAMES = ("tp", "cp", "pp", "dp", "sharding", "data_parallel", "model_parallel", "embedding", "tp_cp",
-               "etp", "ep", "ep_etp", "edp")
+               "etp", "ep", "ep_etp", "edp", "cp_inner", "cp_outer")
 
 
 def coordinates(rank: int, tp: int, pp: int, dp: int, sharding: int = 1, cp: int = 1) -> dict[str, int]:
@@ -67,11 +72,14 @@ def expert_coordinates(rank: int, stage_size: int, ep: int = 1, etp: int = 1) ->
 
 
 def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: int = 1,
-              cp: int = 1, shard_over_cp: bool = False, ep: int = 1, etp: int | None = None
-              ) -> dict[str, list[list[int]]]:
-    """Every group's rank lists, each list sorted, the lists in order of their smallest rank."""
+              cp: int = 1, shard_over_cp: bool = False, ep: int = 1, etp: int | None = None,
+              cp_inner: int | None = None) -> dict[str, list[list[int]]]:
+    """Every group's rank lists, each list sorted, the lists in order of their smallest rank (``cp_inner`` given:
+    the hierarchical cp levels too)."""
     if tp * pp * dp * sharding * cp != world_size:
         raise ValueError(f"tp x cp x pp x dp x sharding = {tp * cp * pp * dp * sharding} != world size {world_size}")
+    if cp_inner is not None and (cp_inner < 1 or cp % cp_inner):
+        raise ValueError(f"the inner level of hierarchical context parallelism ({cp_inner}) must divide cp ({cp})")
     etp = tp if etp is None else etp
     stage_size = world_size // pp
     if stage_size % (ep * etp):
@@ -85,11 +93,15 @@ def rank_grid(world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, sharding: 
     }
     if shard_over_cp:
         keys["sharding"], keys["dp"] = ("pp", "dp", "tp"), ("pp", "sharding", "cp", "tp")
+    if cp_inner is not None:
+        keys["cp_inner"], keys["cp_outer"] = ("pp", "dp", "sharding", "tp", "cp_outer"), \
+            ("pp", "dp", "sharding", "tp", "cp_inner")
     grid: dict[str, list[list[int]]] = {}
     for name, shared in keys.items():
         buckets: dict[tuple, list[int]] = {}
         for r in range(world_size):
             c = coordinates(r, tp, pp, dp, sharding, cp)
+            c["cp_inner"], c["cp_outer"] = c["cp"] % (cp_inner or 1), c["cp"] // (cp_inner or 1)
             buckets.setdefault(tuple(c[k] for k in shared), []).append(r)
         grid[name] = sorted(buckets.values())
     expert_keys = {"etp": ("pp", "ep", "edp"), "ep": ("pp", "etp", "edp"), "ep_etp": ("pp", "edp"),
@@ -129,6 +141,7 @@ class ParallelState:
     etp_rank: int = 0
     edp_size: int = 1
     edp_rank: int = 0
+    cp_inner_size: int | None = None  # hierarchical cp (a2a+p2p): the inner level's size (see the module docstring)
 
     @property
     def data_parallel_size(self) -> int:
@@ -182,9 +195,10 @@ def single_process_state() -> ParallelState:
 
 def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 1,
                timeout_minutes: float = 10.0, cp: int = 1, shard_over_cp: bool = False, ep: int = 1,
-               etp: int | None = None) -> ParallelState:
+               etp: int | None = None, cp_inner: int | None = None) -> ParallelState:
     """Create every group once (all ranks call this with the same sizes) and store the state; the groups of an
-    earlier call are destroyed first, so a process that re-initializes (a server, an evaluation) holds one set."""
+    earlier call are destroyed first, so a process that re-initializes (a server, an evaluation) holds one set.
+    ``cp_inner``: the inner level of hierarchical context parallelism (None: no cp_inner / cp_outer groups)."""
     global _STATE
     destroy()
     if not dist.is_initialized():
@@ -193,7 +207,7 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = dp if dp is not None else world // (tp * pp * sharding * cp)
     etp = tp if etp is None else etp
-    grid = rank_grid(world, tp, pp, dp, sharding, cp, shard_over_cp, ep, etp)
+    grid = rank_grid(world, tp, pp, dp, sharding, cp, shard_over_cp, ep, etp, cp_inner)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     groups, ranks = {}, {}
     if any(len(lists[0]) == 1 for lists in grid.values()):
@@ -215,7 +229,8 @@ def initialize(tp: int = 1, pp: int = 1, dp: int | None = None, sharding: int = 
     c = coordinates(rank, tp, pp, dp, sharding, cp)
     e = expert_coordinates(rank, world // pp, ep, etp)
     _STATE = ParallelState(world, rank, tp, pp, dp, sharding, c["tp"], c["pp"], c["dp"], c["sharding"], groups, ranks,
-                           cp, c["cp"], shard_over_cp, ep, e["ep"], etp, e["etp"], world // pp // (ep * etp), e["edp"])
+                           cp, c["cp"], shard_over_cp, ep, e["ep"], etp, e["etp"], world // pp // (ep * etp), e["edp"],
+                           cp_inner)
     return _STATE
 
 

@@ -10,7 +10,9 @@ needs (``parallel_state`` is read here, once):
    chunk (``pipeline_parallel.partition.cut_stage``), then split over the tensor-parallel group
    (``tensor_parallel.parallelize.apply_tensor_parallel``: the parallel layers from one table, the seams'
    collectives), its MoE layers cut to this rank's experts (``moe.parallelize.apply_expert_parallel``), its attention
-   given the context-parallel split (``context_parallel.parallelize``), its recompute set (``megatron.recompute``),
+   given the context-parallel split (``context_parallel.parallelize``), its recompute set (``megatron.recompute``)
+   and its activation offload (``megatron.offload``),
+   its attention's largest logits tracked for QK-clip (``optimizer.qk_clip.track``, with --qk-clip),
    then materialised and initialised layout-invariantly (by parameter name: ``model.init``), or, under
    ZeRO stage 3, its initialisation deferred to the buffer's shards;
 3. FP8 matmuls in the tensor-parallel linear layers (``tensor_parallel.layers.apply_fp8``);
@@ -34,12 +36,15 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config.schema import Config
+from megatron.context_parallel.attention import CpLevels
 from megatron.context_parallel.parallelize import apply_context_parallel
 from megatron.distributed.parallelize import ShardingPlan, parallelize, plan_sharding
 from megatron.model.gpt import GPTModel
 from megatron.model.init import defer_initialization, init_parameters, materialize
 from megatron.moe.parallelize import ExpertLayout, apply_expert_parallel
+from megatron.offload import apply_offload
 from megatron.optimizer import build_optimizer
+from megatron.optimizer.qk_clip import track as track_max_logits
 from megatron.pipeline_parallel.partition import cut_stage, stage_chunks
 from megatron.pipeline_parallel.schedules import forward_backward_no_pipelining, forward_backward_pipelining
 from megatron.recompute import apply_recompute
@@ -78,9 +83,14 @@ def build_model(config: Config, device: torch.device | str = "cpu", meta_init: b
             chunk = cut_stage(GPTModel(m, config.padded_vocab_size), layers, first, last)
         apply_tensor_parallel(chunk, ps.group("tp") if ps.tp_size > 1 else None, d.sequence_parallel)
         apply_expert_parallel(chunk, ExpertLayout.of(ps))
-        apply_context_parallel(chunk, ps.cp_size, ps.cp_rank, ps.group("cp"), d.cp_comm_type)
+        apply_context_parallel(chunk, ps.cp_size, ps.cp_rank, ps.group("cp"), d.cp_comm_type,
+                               CpLevels.of(ps) if ps.cp_inner_size else None)
         apply_recompute(chunk, recompute, config.no_recompute_layers, config.recompute_method,
                         config.recompute_num_layers, config.recompute_modules)
+        apply_offload(chunk, config.cpu_offloading_num_layers, config.offload_modules
+                      if config.fine_grained_activation_offloading else None, config.min_offloaded_tensor_size)
+        if config.optimizer.qk_clip or config.optimizer.log_max_attention_logit:
+            track_max_logits(chunk)  # QK-clip: the decoder's attention keeps its heads' largest logits
         if meta_init:
             defer_initialization(chunk.to(dtype=dtype), config.seed, m, device, dtype)
         else:

@@ -68,7 +68,8 @@ def _context_parallel(ps, config: Config) -> str:
     if ps.cp_size == 1:
         return ""
     shards = f": ZeRO shards over sharding x cp = {ps.shard_group_size}" if ps.shard_over_cp else ""
-    return f", cp {ps.cp_size} ({config.distributed.cp_comm_type}){shards}"
+    levels = f" {ps.cp_inner_size} x {ps.cp_size // ps.cp_inner_size}" if ps.cp_inner_size else ""
+    return f", cp {ps.cp_size} ({config.distributed.cp_comm_type}{levels}){shards}"
 
 
 def _packing(config: Config) -> str:

@@ -268,7 +268,9 @@ def _results(encoder: Encoder, batches: Iterator[list], workers: int) -> Iterato
         for batch in batches:
             yield encoder.encode(batch)
         return
-    with multiprocessing.get_context("fork").Pool(workers, initializer=encoder.initialize) as pool:
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=encoder.initialize)
+    finished = False
+    try:
         pending: collections.deque = collections.deque()
         for batch in batches:
             pending.append(pool.apply_async(encoder.encode, (batch,)))
@@ -276,6 +278,16 @@ def _results(encoder: Encoder, batches: Iterator[list], workers: int) -> Iterato
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        finished = True
+    finally:
+        # done: the workers take the end sentinel and exit on their own. Pool.terminate (what ``with Pool()`` does)
+        # holds the task queue's lock and signals the workers: one that did not die of it (forked mid-call) hung
+        # the join for good. Terminated only when the run stops early (an error, Ctrl-C).
+        if finished:
+            pool.close()
+        else:
+            pool.terminate()
+        pool.join()
 
 
 class Counts:

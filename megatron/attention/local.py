@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megatron.attention.blocks import apply_sinks, blocks_backward, blocks_forward, sinks_grad
 from megatron.attention.dropout import BlockDropout
+from megatron.attention.max_logits import observe
 from megatron.attention.plan import AttentionPlan
 
 __all__ = ["AttentionPlan", "LocalAttention", "RunningResult", "attend", "masked_attention", "sinks_or_empty",
@@ -35,24 +36,29 @@ __all__ = ["AttentionPlan", "LocalAttention", "RunningResult", "attend", "masked
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, dropout_p: float = 0.0,
            scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-           layer: int = 0, head_offset: int = 0) -> torch.Tensor:
+           layer: int = 0, head_offset: int = 0, max_logits: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, nq, L, dk], k [b, ng, L, dk], v [b, ng, L, dv] (this rank's heads and local tokens) -> [b, nq, L, dv];
     ``softmax(q k^T x scale)``, ``scale`` None: ``1 / sqrt(dk)``; ``window``: the keys before each query it sees;
     ``sinks`` [nq]: each head's sink logit; ``layer``: the layer's global number and ``head_offset`` the global
-    index of this rank's first head (tensor parallelism): what its dropout masks are drawn by."""
+    index of this rank's first head (tensor parallelism): what its dropout masks are drawn by. ``max_logits`` [nq]
+    fp32: a running maximum of each head's logits (QK-clip, ``max_logits.py``) raised in place by those of the
+    query-key pairs this rank's queries see (None: not tracked)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     blockwise = plan.cp_size > 1 and plan.comm_type != "a2a"
     drop = None
     if dropout_p and (blockwise or plan.positional_dropout):  # masks by global position (``dropout.py``)
         drop = plan.dropout(dropout_p, layer, q.shape[1], head_offset)
     if plan.cp_size == 1:
+        observe(max_logits, q, k, plan.blocks(0, q.shape[2], window), scale)
         if drop is None:
             return whole_sequences(q, k, v, plan, dropout_p, scale, window, sinks)
         return LocalAttention.apply(q, k, v, sinks_or_empty(sinks, q), plan, scale, window, drop)
     if plan.exchange is None:
         raise ValueError(f"an attention plan split over {plan.cp_size} context-parallel ranks needs their exchange "
                          f"(context_parallel.attention.exchange: megatron.parallelize_gpt sets it)")
-    return plan.exchange(q, k, v, plan, dropout_p, scale, window, sinks, drop)
+    if max_logits is None:
+        return plan.exchange(q, k, v, plan, dropout_p, scale, window, sinks, drop)
+    return plan.exchange(q, k, v, plan, dropout_p, scale, window, sinks, drop, max_logits=max_logits)
 
 
 def sinks_or_empty(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,8 @@ class RunningResult:
     [s, b, heads, hd] order, so the layer's permute back to [s, b, heads x hd] for the dense layer is a view, not a
     copy."""
 
-    def __init__(self, q: torch.Tensor, value_width: int):
+    def __init__(self, q: torch.Tensor, value_width: int, max_logits: torch.Tensor | None = None):
+        self.max_logits = max_logits  # [heads] raised by each block's logits (QK-clip), or None
         order = sorted(range(4), key=lambda i: -q.stride(i))  # q's dimensions, outermost first
         shape = [*q.shape[:3], value_width]
         self.out = torch.zeros([shape[i] for i in order], dtype=torch.float32, device=q.device).permute(
@@ -129,6 +136,7 @@ class RunningResult:
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
 
     def add(self, q, k, v, blocks, scale: float, dropout: BlockDropout | None) -> None:
+        observe(self.max_logits, q, k, blocks, scale)
         blocks_forward(q, k, v, blocks, scale, self.out, self.lse, dropout)
 
     def saved(self, ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,

@@ -25,6 +25,8 @@ SHAPE_FIELDS += ("window_size", "window_attn_skip_freq", "softmax_type", "quick_
                   "activation_func_clamp_value", "yarn_beta_fast", "yarn_beta_slow",
                   "yarn_correction_range_round_to_int",  # gpt-oss's
                   "rotary_base", "rotary_interleaved", "layernorm_epsilon")  # any rope's and norm's
+SHAPE_FIELDS += ("use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
+                 "mup_attn_scale_power")  # muP's multipliers and scale: part of the function the weights compute
 
 
 class ToolError(Exception):

@@ -34,6 +34,11 @@ MAXIMA = {
     "qk_pos_emb_head_dim": 2**16,
     "v_head_dim": 2**16,
     "mtp_num_layers": 2**10,
+    "linear_conv_kernel_dim": 2**10,
+    "linear_key_head_dim": 2**16,
+    "linear_value_head_dim": 2**16,
+    "linear_num_key_heads": 2**14,
+    "linear_num_value_heads": 2**14,
 }
 
 

@@ -19,18 +19,12 @@ class Absent:
 
 
 ABSENT: dict[str, Absent] = {
-    "--hierarchical-context-parallel-sizes": Absent(
-        "hierarchical context parallelism (--cp-comm-type a2a+p2p: all-to-all within a node, a ring across nodes); "
-        "choose one of p2p, all_gather or a2a over the whole context-parallel group"),
     "--num-distributed-optimizer-instances": Absent("several distributed-optimizer instances", ("1",)),
-    "--attention-output-gate": Absent("gated attention output"),
-    "--experimental-attention-variant": Absent("experimental attention variants"),
     "--first-last-layers-bf16": Absent("the first and last transformer layers kept in bf16 under FP8 (every "
                                        "layer's linear layers run in FP8 here; docs/fp8.md)"),
     "--outer-dp-sharding-strategy": Absent(
         "hybrid-sharded data parallelism (Megatron FSDP's outer data-parallel group); --use-megatron-fsdp shards "
         "over the whole data-parallel group here", ("no_shard",)),
-    "--use-mup": Absent("muP parametrisation"),
     "--prompts": Absent(_INFERENCE),
     "--prompt-file": Absent(_INFERENCE),
     "--num-tokens-to-generate": Absent(_INFERENCE),
@@ -67,8 +61,8 @@ ABSENT: dict[str, Absent] = {
 }
 _ABSENT_PREFIXES = {"--moe-": "a mixture-of-experts option not built here (docs/moe.md lists those built)",
                     "--dsa-": "experimental attention variants",
-                    "--linear-": "linear attention", "--inference-": _INFERENCE, "--grpo-": _INFERENCE,
-                    "--rl-": _INFERENCE, "--mup-": "muP parametrisation",
+                    "--linear-": "a linear-attention option not built here (docs/hybrid.md lists those built)",
+                    "--inference-": _INFERENCE, "--grpo-": _INFERENCE, "--rl-": _INFERENCE,
                     "--fp8-": _FP8,
                     "--fp4-": "FP4 training",
                     "--megatron-fsdp-": "Megatron FSDP's own buffers and dtypes; --use-megatron-fsdp is ZeRO here "
@@ -80,9 +74,6 @@ _BY_FEATURE: dict[str, tuple[str, ...]] = {
     "experimental attention variants (DeepSeek sparse attention's indexer)": (
         "--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-loss-coeff",
         "--dsa-indexer-use-sparse-loss",),
-    "linear attention layers (gated DeltaNet) in a hybrid model": (
-        "--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim", "--linear-num-key-heads",
-        "--linear-num-value-heads", "--linear-attention-freq",),
     _FP8: (
         "--fp8-quantizer-factory", "--fp8-margin", "--fp8-interval",),
     "FP4 training": (

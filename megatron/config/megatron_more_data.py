@@ -21,7 +21,8 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
     ("a performance option of Megatron's (a bucket size in elements); losses are the same without it "
      "(--bucket-size-mb sizes the gradient buckets here)"): (
         "--ddp-bucket-size",),
-    "gradients are always accumulated and reduced in fp32 here (main_grad)": (
+    ("the gradients are reduced in fp32 here by default, which this asks for; under --grad-reduce-in-bf16 the "
+     "reduce-scatter sums in bf16 (Megatron's fp32 accumulation of a bf16 reduce-scatter is not built)"): (
         "--ddp-reduce-scatter-with-fp32-accumulation",),
     "Megatron-LM core_v0.16.1 parses it and reads it nowhere": (
         "--no-scatter-gather-tensors-in-pipeline", "--enable-full-sharding-in-hsdp", "--head-lr-mult",),
@@ -82,7 +83,7 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
         "--no-inference-wandb-logging",),
     _LOG: (
         "--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard", "--log-memory-interval",
-        "--log-device-memory-used", "--log-max-attention-logit", "--no-barrier-with-level-1-timing", "--log-energy",
+        "--log-device-memory-used", "--no-barrier-with-level-1-timing", "--log-energy",
         "--log-straggler", "--straggler-ctrlr-port", "--disable-straggler-on-startup",),
     "an on-demand profiling server; here --profile runs PyTorch's profiler over the steps chosen": (
         "--run-workload-inspector-server",),

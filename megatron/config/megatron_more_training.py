@@ -21,10 +21,9 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
         "--no-tp-comm-overlap-rs", "--disable-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad",
         "--no-tp-comm-split-ag", "--disable-tp-comm-split-ag", "--no-tp-comm-split-rs", "--disable-tp-comm-split-rs",
         "--tp-comm-bootstrap-backend",
-        "--ep-overlap-early-attn-memory-release", "--cpu-offloading-num-layers", "--distribute-saved-activations",
+        "--ep-overlap-early-attn-memory-release", "--distribute-saved-activations",
         "--cuda-graph-warmup-steps", "--external-cuda-graph", "--no-clone-scatter-output-in-embedding",
-        "--disable-clone-scatter-output-in-embedding", "--symmetric-ar-type", "--fine-grained-activation-offloading",
-        "--offload-modules", "--min-offloaded-tensor-size", "--train-sync-interval",
+        "--disable-clone-scatter-output-in-embedding", "--symmetric-ar-type", "--train-sync-interval",
         "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-grads", "--no-pin-cpu-params",
         "--high-priority-stream-groups", "--reuse-grad-buf-for-mxfp8-param-ag", "--no-overlap-p2p-communication",),
     _IMPL: (
@@ -99,8 +98,6 @@ _ABSENT: dict[str, tuple] = {
         "--apply-residual-connection-post-layernorm",),
     "Llama 4's L2 normalisation of the queries and keys; here --qk-layernorm normalises them": (
         "--qk-l2-norm",),
-    "QK-clip (MuonClip: the query and key weights scaled down when an attention logit passes a threshold)": (
-        "--qk-clip", ("--qk-clip-alpha", ("0.5",)), ("--qk-clip-threshold", ("100", "100.0")),),
     _FP8: (
         "--no-fp8-wgrad", "--disable-fp8-wgrad",),
     ("the first and last transformer layers kept in bf16 under FP8 (every layer's linear layers run in FP8 here; "
@@ -126,8 +123,6 @@ _ABSENT: dict[str, tuple] = {
         "--use-rope-scaling", ("--rope-scaling-factor", ("8", "8.0")),),
     "layers without rotary embeddings (NoPE layers, Llama 4)": (
         "--no-rope-freq",),
-    "Megatron's SGD optimizer; here the optimizer is AdamW or Muon (--optimizer adam, muon or dist_muon)": (
-        ("--sgd-momentum", ("0.9",)),),
     ("shrinking the global batch to a multiple of micro batch x data-parallel size; here --global-batch-size must be"
      " one"): (
         "--decrease-batch-size-if-needed",),
@@ -169,8 +164,6 @@ _ABSENT: dict[str, tuple] = {
     ("checkpoints without the RNG states; here a checkpoint always holds them (--no-load-rng skips them when "
      "loading)"): (
         "--no-save-rng",),
-    "gradients reduced in bf16; here gradients are always accumulated and reduced in fp32 (main_grad)": (
-        "--grad-reduce-in-bf16",),
     "the output layer's cross entropy in fp16; here the loss is always computed in fp32": (
         "--fp16-lm-cross-entropy",),
     "Megatron-LM's removed --model-parallel-size (Megatron-LM refuses it too); use --tensor-model-parallel-size": (

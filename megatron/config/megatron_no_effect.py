@@ -92,7 +92,8 @@ NO_EFFECT: dict[str, str] = {
     "--moe-permute-fusion": _IMPL,
     "--use-flash-attn": "attention runs in PyTorch's scaled_dot_product_attention, which takes FlashAttention on "
                         "GPUs wherever it applies",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are always accumulated and reduced in fp32 here (main_grad)",
+    "--accumulate-allreduce-grads-in-fp32": ("the default here: gradients are accumulated and reduced in fp32 "
+                                             "(main_grad) unless --grad-reduce-in-bf16, which wins, as in Megatron-LM"),
     "--export-force-local-attention": "a ModelOpt export setting; tools/convert_checkpoint.py writes Megatron-LM's "
                                       "local-spec names",
     "--moe-per-layer-logging": "the log line carries the mean over MoE layers; metrics.jsonl, TensorBoard and W&B "
@@ -102,6 +103,8 @@ NO_EFFECT: dict[str, str] = {
                                "flag marks the steps for an outside nsys capture instead)"),
     "--logging-level": ("the level of Megatron-LM's Python loggers; the log here (the step lines, warnings and "
                         "errors) always prints"),
+    "--mup-width-mult": ("muP's width multiplier is derived, hidden_size / mup_base_hidden_size (Megatron-LM "
+                         "overwrites the value given under --use-mup and reads it nowhere else)"),
 }
 
 _SERVING = ("Megatron's inference server and its batching; generation here is tools/generate.py and tools/serve.py, "

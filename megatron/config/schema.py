@@ -30,6 +30,8 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 # The parts of a decoder layer a selective recompute may cover (Megatron-LM's --recompute-modules choices).
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm", "mla_up_proj")
+# The parts of a decoder layer whose saved activations may go to host memory (Megatron-LM's --offload-modules).
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
 
 @dataclass
@@ -82,11 +84,13 @@ class MuonConfig:
 
 @dataclass
 class OptimizerConfig:
-    optimizer: str = opt("adam", "adam: AdamW for every parameter; muon: Muon for the transformer layers' matrices, "
+    optimizer: str = opt("adam", "adam: AdamW for every parameter; sgd: torch's SGD with momentum (sgd_momentum) and "
+                                 "coupled (L2) weight decay; muon: Muon for the transformer layers' matrices, "
                                  "AdamW for the rest; dist_muon: muon with the optimizer states sharded over the "
-                                 "data-parallel group (use_distributed_optimizer).", ("adam", "muon", "dist_muon"))
-    weight_decay: float = opt(0.01, "AdamW decoupled weight decay; never applied to biases and norms (but see "
-                                    "apply_wd_to_qk_layernorm).")
+                                 "data-parallel group (use_distributed_optimizer).",
+                         ("adam", "sgd", "muon", "dist_muon"))
+    weight_decay: float = opt(0.01, "Weight decay (AdamW's and Muon's decoupled, SGD's coupled L2); never applied to "
+                                    "biases and norms (but see apply_wd_to_qk_layernorm).")
     apply_wd_to_qk_layernorm: bool = opt(
         False, "Weight decay on the query and key norms' weights and biases too (Megatron-LM's "
                "--apply-wd-to-qk-layernorm, Qwen3-Next's rule); the other norms and biases still get none.")
@@ -102,7 +106,20 @@ class OptimizerConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_epsilon: float = opt(1.0e-8, "AdamW epsilon.")
+    sgd_momentum: float = opt(0.9, "optimizer sgd: the momentum factor (torch.optim.SGD's, no dampening, no Nesterov); "
+                                   "0: plain SGD, no momentum buffer.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    qk_clip: bool = opt(
+        False, "QK-clip (MuonClip, Megatron-LM's --qk-clip): after each step, the query and key weights of every "
+               "attention head whose largest logit of the step passed qk_clip_threshold scaled so that it would sit "
+               "there (docs/muon.md); the largest logit is logged too.")
+    qk_clip_alpha: float = opt(0.5, "QK-clip: the share of the scaling the queries take (eta^alpha), the keys taking "
+                                    "the rest (eta^(1 - alpha)); in (0, 1).")
+    qk_clip_threshold: float = opt(100.0, "QK-clip: the largest attention logit a head may keep; eta = threshold / "
+                                          "its largest logit where that is larger.")
+    log_max_attention_logit: bool = opt(
+        False, "Log the largest attention logit of each step (max_attention_logit), without clipping "
+               "(Megatron-LM's --log-max-attention-logit).")
     lr: LRConfig = section(LRConfig, "lr", "Learning-rate schedule: linear warm-up, then cosine decay.")
     muon: MuonConfig = section(MuonConfig, "muon", "Muon (optimizer muon or dist_muon).")
 
@@ -135,14 +152,21 @@ class DistributedConfig:
     cp_comm_type: str = opt(
         "p2p", "How context-parallel attention exchanges keys and values: p2p (ring attention: blocks sent round "
                "the ring, overlapped with compute), all_gather (keys and values gathered), a2a (Ulysses: "
-               "all-to-all to whole sequences of a subset of the heads).", ("p2p", "all_gather", "a2a"))
+               "all-to-all to whole sequences of a subset of the heads), a2a+p2p (hierarchical: a2a within groups of "
+               "hierarchical_context_parallel_sizes[0] neighbouring cp ranks, then a ring over the groups).",
+        ("p2p", "all_gather", "a2a", "a2a+p2p"))
+    hierarchical_context_parallel_sizes: list[int] | None = opt(
+        None, "INNER OUTER: the two levels of the context-parallel group for cp_comm_type a2a+p2p (their product "
+              "context_parallel_size): all-to-all within groups of INNER neighbouring cp ranks (a node's), a ring "
+              "of OUTER steps across the groups (Megatron-LM's --hierarchical-context-parallel-sizes).")
     use_distributed_optimizer: bool = opt(
         False, "Megatron-LM's distributed optimizer: ZeRO stage 1 over the whole data-parallel group (sets "
                "sharding_degree to it, sharding_stage 1).")
     overlap_param_gather: bool = opt(
         False, "Accepted for Megatron-LM compatibility: the sharded optimizer's parameter all-gather runs after "
                "the step.")
-    bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (fp32 MB).")
+    bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (MB of gradients: fp32, "
+                                      "bf16 with grad_reduce_in_bf16).")
     overlap_grad_reduce: bool | None = opt(
         None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
               "CPU, where gloo's thread competes with the compute for the cores (docs/benchmarks.md).")
@@ -175,6 +199,9 @@ class BatchSizeConfig:
 class MixPrecisionConfig:
     use_pure_fp16: bool = opt(False, "fp16 parameters and compute, fp32 master weights, loss scaling.")
     bf16: bool = opt(False, "bf16 parameters and compute, fp32 master weights and gradients.")
+    grad_reduce_in_bf16: bool = opt(
+        False, "With bf16: the gradient buffers in bf16, so micro-batches accumulate and the data-parallel reduction "
+               "runs in bf16 (half the bytes); the optimizer upcasts them to fp32 for its step (Megatron-LM's flag).")
     scale_loss: float = opt(32768.0, "Initial (or static) loss scale for fp16.")
     dynamic_loss_scale: bool = opt(
         True, "Adjust the fp16 loss scale on overflow; --no-dynamic-loss-scale keeps it static.")
@@ -361,6 +388,20 @@ class Config:
         False, "Recompute each MoE layer's mixture (Megatron-LM's deprecated --moe-layer-recompute: selective "
                "granularity with moe added to recompute_modules).")
     no_recompute_layers: list[int] | None = opt(None, "Layer indices excluded from recompute.")
+    cpu_offloading_num_layers: int = opt(
+        0, "Offload what the first this many decoder layers of each model chunk save for the backward to host memory "
+           "in the forward, brought back in the backward with the next layer prefetched (Megatron-LM's; 0: off; "
+           "below num_layers). A recomputed layer has nothing to offload.")
+    fine_grained_activation_offloading: bool = opt(
+        False, "Offload what the parts offload_modules names save for the backward, in every decoder layer, to host "
+               "memory (Megatron-LM's; not with cpu_offloading_num_layers).")
+    offload_modules: list[str] | None = opt(
+        None, "With fine_grained_activation_offloading: attn_norm, qkv_linear (the QKV projection; multi-latent "
+              "attention's down and up projections), core_attn (softmax(QK^T)V), attn_proj (the output projection; "
+              "with core_attn), mlp_norm, expert_fc1 (the experts' input), moe_act (the experts' activation). A "
+              "recomputed part has nothing to offload.", OFFLOAD_MODULES)
+    min_offloaded_tensor_size: int = opt(
+        1024 * 1024, "Offload only saved tensors whose storage holds at least this many elements (Megatron-LM's).")
     logging_freq: int = opt(1, "Print the log line every this many steps.")
     eval_freq: int = opt(500, "Evaluate on the validation split every this many steps.")
     eval_iters: int = opt(10, "Batches per evaluation (and for the final test pass).")

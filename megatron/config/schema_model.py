@@ -33,6 +33,21 @@ class ModelConfig:
     embedding_init_method_std: float | None = opt(
         None, "Std of the normal init of the word and position embeddings (Megatron-LM's --embedding-init-method-std); "
               "None: initializer_range.")
+    use_mup: bool = opt(
+        False, "Maximal Update Parametrization (Megatron-LM's --use-mup; docs/mup.md): with m = hidden_size / "
+               "mup_base_hidden_size, hidden matrices drawn with std / sqrt(m), logits x mup_output_mult, attention "
+               "scaled by mup_attn_scale_power, and AdamW's lr and eps / m on hidden matrices.")
+    mup_base_hidden_size: int | None = opt(
+        None, "muP: the base (proxy) model's hidden_size, whose hyperparameters transfer; None: hidden_size (m = 1).")
+    mup_embedding_mult: float = opt(1.0, "muP: a multiplier on the embedding's output.")
+    mup_output_mult: float = opt(
+        1.0, "muP: a multiplier on the logits; 1.0 (the default) means 1 / m, as Megatron-LM reads it.")
+    mup_base_head_dim: float | None = opt(
+        None, "muP: the attention scale is sqrt(this) / head_dim^mup_attn_scale_power; None: 1 / "
+              "head_dim^mup_attn_scale_power. Multi-latent attention keeps its own scale (Megatron Core's).")
+    mup_attn_scale_power: float = opt(
+        1.0, "muP: the power of the head width in the attention scale: 1 (muP's 1 / d) or 0.5 (the usual "
+             "1 / sqrt(d)).")
     layernorm_epsilon: float = opt(1e-5, "Epsilon of every normalization layer (LayerNorm or RMSNorm).")
     position_embedding_type: str = opt(
         "learned_absolute", "Positions: a learned embedding added to the input (GPT-2), rotary embeddings on the "
@@ -89,6 +104,20 @@ class ModelConfig:
         "vanilla", "The attention softmax: vanilla; off-by-one (a zero logit in every row's denominator, "
                    "softmax_1); learnable (a trained logit per head, gpt-oss's attention sinks).",
         ("vanilla", "off-by-one", "learnable"))
+    attention_output_gate: bool = opt(
+        False, "Gate each attention head's output by sigmoid of a second query-shaped projection (Qwen3-Next's full "
+               "attention): the QKV projection holds each group's queries, their gates, key and value.")
+    experimental_attention_variant: str | None = opt(
+        None, "gated_delta_net: the layers linear_attention_freq chooses are Gated DeltaNet linear attention "
+              "(Qwen3-Next; docs/hybrid.md) instead of softmax attention. None: attention everywhere.")
+    linear_attention_freq: str | None = opt(
+        None, "With experimental_attention_variant, which layers are linear attention: N ((N-1) linear layers, then "
+              "one attention layer, repeated) or a pattern of num_layers 0/1 entries ('([1]*3+[0]*1)*2'; 1: linear).")
+    linear_conv_kernel_dim: int = opt(4, "Gated DeltaNet: the causal convolution's kernel width.")
+    linear_key_head_dim: int = opt(128, "Gated DeltaNet: the width of a query and key head.")
+    linear_value_head_dim: int = opt(128, "Gated DeltaNet: the width of a value head.")
+    linear_num_key_heads: int = opt(16, "Gated DeltaNet: the query and key heads.")
+    linear_num_value_heads: int = opt(32, "Gated DeltaNet: the value heads (a multiple of the key heads).")
     multi_latent_attention: bool = opt(
         False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank down-projections, "
                "a rotary part of each query and one shared by the heads for the keys (docs/attention.md).")
@@ -220,7 +249,7 @@ def attention_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 
 # The normalization weights, by the end of their names (every layer's and the final ``...layernorm.weight``, the
 # query/key norms', multi-token prediction's ``enorm`` and ``hnorm``): initialised to 1 (0 with apply_layernorm_1p).
-NORM_WEIGHTS = ("layernorm.weight", ".enorm.weight", ".hnorm.weight")
+NORM_WEIGHTS = ("layernorm.weight", ".enorm.weight", ".hnorm.weight", ".out_norm.weight")  # (Gated DeltaNet's)
 
 
 def is_norm_weight(name: str) -> bool:

@@ -23,8 +23,11 @@ from megatron.config.validate_attention import check_attention, check_mtp
 from megatron.config.validate_context import check_context_parallel
 from megatron.config.validate_fim import check_fim
 from megatron.config.validate_fp8 import check_fp8_settings, check_fp8_sizes
+from megatron.config.validate_hybrid import check_hybrid
 from megatron.config.validate_moe import check_moe
-from megatron.config.validate_muon import check_muon
+from megatron.config.validate_muon import check_muon, check_qk_clip
+from megatron.config.validate_mup import check_mup
+from megatron.config.validate_offload import check_offload
 from megatron.config.validate_recompute import check_recompute
 from megatron.config.validate_rerun import check_rerun
 from megatron.config.validate_schedule import (
@@ -343,12 +346,16 @@ def _check_training(config: Config, cuda_available: bool) -> None:
     mp = config.mix_precision
     if mp.bf16 and mp.use_pure_fp16:
         _fail("bf16 and use_pure_fp16 are both set; choose one precision.")
+    if mp.grad_reduce_in_bf16 and not mp.bf16:
+        _fail("grad_reduce_in_bf16 keeps the gradients in bf16, which needs bf16 training; add --bf16 or drop "
+              "--grad-reduce-in-bf16.")
     if mp.scale_loss <= 0:
         _fail(f"scale_loss must be positive, got {mp.scale_loss}.")
     if mp.min_loss_scale <= 0 or mp.loss_scale_window < 1 or mp.hysteresis < 1:
         _fail(f"min_loss_scale must be positive and loss_scale_window and hysteresis at least 1, got "
               f"{mp.min_loss_scale:g}, {mp.loss_scale_window} and {mp.hysteresis}.")
     check_recompute(config)
+    check_offload(config)
     for layer in config.no_recompute_layers or []:
         if not 0 <= layer < config.model.num_layers:
             _fail(f"no_recompute_layers holds {layer}, but layers are numbered 0..{config.model.num_layers - 1}.")
@@ -451,9 +458,12 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     check_fim(config)
     _check_model(config)
     check_muon(config)  # before the layout: dist_muon is the distributed optimizer
+    check_qk_clip(config)
+    check_mup(config, warnings)
     _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
     check_moe(config)
+    check_hybrid(config)
     check_attention(config, warnings)
     check_mtp(config)
     check_training_length(config)

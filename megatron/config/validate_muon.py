@@ -26,3 +26,15 @@ def check_muon(config: Config) -> None:
         _fail(f"muon_extra_scale_factor must be a positive number, got {m.muon_extra_scale_factor}.")
     if o.optimizer == "dist_muon":
         config.distributed.use_distributed_optimizer = True
+
+
+def check_qk_clip(config: Config) -> None:
+    """QK-clip's (MuonClip's) settings, as Megatron-LM checks them with --qk-clip; here whether or not it is on (no
+    numeric key takes a value without a meaning)."""
+    o = config.optimizer
+    if not 0.0 < o.qk_clip_alpha < 1.0:
+        _fail(f"qk_clip_alpha must be between 0 and 1 (exclusive), got {o.qk_clip_alpha}; 0.5 splits the scaling "
+              f"evenly between the queries and the keys.")
+    if not (math.isfinite(o.qk_clip_threshold) and o.qk_clip_threshold > 0):
+        _fail(f"qk_clip_threshold must be a positive number, got {o.qk_clip_threshold}; Megatron-LM's default is "
+              f"100.")

@@ -32,6 +32,8 @@ def check_optimizer(config: Config, warnings: list[str]) -> None:
         _fail(f"grad_clip must be >= 0 (0 disables clipping), got {o.grad_clip}.")
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
         _fail(f"adam_beta1 and adam_beta2 must be in [0, 1), got {o.adam_beta1} and {o.adam_beta2}.")
+    if not 0 <= o.sgd_momentum < 1:
+        _fail(f"sgd_momentum must be in [0, 1) (0: plain SGD), got {o.sgd_momentum}.")
 
 
 def _check_decoupled_lr(lr) -> None:

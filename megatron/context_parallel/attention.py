@@ -13,8 +13,10 @@ documents, in sliding windows and with attention sinks, on the block kernels of 
 - ``a2a`` (Ulysses): an all-to-all turns [local tokens, all heads] into [all tokens, heads / cp]; attention
   runs over whole sequences (the cp-1 path, with the sinks of the heads held); a second all-to-all turns the result
   back.
+- ``a2a+p2p`` (hierarchical, ``CpLevels``): Ulysses's all-to-all within groups of I neighbouring cp ranks (a node),
+  then the ring over the cp / I groups on the I times longer chunks it gives, and the all-to-all back.
 
-Attention dropout: p2p and all_gather drop each block's probabilities by masks that are a function of global
+Attention dropout: p2p, all_gather and a2a+p2p drop each block's probabilities by masks that are a function of global
 positions (``dropout.py``: the seed of the micro-batch, the layer, the sample, the head, the query and the key
 positions), drawn again in the backward; so do cp 1 and ``a2a`` under ``--attention-dropout-masks positional``
 (``plan.positional_dropout``), whose default is the fused kernel's own dropout over whole sequences (or the masked
@@ -24,6 +26,7 @@ softmax's). Positional masks give every layout the one process's masks.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,7 @@ from megatron.attention.local import (
     sinks_or_empty,
     whole_sequences,
 )
+from megatron.attention.max_logits import observe
 from megatron.context_parallel.layout import merge_chunks, scatter_chunks
 
 __all__ = ["AttentionPlan", "attend", "exchange", "masked_attention"]  # attend: megatron.attention.local's
@@ -100,11 +104,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,
-                dropout: BlockDropout | None = None):
+                dropout: BlockDropout | None = None, max_logits: torch.Tensor | None = None):
         cp, r, length = plan.cp_size, plan.cp_rank, q.shape[2]
         layout = _KeysValues(k, v)
         kv = layout.pack(k, v)
-        result = RunningResult(q, v.shape[-1])
+        result = RunningResult(q, v.shape[-1], max_logits)  # QK-clip's maxima from the keys as they come round
         for t in range(cp):
             transfer = _next_keys(kv, t, plan)
             result.add(q, *layout.unpack(kv), plan.blocks((r - t) % cp, length, window), scale, dropout)
@@ -134,7 +138,7 @@ class RingAttention(torch.autograd.Function):
             dkv = gradients.received()
         dk, dv = layout.unpack(dkv)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sinks_gradient(dout, out, lse, sinks), None, None,
-                None, None)
+                None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------ all_gather
@@ -152,8 +156,9 @@ class GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan: AttentionPlan, scale: float, window: int | None,
-                dropout: BlockDropout | None = None):
-        gathered, result, layout = _gather_kv(k, v, plan), RunningResult(q, v.shape[-1]), _KeysValues(k, v)
+                dropout: BlockDropout | None = None, max_logits: torch.Tensor | None = None):
+        gathered, layout = _gather_kv(k, v, plan), _KeysValues(k, v)
+        result = RunningResult(q, v.shape[-1], max_logits)
         for j in range(plan.cp_size):
             result.add(q, *layout.unpack(gathered[j]), plan.blocks(j, q.shape[2], window), scale, dropout)
         return result.saved(ctx, q, k, v, sinks, plan, scale, window, dropout)
@@ -174,7 +179,7 @@ class GatheredAttention(torch.autograd.Function):
         _reduce_scatter_flat(mine, dkv.view(-1), group=plan.group)
         dk, dv = layout.unpack(mine)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sinks_gradient(dout, out, lse, sinks), None, None,
-                None, None)
+                None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------ a2a (Ulysses)
@@ -198,34 +203,105 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None,
-             sinks: torch.Tensor | None, drop: BlockDropout | None = None) -> torch.Tensor:
-    """Sequence-sharded -> head-sharded, whole-sequence attention (the sinks of the heads held), and back; ``drop``
-    (positional dropout): the plan's blocks over whole sequences, the heads held numbered globally."""
-    cp = plan.cp_size
+def _to_heads(t: torch.Tensor, size: int, group) -> torch.Tensor:
+    """[b, n, L, d] -> [b, n / size, size L, d]: the ``size`` ranks' tokens (each rank's two chunks) of this rank's
+    n / size heads, in order of position (``merge_chunks``)."""
+    parts = _AllToAll.apply(torch.stack(t.chunk(size, dim=1)), group)  # [size, b, n / size, L, d]
+    return merge_chunks(list(parts.unbind(0)), dim=2)
 
-    def to_heads(t: torch.Tensor) -> torch.Tensor:  # [b, n, L, d] -> [b, n / cp, s, d]
-        parts = _AllToAll.apply(torch.stack(t.chunk(cp, dim=1)), plan.group)  # [cp, b, n/cp, L, d]
-        return merge_chunks(list(parts.unbind(0)), dim=2)
 
-    held = None if sinks is None else sinks.chunk(cp)[plan.cp_rank]
-    whole = AttentionPlan(document_ids=plan.document_ids, _cache=plan._cache.setdefault("whole", {}))
-    if drop is None:
-        out = whole_sequences(to_heads(q), to_heads(k), to_heads(v), whole, dropout_p, scale, window, held)
-    else:
-        heads = q.shape[1] // cp
-        drop = dataclasses.replace(drop, first_head=drop.first_head + plan.cp_rank * heads)
-        out = LocalAttention.apply(to_heads(q), to_heads(k), to_heads(v), sinks_or_empty(held, q), whole, scale,
-                                   window, drop)
-    back = _AllToAll.apply(torch.stack(scatter_chunks(out, cp, dim=2)), plan.group)  # [cp, b, nq/cp, L, dv]
+def _to_tokens(out: torch.Tensor, size: int, group) -> torch.Tensor:
+    """``_to_heads`` inverted: [b, n / size, size L, d] -> [b, n, L, d]."""
+    back = _AllToAll.apply(torch.stack(scatter_chunks(out, size, dim=2)), group)  # [size, b, n / size, L, d]
     return torch.cat(list(back.unbind(0)), dim=1)
 
 
+def _ulysses(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None,
+             sinks: torch.Tensor | None, drop: BlockDropout | None = None,
+             max_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequence-sharded -> head-sharded, whole-sequence attention (the sinks of the heads held), and back; ``drop``
+    (positional dropout): the plan's blocks over whole sequences, the heads held numbered globally; ``max_logits``
+    (QK-clip): the heads held raised over the whole sequence."""
+    cp = plan.cp_size
+
+    def to_heads(t: torch.Tensor) -> torch.Tensor:  # [b, n, L, d] -> [b, n / cp, s, d]
+        return _to_heads(t, cp, plan.group)
+
+    held = None if sinks is None else sinks.chunk(cp)[plan.cp_rank]
+    whole = AttentionPlan(document_ids=plan.document_ids, _cache=plan._cache.setdefault("whole", {}))
+    q_held, k_held, v_held = to_heads(q), to_heads(k), to_heads(v)
+    heads = q.shape[1] // cp
+    if max_logits is not None:
+        observe(max_logits[plan.cp_rank * heads:(plan.cp_rank + 1) * heads], q_held, k_held,
+                whole.blocks(0, q_held.shape[2], window), scale)
+    if drop is None:
+        out = whole_sequences(q_held, k_held, v_held, whole, dropout_p, scale, window, held)
+    else:
+        drop = dataclasses.replace(drop, first_head=drop.first_head + plan.cp_rank * heads)
+        out = LocalAttention.apply(q_held, k_held, v_held, sinks_or_empty(held, q), whole, scale, window, drop)
+    return _to_tokens(out, cp, plan.group)
+
+
+# ------------------------------------------------------------------------------------------------ a2a+p2p
+
+@dataclass(frozen=True)
+class CpLevels:
+    """a2a+p2p's two levels of the cp group (``parallel_state``'s cp_inner and cp_outer groups): cp rank r is
+    rank r % I of its inner group of I neighbouring cp ranks and rank r // I of its outer ring of cp / I."""
+
+    inner_size: int
+    inner_rank: int
+    inner_group: dist.ProcessGroup | None
+    outer_size: int
+    outer_rank: int
+    outer_group: dist.ProcessGroup | None
+
+    @classmethod
+    def of(cls, state) -> CpLevels:
+        """The levels of a ``parallel_state.ParallelState`` built with ``cp_inner``."""
+        inner = state.cp_inner_size
+        return cls(inner, state.cp_rank % inner, state.group("cp_inner"), state.cp_size // inner,
+                   state.cp_rank // inner, state.group("cp_outer"))
+
+
+def _hierarchical(q, k, v, plan: AttentionPlan, levels: CpLevels, dropout_p: float, scale: float,
+                  window: int | None, sinks: torch.Tensor | None, drop: BlockDropout | None,
+                  max_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """a2a+p2p (TransformerEngine's): an all-to-all over the inner group turns [L tokens, n heads] into
+    [I L tokens, n / I heads]; the inner group's cp ranks o I .. o I + I - 1 (o its outer rank) hold chunks
+    o I .. (o + 1) I - 1 and their mirrors of the 2 cp, so those tokens are the two chunks outer rank o holds of a
+    split into 2 x cp / I chunks (``layout.py``'s, I times longer): the ring runs over the outer group on them (its
+    dropout by global positions, the heads held numbered globally, the sinks of those heads), and a second
+    all-to-all turns the result back. Its size-1 levels are the plain ring (I = 1) or Ulysses (I = cp)."""
+    inner, outer = levels.inner_size, levels.outer_size
+    if inner == 1 or outer == 1:
+        return exchange(q, k, v, dataclasses.replace(plan, comm_type="p2p" if inner == 1 else "a2a"), dropout_p,
+                        scale, window, sinks, drop, max_logits=max_logits)
+    ring = plan._cache.get("outer plan")
+    if ring is None:  # the plan of the outer ring, shared by the layers of the micro-batch (its blocks cached)
+        ring = plan._cache["outer plan"] = AttentionPlan(outer, levels.outer_rank, levels.outer_group, "p2p",
+                                                         plan.document_ids)
+    held = None if sinks is None else sinks.chunk(inner)[levels.inner_rank]
+    heads = [_to_heads(t, inner, levels.inner_group) for t in (q, k, v)]
+    first = levels.inner_rank * q.shape[1] // inner  # the first head held, of this tensor-parallel rank's
+    if drop is not None:
+        drop = dataclasses.replace(drop, first_head=drop.first_head + first)
+    held_max = None if max_logits is None else max_logits[first:first + q.shape[1] // inner]  # QK-clip's: theirs
+    out = RingAttention.apply(*heads, sinks_or_empty(held, q), ring, scale, window, drop, held_max)
+    return _to_tokens(out, inner, levels.inner_group)
+
+
 def exchange(q, k, v, plan: AttentionPlan, dropout_p: float, scale: float, window: int | None,
-             sinks: torch.Tensor | None, drop: BlockDropout | None) -> torch.Tensor:
-    """The keys and values of the ``plan.cp_size`` ranks met by ``plan.comm_type`` (ring, all-gather, all-to-all):
-    what ``attend`` calls for a split sequence (``AttentionPlan.exchange``)."""
+             sinks: torch.Tensor | None, drop: BlockDropout | None, levels: CpLevels | None = None,
+             max_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys and values of the ``plan.cp_size`` ranks met by ``plan.comm_type`` (ring, all-gather, all-to-all,
+    a2a+p2p over ``levels``): what ``attend`` calls for a split sequence (``AttentionPlan.exchange``).
+    ``max_logits`` [nq] (QK-clip, ``megatron.attention.max_logits``): raised by the logits of this rank's queries
+    against every key they see (ring, all-gather), or, after an all-to-all, of every query of the heads held; the
+    maximum over the sequence is the one over the cp ranks (taken after the step)."""
     if plan.comm_type == "a2a":
-        return _ulysses(q, k, v, plan, dropout_p, scale, window, sinks, drop)
+        return _ulysses(q, k, v, plan, dropout_p, scale, window, sinks, drop, max_logits)
+    if plan.comm_type == "a2a+p2p":
+        return _hierarchical(q, k, v, plan, levels, dropout_p, scale, window, sinks, drop, max_logits)
     function = GatheredAttention if plan.comm_type == "all_gather" else RingAttention
-    return function.apply(q, k, v, sinks_or_empty(sinks, q), plan, scale, window, drop)
+    return function.apply(q, k, v, sinks_or_empty(sinks, q), plan, scale, window, drop, max_logits)

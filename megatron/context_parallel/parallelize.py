@@ -5,16 +5,21 @@ that runs it (``attention.exchange``); the data loader gives each rank its two c
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
-from megatron.context_parallel.attention import exchange
+from megatron.context_parallel.attention import CpLevels, exchange
 
 
-def apply_context_parallel(model: nn.Module, size: int, rank: int, group, comm_type: str) -> nn.Module:
+def apply_context_parallel(model: nn.Module, size: int, rank: int, group, comm_type: str,
+                           levels: CpLevels | None = None) -> nn.Module:
     """Set the split on every module of ``model`` that plans attention (``cp_comm_type`` on its class: the GPT);
-    returns it."""
+    ``levels``: a2a+p2p's two levels of the group (``CpLevels.of(parallel_state.get())``). Returns ``model``."""
+    if size > 1 and comm_type == "a2a+p2p" and levels is None:
+        raise ValueError("--cp-comm-type a2a+p2p runs over the two levels of the cp group: pass them (levels)")
     for module in model.modules():
         if "cp_comm_type" in vars(type(module)):
             module.cp_size, module.cp_rank, module.cp_group, module.cp_comm_type = size, rank, group, comm_type
-            module.cp_exchange = exchange
+            module.cp_exchange = exchange if levels is None else functools.partial(exchange, levels=levels)
     return model

@@ -1,7 +1,8 @@
 """A bucket of the parameter buffer: the unit of communication, with its own state.
 
 A bucket knows its place in the buffer (a ``BucketSpan``), its parameters, the storage of their
-values and (while they exist) of their fp32 gradients, and what is in flight for it:
+values and (while they exist) of their gradients (``grad_dtype``: fp32, or bf16; every reduction runs in it),
+and what is in flight for it:
 
 - **gradient sync** (``DataParallel``): ``mark_ready(param)`` counts a parameter's gradient in and
   says when the bucket is complete; ``start_grad_sync`` launches the all-reduce (stage 1) or the
@@ -58,8 +59,8 @@ class Bucket:
     """``params``: (parameter, start, end) in buffer coordinates. ``param_data``: the bucket's parameters
     (a view of the flat buffer, or under stage 3 storage of its own, ``owns_params``, freed between
     uses). ``param_shard`` / ``grad_shard``: this rank's slice of the stored parameters and of the
-    persistent gradient shard (None unless the gradients are sharded). ``grad_data``: the full fp32
-    gradients, while they exist."""
+    persistent gradient shard (None unless the gradients are sharded). ``grad_data``: the full gradients
+    (``grad_dtype``), while they exist."""
 
     def __init__(self, span: BucketSpan, params: list[tuple[nn.Parameter, int, int]], param_data: torch.Tensor,
                  grad_dtype: torch.dtype, owns_params: bool):
@@ -97,9 +98,9 @@ class Bucket:
             self.point_grads(torch.zeros(self.numel, dtype=self.grad_dtype, device=self.param_data.device))
 
     def accumulate_main_grad(self, param: nn.Parameter) -> None:
-        """Move a freshly accumulated ``param.grad`` into the fp32 main grad (a post-accumulate hook).
+        """Move a freshly accumulated ``param.grad`` into the main grad (a post-accumulate hook).
 
-        For fp32 parameters ``param.grad`` normally already is the main grad (nothing to do); if
+        For parameters of the gradients' dtype ``param.grad`` normally already is the main grad (nothing to do); if
         something reset it to None (``model.zero_grad()``), autograd stored a new tensor, which is
         folded back here so that no gradient is lost. Under stage 3 the bucket's full gradients are
         allocated here, when its first gradient of a backward arrives."""

@@ -1,10 +1,10 @@
 """Data parallelism: per-bucket gradient reduction, overlapped with the backward.
 
-The fp32 main grads live in one flat buffer (``ParamAndGradBuffer``) cut into buckets in the
-order the backward produces them. During the backward of the last micro-batch, a hook on each
-parameter counts it in (``Bucket.mark_ready``); when a bucket's last parameter is in, its
-reduction starts (asynchronously) while the backward goes on. ``finish_grad_sync()`` waits for
-them all. Other micro-batches only accumulate (``no_sync()``).
+The main grads (fp32; bf16 under ``grad_reduce_in_bf16``, reduced in bf16) live in one flat buffer
+(``ParamAndGradBuffer``) cut into buckets in the order the backward produces them. During the backward
+of the last micro-batch, a hook on each parameter counts it in (``Bucket.mark_ready``); when a
+bucket's last parameter is in, its reduction starts (asynchronously) while the backward goes on.
+``finish_grad_sync()`` waits for them all. Other micro-batches only accumulate (``no_sync()``).
 
 Under pipeline parallelism the schedule runs every backward in ``no_sync()`` but each model
 chunk's last one (``schedules.run_pipeline_table``): a chunk's buckets start their reduction

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -58,7 +59,9 @@ class ShardingPlan:
     states on the CPU. ``overlap``: reduce buckets during the backward. ``every_micro_batch``: reduce
     after every micro-batch (stage 3 without pipelining). ``keep_gathered``: stage 3 with pipelining,
     parameters gathered once per step. ``own_bucket``: names that get a bucket of their own (the tied
-    embedding, whose slices must agree on the first and last stages). ``bucket_size``: elements."""
+    embedding, whose slices must agree on the first and last stages). ``bucket_size``: elements. ``grad_dtype``: the
+    gradient buffers' dtype, in which micro-batches accumulate and every reduction runs (fp32; bf16 with
+    ``grad_reduce_in_bf16``)."""
 
     stage: int = 1
     sharding_group: dist.ProcessGroup | None = None
@@ -76,6 +79,7 @@ class ShardingPlan:
     expert_group: dist.ProcessGroup | None = None  # edp: the ranks holding the same experts (None: one rank)
     expert_first_replica: bool = True
     shard_experts: bool = False  # a sharded optimizer: the expert states sharded over all of edp
+    grad_dtype: torch.dtype = torch.float32
 
     @property
     def shards_grads(self) -> bool:
@@ -112,12 +116,13 @@ def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
         every_micro_batch=stage == 3 and not pipelined,
         keep_gathered=stage == 3 and pipelined,
         own_bucket=shared_embedding_names(config.model) if stage >= 2 and pipelined else (),
-        bucket_size=int(d.bucket_size_mb * 2**20 / 4),
+        bucket_size=int(d.bucket_size_mb * 2**20 / (2 if config.mix_precision.grad_reduce_in_bf16 else 4)),
         first_replica=ps.writes_shard,
         # experts: the edp group even of one rank when sharded (a reduce-scatter over one rank fills the shard)
         expert_group=ps.group("edp") if ps.edp_size > 1 or (stage >= 2 and ps.world_size > 1) else None,
         expert_first_replica=ps.shard_group_size > 1 or ps.edp_rank == 0,
         shard_experts=ps.shard_group_size > 1,
+        grad_dtype=torch.bfloat16 if config.mix_precision.grad_reduce_in_bf16 else torch.float32,
     )
 
 
@@ -155,7 +160,8 @@ def build_buffer(model: nn.Module, plan: ShardingPlan) -> ParamAndGradBuffer:
     groups = [plan.bucket_groups(expert) for _, expert in buckets]
     shardings = [_size_and_rank(g.sharding) for g in groups]
     return ParamAndGradBuffer(lay_out([members for members, _ in buckets], shardings=shardings), dict(named),
-                              shard_grads=plan.shards_grads, shard_params=plan.shards_params, groups=groups)
+                              grad_dtype=plan.grad_dtype, shard_grads=plan.shards_grads,
+                              shard_params=plan.shards_params, groups=groups)
 
 
 def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

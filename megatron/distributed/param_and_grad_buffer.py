@@ -1,7 +1,8 @@
 """Contiguous parameter and gradient buffers, cut into buckets, each bucket sharded N ways.
 
 All trainable parameters are re-pointed into one flat tensor in the model's dtype, and their
-fp32 gradients ("main grads") live in one flat fp32 tensor with the same layout. The layout
+gradients ("main grads") live in one flat tensor with the same layout, in fp32 (bf16 under
+``grad_reduce_in_bf16``: ``grad_dtype``, in which micro-batches accumulate and every reduction runs). The layout
 (``buffer_layout.lay_out``: buckets in reverse parameter order, weight-decay parameters first
 within a bucket, each padded to a multiple of the sharding degree N, rank r owning the r-th
 contiguous slice of every bucket, as Megatron-LM's distributed optimizer) is computed from names
@@ -17,10 +18,11 @@ Storage by sharding stage (P = parameters on this rank):
 | 2 | P, one flat tensor | P during the backward, then freed | P/N, persistent |
 | 3 | P/N persistent shard; a bucket's P_b while gathered | P_b while its backward runs | P/N, persistent |
 
-Gradient flow: for fp32 parameters ``param.grad`` *is* the main-grad view, and autograd
-accumulates into it in place (a hook repairs the link if ``param.grad`` was reset). For
-bf16/fp16 parameters a post-accumulate hook adds ``param.grad`` into the fp32
-``param.main_grad`` and frees it, so accumulation over micro-batches happens in fp32.
+Gradient flow: when the parameters' dtype is the gradients' (fp32 training; bf16 with bf16
+gradients) ``param.grad`` *is* the main-grad view, and autograd accumulates into it in place (a
+hook repairs the link if ``param.grad`` was reset). For bf16/fp16 parameters over fp32 gradients a
+post-accumulate hook adds ``param.grad`` into the fp32 ``param.main_grad`` and frees it, so
+accumulation over micro-batches happens in fp32.
 """
 
 from __future__ import annotations

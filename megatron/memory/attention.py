@@ -56,6 +56,8 @@ The core (``core_terms``; ``dk``, ``dv`` the query/key and value widths, ``hd`` 
   with attention dropout too (its masks are drawn again in the backward, ``attention.dropout``);
 - a2a: whole sequences of ``a / c`` heads; q, k and v the all-to-all's own ``n (a dk + g (dk + dv)) d``, then
   the kernel's saves on them (the probabilities ``b (a / c) s^2``), the output its own;
+- a2a+p2p: the ring's saves on the inner all-to-all's q, k and v (``I`` times the tokens of ``a / I`` heads: the
+  same bytes as a2a's), its output in their layout and the log-sum-exp;
 - ``core_attn`` recompute: ``given`` only (the checkpoint's inputs).
 
 Packed documents run one kernel call per document on slices of q, k and v: the same bytes but for the output
@@ -131,6 +133,9 @@ def core_terms(D, c: CoreInputs) -> dict[str, int]:
     if D.cp > 1 and D.cp_comm in ("p2p", "all_gather"):  # their output in q's layout, as the flash kernel's
         own_out = c.q_batch_major and (a > 1 or D.b > 1)
         return {"attention q, k, v": c.given, "attention out": own_out * n * a * c.dv * D.d, "attention lse": lse}
+    if D.cp > 1 and D.cp_comm == "a2a+p2p":  # the ring on the all-to-all's copies
+        return {"attention q, k, v": n * (a * c.dk + c.g * (c.dk + c.dv)) * D.d, "attention out": n * a * c.dv * D.d,
+                "attention lse": lse}
     ulysses = D.cp > 1  # a2a
     if D.kernel == "flash":
         own_out = ulysses or D.documents or (c.q_batch_major and (a > 1 or D.b > 1))
@@ -147,7 +152,7 @@ def core_terms(D, c: CoreInputs) -> dict[str, int]:
 
 def keeps_given(D, recompute: str | None) -> bool:
     """Whether the core keeps q, k and v as given (rather than copies of its own)."""
-    if recompute == "core_attn" or (D.cp > 1 and D.cp_comm != "a2a"):
+    if recompute == "core_attn" or (D.cp > 1 and D.cp_comm in ("p2p", "all_gather")):
         return True
     return D.cp == 1 and D.kernel == "flash"
 

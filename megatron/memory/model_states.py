@@ -6,18 +6,19 @@ With P parameters on a rank (its tensor/pipeline share of the model), N = the ra
 | state | fp32 training | bf16 / fp16 training | sharded from stage |
 | --- | --- | --- | --- |
 | parameters | 4P | 2P | 3 |
-| gradients (fp32 main grads) | 4P | 4P | 2 |
+| gradients (main grads: fp32; bf16 with ``grad_reduce_in_bf16``) | 4P | 4P (2P) | 2 |
 | master weights (fp32) | 0 (the parameters are the masters) | 4P | 1 |
-| AdamW exp_avg + exp_avg_sq (fp32) | 8P | 8P | 1 |
+| AdamW exp_avg + exp_avg_sq (fp32; SGD: its momentum, 4P, none at momentum 0) | 8P | 8P | 1 |
 
 A sharded state is 1/N of the table per rank; which states a stage shards, and that without a
 sharding group (N = 1) the stage in effect is 1, is read from ``megatron/distributed/sharding_rule.py``, the
 rule the run itself applies (``ShardingPlan``). ZeRO's 2Psi + 2Psi + K Psi with K = 12 (Adam, mixed
 precision) is this table with fp32 gradients (4P rather than 2P: main grads are accumulated in fp32 here, as
-Megatron-LM does). The figures are those held between
+Megatron-LM does for bf16 unless ``--grad-reduce-in-bf16``, which gives ZeRO's 2P). The figures are those held between
 steps: under stage 2 the full 4P gradient buffer also exists during the backward, and under stage 3
 the full parameters (and gradients) of the layers being used: at most the non-layer parameters
-plus two layers at once: ``step_transient_bytes`` counts those.
+plus two layers at once: ``step_transient_bytes`` counts those. (bf16 main grads are upcast into an fp32 copy of
+this rank's shard, 4P/N, for the optimizer step only, when no activations are held: not counted.)
 
 Offload (``sharding_offload``): the master weights (fp32 even when training in fp32) and the AdamW
 states live on the CPU, with a CPU copy of the gradient shard (4P/N) that the step reads.
@@ -66,8 +67,9 @@ class ModelStateBytes:
 
 
 def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 1, stage: int = 1,
-                      offload: bool = False) -> ModelStateBytes:
-    """Bytes one rank holds between steps for ``num_params`` parameters (its share after tp/pp)."""
+                      offload: bool = False, grad_bytes: int = 4, state_bytes: int = 8) -> ModelStateBytes:
+    """Bytes one rank holds between steps for ``num_params`` parameters (its share after tp/pp); ``grad_bytes`` per
+    main-grad element (``gradient_bytes``), ``state_bytes`` of optimizer states per element (``state_bytes_of``)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"sharding stage must be 1, 2 or 3, got {stage}")
     if precision not in ("fp32", "bf16", "fp16"):
@@ -77,8 +79,8 @@ def model_state_bytes(num_params: int, precision: str = "fp32", sharding: int = 
     low = precision != "fp32"
     params = shard if shards_params(in_effect) else num_params
     grads = shard if shards_grads(in_effect) else num_params
-    return ModelStateBytes(parameters=params * (2 if low else 4), gradients=4 * grads,
-                           master_weights=4 * shard if low or offload else 0, optimizer_states=8 * shard,
+    return ModelStateBytes(parameters=params * (2 if low else 4), gradients=grad_bytes * grads,
+                           master_weights=4 * shard if low or offload else 0, optimizer_states=state_bytes * shard,
                            cpu_gradients=4 * shard if offload else 0, offload=offload)
 
 
@@ -97,6 +99,20 @@ def training_precision(config: Config) -> str:
     return "bf16" if mp.bf16 else "fp16" if mp.use_pure_fp16 else "fp32"
 
 
+def gradient_bytes(config: Config) -> int:
+    """Bytes of a main-grad element: 2 under ``grad_reduce_in_bf16`` (bf16 buffers), else 4 (fp32)."""
+    return 2 if config.mix_precision.grad_reduce_in_bf16 else 4
+
+
+def state_bytes_of(config: Config) -> int:
+    """Optimizer-state bytes per element: AdamW's two fp32 moments, 8; SGD's fp32 momentum, 4 (0 without momentum).
+    (Muon's matrices keep one momentum, 4, and AdamW the rest: counted as AdamW's here.)"""
+    o = config.optimizer
+    if o.optimizer == "sgd":
+        return 4 if o.sgd_momentum else 0
+    return 8
+
+
 def expert_shards(config: Config) -> int:
     """The ranks the experts' states are sharded over: every expert-data-parallel rank (edp, no replicas) when
     the optimizer is sharded (the dense states over ``zero_shards`` > 1), else 1 (all-reduced over edp)."""
@@ -110,16 +126,17 @@ def rank_model_state_bytes(config: Config, pp_rank: int = 0) -> ModelStateBytes:
     d = config.distributed
     dense, experts = parameter_split(config, d.mp_degree, d.pp_degree, pp_rank)
     precision, stage, offload = training_precision(config), d.sharding.sharding_stage, d.sharding.sharding_offload
-    states = model_state_bytes(dense, precision, config.zero_shards, stage, offload)
+    sizes = {"grad_bytes": gradient_bytes(config), "state_bytes": state_bytes_of(config)}
+    states = model_state_bytes(dense, precision, config.zero_shards, stage, offload, **sizes)
     if experts:
-        states = states + model_state_bytes(experts, precision, expert_shards(config), stage, offload)
+        states = states + model_state_bytes(experts, precision, expert_shards(config), stage, offload, **sizes)
     return states
 
 
 def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     """Device bytes of model states that exist only during a step, beyond ``model_state_bytes``:
-    under stage 2 the full fp32 gradient buffer (4P, of which the 4P/N shard stays between steps);
-    under stage 3 the full parameters and fp32 gradients of what is gathered: without pipelining the
+    under stage 2 the full gradient buffer (4P, or 2P in bf16, of which the 1/N shard stays between steps);
+    under stage 3 the full parameters and gradients of what is gathered: without pipelining the
     non-layer parameters (the root) and two decoder layers, with pipelining the whole stage (gathered at
     its first forward, kept until the reduce-scatter after its last backward). Stage 1: none. The experts
     (their own shards over ``expert_shards``) likewise, a layer's gathered with it."""
@@ -132,7 +149,7 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
     if stage == 1:
         return 0
     if stage == 2:
-        return 4 * (num_params - shard)
+        return gradient_bytes(config) * (num_params - shard)
     param_bytes = 4 if training_precision(config) == "fp32" else 2
     if pp > 1:
         gathered = num_params
@@ -141,7 +158,7 @@ def step_transient_bytes(config: Config, pp_rank: int = 0) -> int:
         layers = sum(count * (dense + expert) for dense, expert, count in kinds)
         largest = sorted((dense + expert for dense, expert, count in kinds for _ in range(min(count, 2))), reverse=True)
         gathered = num_params - layers + sum(largest[:2])  # the two largest layers gathered at once
-    return (param_bytes + 4) * max(0, gathered - shard)
+    return (param_bytes + gradient_bytes(config)) * max(0, gathered - shard)
 
 
 def parameters_per_rank(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int | None = None,

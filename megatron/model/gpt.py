@@ -17,6 +17,7 @@ from torch import nn
 from megatron.attention.plan import AttentionPlan
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
+from megatron.config.validate_mup import embedding_multiplier, output_multiplier
 from megatron.model.blocks import dropout, make_norm
 from megatron.model.mtp import MTPInputs, MultiTokenPrediction
 from megatron.model.rotary import RotaryEmbedding, yarn_of
@@ -25,9 +26,9 @@ from megatron.ops.seams import LOCAL
 
 
 class GPTEmbedding(nn.Module):
-    """``drop(word[tokens] + position[position_ids])``: tokens [b, s] -> [s, b, h]; the position term
+    """``drop(mult x (word[tokens] + position[position_ids]))``: tokens [b, s] -> [s, b, h]; the position term
     only with ``position_embedding_type`` learned_absolute (rope rotates inside attention; none has no
-    positions).
+    positions); ``mult`` muP's ``mup_embedding_mult`` (1 without muP).
 
     Under tensor parallelism the word embedding is vocabulary-parallel (rows split over the group, looked up and
     summed across it); under sequence parallelism the output is this rank's ``s / tp`` positions
@@ -43,6 +44,7 @@ class GPTEmbedding(nn.Module):
         else:
             self.position_embeddings = None
         self.dropout = cfg.hidden_dropout_prob
+        self.multiplier = embedding_multiplier(cfg)  # muP's mup_embedding_mult (1: none)
         self._desc = (f"vocab_size={padded_vocab_size}, hidden_size={cfg.hidden_size}, "
                       f"hidden_dropout_prob={cfg.hidden_dropout_prob}, "
                       f"max_position_embeddings={cfg.max_position_embeddings}, "
@@ -58,6 +60,8 @@ class GPTEmbedding(nn.Module):
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids.t())
+        if self.multiplier != 1.0:
+            x = x * self.multiplier
         return dropout(self.seams.scatter_sequence(x), self.dropout, self.training, self.seams.sequence_rng)
 
 
@@ -86,6 +90,7 @@ class GPTModel(nn.Module):
         self.cfg = cfg
         self.pre_process = self.post_process = True  # the whole model (pipeline_parallel.partition.cut_stage)
         self.untied = cfg.untie_embeddings_and_output_weights
+        self.logit_multiplier = output_multiplier(cfg)  # muP's (1 / m by default; 1 without muP)
         if cfg.multi_latent_attention:  # the rotary channels of its queries and shared key (megatron.model.mla)
             from megatron.model.mla import yarn_settings
 
@@ -182,8 +187,10 @@ class GPTModel(nn.Module):
 
     def parallel_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head on this rank's vocabulary shard: [..., h] -> [..., V/tp] (the padded
-        vocabulary split over the tensor-parallel group; never gathered here)."""
-        return F.linear(self.seams.head_input(x), self.head_weight)
+        vocabulary split over the tensor-parallel group; never gathered here); times muP's output multiplier."""
+        logits = F.linear(self.seams.head_input(x), self.head_weight)
+        # in place: the matmul's backward does not read its output, and no second [.., V/tp] tensor is allocated
+        return logits.mul_(self.logit_multiplier) if self.logit_multiplier != 1.0 else logits
 
     @property
     def head_weight(self) -> torch.Tensor:

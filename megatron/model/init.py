@@ -12,8 +12,12 @@ the parallel layout; a sharded layer then keeps its slice. Rules (GPT-2 / Megatr
 - Output projections of each residual branch (attention ``dense``, MLP ``dense_4h_to_h``, each expert's and the
   shared expert's ``dense_4h_to_h``): N(0, initializer_range / sqrt(2 x num_layers)).
 - A MoE router's weight ``mlp.router.weight`` [E, h]: N(0, initializer_range), like any linear weight.
+- Gated DeltaNet (``megatron.hybrid``): ``dt_bias`` 1, ``A_log`` log U(1, 16), the convolution U(-1/sqrt(K),
+  1/sqrt(K)) (torch's ``Conv1d`` default), ``out_norm`` as a norm, ``out_proj`` as a residual branch's output.
 - Padded vocabulary rows of the word embedding and of the output layer: 0 (they are never looked
   up, and the loss masks them out of the softmax).
+
+- muP (``use_mup``): ``init_std``'s widths (Megatron Core's ``mup_scaled_init_method_normal``).
 
 A SwiGLU ``dense_h_to_4h`` [2 x ffn, h] and a grouped QKV are drawn like any weight at their full
 shape, so their interleaved / grouped rows need no rule of their own.
@@ -30,10 +34,14 @@ from torch import nn
 
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import is_norm_weight
+from megatron.config.validate_mup import width_mult
 
-_SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight")  # the MLP, experts, shared expert
+# the MLP, experts, shared expert; Gated DeltaNet's output projection
+_SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight", "self_attention.out_proj.weight")
+_LINEAR_ATTENTION = ("self_attention.dt_bias", "self_attention.A_log", "self_attention.conv1d_weight")
 _VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
 _EMBEDDINGS = ("word_embeddings.weight", "position_embeddings.weight")
+_OUTPUT_LAYER = "output_layer.weight"
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -48,17 +56,43 @@ def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> tor
         return torch.zeros(shape) if cfg.apply_layernorm_1p else torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    std = cfg.initializer_range
-    if name.endswith(_EMBEDDINGS) and cfg.embedding_init_method_std is not None:
-        std = cfg.embedding_init_method_std
-    if name.endswith(_SCALED_OUTPUTS):
-        std /= math.sqrt(2.0 * cfg.num_layers)
+    std = init_std(name, cfg)
     generator = torch.Generator().manual_seed(name_seed(seed, name))
+    if name.endswith(_LINEAR_ATTENTION):
+        return _linear_attention_value(name, shape, generator)
     if name.endswith(_VOCABULARY_ROWS):
         value = torch.zeros(shape)
         value[: cfg.vocab_size].normal_(0.0, std, generator=generator)
         return value
     return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def _linear_attention_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """Gated DeltaNet's own parameters (Megatron Core's ``GatedDeltaNet.reset_parameters``): ``dt_bias`` 1,
+    ``A_log`` log U(1, 16), the depthwise convolution as torch's ``Conv1d`` default, U(-1/sqrt(K), 1/sqrt(K))."""
+    if name.endswith("dt_bias"):
+        return torch.ones(shape)
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
+    bound = 1.0 / math.sqrt(shape[-1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def init_std(name: str, cfg: ModelConfig) -> float:
+    """The std of the normal draw of the weight ``name`` (not a norm's, not a bias). Under muP (Megatron Core's
+    ``use_mup``, m = ``validate_mup.width_mult``): the embeddings and the untied output layer at the embeddings' std,
+    every other weight at std / sqrt(m), the residual branches' output projections at std / (sqrt(2 L) sqrt(m))."""
+    embedding_std = cfg.initializer_range if cfg.embedding_init_method_std is None else cfg.embedding_init_method_std
+    if name.endswith(_EMBEDDINGS) or (cfg.use_mup and name.endswith(_OUTPUT_LAYER)):
+        return embedding_std
+    if cfg.use_mup:
+        m = width_mult(cfg)
+        if name.endswith(_SCALED_OUTPUTS):
+            return cfg.initializer_range / (math.sqrt(2.0 * cfg.num_layers) * math.sqrt(m))
+        return cfg.initializer_range / math.sqrt(m)
+    if name.endswith(_SCALED_OUTPUTS):
+        return cfg.initializer_range / math.sqrt(2.0 * cfg.num_layers)
+    return cfg.initializer_range
 
 
 @torch.no_grad()

@@ -46,9 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.attention.local import AttentionPlan, attend
+from megatron.attention.max_logits import running_max_logits
 from megatron.config.schema import ModelConfig
 from megatron.model.blocks import make_norm
 from megatron.model.rotary import Yarn, apply_rotary, yarn_mscale, yarn_of
+from megatron.ops.offload import NO_OFFLOAD
 from megatron.ops.seams import LOCAL, maybe_checkpoint
 
 
@@ -76,7 +78,10 @@ class MultiLatentAttention(nn.Module):
     seams = LOCAL
     recompute_core = False  # megatron.recompute (core_attn)
     recompute_up_proj = False  # megatron.recompute (mla_up_proj)
+    offload = NO_OFFLOAD  # qkv_linear (down and up projections), core_attn, attn_proj: to host (megatron.offload)
     first_head = 0  # the global index of this rank's first head (tensor parallelism)
+    tracks_max_logits = False  # QK-clip, as SelfAttention's
+    max_logits: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, layer_number: int = 0):
         super().__init__()
@@ -129,21 +134,30 @@ class MultiLatentAttention(nn.Module):
         (``megatron.context_parallel``, with this layer's softmax scale); eager under ``--compile``."""
         dropout, rng = self._dropout()
         with rng:
-            return attend(q, k, v, plan, dropout, self.scale, layer=self.layer_number, head_offset=self.first_head)
+            return attend(q, k, v, plan, dropout, self.scale, layer=self.layer_number, head_offset=self.first_head,
+                          max_logits=running_max_logits(self, q))
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan: AttentionPlan | None = None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]; ``kv_cache``, ``rotary`` and ``plan`` as ``SelfAttention.forward``'s."""
-        q, k, v = self.queries_keys_values(x, rotary)
+        if kv_cache is None:
+            q, k, v = maybe_checkpoint(False, self.seams, self.queries_keys_values, x, rotary,
+                                       offload=self.offload.get("qkv_linear"))
+        else:
+            q, k, v = self.queries_keys_values(x, rotary)
         s, b = q.shape[2], q.shape[0]
+        if kv_cache is None and plan is None and running_max_logits(self, q) is not None:
+            plan = AttentionPlan()  # QK-clip's maxima come from the plan's blocks
         if kv_cache is not None:
             k, v = kv_cache.store(self.layer_number, k, v)
             ctx = self.core_attention(q, k, v, kv_cache.mask, kv_cache.causal)
         elif plan is not None:
-            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.planned_attention, q, k, v, plan)
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.planned_attention, q, k, v, plan,
+                                   offload=self.offload.get("core_attn"))
         else:
-            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.core_attention, q, k, v.contiguous())
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.core_attention, q, k, v.contiguous(),
+                                   offload=self.offload.get("core_attn"))
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.dv)
-        return self.dense(ctx)
+        return maybe_checkpoint(False, self.seams, self.dense, ctx, offload=self.offload.get("attn_proj"))
 
     def queries_keys_values(self, x: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k [b, a, s, dn + dr] (rotated), v [b, a, s, dv] of this rank's heads (see the module docstring)."""

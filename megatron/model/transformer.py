@@ -28,14 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.attention.local import AttentionPlan, attend, masked_attention
+from megatron.attention.max_logits import running_max_logits
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
+from megatron.config.validate_hybrid import is_linear_attention_layer
 from megatron.config.validate_moe import is_moe_layer
+from megatron.config.validate_mup import attention_scale
 from megatron.model.blocks import dropout, make_norm
 from megatron.model.mla import MultiLatentAttention
 from megatron.model.rotary import apply_rotary
 from megatron.ops.activations import activate, is_gated, mlp_activation
+from megatron.ops.offload import NO_OFFLOAD
 from megatron.ops.seams import LOCAL, maybe_checkpoint
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [b, 1, s, rot] of this forward's positions
@@ -60,7 +64,10 @@ class SelfAttention(nn.Module):
     are rotated at their tokens' positions before attending; with ``qk_layernorm`` (Qwen3, Megatron's
     ``--qk-layernorm``), each head's query and key are normalised first (``q_layernorm``, ``k_layernorm``: the
     model's normalization over the head width, shared by the heads). ``out = dense(softmax(Q K^T / sqrt(hd) +
-    causal_mask) V)``, each query head reading the key and value of its group.
+    causal_mask) V)``, each query head reading the key and value of its group (muP: ``softmax_scale`` instead of
+    ``1 / sqrt(hd)``, ``validate_mup.attention_scale``). With ``attention_output_gate`` (Qwen3-Next's full
+    attention, Megatron Core's layout) each group's rows are ``(queries, their gates, key, value)`` and each head's
+    output is multiplied by ``sigmoid(gate)`` before ``dense``.
 
     The QK norms are replicated over the tensor-parallel ranks, each of which feeds them its own heads: their
     gradients are summed over the group (marked like sequence-parallel norms), with or without sequence
@@ -78,7 +85,12 @@ class SelfAttention(nn.Module):
 
     seams = LOCAL
     recompute_core = False  # recompute softmax(QK^T)V in the backward (megatron.recompute: core_attn)
+    offload = NO_OFFLOAD  # qkv_linear, core_attn, attn_proj: their saves to host (megatron.offload)
     first_head = 0  # the global index of this rank's first head (tensor parallelism)
+    # QK-clip (megatron.optimizer.qk_clip.track): each head's largest logit in training, [num_heads] fp32 until the
+    # step reads it (megatron.attention.max_logits)
+    tracks_max_logits = False
+    max_logits: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, layer_number: int = 0):
         super().__init__()
@@ -88,12 +100,15 @@ class SelfAttention(nn.Module):
             raise ValueError(f"num_query_groups ({ng}) must divide num_attention_heads ({nq})")
         self.num_heads, self.num_kv_heads, self.head_dim = nq, ng, hd  # on this rank
         bias = not cfg.disable_bias_linear
-        self.query_key_value = nn.Linear(cfg.hidden_size, (nq + 2 * ng) * hd, bias=bias or cfg.add_qkv_bias)
+        self.output_gate = cfg.attention_output_gate  # each group's rows: queries, their gates, key, value
+        queries = 2 * nq if self.output_gate else nq
+        self.query_key_value = nn.Linear(cfg.hidden_size, (queries + 2 * ng) * hd, bias=bias or cfg.add_qkv_bias)
         self.dense = nn.Linear(nq * hd, cfg.hidden_size, bias=bias)
         self.attn_dropout = cfg.attention_probs_dropout_prob
         self.rotary_interleaved = cfg.rotary_interleaved
         self.window = layer_window(cfg, layer_number)
         self.softmax_type = cfg.softmax_type
+        self.softmax_scale = attention_scale(cfg)  # muP's sqrt(base) / hd^p; None: 1 / sqrt(hd)
         if cfg.softmax_type == "learnable":  # a sink logit per head
             self.softmax_offset = nn.Parameter(torch.empty(nq))
         else:
@@ -132,12 +147,13 @@ class SelfAttention(nn.Module):
         query see every key (one new token)."""
         dropout = self.attn_dropout if self.training else 0.0
         if mask is not None and self.softmax_type != "vanilla":  # the KV cache's mask, with the sinks
-            return masked_attention(q, k, v, mask, self.sinks(q), dropout, None)
+            return masked_attention(q, k, v, mask, self.sinks(q), dropout, self.softmax_scale)
         causal = causal and mask is None
         # Grouped keys are read in place by the kernel (no copy of the keys and values per query head).
         extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         with self.seams.region_rng() if dropout else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal, **extra)
+            return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout, is_causal=causal,
+                                                  scale=self.softmax_scale, **extra)
 
     def planned_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           plan: AttentionPlan) -> torch.Tensor:
@@ -146,8 +162,8 @@ class SelfAttention(nn.Module):
         its collectives and per-document calls stay outside compiled graphs."""
         dropout = self.attn_dropout if self.training else 0.0
         with self.seams.region_rng() if dropout else nullcontext():
-            return attend(q, k, v, plan, dropout, window=self.window, sinks=self.sinks(q), layer=self.layer_number,
-                          head_offset=self.first_head)
+            return attend(q, k, v, plan, dropout, self.softmax_scale, window=self.window, sinks=self.sinks(q),
+                          layer=self.layer_number, head_offset=self.first_head, max_logits=running_max_logits(self, q))
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                 plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -156,34 +172,46 @@ class SelfAttention(nn.Module):
         are written into the cache after those of the earlier calls, and the queries attend to all of
         them under the cache's mask (padding, causality). ``plan``: the context-parallel split and packed
         documents the attention respects (None: whole sequences, one document each)."""
-        qkv = self.query_key_value(x)  # [s, b, (nq + 2 ng) hd / tp] (the sequence gathered under sequence parallel)
+        qkv = maybe_checkpoint(False, self.seams, self.query_key_value, x, offload=self.offload.get("qkv_linear"))
+        # qkv: [s, b, (nq + 2 ng) hd / tp] (the sequence gathered under sequence parallel)
         s, b, _ = qkv.shape
         per_group = self.num_heads // self.num_kv_heads
-        qkv = qkv.view(s, b, self.num_kv_heads, per_group + 2, self.head_dim)
+        gates = per_group if self.output_gate else 0
+        qkv = qkv.view(s, b, self.num_kv_heads, per_group + gates + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # [b, nq, s, hd]
-        k, v = qkv[:, :, :, per_group].permute(1, 2, 0, 3), qkv[:, :, :, per_group + 1].permute(1, 2, 0, 3)
+        gate = qkv[:, :, :, per_group:per_group + gates].reshape(s, b, -1) if gates else None
+        k, v = qkv[:, :, :, per_group + gates].permute(1, 2, 0, 3), qkv[:, :, :, -1].permute(1, 2, 0, 3)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = (apply_rotary(t, *rotary, interleaved=self.rotary_interleaved) for t in (q, k))
-        if kv_cache is None and plan is None and attention_needs_plan_of(self):
-            plan = AttentionPlan()  # windows and sinks attend by the plan's blocks
+        if kv_cache is None and plan is None and (attention_needs_plan_of(self) or
+                                                  running_max_logits(self, q) is not None):
+            plan = AttentionPlan()  # windows, sinks and QK-clip's maxima attend by the plan's blocks
         if kv_cache is None and plan is not None:
-            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.planned_attention, q, k, v, plan)
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.planned_attention, q, k, v, plan,
+                                   offload=self.offload.get("core_attn"))
         elif kv_cache is None:
-            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.core_attention, q, k, v)
+            ctx = maybe_checkpoint(self.recompute_core, self.seams, self.core_attention, q, k, v,
+                                   offload=self.offload.get("core_attn"))
         else:
             k, v = kv_cache.store(self.layer_number, k, v)
             mask = kv_cache.mask_for(self.layer_number, self.window, self.softmax_type != "vanilla")
             ctx = self.core_attention(q, k, v, mask, kv_cache.causal)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # [s, b, nq hd / tp]
-        return self.dense(ctx)
+        if self.output_gate:  # Qwen3-Next's gated attention (Megatron Core's attention_output_gate)
+            ctx = ctx * torch.sigmoid(gate.float()).to(ctx.dtype)
+        return maybe_checkpoint(False, self.seams, self.dense, ctx, offload=self.offload.get("attn_proj"))
 
 
 def make_attention(cfg: ModelConfig, layer_number: int) -> nn.Module:
     """The one place that chooses a layer's attention: multi-latent (``megatron.model.mla``) or ``SelfAttention``;
     both take ``(x, kv_cache, rotary, plan)``, attend through ``planned_attention`` under a plan (context
     parallelism, packed documents) and say what the KV cache holds (``cache_shape``)."""
+    if is_linear_attention_layer(cfg, layer_number):  # Qwen3-Next's linear attention (megatron.hybrid)
+        from megatron.hybrid.gated_deltanet import GatedDeltaNet
+
+        return GatedDeltaNet(cfg, make_norm, layer_number)
     if cfg.multi_latent_attention:
         return MultiLatentAttention(cfg, layer_number)
     return SelfAttention(cfg, layer_number)
@@ -224,6 +252,7 @@ class TransformerDecoderLayer(nn.Module):
     seams = LOCAL
     recompute: str | None = None  # megatron.recompute.apply_recompute
     recompute_parts: frozenset[str] = frozenset()  # under core_attn (selective): what it covers
+    offload = NO_OFFLOAD  # layer (the whole layer's saves), attn_norm, mlp_norm: to host (megatron.offload)
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
@@ -254,11 +283,12 @@ class TransformerDecoderLayer(nn.Module):
 
     def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                          plan: AttentionPlan | None = None) -> torch.Tensor:
-        out = self.self_attention(self._norm(self.input_layernorm, x), kv_cache, rotary, plan)
+        out = self.self_attention(self._norm(self.input_layernorm, x, "attn_norm"), kv_cache, rotary, plan)
         return dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return maybe_checkpoint("layernorm" in self.recompute_parts, self.seams, norm, x)
+    def _norm(self, norm: nn.Module, x: torch.Tensor, part: str) -> torch.Tensor:
+        return maybe_checkpoint("layernorm" in self.recompute_parts, self.seams, norm, x,
+                                offload=self.offload.get(part))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP, or the mixture of a MoE layer (recomputed when its part, mlp or moe, is named)."""
@@ -272,7 +302,7 @@ class TransformerDecoderLayer(nn.Module):
                                      x, None, rotary, plan)
         else:  # inference: no autograd, nothing to recompute
             x = x + self._attention_block(x, kv_cache, rotary)
-        out = self._mlp(self._norm(self.post_attention_layernorm, x))
+        out = self._mlp(self._norm(self.post_attention_layernorm, x, "mlp_norm"))
         return x + dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 
     def forward(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
@@ -282,4 +312,5 @@ class TransformerDecoderLayer(nn.Module):
         cache in inference only)."""
         if kv_cache is not None:
             return self._layer(x, kv_cache, rotary)
-        return maybe_checkpoint(self.recompute == "full", self.seams, self._layer, x, None, rotary, plan)
+        return maybe_checkpoint(self.recompute == "full", self.seams, self._layer, x, None, rotary, plan,
+                                offload=self.offload.get("layer"))

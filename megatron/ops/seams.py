@@ -55,9 +55,13 @@ class Seams:
 LOCAL = Seams()
 
 
-def maybe_checkpoint(enabled: bool, seams: Seams, fn: Callable, *args: Any) -> torch.Tensor:
+def maybe_checkpoint(enabled: bool, seams: Seams, fn: Callable, *args: Any, offload=None) -> torch.Tensor:
     """Run ``fn`` and, when enabled, recompute it in the backward instead of storing its activations
-    (``seams.checkpoint``: the RNG streams are saved and restored, so dropout masks are identical)."""
+    (``seams.checkpoint``: the RNG streams are saved and restored, so dropout masks are identical); else, given
+    an ``offload`` region (``megatron.ops.offload``, set by ``megatron.offload``), what ``fn`` saves for the
+    backward goes to host memory meanwhile. A recomputed ``fn`` saves nothing: the recipe gives it no region."""
     if enabled and torch.is_grad_enabled():
         return seams.checkpoint(fn, *args)
+    if offload is not None and torch.is_grad_enabled():
+        return offload.run(fn, *args)
     return fn(*args)

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.config.schema import Config
+from megatron.config.validate_mup import mup_lr_factor, width_mult
 
 DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 WSD_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -129,3 +130,13 @@ def decoupled_schedule(config: Config, schedule: OptimizerParamSchedule) -> Opti
         return None
     floor = lr.min_lr if lr.decoupled_min_lr is None else lr.decoupled_min_lr
     return dataclasses.replace(schedule, max_lr=lr.decoupled_lr, min_lr=floor)
+
+
+def mup_schedule(config: Config, schedule: OptimizerParamSchedule) -> OptimizerParamSchedule | None:
+    """The schedule of the parameters muP scales (``param_groups.mup_scaled``): ``schedule`` with its peak and floor
+    times ``validate_mup.mup_lr_factor`` (Megatron Core's max_lr / min_lr overrides; the warm-up still starts at
+    warmup_init); None without muP or at a width multiplier of 1."""
+    if not config.model.use_mup or width_mult(config.model) == 1.0:
+        return None
+    factor = mup_lr_factor(config)
+    return dataclasses.replace(schedule, max_lr=schedule.max_lr * factor, min_lr=schedule.min_lr * factor)

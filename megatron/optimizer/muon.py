@@ -53,8 +53,9 @@ _QKV = re.compile(r"(^|\.)self_attention\.query_key_value\.weight$")
 
 def is_muon_param(name: str, param: nn.Parameter) -> bool:
     """Whether Megatron's Muon steps ``param`` (named ``name`` in its model chunk): a 2-D parameter other than
-    the word embedding and the output layer."""
-    return param.dim() == 2 and not is_embedding_or_output(name)
+    the word embedding and the output layer (and Gated DeltaNet's convolution, 3-D ``[C, 1, K]`` in Megatron Core,
+    stored ``[C, K]`` here: AdamW's)."""
+    return param.dim() == 2 and not is_embedding_or_output(name) and not name.endswith("conv1d_weight")
 
 
 def is_qkv_param(name: str) -> bool:

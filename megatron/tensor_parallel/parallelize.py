@@ -51,6 +51,8 @@ PLAN: dict[str, str] = {
     "*self_attention.linear_q_proj": COLUMN_WHOLE_INPUT,  # multi-latent attention gathers its input itself
     "*self_attention.linear_q_up_proj": COLUMN_WHOLE_INPUT,
     "*self_attention.linear_kv_up_proj": COLUMN_WHOLE_INPUT,
+    "*self_attention.in_proj": COLUMN,  # Gated DeltaNet's (megatron.hybrid): rows ordered by key head
+    "*self_attention.out_proj": ROW,
     "*mlp.dense_h_to_4h": COLUMN,
     "*mlp.dense_4h_to_h": ROW,
     "*shared_expert.dense_h_to_4h": COLUMN,  # a MoE layer's shared expert: the model's MLP
@@ -129,6 +131,9 @@ def _parallel_layer(plain: nn.Linear | nn.Embedding, style: str, group, sp: bool
 def _cut_heads(module: nn.Module, size: int, rank: int) -> None:
     """An attention module's head counts to this rank's share; grouped attention's sink logits cut with its heads
     and its per-head query / key norms marked (each rank feeds them its own heads)."""
+    if hasattr(module, "cut_heads"):  # a layer that cuts its own (Gated DeltaNet)
+        module.cut_heads(size, rank)
+        return
     heads = getattr(module, "num_heads", None)
     if heads is None or not hasattr(module, "cache_shape"):
         return

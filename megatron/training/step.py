@@ -23,6 +23,7 @@ from megatron.distributed.finalize_grads import finalize_model_grads
 from megatron.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megatron.model import step_hooks
 from megatron.optimizer import MixedPrecisionOptimizer, StepResult
+from megatron.optimizer.qk_clip import QKClip
 from megatron.pipeline_parallel.schedules import ForwardStep, forward_backward_no_pipelining
 from megatron.training.rerun import RerunExit, RerunMachine, checked_grads, checked_loss, rerun_exit_message
 from megatron.training.stopping import SIGNALS
@@ -74,7 +75,7 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
                optimizer: MixedPrecisionOptimizer, lr: float, micro_batch_size: int, dp_group=None,
                forward_backward: Callable = None, pp_group=None,
                weight_decay: float | None = None, rerun: RerunMachine | None = None,
-               step: int = 0) -> tuple[float, StepResult]:
+               step: int = 0, qk_clip: QKClip | None = None) -> tuple[float, StepResult]:
     """One optimizer step over this rank's share of the global batch (any size: it is cut into as many
     micro-batches as it holds); returns (token-mean loss of the global batch, step result). The loss is the
     language model's; a MoE model's auxiliary losses and multi-token prediction's losses join only the gradient
@@ -83,7 +84,9 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     ``forward_backward``: the schedule (default: no pipelining); ``pp_group``: the pipeline group, over
     which the last stage's loss is shared; ``weight_decay``: this step's (None: the configured one); ``rerun``: the
     rerun state machine (``megatron.training.rerun``), which may run the forward and backward again on the same batch
-    and raise RerunExit before the update; ``step``: this step's number, for its log lines."""
+    and raise RerunExit before the update; ``step``: this step's number, for its log lines; ``qk_clip``: QK-clip
+    after the update (``megatron.optimizer.qk_clip``: the heads past its threshold clipped, the largest attention
+    logit in the result), None: off."""
     forward_backward = forward_backward or forward_backward_no_pipelining
     num_tokens = float(all_reduce_sum(batch["loss_mask"].sum().float(), dp_group).clamp(min=1.0))
     rerun = rerun or RerunMachine()  # disabled: the loop runs once
@@ -108,6 +111,9 @@ def train_step(forward_step: ForwardStep, batch: dict, model: torch.nn.Module, b
     if leave:
         raise RerunExit(code, checkpoint, rerun_exit_message(step, code))
     result = optimizer.step(lr, weight_decay)
+    if qk_clip is not None:  # part of the MuonClip step, as Megatron's: after the update, applied or not
+        mp_group = ps.group("model_parallel") if ps.tp_size * ps.pp_size > 1 else None
+        result.max_attention_logit = qk_clip.after_step(model, optimizer, dp_group, mp_group)
     result.moe, result.mtp = step_hooks.after_step(model, result.applied, dp_group, pp_group, all_reduce_sum)
     return float(all_reduce_sum(loss_sum, dp_group)) / num_tokens, result
 

@@ -101,6 +101,7 @@ class StepLog:
             "skipped_steps": self.state.skipped_steps,
             **(result.moe or {}),  # a MoE model's load_balancing_loss, expert_load_max and tokens_per_expert
             **(result.mtp or {}),  # multi-token prediction's mtp_loss, one per depth
+            **({} if result.max_attention_logit is None else {"max_attention_logit": result.max_attention_logit}),
         }
 
     def _log_step(self, loss: float, lr: float, result: StepResult, reader: float, batch_cost: float,
@@ -121,6 +122,8 @@ class StepLog:
                  **{key.replace("_", " "): f"{value:.5f}" for key, value in (result.moe or {}).items()
                     if isinstance(value, float)},
                  **{f"mtp_{k} loss": f"{value:.5f}" for k, value in enumerate(mtp_losses, start=1)},
+                 "max attention logit": (None if result.max_attention_logit is None else
+                                         f"{result.max_attention_logit:.5f}"),
                  **self._progress()}
         self.log.info(format_log_line(s.step, epoch, batch_in_epoch, loss, reader, batch_cost, tokens_per_step,
                                       self.world_size, lr, shown))

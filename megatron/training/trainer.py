@@ -21,7 +21,8 @@ from megatron.config.batch_schedule import build_batch_schedule
 from megatron.data.token_check import check_batch
 from megatron.distributed.parallelize import ShardingPlan
 from megatron.metrics import get_logger
-from megatron.optimizer import StepResult, build_param_schedule, decoupled_schedule
+from megatron.optimizer import StepResult, build_param_schedule, decoupled_schedule, mup_schedule
+from megatron.optimizer.qk_clip import QKClip
 from megatron.parallelize_gpt import parallelize_gpt
 from megatron.pipeline_parallel.schedules import ForwardStep
 from megatron.training.checkpointing import CheckpointCadence
@@ -46,7 +47,9 @@ class Trainer:
         self.optimizer = self.parallel.optimizer
         self.schedule = build_param_schedule(config)  # lr and weight decay by samples of applied steps
         self.decoupled = decoupled_schedule(config, self.schedule)  # the embedding's and head's (--decoupled-lr)
+        self.mup = mup_schedule(config, self.schedule)  # muP's scaled parameters' (--use-mup)
         self.batches = build_batch_schedule(config)  # the global batch by consumed samples
+        self.qk_clip = QKClip.of(config)  # --qk-clip / --log-max-attention-logit: after each update
         self.state = TrainState()
         self.health = StepHealth(config, self.optimizer, logs=self.ps.rank == self.ps.world_size - 1)
         self.checkpoints = CheckpointCadence(config, self.parallel, self.ps, device, self.state, self.health, datasets)
@@ -127,11 +130,13 @@ class Trainer:
         lr, wd = self.schedule.lr(s.schedule_samples), self.schedule.weight_decay(s.schedule_samples)
         if self.decoupled is not None:
             self.optimizer.decoupled_lr = self.decoupled.lr(s.schedule_samples)
+        if self.mup is not None:
+            self.optimizer.mup_lr = self.mup.lr(s.schedule_samples)
         self.health.before_step()
         try:
             loss, result = train_step(self.forward_step, batch, p.model, p.buffer, self.optimizer, lr,
                                       c.batch_size.micro_batch_size, p.dp_group, p.forward_backward, p.pp_group,
-                                      weight_decay=wd, rerun=self.rerun, step=s.step)
+                                      weight_decay=wd, rerun=self.rerun, step=s.step, qk_clip=self.qk_clip)
         except RerunExit as leave:
             s.step -= 1  # not applied: the state is the one before this step
             if leave.checkpoint:  # the marker when the step is to be re-run from it (every rank's state)

@@ -9,10 +9,10 @@ saved_tensors_hooks (megatron/memory/measure.py), byte for byte.
   interleaved; 1F1B with a multi-token prediction module on the last stage), measured across the whole schedule
   by the hooks' live count;
 - context parallel 2 with each communication type (p2p, all_gather, a2a; packed documents; the math
-  kernel of a2a with attention dropout; multi-latent attention; QK-norm; multi-token prediction), and cp 2 x
-  tp 2 + sp: one micro-batch's forward on this rank's s / cp tokens. The saved bytes at cp 2 are at most 0.55 x
-  those at cp 1 for the same sequence, and tools/estimate_memory.py's ``activations per micro-batch`` is the
-  measurement's (within 5%).
+  kernel of a2a with attention dropout; multi-latent attention; QK-norm; multi-token prediction), cp 2 x
+  tp 2 + sp, and cp 4 with a2a+p2p 2 x 2: one micro-batch's forward on this rank's s / cp tokens. The saved
+  bytes at cp 2 are at most 0.55 x those at cp 1 for the same sequence, and tools/estimate_memory.py's
+  ``activations per micro-batch`` is the measurement's (within 5%).
 
 Each group of cases runs in one spawn (module-level cache), so the cases cost one start-up each: the
 two-rank groups share the harness's pool of two ranks, cp 2 x tp 2 its pool of four.
@@ -241,9 +241,12 @@ def _packed_batch(config, ps) -> dict:
 
 def _cp_run(rank, world, cases: dict, tp: int):
     results = {}
-    for name, (cp, flags) in cases.items():
-        ps = parallel_state.initialize(tp=tp, cp=cp)
-        config = _cp_config(flags, cp, tp)
+    for name, (cp, flags, *case_tp) in cases.items():  # a case may give its own tp
+        tp_size = case_tp[0] if case_tp else tp
+        config = _cp_config(flags, cp, tp_size)
+        d = config.distributed
+        ps = parallel_state.initialize(tp=tp_size, cp=cp, cp_inner=d.hierarchical_context_parallel_sizes[0]
+                                       if d.cp_comm_type == "a2a+p2p" else None)
         validate(config, world_size=world)
         tensor_parallel_seed(config.seed, ps.tp_rank, torch.device("cpu"))
         model = build_model(config).train()
@@ -258,9 +261,18 @@ def cp_results() -> list[dict]:
     return run_distributed(_cp_run, 2, CP_CASES, 1)
 
 
+# hierarchical cp (a2a+p2p 2 x 2) at cp 4, run in the cp 2 x tp 2 cases' launch: the ring's saves on the inner
+# all-to-all's copies
+HCP = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]
+CP4_CASES = {"cp4-a2a+p2p-gpt2": [*HCP, *NO_DROPOUT], "cp4-a2a+p2p-gpt2-dropout": HCP,
+             "cp4-a2a+p2p-llama-packed": [*HCP, *LLAMA, *NO_DROPOUT, *DOCS],
+             "cp4-a2a+p2p-mla": [*HCP, *MLA, *NO_DROPOUT]}
+
+
 @functools.cache
 def cp_tp_results() -> list[dict]:
-    return run_distributed(_cp_run, 4, {name: (2, flags) for name, flags in CP_TP_CASES.items()}, 2)
+    return run_distributed(_cp_run, 4, {**{name: (2, flags) for name, flags in CP_TP_CASES.items()},
+                                        **{name: (4, flags, 1) for name, flags in CP4_CASES.items()}}, 2)
 
 
 @pytest.mark.parametrize("case", list(CP_CASES))
@@ -270,7 +282,7 @@ def test_context_parallel_prediction_equals_measurement(case):
         assert measured == predicted, terms
 
 
-@pytest.mark.parametrize("case", list(CP_TP_CASES))
+@pytest.mark.parametrize("case", [*CP_TP_CASES, *CP4_CASES])
 def test_context_and_tensor_parallel_prediction_equals_measurement(case):
     for rank_results in cp_tp_results():
         measured, predicted, terms = rank_results[case]

@@ -6,12 +6,13 @@ inside chunks, on chunk edges and across several chunks; the reference is ``F.sc
 over the whole sequence with a materialised causal-and-same-document mask. Each rank attends with its two
 chunks (``split``) and its output and the gradients of its queries, keys and values must equal the matching
 rows of the reference's. One spawn of 4 ranks checks cp 2 (two rings side by side) and cp 4, every
-communication type, with and without documents, both block kernels (the plain one, which GPUs run, in tiles of
-a few query rows), and two shapes of heads (``SHAPES``): grouped queries of one width, and multi-latent
-attention's (a key per head, values narrower than the queries and keys, its own softmax scale).
+communication type (a2a+p2p at cp 4: 2 x 2, and its size-1 levels 1 x 4 and 4 x 1), with and without documents,
+both block kernels (the plain one, which GPUs run, in tiles of a few query rows), and two shapes of heads
+(``SHAPES``): grouped queries of one width, and multi-latent attention's (a key per head, values narrower than the
+queries and keys, its own softmax scale).
 
 The layer (``MultiLatentAttention`` with the query LoRA, the latent norms and YaRN) is checked at cp 2 with
-every communication type, with and without packed documents (positions restarting per document, as
+p2p, all_gather and a2a, with and without packed documents (positions restarting per document, as
 ``--reset-position-ids`` gives them), and at cp 2 x tp 2 with sequence parallelism: its output and input
 gradient on this rank's tokens, and every weight's gradient summed over the cp ranks (as the data-parallel
 reduction over dp x cp sums them), equal the one-process layer's on the whole sequence.
@@ -19,13 +20,15 @@ reduction over dp x cp sums them), equal the one-process layer's on the whole se
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from megatron import parallel_state
 from megatron.attention import blocks as blocks_module
 from megatron.attention.tiling import MATH_TILE_BYTES
-from megatron.context_parallel.attention import AttentionPlan, attend, exchange
+from megatron.context_parallel.attention import AttentionPlan, CpLevels, attend, exchange
 from megatron.context_parallel.layout import local_positions
 from tests.distributed.harness import run_distributed
 
@@ -80,8 +83,9 @@ def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False, dr
     q, k, v = torch.randn(B, NQ, S, dk), torch.randn(B, groups, S, dk), torch.randn(B, groups, S, dv)
     weight = torch.randn(B, NQ, S, dv)
     sinks = torch.randn(NQ) if with_sinks else None
+    meet = functools.partial(exchange, levels=CpLevels.of(ps)) if comm == "a2a+p2p" else exchange
     plan = AttentionPlan(cp, ps.cp_rank, ps.group("cp"), comm, docs, positional_dropout=True, seed=2024,
-                         exchange=exchange)
+                         exchange=meet)
     drop = plan.dropout(dropout, 7, NQ, 0) if dropout else None
     want = reference(q, k, v, docs, weight, scale, window, sinks, drop)
     mine = local_positions(S, ps.cp_rank, cp)
@@ -103,9 +107,10 @@ def _check(rank, cp, comm, docs, fused, shape, window=None, with_sinks=False, dr
         got.append(local_sinks.grad)
         wanted.append(want[4])
     bad = []
+    levels = f" {ps.cp_inner_size} x {cp // ps.cp_inner_size}" if comm == "a2a+p2p" else ""
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, wanted):
         if not torch.allclose(g, w, rtol=RTOL, atol=ATOL):
-            bad.append(f"cp{cp} {comm} {shape} docs={docs is not None} fused={fused} window={window} "
+            bad.append(f"cp{cp} {comm}{levels} {shape} docs={docs is not None} fused={fused} window={window} "
                        f"sinks={with_sinks} dropout={dropout} {name}: max diff {(g - w).abs().max().item():.2e}")
     MAX_DIFF[f"dropout={dropout > 0}"] = max(MAX_DIFF.get(f"dropout={dropout > 0}", 0.0),
                                             *((g - w).abs().max().item() for g, w in zip(got, wanted)))
@@ -141,10 +146,10 @@ def _all_cases(rank: int, world: int) -> list[str]:
     bad = []
     for cp in (2, 4):
         parallel_state.destroy()
-        parallel_state.initialize(cp=cp)
-        for comm in ("p2p", "all_gather", "a2a"):
+        parallel_state.initialize(cp=cp, cp_inner=2 if cp == 4 else None)
+        for comm in ("p2p", "all_gather", "a2a") + (("a2a+p2p",) if cp == 4 else ()):
             for shape, (groups, *_) in SHAPES.items():
-                if comm == "a2a" and groups % cp:
+                if groups % (2 if comm == "a2a+p2p" else cp if comm == "a2a" else 1):
                     continue  # a2a gives each rank whole query groups (validation refuses it)
                 for docs in (None, documents()):
                     for fused in (True, False):
@@ -159,6 +164,9 @@ def _all_cases(rank: int, world: int) -> list[str]:
             if comm == "p2p":
                 for docs in (None, documents()):
                     bad += _ring_without_overlap(rank, cp, docs)
+    for inner in (1, 4):  # a2a+p2p's levels of size 1: the plain ring (1 x 4), Ulysses over the four (4 x 1)
+        parallel_state.initialize(cp=4, cp_inner=inner)
+        bad += _check(rank, 4, "a2a+p2p", documents(), True, "mla", window=3, with_sinks=True, dropout=0.3)
     references = {name: _mla_reference(docs) for name, docs in (("plain", None), ("documents", documents()))}
     parallel_state.initialize(cp=2)
     for comm in ("p2p", "all_gather", "a2a"):

@@ -1,5 +1,5 @@
 """Context parallelism reproduces the single-process losses under every layout it composes with, each
-communication type (p2p ring, all_gather, a2a), on ordinary samples and on packed short documents
+communication type (p2p ring, all_gather, a2a, hierarchical a2a+p2p), on ordinary samples and on packed short documents
 (``--reset-attention-mask --reset-position-ids --eod-mask-loss``, whose reference is the one-process run
 with the same flags), and with attention dropout (the ring's positional masks, those of one process under
 ``--attention-dropout-masks positional``). The layouts train 5 steps (a validation at the 5th), against 5-step
@@ -26,7 +26,10 @@ LAYOUTS = {
     "cp2-p2p": (2, [*CP2, *whole_share()], "p2p", "p2p"),
     "cp2-all_gather": (2, [*CP2, *whole_share()], "all_gather", "all_gather"),
     "cp2-a2a": (2, [*CP2, *whole_share()], "a2a", "a2a"),
-    "cp4": (4, ["--cp", "4", *whole_share()], "p2p", "all_gather"),
+    # hierarchical: a2a within the cp rank pairs {0, 1} {2, 3}, a ring of 2 steps over the pairs (the ring at cp 4 is
+    # cp4-saved's, whose resumed runs below equal one process; all_gather at cp 4 is tests/distributed's)
+    "cp4-a2a+p2p": (4, ["--cp", "4", "--hierarchical-context-parallel-sizes", "2", "2", *whole_share()], "a2a+p2p",
+                    "a2a+p2p"),
     "cp2-tp2-sp": (4, [*CP2, *whole_share(), "--tp", "2", "--sequence-parallel"], "p2p", "a2a"),
     "cp2-pp2": (4, [*CP2, "--pp", "2"], "all_gather", "p2p"),
     "cp2-zero3": (4, [*CP2, "--sharding", "2", "--sharding-stage", "3"], "p2p", "all_gather"),

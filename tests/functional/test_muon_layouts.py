@@ -81,3 +81,42 @@ def test_sharded_muon_momentum_resumes_in_one_process(parity, references, layout
     """dist_muon's momentum pieces (cut over two ranks) read back whole by one process: the uninterrupted run's
     steps 6-10."""
     assert losses(parity.outcome(layout).check()) == pytest.approx(references["muon-10"][0][5:], rel=1e-5)
+
+
+# MuonClip (--qk-clip, docs/muon.md): thresholds far under the tiny models' largest logits (~0.13 standard, ~0.06
+# multi-latent), so that every head clips after every step. tp2: each rank clips its own heads; cp2 under dist_muon: the
+# maxima over the ranks' queries, the masters' shards (over dp x cp) cut inside the QKV weight's rows; tp2 x cp2:
+# multi-latent attention's query and key up-projections cut over the heads.
+QK_CLIP = [*MUON, "--qk-clip", "--qk-clip-alpha", "0.4"]
+MLA_CLIP = [*FIVE, *QK_CLIP, "--qk-clip-threshold", "0.01", "--multi-latent-attention", "--position-embedding-type",
+            "rope", "--normalization", "RMSNorm", "--disable-bias-linear", "--q-lora-rank", "24", "--kv-lora-rank",
+            "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm"]
+MHA_CLIP = [*FIVE, *QK_CLIP, "--qk-clip-threshold", "0.02"]
+reference_runs({"muonclip-5": MHA_CLIP, "muonclip-mla-5": MLA_CLIP})
+QK_CLIP_LAYOUTS = parity_layouts({
+    "muonclip-tp2": (2, [*MHA_CLIP, *whole_share(), "--tp", "2", "--muon-tp-mode", "duplicated"]),
+    "muonclip-cp2-dist-muon": (2, [*MHA_CLIP, "--cp", "2", "--optimizer", "dist_muon"]),
+})
+MLA_CLIP_LAYOUTS = parity_layouts({
+    "muonclip-mla-tp2-cp2": (4, [*MLA_CLIP, *whole_share(), "--tp", "2", "--cp", "2", "--muon-tp-mode", "duplicated"]),
+})
+
+
+def _clips_as_one_process(parity, layout: str, reference: str, curves: tuple, threshold: float) -> None:
+    """The layout's losses, gradient norms and logged largest logits are one process's; the clip works: the first
+    step's largest logit (before any clip) is far above the threshold, every later one (one Muon step after a clip)
+    near it."""
+    parity.assert_matches(layout, curves)
+    logits = [losses(parity.outcome(name).check(), key="max_attention_logit") for name in (layout, reference)]
+    assert logits[0] == pytest.approx(logits[1], rel=1e-5)
+    assert logits[1][0] > 4 * threshold and max(logits[1][1:]) < 2 * threshold
+
+
+@pytest.mark.parametrize("layout", QK_CLIP_LAYOUTS)
+def test_qk_clip_layouts_equal_single_process(parity, references, layout):
+    _clips_as_one_process(parity, layout, "muonclip-5", references["muonclip-5"], 0.02)
+
+
+@pytest.mark.parametrize("layout", MLA_CLIP_LAYOUTS)
+def test_qk_clip_with_multi_latent_attention_under_tp_and_cp(parity, references, layout):
+    _clips_as_one_process(parity, layout, "muonclip-mla-5", references["muonclip-mla-5"], 0.01)

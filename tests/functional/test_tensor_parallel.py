@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.functional.launch import FIVE, TINY, losses, parity_layouts, run, whole_share
+from tests.functional.launch import FIVE, TINY, losses, parity_layouts, reference_runs, run, whole_share
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,19 @@ LAYOUTS = parity_layouts({
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_tp_losses_equal_single_process(parity, references, layout):
     parity.assert_matches(layout, references["tiny-5"])
+
+
+# muP at width multiplier 2 with an embedding multiplier (docs/mup.md): the initialisation by name, the multipliers,
+# the 1 / d attention scale and the hidden matrices' own learning rate and eps under tp 2 with sequence parallelism
+MUP = ["--use-mup", "--mup-base-hidden-size", "32", "--mup-embedding-mult", "2"]
+reference_runs({"mup-5": [*FIVE, *whole_share(), *MUP]})
+
+
+@pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-mup": (2, [*FIVE, *whole_share(), "--tp", "2",
+                                                                      "--sequence-parallel", *MUP])}))
+def test_mup_under_tp2_equals_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["mup-5"])
+    assert parity.curves(layout)[0] != references["tiny-5"][0]  # muP trains another curve than the plain run
 
 
 @pytest.mark.parametrize("layout", parity_layouts({"tp2-sp-recompute-compile": (

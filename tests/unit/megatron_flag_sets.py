@@ -20,6 +20,21 @@ EXAMPLE_175B = (
 )
 
 FUNCTIONAL = {
+    'gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic': (
+        '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
+        "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "
+        '--micro-batch-size 4 --global-batch-size 32 --seq-length 1024 --max-position-embeddings 1024 --train-iters '
+        "50 --timing-log-level 0 --lr-decay-iters 320000 --save '${CHECKPOINT_SAVE_PATH}' --load "
+        "'${CHECKPOINT_LOAD_PATH}' --data-path '${DATA_PATH}/text/the_pile/shard00/my-gpt3_00_text_document' "
+        "--vocab-file '${DATA_PATH}/text/the_pile/shard00/bpe/vocab.json' --merge-file "
+        "'${DATA_PATH}/text/the_pile/shard00/bpe/merges.txt' --split 949,50,1 --distributed-backend nccl --lr "
+        '0.00015 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 --lr-warmup-fraction '
+        '.01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --transformer-impl '
+        'transformer_engine --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --context-parallel-size '
+        '4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 --sequence-parallel --hidden-dropout 0.0 '
+        '--attention-dropout 0.0 --no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models '
+        "--ckpt-format torch_dist --dist-ckpt-strictness log_all --data-cache-path '${DATA_CACHE_PATH}' --bf16 "
+        '--attention-backend flash --log-memory-to-tensorboard'),
     'gpt3_mcore_te_tp1_pp2_rope_embeddings': (
         '--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad '
         "--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --tensorboard-dir '${TENSORBOARD_PATH}' "

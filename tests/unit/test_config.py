@@ -480,7 +480,7 @@ def test_extra_words_after_a_flag_are_refused_not_dropped(argv, message):
 
 def test_a_refused_flags_values_are_not_called_extra_words():
     with pytest.raises(ConfigError) as err:
-        parse_config(["--mock-data", "--hierarchical-context-parallel-sizes", "2", "2", "--use-mup"])
+        parse_config(["--mock-data", "--mrope-section", "16", "24", "24", "--export-te-mcore-model"])
     assert "not available here" in str(err.value) and "unexpected value" not in str(err.value)
 
 

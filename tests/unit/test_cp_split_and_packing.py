@@ -183,6 +183,9 @@ def _validate(*argv: str, world_size: int = 2) -> None:
     validate(config, world_size=world_size)
 
 
+HCP = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes"]
+
+
 @pytest.mark.parametrize(("argv", "world", "message"), [
     (["--cp", "2", "--max-seq-len", "30"], 2, "max_seq_len (30) must be divisible by 2 x context_parallel_size = 4"),
     (["--cp", "2", "--tp", "2", "--sequence-parallel", "--max-seq-len", "36"], 4,
@@ -192,7 +195,18 @@ def _validate(*argv: str, world_size: int = 2) -> None:
     (["--cp", "2"], 3, "world size 3 is not divisible by mp_degree x pp_degree x sharding_degree x "
                        "context_parallel_size = 2"),
     (["--cp", "0"], 1, "Distributed.context_parallel_size must be at least 1"),
-    (["--hierarchical-context-parallel-sizes", "2", "2"], 4, "--hierarchical-context-parallel-sizes"),
+    # hierarchical cp (a2a+p2p): Megatron-LM's checks, and whole heads and query groups on each rank of its a2a
+    (["--hierarchical-context-parallel-sizes", "2", "2"], 4,
+     "--hierarchical-context-parallel-sizes 2 2 must be positive and multiply to --context-parallel-size 1"),
+    (["--cp", "4", "--cp-comm-type", "a2a+p2p"], 4, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-"
+                                                    "sizes INNER OUTER"),
+    (["--cp", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1", "2"], 4,
+     "--hierarchical-context-parallel-sizes 2 1 2 gives 3 levels: a2a+p2p has two"),
+    (["--cp", "4", *HCP, "4", "1", "--group-query-attention", "--num-query-groups", "2"], 4,
+     "the query groups per tensor-parallel rank (2 / mp_degree 1) must be divisible by the inner size 4 of "
+     "--hierarchical-context-parallel-sizes"),
+    (["--cp", "2", "--tp", "2", *HCP, "2", "1", "--num-attention-heads", "2"], 4,
+     "the attention heads per tensor-parallel rank (2 / mp_degree 2) must be divisible by the inner size 2"),
 ])
 def test_bad_settings_are_one_line(argv, world, message):
     with pytest.raises(ConfigError) as err:
@@ -207,6 +221,16 @@ def test_good_settings_give_the_grid():
                            "--sequence-parallel"])
     validate(config, world_size=8)
     assert (config.distributed.dp_degree, config.data_parallel_size) == (2, 2)  # cp ranks share their samples
+
+
+def test_hierarchical_cp_takes_grouped_queries_its_inner_level_divides():
+    """a2a+p2p splits the heads over its inner level only: 2 query groups allow an inner size of 2 at cp 4 (where
+    a2a over the four would refuse them); other comm types accept the sizes and build no levels (Megatron-LM's)."""
+    gqa = ["--cp", "4", "--group-query-attention", "--num-query-groups", "2"]
+    _validate(*gqa, *HCP, "2", "2", world_size=4)
+    _validate(*gqa, "--cp-comm-type", "p2p", "--hierarchical-context-parallel-sizes", "2", "2", world_size=4)
+    with pytest.raises(ConfigError, match="--cp-comm-type a2a gives each context-parallel rank whole heads"):
+        _validate(*gqa, "--cp-comm-type", "a2a", world_size=4)
 
 
 def test_context_parallel_ranks_draw_different_dropout_masks():

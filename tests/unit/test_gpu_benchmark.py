@@ -21,7 +21,8 @@ def test_every_piece_runs_at_toy_size_on_the_cpu(tmp_path, capsys):
     saved = json.loads((tmp_path / "results.json").read_text())
     results, environment = saved["results"], saved["environment"]
     assert environment["device"] == "cpu" and environment["steps"] == 1
-    assert set(results) == {"peak", "models", "peer", "moe", "fp8", "cp_kernel"}  # gpu_tests: a device's only
+    assert set(results) == {"peak", "models", "peer", "moe", "fp8", "cp_kernel", "activation_offload"}  # gpu_tests:
+    # a device's only
     assert results["peak"]["tflops"] > 0
 
     runs = {**results["models"], **results["peer"], **{f"llama-4l {k}": results["moe"][k] for k in ("dense", "moe")}}

@@ -55,6 +55,10 @@ TINY = {  # family -> the keyword arguments of its tiny transformers config
         _LLAMA, num_hidden_layers=3, intermediate_size=32, head_dim=24, max_position_embeddings=128, sliding_window=8,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_local_experts=4,
         num_experts_per_tok=2, swiglu_limit=1.0, rope_parameters=YARN, pad_token_id=None)),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        _LLAMA, num_hidden_layers=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8)),
 }
 
 
@@ -117,6 +121,8 @@ FAMILY_OF = {  # each size of checks.SIZES (a KeyError below for one left out) -
                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
                      "num_mtp_layers", "first_k_dense_replace", "original_max_position_embeddings"), "deepseek_v3"),
     "sliding_window": "gpt_oss",
+    **dict.fromkeys(("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads"), "qwen3_next"),
 }
 
 

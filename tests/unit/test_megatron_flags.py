@@ -21,7 +21,6 @@ GPT2_VOCAB = 50257  # the vocabulary of Megatron-LM's GPT-2 vocab.json / merges.
 
 # The flags of each refused command line that name a feature absent here; every other flag must pass.
 REFUSED = {
-    "gpt3_mcore_te_tp1_pp1_mup": {"--use-mup", "--mup-base-hidden-size"},
     "gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances": {"--num-distributed-optimizer-instances"},
 }
 # Command lines whose flags are all taken, refused by validation in one line: what they combine is not built.
@@ -132,12 +131,12 @@ def test_a_megatron_checkpoint_format_says_how_to_get_one(fmt, says):
 
 def test_unknown_and_absent_flags_are_reported_together():
     with pytest.raises(ConfigError) as err:
-        parse_config(["--num-layer", "2", "--hierarchical-context-parallel-sizes", "2", "2",
+        parse_config(["--num-layer", "2", "--mrope-section", "16", "24", "24",
                       "--moe-router-bias-kind", "2", "--hiden-size", "8"])
     text = str(err.value)
     assert "2 unknown arguments: '--num-layer' (did you mean '--num-layers'?), '--hiden-size' (did you mean " \
            "'--hidden-size'?)" in text
-    assert "--hierarchical-context-parallel-sizes 2 2 (hierarchical context parallelism" in text
+    assert "--mrope-section 16 24 24 (multimodal rotary embeddings" in text
     assert "--moe-router-bias-kind (a mixture-of-experts option not built here" in text
 
 
@@ -327,9 +326,10 @@ def test_fp8_flags_are_ours_and_refused_on_a_cpu_in_one_line_naming_the_gpu_they
         "--fp8-format needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
         "Blackwell); on the CPU")
     with pytest.raises(ConfigError) as err:  # what is still not built is refused at parsing, in the same line
-        parse_config(["--mock-data", *fp8, "--fp8-margin", "0", "--use-mup"])
+        parse_config(["--mock-data", *fp8, "--fp8-margin", "0", "--export-te-mcore-model"])
     assert str(err.value).startswith("not available here: --fp8-margin 0 (an FP8 option not built here (docs/fp8.md "
-                                     "lists those built)), --use-mup (muP parametrisation); remove them")
+                                     "lists those built)), --export-te-mcore-model (Megatron's ModelOpt export and "
+                                     "distillation); remove them")
 
 
 def test_kv_channels_is_accepted_and_unused_under_multi_latent_attention():

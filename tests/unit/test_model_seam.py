@@ -18,13 +18,14 @@ FORBIDDEN = ("megatron.tensor_parallel", "megatron.distributed", "megatron.pipel
 
 
 ALLOWED = ("megatron.config.schema", "megatron.config.schema_model", "megatron.config.validate_attention",
-           "megatron.config.validate_moe")  # the configuration, and the rules that read it (which layers, ...)
+           "megatron.config.validate_moe", "megatron.config.validate_mup",
+           "megatron.config.validate_hybrid")  # the configuration, and the rules that read it (which layers, ...)
+# the model's parts that import nothing of it: its ops, attention engine, mixture of experts, linear recurrences
+PARTS = ("megatron.ops", "megatron.moe", "megatron.attention", "megatron.hybrid")
 
 
 def _outside(module: str) -> set[str]:
-    return {m for m in imports_of(module)
-            if not m.startswith(("megatron.model", "megatron.ops", "megatron.moe", "megatron.attention"))
-            and m not in ALLOWED}
+    return {m for m in imports_of(module) if not m.startswith(("megatron.model", *PARTS)) and m not in ALLOWED}
 
 
 def test_the_model_imports_no_parallel_layer_training_or_cli():
@@ -40,7 +41,7 @@ def test_the_model_imports_only_its_configuration_ops_attention_and_moe():
 
 def test_moe_distributed_and_the_parallel_packages_import_nothing_of_the_model():
     for package in ("megatron.moe", "megatron.distributed", "megatron.context_parallel", "megatron.ops",
-                    "megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.attention"):
+                    "megatron.tensor_parallel", "megatron.pipeline_parallel", "megatron.attention", "megatron.hybrid"):
         for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
             model = sorted(m for m in imports_of(module) if m.startswith("megatron.model"))
             assert not model, f"{module} imports {model}"

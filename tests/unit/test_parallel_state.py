@@ -1,5 +1,8 @@
-"""The rank grid against hand-written tables."""
+"""The rank grid against hand-written tables (and Megatron Core's hierarchical cp levels)."""
 
+import math
+
+import numpy as np
 import pytest
 
 from megatron import parallel_state
@@ -62,6 +65,40 @@ def test_coordinates_and_partitions():
         for r in range(world):
             c = coordinates(r, tp, pp, dp, sh, cp)
             assert r == c["tp"] + tp * (c["cp"] + cp * (c["sharding"] + sh * (c["dp"] + dp * c["pp"])))
+
+
+def _megatron_levels(ranks: list[int], sizes: list[int]) -> list[list[list[int]]]:
+    """Megatron Core's ``create_hierarchical_groups`` (its einops pattern in numpy): level i's groups are
+    ``rearrange(ranks, "(l s u) -> (l u) s")``, u the product of the sizes before it, s its size, l of those after."""
+    levels = []
+    for i, size in enumerate(sizes):
+        u, rest = math.prod(sizes[:i]), math.prod(sizes[i + 1:])  # u and l of the pattern
+        levels.append(np.array(ranks).reshape(rest, size, u).transpose(0, 2, 1).reshape(rest * u, size).tolist())
+    return levels
+
+
+def test_hierarchical_cp_levels():
+    """a2a+p2p's levels of each cp group: the inner, neighbouring cp ranks; the outer, cp ranks ``inner`` apart."""
+    grid = rank_grid(4, cp=4, cp_inner=2)
+    assert grid["cp_inner"] == [[0, 1], [2, 3]] and grid["cp_outer"] == [[0, 2], [1, 3]]
+    grid = rank_grid(8, tp=2, cp=4, cp_inner=2)  # tp fastest: each cp group is every second rank
+    assert grid["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid["cp_inner"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid["cp_outer"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "cp_inner" not in rank_grid(4, cp=4) and "cp_outer" not in rank_grid(4, cp=4)  # built for a2a+p2p only
+    with pytest.raises(ValueError, match="must divide cp"):
+        rank_grid(4, cp=4, cp_inner=3)
+
+
+@pytest.mark.parametrize("sizes", [(1, 8, 1, 1, 2), (2, 4, 2, 1, 2), (1, 6, 1, 2, 3), (2, 8, 1, 1, 4), (1, 4, 2, 1, 1),
+                                   (1, 4, 1, 2, 4)])
+def test_hierarchical_cp_levels_are_megatron_cores(sizes):
+    """Every (tp, cp, dp, pp, inner): the levels of each cp group are Megatron Core's, over every rank."""
+    tp, cp, dp, pp, inner = sizes
+    grid = rank_grid(tp * cp * dp * pp, tp=tp, cp=cp, dp=dp, pp=pp, cp_inner=inner)
+    wanted = [_megatron_levels(ranks, [inner, cp // inner]) for ranks in grid["cp"]]
+    assert grid["cp_inner"] == sorted(g for levels in wanted for g in levels[0])
+    assert grid["cp_outer"] == sorted(g for levels in wanted for g in levels[1])
 
 
 def test_wrong_world_size():

@@ -52,7 +52,8 @@ SIZES = {
     "vocab_size": ("vocab_size", 1),
     "max_position_embeddings": ("max_position_embeddings", 1), "n_positions": ("max_position_embeddings", 1),
     "original_max_position_embeddings": ("original_max_position_embeddings", 1),
-    "num_local_experts": ("num_experts", 1), "num_experts": ("num_experts", 1), "n_routed_experts": ("num_experts", 1),
+    "num_local_experts": ("num_experts", 1), "n_routed_experts": ("num_experts", 1),
+    "num_experts": ("num_experts", 0),  # Qwen3-Next's dense model: 0 (each MoE family refuses 0 itself)
     "num_experts_per_tok": ("moe_router_topk", 1), "moe_intermediate_size": ("moe_ffn_hidden_size", 1),
     "shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", 0),
     "n_shared_experts": ("num_experts", 0),
@@ -63,6 +64,9 @@ SIZES = {
     "num_nextn_predict_layers": ("mtp_num_layers", 0), "num_mtp_layers": ("mtp_num_layers", 0),
     "first_k_dense_replace": ("num_layers", 0), "decoder_sparse_step": ("num_layers", 1),
     "sliding_window": ("max_position_embeddings", 0), "max_window_layers": ("num_layers", 0),
+    "linear_conv_kernel_dim": ("linear_conv_kernel_dim", 1), "linear_key_head_dim": ("linear_key_head_dim", 1),
+    "linear_value_head_dim": ("linear_value_head_dim", 1), "linear_num_key_heads": ("linear_num_key_heads", 1),
+    "linear_num_value_heads": ("linear_num_value_heads", 1),
 }
 # numbers read as floats -> whether transformers takes null for it
 FLOATS = {"rms_norm_eps": False, "layer_norm_epsilon": False, "initializer_range": False, "attention_dropout": True,
@@ -106,6 +110,13 @@ DEFAULTS = {
     "qwen3_moe": {**_LLAMA, **_QWEN_MOE, "num_key_value_heads": 4, "attention_bias": False,
                   "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_local_experts": 128,
                   "default_theta": 10000.0},
+    "qwen3_next": {**_LLAMA, "num_key_value_heads": 2, "head_dim": 256, "attention_bias": False,
+                   "decoder_sparse_step": 1, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+                   "mlp_only_layers": None, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                   "num_experts_per_tok": 10, "num_experts": 512, "linear_conv_kernel_dim": 4,
+                   "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                   "linear_num_value_heads": 32, "default_theta": 10000.0,
+                   "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
     "deepseek_v3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
                     "attention_dropout": 0.0, "initializer_range": 0.02, "moe_intermediate_size": 2048,
                     "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
@@ -145,7 +156,7 @@ def read_hf_config(path: str) -> dict:
 # model_type -> the architecture a config.json without model_type names (hf_models maps each to its mapping)
 FAMILIES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "gpt_oss": "GptOssForCausalLM", "gpt2": "GPT2LMHeadModel"}
+            "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 
 def model_type_of(hf_cfg: dict) -> str:

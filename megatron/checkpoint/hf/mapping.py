@@ -136,7 +136,7 @@ def _index_pairs(template: str, layers: Callable, m) -> Iterable[tuple]:
         return [((), ())]
     if holes == 1:
         return [((a,), (b,)) for a, b in layers(m)]
-    return [((a, i), (b, i)) for (a, b), i in itertools.product(layers(m), range(m.num_experts))]
+    return [((a, i), (b, i)) for (a, b), i in itertools.product(layers(m), range(m.num_experts or 0))]
 
 
 def _instances(rules: Iterable[Rule], m, stacked: bool) -> list[tuple[tuple, Rule, tuple, tuple]]:
@@ -250,6 +250,9 @@ class Family:
     mtp_layers_in: Callable | None = None
     options: Callable = lambda config: {}
     train_state: Callable = lambda hf, m: None
+    # zero-centred norms (apply_layernorm_1p) the family stores as 1 + w: None, every norm (its norms scale by w);
+    # else the names (endings) of those it stores so, the others being zero-centred on its side too (Qwen3-Next's)
+    one_plus_norms: tuple | None = None
 
     def name_map(self, m) -> dict[str, list[str]]:
         """Our global parameter name -> the Hugging Face name(s) it holds (a stacked tensor's: each expert's)."""
@@ -271,16 +274,18 @@ class Family:
         return from_hf(self, self.prepare(hf), Ctx(m, padded_vocab, options))
 
 
-def _one_plus(tensors: dict[str, torch.Tensor], m, sign: int) -> dict[str, torch.Tensor]:
+def _one_plus(tensors: dict[str, torch.Tensor], m, sign: int, only: tuple | None = None) -> dict[str, torch.Tensor]:
     """Zero-centred norm weights (``apply_layernorm_1p``: the norm scales by 1 + w) as Hugging Face's scales
-    (``sign`` 1) or back (-1); the tensors as they are otherwise."""
+    (``sign`` 1) or back (-1): every norm's, or ``only`` those whose names end so (``Family.one_plus_norms``); the
+    tensors as they are otherwise."""
     if not getattr(m, "apply_layernorm_1p", False):
         return tensors
-    return {name: t + sign if is_norm_weight(name) else t for name, t in tensors.items()}
+    shifted = is_norm_weight if only is None else (lambda name: name.endswith(only))
+    return {name: t + sign if shifted(name) else t for name, t in tensors.items()}
 
 
 def to_hf(family: Family, tensors: dict[str, torch.Tensor], ctx: Ctx) -> dict[str, torch.Tensor]:
-    m, tensors = ctx.m, _one_plus(tensors, ctx.m, 1)
+    m, tensors = ctx.m, _one_plus(tensors, ctx.m, 1, family.one_plus_norms)
     plan, stacks = expand(family.rules, m), expand_stacked(family.rules, m)
     want = set(plan) | {name for ours, _ in stacks.values() for name in ours}
     check_names(set(tensors), want, "the checkpoint's tensors", family.export_hint)
@@ -324,4 +329,4 @@ def from_hf(family: Family, hf: dict[str, torch.Tensor], ctx: Ctx) -> dict[str, 
     out = {}
     for ours, (theirs, transform) in plan.items():
         out[ours] = transform.from_hf([hf[name].to(torch.float32) for name in theirs], ctx).contiguous().clone()
-    return _one_plus({**out, **stacked}, m, -1)
+    return _one_plus({**out, **stacked}, m, -1, family.one_plus_norms)

@@ -13,7 +13,8 @@ Multi-latent attention (DeepSeek-V2/V3) is carried by its own fields, the same n
 ``v_head_dim``, ``qk_layernorm``, and YaRN's ``rope_type``, ``rotary_scaling_factor``, ``mscale``,
 ``mscale_all_dim``, ``original_max_position_embeddings``); an MLA model's ``kv_channels``, query groups,
 ``rotary_percent`` / ``rotary_interleaved`` shape nothing (its heads are the widths above) and are not carried in.
-Multi-token prediction by ``mtp_num_layers`` and ``mtp_loss_scaling_factor``; DeepSeek-V3's router by the
+Multi-token prediction by ``mtp_num_layers`` and ``mtp_loss_scaling_factor``; muP by ``use_mup`` and the ``mup_*``
+fields (Megatron-LM's newer args; read back only with ``use_mup``); DeepSeek-V3's router by the
 ``moe_router_*`` fields and ``moe_layer_freq`` (its dense first layers: a list).
 
 gpt-oss's shape (``_gpt_oss_flags``): ``window_size`` (a tuple (LEFT, RIGHT); ours "LEFT,RIGHT", RIGHT 0 only),
@@ -65,6 +66,9 @@ _MLA = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_
         "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings")
 _NOT_MLA = ("kv_channels", "group_query_attention", "num_query_groups", "rotary_percent", "rotary_interleaved")
 _MTP = ("mtp_num_layers", "mtp_loss_scaling_factor")
+# muP (Megatron-LM's newer --use-mup; read back with use_mup only): the same names on both sides
+_MUP = ("use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
+        "mup_attn_scale_power")
 # a runtime choice, not the network's: carried only when ours has it (Megatron's flex dispatcher has no weights)
 _DISPATCHERS = ("alltoall", "allgather")
 # Megatron settings that change the network or its parameters' names, which our GPT does not build.
@@ -79,7 +83,12 @@ _REFUSED = {"moe_single_grouped_weight": "one weight for all of a layer's expert
             "use_rope_scaling": "Llama 3's rope scaling (--use-rope-scaling)",
             "no_rope_freq": "layers without rotary embeddings (--no-rope-freq)",
             "rotary_seq_len_interpolation_factor": "interpolated rotary positions "
-                                                   "(--rotary-seq-len-interpolation-factor)"}
+                                                   "(--rotary-seq-len-interpolation-factor)",
+            "experimental_attention_variant": "an experimental attention variant (Gated DeltaNet or DeepSeek sparse "
+                                              "attention; Gated DeltaNet trains here, its conversion is not written "
+                                              "yet)",
+            "attention_output_gate": "gated attention (--attention-output-gate: it trains here, its conversion is "
+                                     "not written yet)"}
 # Megatron-LM's YaRN args for standard attention -> (our flag, Megatron-LM's default for None)
 _YARN = {"rotary_scaling_factor": ("--rotary-scaling-factor", 1.0),
          "yarn_original_max_position_embeddings": ("--original-max-position-embeddings", 4096),
@@ -150,8 +159,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     mla = bool(a.get("multi_latent_attention"))
     if mla:
         _check_mla_rope(a)
-    names = [n for n in (*_SAME, *(_MLA if mla else ()), *(_MTP if a.get("mtp_num_layers") else ()))
-             if not (mla and n in _NOT_MLA)]
+    names = [n for n in (*_SAME, *(_MLA if mla else ()), *(_MTP if a.get("mtp_num_layers") else ()),
+                         *(_MUP if a.get("use_mup") else ())) if not (mla and n in _NOT_MLA)]
     flags: list[str] = []
     for name in names:
         value = a.get(name)
@@ -255,7 +264,11 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
             consumed_train_samples: int) -> argparse.Namespace:
     """The ``args`` of a legacy export of ``model`` cut for ``tp`` x ``pp`` (Megatron Core model, ``torch``
     format, expert parallelism 1, no grouped GEMM)."""
-    values = {name: getattr(model, name) for name in (*_SAME, *_MLA, *_MTP)}
+    values = {name: getattr(model, name) for name in (*_SAME, *_MLA, *_MTP, *_MUP)}
+    if model.experimental_attention_variant or model.attention_output_gate:
+        raise ConversionError("the model has Gated DeltaNet or gated-attention layers (Qwen3-Next's), whose "
+                              "conversion to Megatron-LM is not written yet (docs/hybrid.md); it trains and resumes "
+                              "here.")
     if model.add_qkv_bias and model.disable_bias_linear:
         raise ConversionError("the model has a bias on its query/key/value projection alone (add_qkv_bias), whose "
                               "conversion to Megatron-LM is not written here; it trains and loads under any layout "

@@ -172,8 +172,13 @@ def _write_fully_reshardable(out: str, step: int, whole: dict, args: argparse.Na
 def schedule_state(config: Config, schedule_samples: int) -> tuple[dict, dict]:
     """(the optimizer groups' settings at the schedule's position, Megatron's ``opt_param_scheduler`` state) of our
     run's configuration: both schedules count samples (``num_steps``: the samples of the applied steps)."""
+    from megatron.config.validate_mup import width_mult
     from megatron.optimizer.lr_schedule import build_param_schedule
 
+    if width_mult(config.model) != 1.0:  # Megatron Core's get_mup_config_overrides: groups of their own
+        raise CheckpointError(f"the run trains with muP at width multiplier {width_mult(config.model):g}, whose "
+                              f"parameter groups (the hidden matrices' own learning rate and eps) this export does "
+                              f"not write; export it with --no-optim (Megatron-LM then starts a fresh optimizer).")
     try:
         o, s = config.optimizer, build_param_schedule(config)
     except (TypeError, ValueError) as err:  # a saved config without a resolved schedule

@@ -1,0 +1,129 @@
+"""Qwen3-Next's linear-attention layer, Gated DeltaNet (Megatron Core's ``GatedDeltaNet``,
+``--experimental-attention-variant gated_delta_net``), in the place of a layer's attention.
+
+``x [s, b, h]`` ->
+
+1. ``in_proj``: per key head ``j`` (of ``nk``), with ``r = nv / nk`` value heads each: the query and key
+   ``[dk]``, the values and output gates ``z`` of its value heads ``[r dv]`` each, and their ``b`` and ``a``
+   ``[r]`` each. The rows are ordered by key head (``[nk, (q, k, v, z, b, a)]``), so a contiguous block of rows
+   holds whole heads, as the attention's QKV rows are ordered by group;
+2. a causal depthwise convolution over the sequence (kernel ``linear_conv_kernel_dim``, no bias) of the query, key
+   and value channels (ordered by key head too: ``conv1d [nk (2 dk + r dv), kernel]``), then SiLU. Within packed
+   documents it does not reach across a document start;
+3. q and k L2-normalised (eps 1e-6, as the reference kernels), q scaled by ``dk^-1/2``; each value head reads its
+   key head's q and k;
+4. the gated delta rule (``megatron.hybrid.delta_rule.chunked``) with ``beta = sigmoid(b)`` and the log-decay
+   ``g = -exp(A_log) softplus(a + dt_bias)`` (fp32), the state dropped at each document start;
+5. each value head's output RMS-normalised (``out_norm``, over ``dv``: zero-centred with ``--apply-layernorm-1p``)
+   and multiplied by ``silu(z)``; ``out_proj`` back to ``h``.
+
+Parameters: ``in_proj.weight``, ``conv1d_weight``, ``dt_bias`` (ones) and ``A_log`` (log of U(1, 16)) per value
+head, ``out_norm.weight``, ``out_proj.weight``. No biases (Megatron Core's default). Hugging Face's
+``Qwen3NextGatedDeltaNet`` holds the same numbers in another order (``in_proj_qkvz`` and ``in_proj_ba``; the
+convolution's channels query-major): ``megatron.checkpoint.hf`` maps them.
+
+Tensor parallelism splits the key heads (with their value heads) over the ranks (``cut_heads``). Not built yet:
+context parallelism and generation with a state cache of these layers (refused at validation and at load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.config.schema import ModelConfig
+from megatron.hybrid import delta_rule
+
+CHUNK = 64  # the chunked delta rule's chunk (the reference kernels')
+
+
+def linear_attention_shape(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
+    """(key heads nk, value heads nv, key width dk, value width dv, convolution kernel)."""
+    return (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            cfg.linear_conv_kernel_dim)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
+    """``x [b, s, c]``, ``weight [c, K]``: ``y_t = sum_i w[:, i] x_{t - K + 1 + i}`` over the earlier positions of
+    ``x_t``'s document (``doc [b, s]`` document ids, or None: one document)."""
+    kernel, s = weight.shape[1], x.shape[1]
+    y = x * weight[:, -1]
+    for shift in range(1, min(kernel, s)):
+        earlier = F.pad(x[:, :-shift], (0, 0, shift, 0))
+        if doc is not None:
+            same = F.pad(doc[:, :-shift], (shift, 0), value=-1) == doc
+            earlier = earlier * same[..., None].to(x.dtype)
+        y = y + earlier * weight[:, kernel - 1 - shift]
+    return y
+
+
+class GatedDeltaNet(nn.Module):
+    """See the module doc. ``make_norm(cfg, size)`` builds the model's norm (``megatron.model.blocks.make_norm``:
+    this package imports nothing of the model). ``forward(x, kv_cache, rotary, plan)`` as the attention's;
+    ``rotary`` is unused (no positions), ``plan`` gives the documents of packed samples."""
+
+    def __init__(self, cfg: ModelConfig, make_norm: Callable[..., nn.Module], layer_number: int = 0):
+        super().__init__()
+        self.layer_number = layer_number
+        nk, nv, dk, dv, kernel = linear_attention_shape(cfg)
+        if nv % nk:
+            raise ValueError(f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})")
+        self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim = nk, nv, dk, dv
+        r = nv // nk
+        self.in_proj = nn.Linear(cfg.hidden_size, nk * (2 * dk + 2 * r * dv + 2 * r), bias=False)
+        self.conv1d_weight = nn.Parameter(torch.empty(nk * (2 * dk + r * dv), kernel))
+        self.dt_bias = nn.Parameter(torch.empty(nv))
+        self.A_log = nn.Parameter(torch.empty(nv))
+        self.out_norm = make_norm(cfg, size=dv)
+        self.out_proj = nn.Linear(nv * dv, cfg.hidden_size, bias=False)
+
+    def cut_heads(self, size: int, rank: int) -> None:
+        """This tensor-parallel rank's key heads (with their value heads): ``tensor_parallel.parallelize`` splits
+        ``in_proj`` by output rows and ``out_proj`` by input columns (both ordered by key head); here the
+        convolution's channels, ``dt_bias`` and ``A_log`` keep this rank's heads, and ``out_norm`` (replicated, fed
+        this rank's heads) has its gradients summed over the group."""
+        from megatron.tensor_parallel.layers import mark_sequence_parallel, set_tensor_parallel_attributes
+
+        if self.num_key_heads % size:
+            raise ValueError(f"linear_num_key_heads ({self.num_key_heads}) must be divisible by the tensor-parallel "
+                             f"size ({size})")
+        for name in ("conv1d_weight", "dt_bias", "A_log"):
+            whole = getattr(self, name)
+            with torch.device(whole.device):
+                local = nn.Parameter(torch.empty((whole.shape[0] // size, *whole.shape[1:]), dtype=whole.dtype))
+            if not whole.is_meta:
+                with torch.no_grad():
+                    local.copy_(whole.detach().chunk(size)[rank])
+            set_tensor_parallel_attributes(local, 0, tuple(whole.shape), rank, size)
+            setattr(self, name, local)
+        self.num_key_heads, self.num_value_heads = self.num_key_heads // size, self.num_value_heads // size
+        mark_sequence_parallel(self.out_norm)
+
+    def extra_repr(self) -> str:
+        return (f"key_heads={self.num_key_heads}, value_heads={self.num_value_heads}, key_dim={self.key_dim}, "
+                f"value_dim={self.value_dim}, kernel={self.conv1d_weight.shape[1]}")
+
+    def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan=None) -> torch.Tensor:
+        if kv_cache is not None:
+            raise NotImplementedError("generation with gated DeltaNet layers (a recurrent state cache) is not built")
+        nk, nv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim  # this rank's
+        r = nv // nk
+        proj = self.in_proj(x)  # [s, b, ...]: the whole sequence under sequence parallelism
+        s, b, _ = proj.shape
+        proj = proj.transpose(0, 1).reshape(b, s, nk, 2 * dk + 2 * r * dv + 2 * r)
+        qkv, z, beta, a = proj.split([2 * dk + r * dv, r * dv, r, r], dim=-1)
+        doc = None if plan is None or plan.document_ids is None else plan.document_ids
+        qkv = F.silu(causal_conv(qkv.reshape(b, s, -1), self.conv1d_weight, doc)).view(b, s, nk, -1)
+        q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
+        q, k = (t.float() * torch.rsqrt(t.float().square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        q = q * dk ** -0.5
+        q, k = (t.repeat_interleave(r, dim=2) for t in (q, k))  # value head i reads key head i // r
+        v = v.reshape(b, s, nv, dv)
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(b, s, nv).float() + self.dt_bias.float())
+        resets = None if doc is None else F.pad(doc[:, 1:] != doc[:, :-1], (1, 0))
+        out, _ = delta_rule.chunked(q, k, v, g, beta.reshape(b, s, nv).sigmoid(), None, resets, CHUNK)
+        out = self.out_norm(out) * F.silu(z.reshape(b, s, nv, dv).float()).to(out.dtype)
+        return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
