@@ -23,6 +23,8 @@ _TRANSIENT = [*_RUN, "--error-injection-type", "transient_error", "--no-check-fo
 parity_layouts({
     "rerun-transient": (1, _TRANSIENT),
     "rerun-transient-dp2": (2, [*_TRANSIENT, "--dp", "2"]),  # every rank injects (rate 1) and re-runs the step
+    "rerun-persistent-dp2": (2, [*_RUN, "--error-injection-type", "persistent_error", "--dp", "2",
+                                 "--save", "{runs}/rerun-ckpt-dp2"]),
     "rerun-persistent": (1, [*_RUN, "--error-injection-type", "persistent_error", *_CKPT]),
     "rerun-persistent-same-node": (1, [*_RUN, *_CKPT], ("rerun-persistent",))})
 
@@ -76,3 +78,19 @@ def test_a_persistent_fault_is_checkpointed_exits_16_then_is_diagnosed_elsewhere
     second = r"Second rerun: unexpected result is not reproducible on a different GPU, therefore was likely incorrect"
     first_loss, second_loss = _values(resumed.stderr, second + r" \((\S+) != (\S+)\)")
     assert first_loss == second_loss == initial  # the checkpoint re-ran the step exactly (data, RNG)
+
+
+@pytest.mark.parametrize("layout", ["rerun-persistent-dp2"])
+def test_a_persistent_fault_at_dp2_stops_every_rank_and_saves_each_ranks_state(parity, layout):
+    """Both ranks reproduce their result in place, both exit 16, and the checkpoint before the step holds each
+    rank's machine state (the resumed diagnosis reads its own rank's)."""
+    result = parity.outcome(layout)
+    assert result.returncode == 16, result.log[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"Rank {rank}, node \S+, device cpu, iteration #2: First rerun: unexpected result is "
+                         rf"reproducible within the tolerance", result.log)
+    ckpt = parity.root / "rerun-ckpt-dp2"
+    assert (ckpt / "latest").read_text().strip() == "step_1"
+    states = json.loads((ckpt / "step_1" / "common.json").read_text())["train_state"]["rerun_state"]
+    assert [(s["state"], s["step"]) for s in states] == [("WILL_RERUN_FROM_CHECKPOINT", 2)] * 2
+    assert states[0]["initial_result"] != states[1]["initial_result"]  # each rank's own micro-batches
