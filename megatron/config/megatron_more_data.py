@@ -21,9 +21,6 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
     ("a performance option of Megatron's (a bucket size in elements); losses are the same without it "
      "(--bucket-size-mb sizes the gradient buckets here)"): (
         "--ddp-bucket-size",),
-    ("the gradients are reduced in fp32 here by default, which this asks for; under --grad-reduce-in-bf16 the "
-     "reduce-scatter sums in bf16 (Megatron's fp32 accumulation of a bf16 reduce-scatter is not built)"): (
-        "--ddp-reduce-scatter-with-fp32-accumulation",),
     "Megatron-LM core_v0.16.1 parses it and reads it nowhere": (
         "--no-scatter-gather-tensors-in-pipeline", "--enable-full-sharding-in-hsdp", "--head-lr-mult",),
     "the local rank is torchrun's (LOCAL_RANK) here": (

@@ -167,6 +167,10 @@ class DistributedConfig:
                "the step.")
     bucket_size_mb: float = opt(40.0, "Size of a data-parallel gradient all-reduce bucket (MB of gradients: fp32, "
                                       "bf16 with grad_reduce_in_bf16).")
+    ddp_reduce_scatter_with_fp32_accumulation: bool = opt(
+        False, "With grad_reduce_in_bf16 and sharded gradients (ZeRO 2, 3): each bucket's reduce-scatter sends bf16 "
+               "(an all-to-all) and sums every rank's part in fp32, rounded once (Megatron-LM's); fp32 gradients "
+               "are summed in fp32 anyway.")
     overlap_grad_reduce: bool | None = opt(
         None, "Start each bucket's all-reduce as soon as its gradients are ready; default on for GPUs, off on the "
               "CPU, where gloo's thread competes with the compute for the cores (docs/benchmarks.md).")

@@ -70,7 +70,9 @@ class Bucket:
         self.grad_shard: torch.Tensor | None = None
         self.grad_data: torch.Tensor | None = None
         self._ready: set[int] = set()  # parameters whose gradient is in, this backward
-        self._grad_sync: tuple | None = None  # (work, scattered output or None, the full gradients it reads)
+        # (work, scattered output or None, the full gradients it reads, what makes the output of what arrived)
+        self._grad_sync: tuple | None = None
+        self.fp32_accumulation = False  # a bf16 reduce-scatter summed in fp32 (reduce_scatter_with_fp32_accumulation)
         self._gather: dist.Work | None = None
         self.groups = BucketGroups()  # set by the buffer's builder
 
@@ -136,20 +138,28 @@ class Bucket:
         self.finish_grad_sync()
         grads = self.grad_data
         if not reduce_scatter:
-            self._grad_sync = (dist.all_reduce(grads, group=group, async_op=True), None, grads)
+            self._grad_sync = (dist.all_reduce(grads, group=group, async_op=True), None, grads, None)
+            return
+        if self.fp32_accumulation and grads.dtype != torch.float32 and group is not None:
+            # Megatron-LM's reduce-scatter with fp32 accumulation: every rank's chunk of my shard arrives as it is
+            # (an all-to-all, the traffic of a ring reduce-scatter), then is summed here in fp32 and rounded once
+            received = torch.empty_like(grads)
+            chunks = dist.get_world_size(group)
+            self._grad_sync = (dist.all_to_all_single(received, grads, group=group, async_op=True), received, grads,
+                               lambda got: got.view(chunks, -1).float().sum(0).to(got.dtype))
             return
         out = torch.empty(self.shard[1] - self.shard[0], dtype=grads.dtype, device=grads.device)
-        self._grad_sync = (_reduce_scatter_flat(out, grads, group=group, async_op=True), out, grads)
+        self._grad_sync = (_reduce_scatter_flat(out, grads, group=group, async_op=True), out, grads, None)
 
     def finish_grad_sync(self) -> None:
         """Wait for the pending reduction, if any (the full gradients it read are released with it)."""
         if self._grad_sync is None:
             return
-        work, out, _ = self._grad_sync
+        work, out, _, combine = self._grad_sync
         self._grad_sync = None
         work.wait()
         if out is not None:
-            self.grad_shard.add_(out)
+            self.grad_shard.add_(out if combine is None else combine(out))
 
     # Parameters (stage 3) -------------------------------------------------------------------------
 

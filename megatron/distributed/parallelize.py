@@ -80,6 +80,7 @@ class ShardingPlan:
     expert_first_replica: bool = True
     shard_experts: bool = False  # a sharded optimizer: the expert states sharded over all of edp
     grad_dtype: torch.dtype = torch.float32
+    fp32_accumulation: bool = False  # a bf16 reduce-scatter summed in fp32 (Bucket.fp32_accumulation)
 
     @property
     def shards_grads(self) -> bool:
@@ -123,6 +124,7 @@ def plan_sharding(config: Config, ps: ParallelState) -> ShardingPlan:
         expert_first_replica=ps.shard_group_size > 1 or ps.edp_rank == 0,
         shard_experts=ps.shard_group_size > 1,
         grad_dtype=torch.bfloat16 if config.mix_precision.grad_reduce_in_bf16 else torch.float32,
+        fp32_accumulation=d.ddp_reduce_scatter_with_fp32_accumulation,
     )
 
 
@@ -159,9 +161,12 @@ def build_buffer(model: nn.Module, plan: ShardingPlan) -> ParamAndGradBuffer:
     buckets.sort(key=lambda bucket: position[bucket[0][0][0]])  # in the order the backward fills them
     groups = [plan.bucket_groups(expert) for _, expert in buckets]
     shardings = [_size_and_rank(g.sharding) for g in groups]
-    return ParamAndGradBuffer(lay_out([members for members, _ in buckets], shardings=shardings), dict(named),
-                              grad_dtype=plan.grad_dtype, shard_grads=plan.shards_grads,
-                              shard_params=plan.shards_params, groups=groups)
+    buffer = ParamAndGradBuffer(lay_out([members for members, _ in buckets], shardings=shardings), dict(named),
+                                grad_dtype=plan.grad_dtype, shard_grads=plan.shards_grads,
+                                shard_params=plan.shards_params, groups=groups)
+    for bucket in buffer.buckets:
+        bucket.fp32_accumulation = plan.fp32_accumulation
+    return buffer
 
 
 def _size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -150,3 +150,41 @@ def test_the_tied_embedding_sum_runs_in_bf16():
     for calls, dtypes, equal in run_distributed(_tied_embedding, 2):
         assert calls == [("finalize_grads", "all_reduce", torch.bfloat16)]
         assert dtypes == ["torch.bfloat16"] and equal
+
+
+def _scattered_values(rank, world, fp32_accumulation):
+    """ZeRO-2 over ``world`` ranks: this rank's reduce-scattered gradient shard, and the bf16 rounding of the exact
+    (fp64) sum of every rank's bf16 gradients there."""
+    ps = parallel_state.initialize(sharding=world)
+    flags = ["--sharding", str(world), "--sharding-stage", "2"]
+    config = parse_config([*GPT, *flags, *(["--ddp-reduce-scatter-with-fp32-accumulation"] if fp32_accumulation
+                                          else [])])
+    validate(config, world_size=world)
+    model, buffer, _ = parallelize(build_model(config), plan_sharding(config, ps))
+    data = MockGPTDataset(64, 16, 128, seed=rank)
+    batch = build_batch([data[i] for i in range(2)], data.eod_id)
+    buffer.zero_grad()
+    with model.no_sync():
+        output, loss_fn = forward_step(batch, model)
+        (loss_fn(output)[0] * 100.0).backward()  # gradients of magnitude ~1: many bits of bf16 in play
+    pieces = []
+    for bucket in buffer.buckets:
+        local = bucket.grad_data.double()
+        everyone = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(everyone, local)
+        lo, hi = bucket.shard
+        pieces.append(torch.stack(everyone).sum(0)[lo - bucket.start:hi - bucket.start])
+    model.finish_grad_sync()
+    exact = torch.cat(pieces).to(torch.bfloat16)
+    got = torch.cat([bucket.grad_shard for bucket in buffer.buckets])
+    return int((got != exact).sum()), got.numel()
+
+
+def test_the_fp32_accumulating_reduce_scatter_rounds_once():
+    """--ddp-reduce-scatter-with-fp32-accumulation at ZeRO-2 over 4 ranks: every element of a rank's shard is the
+    bf16 rounding of the exact sum (fp32 accumulation of four bf16 values is exact at these magnitudes), where the
+    plain bf16 reduce-scatter rounds after each addition and differs on some."""
+    accumulated = run_distributed(_scattered_values, 4, True)
+    plain = run_distributed(_scattered_values, 4, False)
+    assert all(wrong == 0 for wrong, _ in accumulated), accumulated
+    assert sum(wrong for wrong, _ in plain) > 0, plain
