@@ -1,8 +1,8 @@
-"""Trained Qwen3, Qwen3-MoE and gpt-oss runs (gpt-oss with and without linear biases), exported to Hugging Face
+"""Trained Qwen3, Qwen3-MoE, gpt-oss (with and without linear biases) and Qwen3-Next runs, exported to Hugging Face
 (``tools/convert_checkpoint.py to-hf``), are scored by transformers on the run's own validation tokens at the run's
 validation loss (within 1e-5): the export is the model that trained, not only one with the same logits at
 initialisation. The MoE runs train under 2 ranks (Qwen3-MoE with its experts over ep 2, gpt-oss under cp 2 with ring
-attention across its window), joining the shared launch; the dense Qwen3 and the bias-free gpt-oss (Megatron-LM's
+attention across its window, Qwen3-Next at tp 2 with sequence parallelism), joining the shared launch; the dense Qwen3 and the bias-free gpt-oss (Megatron-LM's
 own recipe) train in one process. Each: TINY's data, 3 steps, one evaluation at the end."""
 
 from __future__ import annotations
@@ -30,12 +30,21 @@ GPT_OSS = [*RUN, "--position-embedding-type", "yarn", "--rotary-base", "150000",
            "--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--window-size", "5,0",
            "--window-attn-skip-freq", "2", "--softmax-type", "learnable", "--num-experts", "4", "--moe-router-topk",
            "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "0.01"]
+QWEN3_NEXT = [*RUN, "--position-embedding-type", "rope", "--rotary-percent", "0.25", "--swiglu", "--qk-layernorm",
+              "--apply-layernorm-1p", "--attention-output-gate", "--disable-bias-linear", "--kv-channels", "16",
+              "--num-layers", "4", "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq",
+              "4", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+              "--linear-value-head-dim", "8", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+              "32", "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff",
+              "0.01"]
 # name -> (processes, flags, the architecture the export names)
 RUNS = {"qwen3": (1, QWEN3, "Qwen3ForCausalLM"),
         "qwen3-moe-ep2": (2, [*QWEN3_MOE, "--expert-model-parallel-size", "2"], "Qwen3MoeForCausalLM"),
         "gpt-oss-cp2": (2, [*GPT_OSS, "--cp", "2", "--cp-comm-type", "p2p"], "GptOssForCausalLM"),
         # Megatron-LM's own gpt-oss recipe trains without linear biases
-        "gpt-oss-no-bias": (1, [*GPT_OSS, "--disable-bias-linear"], "GptOssForCausalLM")}
+        "gpt-oss-no-bias": (1, [*GPT_OSS, "--disable-bias-linear"], "GptOssForCausalLM"),
+        # Gated DeltaNet and gated attention, the key heads split over tp 2
+        "qwen3-next-tp2": (2, [*QWEN3_NEXT, "--tp", "2", "--sequence-parallel"], "Qwen3NextForCausalLM")}
 SHARED = parity_layouts({f"hf-scores-{name}": (n, flags) for name, (n, flags, _) in RUNS.items() if n > 1})
 
 
