@@ -63,6 +63,8 @@ def check_hybrid(config: Config) -> None:
     if m.linear_num_key_heads % d.mp_degree:
         _fail(f"linear_num_key_heads ({m.linear_num_key_heads}) must be divisible by the tensor-parallel size "
               f"({d.mp_degree}): each rank holds whole key heads with their value heads.")
-    if d.context_parallel_size > 1:
-        _fail("Gated DeltaNet layers under context parallelism are not built yet (docs/hybrid.md): run them with "
-              "context-parallel size 1 (tensor, pipeline, data and expert parallelism and ZeRO work).")
+    chunk = config.dataset.max_seq_len // (2 * d.context_parallel_size)
+    if d.context_parallel_size > 1 and chunk < m.linear_conv_kernel_dim - 1:
+        _fail(f"under context parallelism each rank's chunks hold {chunk} tokens (max_seq_len / (2 x cp)), fewer than "
+              f"the Gated DeltaNet convolution's reach ({m.linear_conv_kernel_dim - 1} tokens back): use longer "
+              f"sequences or a smaller context-parallel size.")

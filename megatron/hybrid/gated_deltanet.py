@@ -22,8 +22,9 @@ head, ``out_norm.weight``, ``out_proj.weight``. No biases (Megatron Core's defau
 ``Qwen3NextGatedDeltaNet`` holds the same numbers in another order (``in_proj_qkvz`` and ``in_proj_ba``; the
 convolution's channels query-major): ``megatron.checkpoint.hf`` maps them.
 
-Tensor parallelism splits the key heads (with their value heads) over the ranks (``cut_heads``). Not built yet:
-context parallelism and generation with a state cache of these layers (refused at validation and at load).
+Tensor parallelism splits the key heads (with their value heads) over the ranks (``cut_heads``); context
+parallelism passes the convolution's halos and the recurrent states between the ranks' chunks
+(``megatron.hybrid.context_parallel``). Not built yet: generation with a state cache (refused at load).
 """
 
 from __future__ import annotations
@@ -115,15 +116,54 @@ class GatedDeltaNet(nn.Module):
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1).reshape(b, s, nk, 2 * dk + 2 * r * dv + 2 * r)
         qkv, z, beta, a = proj.split([2 * dk + r * dv, r * dv, r, r], dim=-1)
-        doc = None if plan is None or plan.document_ids is None else plan.document_ids
-        qkv = F.silu(causal_conv(qkv.reshape(b, s, -1), self.conv1d_weight, doc)).view(b, s, nk, -1)
+        pieces = _pieces(qkv.reshape(b, s, -1), plan, self.conv1d_weight.shape[1] - 1)
+        qkv = torch.cat([F.silu(causal_conv(torch.cat([halo, rows], 1), self.conv1d_weight, doc)[:, halo.shape[1]:])
+                         for rows, halo, doc, _ in pieces], dim=1).view(b, s, nk, -1)
         q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
         q, k = (t.float() * torch.rsqrt(t.float().square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         q = q * dk ** -0.5
         q, k = (t.repeat_interleave(r, dim=2) for t in (q, k))  # value head i reads key head i // r
         v = v.reshape(b, s, nv, dv)
         g = -self.A_log.float().exp() * F.softplus(a.reshape(b, s, nv).float() + self.dt_bias.float())
-        resets = None if doc is None else F.pad(doc[:, 1:] != doc[:, :-1], (1, 0))
-        out, _ = delta_rule.chunked(q, k, v, g, beta.reshape(b, s, nv).sigmoid(), None, resets, CHUNK)
+        out = _recurrence(q, k, v, g, beta.reshape(b, s, nv).sigmoid(), [resets for *_, resets in pieces], plan)
         out = self.out_norm(out) * F.silu(z.reshape(b, s, nv, dv).float()).to(out.dtype)
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
+
+
+def _pieces(qkv: torch.Tensor, plan, width: int) -> list[tuple]:
+    """(rows, the ``width`` rows before them, the document ids of both or None, resets or None) of each piece of
+    the sequence this rank holds: the whole of it, or under context parallelism its two chunks (their halos from
+    the ranks holding the chunks before them)."""
+    b, s, _ = qkv.shape
+    docs = None if plan is None or plan.document_ids is None else plan.document_ids  # over the whole sequence
+    if plan is None or plan.cp_size == 1:
+        resets = None if docs is None else F.pad(docs[:, 1:] != docs[:, :-1], (1, 0))
+        return [(qkv, qkv.new_zeros(b, 0, qkv.shape[-1]), docs, resets)]
+    from megatron.attention.plan import chunk_ids
+    from megatron.hybrid.context_parallel import halos
+
+    length, out = s // 2, []
+    for (i, chunk), halo in zip(enumerate(chunk_ids(plan.cp_rank, plan.cp_size)), halos(qkv, width, plan)):
+        rows, start = qkv[:, i * length:(i + 1) * length], chunk * length
+        doc = resets = None
+        if docs is not None:
+            before = docs[:, max(0, start - width):start]
+            doc = torch.cat([F.pad(before, (width - before.shape[1], 0), value=-1), docs[:, start:start + length]], 1)
+            here = docs[:, max(0, start - 1):start + length]
+            resets = here[:, 1:] != here[:, :-1] if start else F.pad(here[:, 1:] != here[:, :-1], (1, 0))
+        out.append((rows, halo, doc, resets))
+    return out
+
+
+def _recurrence(q, k, v, g, beta, resets: list, plan) -> torch.Tensor:
+    """The gated delta rule over the rank's pieces: from no state (one piece), or under context parallelism each
+    chunk from the state the earlier chunks hand it (``context_parallel.entering_states``)."""
+    if len(resets) == 1:
+        return delta_rule.chunked(q, k, v, g, beta, None, resets[0], CHUNK)[0]
+    from megatron.hybrid.context_parallel import entering_states
+
+    length = q.shape[1] // 2
+    parts = [[t[:, i * length:(i + 1) * length] for i in range(2)] for t in (q, k, v, g, beta)]
+    starts = entering_states(*parts, resets, plan, CHUNK)
+    return torch.cat([delta_rule.chunked(*(t[i] for t in parts), starts[i], resets[i], CHUNK)[0] for i in range(2)],
+                     dim=1)

@@ -30,6 +30,8 @@ LAYOUTS = parity_layouts({f"qwen3-next-{name}": (2, [*QWEN3_NEXT, *flags]) for n
     # the key heads (and their value heads) split over the tensor-parallel ranks; the experts too (etp = tp)
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],
     "pp2": ["--pp", "2"],  # two linear-attention layers on each stage; the full attention on the last
+    # each rank's two chunks: the convolution's halos and the recurrent states entering them from the other rank
+    "cp2": ["--cp", "2"],
     "ep2-distributed-optimizer": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
 }.items()})
 

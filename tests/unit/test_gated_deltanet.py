@@ -129,7 +129,7 @@ def test_the_layers_linear_attention_freq_chooses():
     ([*LINEAR, "--linear-num-value-heads", "3"], "must be a multiple of linear_num_key_heads"),
     ([*LINEAR, "--tp", "2", "--linear-num-key-heads", "1", "--linear-num-value-heads", "2"],
      "must be divisible by the tensor-parallel size"),
-    ([*LINEAR, "--cp", "2"], "under context parallelism are not built yet"),
+    ([*LINEAR, "--cp", "2", "--max-seq-len", "8", "--linear-conv-kernel-dim", "4"], "chunks hold 2 tokens"),
 ])
 def test_refused_in_one_sentence(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
