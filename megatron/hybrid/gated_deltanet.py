@@ -24,12 +24,15 @@ convolution's channels query-major): ``megatron.checkpoint.hf`` maps them.
 
 Tensor parallelism splits the key heads (with their value heads) over the ranks (``cut_heads``); context
 parallelism passes the convolution's halos and the recurrent states between the ranks' chunks
-(``megatron.hybrid.context_parallel``). Not built yet: generation with a state cache (refused at load).
+(``megatron.hybrid.context_parallel``). Generation keeps the convolution's last rows and the recurrent state per
+row (``state_shapes``, ``inference.KVCache``): the prompt through the chunked form, each new token through the
+recurrent one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -107,16 +110,31 @@ class GatedDeltaNet(nn.Module):
         return (f"key_heads={self.num_key_heads}, value_heads={self.num_value_heads}, key_dim={self.key_dim}, "
                 f"value_dim={self.value_dim}, kernel={self.conv1d_weight.shape[1]}")
 
+    @property
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What generation keeps per row (``inference.KVCache``): the last ``kernel - 1`` rows the convolution reads
+        and the recurrent state of this rank's value heads."""
+        width = self.conv1d_weight.shape[1] - 1
+        return {"conv": (width, self.conv1d_weight.shape[0]),
+                "recurrent": (self.num_value_heads, self.key_dim, self.value_dim)}
+
     def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan=None) -> torch.Tensor:
-        if kv_cache is not None:
-            raise NotImplementedError("generation with gated DeltaNet layers (a recurrent state cache) is not built")
         nk, nv, dk, dv = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim  # this rank's
         r = nv // nk
         proj = self.in_proj(x)  # [s, b, ...]: the whole sequence under sequence parallelism
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1).reshape(b, s, nk, 2 * dk + 2 * r * dv + 2 * r)
         qkv, z, beta, a = proj.split([2 * dk + r * dv, r * dv, r, r], dim=-1)
-        pieces = _pieces(qkv.reshape(b, s, -1), plan, self.conv1d_weight.shape[1] - 1)
+        width = self.conv1d_weight.shape[1] - 1
+        if kv_cache is not None:  # generation: from the cached rows and state, which then hold this forward's
+            states = kv_cache.states[self.layer_number]
+            docs = kv_cache.slot_documents(max(width, 1))  # this forward's slots and at least one before
+            rows = qkv.reshape(b, s, -1)
+            resets = (docs[:, 1:] != docs[:, :-1])[:, -s:]
+            pieces = [(rows, states["conv"], docs[:, docs.shape[1] - width - s:], resets)]
+            states["conv"] = torch.cat([states["conv"], rows], 1)[:, -width:] if width else states["conv"]
+        else:
+            pieces = _pieces(qkv.reshape(b, s, -1), plan, width)
         qkv = torch.cat([F.silu(causal_conv(torch.cat([halo, rows], 1), self.conv1d_weight, doc)[:, halo.shape[1]:])
                          for rows, halo, doc, _ in pieces], dim=1).view(b, s, nk, -1)
         q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
@@ -125,7 +143,13 @@ class GatedDeltaNet(nn.Module):
         q, k = (t.repeat_interleave(r, dim=2) for t in (q, k))  # value head i reads key head i // r
         v = v.reshape(b, s, nv, dv)
         g = -self.A_log.float().exp() * F.softplus(a.reshape(b, s, nv).float() + self.dt_bias.float())
-        out = _recurrence(q, k, v, g, beta.reshape(b, s, nv).sigmoid(), [resets for *_, resets in pieces], plan)
+        beta = beta.reshape(b, s, nv).sigmoid()
+        if kv_cache is not None:
+            state = kv_cache.states[self.layer_number]
+            form = delta_rule.recurrent if s == 1 else partial(delta_rule.chunked, chunk_size=CHUNK)
+            out, state["recurrent"] = form(q, k, v, g, beta, state["recurrent"], pieces[0][3])
+        else:
+            out = _recurrence(q, k, v, g, beta, [resets for *_, resets in pieces], plan)
         out = self.out_norm(out) * F.silu(z.reshape(b, s, nv, dv).float()).to(out.dtype)
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
 

@@ -105,11 +105,12 @@ class InferenceEngine:
         self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, self.vocab_size,
                                 self.tp_group, self.tp_size)
         # what each layer's attention keeps per token in the KV cache: (heads, key width, value width)
-        self.cache_shapes = {layer.self_attention.layer_number: layer.self_attention.cache_shape
-                             for layer in model.layers.values()}
+        mixers = [layer.self_attention for layer in model.layers.values()]
+        self.cache_shapes = {m.layer_number: m.cache_shape for m in mixers if hasattr(m, "cache_shape")}
+        # a recurrent layer's (Gated DeltaNet's) fixed-size states per row, in place of keys and values
+        self.state_shapes = {m.layer_number: m.state_shapes for m in mixers if hasattr(m, "state_shapes")}
         # the sliding window of each layer that has one: its cache keeps only the keys the window still reaches
-        self.cache_windows = {layer.self_attention.layer_number: getattr(layer.self_attention, "window", None)
-                              for layer in model.layers.values()}
+        self.cache_windows = {m.layer_number: getattr(m, "window", None) for m in mixers if hasattr(m, "cache_shape")}
         self.dtype = next(model.parameters()).dtype
 
     # Checking ------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class InferenceEngine:
             longest = max(len(r.prompt) for r in requests)
             pad = torch.tensor([longest - len(r.prompt) for r in requests])
             cache = KVCache(self.cache_shapes, len(requests), longest + max(r.params.max_tokens for r in requests),
-                            pad, self.dtype, self.device, self.cache_windows)
+                            pad, self.dtype, self.device, self.cache_windows, self.state_shapes)
             tokens = torch.tensor([[0] * (longest - len(r.prompt)) + list(r.prompt) for r in requests],
                                   device=self.device)
         except Exception as error:  # out of memory, say: agreed below, before the first forward

@@ -22,6 +22,11 @@ slots, all a later query can reach, so its memory is ``w`` slots however long th
 over those and its own new keys (``store`` returns them in slot order), under the layer's mask (``mask_for``:
 causal, within the window, not padding); slot distances are position distances (a row's positions count from its
 first real slot), so the window is the same one training used.
+
+A layer without attention (Gated DeltaNet, ``megatron.hybrid``) keeps a state of fixed size per row instead: the last
+``width`` rows its convolution reads and the recurrent state (``state_shapes``), whatever the generation's length.
+Its slots before ``pad[i]`` are padding: the layer drops the state at each row's first real slot (``slot_documents``),
+so a padded row computes what it would alone.
 """
 
 from __future__ import annotations
@@ -35,9 +40,15 @@ class KVCache:
     how the queries attend."""
 
     def __init__(self, layers: dict[int, tuple[int, int, int]], batch: int, max_len: int, pad: torch.Tensor,
-                 dtype: torch.dtype, device: torch.device, windows: dict[int, int | None] | None = None):
+                 dtype: torch.dtype, device: torch.device, windows: dict[int, int | None] | None = None,
+                 states: dict[int, dict[str, tuple[int, ...]]] | None = None):
         """``layers``: per layer number, the (heads, key width, value width) its attention stores
-        (``cache_shape``); ``windows``: per layer number, its sliding window (None or absent: full attention)."""
+        (``cache_shape``); ``windows``: per layer number, its sliding window (None or absent: full attention);
+        ``states``: per layer number of a recurrent layer, each state's shape per row (``state_shapes``: the
+        convolution's rows in ``dtype``, the recurrent state in fp32), zero at the start."""
+        self.states = {i: {name: torch.zeros(batch, *shape, dtype=dtype if name == "conv" else torch.float32,
+                                             device=device) for name, shape in shapes.items()}
+                       for i, shapes in (states or {}).items()}
         self.max_len, self.length, self.new = max_len, 0, 0
         # layers whose window is shorter than the generation: a rolling cache of the last ``window`` slots
         self.windows = {i: w for i, w in (windows or {}).items() if w is not None and w + 1 < max_len}
@@ -119,6 +130,12 @@ class KVCache:
             self._masks[key] = (seen | (slot == query)).unsqueeze(1)  # [b, 1, count, keys]
         return self._masks[key]
 
+    def slot_documents(self, before: int) -> torch.Tensor:
+        """[b, before + new]: 1 at the real slots of this forward and the ``before`` slots ahead of it, 0 at
+        padding, -1 before slot 0 (a recurrent layer's documents: it drops its state where a row's 0s turn 1)."""
+        slots = torch.arange(self.length - before, self.length + self.new, device=self.pad.device).unsqueeze(0)
+        return torch.where(slots < 0, -1, (slots >= self.pad.unsqueeze(1)).long())
+
     def commit(self) -> None:
         """The forward is done: its slots are now part of the sequence."""
         self.length += self.new
@@ -128,4 +145,6 @@ class KVCache:
         """Drop every row not in ``rows`` (finished sequences stop costing work)."""
         self.keys = {i: t.index_select(0, rows) for i, t in self.keys.items()}
         self.values = {i: t.index_select(0, rows) for i, t in self.values.items()}
+        self.states = {i: {name: t.index_select(0, rows) for name, t in states.items()}
+                       for i, states in self.states.items()}
         self.pad = self.pad.index_select(0, rows)

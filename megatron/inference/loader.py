@@ -97,10 +97,6 @@ def _load(path: str, dtype: torch.dtype, device: torch.device, ps):
     reader, common, config = open_checkpoint(path)
     try:
         m = config.model
-        if m.experimental_attention_variant:
-            raise CheckpointError(f"{path}: the model has Gated DeltaNet layers, whose generation (a recurrent state "
-                                  f"cache beside the KV cache) is not built yet (docs/hybrid.md); it trains and "
-                                  f"evaluates with tools/evaluate.py's loss.")
         if m.num_attention_heads % ps.tp_size or (m.ffn_hidden_size or 4 * m.hidden_size) % ps.tp_size:
             raise CheckpointError(f"--tp {ps.tp_size} must divide num_attention_heads ({m.num_attention_heads}) "
                                   f"and ffn_hidden_size ({m.ffn_hidden_size}).")

@@ -117,3 +117,24 @@ def test_a_model_qwen3_next_cannot_hold_is_refused_in_one_line(tmp_path, capsys)
                  {name: p.detach() for name, p in build_model(config).named_parameters()})
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
     assert "norms that scale by w (apply_layernorm_1p off) has no Hugging Face Qwen3-Next" in one_line_error(capsys)
+
+
+def test_our_engine_generates_transformers_greedy_tokens(tmp_path):
+    """Three prompts of 7, 4 and 12 tokens in one batch (left-padded: the linear-attention layers drop their state at
+    each row's first real token), 20 new tokens each: the prompt through the chunked form, every new token through the
+    recurrent one with the cached convolution rows and state; the tokens are transformers' greedy ones."""
+    from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
+
+    model = hf_model(moe=True)
+    model.save_pretrained(str(tmp_path / "hf_in"))
+    assert convert.main(["from-hf", str(tmp_path / "hf_in"), str(tmp_path / "ours")]) == 0
+    prompts = [[5, 17, 99, 3, 249, 42, 7], [11, 200, 31, 64], [int(t) for t in tokens(1, seed=3)[0, :12]]]
+    initialize()
+    ours, config = load_model(str(tmp_path / "ours"))
+    engine = InferenceEngine(ours, config, None)
+    completions = engine.generate([Request(p, SamplingParams(max_tokens=20, temperature=0)) for p in prompts])
+    for prompt, completion in zip(prompts, completions):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+        assert completion.tokens == theirs[0, len(prompt):].tolist()

@@ -6,6 +6,8 @@ value); ``linear_attention_freq``'s layer choice and the settings refused in one
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -151,11 +153,10 @@ def test_megatron_lm_export_is_refused_until_its_conversion_is_written():
             to_args(_config(*flags).model, tp=1, pp=1, seq_length=24, iteration=1, consumed_train_samples=0)
 
 
-def test_a_tiny_qwen3_next_trains_and_generation_is_refused(tmp_path):
-    """Megatron-LM's flags, 12 steps on packed mock documents: the loss falls; the checkpoint's generation is refused
-    in one line (the recurrent state cache is not built yet)."""
-    from megatron.checkpoint import CheckpointError
-    from megatron.inference.loader import load_model
+def test_a_tiny_qwen3_next_trains_and_generates_as_a_full_recompute(tmp_path):
+    """Megatron-LM's flags, 12 steps on packed mock documents: the loss falls. The checkpoint generates greedily with
+    the state cache (two prompts, left-padded) the tokens a full recompute of every prefix chooses."""
+    from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
     from tests.functional.launch import run_here
 
     run = run_here("--mock-data", "--device", "cpu", "--num-layers", "4", "--hidden-size", "32",
@@ -168,7 +169,17 @@ def test_a_tiny_qwen3_next_trains_and_generation_is_refused(tmp_path):
                    "--attention-output-gate", "--mock-document-length", "10", "--reset-attention-mask",
                    "--reset-position-ids", *LINEAR, "--save", str(tmp_path / "run"))
     assert run.returncode == 0, run.stderr[-2000:]
-    losses = [float(v) for v in __import__("re").findall(r" - global step \d+, .*?loss: ([\d.]+)", run.stderr)]
+    losses = [float(v) for v in re.findall(r" - global step \d+, .*?loss: ([\d.]+)", run.stderr)]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
-    with pytest.raises(CheckpointError, match="Gated DeltaNet layers, whose generation"):
-        load_model(str(tmp_path / "run"))
+    initialize()
+    model, config = load_model(str(tmp_path / "run"))
+    prompts = [[3, 50, 7, 90, 11, 4], [60, 2, 33]]
+    completions = InferenceEngine(model, config, None).generate(
+        [Request(p, SamplingParams(max_tokens=8, temperature=0)) for p in prompts])
+    for prompt, completion in zip(prompts, completions):
+        sequence = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):  # the whole prefix again, no cache
+                logits = model.parallel_logits(model.hidden_states(torch.tensor([sequence]), None, None)[-1])
+                sequence.append(int(logits[0, :config.model.vocab_size].argmax()))
+        assert completion.tokens == sequence[len(prompt):]
