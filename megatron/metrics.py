@@ -14,6 +14,7 @@ import time
 from megatron.config.cli import to_dict
 from megatron.config.schema import Config
 from megatron.config.validate_attention import layer_window
+from megatron.config.validate_hybrid import is_linear_attention_layer
 from megatron.config.validate_moe import is_moe_layer
 
 LOG_FORMAT = "[%(asctime)s] [%(levelname)8s] - %(message)s"
@@ -72,6 +73,9 @@ def model_flops_per_token(config: Config) -> float:
     and ``2*s*a*(qk + dv)`` for the scores and the values (qk = qk_head_dim + qk_pos_emb_head_dim). Multi-token
     prediction (``megatron.model.mtp``) adds per module a layer, its projection (2*2h*h) and the LM head again.
 
+    Gated DeltaNet layers (``megatron.hybrid``) count ``_linear_attention_flops`` in place of attention, and gated
+    attention its gate's projection (Megatron-LM's ``num_floating_point_operations``).
+
     (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
     not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
     backend; a layer with a sliding window of w keys over s x min(s, w + 1). Norms, activations and rotary
@@ -83,7 +87,8 @@ def model_flops_per_token(config: Config) -> float:
     total = 0
     for layer in range(m.num_layers + (m.mtp_num_layers or 0)):
         window = layer_window(m, layer)  # a sliding window: each query's keys at most window + 1
-        per_layer = _attention_flops(m, s if window is None else min(s, window + 1))
+        per_layer = _linear_attention_flops(m) if is_linear_attention_layer(m, layer) else \
+            _attention_flops(m, s if window is None else min(s, window + 1))
         if is_moe_layer(m, layer):  # the active parameters: the router, topk experts, the shared expert
             shared = m.moe_shared_expert_intermediate_size or 0
             expert = m.moe_ffn_hidden_size or f
@@ -105,7 +110,18 @@ def _attention_flops(m, s: int) -> int:
         return query + latent + 2 * nq * dv * h + 2 * s * nq * (qk + dv)
     ng = m.num_query_groups if m.group_query_attention else nq
     hd = m.kv_channels or h // nq
-    return 2 * h * (nq + 2 * ng) * hd + 2 * nq * hd * h + 2 * 2 * s * nq * hd
+    queries = 2 * nq if m.attention_output_gate else nq  # the output gate: a second query-shaped projection
+    return 2 * h * (queries + 2 * ng) * hd + 2 * nq * hd * h + 2 * 2 * s * nq * hd
+
+
+def _linear_attention_flops(m) -> int:
+    """A Gated DeltaNet layer's per token (``megatron.hybrid``), as Megatron-LM counts it: the input projection, the
+    depthwise convolution, the delta rule's four products per value head (k k^T, v k^T, the state's update and its
+    read by q: ``4 dk dv``) and the output projection; independent of the sequence length."""
+    h, nk, nv = m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads
+    qk, v = nk * m.linear_key_head_dim, nv * m.linear_value_head_dim
+    return 2 * (h * (2 * qk + 2 * v + 2 * nv) + m.linear_conv_kernel_dim * (2 * qk + v)
+                + 4 * nv * m.linear_key_head_dim * m.linear_value_head_dim + h * v)
 
 
 def format_log_line(step: int, epoch: int, batch: int, loss: float, reader_cost: float, batch_cost: float,

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import Config, padded_vocab_size
+from megatron.config.validate_hybrid import is_linear_attention_layer
 from megatron.config.validate_moe import is_moe_layer
 from megatron.distributed.sharding_rule import sharding_stage, shards_grads, shards_params
 
@@ -203,11 +204,12 @@ def parameter_split(config: Config, tp: int = 1, pp: int = 1, pp_rank: int = 0, 
 
 def _layer_kinds(config: Config, tp: int, layers, ep: int | None = None,
                  etp: int | None = None) -> list[tuple[int, int, int]]:
-    """(dense, expert, how many) of ``layers``, a ``layer_split`` per kind of layer (MoE or not: all it depends
-    on): a deep model's stages repeat two kinds, and the layout planner asks for thousands of stages."""
-    counts: dict[bool, list] = {}
+    """(dense, expert, how many) of ``layers``, a ``layer_split`` per kind of layer (MoE or not, linear attention or
+    not: all it depends on): a deep model's stages repeat a few kinds, and the layout planner asks for thousands of
+    stages."""
+    counts: dict[tuple[bool, bool], list] = {}
     for i in layers:
-        kind = is_moe_layer(config.model, i)
+        kind = is_moe_layer(config.model, i), is_linear_attention_layer(config.model, i)
         if kind in counts:
             counts[kind][1] += 1
         else:
@@ -240,13 +242,15 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
         fc1 = (2 if m.swiglu or m.quick_geglu else 1) * width
         return (fc1 * h + bias * fc1 + width * h) // split + bias * h
 
-    qkv = (nq + 2 * ng) * hd
+    qkv = (nq * (2 if m.attention_output_gate else 1) + 2 * ng) * hd  # (each query head's gate: as many rows)
     per_norm = 2 if m.normalization == "LayerNorm" else 1  # weight (and bias) per channel
     qkv_bias = 1 if bias or m.add_qkv_bias else 0
     attention = (qkv * h + qkv_bias * qkv + nq * hd * h) // tp + bias * h + (2 * per_norm * hd if m.qk_layernorm else 0)
     attention += nq // tp if m.softmax_type == "learnable" else 0  # the sinks of this rank's heads
     if m.multi_latent_attention:
         attention = _mla_parameters(m, tp, per_norm)
+    if is_linear_attention_layer(m, layer):
+        attention = _linear_attention_parameters(m, tp, per_norm)
     norms = 2 * per_norm * h
     if not is_moe_layer(m, layer):
         return attention + mlp(f, tp) + norms, 0
@@ -256,6 +260,17 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     dense = attention + m.num_experts * (h + bias) + (mlp(shared, tp) if shared else 0) + norms  # router (+ bias)
     dense += h if shared and m.moe_shared_expert_gate else 0  # the shared expert's gate [1, h], replicated
     return dense, m.num_experts // ep * mlp(m.moe_ffn_hidden_size or f, etp)
+
+
+def _linear_attention_parameters(m, tp: int, per_norm: int) -> int:
+    """A Gated DeltaNet layer's parameters on a rank (``megatron.hybrid``): ``in_proj``, the convolution, ``dt_bias``,
+    ``A_log`` and ``out_proj`` split by key heads over tp, the output norm (over a value head) replicated."""
+    h, nk, nv, dk, dv = (m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim,
+                         m.linear_value_head_dim)
+    r = nv // nk
+    split = nk * (2 * dk + 2 * r * dv + 2 * r) * h + nk * (2 * dk + r * dv) * m.linear_conv_kernel_dim + 2 * nv \
+        + nv * dv * h
+    return split // tp + per_norm * dv
 
 
 def _mla_parameters(m, tp: int, per_norm: int) -> int:

@@ -183,3 +183,22 @@ def test_a_tiny_qwen3_next_trains_and_generates_as_a_full_recompute(tmp_path):
                 logits = model.parallel_logits(model.hidden_states(torch.tensor([sequence]), None, None)[-1])
                 sequence.append(int(logits[0, :config.model.vocab_size].argmax()))
         assert completion.tokens == sequence[len(prompt):]
+
+
+def test_the_estimates_count_the_linear_attention_layers():
+    """The memory estimate's parameters equal the built model's (Gated DeltaNet, gated attention, MoE with a gated
+    shared expert); the model FLOPs of a Gated DeltaNet layer are Megatron-LM's count for it."""
+    from megatron.memory.model_states import parameter_split
+    from megatron.metrics import model_flops_per_token
+    from megatron.parallelize_gpt import build_model
+
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--swiglu",
+           "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate", "--ffn-hidden-size", "32"]
+    config = _config(*LINEAR, "--attention-output-gate", "--group-query-attention", "--num-query-groups", "1", *moe)
+    assert sum(parameter_split(config)) == sum(p.numel() for p in build_model(config).parameters())
+    plain = _config(*LINEAR[:2], "--linear-attention-freq", "[0,0,0,0]")  # the same model, attention everywhere
+    linear, full = model_flops_per_token(_config(*LINEAR)), model_flops_per_token(plain)
+    h, s = H, 24  # 2 heads of H / 2 channels: nq x hd = H
+    attention = 2 * h * 3 * H + 2 * H * h + 2 * 2 * s * H  # QKV (no GQA), out, the scores and values
+    gdn = 2 * (h * (2 * NK * DK + 2 * NV * DV + 2 * NV) + K * (2 * NK * DK + NV * DV) + 4 * NV * DK * DV + h * NV * DV)
+    assert linear - full == 3 * 3 * (gdn - attention)  # 3 linear layers; forward and backward: x 3
