@@ -76,7 +76,10 @@ def _compiled_parts(layer: TransformerDecoderLayer, attention_eager: bool = Fals
     """(owner, method name, whether its 2nd argument is the KV cache) of what ``compile_model`` compiles."""
     if layer.recompute in (None, "full") and not attention_eager:
         return [(layer, "_layer", True)]
-    mlp_half = [(layer.post_attention_layernorm, "forward", False), (layer.mlp, "forward", False)]
+    mlp_half = [(layer.post_attention_layernorm, "forward", False), (layer.mlp, "forward", False)] \
+        if layer.mlp is not None else []  # (a hybrid model's mixer layer has no MLP, its MLP layer no mixer)
+    if layer.input_layernorm is None:
+        return mlp_half
     if layer.recompute in ("only_attn", "full_attn") and not attention_eager:
         return [(layer, "_attention_block", True), *mlp_half]
     return [(layer.input_layernorm, "forward", False), *mlp_half]

@@ -14,7 +14,7 @@ import time
 from megatron.config.cli import to_dict
 from megatron.config.schema import Config
 from megatron.config.validate_attention import layer_window
-from megatron.config.validate_hybrid import is_linear_attention_layer
+from megatron.config.validate_hybrid import hybrid_layer_kind, is_linear_attention_layer
 from megatron.config.validate_moe import is_moe_layer
 
 LOG_FORMAT = "[%(asctime)s] [%(levelname)8s] - %(message)s"
@@ -74,7 +74,8 @@ def model_flops_per_token(config: Config) -> float:
     prediction (``megatron.model.mtp``) adds per module a layer, its projection (2*2h*h) and the LM head again.
 
     Gated DeltaNet layers (``megatron.hybrid``) count ``_linear_attention_flops`` in place of attention, and gated
-    attention its gate's projection (Megatron-LM's ``num_floating_point_operations``).
+    attention its gate's projection; a hybrid model's layer (``hybrid_override_pattern``) its one part, a Mamba-2
+    mixer ``_mamba_flops`` (Megatron-LM's ``num_floating_point_operations``).
 
     (GPT-2: nq*hd = h, ng = nq, so QKV is 2*h*3h.) Attention is counted over the full s x s square,
     not the causal half, as Megatron-LM does and as torch's FLOP counter does for the math attention
@@ -89,6 +90,11 @@ def model_flops_per_token(config: Config) -> float:
         window = layer_window(m, layer)  # a sliding window: each query's keys at most window + 1
         per_layer = _linear_attention_flops(m) if is_linear_attention_layer(m, layer) else \
             _attention_flops(m, s if window is None else min(s, window + 1))
+        kind = hybrid_layer_kind(m, layer)  # a hybrid model's layer: one part
+        if kind in ("M", "*"):
+            total += _mamba_flops(m) if kind == "M" else per_layer
+            continue
+        per_layer = 0 if kind else per_layer  # an MLP or MoE layer of a hybrid model
         if is_moe_layer(m, layer):  # the active parameters: the router, topk experts, the shared expert
             shared = m.moe_shared_expert_intermediate_size or 0
             expert = m.moe_ffn_hidden_size or f
@@ -112,6 +118,17 @@ def _attention_flops(m, s: int) -> int:
     hd = m.kv_channels or h // nq
     queries = 2 * nq if m.attention_output_gate else nq  # the output gate: a second query-shaped projection
     return 2 * h * (queries + 2 * ng) * hd + 2 * nq * hd * h + 2 * 2 * s * nq * hd
+
+
+def _mamba_flops(m) -> int:
+    """A Mamba-2 mixer's per token (``megatron.hybrid.mamba``), as Megatron-LM counts it (its ``mamba_layer_flops``,
+    with the mixer's width H x P for its ``d_in``): the input projection, the scan (``7 d_in N``), the output
+    projection."""
+    from megatron.hybrid.mamba import mamba_shape
+
+    heads, width, groups, state = mamba_shape(m)
+    inner, h = heads * width, m.hidden_size
+    return 2 * h * (2 * inner + 2 * groups * state + heads) + 7 * inner * state + 2 * inner * h
 
 
 def _linear_attention_flops(m) -> int:

@@ -49,8 +49,9 @@ def apply_offload(chunk: nn.Module, num_layers: int = 0, modules: list[str] | No
         parts = set(modules) - _recomputed(layer)
         layer.offload = {"layer": offload.region("layer", number, packs=False),
                          **{p: offload.region(p, number) for p in parts & {"attn_norm", "mlp_norm"}}}
-        layer.self_attention.offload = {p: offload.region(p, number) for p in parts & set(_ATTENTION_PARTS)}
-        for module in layer.mlp.modules():  # a MoE layer's experts
+        if layer.self_attention is not None:  # (a hybrid model's layer may have none)
+            layer.self_attention.offload = {p: offload.region(p, number) for p in parts & set(_ATTENTION_PARTS)}
+        for module in layer.mlp.modules() if layer.mlp is not None else ():  # a MoE layer's experts
             if hasattr(type(module), "recompute_activation"):
                 module.offload = {p: offload.region(p, number) for p in parts & set(_EXPERT_PARTS)}
     return chunk

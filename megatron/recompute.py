@@ -47,9 +47,10 @@ def _set(layer: nn.Module, granularity: str | None, parts: frozenset[str]) -> No
     selective = parts if granularity == "core_attn" else frozenset()
     layer.recompute = granularity
     layer.recompute_parts = selective
-    layer.self_attention.recompute_core = "core_attn" in selective
-    layer.self_attention.recompute_up_proj = "mla_up_proj" in selective
-    for module in layer.mlp.modules():  # a MoE layer's shared expert and experts
+    if layer.self_attention is not None:  # (a hybrid model's layer may have none)
+        layer.self_attention.recompute_core = "core_attn" in selective
+        layer.self_attention.recompute_up_proj = "mla_up_proj" in selective
+    for module in layer.mlp.modules() if layer.mlp is not None else ():  # a MoE layer's shared expert and experts
         if hasattr(type(module), "recompute_shared"):
             module.recompute_shared = "shared_experts" in selective
         if hasattr(type(module), "recompute_activation"):

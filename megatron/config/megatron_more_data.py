@@ -89,9 +89,6 @@ _NO_EFFECT: dict[str, tuple[str, ...]] = {
     ("a switch that lets Megatron's experimental code paths run; each such feature's own flag says whether it is "
      "built here"): (
         "--enable-experimental",),
-    ("the layer pattern of Megatron's hybrid Mamba models (pretrain_mamba.py); pretrain_gpt.py builds no Mamba "
-     "layers (it enters only Megatron's FLOPs count there)"): (
-        "--hybrid-attention-ratio", "--hybrid-mlp-ratio", "--hybrid-override-pattern",),
     ("Transformer Engine's fused Adam keeping the optimizer states; at its default dtypes (fp32) the step is AdamW's"
      " in fp32, as here"): (
         "--use-precision-aware-optimizer",),

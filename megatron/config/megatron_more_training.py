@@ -108,10 +108,9 @@ _ABSENT: dict[str, tuple] = {
         "--use-kitchen-attention", ("--kitchen-attention-backend", ("sdpa",)),),
     "multimodal rotary embeddings (mRoPE, --position-embedding-type mrope)": (
         "--mrope-section",),
-    ("Mamba layers and hybrid Mamba-transformer models (Megatron-LM's pretrain_mamba.py); the model here is a "
-     "transformer"): (
-        "--is-hybrid-model", ("--mamba-state-dim", ("128",)), ("--mamba-head-dim", ("64",)),
-        ("--mamba-num-groups", ("8",)), "--mamba-num-heads",),
+    ("Megatron's allocation of a hybrid model's layers by ratios; here hybrid_override_pattern gives them one by one"
+     ): (
+        ("--hybrid-attention-ratio", ("0", "0.0")), ("--hybrid-mlp-ratio", ("0", "0.0")),),
     _INFERENCE: (
         ("--mlp-chunks-for-prefill", ("1",)), ("--langrl-inference-server-type", ("inplace_megatron",)),
         "--langrl-inference-server-conversation-template", "--langrl-external-server",),

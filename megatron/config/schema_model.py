@@ -118,6 +118,16 @@ class ModelConfig:
     linear_value_head_dim: int = opt(128, "Gated DeltaNet: the width of a value head.")
     linear_num_key_heads: int = opt(16, "Gated DeltaNet: the query and key heads.")
     linear_num_value_heads: int = opt(32, "Gated DeltaNet: the value heads (a multiple of the key heads).")
+    is_hybrid_model: bool = opt(
+        False, "A hybrid model whose layers hybrid_override_pattern gives one by one (Megatron-LM's pretrain_mamba.py "
+               "models, Nemotron-H; docs/hybrid.md).")
+    hybrid_override_pattern: str | None = opt(
+        None, "A hybrid model's layers, one character each (num_layers of them): M a Mamba-2 mixer, * attention, - an "
+              "MLP, E a mixture of experts; each with its norm and residual (e.g. 'M-M-M*-M-').")
+    mamba_state_dim: int = opt(128, "Mamba-2: the state size N of each head.")
+    mamba_head_dim: int = opt(64, "Mamba-2: the width P of a head.")
+    mamba_num_groups: int = opt(8, "Mamba-2: the groups G, each sharing B and C among its heads.")
+    mamba_num_heads: int | None = opt(None, "Mamba-2: the heads; None: 2 x hidden_size / mamba_head_dim.")
     multi_latent_attention: bool = opt(
         False, "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank down-projections, "
                "a rotary part of each query and one shared by the heads for the keys (docs/attention.md).")

@@ -23,7 +23,7 @@ from megatron.config.validate_attention import check_attention, check_mtp
 from megatron.config.validate_context import check_context_parallel
 from megatron.config.validate_fim import check_fim
 from megatron.config.validate_fp8 import check_fp8_settings, check_fp8_sizes
-from megatron.config.validate_hybrid import check_hybrid
+from megatron.config.validate_hybrid import check_hybrid, check_hybrid_pattern
 from megatron.config.validate_moe import check_moe
 from megatron.config.validate_muon import check_muon, check_qk_clip
 from megatron.config.validate_mup import check_mup
@@ -462,6 +462,7 @@ def validate(config: Config, world_size: int = 1, cuda_available: bool = False,
     check_mup(config, warnings)
     _resolve_distributed_optimizer(config, world_size)
     _check_distributed(config, world_size)
+    check_hybrid_pattern(config)  # first: it fills moe_layer_freq from the pattern's E layers
     check_moe(config)
     check_hybrid(config)
     check_attention(config, warnings)

@@ -1,5 +1,7 @@
 """Hybrid models: which layers are Gated DeltaNet linear attention (``experimental_attention_variant``,
-``linear_attention_freq``: Megatron-LM's forms) and the checks of those settings (part of ``validate``)."""
+``linear_attention_freq``: Megatron-LM's forms), the layers of a hybrid model (``hybrid_override_pattern``: a Mamba-2
+mixer, attention, an MLP or a mixture of experts, one per layer), and the checks of those settings (part of
+``validate``)."""
 
 from __future__ import annotations
 
@@ -68,3 +70,55 @@ def check_hybrid(config: Config) -> None:
         _fail(f"under context parallelism each rank's chunks hold {chunk} tokens (max_seq_len / (2 x cp)), fewer than "
               f"the Gated DeltaNet convolution's reach ({m.linear_conv_kernel_dim - 1} tokens back): use longer "
               f"sequences or a smaller context-parallel size.")
+
+
+HYBRID_KINDS = {"M": "a Mamba-2 mixer", "*": "attention", "-": "an MLP", "E": "a mixture of experts"}
+_MAMBA_SIZES = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+
+
+def hybrid_layer_kind(cfg: ModelConfig, layer: int) -> str | None:
+    """The kind of global layer ``layer`` of a hybrid model (``HYBRID_KINDS``), or None: a transformer layer
+    (attention and an MLP)."""
+    pattern = cfg.hybrid_override_pattern
+    return pattern[layer] if pattern and layer < len(pattern) else None
+
+
+def check_hybrid_pattern(config: Config) -> None:
+    """A hybrid model's pattern and Mamba-2 sizes; fills ``moe_layer_freq`` from the pattern's E layers (the one rule
+    every reader of MoE layers asks)."""
+    m, d = config.model, config.distributed
+    for name in _MAMBA_SIZES:
+        value = getattr(m, name)
+        problem = size_problem(name, value, "num_attention_heads" if name == "mamba_num_heads" else "kv_channels")
+        if value is not None and (problem is not None or value < 1):
+            _fail(f"{problem or f'{name} is {value}, below 1'}: give a width or count of at least 1.")
+    pattern = m.hybrid_override_pattern
+    if not pattern:
+        if m.is_hybrid_model:
+            _fail("is_hybrid_model needs hybrid_override_pattern, the layers one by one (e.g. "
+                  "--hybrid-override-pattern 'M-M*-M-'): the ratios of Megatron-LM's allocation are not built here.")
+        return
+    unknown = sorted(set(pattern) - set(HYBRID_KINDS))
+    if unknown:
+        _fail(f"hybrid_override_pattern holds {''.join(unknown)!r}; its characters are "
+              f"{', '.join(f'{k} ({v})' for k, v in HYBRID_KINDS.items())}.")
+    if len(pattern) != m.num_layers:
+        _fail(f"hybrid_override_pattern gives {len(pattern)} layers but num_layers is {m.num_layers}: make them equal.")
+    for setting, why in ((m.experimental_attention_variant, "experimental_attention_variant"),
+                         (m.mtp_num_layers, "mtp_num_layers (multi-token prediction)")):
+        if setting:
+            _fail(f"a hybrid model (hybrid_override_pattern) does not take {why} here: drop it.")
+    experts = "E" in pattern
+    if experts != bool(m.num_experts):
+        _fail("hybrid_override_pattern's E layers are mixtures of experts: give --num-experts with them, and E "
+              "layers with --num-experts.")
+    if experts:
+        m.moe_layer_freq = str([int(kind == "E") for kind in pattern]).replace(" ", "")
+    if "M" in pattern:
+        heads = m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim
+        if heads < 1 or heads % m.mamba_num_groups or heads % d.mp_degree or m.mamba_num_groups % d.mp_degree:
+            _fail(f"Mamba-2's {heads} heads must be a multiple of mamba_num_groups ({m.mamba_num_groups}), and both "
+                  f"divisible by the tensor-parallel size ({d.mp_degree}).")
+        if d.context_parallel_size > 1:
+            _fail("Mamba-2 layers under context parallelism are not built yet (docs/hybrid.md): use "
+                  "--context-parallel-size 1.")

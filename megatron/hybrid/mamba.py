@@ -63,26 +63,63 @@ class Mamba2Mixer(nn.Module):
         self.eps = cfg.layernorm_epsilon if eps is None else eps
         self.out_proj = nn.Linear(heads * width, cfg.hidden_size, bias=False)
 
+    def cut_heads(self, size: int, rank: int) -> None:
+        """This tensor-parallel rank's groups (with their heads): ``tensor_parallel.parallelize`` splits ``in_proj``
+        by output rows and ``out_proj`` by input columns (both ordered by group); here the convolution's channels and
+        bias, ``dt_bias``, ``A_log``, ``D`` and the gated norm's weight keep this rank's groups."""
+        from megatron.tensor_parallel.layers import set_tensor_parallel_attributes
+
+        if self.num_groups % size or self.num_heads % size:
+            raise ValueError(f"mamba_num_groups ({self.num_groups}) and the heads ({self.num_heads}) must be "
+                             f"divisible by the tensor-parallel size ({size})")
+        for name in ("conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D", "norm_weight"):
+            whole = getattr(self, name)
+            with torch.device(whole.device):
+                local = nn.Parameter(torch.empty((whole.shape[0] // size, *whole.shape[1:]), dtype=whole.dtype))
+            if not whole.is_meta:
+                with torch.no_grad():
+                    local.copy_(whole.detach().chunk(size)[rank])
+            set_tensor_parallel_attributes(local, 0, tuple(whole.shape), rank, size)
+            setattr(self, name, local)
+        self.num_heads, self.num_groups = self.num_heads // size, self.num_groups // size
+
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.num_groups}, "
                 f"state={self.state_dim}, kernel={D_CONV}")
 
+    @property
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What generation keeps per row (``inference.KVCache``): the convolution's last ``D_CONV - 1`` rows and
+        the scan's state of this rank's heads."""
+        return {"conv": (D_CONV - 1, self.conv1d_weight.shape[0]),
+                "recurrent": (self.num_heads, self.state_dim, self.head_dim)}
+
     def forward(self, x: torch.Tensor, kv_cache=None, rotary=None, plan=None) -> torch.Tensor:
-        if kv_cache is not None:
-            raise NotImplementedError("generation with Mamba-2 layers is not built yet")
         heads, width, groups, state = self.num_heads, self.head_dim, self.num_groups, self.state_dim
         per = heads // groups
         proj = self.in_proj(x)
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1).reshape(b, s, groups, 2 * per * width + 2 * state + per)
         z, xbc, dt = proj.split([per * width, per * width + 2 * state, per], dim=-1)
-        pieces = _pieces(xbc.reshape(b, s, -1), plan, D_CONV - 1)
-        xbc = torch.cat([F.silu(causal_conv(torch.cat([halo, rows], 1), self.conv1d_weight, doc)[:, halo.shape[1]:]
-                                + self.conv1d_bias) for rows, halo, doc, _ in pieces], dim=1).view(b, s, groups, -1)
+        rows = xbc.reshape(b, s, -1)
+        if kv_cache is not None:  # generation: from the cached rows and state, which then hold this forward's
+            cached = kv_cache.states[self.layer_number]
+            docs = kv_cache.slot_documents(D_CONV - 1)
+            pieces = [(rows, cached["conv"], docs, (docs[:, 1:] != docs[:, :-1])[:, -s:])]
+            cached["conv"] = torch.cat([cached["conv"], rows], 1)[:, 1 - D_CONV:]
+        else:
+            pieces = _pieces(rows, plan, D_CONV - 1)
+        xbc = torch.cat([F.silu(causal_conv(torch.cat([halo, piece], 1), self.conv1d_weight, doc)[:, halo.shape[1]:]
+                                + self.conv1d_bias) for piece, halo, doc, _ in pieces], dim=1).view(b, s, groups, -1)
         inputs, B, C = xbc.split([per * width, state, state], dim=-1)
         dt = F.softplus(dt.reshape(b, s, heads).float() + self.dt_bias.float())
-        y, _ = ssd.chunked(inputs.reshape(b, s, heads, width), dt, -self.A_log.float().exp(), B, C, self.D, None,
-                           pieces[0][3] if len(pieces) == 1 else None, CHUNK)
+        args = (inputs.reshape(b, s, heads, width), dt, -self.A_log.float().exp(), B, C, self.D)
+        if kv_cache is None:
+            y, _ = ssd.chunked(*args, None, pieces[0][3], CHUNK)
+        elif s == 1:
+            y, cached["recurrent"] = ssd.recurrent(*args, cached["recurrent"], pieces[0][3])
+        else:
+            y, cached["recurrent"] = ssd.chunked(*args, cached["recurrent"], pieces[0][3], CHUNK)
         return self.out_proj(self._gated_norm(y.reshape(b, s, -1), z.reshape(b, s, -1)).transpose(0, 1))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,8 @@ class InferenceEngine:
         self.shard = VocabShard(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank, self.vocab_size,
                                 self.tp_group, self.tp_size)
         # what each layer's attention keeps per token in the KV cache: (heads, key width, value width)
-        mixers = [layer.self_attention for layer in model.layers.values()]
+        mixers = [m for layer in model.layers.values()
+                  for m in (layer.self_attention, getattr(layer, "mixer", None)) if m is not None]
         self.cache_shapes = {m.layer_number: m.cache_shape for m in mixers if hasattr(m, "cache_shape")}
         # a recurrent layer's (Gated DeltaNet's) fixed-size states per row, in place of keys and values
         self.state_shapes = {m.layer_number: m.state_shapes for m in mixers if hasattr(m, "state_shapes")}

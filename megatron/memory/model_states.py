@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.schema import Config, padded_vocab_size
-from megatron.config.validate_hybrid import is_linear_attention_layer
+from megatron.config.validate_hybrid import hybrid_layer_kind, is_linear_attention_layer
 from megatron.config.validate_moe import is_moe_layer
 from megatron.distributed.sharding_rule import sharding_stage, shards_grads, shards_params
 
@@ -207,9 +207,10 @@ def _layer_kinds(config: Config, tp: int, layers, ep: int | None = None,
     """(dense, expert, how many) of ``layers``, a ``layer_split`` per kind of layer (MoE or not, linear attention or
     not: all it depends on): a deep model's stages repeat a few kinds, and the layout planner asks for thousands of
     stages."""
-    counts: dict[tuple[bool, bool], list] = {}
+    counts: dict[tuple, list] = {}
     for i in layers:
-        kind = is_moe_layer(config.model, i), is_linear_attention_layer(config.model, i)
+        kind = (is_moe_layer(config.model, i), is_linear_attention_layer(config.model, i),
+                hybrid_layer_kind(config.model, i))
         if kind in counts:
             counts[kind][1] += 1
         else:
@@ -251,7 +252,11 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
         attention = _mla_parameters(m, tp, per_norm)
     if is_linear_attention_layer(m, layer):
         attention = _linear_attention_parameters(m, tp, per_norm)
-    norms = 2 * per_norm * h
+    kind = hybrid_layer_kind(m, layer)  # a hybrid model's layer: its one part and its norm
+    if kind in ("M", "*"):
+        return (_mamba_parameters(m, tp) if kind == "M" else attention) + per_norm * h, 0
+    norms = per_norm * h if kind else 2 * per_norm * h
+    attention = 0 if kind else attention  # an MLP or MoE layer of a hybrid model
     if not is_moe_layer(m, layer):
         return attention + mlp(f, tp) + norms, 0
     grid = expert_grid(config)
@@ -260,6 +265,17 @@ def layer_split(config: Config, tp: int = 1, layer: int = 0, ep: int | None = No
     dense = attention + m.num_experts * (h + bias) + (mlp(shared, tp) if shared else 0) + norms  # router (+ bias)
     dense += h if shared and m.moe_shared_expert_gate else 0  # the shared expert's gate [1, h], replicated
     return dense, m.num_experts // ep * mlp(m.moe_ffn_hidden_size or f, etp)
+
+
+def _mamba_parameters(m, tp: int) -> int:
+    """A Mamba-2 mixer's parameters on a rank (``megatron.hybrid.mamba``), all split by groups over tp: ``in_proj``,
+    the convolution's weight and bias, ``dt_bias``, ``A_log``, ``D``, the gated norm's weight, ``out_proj``."""
+    from megatron.hybrid.mamba import D_CONV, mamba_shape
+
+    heads, width, groups, state = mamba_shape(m)
+    inner, channels = heads * width, heads * width + 2 * groups * state
+    return ((2 * inner + 2 * groups * state + heads) * m.hidden_size + channels * (D_CONV + 1) + 3 * heads + inner
+            + inner * m.hidden_size) // tp
 
 
 def _linear_attention_parameters(m, tp: int, per_norm: int) -> int:

@@ -37,7 +37,8 @@ from megatron.config.schema_model import is_norm_weight
 from megatron.config.validate_mup import width_mult
 
 # the MLP, experts, shared expert; Gated DeltaNet's output projection
-_SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight", "self_attention.out_proj.weight")
+_SCALED_OUTPUTS = ("self_attention.dense.weight", "dense_4h_to_h.weight", "self_attention.out_proj.weight",
+                   "mixer.out_proj.weight")  # (and a hybrid model's Mamba-2 mixer's)
 _LINEAR_ATTENTION = ("self_attention.dt_bias", "self_attention.A_log", "self_attention.conv1d_weight")
 _VOCABULARY_ROWS = ("word_embeddings.weight", "output_layer.weight")  # [V_padded, h]: padding rows 0
 _EMBEDDINGS = ("word_embeddings.weight", "position_embeddings.weight")
@@ -60,6 +61,8 @@ def init_value(name: str, shape: torch.Size, seed: int, cfg: ModelConfig) -> tor
     generator = torch.Generator().manual_seed(name_seed(seed, name))
     if name.endswith(_LINEAR_ATTENTION):
         return _linear_attention_value(name, shape, generator)
+    if ".mixer." in name and not name.endswith(("in_proj.weight", "out_proj.weight")):
+        return _mamba_value(name, shape, generator)
     if name.endswith(_VOCABULARY_ROWS):
         value = torch.zeros(shape)
         value[: cfg.vocab_size].normal_(0.0, std, generator=generator)
@@ -75,6 +78,21 @@ def _linear_attention_value(name: str, shape: torch.Size, generator: torch.Gener
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
     bound = 1.0 / math.sqrt(shape[-1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def _mamba_value(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A Mamba-2 mixer's own parameters (Megatron Core's ``MambaMixer``): ``dt_bias`` the inverse softplus of steps
+    drawn log-uniformly in [0.001, 0.1] (at least 1e-4), ``A_log`` log U(1, 16), ``D`` and the gated norm's weight 1,
+    the convolution's weight and bias torch's ``Conv1d`` default, U(-1/sqrt(K), 1/sqrt(K))."""
+    if name.endswith("dt_bias"):
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp().clamp(min=1e-4)
+        return dt + torch.log(-torch.expm1(-dt))
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
+    if name.endswith(("mixer.D", "norm_weight")):
+        return torch.ones(shape)
+    bound = 1.0 / math.sqrt(4)  # the kernel of 4 (megatron.hybrid.mamba.D_CONV): the fan-in of each channel
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 

@@ -32,7 +32,7 @@ from megatron.attention.max_logits import running_max_logits
 from megatron.config.schema import ModelConfig
 from megatron.config.schema_model import attention_shape
 from megatron.config.validate_attention import layer_window
-from megatron.config.validate_hybrid import is_linear_attention_layer
+from megatron.config.validate_hybrid import hybrid_layer_kind, is_linear_attention_layer
 from megatron.config.validate_moe import is_moe_layer
 from megatron.config.validate_mup import attention_scale
 from megatron.model.blocks import dropout, make_norm
@@ -257,10 +257,18 @@ class TransformerDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
-        self.input_layernorm = make_norm(cfg)
-        self.self_attention = make_attention(cfg, layer_number)
-        self.post_attention_layernorm = make_norm(cfg)
-        if is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
+        kind = hybrid_layer_kind(cfg, layer_number)  # a hybrid model's layer holds one of its parts (or None: both)
+        mixes, has_mlp = kind in (None, "M", "*"), kind in (None, "-", "E")
+        self.input_layernorm = make_norm(cfg) if mixes else None
+        self.self_attention = make_attention(cfg, layer_number) if mixes and kind != "M" else None
+        if kind == "M":  # a Mamba-2 mixer (megatron.hybrid), named as Megatron-LM's hybrid models name it
+            from megatron.hybrid.mamba import Mamba2Mixer
+
+            self.mixer = Mamba2Mixer(cfg, layer_number)
+        self.post_attention_layernorm = make_norm(cfg) if has_mlp else None
+        if not has_mlp:
+            self.mlp = None
+        elif is_moe_layer(cfg, layer_number):  # mixture of experts in place of the MLP (megatron.moe)
             from megatron.moe.layer import MoELayer
 
             self.mlp = MoELayer(cfg, MLP, layer_number)
@@ -283,7 +291,8 @@ class TransformerDecoderLayer(nn.Module):
 
     def _attention_block(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                          plan: AttentionPlan | None = None) -> torch.Tensor:
-        out = self.self_attention(self._norm(self.input_layernorm, x, "attn_norm"), kv_cache, rotary, plan)
+        mixer = self.self_attention if self.self_attention is not None else self.mixer
+        out = mixer(self._norm(self.input_layernorm, x, "attn_norm"), kv_cache, rotary, plan)
         return dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 
     def _norm(self, norm: nn.Module, x: torch.Tensor, part: str) -> torch.Tensor:
@@ -297,11 +306,15 @@ class TransformerDecoderLayer(nn.Module):
 
     def _layer(self, x: torch.Tensor, kv_cache=None, rotary: Rotary = None,
                plan: AttentionPlan | None = None) -> torch.Tensor:
-        if kv_cache is None:
+        if self.input_layernorm is None:  # a hybrid model's MLP or MoE layer
+            pass
+        elif kv_cache is None:
             x = x + maybe_checkpoint(self.recompute in ("only_attn", "full_attn"), self.seams, self._attention_block,
                                      x, None, rotary, plan)
         else:  # inference: no autograd, nothing to recompute
             x = x + self._attention_block(x, kv_cache, rotary)
+        if self.mlp is None:  # a hybrid model's mixer layer
+            return x
         out = self._mlp(self._norm(self.post_attention_layernorm, x, "mlp_norm"))
         return x + dropout(out, self.hidden_dropout, self.training, self.seams.sequence_rng)
 

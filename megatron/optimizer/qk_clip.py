@@ -101,7 +101,7 @@ def decoder_attention(model: nn.Module) -> list[nn.Module]:
     """The attention modules of the decoder layers of ``model`` (a chunk, chunks, or a wrapper of them), in order;
     multi-token prediction's layers are not among them (Megatron clips the decoder's)."""
     return [layer.self_attention for module in model.modules() if isinstance(module, GPTModel)
-            for layer in module.layers.values()]
+            for layer in module.layers.values() if layer.self_attention is not None]
 
 
 def balancing_eta(maxima: torch.Tensor, threshold: float) -> torch.Tensor:

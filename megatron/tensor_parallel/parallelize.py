@@ -53,6 +53,8 @@ PLAN: dict[str, str] = {
     "*self_attention.linear_kv_up_proj": COLUMN_WHOLE_INPUT,
     "*self_attention.in_proj": COLUMN,  # Gated DeltaNet's (megatron.hybrid): rows ordered by key head
     "*self_attention.out_proj": ROW,
+    "*mixer.in_proj": COLUMN,  # a Mamba-2 mixer's (megatron.hybrid): rows ordered by group
+    "*mixer.out_proj": ROW,
     "*mlp.dense_h_to_4h": COLUMN,
     "*mlp.dense_4h_to_h": ROW,
     "*shared_expert.dense_h_to_4h": COLUMN,  # a MoE layer's shared expert: the model's MLP

@@ -27,6 +27,9 @@ def converter_for_model(model_cfg):
     ConversionError, naming the setting, for a model that has no Hugging Face equivalent (muP's multipliers among
     them: ``refuse_mup``)."""
     refuse_mup(model_cfg)
+    if model_cfg.hybrid_override_pattern:
+        raise ConversionError("the model is a hybrid (hybrid_override_pattern: Mamba-2 mixers, attention, MLP and "
+                              "MoE layers); its export to NemotronHForCausalLM is not written yet (docs/hybrid.md).")
     if model_cfg.experimental_attention_variant or model_cfg.attention_output_gate:
         module = hf_qwen3_next  # Gated DeltaNet, gated attention: only Qwen3-Next holds them
     elif model_cfg.multi_latent_attention:

@@ -265,6 +265,9 @@ def to_args(model: ModelConfig, *, tp: int, pp: int, seq_length: int, iteration:
     """The ``args`` of a legacy export of ``model`` cut for ``tp`` x ``pp`` (Megatron Core model, ``torch``
     format, expert parallelism 1, no grouped GEMM)."""
     values = {name: getattr(model, name) for name in (*_SAME, *_MLA, *_MTP, *_MUP)}
+    if model.hybrid_override_pattern:
+        raise ConversionError("the model is a hybrid (hybrid_override_pattern), whose conversion to Megatron-LM's "
+                              "MambaModel is not written yet (docs/hybrid.md); it trains and resumes here.")
     if model.experimental_attention_variant or model.attention_output_gate:
         raise ConversionError("the model has Gated DeltaNet or gated-attention layers (Qwen3-Next's), whose "
                               "conversion to Megatron-LM is not written yet (docs/hybrid.md); it trains and resumes "

@@ -1,0 +1,32 @@
+"""A scaled-down Mamba-2 hybrid (Megatron-LM's flags: ``--is-hybrid-model --hybrid-override-pattern``, Nemotron-H's
+kinds of layer: Mamba-2 mixers, attention, MLPs with squared ReLU, a mixture of experts) on packed documents
+reproduces its single-process losses (within 1e-5; fp32, dropout off) under tensor parallelism with sequence
+parallelism (the Mamba groups split over the ranks), pipelining (the pattern cut over the stages) and expert
+parallelism with the distributed optimizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.functional.launch import FIVE, parity_layouts, reference_runs
+
+pytestmark = pytest.mark.slow
+
+PACKED = ["--mock-document-length", "12", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+HYBRID = [*FIVE, *PACKED, "--num-layers", "6", "--normalization", "RMSNorm", "--squared-relu", "--disable-bias-linear",
+          "--position-embedding-type", "none", "--untie-embeddings-and-output-weights", "--group-query-attention",
+          "--num-query-groups", "2", "--is-hybrid-model", "--hybrid-override-pattern", "M-M*-E",
+          "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16", "--num-experts", "4",
+          "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "0.01"]
+reference_runs({"mamba-hybrid-5": HYBRID})
+
+LAYOUTS = parity_layouts({f"mamba-hybrid-{name}": (2, [*HYBRID, *flags]) for name, flags in {
+    "tp2-sp": ["--tp", "2", "--sequence-parallel"],  # one Mamba group and its heads on each rank
+    "pp2": ["--pp", "2"],  # M-M on the first stage, *-E on the last
+    "ep2-distributed-optimizer": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+}.items()})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mamba_hybrid_layouts_equal_single_process(parity, references, layout):
+    parity.assert_matches(layout, references["mamba-hybrid-5"])
