@@ -55,6 +55,10 @@ TINY = {  # family -> the keyword arguments of its tiny transformers config
         _LLAMA, num_hidden_layers=3, intermediate_size=32, head_dim=24, max_position_embeddings=128, sliding_window=8,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], num_local_experts=4,
         num_experts_per_tok=2, swiglu_limit=1.0, rope_parameters=YARN, pad_token_id=None)),
+    "nemotron_h": ("NemotronHConfig", dict(
+        hidden_size=64, intermediate_size=96, layers_block_type=["mamba", "mlp", "attention"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=250, max_position_embeddings=32, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=8, bos_token_id=None, eos_token_id=None, pad_token_id=None)),
     "qwen3_next": ("Qwen3NextConfig", dict(
         _LLAMA, num_hidden_layers=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -123,6 +127,7 @@ FAMILY_OF = {  # each size of checks.SIZES (a KeyError below for one left out) -
     "sliding_window": "gpt_oss",
     **dict.fromkeys(("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                      "linear_num_value_heads"), "qwen3_next"),
+    **dict.fromkeys(("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size"), "nemotron_h"),
 }
 
 

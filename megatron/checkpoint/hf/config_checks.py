@@ -67,6 +67,8 @@ SIZES = {
     "linear_conv_kernel_dim": ("linear_conv_kernel_dim", 1), "linear_key_head_dim": ("linear_key_head_dim", 1),
     "linear_value_head_dim": ("linear_value_head_dim", 1), "linear_num_key_heads": ("linear_num_key_heads", 1),
     "linear_num_value_heads": ("linear_num_value_heads", 1),
+    "mamba_num_heads": ("num_attention_heads", 1), "mamba_head_dim": ("kv_channels", 1),
+    "n_groups": ("num_attention_heads", 1), "ssm_state_size": ("kv_channels", 1),
 }
 # numbers read as floats -> whether transformers takes null for it
 FLOATS = {"rms_norm_eps": False, "layer_norm_epsilon": False, "initializer_range": False, "attention_dropout": True,
@@ -85,7 +87,7 @@ ALIASES = {
     "gpt2": {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
              "n_layer": "num_hidden_layers"},
     "mixtral": {"num_local_experts": "num_experts"}, "qwen3_moe": {"num_local_experts": "num_experts"},
-    "gpt_oss": {"num_local_experts": "num_experts"},
+    "gpt_oss": {"num_local_experts": "num_experts"}, "nemotron_h": {"layers_block_type": "layer_types"},
     "deepseek_v3": {"n_routed_experts": "num_local_experts", "num_nextn_predict_layers": "num_mtp_layers"},
 }
 _LLAMA = {"num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
@@ -117,6 +119,11 @@ DEFAULTS = {
                    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
                    "linear_num_value_heads": 32, "default_theta": 10000.0,
                    "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+    "nemotron_h": {"num_key_value_heads": 8, "head_dim": 128, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+                   "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "conv_kernel": 4, "use_conv_bias": True,
+                   "attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
+                   "initializer_range": 0.02, "attention_dropout": 0.0, "mamba_num_heads": 128, "mamba_head_dim": 64,
+                   "n_groups": 8, "ssm_state_size": 128},
     "deepseek_v3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
                     "attention_dropout": 0.0, "initializer_range": 0.02, "moe_intermediate_size": 2048,
                     "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
@@ -156,7 +163,8 @@ def read_hf_config(path: str) -> dict:
 # model_type -> the architecture a config.json without model_type names (hf_models maps each to its mapping)
 FAMILIES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "gpt2": "GPT2LMHeadModel"}
+            "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+            "gpt2": "GPT2LMHeadModel"}
 
 
 def model_type_of(hf_cfg: dict) -> str:
@@ -198,7 +206,7 @@ def checked(config) -> dict:
     out.update({key: value for key, value in defaults.items() if key not in out and key not in (
         "default_theta", "rope_parameters")})
     _check_layer_lists(out)
-    if family != "gpt2":  # GPT-2 has learned positions
+    if family not in ("gpt2", "nemotron_h"):  # GPT-2 has learned positions, Nemotron-H none
         out = _rope(out, defaults)
     return out
 
@@ -266,7 +274,7 @@ def _check_layer_lists(config: dict) -> None:
     """``layer_types``: one name per layer (transformers refuses other lengths); ``mlp_only_layers``: layer
     numbers. The layer count is bounded already."""
     layers = config.get("num_hidden_layers", config.get("n_layer"))
-    types = config.get("layer_types")
+    types = config.get("layer_types", config.get("layers_block_type"))  # (Nemotron-H's name of it)
     if types is not None:
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
             _fail("layer_types", types, "not a list of layer kinds")

@@ -9,6 +9,7 @@ from megatron.checkpoint.hf import gpt2 as hf_gpt2
 from megatron.checkpoint.hf import gpt_oss as hf_gpt_oss
 from megatron.checkpoint.hf import llama as hf_llama
 from megatron.checkpoint.hf import mixtral as hf_mixtral
+from megatron.checkpoint.hf import nemotron_h as hf_nemotron_h
 from megatron.checkpoint.hf import qwen2_moe as hf_qwen_moe
 from megatron.checkpoint.hf import qwen3 as hf_qwen3
 from megatron.checkpoint.hf import qwen3_moe as hf_qwen3_moe
@@ -28,9 +29,8 @@ def converter_for_model(model_cfg):
     them: ``refuse_mup``)."""
     refuse_mup(model_cfg)
     if model_cfg.hybrid_override_pattern:
-        raise ConversionError("the model is a hybrid (hybrid_override_pattern: Mamba-2 mixers, attention, MLP and "
-                              "MoE layers); its export to NemotronHForCausalLM is not written yet (docs/hybrid.md).")
-    if model_cfg.experimental_attention_variant or model_cfg.attention_output_gate:
+        module = hf_nemotron_h  # a hybrid model's layers, one part each: only Nemotron-H holds them
+    elif model_cfg.experimental_attention_variant or model_cfg.attention_output_gate:
         module = hf_qwen3_next  # Gated DeltaNet, gated attention: only Qwen3-Next holds them
     elif model_cfg.multi_latent_attention:
         module = hf_deepseek
@@ -66,7 +66,7 @@ def refuse_mup(model_cfg) -> None:
 # model_type (``config_checks.model_type_of``) -> the mapping
 _MAPPINGS = {"llama": hf_llama, "mixtral": hf_mixtral, "qwen2_moe": hf_qwen_moe, "deepseek_v3": hf_deepseek,
              "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe, "gpt_oss": hf_gpt_oss, "qwen3_next": hf_qwen3_next,
-             "gpt2": hf_gpt2}
+             "nemotron_h": hf_nemotron_h, "gpt2": hf_gpt2}
 
 
 def converter_for_hf(hf_cfg: dict):
