@@ -119,6 +119,8 @@ def check_hybrid_pattern(config: Config) -> None:
         if heads < 1 or heads % m.mamba_num_groups or heads % d.mp_degree or m.mamba_num_groups % d.mp_degree:
             _fail(f"Mamba-2's {heads} heads must be a multiple of mamba_num_groups ({m.mamba_num_groups}), and both "
                   f"divisible by the tensor-parallel size ({d.mp_degree}).")
-        if d.context_parallel_size > 1:
-            _fail("Mamba-2 layers under context parallelism are not built yet (docs/hybrid.md): use "
-                  "--context-parallel-size 1.")
+        chunk = config.dataset.max_seq_len // (2 * d.context_parallel_size)
+        if d.context_parallel_size > 1 and chunk < 3:
+            _fail(f"under context parallelism each rank's chunks hold {chunk} tokens (max_seq_len / (2 x cp)), fewer "
+                  f"than the Mamba-2 convolution's reach (3 tokens back): use longer sequences or a smaller "
+                  f"context-parallel size.")

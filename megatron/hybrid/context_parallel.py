@@ -1,4 +1,4 @@
-"""Gated DeltaNet under context parallelism: each rank holds two chunks of the sequence (chunks r and 2cp-1-r of
+"""Gated DeltaNet and Mamba-2 under context parallelism: each rank holds two chunks of the sequence (chunks r and 2cp-1-r of
 2cp, ``attention.plan.chunk_ids``), and a linear-attention layer needs, for each chunk, what came before it:
 
 - **the convolution's halo**: the last ``kernel - 1`` (pre-convolution) rows of the previous chunk. Every rank's
@@ -57,4 +57,19 @@ def entering_states(q, k, v, g, beta, resets, plan, chunk_size: int) -> list[tor
     finals = torch.stack([delta_rule.chunked(q[i], k[i], v[i], g[i], beta[i], None, resets[i], chunk_size)[1]
                           for i in range(2)])
     entering, _ = delta_rule.compose(_gathered(maps, plan), _gathered(finals, plan))
+    return [entering[c] for c in chunk_ids(plan.cp_rank, plan.cp_size)]
+
+
+def scan_entering_states(x, dt, A, B, C, resets, plan, chunk_size: int) -> list[torch.Tensor]:
+    """Mamba-2's scan (``megatron.hybrid.ssd``) as ``entering_states``: each chunk maps the state by a decay per head
+    (``ssd.transition``) and its final state from zero; composed over the cp group in sequence order."""
+    from megatron.hybrid import ssd
+
+    decays = torch.stack([ssd.transition(dt[i], A, resets[i]) for i in range(2)])
+    finals = torch.stack([ssd.chunked(x[i], dt[i], A, B[i], C[i], None, None, resets[i], chunk_size)[1]
+                          for i in range(2)])
+    state, entering = torch.zeros_like(finals[0]), []
+    for decay, final in zip(_gathered(decays, plan), _gathered(finals, plan)):
+        entering.append(state)
+        state = decay[..., None, None] * state + final
     return [entering[c] for c in chunk_ids(plan.cp_rank, plan.cp_size)]

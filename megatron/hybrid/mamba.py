@@ -114,13 +114,27 @@ class Mamba2Mixer(nn.Module):
         inputs, B, C = xbc.split([per * width, state, state], dim=-1)
         dt = F.softplus(dt.reshape(b, s, heads).float() + self.dt_bias.float())
         args = (inputs.reshape(b, s, heads, width), dt, -self.A_log.float().exp(), B, C, self.D)
-        if kv_cache is None:
+        if kv_cache is None and len(pieces) == 1:
             y, _ = ssd.chunked(*args, None, pieces[0][3], CHUNK)
+        elif kv_cache is None:  # context parallelism: each chunk from the state the earlier chunks hand it
+            y = self._scan_chunks(args, [resets for *_, resets in pieces], plan)
         elif s == 1:
             y, cached["recurrent"] = ssd.recurrent(*args, cached["recurrent"], pieces[0][3])
         else:
             y, cached["recurrent"] = ssd.chunked(*args, cached["recurrent"], pieces[0][3], CHUNK)
         return self.out_proj(self._gated_norm(y.reshape(b, s, -1), z.reshape(b, s, -1)).transpose(0, 1))
+
+    @staticmethod
+    def _scan_chunks(args: tuple, resets: list, plan) -> torch.Tensor:
+        """The scan over this rank's two chunks, each from its entering state (``context_parallel``)."""
+        from megatron.hybrid.context_parallel import scan_entering_states
+
+        x, dt, A, B, C, D = args
+        length = x.shape[1] // 2
+        x, dt, B, C = ([t[:, i * length:(i + 1) * length] for i in range(2)] for t in (x, dt, B, C))
+        starts = scan_entering_states(x, dt, A, B, C, resets, plan, CHUNK)
+        return torch.cat([ssd.chunked(x[i], dt[i], A, B[i], C[i], D, starts[i], resets[i], CHUNK)[0]
+                          for i in range(2)], dim=1)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``y * silu(z)`` RMS-normalised over each group's channels (fp32), times the weight."""

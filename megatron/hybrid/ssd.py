@@ -73,3 +73,13 @@ def chunked(x, dt, A, B, C, D=None, initial_state=None, resets=None, chunk_size:
         out.append(q_start[:, :, i] @ state + attn[:, :, i] @ v[:, :, i])
         state = state * ch.keeps[:, :, i, None, None] + k_end[:, :, i].transpose(-1, -2) @ v[:, :, i]
     return _skip(ch.merge(torch.stack(out, dim=2), s), x, D).to(x.dtype), state
+
+
+def transition(dt, A, resets=None) -> torch.Tensor:
+    """The linear part of a piece of sequence's map on the state: ``final(S) = a S + final(0)``, ``a [b, h]`` the
+    product of the piece's decays, 0 where a document starts in it (context parallelism composes the pieces)."""
+    dtype = torch.float64 if dt.dtype == torch.float64 else torch.float32
+    a = (dt.to(dtype) * A.to(dtype)).sum(1).exp()  # [b, h]
+    if resets is not None:
+        a = a * (~resets.any(1)).to(dtype)[:, None]
+    return a

@@ -1,8 +1,8 @@
 """A scaled-down Mamba-2 hybrid (Megatron-LM's flags: ``--is-hybrid-model --hybrid-override-pattern``, Nemotron-H's
 kinds of layer: Mamba-2 mixers, attention, MLPs with squared ReLU, a mixture of experts) on packed documents
 reproduces its single-process losses (within 1e-5; fp32, dropout off) under tensor parallelism with sequence
-parallelism (the Mamba groups split over the ranks), pipelining (the pattern cut over the stages) and expert
-parallelism with the distributed optimizer."""
+parallelism (the Mamba groups split over the ranks), pipelining (the pattern cut over the stages), context
+parallelism (packed documents cut across the chunks) and expert parallelism with the distributed optimizer."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ reference_runs({"mamba-hybrid-5": HYBRID})
 LAYOUTS = parity_layouts({f"mamba-hybrid-{name}": (2, [*HYBRID, *flags]) for name, flags in {
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],  # one Mamba group and its heads on each rank
     "pp2": ["--pp", "2"],  # M-M on the first stage, *-E on the last
+    "cp2": ["--cp", "2"],  # each chunk's convolution halo and entering scan state from the other rank
     "ep2-distributed-optimizer": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
 }.items()})
 

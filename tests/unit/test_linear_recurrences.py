@@ -128,3 +128,21 @@ def test_pieces_composed_equal_the_whole_sequence(with_resets):
     _close(last, final)
     for (a, e), p, start in zip(cuts, piece, entering):
         _close(delta_rule.chunked(*p[:5], start, p[5], 8)[0], whole[:, a:e])
+
+
+@pytest.mark.parametrize("with_resets", [False, True])
+def test_scan_pieces_composed_equal_the_whole_sequence(with_resets):
+    """Mamba-2's scan cut into four pieces: each piece's decay per head (``ssd.transition``) and its final state from
+    zero, composed in order, give each piece's entering state; from it, the piece's outputs are the whole run's."""
+    x, dt, A, Bm, Cm, D, state = _ssd_inputs()
+    resets = _resets() if with_resets else None
+    whole, final = ssd.chunked(x, dt, A, Bm, Cm, D, state, resets, 8)
+    cuts = [(0, 9), (9, 20), (20, 30), (30, S_)]
+    entering = state
+    for a, e in cuts:
+        piece = tuple(t[:, a:e] for t in (x, dt)) + (A,) + tuple(t[:, a:e] for t in (Bm, Cm)) + (D,)
+        piece_resets = None if resets is None else resets[:, a:e]
+        _close(ssd.chunked(*piece, entering, piece_resets, 8)[0], whole[:, a:e])
+        decay = ssd.transition(piece[1], A, piece_resets)
+        entering = decay[..., None, None] * entering + ssd.chunked(*piece, None, piece_resets, 8)[1]
+    _close(entering, final)

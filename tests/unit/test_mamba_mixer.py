@@ -131,7 +131,7 @@ HYBRID = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-atte
     (["--hybrid-override-pattern", "M-*"], "gives 3 layers but num_layers is 4"),
     (["--hybrid-override-pattern", "M-E*"], "give --num-experts with them"),
     ([], "is_hybrid_model needs hybrid_override_pattern"),
-    (["--hybrid-override-pattern", "M-M*", "--cp", "2"], "Mamba-2 layers under context parallelism"),
+    (["--hybrid-override-pattern", "M-M*", "--cp", "2", "--max-seq-len", "8"], "chunks hold 2 tokens"),
     (["--hybrid-override-pattern", "M-M*", "--mamba-num-groups", "3"], "must be a multiple of mamba_num_groups"),
     (["--hybrid-override-pattern", "M-M*", "--hybrid-attention-ratio", "0.5"], "--hybrid-attention-ratio"),
 ])
