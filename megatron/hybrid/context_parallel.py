@@ -1,5 +1,6 @@
-"""Gated DeltaNet and Mamba-2 under context parallelism: each rank holds two chunks of the sequence (chunks r and 2cp-1-r of
-2cp, ``attention.plan.chunk_ids``), and a linear-attention layer needs, for each chunk, what came before it:
+"""Gated DeltaNet and Mamba-2 under context parallelism: each rank holds two chunks of the sequence (chunks r and
+2cp-1-r of 2cp, ``attention.plan.chunk_ids``), and a linear-attention layer needs, for each chunk, what came before
+it:
 
 - **the convolution's halo**: the last ``kernel - 1`` (pre-convolution) rows of the previous chunk. Every rank's
   chunk tails are all-gathered over the cp group; each chunk takes its predecessor's (zeros before the first).
