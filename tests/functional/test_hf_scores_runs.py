@@ -2,9 +2,9 @@
 (``tools/convert_checkpoint.py to-hf``), are scored by transformers on the run's own validation tokens at the run's
 validation loss (within 1e-5): the export is the model that trained, not only one with the same logits at
 initialisation. The MoE runs train under 2 ranks (Qwen3-MoE with its experts over ep 2, gpt-oss under cp 2 with ring
-attention across its window, Qwen3-Next at tp 2 with sequence parallelism), joining the shared launch; the dense
-Qwen3 and the bias-free gpt-oss (Megatron-LM's own recipe) train in one process. Each: TINY's data, 3 steps, one
-evaluation at the end."""
+attention across its window, Qwen3-Next at tp 2 with sequence parallelism, a Nemotron-H hybrid at cp 2), joining the
+shared launch; the dense Qwen3 and the bias-free gpt-oss (Megatron-LM's own recipe) train in one process. Each:
+TINY's data, 3 steps, one evaluation at the end."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ QWEN3_NEXT = [*RUN, "--position-embedding-type", "rope", "--rotary-percent", "0.
               "--linear-value-head-dim", "8", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
               "32", "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff",
               "0.01"]
+NEMOTRON_H = [*RUN, "--num-layers", "6", "--squared-relu", "--disable-bias-linear", "--position-embedding-type", "none",
+              "--kv-channels", "16", "--ffn-hidden-size", "96", "--is-hybrid-model", "--hybrid-override-pattern",
+              "M-M*-M", "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "8"]
 # name -> (processes, flags, the architecture the export names)
 RUNS = {"qwen3": (1, QWEN3, "Qwen3ForCausalLM"),
         "qwen3-moe-ep2": (2, [*QWEN3_MOE, "--expert-model-parallel-size", "2"], "Qwen3MoeForCausalLM"),
@@ -45,7 +48,9 @@ RUNS = {"qwen3": (1, QWEN3, "Qwen3ForCausalLM"),
         # Megatron-LM's own gpt-oss recipe trains without linear biases
         "gpt-oss-no-bias": (1, [*GPT_OSS, "--disable-bias-linear"], "GptOssForCausalLM"),
         # Gated DeltaNet and gated attention, the key heads split over tp 2
-        "qwen3-next-tp2": (2, [*QWEN3_NEXT, "--tp", "2", "--sequence-parallel"], "Qwen3NextForCausalLM")}
+        "qwen3-next-tp2": (2, [*QWEN3_NEXT, "--tp", "2", "--sequence-parallel"], "Qwen3NextForCausalLM"),
+        # Mamba-2 mixers, attention and MLP layers, each chunk of the sequence on its cp rank
+        "nemotron-h-cp2": (2, [*NEMOTRON_H, "--cp", "2"], "NemotronHForCausalLM")}
 SHARED = parity_layouts({f"hf-scores-{name}": (n, flags) for name, (n, flags, _) in RUNS.items() if n > 1})
 
 
