@@ -1,9 +1,9 @@
 """Trained Qwen3, Qwen3-MoE, gpt-oss (with and without linear biases) and Qwen3-Next runs, exported to Hugging Face
 (``tools/convert_checkpoint.py to-hf``), are scored by transformers on the run's own validation tokens at the run's
 validation loss (within 1e-5): the export is the model that trained, not only one with the same logits at
-initialisation. The MoE runs train under 2 ranks (Qwen3-MoE with its experts over ep 2, gpt-oss under cp 2 with ring
-attention across its window, Qwen3-Next at tp 2 with sequence parallelism, a Nemotron-H hybrid at cp 2), joining the
-shared launch; the dense Qwen3 and the bias-free gpt-oss (Megatron-LM's own recipe) train in one process. Each:
+initialisation. The other runs train under 2 ranks (Qwen3-MoE with its experts over ep 2, gpt-oss under cp 2 with
+ring attention across its window, Qwen3-Next at tp 2 with sequence parallelism, a Nemotron-H hybrid at cp 2), joining
+the shared launch; the dense Qwen3 and the bias-free gpt-oss (Megatron-LM's own recipe) train in one process. Each:
 TINY's data, 3 steps, one evaluation at the end."""
 
 from __future__ import annotations
