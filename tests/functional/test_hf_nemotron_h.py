@@ -13,6 +13,7 @@ import torch
 
 from megatron.checkpoint.convert import open_checkpoint
 from megatron.parallelize_gpt import build_model
+from tests.functional.test_hf_deepseek import load_ours
 from tests.functional.test_hf_llama import VOCAB, convert, make_config, our_logits, tokens
 from tests.unit.test_checkpoint_tools import write_params
 
@@ -100,3 +101,41 @@ def test_an_export_of_our_hybrid_gives_transformers_our_logits(tmp_path):
     ids = tokens()
     torch.testing.assert_close(our_logits(config, tmp_path / "ckpt", ids)[..., :VOCAB], hf_logits(tmp_path / "hf", ids),
                                rtol=0, atol=1e-5)
+
+
+MOE = {"layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5}
+
+
+def test_nemotron_3_moe_layers_import_with_transformers_logits_and_export_back_bitwise(tmp_path):
+    """Nemotron 3's MoE layers: a sigmoid router with its e_score_correction_bias (perturbed: our expert bias, the
+    checkpoint's train state), squared-ReLU experts and a shared expert."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(1)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**{**SHAPE, **MOE})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    model.config.time_step_min = 0.0
+    src = tmp_path / "hf_in"
+    model.save_pretrained(str(src))
+    assert convert.main(["from-hf", str(src), str(tmp_path / "ours")]) == 0
+    _, common, config = open_checkpoint(str(tmp_path / "ours"))
+    m = config.model
+    assert (m.hybrid_override_pattern, m.num_experts, m.moe_router_score_function, m.moe_router_enable_expert_bias,
+            m.moe_router_topk_scaling_factor) == ("ME*E", 4, "sigmoid", True, 2.5)
+    assert sorted(common["train_state"]["moe_expert_bias"]) == ["1", "3"]
+    ids = tokens()
+    model_ours = load_ours(tmp_path / "ours")  # its expert biases set from the train state
+    with torch.no_grad():
+        ours = model_ours(ids)
+    theirs = hf_logits(src, ids)
+    assert ours.abs().max() > 1.0
+    torch.testing.assert_close(ours[..., :VOCAB], theirs, rtol=0, atol=1e-5)
+    assert convert.main(["to-hf", str(tmp_path / "ours"), str(tmp_path / "hf_out")]) == 0
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    assert before.keys() == after.keys() and [k for k in before if not torch.equal(before[k], after[k])] == []

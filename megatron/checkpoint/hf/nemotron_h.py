@@ -1,6 +1,6 @@
 """Hugging Face Nemotron-H (``NemotronHForCausalLM``, transformers 5) to and from our hybrid models
 (``--hybrid-override-pattern``, docs/hybrid.md): each layer one mixer with its norm, ``layers_block_type`` our
-pattern (``mamba`` M, ``attention`` *, ``mlp`` -; Nemotron 3's ``moe`` layers E are not mapped yet).
+pattern (``mamba`` M, ``attention`` *, ``mlp`` -, and Nemotron 3's ``moe`` E).
 
 =============================================================  ==================================================
 ours                                                           Hugging Face
@@ -20,11 +20,18 @@ channels per group (x, B, C)                                   ``mixer.conv1d.bi
 ``final_layernorm.weight``, ``output_layer.weight`` (untied)   ``backbone.norm_f.weight``, ``lm_head.weight``
 =============================================================  ==================================================
 
-A model of ours exports here when it is a hybrid with RMSNorm, squared-ReLU MLPs, attention without positions or
-QK-norm and no linear biases. transformers' mixer clamps each step ``dt`` to at least ``time_step_min`` (0.001 by
-default), where Megatron-LM's (and ours) does not: the export writes ``time_step_min`` 0, the same model; an imported
-model with a positive ``time_step_min`` computes what Megatron-LM's does, which differs from transformers' wherever a
-step falls under it.
+A MoE layer (E): ``mixer.gate.weight`` our router's, ``mixer.experts.{e}.{up,down}_proj.weight`` each expert's (not
+gated: squared ReLU), ``mixer.shared_experts.{up,down}_proj.weight`` the shared expert's, and
+``mixer.gate.e_score_correction_bias`` our expert bias (the checkpoint's train state; zeros without it). The router is
+DeepSeek-V3's: sigmoid scores, the bias for the choice only, group-limited (transformers scores a group by its top 2,
+ours by its top ``topk // group_topk``: refused where they differ), normalised for k > 1, scaled by
+``routed_scaling_factor``.
+
+A model of ours exports here when it is a hybrid with RMSNorm, squared-ReLU MLPs and experts, attention without
+positions or QK-norm, no linear biases and (with experts) that router and a shared expert without a gate.
+transformers' mixer clamps each step ``dt`` to at least ``time_step_min`` (0.001 by default), where Megatron-LM's
+(and ours) does not: the export writes ``time_step_min`` 0, the same model; an imported model with a positive
+``time_step_min`` computes what Megatron-LM's does, which differs from transformers' wherever a step falls under it.
 """
 
 from __future__ import annotations
@@ -35,7 +42,17 @@ import torch
 
 from megatron.checkpoint.hf import llama as hf_llama
 from megatron.checkpoint.hf.common import ConversionError, to_flags
-from megatron.checkpoint.hf.mapping import Family, Key, Transform, config_in, config_out, layers_where, renames, rule
+from megatron.checkpoint.hf.mapping import (
+    Extra,
+    Family,
+    Key,
+    Transform,
+    config_in,
+    config_out,
+    layers_where,
+    renames,
+    rule,
+)
 from megatron.checkpoint.hf.transforms import QKV_GROUPS, VOCAB
 from megatron.config.schema import ModelConfig
 
@@ -43,7 +60,7 @@ ARCHITECTURE = "NemotronHForCausalLM"
 _ARCH = f"Hugging Face Nemotron-H ({ARCHITECTURE})"
 _HINT = "check num_hidden_layers, layers_block_type and tie_word_embeddings"
 HF_WTE = "backbone.embeddings.weight"  # the Hub's names (transformers 5 reads them as model.*, and writes them)
-KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}  # our pattern's characters -> layers_block_type
+KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}  # our pattern's characters -> layers_block_type
 KIND_OF = {**{v: k for k, v in KINDS.items()}, "linear_attention": "M", "full_attention": "*"}  # either spelling
 
 
@@ -55,7 +72,8 @@ def _kind_layers(*kinds: str):
     return layers_where(lambda m: [kind in kinds for kind in _pattern(m)])
 
 
-mamba, attention, mlp, mixing = _kind_layers("M"), _kind_layers("*"), _kind_layers("-"), _kind_layers("M", "*")
+mamba, attention, mixing = _kind_layers("M"), _kind_layers("*"), _kind_layers("M", "*")
+mlp, moe, feed_forward = _kind_layers("-"), _kind_layers("E"), _kind_layers("-", "E")
 
 
 def check_model(model_cfg: ModelConfig) -> None:
@@ -64,7 +82,7 @@ def check_model(model_cfg: ModelConfig) -> None:
     for differs, setting, theirs in (
             (not m.hybrid_override_pattern, "a model that is not a hybrid (no hybrid_override_pattern)",
              "a pattern of Mamba-2, attention and MLP layers"),
-            ("E" in _pattern(m), "mixture-of-experts layers (E)", "none mapped yet (Nemotron 3's)"),
+
             (m.normalization != "RMSNorm" or m.apply_layernorm_1p, f"normalization {m.normalization}",
              "RMSNorm scaling by w"),
             (not m.squared_relu, "an MLP other than squared ReLU", "squared ReLU MLPs"),
@@ -73,6 +91,33 @@ def check_model(model_cfg: ModelConfig) -> None:
             (m.qk_layernorm or m.attention_output_gate or m.multi_latent_attention, "QK-norm, an attention gate or "
              "multi-latent attention", "plain grouped-query attention"),
             (not m.disable_bias_linear or m.add_qkv_bias, "linear biases", "none")):
+        if differs:
+            raise ConversionError(f"{setting} has no {_ARCH} equivalent (it has {theirs}), so this checkpoint cannot "
+                                  f"be exported.")
+    if "E" in _pattern(m):
+        _check_router(m)
+
+
+def _groups(m: ModelConfig) -> tuple[int, int]:
+    """(n_group, topk_group) of our router: (1, 1) when every group is always chosen."""
+    if not m.moe_router_group_topk or m.moe_router_group_topk == m.moe_router_num_groups:
+        return 1, 1
+    return m.moe_router_num_groups, m.moe_router_group_topk
+
+
+def _check_router(m: ModelConfig) -> None:
+    n_group, topk_group = _groups(m)
+    k = m.moe_router_topk
+    for differs, setting, theirs in (
+            (m.moe_router_score_function != "sigmoid", f"moe_router_score_function {m.moe_router_score_function}",
+             "a sigmoid router"),
+            (m.moe_expert_capacity_factor is not None, f"moe_expert_capacity_factor {m.moe_expert_capacity_factor}",
+             "no dropped tokens"),
+            (not m.moe_shared_expert_intermediate_size or m.moe_shared_expert_gate,
+             "MoE layers without a shared expert, or with a gate on it", "a shared expert, ungated"),
+            (n_group > 1 and k // topk_group != 2, f"group-limited routing with moe_router_topk {k} and "
+             f"moe_router_group_topk {topk_group}", f"a group scored by its top 2 experts, ours by the top {k} // "
+             f"{topk_group}")):
         if differs:
             raise ConversionError(f"{setting} has no {_ARCH} equivalent (it has {theirs}), so this checkpoint cannot "
                                   f"be exported.")
@@ -126,7 +171,7 @@ L, HL = "layers.{}.", "backbone.layers.{}."
 RULES = (
     rule("embedding.word_embeddings.weight", HF_WTE, VOCAB),
     rule(L + "input_layernorm.weight", HL + "norm.weight", layers=mixing),
-    rule(L + "post_attention_layernorm.weight", HL + "norm.weight", layers=mlp),
+    rule(L + "post_attention_layernorm.weight", HL + "norm.weight", layers=feed_forward),
     rule(L + "mixer.in_proj.weight", HL + "mixer.in_proj.weight", _by_group(_in_proj_parts), layers=mamba),
     rule(L + "mixer.conv1d_weight", HL + "mixer.conv1d.weight", _by_group(_conv_parts, conv=True), layers=mamba),
     rule(L + "mixer.conv1d_bias", HL + "mixer.conv1d.bias", _by_group(_conv_parts), layers=mamba),
@@ -137,6 +182,11 @@ RULES = (
     rule(L + "self_attention.dense.weight", HL + "mixer.o_proj.weight", layers=attention),
     rule(L + "mlp.dense_h_to_4h.weight", HL + "mixer.up_proj.weight", layers=mlp),
     rule(L + "mlp.dense_4h_to_h.weight", HL + "mixer.down_proj.weight", layers=mlp),
+    rule(L + "mlp.router.weight", HL + "mixer.gate.weight", layers=moe),
+    rule(L + "mlp.experts.{}.dense_h_to_4h.weight", HL + "mixer.experts.{}.up_proj.weight", layers=moe),
+    rule(L + "mlp.experts.{}.dense_4h_to_h.weight", HL + "mixer.experts.{}.down_proj.weight", layers=moe),
+    rule(L + "mlp.shared_expert.dense_h_to_4h.weight", HL + "mixer.shared_experts.up_proj.weight", layers=moe),
+    rule(L + "mlp.shared_expert.dense_4h_to_h.weight", HL + "mixer.shared_experts.down_proj.weight", layers=moe),
     rule("final_layernorm.weight", "backbone.norm_f.weight"),
     rule(hf_llama.HEAD, hf_llama.HF_HEAD, VOCAB, when=hf_llama.untied),
 )
@@ -167,6 +217,17 @@ KEYS = (
     Key("mamba_hidden_act", export=lambda m: "silu"),
     Key("time_step_min", export=lambda m: 0.0),  # no clamp of the steps, as Megatron-LM's mixer (module doc)
     Key("chunk_size", export=lambda m: 128),
+    Key("n_routed_experts", export=lambda m: m.num_experts or 0),
+    Key("num_experts_per_tok", export=lambda m: m.moe_router_topk if m.num_experts else 1),
+    Key("moe_intermediate_size", export=lambda m: (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.num_experts
+        else 1),
+    Key("moe_shared_expert_intermediate_size", export=lambda m: m.moe_shared_expert_intermediate_size or 1),
+    Key("n_shared_experts", export=lambda m: 1),
+    Key("n_group", export=lambda m: _groups(m)[0]),
+    Key("topk_group", export=lambda m: _groups(m)[1]),
+    Key("routed_scaling_factor", export=lambda m: float(m.moe_router_topk_scaling_factor or 1.0)),
+    Key("norm_topk_prob", export=lambda m: bool(m.num_experts) and m.moe_router_topk > 1),
+    Key("moe_latent_size", export=lambda m: None),
     Key("attention_dropout", "attention_probs_dropout_prob", default=0.0),
     Key("initializer_range", "initializer_range", default=0.02),
     Key("tie_word_embeddings", "untie_embeddings_and_output_weights", to_hf=lambda v: not v,
@@ -193,7 +254,7 @@ def model_flags(config: dict) -> list[str]:
     unknown = sorted(set(kinds) - set(KIND_OF))
     if unknown or not kinds:
         raise ConversionError(f"config.json's layers_block_type holds {unknown or 'nothing'}; the kinds mapped here "
-                              f"are mamba, attention and mlp (Nemotron 3's moe layers not yet).")
+                              f"are mamba, attention, mlp and moe.")
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"), ("conv_kernel", 4),
                       ("use_conv_bias", True), ("attention_bias", False), ("mlp_bias", False), ("use_bias", False),
                       ("mamba_proj_bias", False)):
@@ -219,7 +280,57 @@ def model_flags(config: dict) -> list[str]:
               "kv_channels": head_dim if head_dim * heads != read["hidden_size"] else None, "hidden_dropout_prob": 0.0}
     if "-" in values["hybrid_override_pattern"]:
         values["ffn_hidden_size"] = int(config["intermediate_size"])
+    if "E" in values["hybrid_override_pattern"]:
+        values.update(_moe_values(config))
     return to_flags({k: v for k, v in values.items() if v is not None})
+
+
+def _moe_values(config: dict) -> dict:
+    """Our MoE settings for Nemotron 3's moe layers; ConversionError for a router or expert this GPT lacks."""
+    experts, k = int(config.get("n_routed_experts") or 0), int(config.get("num_experts_per_tok") or 0)
+    n_group, topk_group = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if not experts or not 1 <= k <= experts or experts % n_group or not 1 <= topk_group <= n_group:
+        raise ConversionError(f"config.json's router (n_routed_experts {experts}, num_experts_per_tok {k}, n_group "
+                              f"{n_group}, topk_group {topk_group}) is not one this GPT can run.")
+    if config.get("moe_latent_size") is not None or int(config.get("n_shared_experts") or 1) != 1:
+        raise ConversionError("config.json sets moe_latent_size or n_shared_experts other than 1; this GPT's MoE "
+                              "layers have neither (a latent projection, several shared experts).")
+    if bool(config.get("norm_topk_prob", True)) != (k > 1):
+        raise ConversionError(f"config.json sets norm_topk_prob {config.get('norm_topk_prob')} with "
+                              f"num_experts_per_tok {k}; this GPT's sigmoid router normalises the top k exactly when "
+                              f"k > 1.")
+    if topk_group < n_group and k // topk_group != 2:
+        raise ConversionError(f"config.json's group-limited router scores a group by its top 2 experts; this GPT's "
+                              f"by its top num_experts_per_tok // topk_group ({k} // {topk_group}).")
+    grouped = topk_group < n_group
+    return {"num_experts": experts, "moe_router_topk": k, "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+            "moe_shared_expert_intermediate_size": int(config["moe_shared_expert_intermediate_size"]),
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": n_group if grouped else None, "moe_router_group_topk": topk_group if grouped
+            else None, "moe_router_topk_scaling_factor": float(config.get("routed_scaling_factor") or 1.0)}
+
+
+def _bias(ctx, out: dict, name: str) -> torch.Tensor:
+    """The expert bias of the checkpoint's train state (zeros without our expert bias), fp32."""
+    m, saved = ctx.m, (ctx.train_state or {}).get("moe_expert_bias") or {}
+    bias = saved.get(name.split(".")[2]) if m.moe_router_enable_expert_bias else None
+    return torch.tensor(bias, dtype=torch.float32) if bias is not None else torch.zeros(m.num_experts,
+                                                                                         dtype=torch.float32)
+
+
+BIAS = "mixer.gate.e_score_correction_bias"
+EXTRAS = (Extra(HL + BIAS, _bias, lambda *args: None, moe),)
+
+
+def _train_state(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict:
+    """An import's train state: every MoE layer's ``e_score_correction_bias`` as our expert bias."""
+    hf, biases = strip_hf_prefix(hf), {}
+    for n, _ in moe(m):
+        name = HL.format(n) + BIAS
+        if name not in hf or tuple(hf[name].shape) != (m.num_experts,):
+            raise ConversionError(f"the Hugging Face state dict lacks {name!r} of [{m.num_experts}] values; {_HINT}.")
+        biases[str(n)] = hf[name].to(torch.float32).tolist()
+    return {"consumed_samples": 0, "skipped_steps": 0, **({"moe_expert_bias": biases} if biases else {})}
 
 
 def strip_hf_prefix(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -234,5 +345,5 @@ def tied_head(head: torch.Tensor, hf: dict) -> None:
 
 
 FAMILY = Family("nemotron_h", RULES, KEYS, check_model, strip_hf_prefix, HF_WTE, hf_llama.HF_HEAD, tied_head,
-                hint=_HINT)
+                extras=EXTRAS, hint=_HINT, keeps_fp32=(BIAS,), train_state=_train_state)
 name_map, to_hf_state_dict, from_hf_state_dict = FAMILY.name_map, FAMILY.to_hf_state_dict, FAMILY.from_hf_state_dict
