@@ -99,6 +99,7 @@ ALIASES: dict[str, str] = {
     "--lr-wsd-decay-style": "wsd_decay_style",
     "--num-virtual-stages-per-pipeline-rank": "virtual_pp_degree",
     "--yarn-original-max-position-embeddings": "original_max_position_embeddings",
+    "--hybrid-layer-pattern": "hybrid_override_pattern",  # Megatron-LM's newer name of it
 }
 MEGATRON_DEST = "megatron:"  # argparse dest prefix of the flags of megatron_flags' tables
 

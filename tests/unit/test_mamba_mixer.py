@@ -157,3 +157,9 @@ def test_the_exports_not_written_yet_are_refused():
         converter_for_model(config.model)  # Nemotron 3's router is a sigmoid
     with pytest.raises(ConversionError, match="MambaModel is not written yet"):
         to_args(config.model, tp=1, pp=1, seq_length=16, iteration=1, consumed_train_samples=0)
+
+
+def test_megatron_lm_s_newer_name_of_the_pattern_is_taken():
+    from megatron.config import parse_config
+
+    assert parse_config(["--mock-data", "--hybrid-layer-pattern", "M-M*"]).model.hybrid_override_pattern == "M-M*"
