@@ -89,20 +89,13 @@ class GatedDeltaNet(nn.Module):
         ``in_proj`` by output rows and ``out_proj`` by input columns (both ordered by key head); here the
         convolution's channels, ``dt_bias`` and ``A_log`` keep this rank's heads, and ``out_norm`` (replicated, fed
         this rank's heads) has its gradients summed over the group."""
-        from megatron.tensor_parallel.layers import mark_sequence_parallel, set_tensor_parallel_attributes
+        from megatron.tensor_parallel.layers import mark_sequence_parallel, rank_rows
 
         if self.num_key_heads % size:
             raise ValueError(f"linear_num_key_heads ({self.num_key_heads}) must be divisible by the tensor-parallel "
                              f"size ({size})")
         for name in ("conv1d_weight", "dt_bias", "A_log"):
-            whole = getattr(self, name)
-            with torch.device(whole.device):
-                local = nn.Parameter(torch.empty((whole.shape[0] // size, *whole.shape[1:]), dtype=whole.dtype))
-            if not whole.is_meta:
-                with torch.no_grad():
-                    local.copy_(whole.detach().chunk(size)[rank])
-            set_tensor_parallel_attributes(local, 0, tuple(whole.shape), rank, size)
-            setattr(self, name, local)
+            setattr(self, name, rank_rows(getattr(self, name), rank, size))
         self.num_key_heads, self.num_value_heads = self.num_key_heads // size, self.num_value_heads // size
         mark_sequence_parallel(self.out_norm)
 
@@ -125,18 +118,9 @@ class GatedDeltaNet(nn.Module):
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1).reshape(b, s, nk, 2 * dk + 2 * r * dv + 2 * r)
         qkv, z, beta, a = proj.split([2 * dk + r * dv, r * dv, r, r], dim=-1)
-        width = self.conv1d_weight.shape[1] - 1
-        if kv_cache is not None:  # generation: from the cached rows and state, which then hold this forward's
-            states = kv_cache.states[self.layer_number]
-            docs = kv_cache.slot_documents(max(width, 1))  # this forward's slots and at least one before
-            rows = qkv.reshape(b, s, -1)
-            resets = (docs[:, 1:] != docs[:, :-1])[:, -s:]
-            pieces = [(rows, states["conv"], docs[:, docs.shape[1] - width - s:], resets)]
-            states["conv"] = torch.cat([states["conv"], rows], 1)[:, -width:] if width else states["conv"]
-        else:
-            pieces = _pieces(qkv.reshape(b, s, -1), plan, width)
-        qkv = torch.cat([F.silu(causal_conv(torch.cat([halo, rows], 1), self.conv1d_weight, doc)[:, halo.shape[1]:])
-                         for rows, halo, doc, _ in pieces], dim=1).view(b, s, nk, -1)
+        pieces = sequence_pieces(qkv.reshape(b, s, -1), plan, self.conv1d_weight.shape[1] - 1, kv_cache,
+                                 self.layer_number)
+        qkv = convolved(pieces, self.conv1d_weight).view(b, s, nk, -1)
         q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
         q, k = (t.float() * torch.rsqrt(t.float().square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         q = q * dk ** -0.5
@@ -154,11 +138,25 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(b, s, nv * dv).transpose(0, 1))
 
 
-def _pieces(qkv: torch.Tensor, plan, width: int) -> list[tuple]:
+def convolved(pieces: list[tuple], weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal convolution (plus ``bias``) and SiLU of the pieces' rows, each after its halo, concatenated."""
+    out = [causal_conv(torch.cat([halo, rows], 1), weight, doc)[:, halo.shape[1]:] for rows, halo, doc, _ in pieces]
+    return torch.cat([F.silu(o if bias is None else o + bias) for o in out], dim=1)
+
+
+def sequence_pieces(qkv: torch.Tensor, plan, width: int, kv_cache=None, layer: int = 0) -> list[tuple]:
     """(rows, the ``width`` rows before them, the document ids of both or None, resets or None) of each piece of
     the sequence this rank holds: the whole of it, or under context parallelism its two chunks (their halos from
-    the ranks holding the chunks before them)."""
+    the ranks holding the chunks before them). In generation (``kv_cache``): this forward's rows after the rows
+    ``layer`` cached, which then become its last ``width`` rows; padding slots are another document."""
     b, s, _ = qkv.shape
+    if kv_cache is not None:
+        states = kv_cache.states[layer]
+        docs = kv_cache.slot_documents(max(width, 1))  # this forward's slots and at least one before
+        resets = (docs[:, 1:] != docs[:, :-1])[:, -s:]
+        pieces = [(qkv, states["conv"], docs[:, docs.shape[1] - width - s:], resets)]
+        states["conv"] = torch.cat([states["conv"], qkv], 1)[:, -width:] if width else states["conv"]
+        return pieces
     docs = None if plan is None or plan.document_ids is None else plan.document_ids  # over the whole sequence
     if plan is None or plan.cp_size == 1:
         resets = None if docs is None else F.pad(docs[:, 1:] != docs[:, :-1], (1, 0))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.hybrid import ssd
-from megatron.hybrid.gated_deltanet import _pieces, causal_conv
+from megatron.hybrid.gated_deltanet import convolved, sequence_pieces
 
 CHUNK = 128  # the chunked scan's chunk (the reference kernels')
 D_CONV = 4  # Megatron Core's and Nemotron-H's convolution kernel
@@ -67,20 +67,13 @@ class Mamba2Mixer(nn.Module):
         """This tensor-parallel rank's groups (with their heads): ``tensor_parallel.parallelize`` splits ``in_proj``
         by output rows and ``out_proj`` by input columns (both ordered by group); here the convolution's channels and
         bias, ``dt_bias``, ``A_log``, ``D`` and the gated norm's weight keep this rank's groups."""
-        from megatron.tensor_parallel.layers import set_tensor_parallel_attributes
+        from megatron.tensor_parallel.layers import rank_rows
 
         if self.num_groups % size or self.num_heads % size:
             raise ValueError(f"mamba_num_groups ({self.num_groups}) and the heads ({self.num_heads}) must be "
                              f"divisible by the tensor-parallel size ({size})")
         for name in ("conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D", "norm_weight"):
-            whole = getattr(self, name)
-            with torch.device(whole.device):
-                local = nn.Parameter(torch.empty((whole.shape[0] // size, *whole.shape[1:]), dtype=whole.dtype))
-            if not whole.is_meta:
-                with torch.no_grad():
-                    local.copy_(whole.detach().chunk(size)[rank])
-            set_tensor_parallel_attributes(local, 0, tuple(whole.shape), rank, size)
-            setattr(self, name, local)
+            setattr(self, name, rank_rows(getattr(self, name), rank, size))
         self.num_heads, self.num_groups = self.num_heads // size, self.num_groups // size
 
     def extra_repr(self) -> str:
@@ -101,16 +94,10 @@ class Mamba2Mixer(nn.Module):
         s, b, _ = proj.shape
         proj = proj.transpose(0, 1).reshape(b, s, groups, 2 * per * width + 2 * state + per)
         z, xbc, dt = proj.split([per * width, per * width + 2 * state, per], dim=-1)
-        rows = xbc.reshape(b, s, -1)
-        if kv_cache is not None:  # generation: from the cached rows and state, which then hold this forward's
-            cached = kv_cache.states[self.layer_number]
-            docs = kv_cache.slot_documents(D_CONV - 1)
-            pieces = [(rows, cached["conv"], docs, (docs[:, 1:] != docs[:, :-1])[:, -s:])]
-            cached["conv"] = torch.cat([cached["conv"], rows], 1)[:, 1 - D_CONV:]
-        else:
-            pieces = _pieces(rows, plan, D_CONV - 1)
-        xbc = torch.cat([F.silu(causal_conv(torch.cat([halo, piece], 1), self.conv1d_weight, doc)[:, halo.shape[1]:]
-                                + self.conv1d_bias) for piece, halo, doc, _ in pieces], dim=1).view(b, s, groups, -1)
+        # generation: after the cached rows, which then hold this forward's (the scan's state below)
+        pieces = sequence_pieces(xbc.reshape(b, s, -1), plan, D_CONV - 1, kv_cache, self.layer_number)
+        xbc = convolved(pieces, self.conv1d_weight, self.conv1d_bias).view(b, s, groups, -1)
+        cached = kv_cache.states[self.layer_number] if kv_cache is not None else None
         inputs, B, C = xbc.split([per * width, state, state], dim=-1)
         dt = F.softplus(dt.reshape(b, s, heads).float() + self.dt_bias.float())
         args = (inputs.reshape(b, s, heads, width), dt, -self.A_log.float().exp(), B, C, self.D)

@@ -73,6 +73,19 @@ def set_tensor_parallel_attributes(param: nn.Parameter, partition_dim: int, full
     param.partition_size = size
 
 
+def rank_rows(whole: nn.Parameter, rank: int, size: int) -> nn.Parameter:
+    """A parameter of ``whole``'s rows (dim 0) that tensor-parallel rank ``rank`` of ``size`` holds: built where
+    ``whole`` is (its values copied unless it is on the meta device), with the attributes the initialiser and
+    checkpoints read (a layer's per-head parameters cut with its heads)."""
+    with torch.device(whole.device):
+        local = nn.Parameter(torch.empty((whole.shape[0] // size, *whole.shape[1:]), dtype=whole.dtype))
+    if not whole.is_meta:
+        with torch.no_grad():
+            local.copy_(whole.detach().chunk(size)[rank])
+    set_tensor_parallel_attributes(local, 0, tuple(whole.shape), rank, size)
+    return local
+
+
 def set_replicated_attributes(param: nn.Parameter) -> None:
     param.tensor_model_parallel = False
     param.partition_dim = -1

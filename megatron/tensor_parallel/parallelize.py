@@ -27,7 +27,7 @@ from megatron.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
-    set_tensor_parallel_attributes,
+    rank_rows,
     shard_full_tensor,
 )
 from megatron.tensor_parallel.mappings import (
@@ -147,15 +147,8 @@ def _cut_heads(module: nn.Module, size: int, rank: int) -> None:
     if not hasattr(module, "num_kv_heads"):
         return  # multi-latent attention
     module.num_kv_heads = groups // size
-    offset = getattr(module, "softmax_offset", None)
-    if offset is not None:
-        with torch.device(offset.device):
-            local = nn.Parameter(torch.empty(heads // size, dtype=offset.dtype))
-        if not offset.is_meta:
-            with torch.no_grad():
-                local.copy_(offset.detach().chunk(size)[rank])
-        set_tensor_parallel_attributes(local, 0, (heads,), rank, size)
-        module.softmax_offset = local
+    if getattr(module, "softmax_offset", None) is not None:
+        module.softmax_offset = rank_rows(module.softmax_offset, rank, size)
     for norm in (module.q_layernorm, module.k_layernorm):
         if norm is not None:
             mark_sequence_parallel(norm)

@@ -19,7 +19,15 @@ from megatron.checkpoint.hf.models import converter_for_hf, converter_for_model
 from megatron.config import parse_config
 from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
 from megatron.parallelize_gpt import build_model
-from tests.functional.test_hf_llama import VOCAB, convert, make_config, one_line_error, our_logits, tokens
+from tests.functional.test_hf_llama import (
+    VOCAB,
+    convert,
+    make_config,
+    one_line_error,
+    our_logits,
+    tokens,
+    write_perturbed_checkpoint,
+)
 from tests.unit.test_checkpoint_tools import write_params
 
 transformers = pytest.importorskip("transformers")
@@ -129,14 +137,7 @@ def test_our_engine_generates_transformers_greedy_tokens_past_the_window(importe
 
 def _our_model(tmp_path, *flags: str):
     config = make_config(*OURS, *flags)
-    generator = torch.Generator().manual_seed(0)
-    params = {}
-    for name, p in build_model(config).named_parameters():  # every weight perturbed: sinks, biases, norms matter
-        t = p.detach() + torch.randn(p.shape, generator=generator) * 0.1
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t[VOCAB:] = 0.0
-        params[name] = t
-    write_params(str(tmp_path / "ckpt"), config, params)
+    write_perturbed_checkpoint(config, tmp_path / "ckpt")
     return config
 
 

@@ -81,6 +81,21 @@ def tokens(batch: int = 3, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
+def write_perturbed_checkpoint(config: Config, folder) -> None:
+    """A checkpoint at ``folder`` of our model built from ``config``, every weight perturbed by N(0, 0.1) (norms,
+    biases and gates then matter), the padding rows of the vocabulary zero."""
+    from tests.unit.test_checkpoint_tools import write_params
+
+    generator = torch.Generator().manual_seed(0)
+    params = {}
+    for name, p in build_model(config).named_parameters():
+        t = p.detach() + torch.randn(p.shape, generator=generator) * 0.1
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t[VOCAB:] = 0.0
+        params[name] = t
+    write_params(str(folder), config, params)
+
+
 def our_logits(config: Config, ckpt, ids: torch.Tensor) -> torch.Tensor:
     """Our model built from ``config``, its weights those of the checkpoint at ``ckpt``: logits [b, s, Vp]."""
     parallel_state.initialize()

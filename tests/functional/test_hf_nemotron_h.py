@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from megatron.checkpoint.convert import open_checkpoint
-from megatron.parallelize_gpt import build_model
 from tests.functional.test_hf_deepseek import load_ours
-from tests.functional.test_hf_llama import VOCAB, convert, make_config, our_logits, tokens
-from tests.unit.test_checkpoint_tools import write_params
+from tests.functional.test_hf_llama import VOCAB, convert, make_config, our_logits, tokens, write_perturbed_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,14 +85,7 @@ def test_an_export_of_our_hybrid_gives_transformers_our_logits(tmp_path):
                          "--hidden-dropout", "0", "--attention-dropout", "0", "--is-hybrid-model",
                          "--hybrid-override-pattern", "M-M*-M", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
                          "--mamba-state-dim", "8")
-    generator = torch.Generator().manual_seed(0)
-    params = {}
-    for name, p in build_model(config).named_parameters():
-        t = p.detach() + torch.randn(p.shape, generator=generator) * 0.1
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t[VOCAB:] = 0.0
-        params[name] = t
-    write_params(str(tmp_path / "ckpt"), config, params)
+    write_perturbed_checkpoint(config, tmp_path / "ckpt")
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["NemotronHForCausalLM"] and cfg["layers_block_type"] == PATTERN

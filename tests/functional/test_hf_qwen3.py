@@ -12,7 +12,16 @@ import torch
 
 from megatron.checkpoint.convert import open_checkpoint
 from megatron.parallelize_gpt import build_model
-from tests.functional.test_hf_llama import LLAMA, VOCAB, convert, make_config, one_line_error, our_logits, tokens
+from tests.functional.test_hf_llama import (
+    LLAMA,
+    VOCAB,
+    convert,
+    make_config,
+    one_line_error,
+    our_logits,
+    tokens,
+    write_perturbed_checkpoint,
+)
 from tests.unit.test_checkpoint_tools import write_params
 
 transformers = pytest.importorskip("transformers")
@@ -79,14 +88,7 @@ def test_an_import_gives_transformers_logits_and_exports_back_bitwise(tmp_path, 
 ], ids=["dense", "moe"])
 def test_an_export_of_our_model_gives_transformers_our_logits(tmp_path, experts, architecture):
     config = make_config(*QWEN3, "--untie-embeddings-and-output-weights", *experts)
-    generator = torch.Generator().manual_seed(0)
-    params = {}
-    for name, p in build_model(config).named_parameters():  # every weight perturbed: the QK norms matter
-        t = p.detach() + torch.randn(p.shape, generator=generator) * 0.1
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t[VOCAB:] = 0.0
-        params[name] = t
-    write_params(str(tmp_path / "ckpt"), config, params)
+    write_perturbed_checkpoint(config, tmp_path / "ckpt")
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == [architecture] and cfg["head_dim"] == 24 and not cfg["use_sliding_window"]

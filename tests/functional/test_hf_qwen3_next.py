@@ -12,7 +12,15 @@ import torch
 
 from megatron.checkpoint.convert import open_checkpoint
 from megatron.parallelize_gpt import build_model
-from tests.functional.test_hf_llama import VOCAB, convert, make_config, one_line_error, our_logits, tokens
+from tests.functional.test_hf_llama import (
+    VOCAB,
+    convert,
+    make_config,
+    one_line_error,
+    our_logits,
+    tokens,
+    write_perturbed_checkpoint,
+)
 from tests.unit.test_checkpoint_tools import write_params
 
 transformers = pytest.importorskip("transformers")
@@ -93,14 +101,7 @@ MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
 def test_an_export_of_our_model_gives_transformers_our_logits(tmp_path, experts):
     """The MoE model here has no shared-expert gate: exported as a zero gate and a doubled down projection."""
     config = make_config(*QWEN3_NEXT, *experts)
-    generator = torch.Generator().manual_seed(0)
-    params = {}
-    for name, p in build_model(config).named_parameters():  # every weight perturbed
-        t = p.detach() + torch.randn(p.shape, generator=generator) * 0.1
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            t[VOCAB:] = 0.0
-        params[name] = t
-    write_params(str(tmp_path / "ckpt"), config, params)
+    write_perturbed_checkpoint(config, tmp_path / "ckpt")
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3NextForCausalLM"]

@@ -156,7 +156,6 @@ def test_megatron_lm_export_is_refused_until_its_conversion_is_written():
 def test_a_tiny_qwen3_next_trains_and_generates_as_a_full_recompute(tmp_path):
     """Megatron-LM's flags, 12 steps on packed mock documents: the loss falls. The checkpoint generates greedily with
     the state cache (two prompts, left-padded) the tokens a full recompute of every prefix chooses."""
-    from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
     from tests.functional.launch import run_here
 
     run = run_here("--mock-data", "--device", "cpu", "--num-layers", "4", "--hidden-size", "32",
@@ -171,18 +170,7 @@ def test_a_tiny_qwen3_next_trains_and_generates_as_a_full_recompute(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     losses = [float(v) for v in re.findall(r" - global step \d+, .*?loss: ([\d.]+)", run.stderr)]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
-    initialize()
-    model, config = load_model(str(tmp_path / "run"))
-    prompts = [[3, 50, 7, 90, 11, 4], [60, 2, 33]]
-    completions = InferenceEngine(model, config, None).generate(
-        [Request(p, SamplingParams(max_tokens=8, temperature=0)) for p in prompts])
-    for prompt, completion in zip(prompts, completions):
-        sequence = list(prompt)
-        with torch.no_grad():
-            for _ in range(8):  # the whole prefix again, no cache
-                logits = model.parallel_logits(model.hidden_states(torch.tensor([sequence]), None, None)[-1])
-                sequence.append(int(logits[0, :config.model.vocab_size].argmax()))
-        assert completion.tokens == sequence[len(prompt):]
+    assert_generates_as_a_full_recompute(tmp_path / "run")
 
 
 def test_the_estimates_count_the_linear_attention_layers():
@@ -202,3 +190,22 @@ def test_the_estimates_count_the_linear_attention_layers():
     attention = 2 * h * 3 * H + 2 * H * h + 2 * 2 * s * H  # QKV (no GQA), out, the scores and values
     gdn = 2 * (h * (2 * NK * DK + 2 * NV * DV + 2 * NV) + K * (2 * NK * DK + NV * DV) + 4 * NV * DK * DV + h * NV * DV)
     assert linear - full == 3 * 3 * (gdn - attention)  # 3 linear layers; forward and backward: x 3
+
+
+def assert_generates_as_a_full_recompute(run_dir) -> None:
+    """The checkpoint at ``run_dir`` generates greedily with the state cache (two prompts, left-padded) the tokens a
+    full recompute of every prefix chooses."""
+    from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
+
+    initialize()
+    model, config = load_model(str(run_dir))
+    prompts = [[3, 50, 7, 90, 11, 4], [60, 2, 33]]
+    completions = InferenceEngine(model, config, None).generate(
+        [Request(p, SamplingParams(max_tokens=8, temperature=0)) for p in prompts])
+    for prompt, completion in zip(prompts, completions):
+        sequence = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):  # the whole prefix again, no cache
+                logits = model.parallel_logits(model.hidden_states(torch.tensor([sequence]), None, None)[-1])
+                sequence.append(int(logits[0, :config.model.vocab_size].argmax()))
+        assert completion.tokens == sequence[len(prompt):]

@@ -86,10 +86,10 @@ def test_a_tiny_hybrid_trains_and_generates_as_a_full_recompute(tmp_path):
     import re
 
     from megatron.config import parse_config, validate
-    from megatron.inference import InferenceEngine, Request, SamplingParams, initialize, load_model
     from megatron.memory.model_states import parameter_split
     from megatron.parallelize_gpt import build_model
     from tests.functional.launch import run_here
+    from tests.unit.test_gated_deltanet import assert_generates_as_a_full_recompute
 
     flags = ["--mock-data", "--device", "cpu", "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4",
              "--vocab-size", "128", "--seq-length", "32", "--max-position-embeddings", "32", "--normalization",
@@ -108,18 +108,7 @@ def test_a_tiny_hybrid_trains_and_generates_as_a_full_recompute(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     losses = [float(v) for v in re.findall(r" - global step \d+, .*?loss: ([\d.]+)", run.stderr)]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.2  # measured: 4.87 -> 4.57
-    initialize()
-    model, config = load_model(str(tmp_path / "run"))
-    prompts = [[3, 50, 7, 90, 11, 4], [60, 2, 33]]
-    completions = InferenceEngine(model, config, None).generate(
-        [Request(p, SamplingParams(max_tokens=8, temperature=0)) for p in prompts])
-    for prompt, completion in zip(prompts, completions):
-        sequence = list(prompt)
-        with torch.no_grad():
-            for _ in range(8):  # the whole prefix again, no cache
-                logits = model.parallel_logits(model.hidden_states(torch.tensor([sequence]), None, None)[-1])
-                sequence.append(int(logits[0, :config.model.vocab_size].argmax()))
-        assert completion.tokens == sequence[len(prompt):]
+    assert_generates_as_a_full_recompute(tmp_path / "run")
 
 
 HYBRID = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size",
